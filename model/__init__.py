@@ -1,0 +1,23 @@
+"""attnlens' transformer: config, model, tokenizer, checkpoints, decoding."""
+
+from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from .config import ConfigError, ModelConfig
+from .generate import GeneratedToken, SamplingParams, generate_tokens
+from .tokenizer import Tokenizer
+from .transformer import ContextLengthError, KVCache, Transformer
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "ConfigError",
+    "ContextLengthError",
+    "GeneratedToken",
+    "KVCache",
+    "ModelConfig",
+    "SamplingParams",
+    "Tokenizer",
+    "Transformer",
+    "generate_tokens",
+    "load_checkpoint",
+    "save_checkpoint",
+]

@@ -1,0 +1,159 @@
+"""Checkpoint directories: config.json, model.safetensors, tokenizer.json[, train_report.json].
+
+Loading never unpickles anything. Every problem is reported as a CheckpointError that
+names the file and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ConfigError, ModelConfig
+from .tokenizer import Tokenizer
+from .transformer import Transformer
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+REPORT_FILE = "train_report.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that cannot be loaded; the message names the file."""
+
+
+@dataclass
+class Checkpoint:
+    model: Transformer
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path | None = None
+    report: dict[str, Any] | None = field(default=None)
+
+
+def model_state(model: Transformer, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The tensors to store: parameters and persistent buffers, a tied head only once."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_embeddings:
+            continue
+        t = tensor.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        state[name] = t.contiguous().cpu()
+    return state
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    *,
+    report: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write a checkpoint directory. `dtype` (e.g. torch.float16) shrinks the weights file."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save(out / CONFIG_FILE)
+    tmp = out / (WEIGHTS_FILE + ".tmp")
+    save_file(model_state(model, dtype), str(tmp), metadata={"format": "pt", "producer": "attnlens"})
+    tmp.replace(out / WEIGHTS_FILE)  # never leave a half-written weights file behind
+    tokenizer.save(out / TOKENIZER_FILE)
+    if report is not None:
+        (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def _require(path: Path) -> Path:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file is missing")
+    return path
+
+
+def load_config(ckpt_dir: str | Path) -> ModelConfig:
+    path = _require(Path(ckpt_dir) / CONFIG_FILE)
+    try:
+        return ModelConfig.from_json(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{path}: invalid model config ({e})") from e
+
+
+def load_tokenizer(ckpt_dir: str | Path) -> Tokenizer:
+    path = _require(Path(ckpt_dir) / TOKENIZER_FILE)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises plain Exceptions
+        raise CheckpointError(f"{path}: cannot be read as a tokenizer ({e})") from e
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    _require(path)
+    try:
+        tensors = {}
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+        return tensors
+    except Exception as e:  # safetensors raises SafetensorError / OSError on bad files
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from e
+
+
+def load_weights(model: Transformer, path: Path) -> None:
+    tensors = read_tensors(path)
+    expected = model_state(model)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:8])}")
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensor(s) {', '.join(unexpected[:8])}")
+    for name, want in expected.items():
+        got = tensors[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"{path}: tensor {name} has shape {list(got.shape)} but config.json implies "
+                f"{list(want.shape)}"
+            )
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()}, strict=False)
+
+
+def load_report(ckpt_dir: str | Path) -> dict[str, Any] | None:
+    path = Path(ckpt_dir) / REPORT_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
+def load_checkpoint(
+    ckpt_dir: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Checkpoint:
+    ckpt = Path(ckpt_dir)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"{ckpt}: checkpoint directory does not exist")
+    config = load_config(ckpt)
+    tokenizer = load_tokenizer(ckpt)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"{ckpt / TOKENIZER_FILE}: tokenizer has {tokenizer.vocab_size} tokens but "
+            f"config.json says vocab_size={config.vocab_size}"
+        )
+    model = Transformer(config)
+    load_weights(model, ckpt / WEIGHTS_FILE)
+    model.to(device=device, dtype=dtype).eval()
+    return Checkpoint(model=model, tokenizer=tokenizer, config=config, path=ckpt, report=load_report(ckpt))

@@ -1,0 +1,157 @@
+"""Byte-level BPE (as GPT-2) through the `tokenizers` library, stored as tokenizer.json.
+
+Besides encode/decode it gives each token's *display text*: the characters a person
+should see on a heatmap axis. Byte-level BPE can split one multi-byte character across
+tokens; such a fragment is shown as its bytes, e.g. ``<0xE4><0xBD>``, never as mojibake.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+@functools.lru_cache(maxsize=1)
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable characters."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+@functools.lru_cache(maxsize=1)
+def unicode_to_byte() -> dict[str, int]:
+    return {c: b for b, c in byte_to_unicode().items()}
+
+
+def bytes_for_display(data: bytes) -> str:
+    """UTF-8 text of `data`; bytes that are not (complete) UTF-8 become ``<0xNN>``."""
+    out = []
+    i = 0
+    while i < len(data):
+        # Try the longest valid UTF-8 sequence starting here (1..4 bytes).
+        for width in (1, 2, 3, 4):
+            chunk = data[i : i + width]
+            try:
+                out.append(chunk.decode("utf-8"))
+                i += width
+                break
+            except UnicodeDecodeError:
+                continue
+        else:
+            out.append(f"<0x{data[i]:02X}>")
+            i += 1
+    return "".join(out)
+
+
+class Tokenizer:
+    """A thin wrapper around a `tokenizers.Tokenizer` with byte-level BPE."""
+
+    def __init__(self, backend: HFTokenizer):
+        self.backend = backend
+        self._token_bytes: dict[int, bytes] = {}
+        self.eos_id = backend.token_to_id(EOS_TOKEN)
+
+    # --- construction ------------------------------------------------------
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, *, show_progress: bool = False) -> "Tokenizer":
+        backend = HFTokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=2,
+            special_tokens=[EOS_TOKEN],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=show_progress,
+        )
+        backend.train_from_iterator(texts, trainer=trainer)
+        return cls(backend)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Tokenizer":
+        return cls(HFTokenizer.from_file(str(path)))
+
+    @classmethod
+    def from_str(cls, text: str) -> "Tokenizer":
+        return cls(HFTokenizer.from_str(text))
+
+    @classmethod
+    def from_vocab_merges(cls, vocab_path: str | Path, merges_path: str | Path) -> "Tokenizer":
+        """GPT-2's original vocab.json + merges.txt."""
+        backend = HFTokenizer(models.BPE.from_file(str(vocab_path), str(merges_path)))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        if backend.token_to_id(EOS_TOKEN) is not None:
+            backend.add_special_tokens([EOS_TOKEN])
+        return cls(backend)
+
+    def save(self, path: str | Path) -> None:
+        self.backend.save(str(path))
+
+    def to_str(self) -> str:
+        return self.backend.to_str()
+
+    # --- use ---------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Exact text for ids; a trailing partial character decodes as U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for."""
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            token = self.backend.id_to_token(int(token_id))
+            if token is None:
+                raise KeyError(f"token id {token_id} is not in the vocabulary")
+            if token == EOS_TOKEN or token in self._special_tokens():
+                cached = token.encode("utf-8")
+            else:
+                table = unicode_to_byte()
+                cached = bytes(table[c] for c in token)
+            self._token_bytes[token_id] = cached
+        return cached
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return b"".join(self.token_bytes(i) for i in ids)
+
+    def display_text(self, token_id: int) -> str:
+        """What a person should see for this token on its own (spaces and newlines kept)."""
+        return bytes_for_display(self.token_bytes(token_id))
+
+    def display_texts(self, ids: Iterable[int]) -> list[str]:
+        return [self.display_text(i) for i in ids]
+
+    @functools.cached_property
+    def _special_set(self) -> frozenset[str]:
+        added = self.backend.get_added_tokens_decoder() if hasattr(self.backend, "get_added_tokens_decoder") else {}
+        return frozenset(t.content for t in added.values() if getattr(t, "special", False))
+
+    def _special_tokens(self) -> frozenset[str]:
+        return self._special_set
