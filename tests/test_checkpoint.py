@@ -1,0 +1,212 @@
+"""Checkpoint directories: exact round trips, and a clear error naming the file for each way one breaks."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from model.config import ModelConfig
+from model.tokenizer import Tokenizer
+from model.transformer import Transformer
+
+
+@pytest.fixture()
+def ckpt(tiny_checkpoint, tmp_path) -> Path:
+    """A private copy of the tiny checkpoint that a test may damage."""
+    return Path(shutil.copytree(tiny_checkpoint, tmp_path / "ckpt"))
+
+
+def random_model(tok: Tokenizer, seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=tok.vocab_size + 3, context_length=32, d_model=16, n_layers=2, n_heads=2,
+                      d_ff=24, **overrides)  # fmt: skip
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # every tensor non-trivial, LayerNorms included
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.train(["hello world, héllo wörld 東京\n"] * 10, vocab_size=280)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"norm": "post", "activation": "relu", "positional": "sinusoidal", "tie_embeddings": False, "bias": False}],
+)
+def test_round_trip_is_exact(tmp_path, tok, overrides):
+    model = random_model(tok, **overrides)
+    report = {"steps": 12, "final_val_loss": 3.5}
+    save_checkpoint(tmp_path / "c", model, tok, report=report)
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "train_report.json"
+    ]  # fmt: skip
+    loaded = load_checkpoint(tmp_path / "c")
+    assert loaded.config == model.config
+    assert loaded.report == report
+    assert loaded.path == tmp_path / "c"
+    assert not loaded.model.training
+    want, got = model.state_dict(), loaded.model.state_dict()
+    assert want.keys() == got.keys()
+    for name in want:
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], want[name]), name
+    assert (loaded.model.lm_head.weight is loaded.model.tok_emb.weight) == model.config.tie_embeddings
+    assert loaded.tokenizer.to_str() == tok.to_str()
+    ids = torch.tensor([tok.encode("hello 東京")])
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids), model(ids))
+
+
+def test_tied_head_is_stored_once(tmp_path, tok):
+    save_checkpoint(tmp_path / "c", random_model(tok), tok)
+    with safe_open(str(tmp_path / "c" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "tok_emb.weight" in names and "lm_head.weight" not in names
+
+
+def test_fp16_save_halves_the_file_and_loads_as_rounded_fp32(tmp_path, tok):
+    model = random_model(tok, seed=1)
+    save_checkpoint(tmp_path / "full", model, tok)
+    save_checkpoint(tmp_path / "half", model, tok, dtype=torch.float16)
+    with safe_open(str(tmp_path / "half" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+    full_size = (tmp_path / "full" / "model.safetensors").stat().st_size
+    half_size = (tmp_path / "half" / "model.safetensors").stat().st_size
+    assert half_size < 0.55 * full_size
+    loaded = load_checkpoint(tmp_path / "half")
+    for name, t in model.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], t.half().float()), name
+    half_model = load_checkpoint(tmp_path / "half", dtype=torch.float16).model
+    assert half_model.tok_emb.weight.dtype == torch.float16
+
+
+def test_the_session_fixture_loads(tiny_checkpoint):
+    ck = load_checkpoint(tiny_checkpoint)
+    assert ck.config.is_gpt2_shaped() == []
+    assert ck.report is None
+    assert ck.tokenizer.vocab_size <= ck.config.vocab_size
+
+
+# --- corrupt checkpoints ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_missing_file(ckpt, name):
+    (ckpt / name).unlink()
+    with pytest.raises(CheckpointError, match=rf"{name}: file is missing"):
+        load_checkpoint(ckpt)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="nope: checkpoint directory does not exist"):
+        load_checkpoint(tmp_path / "nope")
+
+
+def test_truncated_safetensors(ckpt):
+    path = ckpt / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: corrupt or truncated"):
+        load_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("where", ["header", "everything"])
+def test_garbage_bytes_in_safetensors(ckpt, where):
+    path = ckpt / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    if where == "header":
+        data[8:40] = b"\x00\xff garbage garbage garbage \xfe\x01"[:32].ljust(32, b"!")
+    else:
+        data = bytearray(random.Random(0).randbytes(len(data)))
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: corrupt or truncated"):
+        load_checkpoint(ckpt)
+
+
+def test_empty_safetensors(ckpt):
+    (ckpt / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        load_checkpoint(ckpt)
+
+
+def test_tensor_shape_disagreeing_with_config(ckpt):
+    data = json.loads((ckpt / "config.json").read_text())
+    data["d_ff"] = 48  # the weights were saved with d_ff=64
+    (ckpt / "config.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor blocks\.0\.ffn\.fc\.weight has shape "
+                                              r"\[64, 32\] but config\.json implies \[48, 32\]"):  # fmt: skip
+        load_checkpoint(ckpt)
+
+
+def test_config_with_more_layers_than_the_weights(ckpt):
+    data = json.loads((ckpt / "config.json").read_text())
+    data["n_layers"] = 3
+    (ckpt / "config.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: missing tensor\(s\) blocks\.2\."):
+        load_checkpoint(ckpt)
+
+
+def test_config_with_fewer_layers_than_the_weights(ckpt):
+    data = json.loads((ckpt / "config.json").read_text())
+    data["n_layers"] = 1
+    (ckpt / "config.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: unexpected tensor\(s\) blocks\.1\."):
+        load_checkpoint(ckpt)
+
+
+def test_invalid_config_json(ckpt):
+    (ckpt / "config.json").write_text('{"vocab_size": 300, "d_model": ')
+    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
+        load_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"n_heads": 5}, "divisible by n_heads"),
+        ({"norm": "sandwich"}, "norm must be one of"),
+        ({"mystery": 1}, "unknown config field"),
+    ],
+)
+def test_invalid_config_values(ckpt, change, message):
+    data = json.loads((ckpt / "config.json").read_text())
+    data.update(change)
+    (ckpt / "config.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=rf"config\.json: invalid model config .*{message}"):
+        load_checkpoint(ckpt)
+
+
+def test_config_that_is_not_an_object(ckpt):
+    (ckpt / "config.json").write_text("[1, 2, 3]")
+    with pytest.raises(CheckpointError, match=r"config\.json"):
+        load_checkpoint(ckpt)
+
+
+def test_garbage_tokenizer(ckpt):
+    (ckpt / "tokenizer.json").write_text("not a tokenizer")
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: cannot be read as a tokenizer"):
+        load_checkpoint(ckpt)
+
+
+def test_tokenizer_larger_than_the_vocab(ckpt):
+    data = json.loads((ckpt / "config.json").read_text())
+    data["vocab_size"] = 10
+    (ckpt / "config.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: tokenizer has \d+ tokens but config\.json says vocab_size=10"):
+        load_checkpoint(ckpt)
+
+
+def test_invalid_report_json(ckpt):
+    (ckpt / "train_report.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match=r"train_report\.json: not valid JSON"):
+        load_checkpoint(ckpt)
