@@ -1,0 +1,103 @@
+"""The FastAPI application: `create_app(settings)` builds it; `app` is the default one.
+
+Start-up (lifespan): load the checkpoint named by ATTNLENS_MODEL onto ATTNLENS_DEVICE in
+ATTNLENS_DTYPE, start the engine, warm it up (a short generation and an attention pass
+through the same path requests take), then report ready on /readyz.
+
+If the checkpoint cannot be loaded, start-up fails: the log says which directory and
+why ("cannot load the model from ...: ..."), and `attnlens serve` exits with status 3
+without ever accepting connections. Importing this module never touches the checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.staticfiles import StaticFiles
+from starlette.middleware.gzip import GZipMiddleware
+
+from model import SamplingParams
+
+from .attention_codec import attention_maps
+from .body_limit import BodyLimitMiddleware
+from .engine import Engine, GenerationJob
+from .errors import install_error_handlers, scope_error_response
+from .loader import load_for_serving
+from .metrics import Metrics, MetricsMiddleware
+from .routers import attention, generate, openai, ops, ui
+from .settings import Settings
+from .state import AppState
+
+log = logging.getLogger("attnlens.app")
+
+
+async def warm_up(engine: Engine) -> None:
+    """One short generation and one attention pass, through the engine like any request."""
+    ids = engine.tokenizer.encode("The") or [0]
+    job = GenerationJob(prompt_ids=ids, max_new_tokens=2, sampling=SamplingParams(temperature=0.0),
+                        n_logprobs=1, return_attention=True)
+    async for event in engine.submit(job).events():
+        if event.kind == "error":
+            raise RuntimeError(f"warm-up generation failed: {event.data['message']}")
+    await engine.call(lambda model: attention_maps(model, ids, [0], [0]))
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    state: AppState = app.state.attnlens
+    s = state.settings
+    state.status = "loading"
+    try:
+        ckpt = await asyncio.to_thread(load_for_serving, s.model, s.device, s.dtype)
+    except Exception as e:
+        state.status = "failed"
+        log.error("cannot load the model from %s: %s", s.model, e)
+        raise RuntimeError(f"cannot load the model from {s.model}: {e}") from None
+    engine = Engine(ckpt, max_concurrent=s.max_concurrent, max_queue=s.max_queue)
+    state.checkpoint, state.engine = ckpt, engine
+    state.metrics.bind_engine(engine)
+    try:
+        if s.warmup:
+            state.status = "warming up"
+            await warm_up(engine)
+        state.ready, state.status = True, "ready"
+        cfg = ckpt.config
+        log.info("ready: %s (%d layers x %d heads, context %d, %s params) on %s as %s",
+                 state.model_name, cfg.n_layers, cfg.n_heads, cfg.context_length,
+                 f"{ckpt.model.num_parameters():,}", engine.device, str(engine.dtype).removeprefix("torch."))
+        yield
+    finally:
+        state.ready, state.status = False, "stopped"
+        await asyncio.to_thread(engine.close)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    app = FastAPI(
+        title="attnlens",
+        summary="A small transformer trained from scratch: generate text and look at its attention heads.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.attnlens = AppState(settings=settings, metrics=Metrics())
+    install_error_handlers(app)
+    for module in (generate, attention, openai, ops, ui):
+        app.include_router(module.router)
+    if settings.static_dir.is_dir():
+        app.mount("/static", StaticFiles(directory=settings.static_dir), name="static")
+
+    # added innermost first: metrics sees everything, CORS headers go on every answer
+    app.add_middleware(GZipMiddleware, minimum_size=1024)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_response=scope_error_response)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["Retry-After"])
+    app.add_middleware(MetricsMiddleware, metrics=app.state.attnlens.metrics)
+    return app
+
+
+app = create_app()

@@ -1,0 +1,59 @@
+"""POST /attention: every attention map of a text, as JSON or packed f16 / u8."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+
+from ..attention_codec import attention_maps, encode
+from ..deps import get_engine, get_state
+from ..engine import Engine
+from ..errors import ApiError, field_error
+from ..schemas import AttentionRequest, AttentionResponse
+from ..state import AppState
+
+router = APIRouter(tags=["attention"])
+
+
+def _indices(name: str, requested: list[int] | None, n: int) -> list[int]:
+    if requested is None:
+        return list(range(n))
+    bad = [i for i in requested if not 0 <= i < n]
+    if bad:
+        raise field_error(name, f"index {bad[0]} out of range: the model has {n} {name} (0..{n - 1})",
+                          "out_of_range")
+    if len(set(requested)) != len(requested):
+        raise field_error(name, "indices must not repeat", "duplicate")
+    return list(requested)
+
+
+@router.post(
+    "/attention",
+    response_model=AttentionResponse,
+    responses={400: {"description": "text longer than the context"}, 413: {}, 429: {}, 503: {}},
+)
+async def attention(body: AttentionRequest, engine: Engine = Depends(get_engine),
+                    state: AppState = Depends(get_state)):
+    cfg = engine.config
+    layers = _indices("layers", body.layers, cfg.n_layers)
+    heads = _indices("heads", body.heads, cfg.n_heads)
+    tok = engine.tokenizer
+    ids = tok.encode(body.text)
+    if not ids:
+        raise ApiError(400, "text encodes to no tokens", param="text", code="empty_text")
+    if len(ids) > cfg.context_length:
+        raise ApiError(400, f"text has {len(ids)} tokens, more than the model's context length of "
+                            f"{cfg.context_length}", param="text", code="context_length_exceeded")
+    maps = await engine.call(lambda model: attention_maps(model, ids, layers, heads))
+    content = {
+        "model": state.model_name,
+        "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
+        "n_layers": cfg.n_layers,
+        "n_heads": cfg.n_heads,
+        "layers": layers,
+        "heads": heads,
+        "format": body.format,
+        **encode(maps, body.format, body.packing),
+    }
+    # Already the documented shape; skip re-validating up to millions of floats.
+    return JSONResponse(content)

@@ -1,0 +1,91 @@
+"""POST /generate: continue a prompt, as one JSON answer or as server-sent events."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from model import SamplingParams
+
+from ..deps import get_engine, get_state
+from ..engine import Engine, GenerationJob
+from ..errors import field_error
+from ..generation import SSE_HEADERS, cancel_on_disconnect, check_lengths, collect, sse
+from ..schemas import GenerateRequest, GenerateResponse
+from ..state import AppState
+
+router = APIRouter(tags=["generate"])
+
+ERRORS = {
+    400: {"description": "prompt too long for the limit or the context (the message gives the numbers)"},
+    413: {"description": "request body over the size limit"},
+    429: {"description": "queue full; see Retry-After"},
+    503: {"description": "model not loaded yet"},
+}
+
+
+@router.post(
+    "/generate",
+    response_model=GenerateResponse,
+    responses={**ERRORS, 200: {"content": {"text/event-stream": {}},
+                               "description": "JSON, or with stream=true a stream of `token` events, "
+                                              "then one `done` (or `error`) event"}},
+)
+async def generate(body: GenerateRequest, request: Request, engine: Engine = Depends(get_engine),
+                   state: AppState = Depends(get_state)):
+    settings = state.settings
+    if body.max_new_tokens > settings.max_new_tokens:
+        raise field_error("max_new_tokens", f"Input should be less than or equal to {settings.max_new_tokens}",
+                          "less_than_equal")
+    tok = engine.tokenizer
+    prompt_ids = tok.encode(body.prompt)
+    check_lengths(engine, settings, prompt_ids, body.max_new_tokens)
+    job = GenerationJob(
+        prompt_ids=prompt_ids,
+        max_new_tokens=body.max_new_tokens,
+        sampling=SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed),
+        stop=body.stop,
+        n_logprobs=body.logprobs,
+        return_attention=body.return_attention,
+    )
+    handle = engine.submit(job)
+    gen_id = f"gen-{uuid.uuid4().hex[:24]}"
+    metrics = state.metrics
+
+    if body.stream:
+        async def events():
+            try:
+                async for event in handle.events():
+                    if event.kind == "token":
+                        yield sse("token", event.data)
+                    elif event.kind == "done":
+                        d = event.data
+                        metrics.observe_generation(d["usage"], d["timings"])
+                        yield sse("done", {"id": gen_id, "finish_reason": d["finish_reason"], "text": d["text"],
+                                           "usage": d["usage"], "timings": d["timings"]})
+                    else:
+                        yield sse("error", {"message": event.data["message"]})
+            except Exception as e:  # anything on our side mid-stream: tell the client
+                yield sse("error", {"message": f"internal error: {type(e).__name__}"})
+            finally:
+                handle.cancel()  # client gone (the stream was cancelled) or finished: free the slot
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async with cancel_on_disconnect(request, [handle]):
+        out = await collect(handle, metrics)
+    tokens = [{"id": t["id"], "text": t["text"], "logprob": t["logprob"], "top_logprobs": t["top_logprobs"] or []}
+              for t in out.tokens]
+    return {
+        "id": gen_id,
+        "model": state.model_name,
+        "text": out.done["text"],
+        "prompt_tokens": [{"id": i, "text": tok.display_text(i)} for i in prompt_ids],
+        "tokens": tokens,
+        "finish_reason": out.done["finish_reason"],
+        "usage": out.done["usage"],
+        "timings": out.done["timings"],
+        "attention": [t["attention"] for t in out.tokens] if body.return_attention else None,
+    }

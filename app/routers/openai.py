@@ -1,0 +1,202 @@
+"""OpenAI-compatible legacy completions: POST /v1/completions and GET /v1/models.
+
+Differences from OpenAI, on purpose: `model` may name anything (the loaded model
+answers); `n` > 1 with a seed uses seed, seed + 1, ... for the choices so they differ yet
+repeat; penalties, best_of, logit_bias and suffix are accepted and ignored; a streamed
+`echo` sends the prompt text first but no logprobs for the prompt tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import time
+import uuid
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from model import SamplingParams
+
+from ..deps import get_engine, get_state
+from ..engine import Engine, GenerationJob, GenerationRequest
+from ..errors import field_error
+from ..generation import SSE_HEADERS, cancel_on_disconnect, check_lengths, collect, sse
+from ..openai_schemas import Completion, CompletionRequest, ModelList, OpenAIErrorResponse
+from ..state import AppState
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 413, 422, 429, 503)}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def _top(token: dict) -> dict[str, float] | None:
+    alts = token.get("top_logprobs")
+    if alts is None:
+        return None
+    return {a["text"]: a["logprob"] for a in alts}
+
+
+class Choice:
+    """Builds one choice's text and legacy logprobs object from the engine's events."""
+
+    def __init__(self, index: int, prompt: str, want_logprobs: bool, echo: bool, tokenizer):
+        self.index = index
+        self.tokenizer = tokenizer
+        self.want_logprobs = want_logprobs
+        self.text = prompt if echo else ""
+        self.offset = 0  # characters before the next token
+        self.lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.echo = echo
+
+    def add_prompt_scores(self, scores: list[dict]) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for s in scores:
+            self._append(s["text"], s["logprob"], _top(s))
+            self.offset += len(decoder.decode(self.tokenizer.token_bytes(s["id"]), final=False))
+        self.offset = len(self.text)  # the prompt exactly as the client sent it
+
+    def add_token(self, token: dict) -> dict | None:
+        """Record a token; return its logprobs fragment (for a stream chunk) or None."""
+        frag = self._append(token["text"], token["logprob"], _top(token))
+        self.text += token["delta"]
+        self.offset += len(token["delta"])
+        return frag
+
+    def _append(self, text: str, logprob: float | None, top: dict | None) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        frag = {"tokens": [text], "token_logprobs": [logprob], "top_logprobs": [top], "text_offset": [self.offset]}
+        for k, v in frag.items():
+            self.lp[k].extend(v)
+        return frag
+
+    def as_dict(self, finish_reason: str) -> dict:
+        return {"index": self.index, "text": self.text, "logprobs": self.lp if self.want_logprobs else None,
+                "finish_reason": FINISH[finish_reason]}
+
+
+def _jobs(body: CompletionRequest, prompts_ids: list[list[int]]) -> list[GenerationJob]:
+    jobs = []
+    for ids in prompts_ids:
+        for k in range(body.n):
+            seed = None if body.seed is None else (body.seed + k) % 2**63
+            jobs.append(GenerationJob(
+                prompt_ids=ids,
+                max_new_tokens=body.max_tokens,
+                sampling=SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed),
+                stop=body.stops,
+                n_logprobs=body.logprobs or 0,
+                prompt_logprobs=(body.logprobs or 0) if (body.echo and body.logprobs is not None) else None,
+            ))
+    return jobs
+
+
+def _submit_all(engine: Engine, jobs: list[GenerationJob]) -> list[GenerationRequest]:
+    handles = []
+    try:
+        for job in jobs:
+            handles.append(engine.submit(job))
+    except Exception:
+        for h in handles:  # all or nothing: a 429 must not leave half the choices running
+            h.cancel()
+        raise
+    return handles
+
+
+@router.post("/completions", response_model=Completion, response_model_exclude_none=False, responses=ERRORS)
+async def completions(body: CompletionRequest, request: Request, engine: Engine = Depends(get_engine),
+                      state: AppState = Depends(get_state)):
+    settings = state.settings
+    if body.max_tokens > settings.max_new_tokens:
+        raise field_error("max_tokens", f"Input should be less than or equal to {settings.max_new_tokens}",
+                          "less_than_equal")
+    tok = engine.tokenizer
+    prompts = body.prompts
+    prompts_ids = [tok.encode(p) for p in prompts]
+    for ids in prompts_ids:
+        check_lengths(engine, settings, ids, body.max_tokens, max_field="max_tokens")
+    jobs = _jobs(body, prompts_ids)
+    handles = _submit_all(engine, jobs)
+    want_lp = body.logprobs is not None
+    choices = [Choice(i, prompts[i // body.n], want_lp, body.echo, tok) for i in range(len(jobs))]
+    cid, created, name = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_name
+    prompt_tokens = sum(len(ids) for ids in prompts_ids)
+    metrics = state.metrics
+
+    if body.stream:
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+        def chunk(index: int, text: str, logprobs, finish_reason) -> str:
+            return sse(None, {"id": cid, "object": "text_completion", "created": created, "model": name,
+                              "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                           "finish_reason": finish_reason}]})
+
+        async def events():
+            merged: asyncio.Queue = asyncio.Queue()
+
+            async def forward(i: int, h: GenerationRequest):
+                async for ev in h.events():
+                    await merged.put((i, ev))
+
+            tasks = [asyncio.create_task(forward(i, h)) for i, h in enumerate(handles)]
+            completion_tokens = 0
+            try:
+                if body.echo:
+                    for c in choices:
+                        yield chunk(c.index, c.text, None, None)
+                remaining = len(handles)
+                while remaining:
+                    i, ev = await merged.get()
+                    c = choices[i]
+                    if ev.kind == "token":
+                        frag = c.add_token(ev.data)
+                        yield chunk(i, ev.data["delta"], frag, None)
+                    elif ev.kind == "done":
+                        remaining -= 1
+                        completion_tokens += ev.data["usage"]["completion_tokens"]
+                        metrics.observe_generation(ev.data["usage"], ev.data["timings"])
+                        yield chunk(i, "", None, FINISH[ev.data["finish_reason"]])
+                    else:
+                        yield sse(None, {"error": {"message": ev.data["message"], "type": "server_error",
+                                                   "param": None, "code": "generation_failed"}})
+                        return
+                if include_usage:
+                    yield sse(None, {"id": cid, "object": "text_completion", "created": created, "model": name,
+                                     "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                              "completion_tokens": completion_tokens,
+                                                              "total_tokens": prompt_tokens + completion_tokens}})
+                yield "data: [DONE]\n\n"
+            except Exception as e:
+                yield sse(None, {"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error",
+                                           "param": None, "code": "internal_error"}})
+            finally:
+                for t in tasks:
+                    t.cancel()
+                for h in handles:
+                    h.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async with cancel_on_disconnect(request, handles):
+        outcomes = await asyncio.gather(*(collect(h, metrics) for h in handles))
+    result = []
+    for c, out in zip(choices, outcomes):
+        if "prompt_logprobs" in out.done:
+            c.add_prompt_scores(out.done["prompt_logprobs"])
+        for t in out.tokens:
+            c.add_token(t)
+        result.append(c.as_dict(out.done["finish_reason"]))
+    completion_tokens = sum(o.done["usage"]["completion_tokens"] for o in outcomes)
+    return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": result,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+@router.get("/models", response_model=ModelList)
+async def models(engine: Engine = Depends(get_engine), state: AppState = Depends(get_state)):
+    path = engine.checkpoint.path
+    created = int(path.stat().st_mtime) if path is not None and path.exists() else 0
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": created,
+                                        "owned_by": "attnlens"}]}

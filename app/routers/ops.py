@@ -1,0 +1,71 @@
+"""Operations: liveness, readiness, what is loaded, and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response
+
+from ..deps import get_engine, get_state
+from ..engine import Engine
+from ..metrics import CONTENT_TYPE_LATEST
+from ..schemas import Health, ModelInfo, Readiness
+from ..state import AppState
+
+router = APIRouter(tags=["operations"])
+
+REPORT_KEYS = ("steps", "tokens_seen", "wall_time_s", "hardware", "final_train_loss", "final_val_loss",
+               "val_loss", "val_bits_per_byte", "train_loss", "best_val_loss", "dataset", "config_name")
+
+
+@router.get("/healthz", response_model=Health)
+async def healthz():
+    """The process is alive and its event loop answers (no model work involved)."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
+async def readyz(state: AppState = Depends(get_state)):
+    """200 once the model is loaded and warmed up and the engine thread runs; else 503."""
+    engine = state.engine
+    if state.ready and engine is not None and engine.alive:
+        return {"ready": True, "status": "ready"}
+    detail = "the engine thread has stopped" if state.ready and engine is not None else None
+    return JSONResponse({"ready": False, "status": state.status if detail is None else "failed",
+                         "detail": detail}, status_code=503)
+
+
+def training_summary(report: dict | None) -> dict | None:
+    if not report:
+        return None
+    picked = {k: report[k] for k in REPORT_KEYS if k in report}
+    # keep any other scalar fields too; nested blobs (curves, configs) stay in the file
+    for k, v in report.items():
+        if k not in picked and isinstance(v, (int, float, str, bool)) and len(picked) < 40:
+            picked[k] = v
+    return picked
+
+
+@router.get("/model", response_model=ModelInfo)
+async def model_info(engine: Engine = Depends(get_engine), state: AppState = Depends(get_state)):
+    ckpt, cfg, s = engine.checkpoint, engine.config, state.settings
+    return {
+        "name": state.model_name,
+        "path": str(ckpt.path),
+        "architecture": cfg.to_dict(),
+        "parameters": engine.model.num_parameters(),
+        "parameters_without_embeddings": engine.model.num_parameters(exclude_embeddings=True),
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "context_length": cfg.context_length,
+        "vocab_size": cfg.vocab_size,
+        "tokenizer_vocab_size": engine.tokenizer.vocab_size,
+        "training": training_summary(ckpt.report),
+        "limits": {"max_prompt_tokens": s.max_prompt_tokens, "max_new_tokens": s.max_new_tokens,
+                   "max_concurrent": s.max_concurrent, "max_queue": s.max_queue,
+                   "max_body_bytes": s.max_body_bytes},
+    }
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(state: AppState = Depends(get_state)):
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

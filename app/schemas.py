@@ -1,0 +1,161 @@
+"""Request and response bodies of the native API (/generate, /attention, /model, ...)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Strict(BaseModel):
+    """Unknown fields are an error (422), so a misspelt option is never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
+
+# --- /generate ---------------------------------------------------------------
+class GenerateRequest(Strict):
+    prompt: str = Field(min_length=1, description="text to continue")
+    max_new_tokens: int = Field(64, ge=1, description="1..ATTNLENS_MAX_NEW_TOKENS")
+    temperature: float = Field(0.8, ge=0, allow_inf_nan=False, description="0 = greedy")
+    top_k: int | None = Field(None, ge=1)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=2**63, description="same seed and parameters, same text")
+    stop: list[str] = Field(default_factory=list, max_length=4, description="at most 4 stop strings")
+    logprobs: int = Field(0, ge=0, le=20, description="alternatives per token")
+    stream: bool = False
+    return_attention: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else ([] if v is None else v)
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+
+class TokenText(BaseModel):
+    id: int
+    text: str
+
+
+class Alternative(TokenText):
+    logprob: float
+
+
+class GeneratedTokenOut(TokenText):
+    logprob: float
+    top_logprobs: list[Alternative] = []
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = Field(description="tokens the model generated, including a final EOS")
+    total_tokens: int
+
+
+class Timings(BaseModel):
+    queue_ms: float
+    prefill_ms: float
+    decode_ms: float
+    tokens_per_second: float
+    time_to_first_token_ms: float
+
+
+FinishReason = Literal["length", "stop", "eos"]
+
+
+class GenerateResponse(BaseModel):
+    id: str
+    model: str
+    text: str
+    prompt_tokens: list[TokenText]
+    tokens: list[GeneratedTokenOut]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    attention: list[list[list[list[float]]]] | None = Field(
+        None, description="[token][layer][head][position]: each generated token's attention row"
+    )
+
+
+class StreamToken(GeneratedTokenOut):
+    """`event: token` data when streaming."""
+
+    index: int
+    delta: str = Field(description="exact text this token adds (text joins these)")
+    attention: list[list[list[float]]] | None = None
+
+
+class StreamDone(BaseModel):
+    """`event: done` data when streaming."""
+
+    id: str
+    finish_reason: FinishReason
+    text: str
+    usage: Usage
+    timings: Timings
+
+
+# --- /attention --------------------------------------------------------------
+class AttentionRequest(Strict):
+    text: str = Field(min_length=1)
+    layers: list[int] | None = Field(None, min_length=1, description="layer indices, default all")
+    heads: list[int] | None = Field(None, min_length=1, description="head indices, default all")
+    format: Literal["json", "f16", "u8"] = "json"
+    packing: Literal["full", "tril"] = Field(
+        "full",
+        description="f16/u8 only: 'full' = every cell row-major; 'tril' = per matrix only the "
+        "cells on or below the diagonal, row by row (row i has i+1 values), ~half the bytes",
+    )
+
+
+class AttentionResponse(BaseModel):
+    model: str
+    tokens: list[TokenText]
+    n_layers: int
+    n_heads: int
+    layers: list[int]
+    heads: list[int]
+    format: Literal["json", "f16", "u8"]
+    shape: list[int] = Field(description="[len(layers), len(heads), T, T]")
+    attention: list[list[list[list[float]]]] | None = Field(None, description="format=json")
+    data: str | None = Field(None, description="f16/u8: base64 of the row-major array")
+    dtype: Literal["float16", "uint8"] | None = Field(None, description="element type of data (little-endian)")
+    packing: Literal["full", "tril"] | None = None
+    scale: float | None = Field(None, description="u8: value = byte * scale")
+
+
+# --- operations --------------------------------------------------------------
+class Health(BaseModel):
+    status: str
+
+
+class Readiness(BaseModel):
+    ready: bool
+    status: str
+    detail: str | None = None
+
+
+class ModelInfo(BaseModel):
+    name: str
+    path: str
+    architecture: dict[str, Any]
+    parameters: int
+    parameters_without_embeddings: int
+    device: str
+    dtype: str
+    context_length: int
+    vocab_size: int
+    tokenizer_vocab_size: int
+    training: dict[str, Any] | None
+    limits: dict[str, int]
+
+
+class ErrorBody(BaseModel):
+    detail: Any

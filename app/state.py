@@ -1,0 +1,25 @@
+"""What the app holds between requests: settings, metrics, and (once loaded) the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model import Checkpoint
+
+from .engine import Engine
+from .metrics import Metrics
+from .settings import Settings
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    metrics: Metrics
+    checkpoint: Checkpoint | None = None
+    engine: Engine | None = None
+    ready: bool = False
+    status: str = "starting"
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model.resolve().name
