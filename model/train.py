@@ -1,0 +1,470 @@
+"""`attnlens train`: train a Transformer on the prepared corpus.
+
+AdamW (weight decay on matrices only), linear warm-up then cosine decay, gradient
+clipping, bf16 autocast and TF32 on CUDA, optional torch.compile, DDP under torchrun.
+Every batch is drawn from a generator seeded by (seed, step, rank), so a resumed run
+sees exactly the batches an uninterrupted run would have seen.
+
+Output directory:
+    config.json, model.safetensors, tokenizer.json, train_report.json   (a checkpoint)
+    optimizer.safetensors, train_state.json                             (for --resume)
+    metrics.jsonl, loss.png
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import signal
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from .checkpoint import load_weights, save_checkpoint
+from .config import ModelConfig
+from .data import load_split
+from .generate import SamplingParams, generate_tokens
+from .tokenizer import Tokenizer
+from .transformer import Transformer
+
+LN2 = math.log(2.0)
+SAMPLE_PROMPTS = ["ROMEO.\n", "To be, or not to be", "KING.\nMy lords,", "O, ", "First Citizen.\n"]
+
+
+@dataclass
+class TrainSettings:
+    data_dir: str = "data/shakespeare"
+    tokenizer: str | None = None  # path to a tokenizer.json; None = train BPE on the train split
+    vocab_size: int = 4096  # for a tokenizer trained here
+    batch_size: int = 32  # sequences per step per process
+    grad_accum: int = 1
+    max_steps: int = 1000
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_interval: int = 200
+    eval_batches: int = 20  # windows of context_length per periodic evaluation (0 = all)
+    log_interval: int = 10
+    checkpoint_interval: int = 500
+    seed: int = 1337
+    compile: bool = False
+    device: str = "auto"
+    threads: int = 0  # CPU intra-op threads; 0 = torch's default
+    save_dtype: str = "float32"  # dtype of model.safetensors in the final checkpoint
+    n_samples: int = 5
+    sample_tokens: int = 60
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    train: TrainSettings = field(default_factory=TrainSettings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model.to_dict(), "train": asdict(self.train)}
+
+
+def _coerce(value: str, current: Any) -> Any:
+    if isinstance(current, bool):
+        return value.lower() in ("1", "true", "yes", "on")
+    if isinstance(current, int):
+        return int(value)
+    if isinstance(current, float):
+        return float(value)
+    if value.lower() in ("none", "null"):
+        return None
+    return value
+
+
+def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """A TOML or JSON file with a [model] and a [train] table; `section.key=value` overrides."""
+    path = Path(path)
+    raw = path.read_text(encoding="utf-8")
+    data = json.loads(raw) if path.suffix == ".json" else tomllib.loads(raw)
+    unknown = sorted(set(data) - {"model", "train"})
+    if unknown:
+        raise ValueError(f"{path}: unknown section(s) {', '.join(unknown)}")
+    model_d, train_d = dict(data.get("model", {})), dict(data.get("train", {}))
+    train_fields = {f.name: f for f in fields(TrainSettings)}
+    for item in overrides or []:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        target = {"model": model_d, "train": train_d}.get(section)
+        if target is None or not name:
+            raise ValueError(f"override {item!r} must look like model.KEY=VALUE or train.KEY=VALUE")
+        default = (
+            getattr(TrainSettings(), name, None) if section == "train"
+            else getattr(ModelConfig(), name, None)
+        )
+        target[name] = _coerce(value, target.get(name, default))
+    bad = sorted(set(train_d) - set(train_fields))
+    if bad:
+        raise ValueError(f"{path}: unknown train setting(s) {', '.join(bad)}")
+    return RunConfig(model=ModelConfig.from_dict(model_d), train=TrainSettings(**train_d))
+
+
+# --- data --------------------------------------------------------------------------------
+def encode_corpus(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
+    """One long stream: each work's tokens followed by EOS."""
+    ids: list[int] = []
+    for encoded in tokenizer.encode_batch(texts):
+        ids.extend(encoded)
+        ids.append(tokenizer.eos_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def batch_at(stream: torch.Tensor, step: int, rank: int, batch_size: int, block: int, seed: int):
+    """The (x, y) batch for this step and rank: random windows, seeded by (seed, step, rank)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + rank)
+    starts = torch.randint(0, len(stream) - block - 1, (batch_size,), generator=g)
+    x = torch.stack([stream[s : s + block] for s in starts])
+    y = torch.stack([stream[s + 1 : s + 1 + block] for s in starts])
+    return x, y
+
+
+def token_byte_lengths(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
+    """UTF-8 bytes each token stands for; EOS counts as 0 (it is not text)."""
+    lengths = torch.zeros(vocab_size, dtype=torch.float64)
+    for i in range(tokenizer.vocab_size):
+        lengths[i] = 0 if i == tokenizer.eos_id else len(tokenizer.token_bytes(i))
+    return lengths
+
+
+@torch.no_grad()
+def evaluate(model, stream, byte_lengths, block, device, max_windows=0, batch_size=16, autocast=None):
+    """Loss in nats/token and bits per byte over consecutive windows of the validation stream.
+
+    bits per byte = total nats / ln 2 / UTF-8 bytes of the predicted tokens, so it does not
+    depend on the tokenizer.
+    """
+    model.eval()
+    n_windows = (len(stream) - 1) // block
+    if max_windows:
+        n_windows = min(n_windows, max_windows)
+    total_nats, total_tokens, total_bytes = 0.0, 0, 0.0
+    for first in range(0, n_windows, batch_size):
+        idx = range(first, min(first + batch_size, n_windows))
+        x = torch.stack([stream[i * block : i * block + block] for i in idx]).to(device)
+        y = torch.stack([stream[i * block + 1 : i * block + block + 1] for i in idx])
+        with autocast or contextlib.nullcontext():
+            logits = model(x)
+        nats = F.cross_entropy(logits.float().flatten(0, 1).cpu(), y.flatten(), reduction="sum")
+        total_nats += float(nats)
+        total_tokens += y.numel()
+        total_bytes += float(byte_lengths[y.flatten()].sum())
+    model.train()
+    return {
+        "val_loss": total_nats / total_tokens,
+        "val_bits_per_byte": total_nats / LN2 / total_bytes,
+        "val_tokens": total_tokens,
+        "val_bytes": int(total_bytes),
+    }
+
+
+# --- optimisation ------------------------------------------------------------------------
+def make_optimizer(model: torch.nn.Module, s: TrainSettings, fused: bool) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": s.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=s.lr, betas=(s.beta1, s.beta2), fused=fused)
+
+
+def lr_at(step: int, s: TrainSettings) -> float:
+    if step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    progress = min(1.0, (step - s.warmup_steps) / max(1, s.max_steps - s.warmup_steps))
+    return s.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (s.lr - s.min_lr)
+
+
+def save_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, path: Path) -> None:
+    """Optimizer moments as safetensors (named by parameter), no pickling."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                tensors[f"{names[id(p)]}::{key}"] = value.detach().cpu().contiguous()
+    save_file(tensors, str(path))
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, path: Path) -> None:
+    tensors = load_file(str(path))
+    params = dict(model.named_parameters())
+    for key, value in tensors.items():
+        name, _, slot = key.partition("::")
+        p = params[name]
+        optimizer.state[p][slot] = value.to(p.device) if slot != "step" else value
+
+
+# --- distributed -------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device_pref: str) -> tuple[Dist, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = torch.cuda.is_available() and device_pref in ("auto", "cuda")
+    if world > 1:
+        import torch.distributed as dist
+
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        info = Dist(rank=dist.get_rank(), world=world, local_rank=local_rank)
+    else:
+        info = Dist()
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank)
+        device = torch.device("cuda", info.local_rank)
+    else:
+        device = torch.device("cpu")
+    return info, device
+
+
+def hardware_description(device: torch.device, world: int) -> str:
+    if device.type == "cuda":
+        return f"{world} x {torch.cuda.get_device_name(device)}"
+    return f"{world} x CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+# --- plot & report -----------------------------------------------------------------------
+def plot_losses(metrics_path: Path, out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train_pts, val_pts = [], []
+    for line in metrics_path.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        if "train_loss" in rec:
+            train_pts.append((rec["step"], rec["train_loss"]))
+        if "val_loss" in rec:
+            val_pts.append((rec["step"], rec["val_loss"]))
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train_pts:
+        ax.plot(*zip(*train_pts), label="train", lw=1, alpha=0.8)
+    if val_pts:
+        ax.plot(*zip(*val_pts), "o-", label="val (held-out works)", lw=1.5, ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title("attnlens training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+
+
+def sample_generations(model, tokenizer, n: int, n_tokens: int, seed: int) -> list[dict[str, str]]:
+    samples = []
+    for i, prompt in enumerate(SAMPLE_PROMPTS[:n]):
+        ids = tokenizer.encode(prompt)
+        params = SamplingParams(temperature=0.8, top_k=50, seed=seed + i)
+        out = [t.id for t in generate_tokens(model, ids, n_tokens, params)]
+        samples.append({"prompt": prompt, "completion": tokenizer.decode(out)})
+    return samples
+
+
+# --- the loop ----------------------------------------------------------------------------
+class Interrupted(Exception):
+    pass
+
+
+def train(run: RunConfig, out_dir: str | Path, *, resume: bool = False, show_progress: bool = True) -> dict:
+    s, mcfg = run.train, run.model
+    out = Path(out_dir)
+    dist_info, device = setup_distributed(s.device)
+    if s.threads and device.type == "cpu":
+        torch.set_num_threads(s.threads)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    autocast = (
+        torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
+    )
+
+    # tokenizer and data
+    train_texts = load_split(s.data_dir, "train")
+    val_texts = load_split(s.data_dir, "val")
+    if resume and (out / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_file(out / "tokenizer.json")
+    elif s.tokenizer:
+        tokenizer = Tokenizer.from_file(s.tokenizer)
+    else:
+        tokenizer = Tokenizer.train(train_texts, s.vocab_size)
+    if tokenizer.vocab_size > mcfg.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens; model.vocab_size is {mcfg.vocab_size}")
+    train_stream = encode_corpus(tokenizer, train_texts)
+    val_stream = encode_corpus(tokenizer, val_texts)
+    byte_lengths = token_byte_lengths(tokenizer, mcfg.vocab_size)
+    block = mcfg.context_length
+
+    # model and optimiser
+    torch.manual_seed(s.seed)
+    model = Transformer(mcfg).to(device)
+    optimizer = make_optimizer(model, s, fused=device.type == "cuda")
+    start_step, tokens_seen, wall_before = 0, 0, 0.0
+    if resume:
+        state = json.loads((out / "train_state.json").read_text(encoding="utf-8"))
+        load_weights(model, out / "model.safetensors")
+        load_optimizer(optimizer, model, out / "optimizer.safetensors")
+        start_step, tokens_seen, wall_before = state["step"], state["tokens_seen"], state["wall_time_s"]
+    fwd_model = torch.compile(model) if s.compile else model
+    if dist_info.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        fwd_model = DDP(fwd_model, device_ids=[dist_info.local_rank] if device.type == "cuda" else None)
+
+    if dist_info.main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            (out / "metrics.jsonl").write_text("", encoding="utf-8")
+    metrics_file = (out / "metrics.jsonl").open("a", encoding="utf-8") if dist_info.main else None
+
+    def log(record: dict) -> None:
+        if metrics_file:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+
+    last: dict[str, float] = {}
+
+    def save(step: int, final: bool) -> None:
+        if not dist_info.main:
+            return
+        wall = wall_before + (time.perf_counter() - t0)
+        report = build_report(run, tokenizer, model, step, tokens_seen, wall, device, dist_info, last)
+        if final:
+            report["samples"] = sample_generations(model, tokenizer, s.n_samples, s.sample_tokens, s.seed)
+        save_checkpoint(out, model, tokenizer, report=report,
+                        dtype=getattr(torch, s.save_dtype) if final else None)
+        save_optimizer(optimizer, model, out / "optimizer.safetensors")
+        state = {"step": step, "tokens_seen": tokens_seen, "wall_time_s": wall, "final": final}
+        (out / "train_state.json").write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+
+    # Ctrl-C: finish the current step, save, exit.
+    stop = {"requested": False}
+
+    def on_sigint(signum, frame):
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+
+    old_handler = signal.signal(signal.SIGINT, on_sigint) if dist_info.main else None
+
+    tokens_per_step = s.batch_size * block * s.grad_accum * dist_info.world
+    bar = tqdm(total=s.max_steps, initial=start_step, disable=not (show_progress and dist_info.main),
+               desc="train", unit="step", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    t_window, tokens_window = time.perf_counter(), 0
+    model.train()
+    step = start_step
+    try:
+        while step < s.max_steps:
+            lr = lr_at(step, s)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            torch.manual_seed(s.seed + 7919 * step + dist_info.rank)  # dropout masks: resumable
+            loss_sum = 0.0
+            for micro in range(s.grad_accum):
+                x, y = batch_at(train_stream, step * s.grad_accum + micro, dist_info.rank,
+                                s.batch_size, block, s.seed)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                sync = contextlib.nullcontext()
+                if dist_info.world > 1 and micro < s.grad_accum - 1:
+                    sync = fwd_model.no_sync()
+                with sync, (autocast or contextlib.nullcontext()):
+                    logits = fwd_model(x)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / s.grad_accum
+                loss.backward()
+                loss_sum += float(loss.detach())
+            if s.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += tokens_per_step
+            tokens_window += tokens_per_step
+            last["train_loss"] = loss_sum
+
+            if step % s.log_interval == 0 or step == s.max_steps:
+                elapsed = time.perf_counter() - t_window
+                tps = tokens_window / max(elapsed, 1e-9)
+                t_window, tokens_window = time.perf_counter(), 0
+                log({"step": step, "train_loss": loss_sum, "lr": lr, "tokens_per_s": tps,
+                     "tokens_seen": tokens_seen})
+                bar.set_postfix(loss=f"{loss_sum:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
+            if dist_info.main and (step % s.eval_interval == 0 or step == s.max_steps):
+                ev = evaluate(model, val_stream, byte_lengths, block, device,
+                              max_windows=0 if step == s.max_steps else s.eval_batches, autocast=autocast)
+                last.update(ev)
+                log({"step": step, **ev, "full": step == s.max_steps})
+                bar.write(f"step {step}: val loss {ev['val_loss']:.4f}, {ev['val_bits_per_byte']:.4f} bits/byte")
+            bar.update(1)
+            if step % s.checkpoint_interval == 0 and step < s.max_steps:
+                save(step, final=False)
+            if stop["requested"]:
+                raise Interrupted
+        save(step, final=True)
+    except Interrupted:
+        bar.write(f"interrupted: saving a checkpoint at step {step} in {out}")
+        save(step, final=False)
+    finally:
+        bar.close()
+        if old_handler is not None:
+            signal.signal(signal.SIGINT, old_handler)
+        if metrics_file:
+            metrics_file.close()
+        if dist_info.main and (out / "metrics.jsonl").is_file():
+            plot_losses(out / "metrics.jsonl", out / "loss.png")
+        if dist_info.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+            dist.destroy_process_group()
+    return {"step": step, **last}
+
+
+def build_report(run, tokenizer, model, step, tokens_seen, wall, device, dist_info, last) -> dict:
+    return {
+        "config": run.to_dict(),
+        "steps": step,
+        "tokens_seen": tokens_seen,
+        "wall_time_s": round(wall, 1),
+        "hardware": hardware_description(device, dist_info.world),
+        "torch": torch.__version__,
+        "parameters": model.num_parameters(),
+        "final_train_loss": last.get("train_loss"),
+        "final_val_loss": last.get("val_loss"),
+        "val_bits_per_byte": last.get("val_bits_per_byte"),
+        "val_tokens": last.get("val_tokens"),
+        "tokenizer_vocab_size": tokenizer.vocab_size,
+    }
+
+
+def train_from_file(config_path, out_dir, *, resume: bool = False, overrides: list[str] | None = None) -> dict:
+    run = load_run_config(config_path, overrides)
+    return train(run, out_dir, resume=resume)
