@@ -80,9 +80,17 @@ class _Work:
         self.cancelled = False
         self.t_submit = time.perf_counter()
         self.t_start: float | None = None
+        self._final: Callable[[], None] | None = None  # sent once the slot is free again
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def deliver_final(self) -> None:
+        """Called by the worker after retiring the work, so that a client that has seen the
+        end of its request also sees its slot free (in_flight already decremented)."""
+        final, self._final = self._final, None
+        if final is not None:
+            final()
 
     def step(self, engine: "Engine") -> bool:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -125,7 +133,7 @@ class GenerationRequest(_Work):
     def fail(self, message: str) -> None:
         if not self.finished:
             self.finished = True
-            self._emit("error", {"message": message})
+            self._final = lambda: self._emit("error", {"message": message})
 
     def step(self, engine: "Engine") -> bool:
         model, job, tok = engine.model, self.job, self.tokenizer
@@ -223,7 +231,7 @@ class GenerationRequest(_Work):
         if self.prompt_scores is not None:
             data["prompt_logprobs"] = self.prompt_scores
         self.finished = True
-        self._emit("done", data)
+        self._final = lambda: self._emit("done", data)
         return True
 
 
@@ -247,11 +255,12 @@ class CallRequest(_Work):
 
     def step(self, engine: "Engine") -> bool:
         self.t_start = time.perf_counter()
-        self._set(self.future.set_result, self.fn(engine.model))
+        result = self.fn(engine.model)
+        self._final = lambda: self._set(self.future.set_result, result)
         return True
 
     def fail(self, message: str) -> None:
-        self._set(self.future.set_exception, RuntimeError(message))
+        self._final = lambda: self._set(self.future.set_exception, RuntimeError(message))
 
 
 class Engine:
@@ -355,6 +364,7 @@ class Engine:
                         self._retire(work)
         for work in pending:
             work.fail("the server is shutting down")
+            work.deliver_final()
 
     def _retire(self, work: _Work) -> None:
         if isinstance(work, GenerationRequest):
@@ -364,3 +374,4 @@ class Engine:
             self._admitted -= 1
             spent = time.perf_counter() - work.t_submit
             self._avg_seconds = 0.8 * self._avg_seconds + 0.2 * spent
+        work.deliver_final()

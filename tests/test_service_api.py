@@ -1,0 +1,427 @@
+"""The native HTTP API in-process (TestClient runs the lifespan): /generate, /attention,
+operations, and every bad-input case. The tiny random model makes the text gibberish,
+so correctness is checked against model.generate / the model itself."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from app.attention_codec import decode
+from app.main import create_app
+from app.settings import Settings
+from model import SamplingParams, generate_tokens, load_checkpoint
+from conftest import make_tiny_checkpoint
+
+MAX_PROMPT = 40
+MAX_NEW = 60
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return load_checkpoint(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_checkpoint):
+    settings = Settings(model=tiny_checkpoint, device="cpu", max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW,
+                        cors_origins="http://viewer.example")
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def parse_sse(text: str) -> list[tuple[str | None, str]]:
+    events = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        name, data = None, []
+        for line in block.split("\n"):
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                data.append(line[len("data: "):])
+        events.append((name, "\n".join(data)))
+    return events
+
+
+def reference(ckpt, prompt: str, n: int, *, n_logprobs=0, return_attention=False, **sampling):
+    toks = list(generate_tokens(ckpt.model, ckpt.tokenizer.encode(prompt), n, SamplingParams(**sampling),
+                                n_logprobs=n_logprobs, return_attention=return_attention))
+    ids = [t.id for t in toks]
+    eos = ckpt.tokenizer.eos_id
+    return toks[: ids.index(eos)] if eos in ids else toks
+
+
+# --- operations ----------------------------------------------------------------
+def test_health_ready_and_model(client, ckpt):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    r = client.get("/readyz")
+    assert r.status_code == 200 and r.json()["ready"] is True
+    info = client.get("/model").json()
+    assert info["architecture"]["n_layers"] == 2 and info["architecture"]["n_heads"] == 4
+    assert info["parameters"] == ckpt.model.num_parameters()
+    assert info["device"] == "cpu" and info["dtype"] == "float32"
+    assert info["context_length"] == 64 and info["vocab_size"] == ckpt.config.vocab_size
+    assert info["limits"]["max_new_tokens"] == MAX_NEW
+
+
+def test_root_without_index_html_is_a_clear_404(client):
+    r = client.get("/")
+    if r.status_code == 200:  # the viewer page has been written by now
+        assert "text/html" in r.headers["content-type"]
+    else:
+        assert r.status_code == 404 and "index.html" in r.json()["detail"]
+
+
+def test_cors_headers_for_allowed_origin(client):
+    r = client.options("/generate", headers={"Origin": "http://viewer.example", "Access-Control-Request-Method": "POST"})
+    assert r.headers.get("access-control-allow-origin") == "http://viewer.example"
+    r = client.get("/healthz", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_metrics_count_requests_and_tokens(client):
+    client.post("/generate", json={"prompt": "To be", "max_new_tokens": 3, "temperature": 0})
+    client.post("/generate", json={"prompt": ""})
+    text = client.get("/metrics").text
+    assert 'attnlens_http_requests_total{method="POST",route="/generate",status="200"}' in text
+    assert 'attnlens_http_requests_total{method="POST",route="/generate",status="422"}' in text
+    assert "attnlens_http_request_duration_seconds_bucket" in text
+    assert "attnlens_time_to_first_token_seconds_count" in text
+    generated = [ln for ln in text.splitlines() if ln.startswith("attnlens_generated_tokens_total ")]
+    assert generated and float(generated[0].split()[1]) >= 3
+    assert "attnlens_requests_in_flight 0.0" in text and "attnlens_queue_depth 0.0" in text
+
+
+def test_two_apps_in_one_process_have_their_own_metrics(tiny_checkpoint):
+    a = create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False))
+    b = create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False))
+    assert a.state.attnlens.metrics.registry is not b.state.attnlens.metrics.registry
+
+
+# --- /generate -----------------------------------------------------------------
+def test_generate_response_shape_and_reference_tokens(client, ckpt):
+    body = {"prompt": "To be, or not", "max_new_tokens": 12, "temperature": 0.9, "top_k": 50, "seed": 7,
+            "logprobs": 3}
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    ref = reference(ckpt, body["prompt"], 12, n_logprobs=3, temperature=0.9, top_k=50, seed=7)
+    tok = ckpt.tokenizer
+    assert [t["id"] for t in d["tokens"]] == [t.id for t in ref]
+    assert d["text"] == tok.decode([t.id for t in ref])
+    assert d["model"] == "tiny" and d["id"]
+    assert d["prompt_tokens"] == [{"id": i, "text": tok.display_text(i)} for i in tok.encode(body["prompt"])]
+    for got, want in zip(d["tokens"], ref):
+        assert got["text"] == tok.display_text(want.id)
+        assert got["logprob"] == pytest.approx(want.logprob, abs=1e-5)
+        assert [a["id"] for a in got["top_logprobs"]] == want.top_ids
+        assert [a["text"] for a in got["top_logprobs"]] == [tok.display_text(i) for i in want.top_ids]
+    assert d["finish_reason"] in ("length", "eos")
+    u = d["usage"]
+    assert u["prompt_tokens"] == len(d["prompt_tokens"]) and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    if d["finish_reason"] == "length":
+        assert u["completion_tokens"] == 12 == len(d["tokens"])
+    t = d["timings"]
+    assert all(t[k] >= 0 for k in ("queue_ms", "prefill_ms", "decode_ms")) and t["tokens_per_second"] > 0
+    assert d["attention"] is None
+
+
+def test_same_seed_same_text_and_stream_agrees(client):
+    body = {"prompt": "Whether 'tis nobler", "max_new_tokens": 20, "temperature": 1.0, "seed": 1234}
+    a = client.post("/generate", json=body).json()
+    b = client.post("/generate", json=body).json()
+    assert a["text"] == b["text"] and a["tokens"] == b["tokens"]
+    c = client.post("/generate", json={**body, "seed": 99}).json()
+    assert c["tokens"] != a["tokens"]
+
+    r = client.post("/generate", json={**body, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = parse_sse(r.text)
+    kinds = [e for e, _ in events]
+    assert kinds[-1] == "done" and set(kinds[:-1]) <= {"token"}
+    tokens = [json.loads(d) for e, d in events if e == "token"]
+    done = json.loads(events[-1][1])
+    assert [t["id"] for t in tokens] == [t["id"] for t in a["tokens"]]
+    assert "".join(t["delta"] for t in tokens) == a["text"] == done["text"]
+    assert done["finish_reason"] == a["finish_reason"] and done["usage"] == a["usage"]
+    assert set(done["timings"]) >= {"queue_ms", "prefill_ms", "decode_ms", "tokens_per_second"}
+
+
+def test_greedy_matches_reference(client, ckpt):
+    d = client.post("/generate", json={"prompt": "The slings", "max_new_tokens": 16, "temperature": 0}).json()
+    assert [t["id"] for t in d["tokens"]] == [t.id for t in reference(ckpt, "The slings", 16, temperature=0.0)]
+
+
+def test_return_attention_rows(client, ckpt):
+    prompt = "To be, or"
+    d = client.post("/generate", json={"prompt": prompt, "max_new_tokens": 5, "temperature": 0,
+                                       "return_attention": True}).json()
+    ref = reference(ckpt, prompt, 5, return_attention=True, temperature=0.0)
+    n_prompt = len(ckpt.tokenizer.encode(prompt))
+    att = d["attention"]
+    assert len(att) == len(d["tokens"]) == len(ref)
+    for i, (per_token, want) in enumerate(zip(att, ref)):
+        assert len(per_token) == 2 and all(len(layer) == 4 for layer in per_token)
+        for layer, want_layer in zip(per_token, want.attention):
+            a = np.asarray(layer)
+            assert a.shape == (4, n_prompt + i)  # the row of the position that produced token i
+            assert np.allclose(a.sum(-1), 1, atol=1e-4)
+            assert np.allclose(a, want_layer.numpy(), atol=1e-5)
+
+
+def test_stream_with_attention_and_logprobs(client):
+    r = client.post("/generate", json={"prompt": "To be", "max_new_tokens": 4, "temperature": 0, "stream": True,
+                                       "return_attention": True, "logprobs": 2})
+    tokens = [json.loads(d) for e, d in parse_sse(r.text) if e == "token"]
+    assert len(tokens) >= 1
+    for i, t in enumerate(tokens):
+        assert len(t["attention"]) == 2 and len(t["attention"][0]) == 4
+        assert len(t["attention"][0][0]) == 2 + i  # "To be" is 2 tokens
+        assert len(t["top_logprobs"]) == 2
+
+
+def _greedy_text(client, prompt, n=30):
+    return client.post("/generate", json={"prompt": prompt, "max_new_tokens": n, "temperature": 0}).json()
+
+
+def test_stop_string_cuts_text_and_streams_nothing_past_it(client, ckpt):
+    prompt = "Or to take arms"
+    full = _greedy_text(client, prompt)
+    tokens = full["tokens"]
+    assert len(tokens) >= 6, "need a few tokens to pick a stop string from"
+    text = full["text"]
+    # a stop string spanning the boundary between tokens 3 and 4 (by bytes)
+    tok = ckpt.tokenizer
+    start = len(tok.decode([t["id"] for t in tokens[:3]]))
+    stop = text[start - 1 : start + 2]
+    if not stop.strip() or "\ufffd" in stop:
+        pytest.skip("the random model's greedy text has no clean stop string")
+    cut = text.index(stop)
+    d = client.post("/generate", json={"prompt": prompt, "max_new_tokens": 30, "temperature": 0,
+                                       "stop": ["zzzz-never", stop]}).json()
+    assert d["finish_reason"] == "stop"
+    assert d["text"] == text[:cut] and stop not in d["text"]
+    r = client.post("/generate", json={"prompt": prompt, "max_new_tokens": 30, "temperature": 0,
+                                       "stop": [stop], "stream": True})
+    events = parse_sse(r.text)
+    streamed = "".join(json.loads(d)["delta"] for e, d in events if e == "token")
+    assert streamed == text[:cut]
+    assert json.loads(events[-1][1])["finish_reason"] == "stop"
+
+
+def test_stop_string_as_plain_string(client):
+    full = _greedy_text(client, "No more")
+    ch = next((c for c in full["text"][2:] if c.strip() and c != "\ufffd"), None)
+    if ch is None:
+        pytest.skip("no usable character in the greedy text")
+    d = client.post("/generate", json={"prompt": "No more", "max_new_tokens": 30, "temperature": 0,
+                                       "stop": ch}).json()
+    assert d["finish_reason"] == "stop" and d["text"] == full["text"][: full["text"].index(ch)]
+
+
+# --- EOS ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eos_checkpoint(tmp_path_factory):
+    """A model whose next token is EOS with probability about 1/2 at every step."""
+    from model import save_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("eos") / "eos", tie_embeddings=False, seed=3)
+    ck = load_checkpoint(path)
+    with torch.no_grad():
+        ck.model.ln_f.weight.zero_()
+        ck.model.ln_f.bias.fill_(1.0)  # every position's final hidden state is all ones
+        ck.model.lm_head.weight.normal_(0, 0.01)
+        n = ck.config.d_model
+        ck.model.lm_head.weight[ck.tokenizer.eos_id].fill_(math.log(ck.config.vocab_size) / n)
+    save_checkpoint(path, ck.model, ck.tokenizer)
+    return path
+
+
+def test_eos_ends_generation(eos_checkpoint):
+    ck = load_checkpoint(eos_checkpoint)
+    eos = ck.tokenizer.eos_id
+    with TestClient(create_app(Settings(model=eos_checkpoint, device="cpu"))) as c:
+        seen_eos = False
+        for seed in range(20):
+            ref = [t.id for t in generate_tokens(ck.model, ck.tokenizer.encode("To be"), 30,
+                                                 SamplingParams(temperature=1.0, seed=seed))]
+            d = c.post("/generate", json={"prompt": "To be", "max_new_tokens": 30, "temperature": 1.0,
+                                          "seed": seed}).json()
+            if eos in ref:
+                k = ref.index(eos)
+                assert d["finish_reason"] == "eos"
+                assert [t["id"] for t in d["tokens"]] == ref[:k]
+                assert d["usage"]["completion_tokens"] == k + 1  # the EOS was generated too
+                assert "<|endoftext|>" not in d["text"]
+                seen_eos = seen_eos or k > 0
+            else:
+                assert d["finish_reason"] == "length"
+        assert seen_eos
+
+
+# --- bad input ------------------------------------------------------------------
+@pytest.mark.parametrize("patch,field", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": MAX_NEW + 1}, "max_new_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"seed": "abc"}, "seed"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"stream": "maybe"}, "stream"),
+    ({"tempreature": 0.5}, "tempreature"),
+])
+def test_generate_invalid_field_is_422_naming_it(client, patch, field):
+    r = client.post("/generate", json={"prompt": "To be", **patch})
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert any(field in e["loc"] for e in detail), detail
+    assert all(e["msg"] for e in detail)
+
+
+def test_generate_body_that_is_not_json(client):
+    r = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    r = client.post("/generate", json=["a list"])
+    assert r.status_code == 422
+
+
+def test_prompt_over_max_prompt_tokens(client, ckpt):
+    prompt = "To be, or not to be " * 10
+    n = len(ckpt.tokenizer.encode(prompt))
+    assert n > MAX_PROMPT
+    r = client.post("/generate", json={"prompt": prompt, "max_new_tokens": 1})
+    assert r.status_code == 400
+    msg = r.json()["detail"]
+    assert f"{n} tokens" in msg and str(MAX_PROMPT) in msg
+
+
+def test_prompt_plus_new_tokens_over_context(client, ckpt):
+    prompt = "To be, or not to be, that is"
+    n = len(ckpt.tokenizer.encode(prompt))
+    r = client.post("/generate", json={"prompt": prompt, "max_new_tokens": 64 - n + 1})
+    assert r.status_code == 400
+    msg = r.json()["detail"]
+    assert f"({n} tokens)" in msg and f"({64 - n + 1})" in msg and "65" in msg and "64" in msg
+    assert r.json()["code"] == "context_length_exceeded"
+    ok = client.post("/generate", json={"prompt": prompt, "max_new_tokens": 64 - n, "temperature": 0})
+    assert ok.status_code == 200
+
+
+def test_body_over_limit_is_413(client):
+    big = json.dumps({"prompt": "a" * 1_100_000}).encode()
+    r = client.post("/generate", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "1000000" in r.json()["detail"]
+
+    def chunks():  # no Content-Length: the counted bytes must trip the limit
+        yield b'{"prompt": "'
+        for _ in range(11):
+            yield b"a" * 100_000
+        yield b'"}'
+
+    r = client.post("/generate", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert client.post("/generate", json={"prompt": "To be", "max_new_tokens": 1}).status_code == 200
+
+
+# --- /attention -------------------------------------------------------------------
+def model_attention(ckpt, text):
+    ids = torch.tensor([ckpt.tokenizer.encode(text)])
+    with torch.no_grad():
+        _, att = ckpt.model(ids, return_attention=True)
+    return np.stack([a[0].numpy() for a in att])  # (L, H, T, T)
+
+
+def test_attention_json(client, ckpt):
+    text = "To be, or not to be"
+    d = client.post("/attention", json={"text": text}).json()
+    want = model_attention(ckpt, text)
+    T = want.shape[-1]
+    assert d["n_layers"] == 2 and d["n_heads"] == 4 and d["layers"] == [0, 1] and d["heads"] == [0, 1, 2, 3]
+    assert d["shape"] == [2, 4, T, T] and len(d["tokens"]) == T
+    assert d["tokens"][0] == {"id": ckpt.tokenizer.encode(text)[0], "text": "To"}
+    a = np.asarray(d["attention"])
+    assert a.shape == (2, 4, T, T)
+    assert np.allclose(a.sum(-1), 1, atol=1e-4)
+    assert np.all(np.triu(a, 1) == 0)
+    assert np.allclose(a, want, atol=1e-5)
+
+
+def test_attention_selected_layers_and_heads(client, ckpt):
+    text = "The slings and arrows"
+    d = client.post("/attention", json={"text": text, "layers": [1], "heads": [3, 0]}).json()
+    want = model_attention(ckpt, text)
+    assert d["layers"] == [1] and d["heads"] == [3, 0]
+    assert np.allclose(np.asarray(d["attention"]), want[[1]][:, [3, 0]], atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt,packing,tol", [("f16", "full", 1e-3), ("u8", "full", 0.5 / 255 + 1e-6),
+                                             ("u8", "tril", 0.5 / 255 + 1e-6), ("f16", "tril", 1e-3)])
+def test_attention_packed_formats(client, ckpt, fmt, packing, tol):
+    text = "Whether 'tis nobler in the mind"
+    d = client.post("/attention", json={"text": text, "format": fmt, "packing": packing}).json()
+    assert d["format"] == fmt and d.get("attention") is None and d["data"]
+    a = decode(d)
+    assert np.abs(a - model_attention(ckpt, text)).max() <= tol
+    T = d["shape"][-1]
+    cells = 2 * 4 * T * T if packing == "full" else 2 * 4 * T * (T + 1) // 2
+    assert len(d["data"]) == 4 * math.ceil(cells * (2 if fmt == "f16" else 1) / 3)  # base64 of the raw bytes
+    if fmt == "u8":
+        assert d["scale"] == pytest.approx(1 / 255)
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"text": "To be", "layers": [2]}, "layers"),
+    ({"text": "To be", "layers": [-1]}, "layers"),
+    ({"text": "To be", "heads": [4]}, "heads"),
+    ({"text": "To be", "heads": [0, 0]}, "heads"),
+    ({"text": "To be", "layers": []}, "layers"),
+    ({"text": ""}, "text"),
+    ({"text": "To be", "format": "png"}, "format"),
+])
+def test_attention_bad_input_is_422(client, body, field):
+    r = client.post("/attention", json=body)
+    assert r.status_code == 422
+    assert any(field in e["loc"] for e in r.json()["detail"])
+    if field in ("layers", "heads") and body.get(field) and body[field][0] != 0:
+        assert "out of range" in r.text
+
+
+def test_attention_text_longer_than_context(client, ckpt):
+    text = "To be, or not to be, that is the question. " * 6
+    n = len(ckpt.tokenizer.encode(text))
+    assert n > 64
+    r = client.post("/attention", json={"text": text})
+    assert r.status_code == 400
+    assert f"{n} tokens" in r.json()["detail"] and "64" in r.json()["detail"]
+
+
+# --- start-up --------------------------------------------------------------------
+def test_missing_checkpoint_fails_startup_clearly(tmp_path):
+    app = create_app(Settings(model=tmp_path / "nowhere", device="cpu"))
+    with pytest.raises(RuntimeError, match="cannot load the model from .*nowhere"):
+        with TestClient(app):
+            pass
+
+
+def test_readyz_503_before_start(tiny_checkpoint):
+    app = create_app(Settings(model=tiny_checkpoint, device="cpu"))
+    c = TestClient(app)  # no `with`: the lifespan has not run, nothing is loaded
+    r = c.get("/readyz")
+    assert r.status_code == 503 and r.json()["ready"] is False
+    assert c.get("/healthz").status_code == 200
+    r = c.post("/generate", json={"prompt": "To be"})
+    assert r.status_code == 503 and "not ready" in r.json()["detail"]
