@@ -1,0 +1,225 @@
+// Thin client for the attnlens HTTP API. Every failure becomes an ApiError whose
+// message is fit to show a person: field + reason for 422, size for 413, retry hint for 429.
+
+export class ApiError extends Error {
+  constructor(message, { status = 0, fields = [], retryAfter = null, detail = null } = {}) {
+    super(message);
+    this.name = "ApiError";
+    this.status = status; // 0 = no HTTP answer (server down, network, aborted)
+    this.fields = fields; // names of request fields the server rejected
+    this.retryAfter = retryAfter;
+    this.detail = detail;
+  }
+}
+
+/** Turn a FastAPI/pydantic `detail` into readable text plus the rejected field names. */
+export function describeDetail(detail) {
+  if (detail == null) return { text: "", fields: [] };
+  if (typeof detail === "string") return { text: detail, fields: [] };
+  if (Array.isArray(detail)) {
+    const fields = [];
+    const parts = detail.map((d) => {
+      if (typeof d === "string") return d;
+      const loc = Array.isArray(d.loc) ? d.loc.filter((p) => p !== "body") : [];
+      const field = loc.filter((p) => typeof p === "string").join(".") || d.field || "";
+      if (field) fields.push(field.split(".")[0]);
+      let msg = d.msg || d.reason || d.message || JSON.stringify(d);
+      msg = msg.replace(/^Value error, /, "");
+      return field ? `${field}: ${msg}` : msg;
+    });
+    return { text: parts.join("; "), fields };
+  }
+  if (typeof detail === "object") {
+    const field = detail.field || (Array.isArray(detail.loc) ? detail.loc.filter((p) => p !== "body").join(".") : "");
+    const msg = detail.message || detail.msg || detail.reason || detail.error || JSON.stringify(detail);
+    return { text: field ? `${field}: ${msg}` : msg, fields: field ? [field] : [] };
+  }
+  return { text: String(detail), fields: [] };
+}
+
+/** Build an ApiError from a non-OK Response (reads its body). */
+export async function errorFromResponse(res) {
+  let body = null;
+  let raw = "";
+  try {
+    raw = await res.text();
+    body = raw ? JSON.parse(raw) : null;
+  } catch {
+    body = null;
+  }
+  const d = body && typeof body === "object" ? body.detail ?? body.error ?? body.message ?? body : raw;
+  let { text, fields } = describeDetail(d);
+  if (body && typeof body === "object" && body.error && typeof body.error === "object") {
+    ({ text, fields } = describeDetail(body.error));
+  }
+  const retryAfter = res.headers.get("Retry-After");
+  let message;
+  switch (res.status) {
+    case 422:
+    case 400:
+      message = `Invalid request — ${text || res.statusText}`;
+      break;
+    case 413:
+      message = `Input too large — ${text || "the request body or text is over the server's limit"}`;
+      break;
+    case 429:
+      message = `The server is busy (too many requests)${retryAfter ? ` — try again in ${retryAfter} s` : ""}${text ? `: ${text}` : ""}`;
+      break;
+    case 503:
+      message = `Service unavailable${retryAfter ? ` — try again in ${retryAfter} s` : ""}${text ? `: ${text}` : ""}`;
+      break;
+    default:
+      message = `Server error ${res.status}${text ? ` — ${text}` : res.statusText ? ` — ${res.statusText}` : ""}`;
+  }
+  return new ApiError(message, { status: res.status, fields, retryAfter, detail: d });
+}
+
+function networkError(err) {
+  if (err && err.name === "AbortError") return new ApiError("Stopped.", { status: 0, detail: "aborted" });
+  return new ApiError("Cannot reach the attnlens server — is `attnlens serve` running?", { status: 0 });
+}
+
+/** POST JSON; resolves to the raw Response when OK, throws ApiError otherwise. */
+export async function postRaw(path, body, { signal } = {}) {
+  let res;
+  try {
+    res = await fetch(path, {
+      method: "POST",
+      headers: { "Content-Type": "application/json", Accept: "application/json, text/event-stream" },
+      body: JSON.stringify(body),
+      signal,
+    });
+  } catch (err) {
+    throw networkError(err);
+  }
+  if (!res.ok) throw await errorFromResponse(res);
+  return res;
+}
+
+export async function postJSON(path, body, opts) {
+  const res = await postRaw(path, body, opts);
+  try {
+    return await res.json();
+  } catch (err) {
+    throw networkError(err);
+  }
+}
+
+export async function getJSON(path, { signal } = {}) {
+  let res;
+  try {
+    res = await fetch(path, { headers: { Accept: "application/json" }, signal });
+  } catch (err) {
+    throw networkError(err);
+  }
+  if (!res.ok) throw await errorFromResponse(res);
+  return res.json();
+}
+
+export const getModel = (opts) => getJSON("/model", opts);
+
+// ---- /attention ---------------------------------------------------------------
+
+function base64ToBytes(b64) {
+  const bin = atob(b64);
+  const out = new Uint8Array(bin.length);
+  for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+  return out;
+}
+
+/** IEEE 754 half (as uint16) -> float32 via a 65536-entry table built once. */
+let HALF_TABLE = null;
+function halfTable() {
+  if (HALF_TABLE) return HALF_TABLE;
+  HALF_TABLE = new Float32Array(65536);
+  for (let h = 0; h < 65536; h++) {
+    const s = h & 0x8000 ? -1 : 1;
+    const e = (h >> 10) & 0x1f;
+    const f = h & 0x3ff;
+    let v;
+    if (e === 0) v = s * 2 ** -14 * (f / 1024);
+    else if (e === 31) v = f ? NaN : s * Infinity;
+    else v = s * 2 ** (e - 15) * (1 + f / 1024);
+    HALF_TABLE[h] = v;
+  }
+  return HALF_TABLE;
+}
+
+/**
+ * Decode the payload of an /attention answer into a flat Float32Array [L][H][T][T] (row-major).
+ * Handles format json (nested lists in `attention`), f16 and u8 (base64 in `data`, with
+ * `dtype`, `scale`), and packing "tril" (only cells on or below each diagonal are sent).
+ */
+export function decodeAttention(resp) {
+  const payload = resp.data ?? resp.attention;
+  if (typeof payload !== "string") {
+    const flat = [];
+    const walk = (x) => {
+      if (Array.isArray(x)) for (const y of x) walk(y);
+      else flat.push(x);
+    };
+    walk(payload);
+    return Float32Array.from(flat);
+  }
+  const bytes = base64ToBytes(payload);
+  const dtype = resp.dtype || (resp.format === "u8" ? "uint8" : "float16");
+  let values;
+  if (dtype === "uint8") {
+    const scale = resp.scale ?? 1 / 255;
+    values = new Float32Array(bytes.length);
+    for (let i = 0; i < bytes.length; i++) values[i] = bytes[i] * scale;
+  } else {
+    const n = bytes.length >> 1;
+    const table = halfTable();
+    values = new Float32Array(n);
+    for (let i = 0; i < n; i++) values[i] = table[bytes[2 * i] | (bytes[2 * i + 1] << 8)];
+  }
+  if (resp.packing === "tril") {
+    const shape = resp.shape;
+    const T = shape[shape.length - 1];
+    const mats = shape.slice(0, -2).reduce((a, b) => a * b, 1);
+    const per = (T * (T + 1)) / 2;
+    const out = new Float32Array(mats * T * T);
+    for (let m = 0; m < mats; m++) {
+      let src = m * per;
+      const base = m * T * T;
+      for (let r = 0; r < T; r++) {
+        out.set(values.subarray(src, src + r + 1), base + r * T);
+        src += r + 1;
+      }
+    }
+    return out;
+  }
+  return values;
+}
+
+/**
+ * Fetch attention for `text`. Returns { tokens, nLayers, nHeads, layers, heads, T, data }
+ * where data is Float32Array [layers.length][heads.length][T][T].
+ */
+export async function fetchAttention(text, { layers = null, heads = null, format = "json", packing = "tril", signal } = {}) {
+  const body = { text, format };
+  if (format !== "json") body.packing = packing;
+  if (layers) body.layers = layers;
+  if (heads) body.heads = heads;
+  const resp = await postJSON("/attention", body, { signal });
+  const data = decodeAttention(resp);
+  const T = resp.tokens.length;
+  const L = resp.shape?.[0] ?? ((resp.layers ?? layers ?? []).length || resp.n_layers);
+  const H = resp.shape?.[1] ?? ((resp.heads ?? heads ?? []).length || resp.n_heads);
+  if (data.length !== L * H * T * T) {
+    throw new ApiError(
+      `Unexpected attention payload: ${data.length} values for ${L} layers × ${H} heads × ${T}² tokens`,
+      { status: 0 },
+    );
+  }
+  return {
+    tokens: resp.tokens,
+    nLayers: resp.n_layers,
+    nHeads: resp.n_heads,
+    layers: resp.layers ?? layers ?? [...Array(L).keys()],
+    heads: resp.heads ?? heads ?? [...Array(H).keys()],
+    T,
+    data,
+  };
+}

@@ -1,0 +1,213 @@
+// Attention data and the arithmetic the views need: per-head matrices, aggregates,
+// rollout (Abnar & Zuidema 2020), first-token-sink removal, differences and row sums.
+// Matrices are flat Float32Arrays, row-major, rows = queries, cols = keys.
+
+import { fetchAttention } from "./api.js";
+
+/** Compact transfer formats for long inputs: JSON up to this many tokens, then f16. */
+export const JSON_MAX_TOKENS = 64;
+
+/**
+ * All attention for one text, fetched layer by layer as views need them.
+ * `ensure(layers)` fetches what is missing (in one request); `head(l, h)` is a T×T view.
+ */
+export class AttentionSet {
+  constructor(text, meta, { format = "auto" } = {}) {
+    this.text = text;
+    this.meta = meta; // {n_layers, n_heads, ...} from /model
+    this.nLayers = meta.n_layers;
+    this.nHeads = meta.n_heads;
+    this.format = format;
+    this.tokens = null;
+    this.T = 0;
+    this.layers = new Map(); // layer -> Float32Array(H*T*T)
+    this.pending = new Map(); // layer -> Promise
+    this.lastFormat = null;
+  }
+
+  chooseFormat(T) {
+    if (this.format !== "auto") return this.format;
+    return T != null && T <= JSON_MAX_TOKENS ? "json" : "f16";
+  }
+
+  has(layer) {
+    return this.layers.has(layer);
+  }
+
+  hasAll() {
+    for (let l = 0; l < this.nLayers; l++) if (!this.layers.has(l)) return false;
+    return true;
+  }
+
+  /** Fetch the given layers (all heads) unless already here. Resolves when all are present. */
+  async ensure(layers, { signal } = {}) {
+    const missing = layers.filter((l) => !this.layers.has(l) && !this.pending.has(l));
+    if (missing.length) {
+      // The token count is unknown before the first answer: start compact unless told otherwise.
+      // (a text of at most 64 UTF-8 bytes has at most 64 tokens)
+      const bytes = new TextEncoder().encode(this.text).length;
+      const format = this.chooseFormat(this.T || (bytes <= JSON_MAX_TOKENS ? bytes : null));
+      this.lastFormat = format;
+      const p = fetchAttention(this.text, { layers: missing, format, signal }).then((res) => {
+        if (!this.tokens) {
+          this.tokens = res.tokens;
+          this.T = res.T;
+        }
+        const T = res.T;
+        const H = res.heads.length;
+        const per = H * T * T;
+        res.layers.forEach((l, i) => {
+          let block = res.data.subarray(i * per, (i + 1) * per);
+          if (H !== this.nHeads) {
+            // heads were filtered: place them at their indices, NaN elsewhere
+            const full = new Float32Array(this.nHeads * T * T).fill(NaN);
+            res.heads.forEach((h, j) => full.set(block.subarray(j * T * T, (j + 1) * T * T), h * T * T));
+            block = full;
+          }
+          this.layers.set(l, block);
+        });
+        return res;
+      });
+      for (const l of missing) this.pending.set(l, p);
+      try {
+        await p;
+      } finally {
+        for (const l of missing) this.pending.delete(l);
+      }
+    }
+    await Promise.all(layers.map((l) => this.pending.get(l)).filter(Boolean));
+  }
+
+  head(layer, head) {
+    const block = this.layers.get(layer);
+    if (!block) return null;
+    const n = this.T * this.T;
+    return block.subarray(head * n, (head + 1) * n);
+  }
+}
+
+/** Hide key 0 (the usual "attention sink") and renormalise each row over the remaining keys. */
+export function removeSink(m, T, cols = T) {
+  const rows = m.length / cols;
+  const out = new Float32Array(m.length);
+  for (let r = 0; r < rows; r++) {
+    let s = 0;
+    const b = r * cols;
+    for (let c = 1; c < cols; c++) s += m[b + c] || 0;
+    out[b] = NaN; // hidden
+    if (s > 0) for (let c = 1; c < cols; c++) out[b + c] = m[b + c] / s;
+    else for (let c = 1; c < cols; c++) out[b + c] = 0;
+  }
+  return out;
+}
+
+/** Reduce several T×T matrices cell-wise: "mean" | "max" | "sum". */
+export function reduce(mats, op) {
+  const n = mats[0].length;
+  const out = new Float32Array(n);
+  if (op === "max") {
+    out.fill(-Infinity);
+    for (const m of mats) for (let i = 0; i < n; i++) if (m[i] > out[i]) out[i] = m[i];
+    return out;
+  }
+  for (const m of mats) for (let i = 0; i < n; i++) out[i] += m[i];
+  if (op === "mean") for (let i = 0; i < n; i++) out[i] /= mats.length;
+  return out;
+}
+
+/** C = A · B for T×T matrices (lower-triangular inputs stay lower-triangular). */
+export function matmul(A, B, T) {
+  const C = new Float32Array(T * T);
+  for (let i = 0; i < T; i++) {
+    const ci = i * T;
+    for (let k = 0; k < T; k++) {
+      const a = A[ci + k];
+      if (a === 0) continue;
+      const bk = k * T;
+      for (let j = 0; j < T; j++) C[ci + j] += a * B[bk + j];
+    }
+  }
+  return C;
+}
+
+/**
+ * Attention rollout (Abnar & Zuidema 2020): for each layer average the heads,
+ * A' = 0.5·A + 0.5·I, renormalise rows, and multiply through the layers:
+ * R = A'_L · … · A'_1. `layerMats` is a list (first layer first) of lists of head matrices.
+ */
+export function rollout(layerMats, T) {
+  let R = null;
+  for (const heads of layerMats) {
+    const A = reduce(heads, "mean");
+    for (let i = 0; i < T; i++) {
+      A[i * T + i] = A[i * T + i] * 0.5 + 0.5;
+      let s = 0;
+      for (let j = 0; j < T; j++) {
+        if (j !== i) A[i * T + j] *= 0.5;
+        s += A[i * T + j];
+      }
+      if (s > 0) for (let j = 0; j < T; j++) A[i * T + j] /= s;
+    }
+    R = R ? matmul(A, R, T) : A;
+  }
+  return R;
+}
+
+/** Cell-wise a − b over the top-left n×n block both share; returns {data, n}. */
+export function difference(a, Ta, b, Tb) {
+  const n = Math.min(Ta, Tb);
+  const out = new Float32Array(n * n);
+  for (let r = 0; r < n; r++) {
+    for (let c = 0; c < n; c++) {
+      const x = a[r * Ta + c];
+      const y = b[r * Tb + c];
+      out[r * n + c] = x !== x || y !== y ? NaN : x - y;
+    }
+  }
+  return { data: out, n };
+}
+
+/** Sum of the chosen rows of a rows×cols matrix (NaN counts as 0). */
+export function sumRows(m, cols, rows) {
+  const out = new Float32Array(cols);
+  for (const r of rows) {
+    const b = r * cols;
+    for (let c = 0; c < cols; c++) {
+      const v = m[b + c];
+      if (v === v) out[c] += v;
+    }
+  }
+  return out;
+}
+
+/** Largest finite value (0 if none). */
+export function maxOf(m) {
+  let mx = 0;
+  for (let i = 0; i < m.length; i++) {
+    const v = m[i];
+    if (v > mx) mx = v;
+  }
+  return mx;
+}
+
+export function maxAbs(m) {
+  let mx = 0;
+  for (let i = 0; i < m.length; i++) {
+    const v = Math.abs(m[i]);
+    if (v > mx) mx = v;
+  }
+  return mx;
+}
+
+/** Entropy-free summary stats for a head, shown in the model view tooltip. */
+export function headStats(m, T) {
+  let diag = 0;
+  let first = 0;
+  let prev = 0;
+  for (let r = 0; r < T; r++) {
+    diag += m[r * T + r] || 0;
+    first += m[r * T] || 0;
+    if (r > 0) prev += m[r * T + r - 1] || 0;
+  }
+  return { self: diag / T, first: first / T, previous: T > 1 ? prev / (T - 1) : 0 };
+}

@@ -1,0 +1,244 @@
+// Model view: every layer × head as a small heatmap. Each thumbnail is a button holding a
+// canvas of T×T pixels (one per cell) that CSS scales; layers are fetched as they scroll
+// into view when the input is long.
+
+import { paintMatrix, cssVar } from "../heatmap.js";
+import { removeSink, maxOf, headStats, JSON_MAX_TOKENS } from "../attention.js";
+import { showTooltip, hideTooltip } from "../tooltip.js";
+
+function parseColor(str) {
+  if (str.startsWith("#")) {
+    const h = str.length === 4 ? [...str.slice(1)].map((c) => c + c).join("") : str.slice(1, 7);
+    return [0, 2, 4].map((i) => parseInt(h.substr(i, 2), 16));
+  }
+  const m = str.match(/[\d.]+/g);
+  return m ? m.slice(0, 3).map(Number) : [128, 128, 128];
+}
+
+export class ModelView {
+  constructor(app) {
+    this.app = app;
+    this.thumbs = []; // [layer][head] -> {button, canvas}
+    this.observer = null;
+    this.wanted = new Set();
+    this.flushTimer = null;
+  }
+
+  mount(host) {
+    this.host = host;
+    this.root = document.createElement("div");
+    this.root.className = "model-grid";
+    host.append(this.root);
+  }
+
+  unmount() {
+    hideTooltip();
+    this.observer?.disconnect();
+    this.root?.remove();
+  }
+
+  thumbSize(H) {
+    const avail = (this.host.clientWidth || 800) - 56;
+    return Math.max(44, Math.min(150, Math.floor(avail / H) - 8));
+  }
+
+  build() {
+    const { att } = this.app;
+    const L = att.nLayers;
+    const H = att.nHeads;
+    const size = this.thumbSize(H);
+    this.root.replaceChildren();
+    this.root.style.setProperty("--thumb", `${size}px`);
+    this.root.style.gridTemplateColumns = `40px repeat(${H}, var(--thumb))`;
+    const corner = document.createElement("div");
+    corner.className = "grid-corner";
+    corner.textContent = "L \\ H";
+    this.root.append(corner);
+    for (let h = 0; h < H; h++) {
+      const d = document.createElement("div");
+      d.className = "grid-col-label";
+      d.textContent = `H${h}`;
+      this.root.append(d);
+    }
+    this.thumbs = [];
+    this.rowEls = [];
+    for (let l = 0; l < L; l++) {
+      const lab = document.createElement("div");
+      lab.className = "grid-row-label";
+      lab.textContent = `L${l}`;
+      lab.dataset.layer = l;
+      this.root.append(lab);
+      this.rowEls.push(lab);
+      const row = [];
+      for (let h = 0; h < H; h++) {
+        const b = document.createElement("button");
+        b.type = "button";
+        b.className = "thumb loading";
+        b.dataset.layer = l;
+        b.dataset.head = h;
+        b.setAttribute("aria-label", `Layer ${l}, head ${h}: open in head view`);
+        const c = document.createElement("canvas");
+        c.width = att.T;
+        c.height = att.T;
+        b.append(c);
+        b.addEventListener("click", () => this.app.selectHead(l, h, { view: "head" }));
+        b.addEventListener("mouseenter", () => this.tip(b, l, h));
+        b.addEventListener("focus", () => this.tip(b, l, h));
+        b.addEventListener("mouseleave", hideTooltip);
+        b.addEventListener("blur", hideTooltip);
+        this.root.append(b);
+        row.push({ button: b, canvas: c, drawn: false });
+      }
+      this.thumbs.push(row);
+    }
+    this.markSelected();
+  }
+
+  tip(b, l, h) {
+    const { att } = this.app;
+    const m = att.head(l, h);
+    const r = b.getBoundingClientRect();
+    let body = '<div class="tt-muted">loading…</div>';
+    if (m) {
+      const s = headStats(m, att.T);
+      const pct = (x) => `${(100 * x).toFixed(0)}%`;
+      body = `<div class="tt-muted">self ${pct(s.self)} · previous ${pct(s.previous)} · first token ${pct(s.first)}</div><div class="tt-muted">click to open in the head view</div>`;
+    }
+    showTooltip(`<div class="tt-cell"><b>Layer ${l} · head ${h}</b></div>${body}`, r.right - 6, r.top + 4);
+  }
+
+  markSelected() {
+    const { layer, head } = this.app.state;
+    for (const row of this.thumbs)
+      for (const t of row) {
+        const sel = +t.button.dataset.layer === layer && +t.button.dataset.head === head;
+        t.button.classList.toggle("selected", sel);
+        t.button.setAttribute("aria-pressed", sel ? "true" : "false");
+      }
+  }
+
+  /** Paint every thumbnail of the given layers; returns milliseconds spent. */
+  paintLayers(layers) {
+    const { att, state } = this.app;
+    const T = att.T;
+    const maskColor = parseColor(cssVar("--heat-masked", "#e5e7eb"));
+    const t0 = performance.now();
+    for (const l of layers) {
+      if (!att.has(l)) continue;
+      for (let h = 0; h < att.nHeads; h++) {
+        let m = att.head(l, h);
+        if (state.sink) m = removeSink(m, T);
+        const vmax = state.scale === "unit" ? 1 : maxOf(m) || 1;
+        const t = this.thumbs[l][h];
+        paintMatrix(m, T, T, { cmap: state.cmap, vmin: 0, vmax, gamma: state.scale === "sqrt" ? 0.5 : 1, causal: true, maskColor, canvas: t.canvas });
+        t.drawn = true;
+        t.button.classList.remove("loading");
+      }
+    }
+    return performance.now() - t0;
+  }
+
+  async render(seq) {
+    const { att } = this.app;
+    const started = performance.now();
+    const perf = (window.__attnlens.perf.modelView = { started, T: 0, drawMs: null, totalMs: null, layers: 0, heads: 0 });
+    // We need T to size the canvases: fetch the first layer (or all of them for short inputs).
+    const lazy = att.T ? att.T > JSON_MAX_TOKENS : att.text.length > 3 * JSON_MAX_TOKENS;
+    if (!att.T) await att.ensure(lazy ? [0] : [...Array(att.nLayers).keys()]);
+    if (!lazy) await att.ensure([...Array(att.nLayers).keys()]);
+    if (seq != null && seq !== this.app.seq) return;
+    this.build();
+    this.app.setLegend({ cmap: this.app.state.cmap, vmin: 0, vmax: this.app.state.scale === "unit" ? 1 : 1, gamma: this.app.state.scale === "sqrt" ? 0.5 : 1, label: "each map scaled to its own maximum" });
+    this.app.setCaption(
+      `<b>All ${att.nLayers} layers × ${att.nHeads} heads</b> on ${att.T} tokens${this.app.state.scale === "unit" ? " (colour 0–1)" : ", each map scaled to its own maximum"}. Click a map to open it in the head view.`,
+    );
+    const present = [...Array(att.nLayers).keys()].filter((l) => att.has(l));
+    perf.drawMs = this.paintLayers(present);
+    perf.T = att.T;
+    perf.heads = att.nHeads;
+    perf.layers = present.length;
+    if (att.hasAll()) perf.totalMs = performance.now() - started;
+    else this.observe(perf, started);
+  }
+
+  observe(perf, started) {
+    const { att } = this.app;
+    this.observer?.disconnect();
+    this.observer = new IntersectionObserver(
+      (entries) => {
+        for (const e of entries) if (e.isIntersecting) this.wanted.add(+e.target.dataset.layer);
+        clearTimeout(this.flushTimer);
+        this.flushTimer = setTimeout(() => this.flush(perf, started), 30);
+      },
+      { root: null, rootMargin: "200px" },
+    );
+    this.rowEls.forEach((el, l) => {
+      if (!att.has(l)) this.observer.observe(el);
+    });
+  }
+
+  async flush(perf, started) {
+    const { att } = this.app;
+    const layers = [...this.wanted].filter((l) => !att.has(l));
+    this.wanted.clear();
+    if (!layers.length) return;
+    try {
+      await this.app.track(att.ensure(layers));
+    } catch (err) {
+      this.app.showError(err, "Loading attention");
+      return;
+    }
+    if (this.app.att !== att || !this.root.isConnected) return;
+    perf.drawMs += this.paintLayers(layers);
+    perf.layers = [...Array(att.nLayers).keys()].filter((l) => att.has(l)).length;
+    layers.forEach((l) => this.observer?.unobserve(this.rowEls[l]));
+    if (att.hasAll()) perf.totalMs = performance.now() - started;
+  }
+
+  exportCanvas() {
+    const { att } = this.app;
+    const H = att.nHeads;
+    const L = att.nLayers;
+    const T = att.T;
+    const cell = Math.max(64, Math.min(160, T));
+    const gap = 8;
+    const left = 40;
+    const top = 24;
+    const c = document.createElement("canvas");
+    c.width = left + H * (cell + gap);
+    c.height = top + L * (cell + gap);
+    const ctx = c.getContext("2d");
+    ctx.fillStyle = cssVar("--surface", "#fff");
+    ctx.fillRect(0, 0, c.width, c.height);
+    ctx.fillStyle = cssVar("--text", "#111");
+    ctx.font = "12px system-ui, sans-serif";
+    ctx.textBaseline = "middle";
+    ctx.imageSmoothingEnabled = T > cell;
+    for (let h = 0; h < H; h++) ctx.fillText(`H${h}`, left + h * (cell + gap) + cell / 2 - 8, top / 2);
+    for (let l = 0; l < L; l++) {
+      ctx.fillText(`L${l}`, 8, top + l * (cell + gap) + cell / 2);
+      for (let h = 0; h < H; h++) {
+        const t = this.thumbs[l]?.[h];
+        if (t?.drawn) ctx.drawImage(t.canvas, left + h * (cell + gap), top + l * (cell + gap), cell, cell);
+      }
+    }
+    return c;
+  }
+
+  exportData() {
+    const { att, state } = this.app;
+    const T = att.T;
+    const heads = [];
+    for (let l = 0; l < att.nLayers; l++) {
+      if (!att.has(l)) continue;
+      for (let h = 0; h < att.nHeads; h++) {
+        let m = att.head(l, h);
+        if (state.sink) m = removeSink(m, T);
+        const rows = [];
+        for (let r = 0; r < T; r++) rows.push(Array.from(m.subarray(r * T, (r + 1) * T), (v) => (v !== v ? null : +v.toFixed(5))));
+        heads.push({ layer: l, head: h, matrix: rows });
+      }
+    }
+    return { title: "all heads", tokens: att.tokens, heads };
+  }
+}
