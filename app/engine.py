@@ -218,6 +218,7 @@ class GenerationRequest(_Work):
         data = {
             "finish_reason": reason,
             "text": self.text.text,
+            "delta": self.text.unsent,  # text no token event carried (a dangling partial character)
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": self.produced,
                       "total_tokens": n_prompt + self.produced},
             "timings": {

@@ -97,7 +97,9 @@ class StreamDone(BaseModel):
 
     id: str
     finish_reason: FinishReason
-    text: str
+    text: str = Field(description="the whole generated text")
+    delta: str = Field(description="text no token event carried: usually empty, else a final partial "
+                                   "character (U+FFFD); the token deltas plus this equal `text`")
     usage: Usage
     timings: Timings
 

@@ -40,6 +40,7 @@ class TextStream:
         self.text = ""  # exact text released so far
         self.stopped = False
         self.cut: int | None = None  # byte offset where a stop string begins
+        self.unsent = ""  # end of `text` that no released token's delta carries (see finish)
 
     def push(self, index: int, token_id: int, extra: Any = None) -> list[Released]:
         """Add a generated token; return the tokens that can now be shown."""
@@ -100,7 +101,7 @@ class TextStream:
             tail = self._decoder.decode(b"", final=True)  # a dangling partial character
             if tail and out:
                 out[-1].delta += tail
-                self.text += tail
-            elif tail:
-                self.text += tail
+            elif tail:  # the tokens were all released already: the caller sends it at the end
+                self.unsent = tail
+            self.text += tail
         return out

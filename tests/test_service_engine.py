@@ -227,3 +227,14 @@ def test_cancelled_generation_stops_within_a_step(ckpt):
         assert counting.calls <= calls_at_cancel + 1  # at most the step already under way
     finally:
         engine.close()
+
+
+def test_dangling_partial_character_is_reported_once(ckpt):
+    tok = ckpt.tokenizer
+    ids = tok.encode("東")
+    assert len(ids) > 1  # byte-level pieces of one character
+    ts = TextStream(tok, [])
+    deltas = [r.delta for i, t in enumerate(ids[:-1]) for r in ts.push(i, t)]
+    assert deltas and all(d == "" for d in deltas)
+    assert ts.finish() == []
+    assert ts.text == "\ufffd" and "".join(deltas) + ts.unsent == ts.text

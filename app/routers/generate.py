@@ -64,7 +64,7 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
                         d = event.data
                         metrics.observe_generation(d["usage"], d["timings"])
                         yield sse("done", {"id": gen_id, "finish_reason": d["finish_reason"], "text": d["text"],
-                                           "usage": d["usage"], "timings": d["timings"]})
+                                           "delta": d["delta"], "usage": d["usage"], "timings": d["timings"]})
                     else:
                         yield sse("error", {"message": event.data["message"]})
             except Exception as e:  # anything on our side mid-stream: tell the client

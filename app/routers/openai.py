@@ -157,7 +157,7 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
                         remaining -= 1
                         completion_tokens += ev.data["usage"]["completion_tokens"]
                         metrics.observe_generation(ev.data["usage"], ev.data["timings"])
-                        yield chunk(i, "", None, FINISH[ev.data["finish_reason"]])
+                        yield chunk(i, ev.data["delta"], None, FINISH[ev.data["finish_reason"]])
                     else:
                         yield sse(None, {"error": {"message": ev.data["message"], "type": "server_error",
                                                    "param": None, "code": "generation_failed"}})
@@ -187,6 +187,7 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
             c.add_prompt_scores(out.done["prompt_logprobs"])
         for t in out.tokens:
             c.add_token(t)
+        c.text += out.done["delta"]
         result.append(c.as_dict(out.done["finish_reason"]))
     completion_tokens = sum(o.done["usage"]["completion_tokens"] for o in outcomes)
     return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": result,
