@@ -161,7 +161,7 @@ export class Heatmap {
     const avail = Math.max(200, this.container.clientWidth || 600);
     const ctx = this.base.getContext("2d");
     ctx.font = FONT;
-    const rowLabels = (m.rowLabels || []).map((t) => axisLabel(t, this.opts.labelMax));
+    const rowLabels = m.plainRowLabels ? m.rowLabels.slice() : (m.rowLabels || []).map((t) => axisLabel(t, this.opts.labelMax));
     const colLabels = (m.colLabels || []).map((t) => axisLabel(t, this.opts.labelMax));
     // first guess of the cell size, then the label step that keeps labels apart
     let left = rowLabels.length ? Math.min(110, this._measureLabels(ctx, rowLabels, 1) + 26) : 8;

@@ -25,7 +25,7 @@ const DEFAULTS = {
   sink: false,
   cmap: "viridis",
   dcmap: "RdBu",
-  scale: "max",
+  scale: "p99",
   op: "mean",
   diff: "heads",
   layerB: 0,

@@ -3,7 +3,7 @@
 // return_attention). A slider scrubs through the generation step by step.
 
 import { Heatmap } from "../heatmap.js";
-import { removeSink, maxOf } from "../attention.js";
+import { removeSink, maxOf, colourScale } from "../attention.js";
 import { css, luminance } from "../colormap.js";
 import { quoted, escapeHTML, visible } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
@@ -119,26 +119,27 @@ export class GenView {
     for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) data.set(att[l][h], (l * H + h) * S);
     if (state.sink) data = removeSink(data, S, S);
     const rowLabels = [];
-    for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) rowLabels.push(`L${l} H${h}`);
-    const vmax = state.scale === "unit" ? 1 : maxOf(data) || 1;
+    for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) rowLabels.push(`L${l} · H${h}`);
+    const sc = colourScale(data, S, state.scale, { skipFirstRow: false });
     this.result = { data, rows: L * H, cols: S, keys, L, H, S, step, target };
     this.heatmap.set({
-      data,
+      data: sc.data,
       rows: L * H,
       cols: S,
       rowLabels,
+      plainRowLabels: true,
       colLabels: keys.map((t) => t.text),
       cmap: state.cmap,
-      vmin: 0,
-      vmax,
-      gamma: state.scale === "sqrt" ? 0.5 : 1,
+      vmin: sc.vmin,
+      vmax: sc.vmax,
+      gamma: sc.gamma,
       causal: false,
       rowTitle: "layer · head",
       colTitle: "earlier tokens (keys) →",
     });
     const sel = Math.min(state.layer, L - 1) * H + Math.min(state.head, H - 1);
     this.heatmap.setPinned([sel]);
-    this.app.setLegend({ cmap: state.cmap, vmin: 0, vmax, gamma: state.scale === "sqrt" ? 0.5 : 1, label: "attention weight" });
+    this.app.setLegend({ cmap: state.cmap, vmin: sc.vmin, vmax: sc.vmax, gamma: sc.gamma, label: sc.label });
     this.stepText.innerHTML = `step ${step + 1} / ${n}: generating <span class="tok-inline">${escapeHTML(visible(target.text))}</span> from ${S} earlier tokens (${P} in the prompt)`;
     this.app.markGeneratedStep(step);
     // strip: the earlier tokens tinted by the selected head's weights
@@ -173,10 +174,10 @@ export class GenView {
 
   onHover(h) {
     if (!h || !this.result) return hideTooltip();
-    const { H, keys } = this.result;
+    const { H, keys, S } = this.result;
     const l = Math.floor(h.row / H);
     const hd = h.row % H;
-    const v = h.value;
+    const v = this.result.data[h.row * S + h.col];
     showTooltip(
       `<div class="tt-cell">L${l} H${hd}: <span class="tt-tok">${escapeHTML(visible(this.result.target.text))}</span> → <span class="tt-tok">${escapeHTML(quoted(keys[h.col], h.col))}</span>: <b>${v === v ? v.toFixed(3) : "hidden"}</b></div>`,
       h.x,

@@ -2,7 +2,7 @@
 // one Heatmap, pinned query rows (their sum drawn as bars under the grid), tooltips.
 
 import { Heatmap } from "../heatmap.js";
-import { maxOf, maxAbs, sumRows } from "../attention.js";
+import { maxAbs, sumRows, colourScale } from "../attention.js";
 import { quoted, escapeHTML, visible } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
 
@@ -48,22 +48,26 @@ export class MatrixView {
     const { state } = this.app;
     const { data, n } = result;
     const tokens = result.tokens || this.app.att.tokens;
-    let vmin = 0;
+    let shown = data;
+    let vmin;
     let vmax;
     let gamma = 1;
     let cmap = state.cmap;
+    let legend = result.legend;
     if (result.diverging) {
       cmap = state.dcmap;
       const m = state.scale === "unit" ? 1 : maxAbs(data) || 1;
       vmin = -m;
       vmax = m;
     } else {
-      vmax = state.scale === "unit" && !result.unbounded ? 1 : maxOf(data) || 1;
-      if (state.scale === "sqrt") gamma = 0.5;
+      const sc = colourScale(data, n, result.unbounded && state.scale === "unit" ? "max" : state.scale);
+      ({ vmin, vmax, gamma } = sc);
+      shown = sc.data;
+      if (state.scale !== "unit" && state.scale !== "max") legend = sc.label;
     }
     const labels = tokens.slice(0, n).map((t) => t.text);
     this.heatmap.set({
-      data,
+      data: shown,
       rows: n,
       cols: n,
       rowLabels: labels,
@@ -76,7 +80,7 @@ export class MatrixView {
       rowTitle: "query →",
       colTitle: "key →",
     });
-    this.app.setLegend({ cmap, vmin, vmax, gamma, label: result.legend || "attention weight" });
+    this.app.setLegend({ cmap, vmin, vmax, gamma, label: legend || "attention weight" });
     this.app.setCaption(result.caption || "");
     this.updateFooter();
   }
@@ -115,8 +119,9 @@ export class MatrixView {
   }
 
   onHover(h) {
-    if (!h) return hideTooltip();
-    showTooltip(this.cellHTML(h.row, h.col, h.value, h.masked), h.x, h.y);
+    if (!h || !this.result) return hideTooltip();
+    const value = this.result.data[h.row * this.result.n + h.col]; // the weight, not its colour scale
+    showTooltip(this.cellHTML(h.row, h.col, value, h.masked), h.x, h.y);
   }
 
   onLabelHover(h) {

@@ -3,7 +3,7 @@
 // into view when the input is long.
 
 import { paintMatrix, cssVar } from "../heatmap.js";
-import { removeSink, maxOf, headStats, JSON_MAX_TOKENS } from "../attention.js";
+import { removeSink, headStats, colourScale, SCALES, JSON_MAX_TOKENS } from "../attention.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
 
 function parseColor(str) {
@@ -128,9 +128,9 @@ export class ModelView {
       for (let h = 0; h < att.nHeads; h++) {
         let m = att.head(l, h);
         if (state.sink) m = removeSink(m, T);
-        const vmax = state.scale === "unit" ? 1 : maxOf(m) || 1;
+        const sc = colourScale(m, T, state.scale);
         const t = this.thumbs[l][h];
-        paintMatrix(m, T, T, { cmap: state.cmap, vmin: 0, vmax, gamma: state.scale === "sqrt" ? 0.5 : 1, causal: true, maskColor, canvas: t.canvas });
+        paintMatrix(sc.data, T, T, { cmap: state.cmap, vmin: sc.vmin, vmax: sc.vmax, gamma: sc.gamma, causal: true, maskColor, canvas: t.canvas });
         t.drawn = true;
         t.button.classList.remove("loading");
       }
@@ -148,9 +148,11 @@ export class ModelView {
     if (!lazy) await att.ensure([...Array(att.nLayers).keys()]);
     if (seq != null && seq !== this.app.seq) return;
     this.build();
-    this.app.setLegend({ cmap: this.app.state.cmap, vmin: 0, vmax: this.app.state.scale === "unit" ? 1 : 1, gamma: this.app.state.scale === "sqrt" ? 0.5 : 1, label: "each map scaled to its own maximum" });
+    const scale = this.app.state.scale;
+    const perMap = scale !== "unit" && scale !== "row";
+    this.app.setLegend({ cmap: this.app.state.cmap, vmin: 0, vmax: 1, gamma: scale === "sqrt" ? 0.5 : 1, label: perMap ? "0 → each map's own top" : SCALES[scale] });
     this.app.setCaption(
-      `<b>All ${att.nLayers} layers × ${att.nHeads} heads</b> on ${att.T} tokens${this.app.state.scale === "unit" ? " (colour 0–1)" : ", each map scaled to its own maximum"}. Click a map to open it in the head view.`,
+      `<b>All ${att.nLayers} layers × ${att.nHeads} heads</b> on ${att.T} tokens; colours ${perMap ? `per map (${SCALES[scale]})` : SCALES[scale]}. Click a map to open it in the head view.`,
     );
     const present = [...Array(att.nLayers).keys()].filter((l) => att.has(l));
     perf.drawMs = this.paintLayers(present);

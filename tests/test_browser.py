@@ -1,0 +1,350 @@
+"""The web page in a real browser: Playwright for Python driving Debian's Chromium against a
+real `attnlens serve` on a free localhost port.
+
+Skipped (with the reason) when the playwright package or /usr/bin/chromium is missing.
+Never downloads a browser. Screenshots go to test-artifacts/ at the repository root.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import urllib.parse
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import REPO_ROOT, TINY_TEXT, make_tiny_checkpoint
+from live_server import live_server
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = Path(os.environ.get("ATTNLENS_CHROMIUM", "/usr/bin/chromium"))
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTIFACTS = REPO_ROOT / "test-artifacts"
+VIEWPORT = {"width": 1280, "height": 900}
+# At most 64 UTF-8 bytes, so the page asks for format=json and the numbers match the API's exactly.
+PROMPT = "To be, or not to be, that is the question:\nWhether"
+
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:  # pragma: no cover - depends on the environment
+    sync_playwright = None
+
+
+def _skip_reason() -> str | None:
+    if sync_playwright is None:
+        return "the playwright Python package is not installed (pip install playwright; no browser download needed)"
+    if not (CHROMIUM.is_file() and os.access(CHROMIUM, os.X_OK)) and not shutil.which(str(CHROMIUM)):
+        return f"{CHROMIUM} not found: install Debian's Chromium (apt-get install chromium)"
+    return None
+
+
+if _skip_reason():
+    pytestmark = [pytest.mark.browser, pytest.mark.skip(reason=_skip_reason())]
+
+
+def visible(text: str) -> str:
+    """What the page shows for a token: whitespace as ␣ ↵ ⇥ (static/js/tokens.js)."""
+    return text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍") or "∅"
+
+
+# ------------------------------------------------------------------------------------------
+# fixtures: one server and one browser for the module, a fresh page per test
+# ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    with live_server(tiny_checkpoint, tmp_path_factory.mktemp("browser-logs")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+class Console:
+    def __init__(self):
+        self.messages: list[str] = []
+
+    @property
+    def errors(self) -> list[str]:
+        return [m for m in self.messages if m.startswith(("error", "pageerror"))]
+
+
+@pytest.fixture
+def page(browser, server):
+    context = browser.new_context(viewport=VIEWPORT, color_scheme="light", accept_downloads=True)
+    pg = context.new_page()
+    console = Console()
+    pg.on("console", lambda m: console.messages.append(f"{m.type}: {m.text}"))
+    pg.on("pageerror", lambda e: console.messages.append(f"pageerror: {e}"))
+    pg.console_log = console
+    pg.set_default_timeout(20_000)
+    try:
+        yield pg
+    finally:
+        context.close()
+
+
+def open_page(page, server, **query) -> None:
+    q = {"prompt": PROMPT, **query}
+    page.goto(f"{server.base_url}/?{urllib.parse.urlencode(q)}")
+    wait_rendered(page)
+
+
+def rendered(page) -> str:
+    return page.eval_on_selector("#view-host", "e => e.dataset.rendered || ''")
+
+
+def wait_rendered(page, previous: str | None = None, prefix: str = "") -> str:
+    """Wait until the view has finished drawing (after `previous`, starting with `prefix`)."""
+    page.wait_for_function(
+        """([prev, prefix]) => {
+            const r = document.querySelector('#view-host').dataset.rendered || '';
+            return r && r !== prev && r.startsWith(prefix) && !document.documentElement.hasAttribute('data-busy');
+        }""",
+        arg=[previous or "", prefix],
+    )
+    return rendered(page)
+
+
+def head_canvas_digest(page) -> dict:
+    """Hash and colour count of the head-view heatmap's pixels."""
+    return page.evaluate(
+        """() => {
+            const c = document.querySelector('#view-host .heatmap-base');
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            let h = 2166136261 >>> 0, nonBlank = 0;
+            const colours = new Set();
+            for (let i = 0; i < d.length; i += 4) {
+                if (d[i + 3] === 0) continue;
+                nonBlank++;
+                const v = (d[i] << 16) | (d[i + 1] << 8) | d[i + 2];
+                colours.add(v);
+                h = Math.imul(h ^ v, 16777619) >>> 0;
+            }
+            return {hash: h, nonBlank, colours: colours.size, w: c.width, h: c.height};
+        }"""
+    )
+
+
+def screenshot(page, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / name
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def api_attention(server, text: str) -> dict:
+    r = httpx.post(f"{server.base_url}/attention", json={"text": text, "format": "json"}, timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+# ------------------------------------------------------------------------------------------
+# tests
+# ------------------------------------------------------------------------------------------
+def test_page_loads_without_console_errors(page, server):
+    open_page(page, server)
+    assert page.title().startswith("attnlens")
+    assert "layers" in page.inner_text("#model-info")
+    assert page.eval_on_selector("#tab-head", "e => e.getAttribute('aria-selected')") == "true"
+    # served by the app itself: no request leaves localhost
+    assert not page.console_log.errors, page.console_log.errors
+    path = screenshot(page, "browser-head-view.png")
+    assert path.stat().st_size > 10_000
+
+
+def test_generate_streams_tokens_into_the_page(page, server):
+    open_page(page, server)
+    page.fill("#prompt", "To be, or not")
+    page.fill("#max_new_tokens", "24")
+    page.fill("#temperature", "0")
+    page.fill("#seed", "1")
+    # record each separate moment chips were added: a stream adds them over several tasks
+    page.evaluate(
+        """() => {
+            window.__batches = [];
+            new MutationObserver(() => {
+                window.__batches.push(document.querySelectorAll('#output .tok.gen').length);
+            }).observe(document.querySelector('#output'), {childList: true});
+        }"""
+    )
+    before = rendered(page)
+    page.click("#generate")
+    page.wait_for_selector("#output[data-done]", state="attached", timeout=60_000)
+    chips = page.locator("#output .tok.gen")
+    n = chips.count()
+    assert n >= 1
+    assert "finished" in page.inner_text("#gen-status")
+    batches = [b for b in page.evaluate("window.__batches") if b > 0]
+    assert len(set(batches)) >= 2, f"all tokens arrived at once: {batches}"
+    # the page's text is the prompt plus what was generated
+    assert page.inner_text("#output").startswith("To be, or not")
+    # a generated token's tooltip shows its probability and alternatives
+    chips.nth(0).hover()
+    tip = page.inner_text("#tooltip")
+    assert "p =" in tip and "logprob" in tip and "top alternatives" in tip
+    # clicking it opens the generated-token view at that step
+    before = wait_rendered(page, before, prefix="head:")  # the analysis of prompt + generated text
+    chips.nth(min(2, n - 1)).click()
+    wait_rendered(page, before, prefix="gen:")
+    assert f"step {min(2, n - 1) + 1} /" in page.inner_text("#gen-step-text")
+    assert page.locator("#view-host .heatmap-base").count() == 1
+    screenshot(page, "browser-generated.png")
+
+
+def test_head_view_pixels_change_with_the_head(page, server):
+    open_page(page, server)
+    first = head_canvas_digest(page)
+    assert first["nonBlank"] > 1000 and first["colours"] > 10, first
+    before = rendered(page)
+    page.select_option("#head", "1")
+    wait_rendered(page, before, prefix="head:0:1:")
+    second = head_canvas_digest(page)
+    assert second["colours"] > 10
+    assert second["hash"] != first["hash"], "the heatmap did not change when another head was chosen"
+    assert "head=1" in page.url
+
+
+def test_model_view_thumbnail_selects_that_head(page, server):
+    open_page(page, server, view="model")
+    thumbs = page.locator("#view-host .thumb")
+    meta = httpx.get(f"{server.base_url}/model").json()["architecture"]
+    assert thumbs.count() == meta["n_layers"] * meta["n_heads"]
+    before = rendered(page)
+    page.click('#view-host .thumb[data-layer="1"][data-head="2"]')
+    wait_rendered(page, before, prefix="head:1:2:")
+    assert page.input_value("#layer") == "1"
+    assert page.input_value("#head") == "2"
+    assert page.eval_on_selector("#tab-head", "e => e.getAttribute('aria-selected')") == "true"
+    assert "layer=1" in page.url and "head=2" in page.url
+
+
+def test_hover_shows_query_key_and_weight(page, server):
+    open_page(page, server)
+    api = api_attention(server, PROMPT)
+    tokens = api["tokens"]
+    q, k = 5, 2
+    point = page.evaluate(f"() => window.__attnlens.app.view.heatmap.cellCenter({q}, {k})")
+    page.mouse.move(point["x"], point["y"])
+    page.wait_for_selector("#tooltip:not([hidden])")
+    tip = page.inner_text("#tooltip")
+    assert f"“{visible(tokens[q]['text'])}” (#{q})" in tip
+    assert f"“{visible(tokens[k]['text'])}” (#{k})" in tip
+    assert tip.index(f"(#{q})") < tip.index("→") < tip.index(f"(#{k})")
+    weight = float(tip.rsplit(":", 1)[1].split()[0])
+    assert weight == pytest.approx(api["attention"][0][0][q][k], abs=1e-3)
+    # hovering a token on the axis names that token
+    label = page.evaluate(f"() => window.__attnlens.app.view.heatmap.labelCenter('row', {q})")
+    page.mouse.move(label["x"], label["y"])
+    page.wait_for_function(f"() => document.querySelector('#tooltip').innerText.includes('(#{q})')")
+    assert "→" not in page.inner_text("#tooltip")
+
+
+def test_bad_parameter_shows_an_error_message(page, server):
+    open_page(page, server)
+    page.fill("#temperature", "-1")
+    page.click("#generate")
+    msg = page.wait_for_selector("#messages .message")
+    text = msg.inner_text()
+    assert "temperature" in text and "greater than or equal to 0" in text
+    assert page.get_attribute("#temperature", "aria-invalid") == "true"
+    assert "Generate" in page.inner_text("#generate") and page.is_enabled("#generate")
+
+
+def test_busy_and_unreachable_server_show_messages(page, server):
+    open_page(page, server)
+    page.route(
+        "**/generate",
+        lambda route: route.fulfill(status=429, headers={"Retry-After": "3", "Content-Type": "application/json"},
+                                    body=json.dumps({"detail": "queue full"})),
+    )
+    page.click("#generate")
+    msg = page.wait_for_selector("#messages .message")
+    assert "try again in 3 s" in msg.inner_text()
+    page.unroute("**/generate")
+    page.route("**/attention", lambda route: route.abort())
+    page.fill("#prompt", "a different text")
+    page.click("#analyse")
+    page.wait_for_function("() => document.querySelector('#messages').innerText.includes('Cannot reach')")
+
+
+def test_url_carries_the_state(page, server):
+    open_page(page, server, view="lines", layer="1", head="3", sink="1")
+    assert page.eval_on_selector("#tab-lines", "e => e.getAttribute('aria-selected')") == "true"
+    assert page.input_value("#layer") == "1" and page.input_value("#head") == "3"
+    assert page.is_checked("#sink")
+    assert page.input_value("#prompt") == PROMPT
+    # every view draws (no errors) and the exports produce files
+    for view in ("aggregate", "diff", "model", "head"):
+        before = rendered(page)
+        page.click(f'[role="tab"][data-view="{view}"]')
+        wait_rendered(page, before, prefix=f"{view}:")
+        assert f"view={view}" in page.url or view == "head"
+    with page.expect_download() as dl:
+        page.click("#export-png")
+    assert dl.value.suggested_filename.endswith(".png")
+    with page.expect_download() as dl:
+        page.click("#export-json")
+    data = json.loads(Path(dl.value.path()).read_text())
+    assert len(data["matrix"]) == len(data["tokens"]) and data["first_token_sink_hidden"] is True
+
+
+def test_dark_theme_toggle(page, server):
+    open_page(page, server)
+    light_bg = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    before = rendered(page)
+    while page.evaluate("document.documentElement.dataset.theme") != "dark":
+        page.click("#theme-toggle")
+    wait_rendered(page, before)
+    assert page.evaluate("getComputedStyle(document.body).backgroundColor") != light_bg
+    screenshot(page, "browser-head-view-dark.png")
+
+
+def test_model_view_of_256_tokens_draws_under_a_second(browser, tmp_path_factory):
+    """6 layers × 8 heads over 256 tokens: time the drawing of all 48 maps."""
+    root = tmp_path_factory.mktemp("ctx256")
+    ckpt = make_tiny_checkpoint(root / "model", context_length=256, n_layers=6, n_heads=8, d_model=64, d_ff=128)
+    from model import load_checkpoint
+
+    tok = load_checkpoint(ckpt).tokenizer
+    text = tok.decode(tok.encode(TINY_TEXT * 4)[:256])
+    while len(tok.encode(text)) > 256:
+        text = text[:-1]
+    assert len(tok.encode(text)) >= 250
+    with live_server(ckpt, root) as srv:
+        context = browser.new_context(viewport=VIEWPORT)
+        pg = context.new_page()
+        try:
+            pg.goto(f"{srv.base_url}/?{urllib.parse.urlencode({'prompt': text, 'view': 'model'})}")
+            pg.wait_for_function(
+                "() => window.__attnlens.perf.modelView && window.__attnlens.perf.modelView.totalMs != null",
+                timeout=60_000,
+            )
+            perf = pg.evaluate("window.__attnlens.perf.modelView")
+            screenshot(pg, "browser-model-view-256.png")
+        finally:
+            context.close()
+    print(f"\nmodel view, {perf['T']} tokens x {perf['layers']} layers x {perf['heads']} heads: "
+          f"draw {perf['drawMs']:.0f} ms, with fetching {perf['totalMs']:.0f} ms")
+    (ARTIFACTS / "model-view-perf.json").write_text(json.dumps(perf, indent=1))
+    assert perf["T"] >= 250 and perf["layers"] == 6 and perf["heads"] == 8
+    assert perf["drawMs"] < 1000
