@@ -282,6 +282,7 @@ class Engine:
         self._closed = False
         self._avg_seconds = 1.0  # moving average of a request's time in the engine
         self.errors = 0  # steps that raised
+        self.cancelled = 0  # requests dropped because their client went away
         self._thread = threading.Thread(target=self._run, name="attnlens-engine", daemon=True)
         self._thread.start()
 
@@ -351,10 +352,13 @@ class Engine:
                     for work in [w for w in self._waiting if w.cancelled]:
                         self._waiting.remove(work)
                         self._admitted -= 1
+                        self.cancelled += 1
                     active = list(self._active)
                 for work in active:
                     done = True
-                    if not work.cancelled:
+                    if work.cancelled:
+                        self.cancelled += 1
+                    else:
                         try:
                             done = work.step(self)
                         except Exception as e:  # one request's failure is its own

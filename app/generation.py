@@ -73,7 +73,7 @@ async def collect(handle: GenerationRequest, metrics: Metrics) -> Outcome:
             out.tokens.append(event.data)
         elif event.kind == "done":
             out.done = event.data
-            metrics.observe_generation(event.data["usage"], event.data["timings"])
+            metrics.observe_generation(event.data)
         else:
             raise ApiError(500, event.data["message"], code="generation_failed")
     return out

@@ -22,19 +22,27 @@ class Metrics:
                               "Time from admission to the first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.generated_tokens = Counter("attnlens_generated_tokens_total", "Tokens generated", registry=r)
+        self.generations = Counter("attnlens_generations_total", "Generations run to their end, by finish reason",
+                                   ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("attnlens_prompt_tokens_total", "Prompt tokens processed", registry=r)
         self.rejected = Counter("attnlens_rejected_total", "Requests refused before generation",
                                 ["reason"], registry=r)
         self.queue_depth = Gauge("attnlens_queue_depth", "Requests waiting for a slot", registry=r)
         self.in_flight = Gauge("attnlens_requests_in_flight", "Requests being generated", registry=r)
         self.engine_errors = Gauge("attnlens_engine_step_errors", "Engine steps that raised", registry=r)
+        self.engine_cancelled = Gauge("attnlens_engine_cancelled_requests",
+                                      "Requests stopped early because their client went away", registry=r)
 
     def bind_engine(self, engine) -> None:
         self.queue_depth.set_function(lambda: engine.waiting)
         self.in_flight.set_function(lambda: engine.in_flight)
         self.engine_errors.set_function(lambda: engine.errors)
+        self.engine_cancelled.set_function(lambda: engine.cancelled)
 
-    def observe_generation(self, usage: dict, timings: dict) -> None:
+    def observe_generation(self, done: dict) -> None:
+        """Record a finished generation from the engine's done event."""
+        usage, timings = done["usage"], done["timings"]
+        self.generations.labels(done["finish_reason"]).inc()
         self.prompt_tokens.inc(usage["prompt_tokens"])
         self.generated_tokens.inc(usage["completion_tokens"])
         if usage["completion_tokens"]:

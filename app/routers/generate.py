@@ -62,7 +62,7 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
                         yield sse("token", event.data)
                     elif event.kind == "done":
                         d = event.data
-                        metrics.observe_generation(d["usage"], d["timings"])
+                        metrics.observe_generation(d)
                         yield sse("done", {"id": gen_id, "finish_reason": d["finish_reason"], "text": d["text"],
                                            "delta": d["delta"], "usage": d["usage"], "timings": d["timings"]})
                     else:

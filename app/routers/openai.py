@@ -156,7 +156,7 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
                     elif ev.kind == "done":
                         remaining -= 1
                         completion_tokens += ev.data["usage"]["completion_tokens"]
-                        metrics.observe_generation(ev.data["usage"], ev.data["timings"])
+                        metrics.observe_generation(ev.data)
                         yield chunk(i, ev.data["delta"], None, FINISH[ev.data["finish_reason"]])
                     else:
                         yield sse(None, {"error": {"message": ev.data["message"], "type": "server_error",
