@@ -83,7 +83,14 @@ export function drawLegend(canvas, { cmap = "viridis", vmin = 0, vmax = 1, gamma
   ctx.fillStyle = cssVar("--muted");
   ctx.font = FONT;
   ctx.textBaseline = "top";
-  const fmt = (v) => (Math.abs(v) >= 100 ? v.toFixed(0) : Math.abs(v) >= 10 ? v.toFixed(1) : v.toFixed(2));
+  const fmt = (v) => {
+    const a = Math.abs(v);
+    if (a === 0) return "0";
+    if (a >= 100) return v.toFixed(0);
+    if (a >= 10) return v.toFixed(1);
+    if (a >= 0.095) return v.toFixed(2);
+    return v.toPrecision(2);
+  };
   const valueAt = (t) => {
     if (gamma === 1) return vmin + t * (vmax - vmin);
     return vmin + Math.pow(t, 1 / gamma) * (vmax - vmin);

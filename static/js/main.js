@@ -182,9 +182,9 @@ function showModelInfo(meta) {
     ["vocab", meta.vocab_size],
   ]
     .filter(([, v]) => v != null)
-    .map(([k, v]) => `<span class="pill">${k} <b>${escapeHTML(v)}</b></span>`);
-  if (params) pills.push(`<span class="pill">${params}</span>`);
-  if (meta.device) pills.push(`<span class="pill">${escapeHTML(meta.device)}</span>`);
+    .map(([k, v]) => `<span class="pill${k === "d_model" || k === "vocab" ? " minor" : ""}">${k} <b>${escapeHTML(v)}</b></span>`);
+  if (params) pills.push(`<span class="pill minor">${params}</span>`);
+  if (meta.device) pills.push(`<span class="pill minor">${escapeHTML(meta.device)}</span>`);
   el.innerHTML = pills.join("");
 }
 

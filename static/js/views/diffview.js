@@ -57,8 +57,8 @@ export class DiffView extends MatrixView {
       title,
       caption: caption + (state.sink ? " First-token column hidden, rows renormalised." : ""),
       legend: "A − B",
-      format: (v) => (v >= 0 ? "+" : "") + fmt(v),
-      cellInfo: (r, c) => `<div class="tt-muted">A ${fmt(A[r * T + c])} − B ${fmt(B[r * Tb + c])}</div>`,
+      format: (v) => (v >= 0 ? "+" : "−") + fmt(Math.abs(v), 4),
+      cellInfo: (r, c) => `<div class="tt-muted">A ${fmt(A[r * T + c], 4)} − B ${fmt(B[r * Tb + c], 4)}</div>`,
     };
   }
 }

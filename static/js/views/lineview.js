@@ -78,7 +78,7 @@ export class LineView {
     this.locked = null;
     this.app.setLegend(null);
     this.app.setCaption(
-      `<b>Layer ${state.layer} · head ${state.head}</b> — queries on the left, keys on the right; line opacity is the attention weight. Hover a token to see only its lines, click to keep them${state.sink ? "; first-token sink hidden" : ""}.`,
+      `<b>Layer ${state.layer} · head ${state.head}</b> — queries on the left, keys on the right; line opacity is the attention weight (relative to the strongest line while a token is focused). Hover a token to see only its lines, click to keep them${state.sink ? "; first-token sink hidden" : ""}.`,
     );
     this.layout();
     this.draw();
@@ -175,6 +175,14 @@ export class LineView {
         weight[j] = v === v ? v : 0;
       }
     }
+    // with a focus, opacity is relative to the strongest of its lines (so diffuse heads still show)
+    let scale = 1;
+    if (active) {
+      let mx = 0;
+      for (let j = 0; j < T; j++) if (weight[j] > mx) mx = weight[j];
+      scale = mx > 0 ? 1 / mx : 1;
+      for (let j = 0; j < T; j++) weight[j] *= scale;
+    }
     // lines, batched by opacity bucket
     const x0 = g.qx + g.colW + 4;
     const x1 = g.kx - 4;
@@ -184,7 +192,7 @@ export class LineView {
       if (active && active.side === "q" && i !== active.index) continue;
       for (let j = 0; j <= i && j < T; j++) {
         if (active && active.side === "k" && j !== active.index) continue;
-        const v = data[i * T + j];
+        const v = data[i * T + j] * scale;
         if (!(v > 0.01)) continue;
         buckets[Math.min(20, Math.round(v * 20))].push(i, j);
       }
@@ -218,9 +226,9 @@ export class LineView {
           ctx.fillStyle = accent;
           ctx.fillRect(x - 4, y + 1, g.colW + 8, ROW - 2);
         } else if (other && weight[i] > 0) {
-          ctx.globalAlpha = Math.min(1, 0.15 + weight[i]);
+          ctx.globalAlpha = 0.2 + 0.45 * weight[i];
           ctx.fillStyle = accent;
-          ctx.fillRect(x - 4, y + 1, (g.colW + 8) * Math.min(1, weight[i] * 1.2 + 0.05), ROW - 2);
+          ctx.fillRect(x - 4, y + 1, (g.colW + 8) * Math.min(1, weight[i] * 0.95 + 0.05), ROW - 2);
           ctx.globalAlpha = 1;
         }
         ctx.fillStyle = isActive ? cssVar("--accent-contrast", "#fff") : active && other && !(weight[i] > 0.005) ? muted : text;
