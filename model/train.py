@@ -294,7 +294,15 @@ class Interrupted(Exception):
     pass
 
 
-def train(run: RunConfig, out_dir: str | Path, *, resume: bool = False, show_progress: bool = True) -> dict:
+def train(
+    run: RunConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    show_progress: bool = True,
+    stop_at_step: int | None = None,
+) -> dict:
+    """Train; `stop_at_step` behaves like Ctrl-C at that step (save, then return)."""
     s, mcfg = run.train, run.model
     out = Path(out_dir)
     dist_info, device = setup_distributed(s.device)
@@ -426,7 +434,7 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = False, show_pro
             bar.update(1)
             if step % s.checkpoint_interval == 0 and step < s.max_steps:
                 save(step, final=False)
-            if stop["requested"]:
+            if stop["requested"] or (stop_at_step is not None and step >= stop_at_step):
                 raise Interrupted
         save(step, final=True)
     except Interrupted:
