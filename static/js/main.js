@@ -5,10 +5,10 @@ import { ApiError, getModel, postRaw, fetchAttention } from "./api.js";
 import { readSSE } from "./sse.js";
 import { AttentionSet } from "./attention.js";
 import { drawLegend } from "./heatmap.js";
-import { css as cmapCSS, lut } from "./colormap.js";
+import { lut } from "./colormap.js";
 import { readURL, writeURL } from "./state/url.js";
 import { showTooltip, hideTooltip } from "./tooltip.js";
-import { escapeHTML, visible, quoted } from "./tokens.js";
+import { escapeHTML, visible } from "./tokens.js";
 import { HeadView } from "./views/headview.js";
 import { ModelView } from "./views/modelview.js";
 import { AggregateView } from "./views/aggregateview.js";
@@ -430,6 +430,7 @@ function tokenChip(t, step) {
 }
 
 function chipTooltipHTML(t) {
+  if (t.logprob == null) return `<div class="tt-cell"><span class="tt-tok">${escapeHTML(visible(t.text))}</span></div><div class="tt-muted">no probability reported</div>`;
   const p = Math.exp(t.logprob);
   let rows = "";
   const alts = t.top_logprobs || [];
