@@ -106,14 +106,16 @@ class CausalSelfAttention(nn.Module):
                 mask = causal_mask(T, S, device=x.device)
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads
-        return self.resid_dropout(self.proj(y)), probs
+        y = self.proj(y.transpose(1, 2).reshape(B, T, C))  # re-assemble heads, project
+        if self.training:  # dropout is the identity at inference; skip the call when decoding
+            y = self.resid_dropout(y)
+        return y, probs
 
     def explicit_attention(self, q, k, v, dropout_p: float):
         """The textbook formula, keeping the probabilities: (B, H, T, S)."""
         T, S = q.shape[2], k.shape[2]
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.d_head))  # (B, H, T, S)
-        scores = scores.masked_fill(~causal_mask(T, S, device=q.device), float("-inf"))
+        scores = (q @ k.transpose(-2, -1)).mul_(1.0 / math.sqrt(self.d_head))  # (B, H, T, S)
+        scores.masked_fill_(~causal_mask(T, S, device=q.device), float("-inf"))  # in place: a fresh tensor
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         weights = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
         return weights @ v, probs  # (B, H, T, D), (B, H, T, S)
@@ -132,7 +134,8 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
         h = F.gelu(h, approximate="tanh") if self.activation == "gelu" else F.relu(h)
-        return self.dropout(self.proj(h))
+        h = self.proj(h)
+        return self.dropout(h) if self.training else h
 
 
 class Block(nn.Module):
@@ -227,15 +230,14 @@ class Transformer(nn.Module):
                 f"sequence of {start + T} tokens exceeds the context length "
                 f"{self.config.context_length}"
             )
-        positions = torch.arange(start, start + T, device=ids.device)
         x = self.tok_emb(ids)  # (B, T, C)
         if self.config.scale_embeddings:
             x = x * math.sqrt(self.config.d_model)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
-        else:
-            x = x + self.pos_table[start : start + T].to(x.dtype)
-        x = self.emb_dropout(x)
+        # positions start .. start+T-1 are contiguous rows: slice them, no index lookup
+        pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table
+        x = x + pos[start : start + T].to(x.dtype)
+        if self.training:
+            x = self.emb_dropout(x)
 
         attentions = []
         for block in self.blocks:
@@ -245,8 +247,8 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(T)
 
-        x = self.ln_f(x)
-        if last_only:
+        if last_only:  # the final norm is per position: normalise only the one we keep
             x = x[:, -1:, :]
+        x = self.ln_f(x)
         logits = self.lm_head(x)  # (B, T, V)
         return (logits, attentions) if return_attention else logits

@@ -228,7 +228,7 @@ def test_sinusoidal_table_matches_the_formula(pos, col):
 def test_sinusoidal_model_adds_the_table_to_token_embeddings():
     model = make_model(seed=10, positional="sinusoidal")
     seen = {}
-    model.emb_dropout.register_forward_hook(lambda m, inp, out: seen.setdefault("x", inp[0]))
+    model.blocks[0].register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
     ids = torch.tensor([[3, 3, 7]])
     with torch.no_grad():
         model(ids)
@@ -246,7 +246,7 @@ def test_scale_embeddings_multiplies_token_embeddings_by_sqrt_d_model():
     scaled.load_state_dict(plain.state_dict())
     seen = {}
     for name, m in (("plain", plain), ("scaled", scaled)):
-        m.emb_dropout.register_forward_hook(lambda mod, inp, out, name=name: seen.setdefault(name, inp[0]))
+        m.blocks[0].register_forward_pre_hook(lambda mod, args, name=name: seen.setdefault(name, args[0]))
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         a, b = plain(ids), scaled(ids)
