@@ -266,6 +266,36 @@ def test_queue_full_429_disconnect_frees_slots_and_healthz_stays_fast(http, serv
     assert "Traceback" not in server.log(), server.log()
 
 
+def test_non_streaming_request_is_cancelled_when_its_client_leaves(http, server):
+    """An abandoned plain (non-streamed) generation stops too. Three long streams share the
+    engine with it, so it would need 4 x 2000 decode steps to finish on its own."""
+    long_stream = {"prompt": "To be", "max_new_tokens": LONG, "stream": True}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as c:
+            streams = [await c.send(c.build_request("POST", "/generate", json=long_stream), stream=True)
+                       for _ in range(CONCURRENT - 1)]
+            try:
+                before = metric(http, "attnlens_engine_cancelled_requests")
+                with pytest.raises(httpx.ReadTimeout):  # gives up waiting and closes the connection
+                    await c.post("/generate", json={"prompt": "Or not", "max_new_tokens": LONG},
+                                 timeout=httpx.Timeout(60, read=0.5))
+                deadline = time.monotonic() + 5
+                while metric(http, "attnlens_engine_cancelled_requests") != before + 1:
+                    assert time.monotonic() < deadline, "the abandoned generation was not cancelled"
+                    await asyncio.sleep(0.05)
+                assert metric(http, "attnlens_requests_in_flight") == CONCURRENT - 1  # the streams go on
+            finally:
+                for r in streams:
+                    await r.aclose()
+
+    asyncio.run(scenario())
+    deadline = time.monotonic() + 5
+    while metric(http, "attnlens_requests_in_flight") != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_unloadable_model_exits_non_zero_with_a_clear_message(tmp_path):
     bad = tmp_path / "no-model-here"
     proc = subprocess.run(
