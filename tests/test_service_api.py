@@ -71,12 +71,21 @@ def test_health_ready_and_model(client, ckpt):
     assert info["limits"]["max_new_tokens"] == MAX_NEW
 
 
-def test_root_without_index_html_is_a_clear_404(client):
-    r = client.get("/")
-    if r.status_code == 200:  # the viewer page has been written by now
-        assert "text/html" in r.headers["content-type"]
-    else:
-        assert r.status_code == 404 and "index.html" in r.json()["detail"]
+def test_root_serves_index_html_and_static_files(tiny_checkpoint, tmp_path):
+    (tmp_path / "index.html").write_text("<!doctype html><title>attnlens</title>")
+    (tmp_path / "app.js").write_text("console.log(1)")
+    c = TestClient(create_app(Settings(model=tiny_checkpoint, static_dir=tmp_path)))  # no model needed
+    r = c.get("/")
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"] and "attnlens" in r.text
+    assert c.get("/static/app.js").text == "console.log(1)"
+
+
+def test_root_without_index_html_is_a_clear_404(tiny_checkpoint, tmp_path):
+    c = TestClient(create_app(Settings(model=tiny_checkpoint, static_dir=tmp_path)))
+    r = c.get("/")
+    assert r.status_code == 404 and "index.html" in r.json()["detail"]
+    c = TestClient(create_app(Settings(model=tiny_checkpoint, static_dir=tmp_path / "absent")))
+    assert c.get("/").status_code == 404 and c.get("/static/x.js").status_code == 404
 
 
 def test_cors_headers_for_allowed_origin(client):
@@ -425,3 +434,14 @@ def test_readyz_503_before_start(tiny_checkpoint):
     assert c.get("/healthz").status_code == 200
     r = c.post("/generate", json={"prompt": "To be"})
     assert r.status_code == 503 and "not ready" in r.json()["detail"]
+
+
+def test_model_reports_the_training_summary(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "reported")
+    report = {"steps": 1200, "val_bits_per_byte": 1.87, "final_val_loss": 1.3, "hardware": "1x H100",
+              "curve": [[0, 5.6], [100, 3.2]]}
+    (path / "train_report.json").write_text(json.dumps(report))
+    with TestClient(create_app(Settings(model=path, device="cpu", warmup=False))) as c:
+        training = c.get("/model").json()["training"]
+    assert training["steps"] == 1200 and training["val_bits_per_byte"] == 1.87
+    assert training["hardware"] == "1x H100" and "curve" not in training  # the summary, not the blobs
