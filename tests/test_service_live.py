@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -158,6 +159,17 @@ def test_413_over_tcp(http):
     assert r.status_code == 413
     r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and "error" in r.json()
+
+
+def test_declared_oversized_body_is_refused_before_it_is_sent(server):
+    """Content-Length over the limit: 413 at once, without waiting for the body."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5000000\r\n\r\n{")
+        head = sock.recv(4096).decode("latin-1")  # times out (fails) if the server waits for 5 MB
+    assert head.startswith("HTTP/1.1 413"), head
+    assert "5000000" in head
 
 
 PROMPTS = ["To be", "Or not", "The slings", "Whether 'tis", "And by", "No more", "To die", "Café"]
