@@ -85,10 +85,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, return_attention: bool = False):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
-        q = q.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, self.n_heads, self.d_head).transpose(1, 2)
-        v = v.view(B, T, self.n_heads, self.d_head).transpose(1, 2)
+        # (B, T, 3C) -> (3, B, H, T, D): q, k, v as views, heads split out
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4).unbind(0)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_index, k, v)  # (B, H, S, D)
         S = k.shape[2]
