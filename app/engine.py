@@ -346,13 +346,13 @@ class Engine:
                         self._waiting.clear()
                         self._active.clear()
                         break
-                    while self._waiting and len(self._active) < self.max_concurrent:
-                        self._active.append(self._waiting.popleft())
                     # cancelled requests still waiting free their place right away
                     for work in [w for w in self._waiting if w.cancelled]:
                         self._waiting.remove(work)
                         self._admitted -= 1
                         self.cancelled += 1
+                    while self._waiting and len(self._active) < self.max_concurrent:
+                        self._active.append(self._waiting.popleft())
                     active = list(self._active)
                 for work in active:
                     done = True
