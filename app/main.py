@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
+from pydantic.json_schema import models_json_schema
 from starlette.middleware.gzip import GZipMiddleware
 
 from model import SamplingParams
@@ -29,6 +30,7 @@ from .errors import install_error_handlers, scope_error_response
 from .loader import load_for_serving
 from .metrics import Metrics, MetricsMiddleware
 from .routers import attention, generate, openai, ops, ui
+from .schemas import StreamDone, StreamToken
 from .settings import Settings
 from .state import AppState
 
@@ -75,6 +77,25 @@ async def lifespan(app: FastAPI):
         await asyncio.to_thread(engine.close)
 
 
+def add_stream_schemas(app: FastAPI) -> None:
+    """Put the server-sent events' bodies (StreamToken, StreamDone) in the OpenAPI components,
+    where /generate's text/event-stream answer refers to them; FastAPI only adds models that
+    a route returns as JSON."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = default()  # also stored in app.openapi_schema
+            _, defs = models_json_schema([(StreamToken, "serialization"), (StreamDone, "serialization")],
+                                         ref_template="#/components/schemas/{model}")
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name, body in defs.get("$defs", {}).items():
+                components.setdefault(name, body)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     app = FastAPI(
@@ -87,6 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     for module in (generate, attention, openai, ops, ui):
         app.include_router(module.router)
+    add_stream_schemas(app)
     if settings.static_dir.is_dir():
         app.mount("/static", StaticFiles(directory=settings.static_dir), name="static")
 

@@ -97,6 +97,9 @@ class StreamDone(BaseModel):
 
     id: str
     finish_reason: FinishReason
+    prompt_tokens: list[TokenText] = Field(description="the prompt's tokens, as in the non-streamed answer: "
+                                                       "their ids followed by the token events' ids are the "
+                                                       "whole sequence (e.g. for /attention `ids`)")
     text: str = Field(description="the whole generated text")
     delta: str = Field(description="text no token event carried: usually empty, else a final partial "
                                    "character (U+FFFD); the token deltas plus this equal `text`")

@@ -161,6 +161,11 @@ def test_same_seed_same_text_and_stream_agrees(client):
     assert "".join(t["delta"] for t in tokens) + done["delta"] == a["text"] == done["text"]
     assert done["finish_reason"] == a["finish_reason"] and done["usage"] == a["usage"]
     assert set(done["timings"]) >= {"queue_ms", "prefill_ms", "decode_ms", "tokens_per_second"}
+    # the prompt's tokens come with the stream too, exactly as in the JSON answer
+    assert done["prompt_tokens"] == a["prompt_tokens"]
+    assert set(done) == {"id", "finish_reason", "prompt_tokens", "text", "delta", "usage", "timings"}
+    # top_logprobs is a list as documented (empty without logprobs), as in the JSON answer
+    assert all(t["top_logprobs"] == [] for t in tokens)
 
 
 def test_greedy_matches_reference(client, ckpt):

@@ -117,6 +117,7 @@ def test_stream_over_tcp_matches_plain_and_is_deterministic(http):
     done = json.loads(events[-1][1])
     assert [t["id"] for t in tokens] == [t["id"] for t in a["tokens"]]
     assert "".join(t["delta"] for t in tokens) + done["delta"] == a["text"]
+    assert done["prompt_tokens"] == a["prompt_tokens"] and len(done["prompt_tokens"]) == done["usage"]["prompt_tokens"]
 
 
 def test_openai_client_plain_and_streamed(http, oai):

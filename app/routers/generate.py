@@ -29,7 +29,12 @@ ERRORS = {
 @router.post(
     "/generate",
     response_model=GenerateResponse,
-    responses={**ERRORS, 200: {"content": {"text/event-stream": {}},
+    responses={**ERRORS, 200: {"content": {"text/event-stream": {"schema": {
+                                   "description": "each `event: token` carries a StreamToken, the last "
+                                                  "`event: done` a StreamDone (or `event: error` a "
+                                                  "{message})",
+                                   "oneOf": [{"$ref": "#/components/schemas/StreamToken"},
+                                             {"$ref": "#/components/schemas/StreamDone"}]}}},
                                "description": "JSON, or with stream=true a stream of `token` events, "
                                               "then one `done` (or `error`) event"}},
 )
@@ -53,17 +58,21 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
     handle = engine.submit(job)
     gen_id = f"gen-{uuid.uuid4().hex[:24]}"
     metrics = state.metrics
+    prompt_tokens = [{"id": i, "text": tok.display_text(i)} for i in prompt_ids]
 
     if body.stream:
         async def events():
             try:
                 async for event in handle.events():
                     if event.kind == "token":
-                        yield sse("token", event.data)
+                        t = event.data
+                        # as documented (StreamToken) and as in the JSON answer: a list, [] without logprobs
+                        yield sse("token", {**t, "top_logprobs": t["top_logprobs"] or []})
                     elif event.kind == "done":
                         d = event.data
                         metrics.observe_generation(d)
-                        yield sse("done", {"id": gen_id, "finish_reason": d["finish_reason"], "text": d["text"],
+                        yield sse("done", {"id": gen_id, "finish_reason": d["finish_reason"],
+                                           "prompt_tokens": prompt_tokens, "text": d["text"],
                                            "delta": d["delta"], "usage": d["usage"], "timings": d["timings"]})
                     else:
                         yield sse("error", {"message": event.data["message"]})
@@ -82,7 +91,7 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
         "id": gen_id,
         "model": state.model_name,
         "text": out.done["text"],
-        "prompt_tokens": [{"id": i, "text": tok.display_text(i)} for i in prompt_ids],
+        "prompt_tokens": prompt_tokens,
         "tokens": tokens,
         "finish_reason": out.done["finish_reason"],
         "usage": out.done["usage"],
