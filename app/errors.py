@@ -1,5 +1,5 @@
 """Error responses: one exception type for our own errors, and the handlers that render
-every error either natively ({"detail": ...}) or, under /v1, in OpenAI's shape
+every error either natively ({"detail": ..., "param"?, "code"?}) or, under /v1, in OpenAI's shape
 ({"error": {"message", "type", "param", "code"}})."""
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def error_response(path: str, status: int, message: str, *, param: str | None = 
                           "param": param, "code": code}}
     else:
         body = {"detail": detail if detail is not None else message}
+        if param:
+            body["param"] = param  # the request field to fix, as in the /v1 shape
         if code:
             body["code"] = code
     return JSONResponse(body, status_code=status, headers=headers)

@@ -109,7 +109,15 @@ class StreamDone(BaseModel):
 
 # --- /attention --------------------------------------------------------------
 class AttentionRequest(Strict):
-    text: str = Field(min_length=1)
+    """Give exactly one of `text` (tokenised here) or `ids` (used as they are)."""
+
+    text: str | None = Field(None, min_length=1, description="text to tokenise and analyse")
+    ids: list[int] | None = Field(
+        None, min_length=1,
+        description="token ids to analyse as they are, e.g. a prompt's `prompt_tokens` ids followed by the "
+        "generated tokens' ids: no re-tokenising, so the maps match the generated sequence even where "
+        "its text holds U+FFFD for partial UTF-8 characters",
+    )
     layers: list[int] | None = Field(None, min_length=1, description="layer indices, default all")
     heads: list[int] | None = Field(None, min_length=1, description="head indices, default all")
     format: Literal["json", "f16", "u8"] = "json"
@@ -163,4 +171,8 @@ class ModelInfo(BaseModel):
 
 
 class ErrorBody(BaseModel):
+    """A native error: `detail` is a message, or pydantic's list of {loc, msg, type} for a 422."""
+
     detail: Any
+    param: str | None = Field(None, description="the request field to fix, when one is to blame")
+    code: str | None = Field(None, description="machine-readable reason, e.g. context_length_exceeded")

@@ -351,9 +351,26 @@ def test_body_over_limit_is_413(client):
     assert client.post("/generate", json={"prompt": "To be", "max_new_tokens": 1}).status_code == 200
 
 
+def test_openapi_documents_stream_events_and_attention_ids(client):
+    spec = client.get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    done = schemas["StreamDone"]["properties"]
+    assert done["prompt_tokens"]["items"] == {"$ref": "#/components/schemas/TokenText"}
+    assert "prompt_tokens" in schemas["StreamDone"]["required"]
+    assert {"index", "delta", "attention"} <= set(schemas["StreamToken"]["properties"])
+    stream = spec["paths"]["/generate"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    assert {"$ref": "#/components/schemas/StreamDone"} in stream["oneOf"]
+    assert {"text", "ids"} <= set(schemas["AttentionRequest"]["properties"])
+    assert not set(schemas["AttentionRequest"].get("required", [])) & {"text", "ids"}
+
+
 # --- /attention -------------------------------------------------------------------
 def model_attention(ckpt, text):
-    ids = torch.tensor([ckpt.tokenizer.encode(text)])
+    return model_attention_ids(ckpt, ckpt.tokenizer.encode(text))
+
+
+def model_attention_ids(ckpt, ids):
+    ids = torch.tensor([ids])
     with torch.no_grad():
         _, att = ckpt.model(ids, return_attention=True)
     return np.stack([a[0].numpy() for a in att])  # (L, H, T, T)
@@ -421,6 +438,80 @@ def test_attention_text_longer_than_context(client, ckpt):
     r = client.post("/attention", json={"text": text})
     assert r.status_code == 400
     assert f"{n} tokens" in r.json()["detail"] and "64" in r.json()["detail"]
+    assert r.json()["param"] == "text" and r.json()["code"] == "context_length_exceeded"
+
+
+def partial_utf8_ids(tok) -> list[int]:
+    """Token ids whose bytes end in the middle of a UTF-8 character (as a generation can):
+    the tiny tokenizer spells 東 as three one-byte tokens, so stop after the first."""
+    ids = tok.encode("Café 東京")
+    for n in range(1, len(ids)):
+        try:
+            tok.decode_bytes(ids[:n]).decode("utf-8")
+        except UnicodeDecodeError:
+            return ids[:n]
+    raise AssertionError("no token boundary inside a character")
+
+
+def test_attention_from_ids_keeps_the_exact_tokens(client, ckpt):
+    tok = ckpt.tokenizer
+    ids = partial_utf8_ids(tok)
+    text = tok.decode(ids)
+    assert "\ufffd" in text and tok.encode(text) != ids  # re-tokenising the text would change them
+    d = client.post("/attention", json={"ids": ids}).json()
+    assert [t["id"] for t in d["tokens"]] == ids
+    assert [t["text"] for t in d["tokens"]] == [tok.display_text(i) for i in ids]
+    T = len(ids)
+    assert d["shape"] == [2, 4, T, T]
+    assert np.allclose(np.asarray(d["attention"]), model_attention_ids(ckpt, ids), atol=1e-5)
+    packed = client.post("/attention", json={"ids": ids, "format": "u8", "packing": "tril", "layers": [1],
+                                             "heads": [2]}).json()
+    assert np.abs(decode(packed) - model_attention_ids(ckpt, ids)[[1]][:, [2]]).max() <= 0.5 / 255 + 1e-6
+
+
+def test_attention_of_prompt_plus_generation_by_ids(client, ckpt):
+    """The page's flow: prompt_tokens ids + generated ids give the sequence the model saw."""
+    body = {"prompt": "Café", "max_new_tokens": 12, "temperature": 1.0, "seed": 7, "return_attention": True}
+    g = client.post("/generate", json=body).json()
+    assert len(g["tokens"]) >= 3
+    ids = [t["id"] for t in g["prompt_tokens"]] + [t["id"] for t in g["tokens"]]
+    d = client.post("/attention", json={"ids": ids}).json()
+    assert [t["id"] for t in d["tokens"]] == ids
+    a = np.asarray(d["attention"])
+    P = len(g["prompt_tokens"])
+    for i, rows in enumerate(g["attention"]):  # generated token i came from position P + i - 1
+        assert np.allclose(np.asarray(rows), a[:, :, P + i - 1, : P + i], atol=1e-4)
+
+
+@pytest.mark.parametrize("body,field,words", [
+    ({}, "text", ["text", "ids"]),
+    ({"layers": [0]}, "text", ["text", "ids"]),
+    ({"text": "To be", "ids": [1, 2]}, "ids", ["not both"]),
+    ({"ids": []}, "ids", []),
+    ({"ids": ["x"]}, "ids", []),
+    ({"ids": [5, -1]}, "ids", ["-1", "position 1", "vocabulary"]),
+    ({"ids": [5, 300]}, "ids", ["300", "position 1", "vocabulary", "0..299"]),
+    ({"ids": [5, 10**12]}, "ids", [str(10**12), "vocabulary"]),
+])
+def test_attention_ids_or_text_bad_input_is_422(client, ckpt, body, field, words):
+    assert ckpt.tokenizer.vocab_size == 300
+    r = client.post("/attention", json=body)
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert any(field in e["loc"] for e in detail), detail
+    for w in words:
+        assert w in r.text, (w, r.text)
+
+
+def test_attention_ids_longer_than_context(client, ckpt):
+    ids = ckpt.tokenizer.encode("To be, or not to be, that is the question. " * 6)[:65]
+    assert len(ids) == 65
+    r = client.post("/attention", json={"ids": ids})
+    assert r.status_code == 400
+    body = r.json()
+    assert "65 tokens" in body["detail"] and "64" in body["detail"]
+    assert body["param"] == "ids" and body["code"] == "context_length_exceeded"
+    assert client.post("/attention", json={"ids": ids[:64], "format": "u8"}).status_code == 200
 
 
 # --- start-up --------------------------------------------------------------------

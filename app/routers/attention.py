@@ -1,4 +1,4 @@
-"""POST /attention: every attention map of a text, as JSON or packed f16 / u8."""
+"""POST /attention: every attention map of a text (or of given token ids), as JSON or packed f16 / u8."""
 
 from __future__ import annotations
 
@@ -27,23 +27,43 @@ def _indices(name: str, requested: list[int] | None, n: int) -> list[int]:
     return list(requested)
 
 
+def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[int]:
+    """The token ids to analyse: `ids` as given, or `text` tokenised; exactly one of them."""
+    if body.text is not None and body.ids is not None:
+        raise field_error("ids", "give either text or ids, not both", "exclusive")
+    if body.text is None and body.ids is None:
+        raise field_error("text", "give text (to tokenise) or ids (token ids)", "missing")
+    if body.ids is not None:
+        field, ids = "ids", list(body.ids)
+        vocab = tok.vocab_size
+        for pos, i in enumerate(ids):
+            if not 0 <= i < vocab:
+                raise field_error("ids", f"token id {i} (at position {pos}) is not in the vocabulary: "
+                                         f"ids run 0..{vocab - 1}", "out_of_range")
+    else:
+        field, ids = "text", tok.encode(body.text)
+        if not ids:
+            raise ApiError(400, "text encodes to no tokens", param="text", code="empty_text")
+    if len(ids) > context_length:
+        raise ApiError(400, f"{field} has {len(ids)} tokens, more than the model's context length of "
+                            f"{context_length}", param=field, code="context_length_exceeded")
+    return ids
+
+
 @router.post(
     "/attention",
     response_model=AttentionResponse,
-    responses={400: {"description": "text longer than the context"}, 413: {}, 429: {}, 503: {}},
+    responses={400: {"description": "text or ids longer than the context (the message gives the numbers)"},
+               413: {}, 429: {}, 503: {}},
 )
 async def attention(body: AttentionRequest, engine: Engine = Depends(get_engine),
                     state: AppState = Depends(get_state)):
+    """Attention maps of `text`, or of token `ids` as they are (exactly one of the two)."""
     cfg = engine.config
     layers = _indices("layers", body.layers, cfg.n_layers)
     heads = _indices("heads", body.heads, cfg.n_heads)
     tok = engine.tokenizer
-    ids = tok.encode(body.text)
-    if not ids:
-        raise ApiError(400, "text encodes to no tokens", param="text", code="empty_text")
-    if len(ids) > cfg.context_length:
-        raise ApiError(400, f"text has {len(ids)} tokens, more than the model's context length of "
-                            f"{cfg.context_length}", param="text", code="context_length_exceeded")
+    ids = _input_ids(body, tok, cfg.context_length)
     maps = await engine.call(lambda model: attention_maps(model, ids, layers, heads))
     content = {
         "model": state.model_name,
