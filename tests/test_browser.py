@@ -152,6 +152,18 @@ def screenshot(page, name: str) -> Path:
     return path
 
 
+def record_attention_requests(page) -> list[dict]:
+    """The JSON bodies of the page's /attention requests from now on (filled in as they go)."""
+    bodies: list[dict] = []
+
+    def on_request(request):
+        if request.url.endswith("/attention") and request.method == "POST":
+            bodies.append(json.loads(request.post_data or "null"))
+
+    page.on("request", on_request)
+    return bodies
+
+
 def api_attention(server, text: str) -> dict:
     r = httpx.post(f"{server.base_url}/attention", json={"text": text, "format": "json"}, timeout=30)
     r.raise_for_status()
@@ -187,6 +199,7 @@ def test_generate_streams_tokens_into_the_page(page, server):
             }).observe(document.querySelector('#output'), {childList: true});
         }"""
     )
+    requests = record_attention_requests(page)
     before = rendered(page)
     page.click("#generate")
     page.wait_for_selector("#output[data-done]", state="attached", timeout=60_000)
@@ -204,11 +217,70 @@ def test_generate_streams_tokens_into_the_page(page, server):
     assert "p =" in tip and "logprob" in tip and "top alternatives" in tip
     # clicking it opens the generated-token view at that step
     before = wait_rendered(page, before, prefix="head:")  # the analysis of prompt + generated text
+    # the prompt's tokens came with the stream's `done` event: no /attention call just for them,
+    # and the analysis asks for exactly the prompt's + the generated token ids
+    prompt_ids = [t["id"] for t in api_attention(server, "To be, or not")["tokens"]]
+    gen = page.evaluate("() => ({prompt: window.__attnlens.app.gen.promptTokens, tokens: window.__attnlens.app.gen.tokens})")
+    assert [t["id"] for t in gen["prompt"]] == prompt_ids
+    gen_ids = [t["id"] for t in gen["tokens"]]
+    assert len(gen_ids) == n
+    assert [r.get("ids") for r in requests] == [prompt_ids + gen_ids], requests
+    assert all("text" not in r and "heads" not in r for r in requests), requests
+    assert page.evaluate("() => window.__attnlens.app.att.tokens.map(t => t.id)") == prompt_ids + gen_ids
     chips.nth(min(2, n - 1)).click()
     wait_rendered(page, before, prefix="gen:")
     assert f"step {min(2, n - 1) + 1} /" in page.inner_text("#gen-step-text")
     assert page.locator("#view-host .heatmap-base").count() == 1
     screenshot(page, "browser-generated.png")
+
+
+def test_generation_ending_in_a_partial_character_is_analysed_by_its_ids(page, server, tiny_checkpoint):
+    """A generation can stop inside a UTF-8 character: its text then ends in U+FFFD, which
+    re-tokenises differently. The page must analyse the generated ids, not the text."""
+    from model import load_checkpoint
+
+    tok = load_checkpoint(tiny_checkpoint).tokenizer
+    prompt = "Café "
+    prompt_ids = tok.encode(prompt)
+    gen_ids = tok.encode("東京")[:4]  # 東 (3 one-byte tokens) and the first byte of 京
+    text = tok.decode(gen_ids)
+    assert text.endswith("\ufffd") and tok.encode(prompt + text) != prompt_ids + gen_ids
+    decoder = __import__("codecs").getincrementaldecoder("utf-8")(errors="replace")
+    events = []
+    for i, t in enumerate(gen_ids):
+        events.append(("token", {"index": i, "id": t, "text": tok.display_text(t), "delta": decoder.decode(tok.token_bytes(t)),
+                                 "logprob": -1.0, "top_logprobs": []}))
+    tail = decoder.decode(b"", final=True)
+    events.append(("done", {"id": "gen-x", "finish_reason": "length",
+                            "prompt_tokens": [{"id": i, "text": tok.display_text(i)} for i in prompt_ids],
+                            "text": text, "delta": tail,
+                            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(gen_ids),
+                                      "total_tokens": len(prompt_ids) + len(gen_ids)},
+                            "timings": {"queue_ms": 0, "prefill_ms": 1, "decode_ms": 1, "tokens_per_second": 100,
+                                        "time_to_first_token_ms": 1}}))
+    stream = "".join(f"event: {e}\ndata: {json.dumps(d, ensure_ascii=False)}\n\n" for e, d in events)
+    open_page(page, server)
+    page.route("**/generate", lambda route: route.fulfill(status=200, content_type="text/event-stream",
+                                                          body=stream.encode()))
+    requests = record_attention_requests(page)
+    page.fill("#prompt", prompt)
+    page.uncheck("#return_attention")
+    before = rendered(page)
+    page.click("#generate")
+    page.wait_for_selector("#output[data-done]", state="attached")
+    wait_rendered(page, before, prefix="head:")
+    ids = prompt_ids + gen_ids
+    assert [r.get("ids") for r in requests] == [ids], requests
+    assert all("text" not in r for r in requests)
+    assert page.evaluate("() => window.__attnlens.app.att.tokens.map(t => t.id)") == ids
+    assert page.inner_text("#analysed").startswith(f"{len(ids)} tokens analysed")
+    assert not page.locator("#messages .message").count()
+    # the typed prompt is still analysed as text
+    requests.clear()
+    before = rendered(page)
+    page.click("#analyse")
+    wait_rendered(page, before)
+    assert requests and all(r.get("text") == prompt and "ids" not in r for r in requests), requests
 
 
 def test_head_view_pixels_change_with_the_head(page, server):

@@ -194,11 +194,13 @@ export function decodeAttention(resp) {
 }
 
 /**
- * Fetch attention for `text`. Returns { tokens, nLayers, nHeads, layers, heads, T, data }
+ * Fetch attention for `source`: a text (the server tokenises it) or an array of token ids
+ * (used as they are, e.g. a prompt's tokens plus the generated ones, so nothing is re-tokenised).
+ * Returns { tokens, nLayers, nHeads, layers, heads, T, data }
  * where data is Float32Array [layers.length][heads.length][T][T].
  */
-export async function fetchAttention(text, { layers = null, heads = null, format = "json", packing = "tril", signal } = {}) {
-  const body = { text, format };
+export async function fetchAttention(source, { layers = null, heads = null, format = "json", packing = "tril", signal } = {}) {
+  const body = Array.isArray(source) ? { ids: source, format } : { text: source, format };
   if (format !== "json") body.packing = packing;
   if (layers) body.layers = layers;
   if (heads) body.heads = heads;

@@ -10,10 +10,13 @@ export const JSON_MAX_TOKENS = 64;
 /**
  * All attention for one text, fetched layer by layer as views need them.
  * `ensure(layers)` fetches what is missing (in one request); `head(l, h)` is a T×T view.
+ * With `ids` (token ids) the server analyses exactly those tokens and `text` is only a label:
+ * used for prompt + generated tokens, whose text may not re-tokenise to the same ids.
  */
 export class AttentionSet {
-  constructor(text, meta, { format = "auto" } = {}) {
+  constructor(text, meta, { format = "auto", ids = null } = {}) {
     this.text = text;
+    this.ids = ids && ids.length ? ids.slice() : null;
     this.meta = meta; // {n_layers, n_heads, ...} from /model
     this.nLayers = meta.n_layers;
     this.nHeads = meta.n_heads;
@@ -46,9 +49,10 @@ export class AttentionSet {
       // The token count is unknown before the first answer: start compact unless told otherwise.
       // (a text of at most 64 UTF-8 bytes has at most 64 tokens)
       const bytes = new TextEncoder().encode(this.text).length;
-      const format = this.chooseFormat(this.T || (bytes <= JSON_MAX_TOKENS ? bytes : null));
+      const known = this.T || (this.ids ? this.ids.length : null);
+      const format = this.chooseFormat(known || (bytes <= JSON_MAX_TOKENS ? bytes : null));
       this.lastFormat = format;
-      const p = fetchAttention(this.text, { layers: missing, format, signal }).then((res) => {
+      const p = fetchAttention(this.ids ?? this.text, { layers: missing, format, signal }).then((res) => {
         if (!this.tokens) {
           this.tokens = res.tokens;
           this.T = res.T;

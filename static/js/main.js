@@ -325,8 +325,11 @@ async function renderView() {
   }
 }
 
-/** Analyse a new text: fetch its attention (lazily, per view) and redraw. */
-async function analyse(text) {
+/**
+ * Analyse a new text: fetch its attention (lazily, per view) and redraw. With `ids` (the token
+ * ids of prompt + generation) the server analyses exactly those tokens and `text` is the label.
+ */
+async function analyse(text, { ids = null } = {}) {
   if (!app.meta) {
     showError(new ApiError("the model description (/model) is not loaded — is the server running?"), "Analysis");
     return;
@@ -335,13 +338,13 @@ async function analyse(text) {
     showError(new ApiError("Type a prompt first."), "Analysis", { warn: true });
     return;
   }
-  const set = new AttentionSet(text, app.meta);
+  const set = new AttentionSet(text, app.meta, { ids });
   // Get the tokens (and the layer on screen) before swapping in, so errors leave the old view.
   try {
     await app.track(set.ensure([Math.min(app.state.layer, app.meta.n_layers - 1)]));
   } catch (err) {
     showError(err, "Attention");
-    if (err instanceof ApiError && /text/.test(err.message)) $("#prompt").setAttribute("aria-invalid", "true");
+    if (!ids && err instanceof ApiError && /text/.test(err.message)) $("#prompt").setAttribute("aria-invalid", "true");
     return;
   }
   app.att = set;
@@ -555,24 +558,28 @@ async function generate() {
   }
   out.dataset.done = "1";
   if (!tokens.length) return;
-  // prompt tokens: the JSON answer has them; the stream does not, so ask /attention (1 head).
+  // The prompt's tokens come with the answer (the stream's `done` event, or the JSON answer).
+  // Only a generation stopped before its end has none: then ask /attention for them (1 head).
   let promptTokens = done?.prompt_tokens;
   if (!promptTokens) {
     try {
       promptTokens = (await fetchAttention(body.prompt, { layers: [0], heads: [0], format: "u8" })).tokens;
     } catch {
-      promptTokens = [];
+      promptTokens = null;
     }
   }
   app.gen = {
-    promptTokens,
+    promptTokens: promptTokens || [],
     tokens,
     attention: attention.length === tokens.length ? attention : null,
     text,
   };
   app.state.step = Math.min(app.state.step, tokens.length - 1);
   app.state.prompt = body.prompt;
-  await analyse(body.prompt + text);
+  // Analyse the very tokens the model saw (prompt + generated ids), not a re-tokenised text:
+  // a generation can end in part of a UTF-8 character, whose text (U+FFFD) encodes differently.
+  const ids = promptTokens ? promptTokens.map((t) => t.id).concat(tokens.map((t) => t.id)) : null;
+  await analyse(body.prompt + text, { ids });
 }
 
 function stop() {
