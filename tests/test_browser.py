@@ -342,6 +342,21 @@ def test_bad_parameter_shows_an_error_message(page, server):
     assert "Generate" in page.inner_text("#generate") and page.is_enabled("#generate")
 
 
+def test_error_naming_a_field_marks_that_input(page, server):
+    """A 400 names the field to fix in `param` (here the server's answer to a prompt over
+    ATTNLENS_MAX_PROMPT_TOKENS); the page marks that input."""
+    open_page(page, server)
+    body = {"detail": "prompt has 2000 tokens, more than the limit of 1024 (ATTNLENS_MAX_PROMPT_TOKENS)",
+            "param": "prompt", "code": "prompt_too_long"}
+    page.route("**/generate", lambda route: route.fulfill(status=400, content_type="application/json",
+                                                          body=json.dumps(body)))
+    page.click("#generate")
+    msg = page.wait_for_selector("#messages .message")
+    assert "2000 tokens" in msg.inner_text()
+    assert page.get_attribute("#prompt", "aria-invalid") == "true"
+    assert page.get_attribute("#max_new_tokens", "aria-invalid") is None
+
+
 def test_busy_and_unreachable_server_show_messages(page, server):
     open_page(page, server)
     page.route(

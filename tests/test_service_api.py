@@ -321,6 +321,7 @@ def test_prompt_over_max_prompt_tokens(client, ckpt):
     assert r.status_code == 400
     msg = r.json()["detail"]
     assert f"{n} tokens" in msg and str(MAX_PROMPT) in msg
+    assert r.json()["param"] == "prompt" and r.json()["code"] == "prompt_too_long"
 
 
 def test_prompt_plus_new_tokens_over_context(client, ckpt):

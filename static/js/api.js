@@ -52,6 +52,11 @@ export async function errorFromResponse(res) {
   if (body && typeof body === "object" && body.error && typeof body.error === "object") {
     ({ text, fields } = describeDetail(body.error));
   }
+  // native errors name the request field to fix in `param` (400s have no field list)
+  if (body && typeof body === "object" && typeof body.param === "string" && body.param) {
+    const f = body.param.split(".")[0];
+    if (!fields.includes(f)) fields = [...fields, f];
+  }
   const retryAfter = res.headers.get("Retry-After");
   let message;
   switch (res.status) {
