@@ -257,18 +257,21 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train_pts, val_pts = [], []
+    train_pts, val_pts, full_pts = [], [], []
     for line in metrics_path.read_text(encoding="utf-8").splitlines():
         rec = json.loads(line)
         if "train_loss" in rec:
             train_pts.append((rec["step"], rec["train_loss"]))
-        if "val_loss" in rec:
-            val_pts.append((rec["step"], rec["val_loss"]))
+        if "val_loss" in rec:  # periodic: a fixed sample of windows; final: every window
+            (full_pts if rec.get("full") else val_pts).append((rec["step"], rec["val_loss"]))
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if train_pts:
         ax.plot(*zip(*train_pts), label="train", lw=1, alpha=0.8)
     if val_pts:
-        ax.plot(*zip(*val_pts), "o-", label="val (held-out works)", lw=1.5, ms=3)
+        ax.plot(*zip(*val_pts), "o-", label="val, sample of held-out works", lw=1.5, ms=3)
+    for step, loss in full_pts:
+        ax.plot([step], [loss], "D", color="C3", ms=6, label="val, all held-out works")
+        ax.annotate(f"{loss:.3f}", (step, loss), textcoords="offset points", xytext=(-10, 8), ha="right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.set_title("attnlens training loss")
