@@ -70,6 +70,14 @@ def server(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def default_server(default_checkpoint, tmp_path_factory):
+    """The bundled trained model: real text, and decode steps slow enough (milliseconds) that
+    a stream reaches the page in several reads, unlike the tiny model's near-instant steps."""
+    with live_server(default_checkpoint, tmp_path_factory.mktemp("browser-default-logs")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
 def browser():
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
@@ -184,10 +192,11 @@ def test_page_loads_without_console_errors(page, server):
     assert path.stat().st_size > 10_000
 
 
-def test_generate_streams_tokens_into_the_page(page, server):
+def test_generate_streams_tokens_into_the_page(page, default_server):
+    server = default_server
     open_page(page, server)
     page.fill("#prompt", "To be, or not")
-    page.fill("#max_new_tokens", "24")
+    page.fill("#max_new_tokens", "64")
     page.fill("#temperature", "0")
     page.fill("#seed", "1")
     # record each separate moment chips were added: a stream adds them over several tasks
