@@ -12,7 +12,7 @@ export function cssVar(name, fallback = "#888") {
   return v || fallback;
 }
 
-function parseColor(str) {
+export function parseColor(str) {
   // #rgb, #rrggbb or rgb(r, g, b) -> [r, g, b]
   if (str.startsWith("#")) {
     const h = str.length === 4 ? [...str.slice(1)].map((c) => c + c).join("") : str.slice(1, 7);

@@ -2,18 +2,9 @@
 // canvas of T×T pixels (one per cell) that CSS scales; layers are fetched as they scroll
 // into view when the input is long.
 
-import { paintMatrix, cssVar } from "../heatmap.js";
+import { paintMatrix, cssVar, parseColor } from "../heatmap.js";
 import { removeSink, headStats, colourScale, SCALES, JSON_MAX_TOKENS } from "../attention.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
-
-function parseColor(str) {
-  if (str.startsWith("#")) {
-    const h = str.length === 4 ? [...str.slice(1)].map((c) => c + c).join("") : str.slice(1, 7);
-    return [0, 2, 4].map((i) => parseInt(h.substr(i, 2), 16));
-  }
-  const m = str.match(/[\d.]+/g);
-  return m ? m.slice(0, 3).map(Number) : [128, 128, 128];
-}
 
 export class ModelView {
   constructor(app) {
