@@ -1,0 +1,78 @@
+"""CUDA checks: the same model on the GPU (fp32 and bf16), the KV cache, a bf16 training step
+and the service's device/dtype choice. CI has no GPU: every test here skips without one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import SamplingParams, generate_tokens, load_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint):
+    return load_checkpoint(tiny_checkpoint), load_checkpoint(tiny_checkpoint, device="cuda")
+
+
+def test_cuda_fp32_logits_and_attention_match_the_cpu(pair):
+    cpu, gpu = pair
+    ids = torch.randint(0, cpu.config.vocab_size, (2, 48))
+    ref, ref_att = cpu.model(ids, return_attention=True)
+    out, att = gpu.model(ids.cuda(), return_attention=True)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(att, ref_att):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
+
+
+def test_cuda_kv_cache_matches_full_recompute(pair):
+    _, gpu = pair
+    ids = torch.randint(0, gpu.config.vocab_size, (1, 40), device="cuda")
+    full = gpu.model(ids)
+    cache = gpu.model.new_kv_cache(1)
+    steps = [gpu.model(ids[:, :8], kv_cache=cache)]
+    steps += [gpu.model(ids[:, t : t + 1], kv_cache=cache) for t in range(8, 40)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_greedy_decoding_runs_and_is_seeded(tiny_checkpoint):
+    ckpt = load_checkpoint(tiny_checkpoint, device="cuda", dtype=torch.bfloat16)
+    ids = ckpt.tokenizer.encode("To be, or not")
+    params = SamplingParams(temperature=0.9, seed=3)
+    a = [t.id for t in generate_tokens(ckpt.model, ids, 20, params)]
+    b = [t.id for t in generate_tokens(ckpt.model, ids, 20, params)]
+    assert a == b and len(a) == 20
+
+
+def test_bf16_autocast_training_step_lowers_the_loss(tiny_checkpoint):
+    ckpt = load_checkpoint(tiny_checkpoint, device="cuda")
+    model = ckpt.model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    x = torch.randint(0, ckpt.config.vocab_size, (4, 32), device="cuda")
+    losses = []
+    for _ in range(20):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_service_picks_cuda_and_bf16_on_auto(tiny_checkpoint):
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    with TestClient(create_app(Settings(model=tiny_checkpoint, device="auto", dtype="auto"))) as client:
+        info = client.get("/model").json()
+        assert info["device"].startswith("cuda") and info["dtype"] == "bfloat16"
+        r = client.post("/generate", json={"prompt": "To be", "max_new_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
