@@ -11,9 +11,16 @@ from typing import Any
 from fastapi import Request
 
 from .engine import Engine, GenerationRequest
-from .errors import ApiError
+from .errors import ApiError, field_error
 from .metrics import Metrics
 from .settings import Settings
+
+
+def check_new_token_limit(settings: Settings, value: int, field: str) -> None:
+    """A 422 on `field` when more new tokens are asked for than ATTNLENS_MAX_NEW_TOKENS allows."""
+    if value > settings.max_new_tokens:
+        raise field_error(field, f"Input should be less than or equal to {settings.max_new_tokens}",
+                          "less_than_equal")
 
 
 def check_lengths(engine: Engine, settings: Settings, prompt_ids: list[int], max_new_tokens: int, *,

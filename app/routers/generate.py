@@ -11,8 +11,7 @@ from model import SamplingParams
 
 from ..deps import get_engine, get_state
 from ..engine import Engine, GenerationJob
-from ..errors import field_error
-from ..generation import SSE_HEADERS, cancel_on_disconnect, check_lengths, collect, sse
+from ..generation import SSE_HEADERS, cancel_on_disconnect, check_lengths, check_new_token_limit, collect, sse
 from ..schemas import GenerateRequest, GenerateResponse
 from ..state import AppState
 
@@ -41,9 +40,7 @@ ERRORS = {
 async def generate(body: GenerateRequest, request: Request, engine: Engine = Depends(get_engine),
                    state: AppState = Depends(get_state)):
     settings = state.settings
-    if body.max_new_tokens > settings.max_new_tokens:
-        raise field_error("max_new_tokens", f"Input should be less than or equal to {settings.max_new_tokens}",
-                          "less_than_equal")
+    check_new_token_limit(settings, body.max_new_tokens, "max_new_tokens")
     tok = engine.tokenizer
     prompt_ids = tok.encode(body.prompt)
     check_lengths(engine, settings, prompt_ids, body.max_new_tokens)

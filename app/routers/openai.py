@@ -20,8 +20,7 @@ from model import SamplingParams
 
 from ..deps import get_engine, get_state
 from ..engine import Engine, GenerationJob, GenerationRequest
-from ..errors import field_error
-from ..generation import SSE_HEADERS, cancel_on_disconnect, check_lengths, collect, sse
+from ..generation import SSE_HEADERS, cancel_on_disconnect, check_lengths, check_new_token_limit, collect, sse
 from ..openai_schemas import Completion, CompletionRequest, ModelList, OpenAIErrorResponse
 from ..state import AppState
 
@@ -109,9 +108,7 @@ def _submit_all(engine: Engine, jobs: list[GenerationJob]) -> list[GenerationReq
 async def completions(body: CompletionRequest, request: Request, engine: Engine = Depends(get_engine),
                       state: AppState = Depends(get_state)):
     settings = state.settings
-    if body.max_tokens > settings.max_new_tokens:
-        raise field_error("max_tokens", f"Input should be less than or equal to {settings.max_new_tokens}",
-                          "less_than_equal")
+    check_new_token_limit(settings, body.max_tokens, "max_tokens")
     tok = engine.tokenizer
     prompts = body.prompts
     prompts_ids = [tok.encode(p) for p in prompts]
