@@ -12,6 +12,18 @@ export function cssVar(name, fallback = "#888") {
   return v || fallback;
 }
 
+/** A copy of `canvas` on the page's opaque surface colour, for PNG export. */
+export function opaqueCopy(canvas) {
+  const c = document.createElement("canvas");
+  c.width = canvas.width;
+  c.height = canvas.height;
+  const ctx = c.getContext("2d");
+  ctx.fillStyle = cssVar("--surface", "#fff");
+  ctx.fillRect(0, 0, c.width, c.height);
+  ctx.drawImage(canvas, 0, 0);
+  return c;
+}
+
 export function parseColor(str) {
   // #rgb, #rrggbb or rgb(r, g, b) -> [r, g, b]
   if (str.startsWith("#")) {
@@ -479,14 +491,7 @@ export class Heatmap {
 
   /** A canvas with the rendered heatmap on an opaque background, for PNG export. */
   exportCanvas() {
-    const c = document.createElement("canvas");
-    c.width = this.base.width;
-    c.height = this.base.height;
-    const ctx = c.getContext("2d");
-    ctx.fillStyle = cssVar("--surface", "#fff");
-    ctx.fillRect(0, 0, c.width, c.height);
-    ctx.drawImage(this.base, 0, 0);
-    return c;
+    return opaqueCopy(this.base);
   }
 
   destroy() {

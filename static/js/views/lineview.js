@@ -3,7 +3,7 @@
 // Hovering a token keeps only its lines; clicking it keeps the filter until clicked again.
 
 import { removeSink } from "../attention.js";
-import { cssVar } from "../heatmap.js";
+import { cssVar, opaqueCopy } from "../heatmap.js";
 import { axisLabel, quoted, escapeHTML } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
 
@@ -239,14 +239,7 @@ export class LineView {
   }
 
   exportCanvas() {
-    const c = document.createElement("canvas");
-    c.width = this.canvas.width;
-    c.height = this.canvas.height;
-    const ctx = c.getContext("2d");
-    ctx.fillStyle = cssVar("--surface", "#fff");
-    ctx.fillRect(0, 0, c.width, c.height);
-    ctx.drawImage(this.canvas, 0, 0);
-    return c;
+    return opaqueCopy(this.canvas);
   }
 
   exportData() {
