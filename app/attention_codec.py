@@ -1,6 +1,6 @@
 """Compute full attention maps and pack them compactly for the browser.
 
-`json` is nested lists. `f16` and `u8` are the same [layers][heads][T][T] array, row-major,
+`json` is nested lists (with packing="tril", rows of growing length). `f16` and `u8` are the same [layers][heads][T][T] array, row-major,
 as base64 of little-endian float16, or of bytes with value = byte * scale (scale = 1/255).
 With packing="tril" each T x T matrix keeps only the cells on or below the diagonal (row
 i has i + 1 values), since causal attention is zero above it: about half the bytes.
@@ -36,7 +36,11 @@ def encode(a: np.ndarray, fmt: str, packing: str = "full") -> dict:
     """Fields of AttentionResponse for the array in the requested format."""
     shape = list(a.shape)
     if fmt == "json":
-        return {"shape": shape, "attention": np.round(a, 6).tolist()}
+        rounded = np.round(a, 6)
+        if packing == "tril":  # row i of each matrix keeps its first i + 1 values
+            nested = [[[row[: i + 1] for i, row in enumerate(m)] for m in layer] for layer in rounded.tolist()]
+            return {"shape": shape, "attention": nested, "packing": packing}
+        return {"shape": shape, "attention": rounded.tolist(), "packing": packing}
     flat = tril_pack(a) if packing == "tril" else a
     if fmt == "f16":
         raw = np.ascontiguousarray(flat, dtype="<f2").tobytes()
@@ -51,6 +55,13 @@ def decode(fields: dict) -> np.ndarray:
     """The inverse of encode (for tests and Python clients): a float32 array of `shape`."""
     shape = fields["shape"]
     if fields.get("attention") is not None:
+        if fields.get("packing") == "tril":
+            out = np.zeros(shape, dtype=np.float32)
+            for li, layer in enumerate(fields["attention"]):
+                for hi, matrix in enumerate(layer):
+                    for i, row in enumerate(matrix):
+                        out[li, hi, i, : i + 1] = row
+            return out
         return np.asarray(fields["attention"], dtype=np.float32)
     raw = base64.b64decode(fields["data"])
     if fields["dtype"] == "float16":

@@ -113,6 +113,7 @@ class GenerationRequest(_Work):
         self.t_first: float | None = None
         self.finished = False
         self.prompt_scores: list[dict] | None = None
+        self.eos_token: dict | None = None  # the generated EOS, scored (in the done event)
 
     # --- event loop side ---------------------------------------------------
     async def events(self) -> AsyncIterator[Event]:
@@ -159,14 +160,18 @@ class GenerationRequest(_Work):
         self.produced += 1
         if self.t_first is None:
             self.t_first = time.perf_counter()
-        if token == tok.eos_id:
-            return self._finish("eos")
         extra = {"logprob": None, "top": None, "attention": None}
         logprobs = torch.log_softmax(row, dim=-1)
         extra["logprob"] = float(logprobs[token])
         if job.n_logprobs > 0:
             top = torch.topk(logprobs, min(job.n_logprobs, logprobs.shape[-1]))
             extra["top"] = list(zip(top.indices.tolist(), top.values.tolist()))
+        if token == tok.eos_id:
+            # counted in completion_tokens, so scored like any token (OpenAI logprobs list it)
+            self.eos_token = {"id": token, "text": tok.display_text(token), "logprob": extra["logprob"],
+                              "top_logprobs": [self._alt(i, v) for i, v in extra["top"]]
+                              if extra["top"] is not None else None}
+            return self._finish("eos")
         if attn is not None:
             extra["attention"] = [
                 [[round(x, 6) for x in head] for head in a[0, :, -1, :].float().cpu().tolist()] for a in attn
@@ -231,6 +236,8 @@ class GenerationRequest(_Work):
         }
         if self.prompt_scores is not None:
             data["prompt_logprobs"] = self.prompt_scores
+        if self.eos_token is not None:
+            data["eos_token"] = self.eos_token
         self.finished = True
         self._final = lambda: self._emit("done", data)
         return True

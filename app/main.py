@@ -59,6 +59,8 @@ async def lifespan(app: FastAPI):
         state.status = "failed"
         log.error("cannot load the model from %s: %s", s.model, e)
         raise RuntimeError(f"cannot load the model from {s.model}: {e}") from None
+    if s.max_prompt_tokens is None:  # the default follows the model
+        s = state.settings = s.model_copy(update={"max_prompt_tokens": ckpt.config.context_length})
     engine = Engine(ckpt, max_concurrent=s.max_concurrent, max_queue=s.max_queue)
     state.checkpoint, state.engine = ckpt, engine
     state.metrics.bind_engine(engine)
@@ -103,6 +105,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="A small transformer trained from scratch: generate text and look at its attention heads.",
         version="0.1.0",
         lifespan=lifespan,
+        # no redirect from /path/ to /path (or /static to /static/): Starlette builds its absolute
+        # URL from the Host header the client sent, so anyone could make us point elsewhere
+        redirect_slashes=False,
     )
     app.state.attnlens = AppState(settings=settings, metrics=Metrics())
     install_error_handlers(app)

@@ -23,7 +23,8 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    max_prompt_tokens: int = Field(1024, ge=1)
+    # None = the model's context length (set once the model is loaded)
+    max_prompt_tokens: int | None = Field(None, ge=1)
     max_new_tokens: int = Field(512, ge=1)
     max_concurrent: int = Field(8, ge=1)  # requests being generated at once
     max_queue: int = Field(32, ge=0)  # requests waiting for a slot

@@ -4,6 +4,9 @@ latency, request timeouts) are in test_service_reliability_live.py."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -46,3 +49,134 @@ def test_generate_with_tiny_top_p_is_greedy_not_500(client, stream):
 def test_v1_with_tiny_top_p_is_not_500(client):
     r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "top_p": 5e-324})
     assert r.status_code == 200, r.text
+
+
+# --- defect 5: lone surrogates are no text: 422, never a 500 ------------------------------
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"prompt": "Hi", "stop": ["\ud800"]}),
+    ("/generate", {"prompt": "\ud800"}),
+    ("/generate", {"prompt": "Hi", "stop": "\udfff", "stream": True}),
+    ("/attention", {"text": "a\ud800b"}),
+    ("/v1/completions", {"prompt": "Hi", "stop": "\ud800"}),
+    ("/v1/completions", {"prompt": "\ud800"}),
+    ("/v1/completions", {"prompt": ["ok", "\udbff"]}),
+    ("/generate", {"prompt": "Hi", "\ud800": 1}),  # an unknown field whose name is one
+])
+def test_lone_surrogates_are_422(client, path, body):
+    # json.dumps escapes them as \ud800, as a client would (httpx's json= refuses them)
+    r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    d = r.json()
+    param = d["error"]["param"] if path.startswith("/v1") else d["param"]
+    assert param.split(".")[0] in body or (param == "body" and "\ud800" in body)
+
+
+# --- defect 8: strict types --------------------------------------------------------------
+@pytest.mark.parametrize("path,body,field", [
+    ("/generate", {"prompt": "Hi", "max_new_tokens": "4"}, "max_new_tokens"),
+    ("/generate", {"prompt": "Hi", "max_new_tokens": True}, "max_new_tokens"),
+    ("/generate", {"prompt": "Hi", "stream": "yes"}, "stream"),
+    ("/generate", {"prompt": "Hi", "logprobs": 1.0}, "logprobs"),
+    ("/generate", {"prompt": "Hi", "temperature": "0.5"}, "temperature"),
+    ("/attention", {"text": "Hi", "layers": ["0"]}, "layers.0"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": "4"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "echo": "yes"}, "echo"),
+    ("/v1/completions", {"prompt": "Hi", "n": True}, "n"),
+])
+def test_strict_types(client, path, body, field):
+    r = client.post(path, json=body)
+    assert r.status_code == 422, r.text
+    d = r.json()
+    assert (d["error"]["param"] if path.startswith("/v1") else d["param"]) == field
+
+
+def test_ints_still_count_as_floats(client):
+    r = client.post("/generate", json={"prompt": "Hi", "max_new_tokens": 2, "temperature": 1, "top_p": 1})
+    assert r.status_code == 200, r.text
+
+
+# --- defect 8: packing "tril" applies to json too ------------------------------------------
+def test_attention_json_tril_is_applied(client):
+    from app.attention_codec import decode
+
+    full = client.post("/attention", json={"text": "To be, or not", "format": "json"}).json()
+    tril = client.post("/attention", json={"text": "To be, or not", "format": "json", "packing": "tril"}).json()
+    assert tril["packing"] == "tril"
+    T = len(tril["tokens"])
+    assert [len(row) for row in tril["attention"][0][0]] == list(range(1, T + 1))
+    assert np.array_equal(decode(tril), decode(full))
+
+
+# --- defect 8: a long prompt is refused by its bytes, before tokenising --------------------
+def test_huge_prompt_refused_without_tokenising(client, monkeypatch):
+    from model.tokenizer import Tokenizer
+
+    def boom(self, text):
+        raise AssertionError("tokenised a prompt its byte length already rules out")
+
+    monkeypatch.setattr(Tokenizer, "encode", boom)
+    for path, body in [("/generate", {"prompt": "x" * 400_000, "max_new_tokens": 4}), ("/attention", {"text": "x" * 400_000}),
+                       ("/v1/completions", {"prompt": ["hi", "x" * 400_000]})]:
+        r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert "bytes" in r.text and "prompt_too_long" in r.text
+
+
+def test_max_prompt_tokens_default_follows_the_model(client):
+    assert client.get("/model").json()["limits"]["max_prompt_tokens"] == 64  # the tiny model's context
+
+
+# --- defect 8: /model keeps the server's paths private --------------------------------------
+def test_model_info_has_no_absolute_path(client, tiny_checkpoint):
+    r = client.get("/model")
+    assert str(tiny_checkpoint.parent) not in r.text
+    assert r.json()["path"] == tiny_checkpoint.name
+
+
+# --- defect 8: a 500 carries no internal exception text ----------------------------------------
+def test_500_body_has_no_exception_text(tiny_checkpoint, monkeypatch):
+    import app.routers.attention as attention_router
+
+    def broken(*args, **kwargs):
+        raise ValueError("secret /srv/internal/path detail")
+
+    monkeypatch.setattr(attention_router, "encode", broken)
+    with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False)),
+                    raise_server_exceptions=False) as c:
+        r = c.post("/attention", json={"text": "Hi"})
+    assert r.status_code == 500
+    assert "secret" not in r.text and "ValueError" not in r.text and "reference" in r.json()["detail"]
+
+
+def test_engine_error_text_stays_in_the_log(tiny_checkpoint):
+    with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False))) as c:
+        engine = c.app.state.attnlens.engine
+        real_model = engine.model
+
+        class Poisoned:  # the real model, except that its forward raises
+            def __getattr__(self, name):
+                return getattr(real_model, name)
+
+            def __call__(self, *args, **kwargs):
+                raise RuntimeError("secret tensor detail")
+
+        engine.model = Poisoned()
+        try:
+            plain = c.post("/generate", json={"prompt": "Hi", "max_new_tokens": 2})
+            streamed = c.post("/generate", json={"prompt": "Hi", "max_new_tokens": 2, "stream": True})
+            v1 = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        finally:
+            engine.model = real_model
+    assert plain.status_code == 500 and v1.status_code == 500
+    assert "event: error" in streamed.text
+    for r in (plain, streamed, v1):
+        assert "secret" not in r.text and "Error" not in r.text, r.text
+
+
+# --- defect 8: no redirect built from the client's Host header -----------------------------
+@pytest.mark.parametrize("path", ["/static", "/docs/", "/healthz/"])
+def test_no_redirect_to_the_sent_host(tiny_checkpoint, path):
+    c = TestClient(create_app(Settings(model=tiny_checkpoint, warmup=False)))
+    r = c.get(path, headers={"Host": "evil.example"}, follow_redirects=False)
+    assert r.status_code == 404
+    assert "evil.example" not in r.headers.get("location", "")

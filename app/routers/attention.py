@@ -9,6 +9,7 @@ from ..attention_codec import attention_maps, encode
 from ..deps import get_engine, get_state
 from ..engine import Engine
 from ..errors import ApiError, field_error
+from ..prompts import check_token_ids, tokenize_text
 from ..schemas import AttentionRequest, AttentionResponse
 from ..state import AppState
 
@@ -27,21 +28,18 @@ def _indices(name: str, requested: list[int] | None, n: int) -> list[int]:
     return list(requested)
 
 
-def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[int]:
+async def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[int]:
     """The token ids to analyse: `ids` as given, or `text` tokenised; exactly one of them."""
     if body.text is not None and body.ids is not None:
         raise field_error("ids", "give either text or ids, not both", "exclusive")
     if body.text is None and body.ids is None:
         raise field_error("text", "give text (to tokenise) or ids (token ids)", "missing")
     if body.ids is not None:
-        field, ids = "ids", list(body.ids)
-        vocab = tok.vocab_size
-        for pos, i in enumerate(ids):
-            if not 0 <= i < vocab:
-                raise field_error("ids", f"token id {i} (at position {pos}) is not in the vocabulary: "
-                                         f"ids run 0..{vocab - 1}", "out_of_range")
+        field, ids = "ids", check_token_ids(tok, body.ids, field="ids")
     else:
-        field, ids = "text", tok.encode(body.text)
+        field = "text"
+        ids = await tokenize_text(tok, body.text, context_length, field="text",
+                                  limit_name="the model's context length")
         if not ids:
             raise ApiError(400, "text encodes to no tokens", param="text", code="empty_text")
     if len(ids) > context_length:
@@ -63,7 +61,7 @@ async def attention(body: AttentionRequest, engine: Engine = Depends(get_engine)
     layers = _indices("layers", body.layers, cfg.n_layers)
     heads = _indices("heads", body.heads, cfg.n_heads)
     tok = engine.tokenizer
-    ids = _input_ids(body, tok, cfg.context_length)
+    ids = await _input_ids(body, tok, cfg.context_length)
     maps = await engine.call(lambda model: attention_maps(model, ids, layers, heads))
     content = {
         "model": state.model_name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 from fastapi import APIRouter, Depends, Request
@@ -11,9 +12,13 @@ from model import SamplingParams
 
 from ..deps import get_engine, get_state
 from ..engine import Engine, GenerationJob
+from ..errors import public_message
 from ..generation import SSE_HEADERS, cancel_on_disconnect, check_lengths, check_new_token_limit, collect, sse
+from ..prompts import tokenize_text
 from ..schemas import GenerateRequest, GenerateResponse
 from ..state import AppState
+
+log = logging.getLogger("attnlens.routers")
 
 router = APIRouter(tags=["generate"])
 
@@ -42,7 +47,8 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
     settings = state.settings
     check_new_token_limit(settings, body.max_new_tokens, "max_new_tokens")
     tok = engine.tokenizer
-    prompt_ids = tok.encode(body.prompt)
+    prompt_ids = await tokenize_text(tok, body.prompt, settings.max_prompt_tokens, field="prompt",
+                                     limit_name="ATTNLENS_MAX_PROMPT_TOKENS")
     check_lengths(engine, settings, prompt_ids, body.max_new_tokens)
     job = GenerationJob(
         prompt_ids=prompt_ids,
@@ -72,9 +78,10 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
                                            "prompt_tokens": prompt_tokens, "text": d["text"],
                                            "delta": d["delta"], "usage": d["usage"], "timings": d["timings"]})
                     else:
-                        yield sse("error", {"message": event.data["message"]})
-            except Exception as e:  # anything on our side mid-stream: tell the client
-                yield sse("error", {"message": f"internal error: {type(e).__name__}"})
+                        yield sse("error", {"message": public_message(event.data["message"])})
+            except Exception:  # anything on our side mid-stream: log it, tell the client
+                log.exception("stream failed")
+                yield sse("error", {"message": "internal error (see the server log)"})
             finally:
                 handle.cancel()  # client gone (the stream was cancelled) or finished: free the slot
 

@@ -1,8 +1,8 @@
 """OpenAI-compatible legacy completions: POST /v1/completions and GET /v1/models.
 
-Differences from OpenAI, on purpose: `model` may name anything (the loaded model
-answers); `n` > 1 with a seed uses seed, seed + 1, ... for the choices so they differ yet
-repeat; penalties, best_of, logit_bias and suffix are accepted and ignored; a streamed
+Differences from OpenAI, on purpose: `model` may be left out (the loaded model answers; an
+id /v1/models does not list is a 404); `n` > 1 with a seed uses seed, seed + 1, ... for the
+choices so they differ yet repeat; penalties, best_of, logit_bias and suffix are accepted and ignored; a streamed
 `echo` sends the prompt text first but no logprobs for the prompt tokens.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import logging
 import time
 import uuid
 
@@ -20,9 +21,13 @@ from model import SamplingParams
 
 from ..deps import get_engine, get_state
 from ..engine import Engine, GenerationJob, GenerationRequest
+from ..errors import ApiError, public_message
 from ..generation import SSE_HEADERS, cancel_on_disconnect, check_lengths, check_new_token_limit, collect, sse
 from ..openai_schemas import Completion, CompletionRequest, ModelList, OpenAIErrorResponse
+from ..prompts import check_text_bytes, check_token_ids, tokenize_text
 from ..state import AppState
+
+log = logging.getLogger("attnlens.routers")
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -63,6 +68,15 @@ class Choice:
         self.offset += len(token["delta"])
         return frag
 
+    def add_end(self, delta: str, eos: dict | None) -> dict | None:
+        """The text no token carried, then the generated EOS if there was one: it counts as a
+        completion token, so it gets its logprobs entry (text stays as it is)."""
+        self.text += delta
+        self.offset += len(delta)
+        if eos is None:
+            return None
+        return self._append(eos["text"], eos["logprob"], _top(eos))
+
     def _append(self, text: str, logprob: float | None, top: dict | None) -> dict | None:
         if not self.want_logprobs:
             return None
@@ -74,6 +88,21 @@ class Choice:
     def as_dict(self, finish_reason: str) -> dict:
         return {"index": self.index, "text": self.text, "logprobs": self.lp if self.want_logprobs else None,
                 "finish_reason": FINISH[finish_reason]}
+
+
+async def _prompt_ids(body: CompletionRequest, tok, limit: int) -> list[list[int]]:
+    """Token ids of each prompt: strings tokenised (off the event loop), ids checked against the
+    vocabulary (a 422 names the prompt and the position of the first bad id)."""
+    many = len(body.prompts) > 1 or not (isinstance(body.prompt, str) or isinstance(body.prompt[0], int))
+    fields = [f"prompt.{k}" if many else "prompt" for k in range(len(body.prompts))]
+    limit_name = "ATTNLENS_MAX_PROMPT_TOKENS"
+    for field, p in zip(fields, body.prompts):  # every prompt checked before any is tokenised
+        if isinstance(p, str):
+            check_text_bytes(tok, p, limit, field=field, limit_name=limit_name)
+        else:
+            check_token_ids(tok, p, field=field)
+    return [await tokenize_text(tok, p, limit, field=field, limit_name=limit_name) if isinstance(p, str) else list(p)
+            for field, p in zip(fields, body.prompts)]
 
 
 def _jobs(body: CompletionRequest, prompts_ids: list[list[int]]) -> list[GenerationJob]:
@@ -108,10 +137,14 @@ def _submit_all(engine: Engine, jobs: list[GenerationJob]) -> list[GenerationReq
 async def completions(body: CompletionRequest, request: Request, engine: Engine = Depends(get_engine),
                       state: AppState = Depends(get_state)):
     settings = state.settings
+    if body.model is not None and body.model != state.model_name:
+        raise ApiError(404, f"the model {body.model!r} does not exist: /v1/models lists {state.model_name!r}",
+                       param="model", code="model_not_found")
     check_new_token_limit(settings, body.max_tokens, "max_tokens")
     tok = engine.tokenizer
-    prompts = body.prompts
-    prompts_ids = [tok.encode(p) for p in prompts]
+    prompts_ids = await _prompt_ids(body, tok, settings.max_prompt_tokens)
+    # the text each prompt echoes: as sent, or the ids' text
+    prompts = [p if isinstance(p, str) else tok.decode(p) for p in body.prompts]
     for ids in prompts_ids:
         check_lengths(engine, settings, ids, body.max_tokens, max_field="max_tokens")
     jobs = _jobs(body, prompts_ids)
@@ -154,9 +187,10 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
                         remaining -= 1
                         completion_tokens += ev.data["usage"]["completion_tokens"]
                         metrics.observe_generation(ev.data)
-                        yield chunk(i, ev.data["delta"], None, FINISH[ev.data["finish_reason"]])
+                        frag = c.add_end(ev.data["delta"], ev.data.get("eos_token"))
+                        yield chunk(i, ev.data["delta"], frag, FINISH[ev.data["finish_reason"]])
                     else:
-                        yield sse(None, {"error": {"message": ev.data["message"], "type": "server_error",
+                        yield sse(None, {"error": {"message": public_message(ev.data["message"]), "type": "server_error",
                                                    "param": None, "code": "generation_failed"}})
                         return
                 if include_usage:
@@ -165,8 +199,9 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
                                                               "completion_tokens": completion_tokens,
                                                               "total_tokens": prompt_tokens + completion_tokens}})
                 yield "data: [DONE]\n\n"
-            except Exception as e:
-                yield sse(None, {"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error",
+            except Exception:
+                log.exception("stream failed")
+                yield sse(None, {"error": {"message": "internal error (see the server log)", "type": "server_error",
                                            "param": None, "code": "internal_error"}})
             finally:
                 for t in tasks:
@@ -184,7 +219,7 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
             c.add_prompt_scores(out.done["prompt_logprobs"])
         for t in out.tokens:
             c.add_token(t)
-        c.text += out.done["delta"]
+        c.add_end(out.done["delta"], out.done.get("eos_token"))
         result.append(c.as_dict(out.done["finish_reason"]))
     completion_tokens = sum(o.done["usage"]["completion_tokens"] for o in outcomes)
     return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": result,

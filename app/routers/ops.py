@@ -50,7 +50,7 @@ async def model_info(engine: Engine = Depends(get_engine), state: AppState = Dep
     ckpt, cfg, s = engine.checkpoint, engine.config, state.settings
     return {
         "name": state.model_name,
-        "path": str(ckpt.path),
+        "path": state.model_name,  # the directory's name: the server's file system stays private
         "architecture": cfg.to_dict(),
         "parameters": engine.model.num_parameters(),
         "parameters_without_embeddings": engine.model.num_parameters(exclude_embeddings=True),
