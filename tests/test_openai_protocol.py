@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from conftest import make_tiny_checkpoint
+from conftest import REPO_ROOT, make_tiny_checkpoint
 from model import load_checkpoint, save_checkpoint
 
 
@@ -137,3 +137,18 @@ def test_generated_eos_has_its_logprobs_entry_when_streamed(eos_client):
     entries = [t for c in chunks for ch in c["choices"] if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
     assert entries == ["<|endoftext|>"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+# --- bos/eos: the checkpoint's tokenizer and the export both name the end-of-text token -----
+def test_checkpoint_and_export_tokenizers_name_eos(tiny_checkpoint, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from model.hf import export_hf
+
+    tok = load_checkpoint(tiny_checkpoint).tokenizer
+    for directory in (tiny_checkpoint, export_hf(tiny_checkpoint, tmp_path / "hf"),
+                      *([p] if (p := REPO_ROOT / "checkpoints" / "default").is_dir() else [])):
+        hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+        assert hf.bos_token == hf.eos_token == "<|endoftext|>", directory
+        if directory != REPO_ROOT / "checkpoints" / "default":
+            assert hf.eos_token_id == tok.eos_id
+            assert hf("To be, or not").input_ids == tok.encode("To be, or not")
