@@ -35,12 +35,12 @@ def tril_pack(a: np.ndarray) -> np.ndarray:
 def encode(a: np.ndarray, fmt: str, packing: str = "full") -> dict:
     """Fields of AttentionResponse for the array in the requested format."""
     shape = list(a.shape)
-    if fmt == "json":
-        rounded = np.round(a, 6)
+    if fmt == "json":  # numpy arrays, written as nested lists by app.answers.encode_json
+        rounded = np.round(a.astype(np.float32, copy=False), 6)
         if packing == "tril":  # row i of each matrix keeps its first i + 1 values
-            nested = [[[row[: i + 1] for i, row in enumerate(m)] for m in layer] for layer in rounded.tolist()]
+            nested = [[[row[: i + 1] for i, row in enumerate(m)] for m in layer] for layer in rounded]
             return {"shape": shape, "attention": nested, "packing": packing}
-        return {"shape": shape, "attention": rounded.tolist(), "packing": packing}
+        return {"shape": shape, "attention": rounded, "packing": packing}
     flat = tril_pack(a) if packing == "tril" else a
     if fmt == "f16":
         raw = np.ascontiguousarray(flat, dtype="<f2").tobytes()
@@ -49,6 +49,16 @@ def encode(a: np.ndarray, fmt: str, packing: str = "full") -> dict:
     q = np.clip(np.rint(flat / U8_SCALE), 0, 255).astype(np.uint8)
     return {"shape": shape, "data": base64.b64encode(q.tobytes()).decode("ascii"), "dtype": "uint8",
             "packing": packing, "scale": U8_SCALE}
+
+
+def encoded_bytes(shape: list[int], fmt: str, packing: str) -> int:
+    """An upper bound on the bytes `encode` and its JSON answer take for an array of `shape`
+    (the float32 maps, the encoded field, and per-token overhead): what an answer claims."""
+    *outer, T, _ = shape
+    mats = int(np.prod(outer)) if outer else 1
+    cells = mats * (T * (T + 1) // 2 if packing == "tril" else T * T)
+    per_cell = {"json": 10.0, "f16": 2 + 8 / 3, "u8": 1 + 4 / 3}[fmt]  # text, or raw + base64
+    return int(mats * T * T * 4 + cells * per_cell + mats * T * 2 + T * 64 + 4096)
 
 
 def decode(fields: dict) -> np.ndarray:

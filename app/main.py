@@ -23,6 +23,7 @@ from starlette.middleware.gzip import GZipMiddleware
 
 from model import SamplingParams
 
+from .answers import AnswerBudget
 from .attention_codec import attention_maps
 from .body_limit import BodyLimitMiddleware
 from .engine import Engine, GenerationJob
@@ -109,7 +110,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # URL from the Host header the client sent, so anyone could make us point elsewhere
         redirect_slashes=False,
     )
-    app.state.attnlens = AppState(settings=settings, metrics=Metrics())
+    app.state.attnlens = AppState(settings=settings, metrics=Metrics(),
+                                  answers=AnswerBudget(settings.max_answer_bytes, settings.answer_wait_s))
     install_error_handlers(app)
     for module in (generate, attention, openai, ops, ui):
         app.include_router(module.router)
@@ -118,7 +120,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.mount("/static", StaticFiles(directory=settings.static_dir), name="static")
 
     # added innermost first: metrics sees everything, CORS headers go on every answer
-    app.add_middleware(GZipMiddleware, minimum_size=1024)
+    app.add_middleware(GZipMiddleware, minimum_size=1024, compresslevel=settings.gzip_level)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_response=scope_error_response)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],

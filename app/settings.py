@@ -32,6 +32,11 @@ class Settings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = []
     log_level: str = "info"
     max_body_bytes: int = Field(1_000_000, ge=1)
+    # Attention answers: bytes held for answers computed but not yet read by their clients
+    max_answer_bytes: int = Field(256_000_000, ge=1)
+    answer_wait_s: float = Field(10.0, ge=0)  # wait this long for room, then 429
+    send_timeout_s: float = Field(30.0, gt=0)  # drop a client that takes no bytes for this long
+    gzip_level: int = Field(1, ge=1, le=9)  # answers over 1 KB; big ones are compressed off the event loop
     static_dir: Path = STATIC_DIR
     warmup: bool = True
 

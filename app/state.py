@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from model import Checkpoint
 
+from .answers import AnswerBudget
 from .engine import Engine
 from .metrics import Metrics
 from .settings import Settings
@@ -15,6 +16,7 @@ from .settings import Settings
 class AppState:
     settings: Settings
     metrics: Metrics
+    answers: AnswerBudget
     checkpoint: Checkpoint | None = None
     engine: Engine | None = None
     ready: bool = False

@@ -180,3 +180,44 @@ def test_no_redirect_to_the_sent_host(tiny_checkpoint, path):
     r = c.get(path, headers={"Host": "evil.example"}, follow_redirects=False)
     assert r.status_code == 404
     assert "evil.example" not in r.headers.get("location", "")
+
+
+# --- defect 1: the bytes of attention answers in flight are bounded ------------------------
+def test_answer_budget_waits_then_429_and_refuses_what_never_fits():
+    import asyncio
+
+    from app.answers import AnswerBudget
+    from app.errors import ApiError
+
+    async def scenario():
+        budget = AnswerBudget(100, wait_s=0.3)
+        a = await budget.claim(60, what="a")
+        with pytest.raises(ApiError) as too_big:
+            await budget.claim(101, what="b")
+        assert too_big.value.status_code == 400 and too_big.value.code == "answer_too_large"
+        with pytest.raises(ApiError) as busy:
+            await budget.claim(50, what="c")  # 60 + 50 > 100 for the whole wait
+        assert busy.value.status_code == 429 and int(busy.value.headers["Retry-After"]) >= 1
+        waiter = asyncio.create_task(budget.claim(50, what="d"))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # waits for room
+        await a.release()
+        d = await asyncio.wait_for(waiter, 1)
+        assert budget.in_use == 50
+        await d.release()
+        await d.release()  # idempotent
+        assert budget.in_use == 0
+
+    asyncio.run(scenario())
+
+
+def test_attention_claims_and_releases_its_bytes(client):
+    budget = client.app.state.attnlens.answers
+    r = client.post("/attention", json={"text": "To be, or not", "format": "json"})
+    assert r.status_code == 200 and budget.in_use == 0
+    budget.limit = 1000  # smaller than this answer's estimate
+    try:
+        r = client.post("/attention", json={"text": "To be, or not to be, that is the question", "format": "json"})
+    finally:
+        budget.limit = 256_000_000
+    assert r.status_code == 400 and r.json()["code"] == "answer_too_large"

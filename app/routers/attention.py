@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
 
-from ..attention_codec import attention_maps, encode
+from ..answers import claimed_json
+from ..attention_codec import attention_maps, encode, encoded_bytes
 from ..deps import get_engine, get_state
 from ..engine import Engine
 from ..errors import ApiError, field_error
@@ -51,8 +51,10 @@ async def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[i
 @router.post(
     "/attention",
     response_model=AttentionResponse,
-    responses={400: {"description": "text or ids longer than the context (the message gives the numbers)"},
-               413: {}, 429: {}, 503: {}},
+    responses={400: {"description": "text or ids longer than the context, or an answer larger than "
+                                    "ATTNLENS_MAX_ANSWER_BYTES (the message gives the numbers)"},
+               413: {}, 429: {"description": "answers in flight over ATTNLENS_MAX_ANSWER_BYTES for "
+                                             "ATTNLENS_ANSWER_WAIT_S; see Retry-After"}, 503: {}},
 )
 async def attention(body: AttentionRequest, engine: Engine = Depends(get_engine),
                     state: AppState = Depends(get_state)):
@@ -62,16 +64,26 @@ async def attention(body: AttentionRequest, engine: Engine = Depends(get_engine)
     heads = _indices("heads", body.heads, cfg.n_heads)
     tok = engine.tokenizer
     ids = await _input_ids(body, tok, cfg.context_length)
-    maps = await engine.call(lambda model: attention_maps(model, ids, layers, heads))
-    content = {
-        "model": state.model_name,
-        "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
-        "n_layers": cfg.n_layers,
-        "n_heads": cfg.n_heads,
-        "layers": layers,
-        "heads": heads,
-        "format": body.format,
-        **encode(maps, body.format, body.packing),
-    }
-    # Already the documented shape; skip re-validating up to millions of floats.
-    return JSONResponse(content)
+    shape = [len(layers), len(heads), len(ids), len(ids)]
+    # held from before the forward until the answer's last byte is sent: bounded memory
+    claim = await state.answers.claim(encoded_bytes(shape, body.format, body.packing), what="this answer")
+    try:
+        maps = await engine.call(lambda model: attention_maps(model, ids, layers, heads))
+    except BaseException:
+        await claim.release()
+        raise
+
+    def content() -> dict:  # runs on a worker thread, as does its encoding
+        return {
+            "model": state.model_name,
+            "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
+            "n_layers": cfg.n_layers,
+            "n_heads": cfg.n_heads,
+            "layers": layers,
+            "heads": heads,
+            "format": body.format,
+            **encode(maps, body.format, body.packing),
+        }
+
+    # Already the documented shape: no re-validating millions of floats.
+    return await claimed_json(content, claim, state.settings.send_timeout_s)
