@@ -121,7 +121,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # added innermost first: metrics sees everything, CORS headers go on every answer
     app.add_middleware(GZipMiddleware, minimum_size=1024, compresslevel=settings.gzip_level)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_response=scope_error_response)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_response=scope_error_response,
+                       timeout_s=settings.body_timeout_s)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["Retry-After"])

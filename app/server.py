@@ -7,6 +7,7 @@ import sys
 
 import uvicorn
 
+from .http_protocol import protocol_with_header_timeout
 from .settings import Settings
 
 STARTUP_FAILED = 3  # uvicorn's own exit status for a failed start-up
@@ -21,7 +22,9 @@ def serve(model: str | None = None, host: str | None = None, port: int | None = 
     from .main import create_app  # after logging is set up
 
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                            log_level=settings.log_level, lifespan="on", timeout_graceful_shutdown=5)
+                            log_level=settings.log_level, lifespan="on", timeout_graceful_shutdown=5,
+                            http=protocol_with_header_timeout(settings.header_timeout_s),
+                            timeout_keep_alive=settings.keep_alive_s)
     server = uvicorn.Server(config)
     server.run()
     if not server.started:

@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     max_answer_bytes: int = Field(256_000_000, ge=1)
     answer_wait_s: float = Field(10.0, ge=0)  # wait this long for room, then 429
     send_timeout_s: float = Field(30.0, gt=0)  # drop a client that takes no bytes for this long
+    # Reading requests: the headers (from connect, or from the previous answer), then the body
+    header_timeout_s: float = Field(10.0, gt=0)  # else 408 (if begun) and the connection is closed
+    body_timeout_s: float = Field(30.0, gt=0)  # else 408
+    keep_alive_s: float = Field(5.0, gt=0)  # an idle keep-alive connection is closed after this
     gzip_level: int = Field(1, ge=1, le=9)  # answers over 1 KB; big ones are compressed off the event loop
     static_dir: Path = STATIC_DIR
     warmup: bool = True

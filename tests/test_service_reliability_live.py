@@ -142,3 +142,51 @@ def test_healthz_fast_while_big_answers_are_encoded(server):
     print(f"\n/healthz under a mix of 12 large answers: median {latencies[len(latencies) // 2] * 1000:.1f} ms, "
           f"max {latencies[-1] * 1000:.1f} ms")
     assert latencies[-1] < 0.1, latencies
+
+
+# --- defect 7: timeouts while reading a request -----------------------------------------------
+def read_until_closed(s: socket.socket, limit_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and how long that took."""
+    s.settimeout(limit_s)
+    t0, data = time.monotonic(), b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except TimeoutError:
+            raise AssertionError(f"connection still open after {limit_s} s; got {data!r}") from None
+        if not chunk:
+            return data, time.monotonic() - t0
+        data += chunk
+
+
+def test_idle_connection_is_closed(server):
+    with socket.create_connection(host_port(server)) as s:
+        data, waited = read_until_closed(s, HEADER_TIMEOUT + 5)
+    assert data == b"" and waited >= HEADER_TIMEOUT - 0.5
+
+
+def test_partial_headers_get_408_and_close(server):
+    with socket.create_connection(host_port(server)) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: appl")
+        data, waited = read_until_closed(s, HEADER_TIMEOUT + 5)
+    assert data.startswith(b"HTTP/1.1 408 ") and b"header_timeout" in data, data
+
+
+def test_slow_body_gets_408_and_close(server):
+    with socket.create_connection(host_port(server)) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        data, waited = read_until_closed(s, BODY_TIMEOUT + 5)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), data
+    assert b"connection: close" in head.lower() and b"ATTNLENS_BODY_TIMEOUT_S" in body
+    assert waited < BODY_TIMEOUT + 3
+
+
+def test_keep_alive_connection_serves_several_requests(server):
+    with httpx.Client(base_url=server.base_url, timeout=10) as c:  # one pooled connection
+        for _ in range(3):
+            assert c.get("/healthz").status_code == 200
+            time.sleep(0.5)
+        r = c.post("/generate", json={"prompt": "To be", "max_new_tokens": 2})
+        assert r.status_code == 200, r.text
