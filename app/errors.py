@@ -20,6 +20,7 @@ log = logging.getLogger("attnlens.errors")
 
 OPENAI_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -79,9 +80,10 @@ def error_response(path: str, status: int, message: str, *, param: str | None = 
     return ErrorJSONResponse(body, status_code=status, headers=headers)
 
 
-def scope_error_response(scope, status: int, message: str) -> JSONResponse:
+def scope_error_response(scope, status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """For ASGI middleware, which has a scope rather than a Request."""
-    return error_response(scope.get("path", ""), status, message)
+    code = {401: "invalid_api_key", 413: "body_too_large"}.get(status)
+    return error_response(scope.get("path", ""), status, message, code=code, headers=headers)
 
 
 def _loc_name(loc) -> str:

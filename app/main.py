@@ -25,6 +25,7 @@ from model import SamplingParams
 
 from .answers import AnswerBudget
 from .attention_codec import attention_maps
+from .auth import ApiKeyMiddleware
 from .body_limit import BodyLimitMiddleware
 from .engine import Engine, GenerationJob
 from .errors import install_error_handlers, scope_error_response
@@ -119,10 +120,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.static_dir.is_dir():
         app.mount("/static", StaticFiles(directory=settings.static_dir), name="static")
 
-    # added innermost first: metrics sees everything, CORS headers go on every answer
+    # added innermost first: metrics sees everything, CORS headers go on every answer (a 401
+    # too; CORS answers preflights itself, before the key check)
     app.add_middleware(GZipMiddleware, minimum_size=1024, compresslevel=settings.gzip_level)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_response=scope_error_response,
                        timeout_s=settings.body_timeout_s)
+    if settings.api_key is not None and settings.api_key.get_secret_value():
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(),
+                           error_response=scope_error_response)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["Retry-After"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +42,8 @@ class Settings(BaseSettings):
     keep_alive_s: float = Field(5.0, gt=0)  # an idle keep-alive connection is closed after this
     gzip_level: int = Field(1, ge=1, le=9)  # answers over 1 KB; big ones are compressed off the event loop
     static_dir: Path = STATIC_DIR
+    # When set, every route but /healthz, /readyz and the page's files needs Authorization: Bearer <key>
+    api_key: SecretStr | None = None
     warmup: bool = True
 
     @field_validator("cors_origins", mode="before")

@@ -221,3 +221,57 @@ def test_attention_claims_and_releases_its_bytes(client):
     finally:
         budget.limit = 256_000_000
     assert r.status_code == 400 and r.json()["code"] == "answer_too_large"
+
+
+# --- security: the optional API key --------------------------------------------------------
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_checkpoint, tmp_path_factory):
+    static = tmp_path_factory.mktemp("static")
+    (static / "index.html").write_text("<!doctype html><title>attnlens</title>")
+    (static / "app.js").write_text("console.log(1)")
+    settings = Settings(model=tiny_checkpoint, device="cpu", api_key=KEY, static_dir=static,
+                        cors_origins="http://viewer.example")
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def test_api_key_guards_every_route_but_probes_and_page_files(keyed):
+    for path in ("/healthz", "/readyz", "/", "/static/app.js"):
+        assert keyed.get(path).status_code == 200, path
+    good = {"Authorization": f"Bearer {KEY}"}
+    for method, path, body in [("GET", "/model", None), ("GET", "/metrics", None), ("GET", "/openapi.json", None),
+                               ("GET", "/docs", None), ("GET", "/v1/models", None),
+                               ("POST", "/generate", {"prompt": "Hi", "max_new_tokens": 1}),
+                               ("POST", "/attention", {"text": "Hi"}),
+                               ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1})]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = keyed.request(method, path, json=body, headers=headers)
+            assert r.status_code == 401, (path, headers, r.status_code)
+            assert r.headers["www-authenticate"] == "Bearer"
+            if path.startswith("/v1"):
+                assert r.json()["error"]["code"] == "invalid_api_key"
+            else:
+                assert "ATTNLENS_API_KEY" in r.json()["detail"]
+        assert keyed.request(method, path, json=body, headers=good).status_code == 200, path
+
+
+def test_api_key_with_the_openai_client_and_a_cors_preflight(keyed):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=keyed, max_retries=0)
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].finish_reason
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=keyed,
+                      max_retries=0).models.list()
+    r = keyed.options("/generate", headers={"Origin": "http://viewer.example",
+                                            "Access-Control-Request-Method": "POST",
+                                            "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200 and "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = keyed.post("/generate", json={"prompt": "Hi"}, headers={"Origin": "http://viewer.example"})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://viewer.example"
+
+
+def test_no_api_key_no_check(client):
+    assert client.get("/model").status_code == 200
