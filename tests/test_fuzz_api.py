@@ -1,0 +1,60 @@
+"""Property-based fuzzing of the whole OpenAPI description (schemathesis) against a live
+server on the tiny model: valid and invalid requests for every operation; no answer may be
+a 5xx. Bounded: a fixed number of examples per operation and mode, loopback only.
+
+(Driven through hypothesis directly: schemathesis' pytest plugin does not load under the
+pytest this suite uses.)"""
+
+from __future__ import annotations
+
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402  (schemathesis brings hypothesis)
+
+from live_server import live_server  # noqa: E402
+
+pytestmark = pytest.mark.slow
+EXAMPLES = 50  # per operation and generation mode
+MODES = ("positive", "negative")
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_checkpoint, tmp_path_factory):
+    env = {"ATTNLENS_MAX_NEW_TOKENS": "32", "ATTNLENS_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
+    with live_server(tiny_checkpoint, tmp_path_factory.mktemp("fuzz-logs"), env=env) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def operations(fuzz_server):
+    schema = schemathesis.openapi.from_url(fuzz_server.base_url + "/openapi.json")
+    ops = [result.ok() for result in schema.get_all_operations()]
+    assert {f"{op.method.upper()} {op.path}" for op in ops} >= {
+        "POST /generate", "POST /attention", "POST /v1/completions", "GET /v1/models", "GET /model",
+        "GET /healthz", "GET /readyz", "GET /metrics"}
+    return {f"{op.method.upper()} {op.path}": op for op in ops}
+
+
+POSTS = ["POST /generate", "POST /attention", "POST /v1/completions"]
+GETS = ["GET /v1/models", "GET /model", "GET /healthz", "GET /readyz", "GET /metrics"]  # no inputs: no invalid ones
+
+
+@pytest.mark.parametrize("label,mode", [(p, m) for p in POSTS for m in MODES] + [(g, "positive") for g in GETS])
+def test_no_5xx(operations, fuzz_server, label, mode):
+    op = operations[label]
+
+    @given(case=op.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    def run(case):
+        response = case.call(base_url=fuzz_server.base_url, timeout=30)
+        statuses.append(response.status_code)
+        assert response.status_code < 500, (
+            f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}\n"
+            f"body: {case.body!r}\nserver log tail:\n{fuzz_server.log()[-2000:]}")
+
+    statuses: list[int] = []
+    run()
+    if mode == "positive":  # the fuzzing reached the handlers, not just the validation
+        assert any(200 <= code < 300 for code in statuses), statuses
