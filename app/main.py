@@ -4,9 +4,9 @@ Start-up (lifespan): load the checkpoint named by ATTNLENS_MODEL onto ATTNLENS_D
 ATTNLENS_DTYPE, start the engine, warm it up (a short generation and an attention pass
 through the same path requests take), then report ready on /readyz.
 
-If the checkpoint cannot be loaded, start-up fails: the log says which directory and
-why ("cannot load the model from ...: ..."), and `attnlens serve` exits with status 3
-without ever accepting connections. Importing this module never touches the checkpoint.
+If the checkpoint cannot be loaded, start-up fails: `attnlens serve` loads it before it
+starts the server, prints one line saying which directory and why ("attnlens: cannot load
+the model from ...: ...") and exits with status 3 without ever accepting connections. Importing this module never touches the checkpoint.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic.json_schema import models_json_schema
 from starlette.middleware.gzip import GZipMiddleware
 
-from model import SamplingParams
+from model import Checkpoint, SamplingParams
 
 from .answers import AnswerBudget
 from .attention_codec import attention_maps
@@ -56,7 +56,7 @@ async def lifespan(app: FastAPI):
     s = state.settings
     state.status = "loading"
     try:
-        ckpt = await asyncio.to_thread(load_for_serving, s.model, s.device, s.dtype)
+        ckpt = state.checkpoint or await asyncio.to_thread(load_for_serving, s.model, s.device, s.dtype)
     except Exception as e:
         state.status = "failed"
         log.error("cannot load the model from %s: %s", s.model, e)
@@ -100,7 +100,9 @@ def add_stream_schemas(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, checkpoint: Checkpoint | None = None) -> FastAPI:
+    """The app for `settings`; `checkpoint`, if given, is served instead of loading ATTNLENS_MODEL
+    at start-up (`attnlens serve` loads it first, to fail with one clear line)."""
     settings = settings or Settings()
     app = FastAPI(
         title="attnlens",
@@ -112,7 +114,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redirect_slashes=False,
     )
     app.state.attnlens = AppState(settings=settings, metrics=Metrics(),
-                                  answers=AnswerBudget(settings.max_answer_bytes, settings.answer_wait_s))
+                                  answers=AnswerBudget(settings.max_answer_bytes, settings.answer_wait_s),
+                                  checkpoint=checkpoint)
     install_error_handlers(app)
     for module in (generate, attention, openai, ops, ui):
         app.include_router(module.router)

@@ -19,9 +19,15 @@ def serve(model: str | None = None, host: str | None = None, port: int | None = 
     settings = Settings(**overrides)
     logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .loader import load_for_serving
     from .main import create_app  # after logging is set up
 
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+    try:
+        checkpoint = load_for_serving(settings.model, settings.device, settings.dtype)
+    except Exception as e:  # one line that says what to fix, not a traceback
+        print(f"attnlens: cannot load the model from {settings.model}: {e}", file=sys.stderr)
+        sys.exit(STARTUP_FAILED)
+    config = uvicorn.Config(create_app(settings, checkpoint), host=settings.host, port=settings.port,
                             log_level=settings.log_level, lifespan="on", timeout_graceful_shutdown=5,
                             http=protocol_with_header_timeout(settings.header_timeout_s),
                             timeout_keep_alive=settings.keep_alive_s)

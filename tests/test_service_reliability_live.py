@@ -190,3 +190,29 @@ def test_keep_alive_connection_serves_several_requests(server):
             time.sleep(0.5)
         r = c.post("/generate", json={"prompt": "To be", "max_new_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+# --- README: a bad checkpoint prints its message alone and exits 3 --------------------------
+@pytest.mark.parametrize("make_bad", ["missing", "corrupt"])
+def test_bad_checkpoint_one_line_and_exit_3(tmp_path, tiny_checkpoint, make_bad):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+    from live_server import free_port
+
+    bad = tmp_path / "model"
+    if make_bad == "corrupt":
+        shutil.copytree(tiny_checkpoint, bad)
+        (bad / "model.safetensors").write_bytes(b"not safetensors at all")
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.cli", "serve", "--model", str(bad), "--port", str(free_port())],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "ATTNLENS_DEVICE": "cpu", "ATTNLENS_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 3
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"attnlens: cannot load the model from {bad}"), lines
+    assert "Traceback" not in proc.stderr
