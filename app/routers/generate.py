@@ -6,10 +6,12 @@ import logging
 import uuid
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from model import SamplingParams
 
+from ..answers import encode_json
 from ..deps import get_engine, get_state
 from ..engine import Engine, GenerationJob
 from ..errors import public_message
@@ -91,7 +93,7 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
         out = await collect(handle, metrics)
     tokens = [{"id": t["id"], "text": t["text"], "logprob": t["logprob"], "top_logprobs": t["top_logprobs"] or []}
               for t in out.tokens]
-    return {
+    content = {
         "id": gen_id,
         "model": state.model_name,
         "text": out.done["text"],
@@ -102,3 +104,6 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
         "timings": out.done["timings"],
         "attention": [t["attention"] for t in out.tokens] if body.return_attention else None,
     }
+    # GenerateResponse's shape; encoded on a worker thread (with attention it can be megabytes
+    # of floats, which validating and encoding on the event loop would stall every client)
+    return Response(await run_in_threadpool(encode_json, content), media_type="application/json")
