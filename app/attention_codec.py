@@ -1,9 +1,10 @@
 """Compute full attention maps and pack them compactly for the browser.
 
-`json` is nested lists (with packing="tril", rows of growing length). `f16` and `u8` are the same [layers][heads][T][T] array, row-major,
-as base64 of little-endian float16, or of bytes with value = byte * scale (scale = 1/255).
-With packing="tril" each T x T matrix keeps only the cells on or below the diagonal (row
-i has i + 1 values), since causal attention is zero above it: about half the bytes.
+`json` is nested lists (with packing="tril", rows of growing length). `f16` and `u8` are
+the same [layers][heads][T][T] array, row-major, as base64 of little-endian float16, or of
+bytes with value = byte * scale (scale = 1/255). With packing="tril" each T x T matrix
+keeps only the cells on or below the diagonal (row i has i + 1 values), since causal
+attention is zero above it: about half the bytes.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ through the same path requests take), then report ready on /readyz.
 
 If the checkpoint cannot be loaded, start-up fails: `attnlens serve` loads it before it
 starts the server, prints one line saying which directory and why ("attnlens: cannot load
-the model from ...: ...") and exits with status 3 without ever accepting connections. Importing this module never touches the checkpoint.
+the model from ...: ...") and exits with status 3 without ever accepting connections.
+Importing this module never touches the checkpoint.
 """
 
 from __future__ import annotations

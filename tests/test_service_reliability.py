@@ -115,7 +115,8 @@ def test_huge_prompt_refused_without_tokenising(client, monkeypatch):
         raise AssertionError("tokenised a prompt its byte length already rules out")
 
     monkeypatch.setattr(Tokenizer, "encode", boom)
-    for path, body in [("/generate", {"prompt": "x" * 400_000, "max_new_tokens": 4}), ("/attention", {"text": "x" * 400_000}),
+    for path, body in [("/generate", {"prompt": "x" * 400_000, "max_new_tokens": 4}),
+                       ("/attention", {"text": "x" * 400_000}),
                        ("/v1/completions", {"prompt": ["hi", "x" * 400_000]})]:
         r = client.post(path, json=body)
         assert r.status_code == 400, r.text

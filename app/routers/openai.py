@@ -2,8 +2,9 @@
 
 Differences from OpenAI, on purpose: `model` may be left out (the loaded model answers; an
 id /v1/models does not list is a 404); `n` > 1 with a seed uses seed, seed + 1, ... for the
-choices so they differ yet repeat; penalties, best_of, logit_bias and suffix are accepted and ignored; a streamed
-`echo` sends the prompt text first but no logprobs for the prompt tokens.
+choices so they differ yet repeat; penalties, best_of, logit_bias and suffix are accepted
+and ignored; a streamed `echo` sends the prompt text first but no logprobs for the prompt
+tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ log = logging.getLogger("attnlens.routers")
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
-ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 413, 422, 429, 503)}
+ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 401, 404, 408, 413, 422, 429, 503)}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
@@ -190,8 +191,9 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
                         frag = c.add_end(ev.data["delta"], ev.data.get("eos_token"))
                         yield chunk(i, ev.data["delta"], frag, FINISH[ev.data["finish_reason"]])
                     else:
-                        yield sse(None, {"error": {"message": public_message(ev.data["message"]), "type": "server_error",
-                                                   "param": None, "code": "generation_failed"}})
+                        yield sse(None, {"error": {"message": public_message(ev.data["message"]),
+                                                   "type": "server_error", "param": None,
+                                                   "code": "generation_failed"}})
                         return
                 if include_usage:
                     yield sse(None, {"id": cid, "object": "text_completion", "created": created, "model": name,
