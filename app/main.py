@@ -26,7 +26,7 @@ from model import Checkpoint, SamplingParams
 
 from .answers import AnswerBudget
 from .attention_codec import attention_maps
-from .auth import ApiKeyMiddleware
+from .auth import ApiKeyMiddleware, is_open
 from .body_limit import BodyLimitMiddleware
 from .engine import Engine, GenerationJob
 from .errors import install_error_handlers, scope_error_response
@@ -101,6 +101,25 @@ def add_stream_schemas(app: FastAPI) -> None:
     app.openapi = openapi
 
 
+def add_bearer_scheme(app: FastAPI) -> None:
+    """With an API key set, the OpenAPI description says which operations need it (so /docs'
+    Authorize button and generated clients send it)."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = default()
+            schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+            schemes["bearer"] = {"type": "http", "scheme": "bearer", "description": "ATTNLENS_API_KEY"}
+            for path, operations in schema.get("paths", {}).items():
+                if not is_open(path):
+                    for operation in operations.values():
+                        operation["security"] = [{"bearer": []}]
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def create_app(settings: Settings | None = None, checkpoint: Checkpoint | None = None) -> FastAPI:
     """The app for `settings`; `checkpoint`, if given, is served instead of loading ATTNLENS_MODEL
     at start-up (`attnlens serve` loads it first, to fail with one clear line)."""
@@ -130,6 +149,7 @@ def create_app(settings: Settings | None = None, checkpoint: Checkpoint | None =
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_response=scope_error_response,
                        timeout_s=settings.body_timeout_s)
     if settings.api_key is not None and settings.api_key.get_secret_value():
+        add_bearer_scheme(app)
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(),
                            error_response=scope_error_response)
     if settings.cors_origins:

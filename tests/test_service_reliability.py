@@ -274,5 +274,13 @@ def test_api_key_with_the_openai_client_and_a_cors_preflight(keyed):
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://viewer.example"
 
 
+def test_api_key_in_the_openapi_description(keyed, client):
+    spec = keyed.get("/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert spec["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    assert spec["paths"]["/generate"]["post"]["security"] == [{"bearer": []}]
+    assert "security" not in spec["paths"]["/healthz"]["get"]
+    assert "securitySchemes" not in client.get("/openapi.json").json()["components"]
+
+
 def test_no_api_key_no_check(client):
     assert client.get("/model").status_code == 200
