@@ -19,10 +19,11 @@ import math
 import time
 from typing import Any, Callable
 
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
 import numpy as np
-
 import orjson
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -86,6 +87,21 @@ class Claim:
             await self.budget._release(self.n)
 
 
+_encoders: anyio.lowlevel.RunVar[anyio.CapacityLimiter] = anyio.lowlevel.RunVar("attnlens_encoders")
+
+
+async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run fn(*args) on a worker thread, one such job at a time: building and encoding answers
+    holds the GIL in stretches, and a dozen threads doing it at once would starve the event
+    loop of it (every GIL hand-over then waits its turn behind them all)."""
+    try:
+        limiter = _encoders.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(1)
+        _encoders.set(limiter)
+    return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+
 def encode_json(content: Any) -> bytes:
     """JSON bytes of `content`; numpy arrays are written directly (no Python floats in between).
 
@@ -137,7 +153,7 @@ async def claimed_json(build: Callable[[], Any], claim: Claim, send_timeout_s: f
     """Build the content (`build()`) and encode it, both on a worker thread, into a response that
     holds `claim` until it is sent."""
     try:
-        body = await run_in_threadpool(lambda: encode_json(build()))
+        body = await off_loop(lambda: encode_json(build()))
     except BaseException:
         await claim.release()
         raise

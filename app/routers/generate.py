@@ -7,11 +7,10 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from model import SamplingParams
 
-from ..answers import encode_json
+from ..answers import encode_json, off_loop
 from ..deps import get_engine, get_state
 from ..engine import Engine, GenerationJob
 from ..errors import public_message
@@ -106,4 +105,4 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
     }
     # GenerateResponse's shape; encoded on a worker thread (with attention it can be megabytes
     # of floats, which validating and encoding on the event loop would stall every client)
-    return Response(await run_in_threadpool(encode_json, content), media_type="application/json")
+    return Response(await off_loop(encode_json, content), media_type="application/json")
