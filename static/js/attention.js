@@ -203,18 +203,25 @@ export function maxAbs(m) {
   return mx;
 }
 
-/** Entropy-free summary stats for a head, shown in the model view tooltip. */
+/**
+ * How much a head attends to the query itself, the previous token and the first token,
+ * each averaged over the same query rows 1 … T−1 (row 0 can only attend to itself, which
+ * would count 1.0 for both "itself" and "first token"). NaN when T < 2.
+ */
 export function headStats(m, T) {
-  let diag = 0;
+  let self = 0;
   let first = 0;
   let prev = 0;
-  for (let r = 0; r < T; r++) {
-    diag += m[r * T + r] || 0;
+  for (let r = 1; r < T; r++) {
+    self += m[r * T + r] || 0;
     first += m[r * T] || 0;
-    if (r > 0) prev += m[r * T + r - 1] || 0;
+    prev += m[r * T + r - 1] || 0;
   }
-  return { self: diag / T, first: first / T, previous: T > 1 ? prev / (T - 1) : 0 };
+  const n = T - 1;
+  return n > 0 ? { self: self / n, first: first / n, previous: prev / n, rows: n } : { self: NaN, first: NaN, previous: NaN, rows: 0 };
 }
+
+export const HEAD_STATS_ROWS = "averaged over query rows 1 … T−1 (row 0 can only attend to itself)";
 
 /** The q-th quantile (0..1) of the finite values of `m`, estimated from at most ~4096 samples. */
 export function quantile(m, q, { from = 0 } = {}) {
@@ -260,20 +267,51 @@ export const SCALES = {
  * "p99" ignores the first row (a causal model's first query always puts 1.0 on itself,
  * which would otherwise make every map's maximum 1).
  */
-export function colourScale(m, cols, mode, { skipFirstRow = true } = {}) {
+export function colourScale(m, cols, mode, { skipFirstRow = true, what = "attention weight" } = {}) {
   const from = skipFirstRow && m.length > cols ? cols : 0;
   switch (mode) {
     case "unit":
-      return { data: m, vmin: 0, vmax: 1, gamma: 1, label: "attention weight" };
+      return { data: m, vmin: 0, vmax: 1, gamma: 1, label: `${what}, 0 – 1` };
     case "row":
-      return { data: rowNormalise(m, cols), vmin: 0, vmax: 1, gamma: 1, label: "weight ÷ row maximum" };
+      return { data: rowNormalise(m, cols), vmin: 0, vmax: 1, gamma: 1, label: `${what} ÷ its row's maximum` };
     case "sqrt":
-      return { data: m, vmin: 0, vmax: maxOf(m) || 1, gamma: 0.5, label: "attention weight (√ scale)" };
+      return { data: m, vmin: 0, vmax: maxOf(m) || 1, gamma: 0.5, label: `${what} (√ scale), 0 – max` };
     case "max":
-      return { data: m, vmin: 0, vmax: maxOf(m) || 1, gamma: 1, label: "attention weight" };
+      return { data: m, vmin: 0, vmax: maxOf(m) || 1, gamma: 1, label: `${what}, 0 – max` };
     default: {
       const v = quantile(m, 0.99, { from }) || maxOf(m) || 1;
-      return { data: m, vmin: 0, vmax: v, gamma: 1, label: "weight (colour clipped at 99th pct.)" };
+      return { data: m, vmin: 0, vmax: v, gamma: 1, label: `${what}, colour clipped at its 99th pct.` };
+    }
+  }
+}
+
+/**
+ * How to colour a signed matrix (a difference) on a diverging map centred on 0:
+ * returns {data, vmin, vmax, gamma, label}. Each Scale choice means the same as for weights.
+ */
+export function divergingScale(m, cols, mode) {
+  const abs = Float32Array.from(m, (v) => Math.abs(v));
+  const top = maxAbs(m) || 1;
+  switch (mode) {
+    case "unit":
+      return { data: m, vmin: -1, vmax: 1, gamma: 1, label: "A − B, −1 … 1" };
+    case "row": {
+      const rows = m.length / cols;
+      const out = new Float32Array(m.length);
+      for (let r = 0; r < rows; r++) {
+        let mx = 0;
+        for (let c = 0; c < cols; c++) mx = Math.max(mx, Math.abs(m[r * cols + c]) || 0);
+        for (let c = 0; c < cols; c++) out[r * cols + c] = mx > 0 ? m[r * cols + c] / mx : m[r * cols + c] === m[r * cols + c] ? 0 : NaN;
+      }
+      return { data: out, vmin: -1, vmax: 1, gamma: 1, label: "A − B ÷ each row's largest |A − B|" };
+    }
+    case "sqrt":
+      return { data: m, vmin: -top, vmax: top, gamma: 0.5, label: "A − B (√ scale), ± largest |A − B|" };
+    case "max":
+      return { data: m, vmin: -top, vmax: top, gamma: 1, label: "A − B, ± largest |A − B|" };
+    default: {
+      const v = quantile(abs, 0.99, { from: m.length > cols ? cols : 0 }) || top;
+      return { data: m, vmin: -v, vmax: v, gamma: 1, label: "A − B, colour clipped at the 99th pct. of |A − B|" };
     }
   }
 }
