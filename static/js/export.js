@@ -56,7 +56,8 @@ export function composePNG(view, { model, viewLabel }) {
     ctx.fillText(pic.legend.label || "", pad, y);
     drawColourBar(ctx, pad, y + 18, bw, pic.legend);
   }
-  return { canvas: c, title, legend: pic.legend?.label || "" };
+  const notes = [pic.legend?.label, pic.legend?.lowNote, pic.legend?.highNote].filter(Boolean);
+  return { canvas: c, title, legend: notes.join(" · ") };
 }
 
 // --- PNG text chunks ----------------------------------------------------------------------

@@ -7,6 +7,7 @@ import { AttentionSet } from "./attention.js";
 import { drawLegend } from "./paint.js";
 import { createStore } from "./state/store.js";
 import { readURL, writeURL } from "./state/url.js";
+import { URL_KEYS } from "./state/schema.js";
 import { VIEWS, VIEW_IDS, viewById } from "./views/registry.js";
 import { viewParams, constrainState } from "./views/params.js";
 import { buildControls, modelControls, syncControls } from "./controls.js";
@@ -20,7 +21,7 @@ import { escapeHTML } from "./tokens.js";
 const $ = (sel) => document.querySelector(sel);
 
 const store = createStore(readURL());
-window.__attnlens = { perf: {}, renders: 0, errors: [], store, views: VIEWS, current: () => current?.view ?? null };
+window.__attnlens = { perf: {}, renders: 0, errors: [], store, views: VIEWS, urlKeys: URL_KEYS.map((k) => k.key), current: () => current?.view ?? null };
 
 // keys whose change means a view must draw again, by what the view draws from
 const SHOWN = ["view", "layer", "head", "pin", "sink", "cmap", "dcmap", "scale", "zoom", "op", "layers", "heads", "diff", "layerB", "headB", "promptB", "meta"];

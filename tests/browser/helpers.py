@@ -146,3 +146,41 @@ def overflow(page) -> dict:
             return {scrollWidth: document.documentElement.scrollWidth, viewport: vw, wide: wide.slice(0, 8)};
         }"""
     )
+
+
+def generation_events(server, prompt: str, gen_ids: list[int], *, record: bool = True) -> list[tuple[str, dict]]:
+    """SSE events of a generation of `gen_ids` after `prompt`, as /generate streams them, with
+    each token's attention row taken from /attention over the same ids (so the page's two
+    routes to the same numbers can be compared)."""
+    prompt_tokens = api_attention(server, text=prompt)["tokens"]
+    ids = [t["id"] for t in prompt_tokens] + gen_ids
+    full = api_attention(server, ids=ids)
+    P = len(prompt_tokens)
+    events = []
+    for i, tid in enumerate(gen_ids):
+        q = P + i - 1
+        tok = full["tokens"][P + i]
+        data = {"index": i, "id": tid, "text": tok["text"], "delta": tok["text"], "logprob": -0.5,
+                "top_logprobs": [{"id": tid, "text": tok["text"], "logprob": -0.5}]}
+        if record:
+            data["attention"] = [[head[q][: q + 1] for head in layer] for layer in full["attention"]]
+        events.append(("token", data))
+    text = "".join(full["tokens"][P + i]["text"] for i in range(len(gen_ids)))
+    events.append(("done", {"id": "gen-test", "finish_reason": "length", "prompt_tokens": prompt_tokens, "text": text,
+                            "delta": "", "usage": {"prompt_tokens": P, "completion_tokens": len(gen_ids),
+                                                   "total_tokens": P + len(gen_ids)},
+                            "timings": {"queue_ms": 0, "prefill_ms": 1, "decode_ms": 1, "tokens_per_second": 100,
+                                        "time_to_first_token_ms": 1}}))
+    return events
+
+
+def generate_with(page, events, *, record: bool = True, finish: bool = True) -> None:
+    """Click Generate and feed the page `events` through a controlled stream."""
+    control_generate_stream(page)
+    page.set_checked("#return_attention", record)
+    page.click("#generate")
+    for event, data in events:
+        feed_stream(page, event, data)
+    if finish:
+        end_stream(page)
+        page.wait_for_selector("#output[data-done]", state="attached")

@@ -1,4 +1,5 @@
-// Every piece of page state, in one list. `url: true` keys are what a link reproduces: the
+// Every piece of page state, in one list. Types: string, int (≥ 0), number (> 0), bool,
+// list (of ints ≥ 0, in order), set (a list without repeats), object (data, never in the URL). `url: true` keys are what a link reproduces: the
 // URL is derived from this list (state/url.js), so a key added here is shared and restored
 // with no other change. The other keys hold data the page fetched or is doing right now.
 
@@ -16,7 +17,7 @@ export const STATE_KEYS = [
   { key: "view", type: "string", def: "head", url: true },
   { key: "layer", type: "int", def: 0, url: true },
   { key: "head", type: "int", def: 0, url: true },
-  { key: "pin", type: "list", def: [], url: true }, // pinned query rows
+  { key: "pin", type: "set", def: [], url: true }, // pinned query rows
   { key: "step", type: "int", def: 0, url: true }, // generation step
   { key: "sink", type: "bool", def: false, url: true },
   { key: "cmap", type: "string", def: "viridis", url: true },
@@ -25,8 +26,8 @@ export const STATE_KEYS = [
   { key: "zoom", type: "number", def: 1, url: true },
   // aggregate view: null = every layer / head, [] = none ticked
   { key: "op", type: "string", def: "mean", url: true },
-  { key: "layers", type: "list", def: null, url: true },
-  { key: "heads", type: "list", def: null, url: true },
+  { key: "layers", type: "set", def: null, url: true },
+  { key: "heads", type: "set", def: null, url: true },
   // difference view
   { key: "diff", type: "string", def: "heads", url: true },
   { key: "layerB", type: "int", def: 0, url: true },

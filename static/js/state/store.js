@@ -21,7 +21,10 @@ function coerce(key, v) {
     case "string":
       return String(v);
     case "list":
-      return [...new Set([...v].map(Number).filter((n) => Number.isInteger(n) && n >= 0))];
+    case "set": {
+      const xs = [...v].map(Number).filter((n) => Number.isInteger(n) && n >= 0);
+      return spec.type === "set" ? [...new Set(xs)] : xs;
+    }
     default:
       return v;
   }

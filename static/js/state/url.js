@@ -16,6 +16,7 @@ function decode(type, v) {
     case "bool":
       return v === "1" || v === "true";
     case "list":
+    case "set":
       return v === "" ? [] : v.split(",").map(Number).filter((n) => Number.isInteger(n) && n >= 0);
     default:
       return v;
@@ -47,7 +48,7 @@ export function queryFor(state) {
     if (v === undefined || same(v, def)) continue;
     if (v === null) continue;
     if (type === "bool") q.set(key, v ? "1" : "0");
-    else if (type === "list") q.set(key, v.join(","));
+    else if (type === "list" || type === "set") q.set(key, v.join(","));
     else q.set(key, String(v));
   }
   return q.toString();

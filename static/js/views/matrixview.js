@@ -76,7 +76,7 @@ export class MatrixView {
       vmin: sc.vmin,
       vmax: sc.vmax,
       gamma: sc.gamma,
-      causal: true,
+      causal: result.causal ?? true, // an encoder's maps are full squares: causal false
       boundary: result.boundary ?? null,
       rowTitle: `${params.axes.rows} →`,
       colTitle: `${params.axes.cols} →`,
