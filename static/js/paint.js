@@ -109,7 +109,8 @@ export function drawColourBar(ctx, x, y, w, { cmap = "viridis", vmin = 0, vmax =
   ctx.textAlign = "left";
   ctx.fillText(fmtTick(vmin), x, y + barH + 4);
   ctx.textAlign = "center";
-  ctx.fillText(fmtTick(inv(0.5)), x + w / 2, y + barH + 4);
+  const mid = gamma === 1 ? (vmin + vmax) / 2 : vmin < 0 ? 0 : inv(0.5);
+  ctx.fillText(fmtTick(mid), x + w / 2, y + barH + 4);
   ctx.textAlign = "right";
   ctx.fillText(fmtTick(vmax), x + w, y + barH + 4);
   let h = barH + 18;
