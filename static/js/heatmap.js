@@ -3,7 +3,9 @@
 // boundary, highlights and the cursor are drawn on top. No DOM node per cell.
 // Cells fit the container's width, times `zoom`; the container scrolls (pan) when wider.
 
-import { paintMatrix, cssVar, parseColor, MONO, SANS } from "./paint.js";
+import { paintMatrix, cssVar, parseColor, MONO } from "./paint.js";
+import { drawGrid } from "./heatmap-draw.js";
+import { bindPointer } from "./heatmap-input.js";
 import { axisLabel } from "./tokens.js";
 
 const LABEL_GAP = 12; // px between two drawn labels: fewer labels rather than overlapping ones
@@ -34,7 +36,7 @@ export class Heatmap {
     this.footer = null;
     this.layout = null;
     this.pointerType = "mouse";
-    this._bind();
+    bindPointer(this);
   }
 
   /**
@@ -134,107 +136,8 @@ export class Heatmap {
     this.drawOverlay();
   }
 
-  /** Cells, labels, titles, boundary and footer, in layout (CSS pixel) coordinates. */
   drawBase(ctx) {
-    const m = this.model;
-    const L = this.layout;
-    const { left, top, cellW, cellH, gridW, gridH } = L;
-    ctx.imageSmoothingEnabled = false;
-    ctx.drawImage(this.bitmap, left, top, gridW, gridH);
-    ctx.strokeStyle = cssVar("--border");
-    ctx.lineWidth = 1;
-    ctx.strokeRect(left - 0.5, top - 0.5, gridW + 1, gridH + 1);
-    const fg = cssVar("--text");
-    const gen = cssVar("--boundary", "#d9480f");
-    const B = m.boundary;
-    ctx.font = MONO;
-    ctx.textBaseline = "middle";
-    const rowColour = (r) => (B != null && r + m.rowOffset >= B ? gen : fg);
-    ctx.textAlign = "right";
-    for (let r = 0; r < L.rowLabels.length; r += L.rowStep) {
-      ctx.fillStyle = m.plainRowLabels ? fg : rowColour(r);
-      ctx.fillText(L.rowLabels[r], left - 6, top + (r + 0.5) * cellH);
-    }
-    ctx.textAlign = "left";
-    for (let r = 0; r < L.rowLabels2.length; r += L.rowStep) {
-      ctx.fillStyle = fg;
-      ctx.fillText(L.rowLabels2[r], left + gridW + 6, top + (r + 0.5) * cellH);
-    }
-    const colText = (labels, y, dir) => {
-      for (let c = 0; c < labels.length; c += L.colStep) {
-        ctx.save();
-        ctx.fillStyle = B != null && c >= B ? gen : fg;
-        ctx.translate(left + (c + 0.5) * cellW, y);
-        ctx.rotate(dir * Math.PI / 2);
-        ctx.textAlign = "left";
-        ctx.fillText(labels[c], 0, 0);
-        ctx.restore();
-      }
-    };
-    colText(L.colLabels, top - 6, -1);
-    colText(L.colLabels2, top + gridH + 6, 1);
-    ctx.fillStyle = cssVar("--muted");
-    ctx.font = `600 10px ${SANS}`;
-    ctx.textAlign = "left";
-    ctx.textBaseline = "top";
-    if (m.colTitle) ctx.fillText(m.colTitle, left, 2);
-    if (m.rowTitle) {
-      ctx.save();
-      ctx.translate(4, top);
-      ctx.rotate(Math.PI / 2);
-      ctx.fillText(m.rowTitle, 0, -10);
-      ctx.restore();
-    }
-    if (B != null && B > 0 && B < m.cols) this._drawBoundary(ctx, B, gen);
-    if (this.footer) this._drawFooter(ctx);
-  }
-
-  /** The prompt ends before position B: a line through both axes and a note above it. */
-  _drawBoundary(ctx, B, colour) {
-    const m = this.model;
-    const { left, top, cellW, cellH, gridW, gridH } = this.layout;
-    ctx.save();
-    ctx.strokeStyle = colour;
-    ctx.lineWidth = 2;
-    ctx.beginPath();
-    const x = Math.round(left + B * cellW);
-    ctx.moveTo(x, 12);
-    ctx.lineTo(x, top + gridH);
-    const r = B - m.rowOffset;
-    if (!m.plainRowLabels && r > 0 && r < m.rows) {
-      const y = Math.round(top + r * cellH);
-      ctx.moveTo(4, y);
-      ctx.lineTo(left + gridW, y);
-    }
-    ctx.stroke();
-    ctx.fillStyle = colour;
-    ctx.font = `600 10px ${SANS}`;
-    ctx.textBaseline = "top";
-    ctx.textAlign = "right";
-    ctx.fillText("prompt", x - 4, 14);
-    ctx.textAlign = "left";
-    ctx.fillText("generated", x + 4, 14);
-    ctx.restore();
-  }
-
-  _drawFooter(ctx) {
-    const { left, cellW, footerTop, footerH, gridW } = this.layout;
-    const vals = this.footer.values;
-    let max = 0;
-    for (const v of vals) if (v > max) max = v;
-    const h = footerH - 14;
-    ctx.fillStyle = cssVar("--surface-2");
-    ctx.fillRect(left, footerTop, gridW, h);
-    ctx.fillStyle = cssVar("--accent");
-    for (let c = 0; c < vals.length; c++) {
-      const bh = max > 0 ? (vals[c] / max) * h : 0;
-      ctx.fillRect(left + c * cellW + (cellW > 3 ? 0.5 : 0), footerTop + h - bh, Math.max(1, cellW - (cellW > 3 ? 1 : 0)), bh);
-    }
-    ctx.fillStyle = cssVar("--muted");
-    ctx.font = `10px ${SANS}`;
-    ctx.textAlign = "left";
-    ctx.textBaseline = "top";
-    ctx.fillText(`${this.footer.label}  (max ${max.toFixed(3)})`, left, footerTop + h + 2);
+    drawGrid(ctx, this.model, this.layout, this.bitmap, this.footer);
   }
 
   drawOverlay() {
@@ -354,104 +257,6 @@ export class Heatmap {
 
   value(row, col) {
     return this.model.data[row * this.model.cols + col];
-  }
-
-  _emitHover(row, col, extra = {}) {
-    const m = this.model;
-    this.hover = { row, col };
-    const c = this.cellCenter(row, col);
-    const masked = m.causal && col > row + m.rowOffset;
-    this.opts.onHover?.({ row, col, value: this.value(row, col), masked, x: c.x, y: c.y, ...extra });
-    this.drawOverlay();
-  }
-
-  _point(e) {
-    const rect = this.overlay.getBoundingClientRect();
-    return this.hit(e.clientX - rect.left, e.clientY - rect.top);
-  }
-
-  _bind() {
-    const el = this.overlay;
-    el.tabIndex = 0;
-    el.setAttribute("role", "img");
-    el.addEventListener("pointerdown", (e) => (this.pointerType = e.pointerType || "mouse"));
-    el.addEventListener("mousemove", (e) => {
-      if (this.pointerType === "touch") return;
-      const h = this._point(e);
-      if (h?.kind === "cell") {
-        if (this.labelHover != null) this.opts.onLabelHover?.(null);
-        this.labelHover = null;
-        if (!this.hover || this.hover.row !== h.row || this.hover.col !== h.col) this._emitHover(h.row, h.col);
-        el.style.cursor = "crosshair";
-      } else if (h) {
-        const idx = h.kind === "row" ? h.index + this.model.rowOffset : h.index;
-        this.hover = null;
-        this.opts.onHover?.(null);
-        if (this.labelHover !== idx) {
-          this.labelHover = idx;
-          const c = this.labelCenter(h.kind, h.index);
-          this.opts.onLabelHover?.({ axis: h.kind, index: idx, x: c.x, y: c.y });
-          this.drawOverlay();
-        }
-        el.style.cursor = h.kind === "row" ? "pointer" : "default";
-      } else {
-        this._clearHover();
-        el.style.cursor = "default";
-      }
-    });
-    el.addEventListener("mouseleave", () => this.pointerType !== "touch" && this._clearHover());
-    el.addEventListener("click", (e) => {
-      const h = this._point(e);
-      // a tap has no hover: show the cell's tooltip as well as pinning its row
-      if (h?.kind === "cell" && this.pointerType === "touch") this._emitHover(h.row, h.col, { touch: true });
-      if (h?.kind === "cell") this.opts.onCellClick?.({ row: h.row, col: h.col, event: e });
-      else if (h?.kind === "row") this.opts.onCellClick?.({ row: h.index, col: null, event: e });
-      else if (this.pointerType === "touch") this._clearHover();
-    });
-    el.addEventListener(
-      "wheel",
-      (e) => {
-        if (!e.ctrlKey || !this.opts.onZoom) return;
-        e.preventDefault();
-        this.opts.onZoom(this.opts.zoom * (e.deltaY < 0 ? 1.25 : 0.8));
-      },
-      { passive: false },
-    );
-    el.addEventListener("keydown", (e) => this._key(e));
-    el.addEventListener("blur", () => {
-      this.cursor = null;
-      this._clearHover();
-    });
-  }
-
-  _key(e) {
-    const m = this.model;
-    if (!m) return;
-    const cur = this.cursor || this.hover || { row: 0, col: 0 };
-    const moves = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1], Home: [0, -1e9], End: [0, 1e9] };
-    if (moves[e.key]) {
-      const [dr, dc] = moves[e.key];
-      this.cursor = { row: Math.max(0, Math.min(m.rows - 1, cur.row + dr)), col: Math.max(0, Math.min(m.cols - 1, cur.col + dc)) };
-      this._emitHover(this.cursor.row, this.cursor.col, { keyboard: true });
-      this.hover = null;
-      e.preventDefault();
-    } else if ((e.key === "Enter" || e.key === " ") && (this.cursor || this.hover)) {
-      const { row, col } = this.cursor || this.hover;
-      this.opts.onCellClick?.({ row, col, event: e });
-      e.preventDefault();
-    } else if (e.key === "Escape") this.opts.onEscape?.();
-    else if ((e.key === "+" || e.key === "-") && this.opts.onZoom) this.opts.onZoom(this.opts.zoom * (e.key === "+" ? 1.25 : 0.8));
-  }
-
-  _clearHover() {
-    const had = this.hover || this.labelHover != null;
-    this.hover = null;
-    this.labelHover = null;
-    if (had) {
-      this.opts.onHover?.(null);
-      this.opts.onLabelHover?.(null);
-      this.drawOverlay();
-    }
   }
 
   /** The picture without hover marks, at `scale` times its CSS size, for the PNG export. */

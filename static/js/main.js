@@ -2,7 +2,8 @@
 // view from the store's state. Views read one params object (views/params.js); the URL is
 // derived from the state (state/url.js); everything that changes the state calls store.set.
 
-import { ApiError, getModel, fetchAttention, setApiKey, apiKey } from "./api.js";
+import { ApiError, fetchAttention, setApiKey, apiKey } from "./api.js";
+import { loadModel } from "./model.js";
 import { AttentionSet } from "./attention.js";
 import { drawLegend } from "./paint.js";
 import { createStore } from "./state/store.js";
@@ -16,7 +17,6 @@ import { OutputPanel } from "./output.js";
 import { GenerationRecord, readSamplingForm, streamGeneration } from "./generation.js";
 import { exportPNG, exportJSON } from "./export.js";
 import { wireTheme } from "./theme.js";
-import { escapeHTML } from "./tokens.js";
 
 const $ = (sel) => document.querySelector(sel);
 
@@ -278,22 +278,6 @@ function wire() {
   });
 }
 
-function showModelInfo(meta) {
-  const el = $("#model-info");
-  el.classList.remove("down");
-  const pills = [
-    ["model", meta.name],
-    ["layers", meta.n_layers],
-    ["heads", meta.n_heads],
-    ["d_model", meta.d_model],
-    ["context", meta.context_length],
-    ["vocab", meta.vocab_size],
-  ].map(([k, v]) => `<span class="pill${k === "d_model" || k === "vocab" ? " minor" : ""}">${k} <b>${escapeHTML(v)}</b></span>`);
-  pills.push(`<span class="pill minor">${(meta.parameters / 1e6).toFixed(meta.parameters < 1e6 ? 3 : 1)} M params</span>`);
-  pills.push(`<span class="pill minor">${escapeHTML(meta.device)}</span>`);
-  el.innerHTML = pills.join("");
-}
-
 async function init() {
   wire();
   const s = store.state;
@@ -301,17 +285,8 @@ async function init() {
   else store.set({ prompt: $("#prompt").value });
   $("#prompt-hint").textContent = "Ctrl+Enter generates";
   syncControls(store.state);
-  let raw;
-  try {
-    raw = await getModel();
-  } catch (err) {
-    $("#model-info").textContent = "server unreachable";
-    $("#model-info").classList.add("down");
-    showError(err, "Loading the model description");
-    return;
-  }
-  const meta = { ...raw, n_layers: raw.architecture.n_layers, n_heads: raw.architecture.n_heads, d_model: raw.architecture.d_model, max_new_tokens: raw.limits.max_new_tokens };
-  showModelInfo(meta);
+  const meta = await loadModel();
+  if (!meta) return;
   modelControls(store, meta);
   store.setConstraint((next) => constrainState(next, meta, VIEW_IDS));
   store.set({ meta });

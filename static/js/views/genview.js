@@ -3,7 +3,8 @@
 // through the steps; while a generation streams in, the view follows the newest token.
 
 import { Heatmap } from "../heatmap.js";
-import { removeSink, maxOf, colourScale } from "../attention.js";
+import { removeSink, maxOf } from "../attention.js";
+import { colourScale } from "../scales.js";
 import { css, luminance } from "../colormap.js";
 import { quoted, escapeHTML, visible } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";

@@ -4,7 +4,8 @@
 // view then shows nothing rather than an old picture).
 
 import { Heatmap } from "../heatmap.js";
-import { sumRows, colourScale, divergingScale } from "../attention.js";
+import { sumRows } from "../attention.js";
+import { colourScale, divergingScale } from "../scales.js";
 import { quoted, escapeHTML, visible } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
 

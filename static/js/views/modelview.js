@@ -3,7 +3,8 @@
 // into view when the input is long.
 
 import { paintMatrix, cssVar, parseColor } from "../paint.js";
-import { removeSink, headStats, colourScale, SCALES, JSON_MAX_TOKENS } from "../attention.js";
+import { removeSink, headStats, JSON_MAX_TOKENS } from "../attention.js";
+import { colourScale, SCALES } from "../scales.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
 
 export class ModelView {
