@@ -98,13 +98,14 @@ export class Heatmap {
       return Math.max(this.opts.minCell, c);
     };
     let left = this._labels(ctx, rowLabels, 1);
-    let right = rowLabels2.length ? this._labels(ctx, rowLabels2, 1) : 12;
+    const minRight = m.boundary != null ? 64 : 12; // room for the boundary's "generated" note
+    let right = rowLabels2.length ? this._labels(ctx, rowLabels2, 1) : minRight;
     let cellW = fit(left, right) * this.opts.zoom;
     let cellH = Math.max(cellW, this.opts.minRowHeight);
     const colStep = Math.max(1, Math.ceil(LABEL_GAP / cellW));
     const rowStep = Math.max(1, Math.ceil(LABEL_GAP / cellH));
     left = this._labels(ctx, rowLabels, rowStep);
-    right = rowLabels2.length ? this._labels(ctx, rowLabels2, rowStep) : 12;
+    right = rowLabels2.length ? this._labels(ctx, rowLabels2, rowStep) : minRight;
     cellW = fit(left, right) * this.opts.zoom;
     cellH = Math.max(cellW, this.opts.minRowHeight);
     const top = this._labels(ctx, colLabels, colStep) + (m.boundary != null ? 10 : 0);

@@ -3,7 +3,7 @@ that fit the width and zoom / pan, tooltips on screen, a tap pins a row."""
 
 from __future__ import annotations
 
-from .helpers import PROMPT, open_page, overflow, rendered, screenshot, state, wait_rendered
+from .helpers import open_page, overflow, rendered, screenshot, state, wait_rendered
 
 
 def test_phone_layout_fits_the_screen(phone, server):
@@ -26,6 +26,14 @@ def test_phone_layout_fits_the_screen(phone, server):
     assert host["sw"] <= host["w"], host
     assert not phone.console_log.errors, phone.console_log.errors
     screenshot(phone, "phone-head-view.png")
+    # every view keeps within the screen (wide pictures pan inside their own frame)
+    for view in ("model", "aggregate", "diff", "lines", "gen", "head"):
+        r = rendered(phone)
+        phone.tap(f"#tab-{view}")
+        wait_rendered(phone, r, prefix=f"{view}:")
+        o = overflow(phone)
+        assert o["scrollWidth"] <= 390 and not o["wide"], (view, o)
+    assert not phone.console_log.errors, phone.console_log.errors
 
 
 def test_phone_zoom_pans_inside_the_view(phone, server):
