@@ -125,9 +125,10 @@ export class OutputPanel {
   markStep(step) {
     this.out.querySelectorAll(".tok.gen.current").forEach((el) => el.classList.remove("current"));
     const el = this.out.querySelector(`.tok.gen[data-step="${step}"]`);
-    if (el) {
-      el.classList.add("current");
-      el.scrollIntoView({ block: "nearest" });
-    }
+    if (!el) return;
+    el.classList.add("current");
+    // scroll the panel only, never the page (on a phone the views are below it)
+    const top = el.offsetTop; // .output is positioned: offsets are within it
+    if (top < this.out.scrollTop || top + el.offsetHeight > this.out.scrollTop + this.out.clientHeight) this.out.scrollTop = top - this.out.clientHeight / 2;
   }
 }

@@ -61,20 +61,27 @@ def test_shared_link_rebuilds_the_generation_view(page, browser, server, events)
         other.close()
 
 
-def test_generation_without_attention_shows_only_its_note(page, server):
-    gen_ids = [t["id"] for t in api_attention(server, text=MORE)["tokens"]]
-    open_page(page, server)
-    page.fill("#prompt", PROMPT)
-    r = rendered(page)
-    generate_with(page, generation_events(server, PROMPT, gen_ids, record=False), record=False)
-    wait_rendered(page, r, prefix="head:")
+def test_generation_without_attention_shows_only_its_note(page, server, events):
+    # first a generation with attention, its Generation view on screen (caption and legend) …
+    generated(page, server, events)
     r = rendered(page)
     page.click("#tab-gen")
     wait_rendered(page, r, prefix="gen:")
-    assert "did not record attention" in page.inner_text(".gen-strip")
+    assert page.is_visible("#legend-wrap") and page.inner_text("#caption").strip()
+    # … then one without: the view shows its note and nothing of the previous picture
+    gen_ids = [t["id"] for t in api_attention(server, text=MORE)["tokens"]]
+    r = rendered(page)
+    generate_with(page, generation_events(server, PROMPT, gen_ids, record=False), record=False)
+    page.wait_for_function("() => document.querySelector('.gen-strip').innerText.includes('did not record attention')")
+    wait_rendered(page, r, prefix="gen:")
     assert page.inner_text("#caption").strip() == ""
     assert page.is_hidden("#legend-wrap")
     assert page.evaluate("() => { const w = document.querySelector('#view-host .heatmap'); return !w || w.hidden; }")
+    path_or_none = []
+    page.on("download", lambda d: path_or_none.append(d))
+    page.click("#export-png")
+    page.wait_for_selector("#messages .message.warn")
+    assert not path_or_none
 
 
 def test_views_follow_a_streaming_generation(page, server, events):
