@@ -56,7 +56,7 @@ export async function errorFromResponse(res) {
       break;
     case 401:
     case 403:
-      message = `Not allowed — ${text || "the server wants an API key"} (set one with the key button in the top bar)`;
+      message = `Not allowed — ${text || "the server wants an API key"}`;
       break;
     case 413:
       message = `Input too large — ${text || "the request body or text is over the server's limit"}`;

@@ -12,7 +12,7 @@ import { URL_KEYS } from "./state/schema.js";
 import { VIEWS, VIEW_IDS, viewById } from "./views/registry.js";
 import { viewParams, constrainState } from "./views/params.js";
 import { buildControls, modelControls, syncControls } from "./controls.js";
-import { showError, clearMessages, wireFieldResets } from "./messages.js";
+import { showError, clearMessages, wireFieldResets, setKeyHandler } from "./messages.js";
 import { OutputPanel } from "./output.js";
 import { GenerationRecord, readSamplingForm, streamGeneration } from "./generation.js";
 import { exportPNG, exportJSON } from "./export.js";
@@ -255,11 +255,15 @@ function wire() {
       showError(new Error(window.location.href), "Copying (copy the link by hand)", { warn: true });
     }
   });
-  $("#api-key").addEventListener("click", () => {
+  const askKey = ({ reload = false } = {}) => {
     const key = window.prompt("API key for this server (kept in this browser only; empty to remove):", apiKey());
-    if (key != null) setApiKey(key.trim());
+    if (key == null) return;
+    setApiKey(key.trim());
     $("#api-key").classList.toggle("set", !!apiKey());
-  });
+    if (reload) window.location.reload(); // the state is in the URL: the page comes back as it was
+  };
+  $("#api-key").addEventListener("click", () => askKey({ reload: !store.get("meta") }));
+  setKeyHandler(() => askKey({ reload: true }));
   $("#api-key").classList.toggle("set", !!apiKey());
   wireTheme(() => current && renderView());
   let lastWidth = window.innerWidth;

@@ -29,6 +29,20 @@ export function showError(err, context = "", { warn = false } = {}) {
   while (h.children.length >= 3) h.firstElementChild.remove();
   h.append(box);
   if (err instanceof ApiError) for (const f of err.fields) document.getElementById(f)?.setAttribute("aria-invalid", "true");
+  if (err?.status === 401 && onKeyNeeded) {
+    const btn = document.createElement("button");
+    btn.type = "button";
+    btn.className = "btn small key-btn";
+    btn.textContent = "Enter the API key";
+    btn.addEventListener("click", onKeyNeeded);
+    box.querySelector(".body").append(btn);
+  }
+}
+
+let onKeyNeeded = null;
+/** What the "Enter the API key" button of a 401 message does. */
+export function setKeyHandler(fn) {
+  onKeyNeeded = fn;
 }
 
 export function wireFieldResets() {

@@ -271,3 +271,29 @@ def test_model_view_of_256_tokens_draws_under_a_second(browser, long_server, lon
     (ARTIFACTS / "model-view-perf.json").write_text(json.dumps(perf, indent=1))
     assert perf["T"] >= 250 and perf["layers"] == 6 and perf["heads"] == 8
     assert perf["drawMs"] < 1000
+
+
+def test_api_key_is_asked_for_on_401_and_sent(page, server):
+    """A server with an API key answers 401 without `Authorization: Bearer <key>`: the page
+    offers to enter the key, keeps it in localStorage and sends it on every request."""
+    seen = []
+
+    def guard(route, request):
+        auth = request.headers.get("authorization")
+        seen.append((request.url.rsplit("/", 1)[-1], auth))
+        if auth != "Bearer s3cret":
+            return route.fulfill(status=401, headers={"WWW-Authenticate": "Bearer", "Content-Type": "application/json"},
+                                 body=json.dumps({"detail": "missing or wrong API key (ATTNLENS_API_KEY)", "code": "invalid_api_key"}))
+        return route.continue_()
+
+    for path in ("**/model", "**/attention", "**/generate"):
+        page.route(path, guard)
+    page.goto(f"{server.base_url}/?{urllib.parse.urlencode({'prompt': PROMPT, 'layer': '1'})}")
+    btn = page.wait_for_selector("#messages .key-btn")
+    assert "API key" in page.inner_text("#messages")
+    page.once("dialog", lambda d: d.accept("s3cret"))
+    btn.click()
+    wait_rendered(page, prefix="head:1:0:")
+    assert page.evaluate("localStorage.getItem('attnlens-api-key')") == "s3cret"
+    assert ("model", "Bearer s3cret") in seen and ("attention", "Bearer s3cret") in seen
+    assert not page.locator("#messages .message").count()
