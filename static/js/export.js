@@ -31,7 +31,7 @@ export function composePNG(view, { model, viewLabel }) {
   const title = `${model} · ${viewLabel} · ${pic.title}`;
   const pad = 16;
   const titleH = 30;
-  const legendH = pic.legend ? (pic.legend.lowNote ? 66 : 52) : 0;
+  const legendH = pic.legend ? (pic.legend.lowNote ? 80 : 52) : 0;
   const w = Math.max(pic.canvas.width / scale + 2 * pad, 420);
   const h = titleH + pic.canvas.height / scale + legendH + 2 * pad;
   const c = document.createElement("canvas");

@@ -116,8 +116,10 @@ export function drawColourBar(ctx, x, y, w, { cmap = "viridis", vmin = 0, vmax =
   let h = barH + 18;
   if (lowNote || highNote) {
     ctx.font = `10px ${SANS}`;
+    const oneLine = ctx.measureText(lowNote).width + ctx.measureText(highNote).width + 12 <= w;
     ctx.textAlign = "left";
     ctx.fillText(lowNote, x, y + h);
+    if (!oneLine) h += 13; // too narrow for both side by side: the high end's note goes below
     ctx.textAlign = "right";
     ctx.fillText(highNote, x + w, y + h);
     h += 14;
@@ -129,7 +131,7 @@ export function drawColourBar(ctx, x, y, w, { cmap = "viridis", vmin = 0, vmax =
 export function drawLegend(canvas, spec) {
   const dpr = window.devicePixelRatio || 1;
   const W = canvas.clientWidth || 220;
-  const H = spec.lowNote || spec.highNote ? 44 : 30;
+  const H = spec.lowNote || spec.highNote ? 58 : 30;
   canvas.style.height = H + "px";
   canvas.width = Math.round(W * dpr);
   canvas.height = Math.round(H * dpr);

@@ -40,6 +40,7 @@ def _skip_reason() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the browser mark
 def pytest_collection_modifyitems(config, items):
     reason = _skip_reason()
     here = Path(__file__).parent

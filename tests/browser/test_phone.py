@@ -33,6 +33,9 @@ def test_phone_layout_fits_the_screen(phone, server):
         wait_rendered(phone, r, prefix=f"{view}:")
         o = overflow(phone)
         assert o["scrollWidth"] <= 390 and not o["wide"], (view, o)
+        if view in ("model", "diff", "lines"):
+            phone.locator("#workspace").scroll_into_view_if_needed()
+            screenshot(phone, f"phone-{view}-view.png", full_page=False)
     assert not phone.console_log.errors, phone.console_log.errors
 
 
