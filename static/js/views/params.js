@@ -1,10 +1,9 @@
 // The one object a view reads: built from the store's state, checked once here, so views
 // never see the store, the page or an out-of-range index.
 
-const SCALES = ["p99", "max", "unit", "row", "sqrt"];
-const SEQUENTIAL = ["viridis", "magma", "cividis"];
-const DIVERGING = ["RdBu", "berlin"];
-export const AGGREGATE_OPS = ["mean", "max", "rollout"];
+import { SEQUENTIAL, DIVERGING } from "../colormap.js";
+import { SCALES } from "../scales.js";
+import { OPS } from "./aggregateview.js";
 
 const clamp = (v, n) => Math.max(0, Math.min(n - 1, v | 0));
 
@@ -12,10 +11,10 @@ const clamp = (v, n) => Math.max(0, Math.min(n - 1, v | 0));
 export function constrainState(s, meta, viewIds) {
   const out = { ...s };
   if (!viewIds.includes(out.view)) out.view = viewIds[0];
-  if (!SCALES.includes(out.scale)) out.scale = "p99";
+  if (!Object.hasOwn(SCALES, out.scale)) out.scale = "p99";
   if (!SEQUENTIAL.includes(out.cmap)) out.cmap = "viridis";
   if (!DIVERGING.includes(out.dcmap)) out.dcmap = "RdBu";
-  if (!AGGREGATE_OPS.includes(out.op)) out.op = "mean";
+  if (!Object.hasOwn(OPS, out.op)) out.op = "mean";
   if (out.diff !== "heads" && out.diff !== "prompts") out.diff = "heads";
   out.zoom = Math.max(0.25, Math.min(8, out.zoom || 1));
   if (meta) {
