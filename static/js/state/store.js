@@ -2,7 +2,7 @@
 // their declared type, writes the URL (derived from the URL keys only) and tells subscribers
 // which keys changed. Nothing else assigns to the state.
 
-import { STATE_KEYS, defaults } from "./schema.js";
+import { STATE_KEYS, URL_KEYS, defaults } from "./schema.js";
 import { writeURL } from "./url.js";
 
 const TYPES = new Map(STATE_KEYS.map((k) => [k.key, k]));
@@ -35,7 +35,30 @@ function equal(a, b) {
   return a === b;
 }
 
+const URL_KEY_SET = new Set(URL_KEYS.map((k) => k.key));
+
+/**
+ * Writes the URL at once, except while a generation streams in: then at most every 150 ms (the
+ * stream changes `step` per token, and browsers throttle history.replaceState when it is
+ * called hundreds of times a second).
+ */
+function throttledURLWriter() {
+  let last = 0;
+  let timer = null;
+  return {
+    write(state) {
+      const now = performance.now();
+      clearTimeout(timer);
+      if (!state.streaming || now - last > 150) {
+        last = now;
+        writeURL(state);
+      } else timer = setTimeout(() => ((last = performance.now()), writeURL(state)), 150);
+    },
+  };
+}
+
 export function createStore(initial = {}) {
+  const urlWriter = throttledURLWriter();
   const state = defaults();
   for (const [k, v] of Object.entries(initial)) state[k] = coerce(k, v);
   const listeners = new Set();
@@ -62,7 +85,7 @@ export function createStore(initial = {}) {
         }
       }
       if (!changed.size) return changed;
-      writeURL(state);
+      if ([...changed].some((k) => URL_KEY_SET.has(k))) urlWriter.write(state);
       for (const fn of listeners) fn(changed, state);
       return changed;
     },
