@@ -7,7 +7,7 @@ exceed ATTNLENS_MAX_ANSWER_BYTES: a request that finds the budget spent waits up
 ATTNLENS_ANSWER_WAIT_S for room, then gets a 429 with Retry-After.
 
 The answer is encoded (orjson) on a worker thread and sent in chunks; a client that takes
-no chunk for ATTNLENS_SEND_TIMEOUT_S is dropped, so a reader that never reads cannot hold
+fewer than 1 MB (one chunk) in ATTNLENS_SEND_TIMEOUT_S is dropped, so a reader that never reads cannot hold
 its claim forever.
 """
 
@@ -141,7 +141,7 @@ class ClaimedJSONResponse(Response):
                                            self.send_timeout_s)
                 except asyncio.TimeoutError:
                     # leaving the answer unfinished makes the server close the connection
-                    log.warning("dropped a client that read nothing for %.0f s (%s)", self.send_timeout_s,
+                    log.warning("dropped a client that took less than 1 MB in %.0f s (%s)", self.send_timeout_s,
                                 scope.get("path"))
                     return
         finally:
