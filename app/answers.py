@@ -7,8 +7,8 @@ exceed ATTNLENS_MAX_ANSWER_BYTES: a request that finds the budget spent waits up
 ATTNLENS_ANSWER_WAIT_S for room, then gets a 429 with Retry-After.
 
 The answer is encoded (orjson) on a worker thread and sent in chunks; a client that takes
-fewer than 1 MB (one chunk) in ATTNLENS_SEND_TIMEOUT_S is dropped, so a reader that never reads cannot hold
-its claim forever.
+less than 1 MB (one chunk) in ATTNLENS_SEND_TIMEOUT_S is dropped, so a reader that never
+reads cannot hold its claim forever.
 """
 
 from __future__ import annotations
