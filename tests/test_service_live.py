@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from conftest import REPO_ROOT, make_tiny_checkpoint
+from helpers import REPO_ROOT, make_tiny_checkpoint, sse_events
 from live_server import free_port, live_server
 
 pytestmark = pytest.mark.slow
@@ -65,22 +65,6 @@ def http(server):
 @pytest.fixture(scope="module")
 def oai(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
-
-
-def sse_events(lines):
-    """(event, data) pairs from an iterator of SSE lines."""
-    name, data = None, []
-    for line in lines:
-        if line == "":
-            if data:
-                yield name, "\n".join(data)
-            name, data = None, []
-        elif line.startswith("event: "):
-            name = line[7:]
-        elif line.startswith("data: "):
-            data.append(line[6:])
-    if data:
-        yield name, "\n".join(data)
 
 
 def metric(http, name: str) -> float:
