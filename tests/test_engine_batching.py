@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from app.engine import Engine, GenerationCancelled, GenerationParams, QueueFull, RequestTooLarge
@@ -435,3 +436,30 @@ def test_a_non_streamed_handler_ends_when_its_client_disconnects(tiny_checkpoint
         assert f'attnlens_http_requests_total{{method="POST",route="{route}",status="499"}} 1.0' in metrics
 
     in_process(tiny_checkpoint, scenario)
+
+
+def test_per_step_attention_comes_from_the_batched_forward(ckpt):
+    """Three rows of different lengths decode together, one of them asking for attention: its
+    rows equal those of the request alone (its own positions only), the others are unaffected."""
+    tok = ckpt.tokenizer
+    engine = Engine(ckpt, max_concurrent=3, max_queue=0)
+    rec = engine.model = RecordingModel(ckpt.model)
+    prompts = ["To be", "Whether 'tis nobler in the mind", "Or"]
+    params = [GenerationParams(tok.encode(p), 8, SamplingParams(temperature=0.0), return_attention=(i == 1))
+              for i, p in enumerate(prompts)]
+    try:
+        results = run(engine, params)
+    finally:
+        engine.close()
+    assert max(b for b, t in rec.calls if t == 1) == 3
+    ref = reference_tokens(ckpt, prompts[1], 8, return_attention=True, temperature=0.0)
+    tokens, done = results[1]
+    assert isinstance(done, StreamDone) and [t.id for t in tokens] == [t.id for t in ref]
+    for got, want in zip(tokens, ref):
+        assert len(got.attention) == ckpt.config.n_layers
+        for layer, rows in enumerate(got.attention):
+            assert len(rows) == ckpt.config.n_heads and len(rows[0]) == want.attention[layer].shape[1]
+            assert np.allclose(rows, want.attention[layer].numpy(), atol=1e-5, rtol=0)
+    for i in (0, 2):
+        assert results[i][0] and all(t.attention is None for t in results[i][0])
+        assert [t.id for t in results[i][0]] == reference_ids(ckpt, prompts[i], 8, temperature=0.0)

@@ -313,10 +313,13 @@ class Engine:
     def _run_decode(self, records: list[Record]) -> None:
         rows = self._decoding  # finished generations were retired: row i is rows[i]
         inputs = torch.tensor([[g.last_token] for g in rows], dtype=torch.long, device=self.device)  # (B, 1)
+        lengths = self.cache.lengths[: len(rows)].clone()
         try:
             step = decode_step(self.model, self.cache, inputs, [g.sampler for g in rows])
         except Exception:
-            # find whose input fails: decode the rows one by one (their cache positions are rewritten)
+            # find whose input fails: decode the rows one by one from where they were (their
+            # cache positions are written again)
+            self.cache.lengths[: len(rows)] = lengths
             for i, g in enumerate(rows):
                 try:
                     one = decode_step(self.model, self.cache, inputs[i : i + 1], [g.sampler], rows=slice(i, i + 1))
@@ -360,10 +363,10 @@ class Engine:
             else:
                 self.cache.free(row)
             self._decoding.pop()
-        if reason == "cancelled":
-            self.cancelled += 1
         g.t_end = time.perf_counter()
         with self._lock:
+            if reason == "cancelled":
+                self.cancelled += 1
             self.scheduler.generation_finished(g)
         records.append(FinishRecord(g, reason, g.error_message))
 
