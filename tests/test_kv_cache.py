@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from model import ContextLengthError, ModelConfig
-from model.generate import RowSampler, SamplingParams, decode_step, make_generator
+from model.decoding import RowSampler, SamplingParams, decode_step, make_generator
 from model.parts import MultiHeadAttention
 from test_model import SMALL, make_model
 

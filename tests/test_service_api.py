@@ -1,6 +1,6 @@
 """The native HTTP API in-process (TestClient runs the lifespan): /generate, /attention,
 operations, and every bad-input case. The tiny random model makes the text gibberish,
-so correctness is checked against model.generate / the model itself."""
+so correctness is checked against model.decoding.generate_tokens / the model itself."""
 
 from __future__ import annotations
 

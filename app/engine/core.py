@@ -8,7 +8,7 @@ Each iteration (`Engine._step`):
                (so a long prompt delays the running streams by one prefill at most);
   4. decode    ONE batched forward over every decoding generation's row of the KV cache,
                each row at its own length, then sample every row with that generation's
-               own parameters and seeded generator (model.generate.decode_step);
+               own parameters and seeded generator (model.decoding.decode_step);
   5. output    hand typed records (tokens with log-probs and attention rows as tensors,
                prompt scores, finishes) to the output stage on the event loop in one call.
 
@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from model import Checkpoint, SamplingParams
-from model.generate import RowSampler, decode_step, make_generator
+from model.decoding import RowSampler, decode_step, make_generator
 
 from .outputs import FinishRecord, GenerationOutput, PromptRecord, Record, TokenRecord, dispatch
 from .scheduler import EngineClosed, Scheduler

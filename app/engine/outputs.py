@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Union
 import numpy as np
 import torch
 
-from model.generate import GeneratedToken
+from model.decoding import GeneratedToken
 
 from ..schemas import Alternative, StreamDone, StreamError, StreamToken, Timings, TokenText, Usage
 from .textstream import TextStream
