@@ -69,9 +69,10 @@ async def lifespan(app: FastAPI):
             await warm_up(engine)
         state.ready, state.status = True, "ready"
         cfg = ckpt.config
-        log.info("ready: %s (%d layers x %d heads, context %d, %s params) on %s as %s",
+        log.info("ready: %s (%d layers x %d heads, context %d, %s params) on %s as %s; KV cache %d rows, %.0f MB",
                  state.model_name, cfg.n_layers, cfg.n_heads, cfg.context_length,
-                 f"{ckpt.model.num_parameters():,}", engine.device, str(engine.dtype).removeprefix("torch."))
+                 f"{ckpt.model.num_parameters():,}", engine.device, str(engine.dtype).removeprefix("torch."),
+                 engine.cache.n_rows, engine.cache_bytes / 2**20)
         yield
     finally:
         state.ready, state.status = False, "stopped"

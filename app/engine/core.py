@@ -164,6 +164,11 @@ class Engine:
         return self.scheduler.calls.held
 
     @property
+    def cache_bytes(self) -> int:
+        """Memory of the KV cache: MAX_CONCURRENT rows x the context, every layer."""
+        return sum(t.numel() * t.element_size() for t in self.cache.keys + self.cache.values)
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
