@@ -195,7 +195,7 @@ def test_a_failing_request_leaves_the_batch_running(ckpt):
     finally:
         engine.close()
     tokens, last = results[0]
-    assert isinstance(last, StreamError) and "poisoned input" in last.message
+    assert isinstance(last, StreamError) and last.message.startswith("internal error while generating")
     assert [t.id for t in tokens] == victim[: victim.index(poison) + 1]  # it fails feeding the poison
     for (tokens, last), p in zip(results[1:], others):
         assert isinstance(last, StreamDone)
@@ -463,3 +463,41 @@ def test_per_step_attention_comes_from_the_batched_forward(ckpt):
     for i in (0, 2):
         assert results[i][0] and all(t.attention is None for t in results[i][0])
         assert [t.id for t in results[i][0]] == reference_ids(ckpt, prompts[i], 8, temperature=0.0)
+
+
+def test_a_generation_ending_on_eos_keeps_the_eos_score(tmp_path):
+    """EOS is not text, but it is a generated token: its log-probability is kept for /v1 logprobs."""
+    import torch
+
+    from helpers import make_tiny_checkpoint
+    from model import generate_tokens, load_checkpoint, save_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "eos", tie_embeddings=False, seed=3)
+    ck = load_checkpoint(path)
+    with torch.no_grad():  # EOS has probability about 1/2 at every step
+        ck.model.ln_f.weight.zero_()
+        ck.model.ln_f.bias.fill_(1.0)
+        ck.model.lm_head.weight.normal_(0, 0.01)
+        ck.model.lm_head.weight[ck.tokenizer.eos_id].fill_(math.log(ck.config.vocab_size) / ck.config.d_model)
+    save_checkpoint(path, ck.model, ck.tokenizer)
+    ck = load_checkpoint(path)
+    params = SamplingParams(temperature=1.0, seed=4)
+    ref = list(generate_tokens(ck.model, ck.tokenizer.encode("To be"), 20, params, n_logprobs=2))
+    ids = [t.id for t in ref]
+    assert ck.tokenizer.eos_id in ids
+    eos_at = ids.index(ck.tokenizer.eos_id)
+    engine = Engine(ck, max_concurrent=2, max_queue=0)
+
+    async def main():
+        g = engine.submit(GenerationParams(ck.tokenizer.encode("To be"), 20, params, n_logprobs=2))
+        tokens, done = await collect_tokens(g)
+        return tokens, done, g.eos_token
+
+    try:
+        tokens, done, eos = asyncio.run(main())
+    finally:
+        engine.close()
+    assert done.finish_reason == "eos" and done.usage.completion_tokens == eos_at + 1
+    assert [t.id for t in tokens] == ids[:eos_at]
+    assert eos.id == ck.tokenizer.eos_id and eos.logprob == pytest.approx(ref[eos_at].logprob, abs=1e-4)
+    assert [a.id for a in eos.top_logprobs] == ref[eos_at].top_ids

@@ -154,7 +154,7 @@ def test_queue_full_error_isolation_and_cancellation(ckpt):
 
     try:
         good_tokens, good_done, bad_done = asyncio.run(main())
-        assert isinstance(bad_done, StreamError) and "poisoned input" in bad_done.message
+        assert isinstance(bad_done, StreamError) and "poisoned" not in bad_done.message  # details stay in the log
         assert isinstance(good_done, StreamDone)
         assert good_tokens == reference_ids(ckpt, "To be", 15, temperature=0.0)
         assert engine.alive and engine.errors == 1

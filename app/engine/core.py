@@ -89,6 +89,11 @@ class Generation:
     def prompt_scores(self) -> list[dict] | None:
         return self.output.prompt_scores
 
+    @property
+    def eos_token(self):
+        """The final EOS token with its log-probabilities (GeneratedTokenOut), if the generation ended on one."""
+        return self.output.eos_token
+
     def cancel(self) -> None:
         """Stop this generation (a no-op once it has finished); a waiting one leaves the line now."""
         if self.cancelled:
@@ -276,7 +281,7 @@ class Engine:
         except Exception as e:  # the call's failure is its own
             self.errors += 1
             log.exception("model call failed")
-            work.settle(error=RuntimeError(f"internal error: {type(e).__name__}: {e}"))
+            work.settle(error=RuntimeError("internal error in a model call; see the server log"))
         finally:
             with self._lock:
                 self.scheduler.call_finished(work, time.perf_counter() - t0)
@@ -352,7 +357,7 @@ class Engine:
         self.errors += 1
         log.error("generation %s failed", g.number, exc_info=error)
         g.finish_reason = "error"
-        g.error_message = f"internal error while generating: {type(error).__name__}: {error}"
+        g.error_message = "internal error while generating; see the server log"  # details stay in the log
 
     def _retire_finished(self, records: list[Record]) -> None:
         for g in [g for g in self._decoding if g.finish_reason is not None]:

@@ -23,7 +23,8 @@ import torch
 
 from model.decoding import GeneratedToken
 
-from ..schemas import Alternative, StreamDone, StreamError, StreamToken, Timings, TokenText, Usage
+from ..schemas import (Alternative, GeneratedTokenOut, StreamDone, StreamError, StreamToken, Timings, TokenText,
+                       Usage)
 from .textstream import TextStream
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class GenerationOutput:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     prompt_scores: list[dict] | None = None  # OpenAI echo: each prompt token with its logprob
     seen: int = 0  # generated tokens processed (the EOS included)
+    eos_token: GeneratedTokenOut | None = None  # a final EOS (no text, but scored: /v1 logprobs list it)
     closed: bool = False
 
     def __post_init__(self) -> None:
@@ -118,8 +120,13 @@ class GenerationOutput:
 
     def _token(self, token: GeneratedToken) -> None:
         self.seen += 1
-        if self.text.stopped or token.id == self.tokenizer.eos_id:
-            return  # after a stop string (the core stops at its next step); EOS is not text
+        if self.text.stopped:
+            return  # after a stop string: the core stops at its next step
+        if token.id == self.tokenizer.eos_id:  # the end: no text, but its score is kept
+            self.eos_token = GeneratedTokenOut(id=token.id, text=self.tokenizer.display_text(token.id),
+                                               logprob=token.logprob,
+                                               top_logprobs=self._alternatives(token.top_ids, token.top_logprobs))
+            return
         for r in self.text.push(self.seen - 1, token.id, token):
             self.queue.put_nowait(self._event(r))
         if self.text.stopped:
