@@ -170,6 +170,34 @@ def in_process_peers(model_dir: Path, new_tokens: int, reps: int) -> dict:
     return out
 
 
+def batch_scaling(model_dir: Path, sizes: list[int], steps: int = 40) -> list[tuple[int, float, float]]:
+    """The model alone: one batched decode step (model.decoding.decode_step) over B cache rows of
+    different lengths, one thread; (B, ms per step, tokens per CPU-second). Sizes MAX_CONCURRENT."""
+    import torch
+
+    from model import SamplingParams, load_checkpoint
+    from model.decoding import RowSampler, decode_step
+
+    torch.set_num_threads(1)
+    model = load_checkpoint(model_dir).model
+    out = []
+    with torch.inference_mode():
+        for B in sizes:
+            cache = model.new_kv_cache(B)
+            samplers = [RowSampler(SamplingParams(temperature=0)) for _ in range(B)]
+            for r in range(B):  # prompts of 8..39 tokens
+                prompt = torch.randint(0, model.config.vocab_size, (1, 8 + r % 32))
+                decode_step(model, cache, prompt, [samplers[r]], rows=slice(r, r + 1))
+            x = torch.randint(0, model.config.vocab_size, (B, 1))
+            decode_step(model, cache, x, samplers)
+            c0 = time.process_time()
+            for _ in range(steps):
+                decode_step(model, cache, x, samplers)
+            cpu = (time.process_time() - c0) / steps
+            out.append((B, cpu * 1000, B / cpu))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -177,11 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--max-concurrent", type=int, default=32, help="ATTNLENS_MAX_CONCURRENT of the server")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each level (the median is shown)")
+    p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4, 8, 16, 32, 48, 64],
+                   help="batch sizes for the model-alone decode step table (empty: skip it)")
     args = p.parse_args(argv)
     model = Path(args.model)
 
     print(f"load average before: {load_average()}  ({os.cpu_count()} CPUs)", flush=True)
     peers = in_process_peers(model, args.new_tokens, args.reps)
+    scaling = batch_scaling(model, args.batch_sizes) if args.batch_sizes else []
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         proc = start_server(model, port, args.max_concurrent, Path(tmp) / "server.log")
@@ -212,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
           f"({peers['ours_in_process'] / hf:.2f}x HF)")
     if single:
         print(f"attnlens one stream over HTTP (server: 1 torch thread):      {single:.0f} tok/s ({single / hf:.2f}x HF)")
+    if scaling:
+        print()
+        print("the model alone, one batched decode step (CPU time, 1 thread):")
+        print(f"{'batch':>5} | {'ms/step':>7} | {'tok/s':>6} | {'x batch 1':>9}")
+        for B, ms, rate in scaling:
+            print(f"{B:>5} | {ms:>7.2f} | {rate:>6.0f} | {rate / scaling[0][2]:>8.2f}x")
     print(f"load average after: {load_average()}")
     return 0
 
