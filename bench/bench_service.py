@@ -5,7 +5,8 @@ model unless --model), then for each concurrency level sends that many streaming
 `POST /generate` requests at once (`max_new_tokens` 128 by default, different prompts) and
 prints, per level: aggregate tok/s (all tokens / wall time of the level), per-stream tok/s
 (median over streams of tokens / (last token - request sent)), p50 / p99 time to first token
-and p50 / p99 inter-token latency. Tokens are counted from the `event: token` lines as they
+and p50 / p99 inter-token latency, and tokens per CPU-second of the server process (a figure
+that other processes' load on a shared machine does not dilute). Tokens are counted from the `event: token` lines as they
 arrive; the client is a small asyncio socket reader, so it costs the machine little.
 
 In the same run, on the same weights, one thread each: Hugging Face `generate()` (greedy,
@@ -101,6 +102,15 @@ async def one_stream(port: int, body: dict) -> dict:
     return {"t_send": t_send, "arrivals": arrivals, "finish": finish}
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a process (Linux /proc), or None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -109,23 +119,27 @@ def percentile(values: list[float], q: float) -> float:
     return values[k]
 
 
-def run_level(port: int, n: int, new_tokens: int) -> dict:
+def run_level(port: int, n: int, new_tokens: int, server_pid: int | None = None) -> dict:
     bodies = [{"prompt": PROMPTS[i % len(PROMPTS)], "max_new_tokens": new_tokens, "temperature": 0,
                "stream": True} for i in range(n)]
 
     async def main():
         return await asyncio.gather(*(one_stream(port, b) for b in bodies))
 
+    cpu0 = process_cpu_seconds(server_pid) if server_pid else None
     t0 = time.perf_counter()
     streams = asyncio.run(main())
     wall = time.perf_counter() - t0
+    cpu1 = process_cpu_seconds(server_pid) if server_pid else None
     if any(s["finish"] != "done" for s in streams):
         raise SystemExit(f"a stream did not finish: {[s['finish'] for s in streams]}")
     tokens = sum(len(s["arrivals"]) for s in streams)
     ttft = [(s["arrivals"][0] - s["t_send"]) * 1000 for s in streams if s["arrivals"]]
     gaps = [(b - a) * 1000 for s in streams for a, b in zip(s["arrivals"], s["arrivals"][1:])]
     per_stream = [len(s["arrivals"]) / (s["arrivals"][-1] - s["t_send"]) for s in streams if s["arrivals"]]
+    server_cpu = (cpu1 - cpu0) if cpu0 is not None and cpu1 is not None else None
     return {"clients": n, "tokens": tokens, "aggregate": tokens / wall, "per_stream": statistics.median(per_stream),
+            "per_server_cpu_s": tokens / server_cpu if server_cpu else float("nan"),
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99)}
 
@@ -220,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             run_level(port, 1, 8)  # warm the server's paths
             rows = []
             for n in args.levels:
-                runs = [run_level(port, n, args.new_tokens) for _ in range(args.reps)]
+                runs = [run_level(port, n, args.new_tokens, proc.pid) for _ in range(args.reps)]
                 runs.sort(key=lambda r: r["aggregate"])
                 rows.append(runs[len(runs) // 2])
                 print(f"  {n} clients done", flush=True)
@@ -230,12 +244,16 @@ def main(argv: list[str] | None = None) -> int:
     single = rows[0]["aggregate"] if rows and rows[0]["clients"] == 1 else None
 
     print()
+    single_cpu = rows[0]["per_server_cpu_s"] if single else None
     print(f"{'clients':>7} | {'tokens':>6} | {'aggregate tok/s':>15} | {'x 1 stream':>10} | {'per-stream tok/s':>16} | "
-          f"{'TTFT p50 ms':>11} | {'TTFT p99 ms':>11} | {'ITL p50 ms':>10} | {'ITL p99 ms':>10}")
+          f"{'TTFT p50 ms':>11} | {'TTFT p99 ms':>11} | {'ITL p50 ms':>10} | {'ITL p99 ms':>10} | "
+          f"{'tok/server-CPU-s':>16} | {'x 1 stream':>10}")
     for r in rows:
         ratio = f"{r['aggregate'] / single:.2f}x" if single else "-"
+        cpu_ratio = f"{r['per_server_cpu_s'] / single_cpu:.2f}x" if single_cpu else "-"
         print(f"{r['clients']:>7} | {r['tokens']:>6} | {r['aggregate']:>15.0f} | {ratio:>10} | {r['per_stream']:>16.0f} | "
-              f"{r['ttft_p50']:>11.1f} | {r['ttft_p99']:>11.1f} | {r['itl_p50']:>10.2f} | {r['itl_p99']:>10.2f}")
+              f"{r['ttft_p50']:>11.1f} | {r['ttft_p99']:>11.1f} | {r['itl_p50']:>10.2f} | {r['itl_p99']:>10.2f} | "
+              f"{r['per_server_cpu_s']:>16.0f} | {cpu_ratio:>10}")
     print()
     hf = peers["hf_generate"]
     print(f"HF generate() in-process, 1 thread, greedy {args.new_tokens} tokens: {hf:.0f} tok/s")
