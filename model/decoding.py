@@ -120,23 +120,33 @@ def decode_step(
     *,
     rows: slice | None = None,
     last_only: bool = True,
+    n_new: list[int] | None = None,
 ) -> StepOutput:
     """One step for a batch of cache rows: feed (B, T) new ids to rows `rows` (default
     0 .. B-1), then pick each row's next token. The single decode step of both
-    `generate_tokens` and the service's engine; T > 1 is a prefill.
+    `generate_tokens` and the service's engine; T > 1 is a prefill. With `n_new`, row b's
+    real tokens are inputs[b, :n_new[b]] (right-padded prompts of different lengths,
+    prefilled together) and its next token comes from its last real position.
 
     A row whose sampler asks for attention gets, per layer, the (H, length) attention row of
     its last position: its own keys only, never the padding of longer rows.
     """
     want_attention = any(s.return_attention for s in samplers)
-    out = model(inputs, kv_cache=cache, rows=rows, return_attention=want_attention, last_only=last_only)
-    tokens = sample_rows(out.logits[:, -1], samplers)
+    valid = torch.tensor(n_new) if n_new is not None else None
+    out = model(inputs, kv_cache=cache, rows=rows, return_attention=want_attention, last_only=last_only,
+                valid=valid)
+    if valid is None or last_only:
+        last = out.logits[:, -1]  # (B, V)
+    else:
+        last = out.logits[torch.arange(len(n_new)), valid - 1]  # each row's last real position
+    tokens = sample_rows(last, samplers)
     if want_attention:
         first = cache.row_slice(rows, inputs.shape[0]).start
         for b, (s, tok) in enumerate(zip(samplers, tokens)):
             if s.return_attention:
                 n = int(cache.lengths[first + b])  # positions this row has, the newest included
-                tok.attention = [a[b, :, -1, :n].float().cpu() for a in out.attentions]  # (H, n) per layer
+                q = -1 if n_new is None else n_new[b] - 1  # the query of that newest position
+                tok.attention = [a[b, :, q, :n].float().cpu() for a in out.attentions]  # (H, n) per layer
     return StepOutput(tokens, out)
 
 

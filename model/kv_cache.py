@@ -93,7 +93,8 @@ class KVCache:
             values[b, :, write.positions] = v.transpose(1, 2)
         return keys[:, :, :write.n_keys], values[:, :, :write.n_keys]
 
-    def commit(self, write: CacheWrite, n_new: int) -> None:
+    def commit(self, write: CacheWrite, n_new: int | torch.Tensor) -> None:
+        """Advance the rows by n_new tokens (an int, or (B,) per row when rows were right-padded)."""
         self.lengths[write.rows] += n_new
 
     # --- rows ----------------------------------------------------------------

@@ -92,11 +92,15 @@ class Transformer(nn.Module):
         kv_cache: KVCache | None = None,
         rows: slice | None = None,
         last_only: bool = False,
+        valid: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Logits (B, T, V) for token ids (B, T); (B, 1, V) with last_only.
 
         With a kv_cache, `ids` are the tokens after the cached ones of the cache rows `rows`
-        (default: rows 0 .. B-1); each row continues from its own length.
+        (default: rows 0 .. B-1); each row continues from its own length. `valid` (B,) says
+        how many of each row's T tokens are real, the rest being right padding (prompts of
+        different lengths prefilled together): the cache keeps only the real ones, and
+        last_only keeps each row's last real position.
         """
         B, T = ids.shape
         write = kv_cache.begin(rows, B, T) if kv_cache is not None else None
@@ -127,9 +131,12 @@ class Transformer(nn.Module):
             if return_attention:
                 attentions.append(out.self_attention)
         if write is not None:
-            kv_cache.commit(write, T)
+            kv_cache.commit(write, T if valid is None else valid.cpu())
 
         if last_only:  # the final norm is per position: normalise only the one we keep
-            x = x[:, -1:, :]
+            if valid is None:
+                x = x[:, -1:, :]
+            else:  # each row's last real position: (B, T, C) -> (B, 1, C)
+                x = x[torch.arange(B, device=x.device), valid.to(x.device) - 1][:, None, :]
         x = self.ln_f(x)
         return ModelOutput(self.lm_head(x), attentions)  # (B, T, V)

@@ -129,23 +129,31 @@ class RecordingModel:
         return self._model(ids, **kw)
 
 
-def test_one_forward_per_step_and_at_most_one_prefill_between_decode_steps(ckpt):
+def test_one_forward_per_step_and_prefills_never_longer_than_one_full_prompt(ckpt):
+    """Eight requests at once: three long prompts (each alone, a decode step between them)
+    and five short ones (prefilled together in one right-padded forward)."""
     tok = ckpt.tokenizer
+    ctx = ckpt.config.context_length
     engine = Engine(ckpt, max_concurrent=8, max_queue=0)
     rec = engine.model = RecordingModel(ckpt.model)
-    params = [GenerationParams(tok.encode(PROMPTS[i]), 10, SamplingParams(temperature=0.0)) for i in range(6)]
+    long_ids = (tok.encode(" ".join(PROMPTS)) * 4)[:40]
+    prompts = [long_ids, tok.encode("To be"), long_ids[:38], tok.encode("Or"), tok.encode("The slings"),
+               long_ids[:36], tok.encode("No more"), tok.encode("Café")]
+    params = [GenerationParams(ids, 10, SamplingParams(temperature=0.0)) for ids in prompts]
     try:
-        run(engine, params)
+        results = run(engine, params)
     finally:
         engine.close()
-    prefills = [i for i, (_, t) in enumerate(rec.calls) if t > 1]
-    decodes = [(b, t) for b, t in rec.calls if t == 1]
-    assert len(prefills) == 6
-    assert max(b for b, _ in decodes) == 6  # all six decoded in one forward
+    for (tokens, done), ids in zip(results, prompts):
+        assert isinstance(done, StreamDone) and [t.id for t in tokens] == reference_ids(ckpt, ids, 10, temperature=0.0)
+    prefills = [(i, b, t) for i, (b, t) in enumerate(rec.calls) if t > 1]
+    decodes = [b for b, t in rec.calls if t == 1]
+    assert all(b == 1 or b * t <= ctx for _, b, t in prefills)  # a batch of prompts costs at most one full one
+    assert len(prefills) < len(prompts)  # the short ones went together
+    assert sum(b for _, b, _ in prefills) == len(prompts)
     # a decode step follows every prefill but the last: running streams wait one prefill at most
-    assert all(b - a > 1 for a, b in zip(prefills, prefills[1:]))
-    # 6 x 10 tokens in far fewer than 60 forwards
-    assert len(decodes) < 20
+    assert all(j - i > 1 for (i, _, _), (j, _, _) in zip(prefills, prefills[1:]))
+    assert max(decodes) == 8 and len(decodes) < 20  # 8 x 10 tokens in one batch, not 80 forwards
 
 
 def test_cancellation_frees_the_row_for_the_next_request(ckpt):

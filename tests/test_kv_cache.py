@@ -153,3 +153,28 @@ def test_one_batched_decode_step_picks_what_each_row_picks_alone():
     together = run([0, 1, 2, 3])
     for r in range(4):
         assert run([r])[r] == together[r]
+
+
+def test_right_padded_prompts_prefill_together_like_each_alone():
+    """Prompts of 2, 9 and 5 tokens in one right-padded forward: each row's logits at its last
+    real token, its attention row, and the decoding after it equal a full recompute of that row."""
+    model = make_model(seed=37)
+    prompts = [[3, 4], [5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16, 17, 18]]
+    n_new = [len(p) for p in prompts]
+    padded = torch.tensor([p + [0] * (9 - len(p)) for p in prompts])  # (3, 9), pad id 0
+    cache = model.new_kv_cache(3)
+    samplers = [RowSampler(SamplingParams(temperature=0), return_attention=True) for _ in prompts]
+    with torch.no_grad():
+        step = decode_step(model, cache, padded, samplers, n_new=n_new)
+        assert cache.lengths.tolist() == n_new  # the padding is not kept
+        for b, ids in enumerate(prompts):
+            ref = full_last_logits(model, ids)
+            torch.testing.assert_close(step.output.logits[b, -1], ref, atol=1e-4, rtol=0)
+            assert step.tokens[b].id == int(ref.argmax())
+            full_att = model(torch.tensor([ids]), return_attention=True).attentions
+            for layer, row in enumerate(step.tokens[b].attention):
+                torch.testing.assert_close(row, full_att[layer][0, :, -1], atol=1e-5, rtol=0)
+        nxt = [t.id for t in step.tokens]
+        out = model(torch.tensor([[t] for t in nxt]), kv_cache=cache).logits
+        for b, ids in enumerate(prompts):
+            torch.testing.assert_close(out[b, -1], full_last_logits(model, ids + [nxt[b]]), atol=1e-4, rtol=0)

@@ -4,8 +4,9 @@ Each iteration (`Engine._step`):
   1. schedule  drop cancelled and stopped generations (their cache rows are freed and the
                rows kept contiguous), move waiting generations into free slots;
   2. call      run at most one model call (an /attention forward), bounded on its own line;
-  3. prefill   run the prompt of at most one newly admitted generation into a free cache row
-               (so a long prompt delays the running streams by one prefill at most);
+  3. prefill   run the prompts of newly admitted generations into free cache rows: the oldest,
+               plus more (right-padded, one forward) while they hold no more tokens than
+               one full-context prompt, so the running streams wait one long prefill at most;
   4. decode    ONE batched forward over every decoding generation's row of the KV cache,
                each row at its own length, then sample every row with that generation's
                own parameters and seeded generator (model.decoding.decode_step);
@@ -248,7 +249,7 @@ class Engine:
         self._run_call()
         records = []
         if self._prefill:
-            self._run_prefill(self._prefill.popleft(), records)
+            self._run_prefills(self._next_prefills(), records)
             self._retire_finished(records)
         if self._decoding:
             t0 = time.perf_counter()
@@ -286,27 +287,69 @@ class Engine:
             with self._lock:
                 self.scheduler.call_finished(work, time.perf_counter() - t0)
 
-    def _run_prefill(self, g: Generation, records: list[Record]) -> None:
-        p = g.params
-        row = len(self._decoding)
-        self.cache.free(row)
-        g.t_start = time.perf_counter()
-        g.sampler = RowSampler(p.sampling, make_generator(p.sampling.seed, self.device), p.n_logprobs,
-                               p.return_attention)
-        self._decoding.append(g)  # owns `row` from now on
+    def _next_prefills(self) -> list[Generation]:
+        """The prompts to prefill in this step: the oldest one, plus more while the padded batch
+        holds no more tokens than one full-context prompt (so the running streams never wait
+        longer than one long prefill). A prompt to score (echo) goes alone."""
+        batch = [self._prefill.popleft()]
+        if batch[0].params.prompt_logprobs is not None:
+            return batch
+        longest = len(batch[0].params.prompt_ids)
+        while self._prefill and self._prefill[0].params.prompt_logprobs is None:
+            n = len(self._prefill[0].params.prompt_ids)
+            if (len(batch) + 1) * max(longest, n) > self.config.context_length:
+                break
+            batch.append(self._prefill.popleft())
+            longest = max(longest, n)
+        return batch
+
+    def _run_prefills(self, batch: list[Generation], records: list[Record]) -> None:
+        """Prefill these prompts into the next free rows (one right-padded forward); each
+        generation then decodes with the others."""
+        first = len(self._decoding)
+        for i, g in enumerate(batch):
+            p = g.params
+            self.cache.free(first + i)
+            g.t_start = time.perf_counter()
+            g.sampler = RowSampler(p.sampling, make_generator(p.sampling.seed, self.device), p.n_logprobs,
+                                   p.return_attention)
+            self._decoding.append(g)  # owns row first + i from now on
+        lengths = [len(g.params.prompt_ids) for g in batch]
+        T = max(lengths)
+        padded = [g.params.prompt_ids + [0] * (T - n) for g, n in zip(batch, lengths)]  # (B, T), pad id 0
+        inputs = torch.tensor(padded, dtype=torch.long, device=self.device)
+        rows = slice(first, first + len(batch))
         try:
-            inputs = torch.tensor([p.prompt_ids], dtype=torch.long, device=self.device)
-            step = decode_step(self.model, self.cache, inputs, [g.sampler], rows=slice(row, row + 1),
-                               last_only=p.prompt_logprobs is None)
+            if len(batch) == 1:
+                step = decode_step(self.model, self.cache, inputs, [batch[0].sampler], rows=rows,
+                                   last_only=batch[0].params.prompt_logprobs is None)
+            else:
+                step = decode_step(self.model, self.cache, inputs, [g.sampler for g in batch], rows=rows,
+                                   n_new=lengths)
         except Exception as e:
-            self._fail(g, e)
+            if len(batch) == 1:
+                self._fail(batch[0], e)
+                return
+            for i, g in enumerate(batch):  # whose prompt fails? prefill them one by one
+                one = slice(first + i, first + i + 1)
+                self.cache.free(first + i)
+                try:
+                    alone = decode_step(self.model, self.cache, inputs[i : i + 1, : lengths[i]], [g.sampler], rows=one)
+                except Exception as e:
+                    self._fail(g, e)
+                    continue
+                self._prefilled(g, alone, 0, first + i, records)
             return
-        if p.prompt_logprobs is not None:
-            records.append(self._prompt_record(g, step.output.logits[0]))
-        if p.max_new_tokens == 0:
+        for i, g in enumerate(batch):
+            self._prefilled(g, step, i, first + i, records)
+
+    def _prefilled(self, g: Generation, step, index: int, row: int, records: list[Record]) -> None:
+        if g.params.prompt_logprobs is not None:
+            records.append(self._prompt_record(g, step.output.logits[index]))
+        if g.params.max_new_tokens == 0:
             g.finish_reason = "length"
             return
-        self._advance(g, step.tokens[0], row, records)
+        self._advance(g, step.tokens[index], row, records)
 
     def _prompt_record(self, g: Generation, logits: torch.Tensor) -> PromptRecord:
         ids = g.params.prompt_ids
