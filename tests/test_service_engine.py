@@ -8,7 +8,6 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 
 from app.attention_codec import decode, encode
 from app.engine import Engine, GenerationParams, QueueFull
