@@ -114,9 +114,8 @@ class Transformer(nn.Module):
         pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (P, C)
         if write is None:
             x = x + pos[:T].to(x.dtype)  # positions 0 .. T-1: a slice, no index lookup
-        elif write.mask is None:  # every row continues from the same position
-            start = int(write.starts[0])
-            x = x + pos[start : start + T].to(x.dtype)
+        elif write.positions is None:  # every row continues from the same position
+            x = x + pos[write.start : write.start + T].to(x.dtype)
         else:
             x = x + pos[write.positions].to(x.dtype)  # (B, T) -> (B, T, C): each row its own
         if self.training:
