@@ -349,7 +349,7 @@ class Engine:
         if g.params.max_new_tokens == 0:
             g.finish_reason = "length"
             return
-        self._advance(g, step.tokens[index], row, records)
+        self._advance(g, step.tokens[index], int(self.cache.lengths[row]), records)
 
     def _prompt_record(self, g: Generation, logits: torch.Tensor) -> PromptRecord:
         ids = g.params.prompt_ids
@@ -379,12 +379,14 @@ class Engine:
                 except Exception as e:
                     self._fail(g, e)
                     continue
-                self._advance(g, one.tokens[0], i, records)
+                self._advance(g, one.tokens[0], int(self.cache.lengths[i]), records)
             return
-        for i, (g, token) in enumerate(zip(rows, step.tokens)):
-            self._advance(g, token, i, records)
+        lengths = self.cache.lengths[: len(rows)].tolist()  # one read for the whole batch
+        for g, token, length in zip(rows, step.tokens, lengths):
+            self._advance(g, token, length, records)
 
-    def _advance(self, g: Generation, token, row: int, records: list[Record]) -> None:
+    def _advance(self, g: Generation, token, length: int, records: list[Record]) -> None:
+        """Record g's new token; decide whether g is done (its row now holds `length` positions)."""
         g.produced += 1
         if g.t_first is None:
             g.t_first = time.perf_counter()
@@ -392,7 +394,7 @@ class Engine:
         records.append(TokenRecord(g, token))
         if token.id == self.tokenizer.eos_id:
             g.finish_reason = "eos"
-        elif g.produced >= g.params.max_new_tokens or int(self.cache.lengths[row]) >= self.cache.capacity:
+        elif g.produced >= g.params.max_new_tokens or length >= self.cache.capacity:
             g.finish_reason = "length"
 
     def _fail(self, g: Generation, error: Exception) -> None:
