@@ -509,3 +509,79 @@ def test_a_generation_ending_on_eos_keeps_the_eos_score(tmp_path):
     assert [t.id for t in tokens] == ids[:eos_at]
     assert eos.id == ck.tokenizer.eos_id and eos.logprob == pytest.approx(ref[eos_at].logprob, abs=1e-4)
     assert [a.id for a in eos.top_logprobs] == ref[eos_at].top_ids
+
+
+def test_a_random_mix_of_requests_and_cancellations_keeps_every_answer_right(ckpt):
+    """40 requests (greedy or seeded, stop strings, logprobs, attention, echo scores) through 4
+    slots, a quarter of them cancelled at random moments: every other one equals its reference
+    run alone, every one ends, and the engine is left empty."""
+    import random
+
+    from app.engine.textstream import TextStream
+
+    tok = ckpt.tokenizer
+    rng = random.Random(7)
+    engine = Engine(ckpt, max_concurrent=4, max_queue=40)
+    specs = []
+    for i in range(40):
+        prompt = rng.choice(PROMPTS)
+        kw = sampling(rng.randrange(30))
+        specs.append(dict(prompt=prompt, n=rng.randint(1, 25), kw=kw, stop=rng.choice([[], ["e"], ["the", "o "]]),
+                          logprobs=rng.choice([0, 2]), attention=rng.random() < 0.2,
+                          echo=rng.random() < 0.2, cancel_after=rng.choice([None, None, None, 0, 2, 5])))
+
+    async def one(spec):
+        params = GenerationParams(tok.encode(spec["prompt"]), spec["n"], SamplingParams(**spec["kw"]),
+                                  stop=spec["stop"], n_logprobs=spec["logprobs"],
+                                  return_attention=spec["attention"], prompt_logprobs=1 if spec["echo"] else None)
+        g = engine.submit(params)
+        await asyncio.sleep(rng.random() * 0.01)
+        tokens = []
+        try:
+            if spec["cancel_after"] == 0:
+                g.cancel()
+            async for ev in g.events():
+                if isinstance(ev, StreamToken):
+                    tokens.append(ev)
+                    if spec["cancel_after"] is not None and len(tokens) >= spec["cancel_after"]:
+                        g.cancel()
+                else:
+                    return g, tokens, ev
+        except GenerationCancelled:
+            return g, tokens, "cancelled"
+        return g, tokens, None
+
+    async def main():
+        return await asyncio.gather(*(one(s) for s in specs))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.close()
+    assert engine.in_flight == 0 and engine.waiting == 0 and engine.errors == 0
+    assert engine.cache.lengths.tolist() == [0] * 4
+    finished = 0
+    for spec, (g, tokens, last) in zip(specs, results):
+        assert last is not None
+        ref = reference_tokens(ckpt, spec["prompt"], spec["n"], **spec["kw"])
+        ids = [t.id for t in tokens]
+        if last == "cancelled":
+            assert ids == [t.id for t in ref][: len(ids)]
+            continue
+        finished += 1
+        assert isinstance(last, StreamDone)
+        # the reference, cut where the stop string begins (TextStream is tested on its own)
+        ts, want = TextStream(tok, spec["stop"]), []
+        for i, t in enumerate(ref):
+            want += ts.push(i, t.id)
+            if ts.stopped:
+                break
+        else:
+            want += ts.finish()
+        assert ids == [r.id for r in want] and last.text == ts.text
+        assert last.finish_reason == ("stop" if ts.stopped else "eos" if len(ref) < spec["n"] else "length")
+        if spec["logprobs"]:
+            assert all(len(t.top_logprobs) == 2 for t in tokens)
+        assert all((t.attention is not None) == spec["attention"] for t in tokens)
+        assert (g.prompt_scores is not None) == spec["echo"]
+    assert finished >= 20
