@@ -60,7 +60,7 @@ async def lifespan(app: FastAPI):
         log.error("cannot load the model from %s: %s", s.model, e)
         raise RuntimeError(f"cannot load the model from {s.model}: {e}") from None
     engine = Engine(ckpt, max_concurrent=s.max_concurrent, max_queue=s.max_queue,
-                    max_attention_concurrent=s.max_attention_concurrent)
+                    max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs)
     state.checkpoint, state.engine = ckpt, engine
     state.metrics.bind_engine(engine)
     try:

@@ -29,6 +29,7 @@ class Settings(BaseSettings):
     max_concurrent: int = Field(32, ge=1)
     max_queue: int = Field(64, ge=0)  # generations waiting for a slot
     max_attention_concurrent: int = Field(4, ge=1)  # /attention forwards running or waiting
+    cuda_graphs: bool = True  # on CUDA, replay the decode step from captured CUDA graphs
     # Comma-separated list ("*" for any origin); empty = no CORS headers.
     cors_origins: Annotated[list[str], NoDecode] = []
     log_level: str = "info"

@@ -4,11 +4,14 @@ cache rows, each sampled by its own rules), and a token-by-token generator built
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from .kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from .cuda_graphs import GraphedDecoder
 from .transformer import ModelOutput, Transformer
 
 
@@ -121,6 +124,7 @@ def decode_step(
     rows: slice | None = None,
     last_only: bool = True,
     n_new: list[int] | None = None,
+    graphs: "GraphedDecoder | None" = None,
 ) -> StepOutput:
     """One step for a batch of cache rows: feed (B, T) new ids to rows `rows` (default
     0 .. B-1), then pick each row's next token. The single decode step of both
@@ -130,8 +134,15 @@ def decode_step(
 
     A row whose sampler asks for attention gets, per layer, the (H, length) attention row of
     its last position: its own keys only, never the padding of longer rows.
+
+    With `graphs` (model.cuda_graphs.GraphedDecoder on the same cache), a plain one-token
+    step over rows 0 .. B-1 without attention replays a captured CUDA graph instead.
     """
     want_attention = any(s.return_attention for s in samplers)
+    if (graphs is not None and inputs.shape[1] == 1 and not want_attention and n_new is None
+            and cache.row_slice(rows, inputs.shape[0]).start == 0):
+        out = ModelOutput(graphs.run(inputs), None)
+        return StepOutput(sample_rows(out.logits[:, -1], samplers), out)
     valid = torch.tensor(n_new) if n_new is not None else None
     out = model(inputs, kv_cache=cache, rows=rows, return_attention=want_attention, last_only=last_only,
                 valid=valid)

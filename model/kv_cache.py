@@ -91,6 +91,20 @@ class KVCache:
             values[b, :, write.positions] = v.transpose(1, 2)
         return keys[:, :, :write.n_keys], values[:, :, :write.n_keys]
 
+    def fixed_update(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor) -> KVUpdate:
+        """For Transformer.decode_fixed: store one new (B, H, 1, D) key/value per row at position
+        lengths[b] of row b (device tensors, no host sync); return all (B, H, P, D) keys/values."""
+
+        def update(k: torch.Tensor, v: torch.Tensor):
+            B = k.shape[0]
+            keys, values = self.keys[layer][:B], self.values[layer][:B]  # (B, H, P, D) views
+            # advanced indices (rows, lengths) around a slice: the indexed shape is (B, H, D)
+            keys[rows, :, lengths] = k[:, :, 0]
+            values[rows, :, lengths] = v[:, :, 0]
+            return keys, values
+
+        return update
+
     def commit(self, write: CacheWrite, n_new: int | torch.Tensor) -> None:
         """Advance the rows by n_new tokens (an int, or (B,) per row when rows were right-padded)."""
         self.lengths[write.rows] += n_new

@@ -139,3 +139,25 @@ class Transformer(nn.Module):
                 x = x[torch.arange(B, device=x.device), valid.to(x.device) - 1][:, None, :]
         x = self.ln_f(x)
         return ModelOutput(self.lm_head(x), attentions)  # (B, T, V)
+
+    def decode_fixed(self, ids: torch.Tensor, kv_cache: KVCache, lengths: torch.Tensor) -> torch.Tensor:
+        """One decode step for cache rows 0 .. B-1 with shapes that never change, for CUDA graphs.
+
+        ids (B, 1) and lengths (B,) (each row's filled positions) are tensors on the model's
+        device; the new keys/values go to position lengths[b] of row b, and every query looks
+        over the whole capacity P with a mask (keys 0 .. lengths[b]). No value is read back
+        to the host, so the step can be captured once and replayed. kv_cache.lengths is not
+        advanced: the caller does that. Returns (B, 1, V) logits.
+        """
+        B = ids.shape[0]
+        x = self.tok_emb(ids)  # (B, 1, C)
+        if self.config.scale_embeddings:
+            x = x * math.sqrt(self.config.d_model)
+        pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (P, C)
+        x = x + pos[lengths][:, None, :].to(x.dtype)  # (B,) -> (B, 1, C)
+        keys = torch.arange(kv_cache.capacity, device=ids.device)  # (P,)
+        mask = (keys[None, :] <= lengths[:, None])[:, None, None, :]  # (B, P) -> (B, 1, 1, P)
+        rows = torch.arange(B, device=ids.device)
+        for i, block in enumerate(self.blocks):
+            x = block(x, mask=mask, kv_update=kv_cache.fixed_update(i, rows, lengths)).x
+        return self.lm_head(self.ln_f(x))  # (B, 1, V)

@@ -178,3 +178,49 @@ def test_right_padded_prompts_prefill_together_like_each_alone():
         out = model(torch.tensor([[t] for t in nxt]), kv_cache=cache).logits
         for b, ids in enumerate(prompts):
             torch.testing.assert_close(out[b, -1], full_last_logits(model, ids + [nxt[b]]), atol=1e-4, rtol=0)
+
+
+def test_fixed_shape_decode_step_equals_the_cached_forward():
+    """Transformer.decode_fixed (keys over the whole capacity, masked by each row's length: the
+    step CUDA graphs capture) gives the logits of a full recompute and leaves a usable cache."""
+    model = make_model(seed=38)
+    seqs = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    cache = model.new_kv_cache(3)
+    with torch.no_grad():
+        for row, ids in enumerate(seqs):
+            model(torch.tensor([ids]), kv_cache=cache, rows=slice(row, row + 1))
+        for step in range(4):
+            nxt = torch.tensor([[20 + step], [30 + step], [40 + step]])
+            logits = model.decode_fixed(nxt, cache, cache.lengths.clone())
+            cache.lengths += 1
+            for row, ids in enumerate(seqs):
+                ids.append(int(nxt[row, 0]))
+                torch.testing.assert_close(logits[row, -1], full_last_logits(model, ids), atol=1e-4, rtol=0)
+        out = model(torch.tensor([[7], [7], [7]]), kv_cache=cache).logits  # the ordinary path goes on from there
+    for row, ids in enumerate(seqs):
+        torch.testing.assert_close(out[row, -1], full_last_logits(model, ids + [7]), atol=1e-4, rtol=0)
+
+
+def test_graphed_decoder_pads_a_batch_to_its_bucket_like_the_plain_step():
+    """The CUDA-graph decoder's padded bucket path (run eagerly here, without CUDA): 3 rows in the
+    bucket of 4 decode exactly as the plain step does, and the free 4th row stays free."""
+    from model.cuda_graphs import GraphedDecoder
+
+    model = make_model(seed=39)
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    plain, graphed = model.new_kv_cache(5), model.new_kv_cache(5)
+    decoder = GraphedDecoder(model, graphed, capture=False)
+    assert decoder.buckets == [1, 2, 4, 5] and decoder.bucket(3) == 4
+    samplers = [RowSampler(SamplingParams(temperature=0)) for _ in prompts]
+    with torch.no_grad():
+        for cache in (plain, graphed):
+            for row, ids in enumerate(prompts):
+                model(torch.tensor([ids]), kv_cache=cache, rows=slice(row, row + 1))
+        last = torch.tensor([[10], [11], [12]])
+        for _ in range(5):
+            a = decode_step(model, plain, last, samplers)
+            b = decode_step(model, graphed, last, samplers, graphs=decoder)
+            torch.testing.assert_close(b.output.logits, a.output.logits, atol=1e-4, rtol=0)
+            assert [t.id for t in a.tokens] == [t.id for t in b.tokens]
+            last = torch.tensor([[t.id] for t in a.tokens])
+    assert graphed.lengths.tolist() == plain.lengths.tolist() == [9, 7, 8, 0, 0]

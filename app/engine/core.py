@@ -8,8 +8,9 @@ Each iteration (`Engine._step`):
                plus more (right-padded, one forward) while they hold no more tokens than
                one full-context prompt, so the running streams wait one long prefill at most;
   4. decode    ONE batched forward over every decoding generation's row of the KV cache,
-               each row at its own length, then sample every row with that generation's
-               own parameters and seeded generator (model.decoding.decode_step);
+               each row at its own length (on CUDA a replayed CUDA graph of it), then sample
+               every row with that generation's own parameters and seeded generator
+               (model.decoding.decode_step);
   5. output    hand typed records (tokens with log-probs and attention rows as tensors,
                prompt scores, finishes) to the output stage on the event loop in one call.
 
@@ -35,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from model import Checkpoint, SamplingParams
+from model.cuda_graphs import GraphedDecoder
 from model.decoding import RowSampler, decode_step, make_generator
 
 from .outputs import FinishRecord, GenerationOutput, PromptRecord, Record, TokenRecord, dispatch
@@ -136,7 +138,8 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
 
 class Engine:
     def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 32, max_queue: int = 64,
-                 max_attention_concurrent: int = 4, clock: Callable[[], float] = time.monotonic):
+                 max_attention_concurrent: int = 4, cuda_graphs: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
         self.checkpoint = checkpoint
         self.model = checkpoint.model
         self.tokenizer = checkpoint.tokenizer
@@ -147,6 +150,14 @@ class Engine:
         self.max_queue = max_queue
         self.scheduler = Scheduler(max_concurrent, max_queue, max_attention_concurrent, clock=clock)
         self.cache = self.model.new_kv_cache(max_concurrent)  # one row per slot, reused
+        # on CUDA: the decode step captured once per batch-size bucket, replayed every step
+        self.graphs: GraphedDecoder | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            try:
+                self.graphs = GraphedDecoder(self.model, self.cache)
+            except Exception:  # the eager step always works: use it
+                log.warning("could not capture the decode step in CUDA graphs; decoding eagerly", exc_info=True)
+                self.cache.reset()
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._prefill: collections.deque[Generation] = collections.deque()  # in a slot, no row yet
@@ -368,11 +379,14 @@ class Engine:
         inputs = torch.tensor([[g.last_token] for g in rows], dtype=torch.long, device=self.device)  # (B, 1)
         lengths = self.cache.lengths[: len(rows)].clone()
         try:
-            step = decode_step(self.model, self.cache, inputs, [g.sampler for g in rows])
+            step = decode_step(self.model, self.cache, inputs, [g.sampler for g in rows], graphs=self.graphs)
         except Exception:
             # find whose input fails: decode the rows one by one from where they were (their
             # cache positions are written again)
             self.cache.lengths[: len(rows)] = lengths
+            if self.graphs is not None:
+                log.warning("a replayed CUDA graph step failed; decoding eagerly from now on", exc_info=True)
+                self.graphs = None
             for i, g in enumerate(rows):
                 try:
                     one = decode_step(self.model, self.cache, inputs[i : i + 1], [g.sampler], rows=slice(i, i + 1))
