@@ -377,13 +377,13 @@ class Engine:
     def _run_decode(self, records: list[Record]) -> None:
         rows = self._decoding  # finished generations were retired: row i is rows[i]
         inputs = torch.tensor([[g.last_token] for g in rows], dtype=torch.long, device=self.device)  # (B, 1)
-        lengths = self.cache.lengths[: len(rows)].clone()
+        before = self.cache.lengths[: len(rows)].tolist()
         try:
             step = decode_step(self.model, self.cache, inputs, [g.sampler for g in rows], graphs=self.graphs)
         except Exception:
             # find whose input fails: decode the rows one by one from where they were (their
             # cache positions are written again)
-            self.cache.lengths[: len(rows)] = lengths
+            self.cache.lengths[: len(rows)] = torch.tensor(before)
             if self.graphs is not None:
                 log.warning("a replayed CUDA graph step failed; decoding eagerly from now on", exc_info=True)
                 self.graphs = None
@@ -395,9 +395,8 @@ class Engine:
                     continue
                 self._advance(g, one.tokens[0], int(self.cache.lengths[i]), records)
             return
-        lengths = self.cache.lengths[: len(rows)].tolist()  # one read for the whole batch
-        for g, token, length in zip(rows, step.tokens, lengths):
-            self._advance(g, token, length, records)
+        for g, token, length in zip(rows, step.tokens, before):
+            self._advance(g, token, length + 1, records)  # each row took one token
 
     def _advance(self, g: Generation, token, length: int, records: list[Record]) -> None:
         """Record g's new token; decide whether g is done (its row now holds `length` positions)."""
