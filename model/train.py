@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from .checkpoint import load_weights, save_checkpoint
 from .config import ModelConfig
 from .data import load_split
-from .generate import SamplingParams, generate_tokens
+from .decoding import SamplingParams, generate_tokens
 from .tokenizer import Tokenizer
 from .transformer import Transformer
 
@@ -161,7 +161,7 @@ def evaluate(model, stream, byte_lengths, block, device, max_windows=0, batch_si
         x = torch.stack([stream[i * block : i * block + block] for i in idx]).to(device)
         y = torch.stack([stream[i * block + 1 : i * block + block + 1] for i in idx])
         with autocast or contextlib.nullcontext():
-            logits = model(x)
+            logits = model(x).logits
         nats = F.cross_entropy(logits.float().flatten(0, 1).cpu(), y.flatten(), reduction="sum")
         total_nats += float(nats)
         total_tokens += y.numel()
@@ -408,7 +408,7 @@ def train(
                 if dist_info.world > 1 and micro < s.grad_accum - 1:
                     sync = fwd_model.no_sync()
                 with sync, (autocast or contextlib.nullcontext()):
-                    logits = fwd_model(x)
+                    logits = fwd_model(x).logits
                     loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / s.grad_accum
                 loss.backward()
                 loss_sum += float(loss.detach())

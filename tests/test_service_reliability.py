@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from app.settings import Settings
 from model import SamplingParams
-from model.generate import filter_logits
+from model.decoding import filter_logits
 
 
 @pytest.fixture(scope="module")

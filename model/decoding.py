@@ -1,0 +1,197 @@
+"""Autoregressive decoding with a KV cache: sampling rules, the one decode step (a batch of
+cache rows, each sampled by its own rules), and a token-by-token generator built on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from .kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from .cuda_graphs import GraphedDecoder
+from .transformer import ModelOutput, Transformer
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GeneratedToken:
+    id: int
+    logprob: float  # under the model's own distribution (temperature 1, no filtering)
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+    # attention of the position that produced this token: per layer (H, positions so far)
+    attention: list[torch.Tensor] | None = None
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k and top-p to (..., V) logits; removed entries become -inf."""
+    logits = logits.float() / max(params.temperature, 1e-8)
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= params.top_p
+        # the nucleus always keeps the most likely token (a top_p below float32's range,
+        # e.g. 1e-300, rounds to 0 and would otherwise drop every token)
+        drop_sorted[..., 0] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    return gen
+
+
+def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick the next token from a (V,) logit vector."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(filter_logits(logits, params), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass
+class RowSampler:
+    """How one cache row picks its next token: its parameters and its own random generator."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    n_logprobs: int = 0  # alternatives to report
+    return_attention: bool = False
+
+
+def sample_rows(logits: torch.Tensor, samplers: list[RowSampler]) -> list[GeneratedToken]:
+    """Pick one token per row of (B, V) logits, each row by its own sampler.
+
+    Greedy rows share one argmax; sampled rows draw from their own generator (so a seeded
+    request draws the same numbers whatever else is in the batch). Log-probabilities are
+    under the model's own distribution (temperature 1, no filtering).
+    """
+    logits = logits.float()
+    best, ids = logits.max(dim=-1)  # (B,), (B,): the greedy choice of every row
+    ids = ids.tolist()
+    for i, s in enumerate(samplers):
+        if s.params.temperature != 0:
+            ids[i] = choose_token(logits[i], s.params, s.generator)
+            best[i] = logits[i, ids[i]]
+    # log p(token) = logit - logsumexp(logits): no (B, V) log-softmax unless alternatives are asked for
+    chosen = (best - torch.logsumexp(logits, dim=-1)).tolist()  # (B,)
+    tokens = [GeneratedToken(id=t, logprob=lp) for t, lp in zip(ids, chosen)]
+    k = max((s.n_logprobs for s in samplers), default=0)
+    if k > 0:
+        logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
+        top = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)  # (B, k)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+        for i, s in enumerate(samplers):
+            if s.n_logprobs > 0:
+                tokens[i].top_ids = top_ids[i][: s.n_logprobs]
+                tokens[i].top_logprobs = top_values[i][: s.n_logprobs]
+    return tokens
+
+
+@dataclass
+class StepOutput:
+    tokens: list[GeneratedToken]  # one per row, in row order
+    output: ModelOutput  # the forward's logits (for prompt scoring) and attentions
+
+
+def decode_step(
+    model: Transformer,
+    cache: KVCache,
+    inputs: torch.Tensor,
+    samplers: list[RowSampler],
+    *,
+    rows: slice | None = None,
+    last_only: bool = True,
+    n_new: list[int] | None = None,
+    graphs: "GraphedDecoder | None" = None,
+) -> StepOutput:
+    """One step for a batch of cache rows: feed (B, T) new ids to rows `rows` (default
+    0 .. B-1), then pick each row's next token. The single decode step of both
+    `generate_tokens` and the service's engine; T > 1 is a prefill. With `n_new`, row b's
+    real tokens are inputs[b, :n_new[b]] (right-padded prompts of different lengths,
+    prefilled together) and its next token comes from its last real position.
+
+    A row whose sampler asks for attention gets, per layer, the (H, length) attention row of
+    its last position: its own keys only, never the padding of longer rows.
+
+    With `graphs` (model.cuda_graphs.GraphedDecoder on the same cache), a plain one-token
+    step over rows 0 .. B-1 without attention replays a captured CUDA graph instead.
+    """
+    want_attention = any(s.return_attention for s in samplers)
+    if (graphs is not None and inputs.shape[1] == 1 and not want_attention and n_new is None
+            and cache.row_slice(rows, inputs.shape[0]).start == 0):
+        out = ModelOutput(graphs.run(inputs), None)
+        return StepOutput(sample_rows(out.logits[:, -1], samplers), out)
+    valid = torch.tensor(n_new) if n_new is not None else None
+    out = model(inputs, kv_cache=cache, rows=rows, return_attention=want_attention, last_only=last_only,
+                valid=valid)
+    if valid is None or last_only:
+        last = out.logits[:, -1]  # (B, V)
+    else:
+        last = out.logits[torch.arange(len(n_new)), valid - 1]  # each row's last real position
+    tokens = sample_rows(last, samplers)
+    if want_attention:
+        first = cache.row_slice(rows, inputs.shape[0]).start
+        for b, (s, tok) in enumerate(zip(samplers, tokens)):
+            if s.return_attention:
+                n = int(cache.lengths[first + b])  # positions this row has, the newest included
+                q = -1 if n_new is None else n_new[b] - 1  # the query of that newest position
+                tok.attention = [a[b, :, q, :n].float().cpu() for a in out.attentions]  # (H, n) per layer
+    return StepOutput(tokens, out)
+
+
+@torch.inference_mode()
+def generate_tokens(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    params: SamplingParams | None = None,
+    *,
+    n_logprobs: int = 0,
+    return_attention: bool = False,
+) -> Iterator[GeneratedToken]:
+    """Yield up to `max_new_tokens` tokens after `prompt_ids`, one model step each.
+
+    The caller decides when to stop early (stop strings, EOS, a disconnected client):
+    it simply stops iterating.
+    """
+    params = params or SamplingParams()
+    if not prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
+    device = model.tok_emb.weight.device
+    sampler = RowSampler(params, make_generator(params.seed, device), n_logprobs, return_attention)
+    cache = model.new_kv_cache(1)
+    inputs = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    remaining = min(max_new_tokens, model.config.context_length - len(prompt_ids) + 1)
+    for step in range(remaining):
+        token = decode_step(model, cache, inputs, [sampler]).tokens[0]
+        yield token
+        if step + 1 < remaining:
+            inputs = torch.tensor([[token.id]], dtype=torch.long, device=device)
