@@ -73,9 +73,10 @@ def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
 class CausalSelfAttention(nn.Module):
     """Multi-head attention: softmax(Q K^T / sqrt(d_head)) V per head, then an output projection."""
 
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, causal: bool = True):
         super().__init__()
         self.layer_index = layer_index
+        self.causal = causal  # False: bidirectional (the encoder), masked only by attn_mask
         self.n_heads = config.n_heads
         self.d_head = config.d_head
         self.dropout = config.dropout
@@ -83,7 +84,9 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, return_attention: bool = False):
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, return_attention: bool = False,
+                attn_mask: torch.Tensor | None = None):
+        """attn_mask: optional boolean (B, 1, T|1, S), True where a query may look (padding)."""
         B, T, C = x.shape
         # (B, T, 3C) -> (3, B, H, T, D): q, k, v as views, heads split out
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4).unbind(0)
@@ -93,7 +96,10 @@ class CausalSelfAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
 
         if return_attention:
-            y, probs = self.explicit_attention(q, k, v, dropout_p)
+            y, probs = self.explicit_attention(q, k, v, dropout_p, attn_mask)
+        elif not self.causal:
+            probs = None
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
         else:
             probs = None
             if T == 1:  # a single newest query may see every cached key
@@ -109,11 +115,14 @@ class CausalSelfAttention(nn.Module):
             y = self.resid_dropout(y)
         return y, probs
 
-    def explicit_attention(self, q, k, v, dropout_p: float):
+    def explicit_attention(self, q, k, v, dropout_p: float, attn_mask: torch.Tensor | None = None):
         """The textbook formula, keeping the probabilities: (B, H, T, S)."""
         T, S = q.shape[2], k.shape[2]
         scores = (q @ k.transpose(-2, -1)).mul_(1.0 / math.sqrt(self.d_head))  # (B, H, T, S)
-        scores.masked_fill_(~causal_mask(T, S, device=q.device), float("-inf"))  # in place: a fresh tensor
+        if self.causal:
+            scores.masked_fill_(~causal_mask(T, S, device=q.device), float("-inf"))  # in place: a fresh tensor
+        if attn_mask is not None:
+            scores.masked_fill_(~attn_mask, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         weights = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
         return weights @ v, probs  # (B, H, T, D), (B, H, T, S)
@@ -137,21 +146,21 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, causal: bool = True):
         super().__init__()
         self.pre_norm = config.norm == "pre"
         self.ln1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
-        self.attn = CausalSelfAttention(config, layer_index)
+        self.attn = CausalSelfAttention(config, layer_index, causal)
         self.ln2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
         self.ffn = FeedForward(config)
 
-    def forward(self, x, kv_cache=None, return_attention=False):
+    def forward(self, x, kv_cache=None, return_attention=False, attn_mask=None):
         if self.pre_norm:
-            a, probs = self.attn(self.ln1(x), kv_cache, return_attention)
+            a, probs = self.attn(self.ln1(x), kv_cache, return_attention, attn_mask)
             x = x + a
             x = x + self.ffn(self.ln2(x))
         else:
-            a, probs = self.attn(x, kv_cache, return_attention)
+            a, probs = self.attn(x, kv_cache, return_attention, attn_mask)
             x = self.ln1(x + a)
             x = self.ln2(x + self.ffn(x))
         return x, probs
