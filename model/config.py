@@ -29,7 +29,7 @@ class ModelConfig:
     dropout: float = 0.0
     positional: str = "learned"  # "learned" | "sinusoidal"
     norm: str = "pre"  # "pre" (GPT-2) | "post" (Vaswani et al. 2017)
-    activation: str = "gelu"  # "gelu" (tanh approximation, as GPT-2) | "relu"
+    activation: str = "gelu"  # "gelu" (tanh approximation, as GPT-2) | "relu" | "gelu_exact" (erf, as BERT)
     bias: bool = True
     tie_embeddings: bool = True
     scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model)
@@ -61,7 +61,7 @@ class ModelConfig:
         choices = {
             "positional": ("learned", "sinusoidal"),
             "norm": ("pre", "post"),
-            "activation": ("gelu", "relu"),
+            "activation": ("gelu", "relu", "gelu_exact"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .transformer import Block, ContextLengthError, Transformer, sinusoidal_table
+from .transformer import Block, ContextLengthError, Transformer, activate, sinusoidal_table
 
 TASKS = ("mlm", "classify", "hidden")
 
@@ -83,9 +83,6 @@ class Encoder(nn.Module):
             self.pooler = self.classifier = None
         self.apply(Transformer._init_weights)
 
-    def activation(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(x, approximate="tanh") if self.config.activation == "gelu" else F.relu(x)
-
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
@@ -126,7 +123,7 @@ class Encoder(nn.Module):
     # --- heads -----------------------------------------------------------------------
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., C) -> (..., V)"""
-        h = self.mlm_norm(self.activation(self.mlm_dense(hidden)))
+        h = self.mlm_norm(activate(self.mlm_dense(hidden), self.config.activation))
         weight = self.tok_emb.weight if self.mlm_decoder is None else self.mlm_decoder.weight
         return F.linear(h, weight, self.mlm_bias)
 

@@ -78,6 +78,9 @@ class Tokenizer:
         self.cls_id = backend.token_to_id(CLS_TOKEN)
         self.sep_id = backend.token_to_id(SEP_TOKEN)
         self.mask_id = backend.token_to_id(MASK_TOKEN)
+        # Byte-level BPE (ours, GPT-2's) maps tokens to bytes exactly; an imported WordPiece
+        # (BERT's) tokenizer is shown by its token text ("##" continuation, else a new word).
+        self.byte_level = "ByteLevel" in type(backend.decoder).__name__ if backend.decoder else False
 
     # --- construction ------------------------------------------------------
     @classmethod
@@ -152,6 +155,8 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Exact text for ids; a trailing partial character decodes as U+FFFD."""
+        if not self.byte_level:
+            return self.backend.decode(list(ids), skip_special_tokens=False)
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -163,6 +168,8 @@ class Tokenizer:
                 raise KeyError(f"token id {token_id} is not in the vocabulary")
             if token == EOS_TOKEN or token in self._special_tokens():
                 cached = token.encode("utf-8")
+            elif not self.byte_level:
+                cached = (token[2:] if token.startswith("##") else " " + token).encode("utf-8")
             else:
                 table = unicode_to_byte()
                 cached = bytes(table[c] for c in token)

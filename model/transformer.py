@@ -128,8 +128,17 @@ class CausalSelfAttention(nn.Module):
         return weights @ v, probs  # (B, H, T, D), (B, H, T, S)
 
 
+def activate(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The config's activation: "gelu" (tanh approximation), "gelu_exact" (erf) or "relu"."""
+    if name == "gelu":
+        return F.gelu(x, approximate="tanh")
+    if name == "gelu_exact":
+        return F.gelu(x)
+    return F.relu(x)
+
+
 class FeedForward(nn.Module):
-    """Position-wise FFN: Linear(C -> d_ff), GELU or ReLU, Linear(d_ff -> C)."""
+    """Position-wise FFN: Linear(C -> d_ff), GELU or ReLU (see `activate`), Linear(d_ff -> C)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -140,7 +149,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
-        h = F.gelu(h, approximate="tanh") if self.activation == "gelu" else F.relu(h)
+        h = activate(h, self.activation)
         h = self.proj(h)
         return self.dropout(h) if self.training else h
 
