@@ -20,7 +20,7 @@ def attention_maps(model, ids: list[int], layers: list[int], heads: list[int]) -
     """(len(layers), len(heads), T, T) float32 probabilities; runs on the engine thread."""
     device = model.tok_emb.weight.device
     inputs = torch.tensor([ids], dtype=torch.long, device=device)
-    _, attn = model(inputs, return_attention=True, last_only=True)
+    attn = model(inputs, return_attention=True, last_only=True).attentions
     stacked = torch.stack([attn[i][0] for i in layers])  # (L', H, T, T)
     return stacked[:, heads].float().cpu().numpy()
 

@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Callable
 import torch
 
 from model import Checkpoint, SamplingParams
-from model.generate import choose_token, make_generator
+from model.generate import RowSampler, decode_step, make_generator
 
 from .textstream import TextStream
 
@@ -148,34 +148,29 @@ class GenerationRequest(_Work):
             inputs = torch.tensor([[self.last_token]], dtype=torch.long, device=device)
             last_only = True
         # BATCHING: this forward is the per-request decode step a batched engine would stack.
-        out = model(inputs, kv_cache=self.cache, return_attention=job.return_attention, last_only=last_only)
-        logits, attn = out if job.return_attention else (out, None)
+        sampler = RowSampler(job.sampling, self.generator, job.n_logprobs, job.return_attention)
+        step = decode_step(model, self.cache, inputs, [sampler], last_only=last_only)
+        logits, generated = step.output.logits, step.tokens[0]
         if self.produced == 0 and job.prompt_logprobs is not None:
             self._score_prompt(logits[0].float(), job.prompt_logprobs)
         if job.max_new_tokens == 0:
             return self._finish("length")
-        row = logits[0, -1].float()
-        token = choose_token(row, job.sampling, self.generator)
+        token = generated.id
         self.produced += 1
         if self.t_first is None:
             self.t_first = time.perf_counter()
         if token == tok.eos_id:
             return self._finish("eos")
-        extra = {"logprob": None, "top": None, "attention": None}
-        logprobs = torch.log_softmax(row, dim=-1)
-        extra["logprob"] = float(logprobs[token])
+        extra = {"logprob": generated.logprob, "top": None, "attention": None}
         if job.n_logprobs > 0:
-            top = torch.topk(logprobs, min(job.n_logprobs, logprobs.shape[-1]))
-            extra["top"] = list(zip(top.indices.tolist(), top.values.tolist()))
-        if attn is not None:
-            extra["attention"] = [
-                [[round(x, 6) for x in head] for head in a[0, :, -1, :].float().cpu().tolist()] for a in attn
-            ]
+            extra["top"] = list(zip(generated.top_ids, generated.top_logprobs))
+        if generated.attention is not None:
+            extra["attention"] = [[[round(x, 6) for x in head] for head in a.tolist()] for a in generated.attention]
         for r in self.text.push(self.produced - 1, token, extra):
             self._emit("token", self._token_payload(r))
         if self.text.stopped:
             return self._finish("stop")
-        if self.produced >= job.max_new_tokens or self.cache.length >= self.cache.capacity:
+        if self.produced >= job.max_new_tokens or int(self.cache.lengths[0]) >= self.cache.capacity:
             return self._finish("length")
         self.last_token = token
         return False

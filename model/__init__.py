@@ -4,7 +4,8 @@ from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_check
 from .config import ConfigError, ModelConfig
 from .generate import GeneratedToken, SamplingParams, generate_tokens
 from .tokenizer import Tokenizer
-from .transformer import ContextLengthError, KVCache, Transformer
+from .kv_cache import ContextLengthError, KVCache
+from .transformer import ModelOutput, Transformer
 
 __all__ = [
     "Checkpoint",
@@ -14,6 +15,7 @@ __all__ = [
     "GeneratedToken",
     "KVCache",
     "ModelConfig",
+    "ModelOutput",
     "SamplingParams",
     "Tokenizer",
     "Transformer",

@@ -7,7 +7,7 @@ Shapes: B = batch, T = positions, C = d_model, H = heads, V = vocab, L = labels.
     hidden -> MLM head: Linear(C, C) -> activation -> LayerNorm -> tied embedding^T + bias -> (B, T, V)
     hidden -> pool -> classification head: Linear(C, C) -> tanh -> Linear(C, L) -> (B, L)
 
-The Blocks, attention, FFN and norms are the ones in model/transformer.py, built with
+The Blocks, attention, FFN and norms are the shared ones in model/parts.py, built with
 causal=False: every position sees every other, and a padding mask (`attention_mask`,
 True/1 for real tokens as in Hugging Face) gives padded keys exactly zero weight.
 
@@ -21,26 +21,17 @@ choice) is available. Both read only real positions: padding never changes a pre
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .transformer import Block, ContextLengthError, Transformer, activate, sinusoidal_table
+from .kv_cache import ContextLengthError
+from .parts import Block, activate, sinusoidal_table
+from .transformer import ModelOutput, Transformer
 
 TASKS = ("mlm", "classify", "hidden")
-
-
-class ModelOutput(NamedTuple):
-    """What every family's forward returns: logits and, when asked, attention maps.
-
-    attentions: one (B, H, T, S) tensor per layer, or None when not asked for.
-    """
-
-    logits: torch.Tensor
-    attentions: list[torch.Tensor] | None = None
 
 
 def padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -64,7 +55,7 @@ class Encoder(nn.Module):
             self.register_buffer("pos_table", sinusoidal_table(config.context_length, C), persistent=False)
         self.emb_norm = nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
         self.emb_dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, i, causal=False) for i in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, causal=False) for _ in range(config.n_layers))
         self.ln_f = (
             nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
             if config.norm == "pre"
@@ -113,7 +104,7 @@ class Encoder(nn.Module):
         key_mask = padding_mask(attention_mask)  # (B, 1, 1, T) or None
         attentions = [] if return_attention else None
         for block in self.blocks:
-            x, probs = block(x, None, return_attention, key_mask)
+            x, probs, _ = block(x, mask=key_mask, return_attention=return_attention)
             if return_attention:
                 if attention_mask is not None:  # padded query rows are not results
                     probs = probs * attention_mask.to(probs.dtype)[:, None, :, None]
@@ -149,7 +140,10 @@ class Encoder(nn.Module):
         return_attention: bool = False,
         task: str = "mlm",
     ) -> ModelOutput:
-        """task "mlm": logits (B, T, V); "classify": (B, L); "hidden": the states (B, T, C)."""
+        """The decoder's ModelOutput: logits of the task's head, attentions or None.
+
+        task "mlm": logits (B, T, V); "classify": (B, L); "hidden": the states (B, T, C).
+        """
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         hidden, attentions = self.encode(ids, attention_mask, return_attention)

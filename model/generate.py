@@ -1,4 +1,5 @@
-"""Autoregressive decoding with a KV cache: sampling rules and a token-by-token generator."""
+"""Autoregressive decoding with a KV cache: sampling rules, the one decode step (a batch of
+cache rows, each sampled by its own rules), and a token-by-token generator built on it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Iterator
 
 import torch
 
-from .transformer import Transformer
+from .kv_cache import KVCache
+from .transformer import ModelOutput, Transformer
 
 
 @dataclass
@@ -68,6 +70,76 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+@dataclass
+class RowSampler:
+    """How one cache row picks its next token: its parameters and its own random generator."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    n_logprobs: int = 0  # alternatives to report
+    return_attention: bool = False
+
+
+def sample_rows(logits: torch.Tensor, samplers: list[RowSampler]) -> list[GeneratedToken]:
+    """Pick one token per row of (B, V) logits, each row by its own sampler.
+
+    Greedy rows share one argmax; sampled rows draw from their own generator (so a seeded
+    request draws the same numbers whatever else is in the batch). Log-probabilities are
+    under the model's own distribution (temperature 1, no filtering).
+    """
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
+    ids = torch.argmax(logits, dim=-1).tolist()  # (B,): the greedy choice of every row
+    for i, s in enumerate(samplers):
+        if s.params.temperature != 0:
+            ids[i] = choose_token(logits[i], s.params, s.generator)
+    chosen = logprobs.gather(1, torch.tensor(ids, device=logits.device)[:, None])[:, 0].tolist()  # (B,)
+    tokens = [GeneratedToken(id=t, logprob=lp) for t, lp in zip(ids, chosen)]
+    k = max((s.n_logprobs for s in samplers), default=0)
+    if k > 0:
+        top = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)  # (B, k)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+        for i, s in enumerate(samplers):
+            if s.n_logprobs > 0:
+                tokens[i].top_ids = top_ids[i][: s.n_logprobs]
+                tokens[i].top_logprobs = top_values[i][: s.n_logprobs]
+    return tokens
+
+
+@dataclass
+class StepOutput:
+    tokens: list[GeneratedToken]  # one per row, in row order
+    output: ModelOutput  # the forward's logits (for prompt scoring) and attentions
+
+
+def decode_step(
+    model: Transformer,
+    cache: KVCache,
+    inputs: torch.Tensor,
+    samplers: list[RowSampler],
+    *,
+    rows: slice | None = None,
+    last_only: bool = True,
+) -> StepOutput:
+    """One step for a batch of cache rows: feed (B, T) new ids to rows `rows` (default
+    0 .. B-1), then pick each row's next token. The single decode step of both
+    `generate_tokens` and the service's engine; T > 1 is a prefill.
+
+    A row whose sampler asks for attention gets, per layer, the (H, length) attention row of
+    its last position: its own keys only, never the padding of longer rows.
+    """
+    want_attention = any(s.return_attention for s in samplers)
+    out = model(inputs, kv_cache=cache, rows=rows, return_attention=want_attention, last_only=last_only)
+    tokens = sample_rows(out.logits[:, -1], samplers)
+    if want_attention:
+        first = cache.row_slice(rows, inputs.shape[0]).start
+        for b, (s, tok) in enumerate(zip(samplers, tokens)):
+            if s.return_attention:
+                n = int(cache.lengths[first + b])  # positions this row has, the newest included
+                tok.attention = [a[b, :, -1, :n].float().cpu() for a in out.attentions]  # (H, n) per layer
+    return StepOutput(tokens, out)
+
+
 @torch.inference_mode()
 def generate_tokens(
     model: Transformer,
@@ -87,23 +159,12 @@ def generate_tokens(
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
     device = model.tok_emb.weight.device
-    generator = make_generator(params.seed, device)
+    sampler = RowSampler(params, make_generator(params.seed, device), n_logprobs, return_attention)
     cache = model.new_kv_cache(1)
     inputs = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     remaining = min(max_new_tokens, model.config.context_length - len(prompt_ids) + 1)
     for step in range(remaining):
-        out = model(inputs, kv_cache=cache, return_attention=return_attention, last_only=True)
-        logits, attn = out if return_attention else (out, None)
-        row = logits[0, -1].float()
-        token = choose_token(row, params, generator)
-        logprobs = torch.log_softmax(row, dim=-1)
-        result = GeneratedToken(id=token, logprob=float(logprobs[token]))
-        if n_logprobs > 0:
-            top = torch.topk(logprobs, min(n_logprobs, logprobs.shape[-1]))
-            result.top_ids = top.indices.tolist()
-            result.top_logprobs = top.values.tolist()
-        if attn is not None:
-            result.attention = [a[0, :, -1, :].float().cpu() for a in attn]  # (H, S) per layer
-        yield result
+        token = decode_step(model, cache, inputs, [sampler]).tokens[0]
+        yield token
         if step + 1 < remaining:
-            inputs = torch.tensor([[token]], dtype=torch.long, device=device)
+            inputs = torch.tensor([[token.id]], dtype=torch.long, device=device)

@@ -170,7 +170,7 @@ def evaluate(model, stream, byte_lengths, block, device, max_windows=0, batch_si
         x = torch.stack([stream[i * block : i * block + block] for i in idx]).to(device)
         y = torch.stack([stream[i * block + 1 : i * block + block + 1] for i in idx])
         with autocast or contextlib.nullcontext():
-            logits = model(x)
+            logits = model(x).logits
         nats = F.cross_entropy(logits.float().flatten(0, 1).cpu(), y.flatten(), reduction="sum")
         total_nats += float(nats)
         total_tokens += y.numel()
@@ -221,7 +221,7 @@ class LMObjective:
 
     def loss(self, fwd_model, step: int, batch: Batch) -> torch.Tensor:
         x, y = batch.tensors
-        logits = fwd_model(x)
+        logits = fwd_model(x).logits
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
     def round_to_save_dtype(self, model) -> None:

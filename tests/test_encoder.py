@@ -71,13 +71,13 @@ def test_layer_and_stack_equal_torch_transformer_encoder(norm_first):
     with torch.no_grad():
         # one layer, SDPA path and explicit path
         want1 = ref.layers[0](x, src_key_padding_mask=~real)
-        got1, _ = enc.blocks[0](x, attn_mask=padding_mask(real))
-        got1e, _ = enc.blocks[0](x, return_attention=True, attn_mask=padding_mask(real))
+        got1 = enc.blocks[0](x, mask=padding_mask(real)).x
+        got1e = enc.blocks[0](x, return_attention=True, mask=padding_mask(real)).x
         # the whole stack
         want = ref(x, src_key_padding_mask=~real)
         got = x
         for block in enc.blocks:
-            got, _ = block(got, attn_mask=padding_mask(real))
+            got = block(got, mask=padding_mask(real)).x
     for a, b in ((got1, want1), (got1e, want1), (got, want)):
         assert (a[real] - b[real]).abs().max().item() < 1e-5  # padded rows are not results
 

@@ -32,10 +32,10 @@ def test_cuda_fp32_logits_and_attention_match_the_cpu(pair):
 def test_cuda_kv_cache_matches_full_recompute(pair):
     _, gpu = pair
     ids = torch.randint(0, gpu.config.vocab_size, (1, 40), device="cuda")
-    full = gpu.model(ids)
+    full = gpu.model(ids).logits
     cache = gpu.model.new_kv_cache(1)
-    steps = [gpu.model(ids[:, :8], kv_cache=cache)]
-    steps += [gpu.model(ids[:, t : t + 1], kv_cache=cache) for t in range(8, 40)]
+    steps = [gpu.model(ids[:, :8], kv_cache=cache).logits]
+    steps += [gpu.model(ids[:, t : t + 1], kv_cache=cache).logits for t in range(8, 40)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
 
 
@@ -56,7 +56,7 @@ def test_bf16_autocast_training_step_lowers_the_loss(tiny_checkpoint):
     losses = []
     for _ in range(20):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(x[:, :-1])
+            logits = model(x[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
         opt.step()

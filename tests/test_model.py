@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from model.config import ConfigError, ModelConfig
 from model.generate import SamplingParams, filter_logits, generate_tokens
+from model.parts import MultiHeadAttention
 from model.transformer import (
-    CausalSelfAttention,
     ContextLengthError,
     Transformer,
     sinusoidal_table,
@@ -34,9 +34,9 @@ def make_model(seed: int = 0, **overrides) -> Transformer:
     return model
 
 
-def make_attention(seed: int = 0, **overrides) -> CausalSelfAttention:
+def make_attention(seed: int = 0, **overrides) -> MultiHeadAttention:
     torch.manual_seed(seed)
-    attn = CausalSelfAttention(ModelConfig(**{**SMALL, **overrides}), layer_index=0).eval()
+    attn = MultiHeadAttention(ModelConfig(**{**SMALL, **overrides})).eval()
     with torch.no_grad():  # nn.Linear's default init is fine, but make biases non-zero too
         attn.qkv.bias.normal_(0.0, 0.2)
         attn.proj.bias.normal_(0.0, 0.2)
@@ -55,8 +55,8 @@ def test_attention_equals_sdpa():
         q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         ref = attn.proj(ref.transpose(1, 2).reshape(B, T, C))
-        fast, none = attn(x)
-        explicit, probs = attn(x, return_attention=True)
+        fast, none = attn(x, causal=True)
+        explicit, probs = attn(x, causal=True, return_attention=True)
     assert none is None
     torch.testing.assert_close(fast, ref, atol=1e-6, rtol=0)
     torch.testing.assert_close(explicit, ref, atol=1e-6, rtol=0)
@@ -77,8 +77,8 @@ def test_attention_equals_torch_multihead_attention():
     with torch.no_grad():
         ref_out, ref_per_head = mha(x, x, x, attn_mask=blocked, need_weights=True, average_attn_weights=False)
         _, ref_avg = mha(x, x, x, attn_mask=blocked, need_weights=True, average_attn_weights=True)
-        ours_fast, _ = attn(x)
-        ours, probs = attn(x, return_attention=True)
+        ours_fast, _ = attn(x, causal=True)
+        ours, probs = attn(x, causal=True, return_attention=True)
     torch.testing.assert_close(ours, ref_out, atol=1e-6, rtol=0)
     torch.testing.assert_close(ours_fast, ref_out, atol=1e-6, rtol=0)
     torch.testing.assert_close(probs, ref_per_head, atol=1e-6, rtol=0)
@@ -90,7 +90,7 @@ def test_attention_scale_is_inverse_sqrt_d_head():
     attn = make_attention(seed=2)
     x = torch.randn(1, 3, 32)
     with torch.no_grad():
-        _, probs = attn(x, return_attention=True)
+        _, probs = attn(x, causal=True, return_attention=True)
         q, k, _ = attn.qkv(x).split(32, dim=2)
     D = 8
     q2, k0, k1, k2 = q[0, 2, :D], k[0, 0, :D], k[0, 1, :D], k[0, 2, :D]  # head 0, query 2
@@ -104,14 +104,14 @@ def test_explicit_path_equals_fast_path_in_the_model_with_and_without_cache():
     model = make_model(seed=3)
     ids = torch.randint(0, 50, (2, 15))
     with torch.no_grad():
-        fast = model(ids)
+        fast = model(ids).logits
         explicit, attentions = model(ids, return_attention=True)
         torch.testing.assert_close(explicit, fast, atol=1e-5, rtol=0)
         assert len(attentions) == model.config.n_layers
         # cached: a 10-token prefix, then a 4-token chunk, then one token
         c1, c2 = model.new_kv_cache(2), model.new_kv_cache(2)
         for chunk in (ids[:, :10], ids[:, 10:14], ids[:, 14:15]):
-            a = model(chunk, kv_cache=c1)
+            a = model(chunk, kv_cache=c1).logits
             b, _ = model(chunk, kv_cache=c2, return_attention=True)
             torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
 
@@ -161,15 +161,15 @@ def test_kv_cache_decoding_equals_full_recompute():
     ids = torch.randint(0, 50, (1, 30))
     cache = model.new_kv_cache(1)
     with torch.no_grad():
-        full = model(ids)
-        logits = model(ids[:, :5], kv_cache=cache)
+        full = model(ids).logits
+        logits = model(ids[:, :5], kv_cache=cache).logits
         torch.testing.assert_close(logits, full[:, :5], atol=1e-5, rtol=0)
         for t in range(5, 30):  # 25 single-token steps
-            step = model(ids[:, t : t + 1], kv_cache=cache)
-            recompute = model(ids[:, : t + 1])[:, -1:]
+            step = model(ids[:, t : t + 1], kv_cache=cache).logits
+            recompute = model(ids[:, : t + 1]).logits[:, -1:]
             torch.testing.assert_close(step, recompute, atol=1e-5, rtol=0)
             torch.testing.assert_close(step, full[:, t : t + 1], atol=1e-5, rtol=0)
-    assert cache.length == 30
+    assert cache.lengths.tolist() == [30]
 
 
 def test_kv_cache_multi_token_chunk_and_last_only():
@@ -177,10 +177,10 @@ def test_kv_cache_multi_token_chunk_and_last_only():
     ids = torch.randint(0, 50, (3, 25))
     cache = model.new_kv_cache(3)
     with torch.no_grad():
-        full = model(ids)
+        full = model(ids).logits
         model(ids[:, :10], kv_cache=cache)
-        chunk = model(ids[:, 10:17], kv_cache=cache)
-        last = model(ids[:, 17:25], kv_cache=cache, last_only=True)
+        chunk = model(ids[:, 10:17], kv_cache=cache).logits
+        last = model(ids[:, 17:25], kv_cache=cache, last_only=True).logits
     torch.testing.assert_close(chunk, full[:, 10:17], atol=1e-5, rtol=0)
     assert last.shape == (3, 1, 50)
     torch.testing.assert_close(last, full[:, 24:25], atol=1e-5, rtol=0)
@@ -189,7 +189,7 @@ def test_kv_cache_multi_token_chunk_and_last_only():
 def test_context_overflow_raises_without_a_cache():
     model = make_model(seed=8)
     with torch.no_grad():
-        assert model(torch.zeros(1, 40, dtype=torch.long)).shape == (1, 40, 50)  # exactly fits
+        assert model(torch.zeros(1, 40, dtype=torch.long)).logits.shape == (1, 40, 50)  # exactly fits
         with pytest.raises(ContextLengthError, match="41 tokens exceeds the context length 40"):
             model(torch.zeros(1, 41, dtype=torch.long))
 
@@ -201,11 +201,11 @@ def test_context_overflow_raises_with_a_cache_and_leaves_it_intact():
         model(torch.zeros(1, 36, dtype=torch.long), kv_cache=cache)
         with pytest.raises(ContextLengthError, match="41 tokens"):
             model(torch.zeros(1, 5, dtype=torch.long), kv_cache=cache)
-        assert cache.length == 36
+        assert cache.lengths.tolist() == [36]
         model(torch.zeros(1, 4, dtype=torch.long), kv_cache=cache)  # exactly fills it
         with pytest.raises(ContextLengthError, match="41 tokens"):
             model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
-    assert cache.length == 40
+    assert cache.lengths.tolist() == [40]
 
 
 # --- positions, variants, embeddings -------------------------------------------------------
@@ -249,7 +249,7 @@ def test_scale_embeddings_multiplies_token_embeddings_by_sqrt_d_model():
         m.blocks[0].register_forward_pre_hook(lambda mod, args, name=name: seen.setdefault(name, args[0]))
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
-        a, b = plain(ids), scaled(ids)
+        a, b = plain(ids).logits, scaled(ids).logits
     tok = plain.tok_emb.weight[ids[0]].detach()
     pos = plain.pos_emb.weight[:4].detach()
     torch.testing.assert_close(seen["plain"][0], tok + pos)
@@ -263,8 +263,8 @@ def test_post_ln_normalises_after_the_residual_and_has_no_final_norm():
     block = model.blocks[0]
     x = torch.randn(2, 6, 32)
     with torch.no_grad():
-        out, _ = block(x)
-        a, _ = block.attn(x)
+        out = block(x).x
+        a, _ = block.attn(x, causal=True)
         h = block.ln1(x + a)
         expected = block.ln2(h + block.ffn(h))
     torch.testing.assert_close(out, expected)
@@ -274,8 +274,8 @@ def test_pre_ln_block_formula():
     block = make_model(seed=13).blocks[1]
     x = torch.randn(2, 6, 32)
     with torch.no_grad():
-        out, _ = block(x)
-        h = x + block.attn(block.ln1(x))[0]
+        out = block(x).x
+        h = x + block.attn(block.ln1(x), causal=True)[0]
         expected = h + block.ffn(block.ln2(h))
     torch.testing.assert_close(out, expected)
 
@@ -318,7 +318,7 @@ def test_variants_train_on_a_tiny_repeated_batch(overrides):
     batch = torch.randint(0, 50, (4, 16))
     losses = []
     for _ in range(25):
-        logits = model(batch[:, :-1])
+        logits = model(batch[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, 50), batch[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()
@@ -420,7 +420,7 @@ def test_greedy_generation_equals_argmax_of_full_recompute():
     ids = list(prompt)
     with torch.no_grad():
         for tok in out:
-            logits = model(torch.tensor([ids]))[0, -1]
+            logits = model(torch.tensor([ids])).logits[0, -1]
             assert tok.id == int(logits.argmax())
             assert tok.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[tok.id]), abs=1e-5)
             ids.append(tok.id)

@@ -100,7 +100,7 @@ def test_echo_with_logprobs_scores_the_prompt(client, ckpt):
 
     ids = ckpt.tokenizer.encode(prompt)
     with torch.no_grad():
-        logits = ckpt.model(torch.tensor([ids]))
+        logits = ckpt.model(torch.tensor([ids])).logits
     want = torch.log_softmax(logits[0, :-1].float(), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert lp["token_logprobs"][1:n_prompt] == pytest.approx(want.tolist(), abs=1e-5)
 

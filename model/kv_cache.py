@@ -1,0 +1,114 @@
+"""The self-attention KV cache: one row per slot, each row with its own length.
+
+    keys[layer], values[layer]: (R, H, P, D)   R = rows (slots), P = capacity (context length)
+    lengths: (R,) int64 on the CPU              positions filled in each row
+
+A forward call works on a contiguous range of rows (`rows`, a slice; all rows by default):
+its new tokens go to positions lengths[row] .. lengths[row] + T - 1 of each row, so rows of
+different lengths decode together in one batch. Each row's positions and its attention mask
+(keys up to the query's own position, never another row's stale keys) come from its length.
+Freeing a row sets its length to 0; the memory is reused as it is, never reallocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from .parts import KVUpdate
+
+
+class ContextLengthError(ValueError):
+    """The sequence does not fit in the model's context window."""
+
+
+@dataclass
+class CacheWrite:
+    """What one forward call over `rows` with T new tokens needs from the cache."""
+
+    cache: "KVCache"
+    rows: slice
+    starts: torch.Tensor  # (B,) lengths before this call
+    positions: torch.Tensor  # (B, T) absolute position of each new token, on the model's device
+    mask: torch.Tensor | None  # (B, 1, T, S) True = may attend; None when plain causality covers it
+    n_keys: int  # S = max(starts) + T
+
+    def layer(self, index: int) -> KVUpdate:
+        return partial(self.cache.update, self, index)
+
+
+class KVCache:
+    def __init__(self, n_layers: int, n_rows: int, n_heads: int, capacity: int, d_head: int, *,
+                 device=None, dtype=None):
+        shape = (n_rows, n_heads, capacity, d_head)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.lengths = torch.zeros(n_rows, dtype=torch.long)
+        self.n_rows = n_rows
+        self.capacity = capacity
+        self.device = device
+
+    # --- one forward call ----------------------------------------------------
+    def row_slice(self, rows: slice | None, batch: int) -> slice:
+        rows = slice(0, batch) if rows is None else rows
+        start, stop, step = rows.indices(self.n_rows)
+        if step != 1 or stop - start != batch:
+            raise ValueError(f"rows {rows} do not match a batch of {batch}")
+        return slice(start, stop)
+
+    def begin(self, rows: slice | None, batch: int, n_new: int) -> CacheWrite:
+        """Check that n_new tokens fit in every row; positions and mask for the call."""
+        rows = self.row_slice(rows, batch)
+        starts = self.lengths[rows]  # (B,)
+        longest = int(starts.max())
+        if longest + n_new > self.capacity:
+            raise ContextLengthError(
+                f"sequence of {longest + n_new} tokens exceeds the context length {self.capacity}"
+            )
+        S = longest + n_new
+        steps = torch.arange(n_new)
+        positions = (starts[:, None] + steps[None, :]).to(self.device)  # (B, T)
+        mask = None
+        if int(starts.min()) != longest:  # rows of different lengths: each row its own keys
+            # query t of row b sits at starts[b] + t and may see keys 0 .. starts[b] + t
+            keys = torch.arange(S)
+            mask = (keys[None, None, :] <= (starts[:, None, None] + steps[None, :, None]))  # (B, T, S)
+            mask = mask[:, None].to(self.device)  # (B, T, S) -> (B, 1, T, S): the same for every head
+        return CacheWrite(self, rows, starts, positions, mask, S)
+
+    def update(self, write: CacheWrite, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store (B, H, T, D) keys/values at each row's positions; return (B, H, S, D) views."""
+        keys, values = self.keys[layer][write.rows], self.values[layer][write.rows]  # (B, H, P, D) views
+        T = k.shape[2]
+        if write.mask is None:  # every row starts at the same position: one slice
+            start = int(write.starts[0])
+            keys[:, :, start:start + T] = k
+            values[:, :, start:start + T] = v
+        else:
+            b = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
+            # advanced indices (b, positions) around a slice: the indexed shape is (B, T, H, D)
+            keys[b, :, write.positions] = k.transpose(1, 2)
+            values[b, :, write.positions] = v.transpose(1, 2)
+        return keys[:, :, :write.n_keys], values[:, :, :write.n_keys]
+
+    def commit(self, write: CacheWrite, n_new: int) -> None:
+        self.lengths[write.rows] += n_new
+
+    # --- rows ----------------------------------------------------------------
+    def free(self, row: int) -> None:
+        """Forget a row's tokens (its memory is kept for the next request)."""
+        self.lengths[row] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy row src's keys, values and length into row dst (to keep active rows contiguous)."""
+        n = int(self.lengths[src])
+        for store in (self.keys, self.values):
+            for layer in store:
+                layer[dst, :, :n] = layer[src, :, :n]
+        self.lengths[dst] = n
+        self.lengths[src] = 0
+
+    def reset(self) -> None:
+        self.lengths.zero_()

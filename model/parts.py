@@ -1,0 +1,226 @@
+"""The parts every model family is built from, each written once.
+
+Shapes: B = batch, T = query positions (new tokens in this call), S = key positions the
+queries may see (cached + new, or the memory's length for cross-attention), C = d_model,
+H = heads, D = d_head = C / H.
+
+    sinusoidal_table   fixed positions of Vaswani et al. (2017)
+    MultiHeadAttention self-attention (keys/values from x) or cross-attention (from `memory`);
+                       a boolean mask broadcastable to (B, H, T, S), True = may attend, and/or
+                       `causal`; the SDPA fast path, or the explicit path that also returns the
+                       (B, H, T, S) probabilities
+    FeedForward        Linear(C -> d_ff), GELU | ReLU, Linear(d_ff -> C)
+    Block              residual sub-layers with LayerNorm before ("pre", GPT-2) or after the
+                       residual sum ("post", Vaswani et al.): self-attention (causal or not),
+                       an optional cross-attention (encoder-decoder), the FFN
+
+A family (decoder: model/transformer.py) chooses how to stack these; it never copies them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+# Stores this call's new (B, H, T, D) keys/values and returns all (B, H, S, D) keys/values
+# the queries may see (see KVCache.begin): how a cache reaches one attention module.
+KVUpdate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def sinusoidal_table(n_positions: int, d_model: int) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d))."""
+    pos = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (C/2,)
+    angle = pos / torch.pow(10000.0, two_i / d_model)  # (P, C/2)
+    table = torch.zeros(n_positions, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle)
+    return table.float()
+
+
+def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
+    """(T, S) boolean mask, True where query i (at absolute position S - T + i) may look."""
+    offset = n_keys - n_queries
+    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+
+class MultiHeadAttention(nn.Module):
+    """softmax(Q K^T / sqrt(D) + mask) V per head, then an output projection.
+
+    The input projection is one fused (3C, C) matrix `qkv` (rows: q, then k, then v), the
+    layout of GPT-2's c_attn and of nn.MultiheadAttention's in_proj_weight. Self-attention
+    projects x through all of it; cross-attention projects x through the q rows and
+    `memory` through the k and v rows.
+
+    Masking: `mask` (bool, broadcastable to (B, H, T, S), True = may attend) and `causal`
+    (query i, at absolute position S - T + i, sees keys up to that position) both apply
+    when both are given. A masked key gets exactly zero probability.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.d_head = config.d_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def project(self, x: torch.Tensor, memory: torch.Tensor | None):
+        """q (B, H, T, D) from x; k, v (B, H, S, D) from x, or from memory for cross-attention."""
+        B, T, C = x.shape
+        H, D = self.n_heads, self.d_head
+        if memory is None:
+            # (B, T, 3C) -> (B, T, 3, H, D) -> (3, B, H, T, D): q, k, v as views
+            return self.qkv(x).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        S = memory.shape[1]
+        w, b = self.qkv.weight, self.qkv.bias
+        q = F.linear(x, w[:C], None if b is None else b[:C])  # (B, T, C)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, T, C) -> (B, H, T, D)
+        kv = F.linear(memory, w[C:], None if b is None else b[C:])  # (B, S, 2C)
+        k, v = kv.view(B, S, 2, H, D).permute(2, 0, 3, 1, 4).unbind(0)  # (B, S, 2C) -> 2 x (B, H, S, D)
+        return q, k, v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        causal: bool = False,
+        kv_update: KVUpdate | None = None,
+        return_attention: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T, C) output and, with return_attention, the (B, H, T, S) probabilities (else None)."""
+        B, T, C = x.shape
+        q, k, v = self.project(x, memory)
+        if kv_update is not None:
+            k, v = kv_update(k, v)  # (B, H, S, D): the cached keys/values followed by the new ones
+        S = k.shape[2]
+        dropout_p = self.dropout if self.training else 0.0
+        # causality at T == 1 lets the single newest query see every key: nothing to mask
+        causal = causal and T > 1
+
+        if return_attention:
+            y, probs = self.explicit_attention(q, k, v, mask, causal, dropout_p)
+        else:
+            probs = None
+            if mask is None and causal and S == T:
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.full_mask(mask, causal, T, S, q.device),
+                                                   dropout_p=dropout_p)
+
+        y = self.proj(y.transpose(1, 2).reshape(B, T, C))  # (B, H, T, D) -> (B, T, C), project
+        if self.training:  # dropout is the identity at inference; skip the call when decoding
+            y = self.resid_dropout(y)
+        return y, probs
+
+    @staticmethod
+    def full_mask(mask: torch.Tensor | None, causal: bool, T: int, S: int, device) -> torch.Tensor | None:
+        """One boolean mask (True = may attend) from `mask` and `causal`; None = all visible."""
+        if not causal:
+            return mask
+        tri = causal_mask(T, S, device=device)  # (T, S)
+        return tri if mask is None else mask & tri
+
+    def explicit_attention(self, q, k, v, mask, causal: bool, dropout_p: float):
+        """The textbook formula, keeping the probabilities: (B, H, T, D), (B, H, T, S)."""
+        T, S = q.shape[2], k.shape[2]
+        scores = (q @ k.transpose(-2, -1)).mul_(1.0 / math.sqrt(self.d_head))  # (B, H, T, S)
+        full = self.full_mask(mask, causal, T, S, q.device)
+        if full is not None:
+            scores = scores.masked_fill(~full, float("-inf"))  # exp(-inf) = 0: masked keys get exactly 0
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        weights = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
+        return weights @ v, probs
+
+
+def activate(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The config's activation: "gelu" (tanh approximation, GPT-2), "gelu_exact" (erf, BERT) or "relu"."""
+    if name == "gelu":
+        return F.gelu(x, approximate="tanh")
+    if name == "gelu_exact":
+        return F.gelu(x)
+    return F.relu(x)
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN: Linear(C -> d_ff), activation (see `activate`), Linear(d_ff -> C)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+        self.activation = config.activation
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)  # (B, T, d_ff)
+        h = activate(h, self.activation)
+        h = self.proj(h)  # (B, T, C)
+        return self.dropout(h) if self.training else h
+
+
+class BlockOutput(NamedTuple):
+    x: torch.Tensor  # (B, T, C)
+    self_attention: torch.Tensor | None  # (B, H, T, T or S) with return_attention, else None
+    cross_attention: torch.Tensor | None  # (B, H, T, S_memory); None without cross-attention
+
+
+class Block(nn.Module):
+    """Self-attention [+ cross-attention] + FFN, each a residual sub-layer with its LayerNorm.
+
+    pre-LN:  x = x + sub(ln(x));  post-LN:  x = ln(x + sub(x)).
+    Parameter names (ln1, attn, ln2, ffn) are those of the saved checkpoints and GPT-2 interop;
+    the cross-attention sub-layer (ln_cross, cross_attn) exists only with cross_attention=True.
+    """
+
+    def __init__(self, config: ModelConfig, *, causal: bool = True, cross_attention: bool = False):
+        super().__init__()
+        self.causal = causal
+        self.pre_norm = config.norm == "pre"
+        self.ln1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
+        self.attn = MultiHeadAttention(config)
+        if cross_attention:  # the encoder-decoder's decoder: attend to the encoder's output
+            self.ln_cross = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
+            self.cross_attn = MultiHeadAttention(config)
+        else:
+            self.ln_cross = self.cross_attn = None
+        self.ln2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
+        self.ffn = FeedForward(config)
+
+    def _sublayer(self, x, norm, fn):
+        """Apply one residual sub-layer; fn(h) returns (out, probs)."""
+        if self.pre_norm:
+            out, probs = fn(norm(x))
+            return x + out, probs
+        out, probs = fn(x)
+        return norm(x + out), probs
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        kv_update: KVUpdate | None = None,
+        return_attention: bool = False,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+    ) -> BlockOutput:
+        x, self_probs = self._sublayer(x, self.ln1, lambda h: self.attn(
+            h, mask=mask, causal=self.causal, kv_update=kv_update, return_attention=return_attention))
+        cross_probs = None
+        if self.cross_attn is not None:
+            if memory is None:
+                raise ValueError("this block has cross-attention: pass the encoder output as memory")
+            x, cross_probs = self._sublayer(x, self.ln_cross, lambda h: self.cross_attn(
+                h, memory, mask=memory_mask, return_attention=return_attention))
+        x, _ = self._sublayer(x, self.ln2, lambda h: (self.ffn(h), None))
+        return BlockOutput(x, self_probs, cross_probs)

@@ -1,0 +1,155 @@
+"""The per-row KV cache and the shared parts' masking, against full recomputes and PyTorch's own modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from model import ContextLengthError, ModelConfig
+from model.generate import RowSampler, SamplingParams, decode_step, make_generator
+from model.parts import MultiHeadAttention
+from test_model import SMALL, make_model
+
+
+def full_last_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1]
+
+
+def test_rows_of_different_lengths_decode_in_one_batch_like_a_full_recompute():
+    model = make_model(seed=30)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (3, 11, 7, 1)]
+    cache = model.new_kv_cache(4)
+    with torch.no_grad():
+        for row, ids in enumerate(seqs):  # prefill each row alone, to its own length
+            model(torch.tensor([ids]), kv_cache=cache, rows=slice(row, row + 1))
+        assert cache.lengths.tolist() == [3, 11, 7, 1]
+        for _ in range(6):  # batched single-token steps over all rows at once
+            nxt = torch.randint(0, 50, (4, 1), generator=g)
+            out = model(nxt, kv_cache=cache, return_attention=True)
+            for row, ids in enumerate(seqs):
+                ids.append(int(nxt[row, 0]))
+                torch.testing.assert_close(out.logits[row, -1], full_last_logits(model, ids), atol=1e-4, rtol=0)
+                # the row's attention covers its own keys only: the padding of longer rows gets exactly 0
+                n = len(ids)
+                full_att = model(torch.tensor([ids]), return_attention=True).attentions
+                for layer, probs in enumerate(out.attentions):
+                    assert torch.all(probs[row, :, -1, n:] == 0)
+                    torch.testing.assert_close(probs[row, :, -1, :n], full_att[layer][0, :, -1], atol=1e-5, rtol=0)
+    assert cache.lengths.tolist() == [9, 17, 13, 7]
+
+
+def test_a_multi_token_chunk_on_rows_of_different_lengths():
+    model = make_model(seed=31)
+    a, b = list(range(1, 9)), list(range(20, 23))
+    cache = model.new_kv_cache(2)
+    with torch.no_grad():
+        model(torch.tensor([a]), kv_cache=cache, rows=slice(0, 1))
+        model(torch.tensor([b]), kv_cache=cache, rows=slice(1, 2))
+        chunk = torch.tensor([[30, 31, 32], [40, 41, 42]])
+        out = model(chunk, kv_cache=cache).logits  # (2, 3, V)
+        ref_a = model(torch.tensor([a + [30, 31, 32]])).logits[0, -3:]
+        ref_b = model(torch.tensor([b + [40, 41, 42]])).logits[0, -3:]
+    torch.testing.assert_close(out[0], ref_a, atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[1], ref_b, atol=1e-4, rtol=0)
+
+
+def test_freed_rows_are_reused_without_reallocating_and_rows_move():
+    model = make_model(seed=32)
+    cache = model.new_kv_cache(2)
+    storage = [k.data_ptr() for k in cache.keys]
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5]]), kv_cache=cache, rows=slice(0, 1))
+        model(torch.tensor([[9, 8]]), kv_cache=cache, rows=slice(1, 2))
+        cache.free(0)  # a new request takes row 0: nothing of the old one may leak in
+        out = model(torch.tensor([[7, 7, 6]]), kv_cache=cache, rows=slice(0, 1)).logits
+        torch.testing.assert_close(out[0, -1], full_last_logits(model, [7, 7, 6]), atol=1e-4, rtol=0)
+        cache.move(1, 0)  # row 1's request now lives in row 0
+        assert cache.lengths.tolist() == [2, 0]
+        step = model(torch.tensor([[5]]), kv_cache=cache, rows=slice(0, 1)).logits
+        torch.testing.assert_close(step[0, -1], full_last_logits(model, [9, 8, 5]), atol=1e-4, rtol=0)
+    assert [k.data_ptr() for k in cache.keys] == storage
+
+
+def test_a_row_that_would_overflow_raises_and_leaves_every_row_intact():
+    model = make_model(seed=33)
+    cache = model.new_kv_cache(2)
+    with torch.no_grad():
+        model(torch.zeros(1, 39, dtype=torch.long), kv_cache=cache, rows=slice(0, 1))
+        model(torch.zeros(1, 4, dtype=torch.long), kv_cache=cache, rows=slice(1, 2))
+        model(torch.zeros(2, 1, dtype=torch.long), kv_cache=cache)  # row 0 reaches exactly 40
+        with pytest.raises(ContextLengthError, match="41 tokens exceeds the context length 40"):
+            model(torch.zeros(2, 1, dtype=torch.long), kv_cache=cache)
+    assert cache.lengths.tolist() == [40, 5]
+
+
+def test_masked_keys_get_exactly_zero_probability():
+    torch.manual_seed(34)
+    attn = MultiHeadAttention(ModelConfig(**SMALL)).eval()
+    x = torch.randn(2, 5, 32) * 4  # large scores: a leaky mask would show
+    mask = torch.tensor([[True, False, True, True, False], [False, True, True, False, True]])[:, None, None, :]
+    with torch.no_grad():
+        y, probs = attn(x, mask=mask, return_attention=True)  # (B, 1, 1, S): a padding mask
+        fast, _ = attn(x, mask=mask)
+    assert torch.all(probs.masked_select(~mask.expand_as(probs)) == 0)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4, 5), atol=1e-6, rtol=0)
+    torch.testing.assert_close(fast, y, atol=1e-5, rtol=0)
+    # the same masked attention from nn.MultiheadAttention on the same weights
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(attn.qkv.weight)
+        mha.in_proj_bias.copy_(attn.qkv.bias)
+        mha.out_proj.weight.copy_(attn.proj.weight)
+        mha.out_proj.bias.copy_(attn.proj.bias)
+        ref, ref_probs = mha(x, x, x, key_padding_mask=~mask[:, 0, 0], average_attn_weights=False)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(probs, ref_probs, atol=1e-6, rtol=0)
+
+
+def test_cross_attention_equals_torch_multihead_attention():
+    torch.manual_seed(35)
+    attn = MultiHeadAttention(ModelConfig(**SMALL)).eval()
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(attn.qkv.weight)
+        mha.in_proj_bias.copy_(attn.qkv.bias)
+        mha.out_proj.weight.copy_(attn.proj.weight)
+        mha.out_proj.bias.copy_(attn.proj.bias)
+        x, memory = torch.randn(2, 3, 32), torch.randn(2, 6, 32)
+        ours, probs = attn(x, memory, return_attention=True)
+        fast, _ = attn(x, memory)
+        ref, ref_probs = mha(x, memory, memory, average_attn_weights=False)
+    assert probs.shape == (2, 4, 3, 6)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(probs, ref_probs, atol=1e-6, rtol=0)
+
+
+def test_one_batched_decode_step_picks_what_each_row_picks_alone():
+    """The shared decode step: each row sampled by its own rules and seeded generator."""
+    model = make_model(seed=36)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10], [11, 12]]
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=5),
+              SamplingParams(temperature=0.7, top_k=5, seed=6), SamplingParams(temperature=1.3, top_p=0.8, seed=7)]
+
+    def run(rows: list[int]) -> dict[int, list[int]]:
+        cache = model.new_kv_cache(len(rows))
+        samplers = [RowSampler(params[r], make_generator(params[r].seed, torch.device("cpu")), 3) for r in rows]
+        last = []
+        with torch.no_grad():
+            for i, r in enumerate(rows):
+                step = decode_step(model, cache, torch.tensor([prompts[r]]), [samplers[i]], rows=slice(i, i + 1))
+                last.append(step.tokens[0].id)
+            out = {r: [t] for r, t in zip(rows, last)}
+            for _ in range(10):
+                step = decode_step(model, cache, torch.tensor([[t] for t in last]), samplers)
+                last = [t.id for t in step.tokens]
+                for r, t in zip(rows, last):
+                    out[r].append(t)
+        return out
+
+    together = run([0, 1, 2, 3])
+    for r in range(4):
+        assert run([r])[r] == together[r]
