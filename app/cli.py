@@ -62,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from app.server import serve
 
-    serve(model=args.model, host=args.host, port=args.port)
+    serve(model=args.model, models=args.models, host=args.host, port=args.port)
     return 0
 
 
@@ -114,7 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="run the HTTP service under uvicorn")
-    s.add_argument("--model", default=None, help="checkpoint directory (default: $ATTNLENS_MODEL or the bundled model)")
+    s.add_argument("--model", default=None, help="the default model's checkpoint directory (default: $ATTNLENS_MODEL or the bundled decoder)")
+    s.add_argument("--models", default=None, help="comma-separated checkpoint directories to serve side by side "
+                                                  "(default: $ATTNLENS_MODELS, else every bundled checkpoint, "
+                                                  "or only --model when it is given)")
     s.add_argument("--host", default=None, help="default: $ATTNLENS_HOST or 127.0.0.1")
     s.add_argument("--port", type=int, default=None, help="default: $ATTNLENS_PORT or 8000")
     s.set_defaults(func=cmd_serve)
