@@ -82,7 +82,7 @@ async function boot() {
   }
   const current = chosenModel(list);
   if (!current) return;
-  mountPicker(document.querySelector(".topbar .brand")?.parentElement ?? document.body, list, current);
+  mountPicker(document.querySelector(".topbar") ?? document.body, list, current);
   if (current.family === "encoder") await startEncoderPage(current);
   else if (current.name !== list.default) setRequestModel(current.name);
   document.body.dataset.models = "ready";

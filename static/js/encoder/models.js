@@ -37,6 +37,8 @@ export function mountPicker(host, list, current) {
   }
   select.addEventListener("change", () => switchTo(select.value, list));
   label.append(select);
-  host.prepend(label);
+  const brand = host.querySelector(".brand");
+  if (brand) brand.after(label);
+  else host.prepend(label);
   return select;
 }
