@@ -62,9 +62,8 @@ def mlm_metrics(model, rows: torch.Tensor, tokenizer: Tokenizer, mask_prob: floa
     nats, correct, count = 0.0, 0, 0
     for i in range(0, len(rows), BATCH):
         x, y = inputs[i : i + BATCH].to(device), labels[i : i + BATCH].to(device)
-        hidden, _ = model.encode(x)
         picked = y != IGNORE
-        logits = model.mlm_logits(hidden[picked]).float()  # (P, V)
+        logits = model(x, task="mlm", positions=picked).logits.float()  # (P, V)
         nats += float(F.cross_entropy(logits, y[picked], reduction="sum"))
         correct += int((logits.argmax(-1) == y[picked]).sum())
         count += int(picked.sum())
