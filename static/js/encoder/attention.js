@@ -2,7 +2,8 @@
 // every other), a layer/head picker, and one click to the pooled / [CLS] position's attention.
 
 import { decodeAttention, postJSON } from "../api.js";
-import { drawLegend, Heatmap } from "../heatmap.js";
+import { Heatmap } from "../heatmap.js";
+import { drawLegend } from "../paint.js";
 import { escapeHTML, visible } from "../tokens.js";
 
 /** Attention the pooled representation draws from each key in one head, (T,) values.

@@ -12,49 +12,21 @@ import numpy as np
 import pytest
 
 from app.attention_codec import decode
-from encoder_helpers import make_tiny_encoder
-from live_server import live_server
-from test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, Console, sync_playwright, _skip_reason
 
-pytestmark = pytest.mark.browser
-if _skip_reason():
-    pytestmark = [pytest.mark.browser, pytest.mark.skip(reason=_skip_reason())]
+from .helpers import ARTIFACTS
 
 TEXT = "the queen of France and the king"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    enc = make_tiny_encoder(tmp_path_factory.mktemp("enc") / "genre", seed=6)
-    env = {"ATTNLENS_MODELS": f"{tiny_checkpoint},{enc}"}
-    with live_server(tiny_checkpoint, tmp_path_factory.mktemp("browser-enc-logs"), env=env) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
-
-
 @pytest.fixture
-def page(browser, server):
-    context = browser.new_context(viewport={"width": 1280, "height": 900}, color_scheme="light")
-    pg = context.new_page()
-    console = Console()
-    pg.on("console", lambda m: console.messages.append(f"{m.type}: {m.text}"))
-    pg.on("pageerror", lambda e: console.messages.append(f"pageerror: {e}"))
-    pg.console_log = console
-    pg.set_default_timeout(20_000)
-    try:
-        yield pg
-        assert not console.errors, console.errors
-    finally:
-        context.close()
+def server(encoder_server):
+    return encoder_server
+
+
+@pytest.fixture(autouse=True)
+def no_console_errors(page):
+    yield
+    assert not page.console_log.errors, page.console_log.errors
 
 
 def open_encoder(page, server, text=TEXT):
