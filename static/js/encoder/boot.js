@@ -7,6 +7,9 @@ import { EncoderAttentionView } from "./attention.js";
 import { FillMaskPanel, MASK } from "./fillmask.js";
 import { chosenModel, loadModels, mountPicker } from "./models.js";
 
+// The address as the user opened it: read before the page's store rewrites the URL.
+const INITIAL = new URLSearchParams(location.search);
+
 const SAMPLE = `O Romeo, Romeo! wherefore art thou ${MASK}?
 Deny thy father and refuse thy name.`;
 
@@ -43,8 +46,7 @@ function startEncoderPage(info) {
   document.querySelector("main.layout:not(#encoder-page)")?.after(page);
 
   const textBox = side.querySelector("#enc-text");
-  const params = new URLSearchParams(location.search);
-  textBox.value = params.get("text") ?? SAMPLE;
+  textBox.value = INITIAL.get("text") ?? SAMPLE;
   const view = new EncoderAttentionView(page, { model: info.name, nLayers: info.n_layers, nHeads: info.n_heads,
     pooling: info.pooling, onError: showError });
   const fill = info.tasks.includes("fill-mask") ? new FillMaskPanel(side, {
@@ -80,7 +82,7 @@ async function boot() {
   } catch {
     return; // an older server without /models: the page works as before
   }
-  const current = chosenModel(list);
+  const current = chosenModel(list, INITIAL.get("model"));
   if (!current) return;
   mountPicker(document.querySelector(".topbar") ?? document.body, list, current);
   if (current.family === "encoder") await startEncoderPage(current);

@@ -8,8 +8,7 @@ export async function loadModels() {
 }
 
 /** The model named in the URL if it is loaded, else the server's default. */
-export function chosenModel(list) {
-  const wanted = new URLSearchParams(location.search).get("model");
+export function chosenModel(list, wanted = new URLSearchParams(location.search).get("model")) {
   return list.models.find((m) => m.name === wanted) || list.models.find((m) => m.name === list.default);
 }
 
