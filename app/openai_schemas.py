@@ -17,8 +17,8 @@ class CompletionRequest(BaseModel):
     # Types are strict: "4" or true is no integer, "yes" no boolean.
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    model: Text | None = Field(None, description="a model id from /v1/models (others: 404); "
-                                                 "leave it out for the loaded model")
+    model: Text | None = Field(None, description="a model id from GET /v1/models (others: 404); "
+                                                 "default: the default model")
     prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of lists of "
                                        "token ids (one choice set per prompt), as in OpenAI's API")
     max_tokens: int = Field(16, ge=0, description="0 with echo scores the prompt only")

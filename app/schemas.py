@@ -29,7 +29,11 @@ class Strict(BaseModel):
 
 
 # --- /generate ---------------------------------------------------------------
+MODEL_FIELD = "a loaded model's name (GET /models); default: the default model"
+
+
 class GenerateRequest(Strict):
+    model: Text | None = Field(None, description=MODEL_FIELD)
     prompt: Text = Field(min_length=1, description="text to continue")
     max_new_tokens: int = Field(64, ge=1, description="1..ATTNLENS_MAX_NEW_TOKENS")
     temperature: float = Field(0.8, ge=0, allow_inf_nan=False, description="0 = greedy")
@@ -132,6 +136,7 @@ class StreamError(BaseModel):
 class AttentionRequest(Strict):
     """Give exactly one of `text` (tokenised here) or `ids` (used as they are)."""
 
+    model: Text | None = Field(None, description=MODEL_FIELD)
     text: Text | None = Field(None, min_length=1, description="text to tokenise and analyse")
     ids: list[int] | None = Field(
         None, min_length=1,
@@ -145,14 +150,19 @@ class AttentionRequest(Strict):
     packing: Literal["full", "tril"] = Field(
         "full",
         description="'full' = every cell row-major; 'tril' = per matrix only the cells on or below the "
-        "diagonal, row by row (row i has i+1 values), ~half the bytes; with format=json each matrix "
-        "is then a list of rows of growing length",
+        "diagonal, row by row (row i has i+1 values), ~half the bytes (with format=json each matrix "
+        "is then a list of rows of growing length); causal (decoder) attention only",
     )
 
 
 class AttentionResponse(BaseModel):
     model: str
-    tokens: list[TokenText]
+    family: Literal["decoder", "encoder", "encoder-decoder"] = "decoder"
+    direction: Literal["causal", "bidirectional"] = Field(
+        "causal", description="causal: position i sees positions <= i (zero above the diagonal); "
+        "bidirectional: every position sees every other (an encoder; full T x T maps)")
+    tokens: list[TokenText] = Field(description="the analysed positions; an encoder's text is framed "
+                                                "as [CLS] text [SEP]")
     n_layers: int
     n_heads: int
     layers: list[int]

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig
 from .tokenizer import Tokenizer
+from .encoder import build_model
 from .transformer import Transformer
 
 CONFIG_FILE = "config.json"
@@ -159,7 +160,10 @@ def load_checkpoint(
             f"{ckpt / TOKENIZER_FILE}: tokenizer has {tokenizer.vocab_size} tokens but "
             f"config.json says vocab_size={config.vocab_size}"
         )
-    model = Transformer(config)
+    try:
+        model = build_model(config)
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt / CONFIG_FILE}: {e}") from e
     load_weights(model, ckpt / WEIGHTS_FILE)
     model.to(device=device, dtype=dtype).eval()
     return Checkpoint(model=model, tokenizer=tokenizer, config=config, path=ckpt, report=load_report(ckpt))

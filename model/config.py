@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +12,14 @@ class ConfigError(ValueError):
     """A configuration that cannot describe a working model."""
 
 
+FAMILIES = ("decoder", "encoder", "encoder-decoder")
+POOLINGS = ("mean", "cls")
+
+
 @dataclass
 class ModelConfig:
+    # Which stack of the shared parts this is. Old checkpoints have no field: decoders.
+    family: str = "decoder"  # "decoder" | "encoder" | "encoder-decoder"
     vocab_size: int = 4096
     context_length: int = 256
     d_model: int = 256
@@ -23,11 +29,14 @@ class ModelConfig:
     dropout: float = 0.0
     positional: str = "learned"  # "learned" | "sinusoidal"
     norm: str = "pre"  # "pre" (GPT-2) | "post" (Vaswani et al. 2017)
-    activation: str = "gelu"  # "gelu" (tanh approximation, as GPT-2) | "relu"
+    activation: str = "gelu"  # "gelu" (tanh approximation, as GPT-2) | "relu" | "gelu_exact" (erf, as BERT)
     bias: bool = True
     tie_embeddings: bool = True
     scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model)
     layer_norm_eps: float = 1e-5
+    # encoder only: the classification head's labels (none: no head) and how it pools
+    labels: list[str] = field(default_factory=list)
+    pooling: str = "mean"  # "mean" over non-padding positions | "cls" (the first position)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,11 +61,21 @@ class ModelConfig:
         choices = {
             "positional": ("learned", "sinusoidal"),
             "norm": ("pre", "post"),
-            "activation": ("gelu", "relu"),
+            "activation": ("gelu", "relu", "gelu_exact"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.family not in FAMILIES:
+            raise ConfigError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if not isinstance(self.labels, list) or not all(isinstance(x, str) and x for x in self.labels):
+            raise ConfigError(f"labels must be a list of non-empty strings, got {self.labels!r}")
+        if len(set(self.labels)) != len(self.labels):
+            raise ConfigError(f"labels must be distinct, got {self.labels!r}")
+        if self.labels and self.family != "encoder":
+            raise ConfigError("only an encoder has a classification head (labels)")
         if not self.layer_norm_eps > 0:
             raise ConfigError(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
 
@@ -89,6 +108,8 @@ class ModelConfig:
     def is_gpt2_shaped(self) -> list[str]:
         """Reasons this config cannot be expressed as a Hugging Face GPT-2 (empty if it can)."""
         reasons = []
+        if self.family != "decoder":
+            reasons.append(f"GPT-2 is a decoder (family='decoder'), this is {self.family!r}")
         if self.positional != "learned":
             reasons.append("GPT-2 uses learned positions (positional='learned')")
         if self.norm != "pre":
@@ -101,4 +122,21 @@ class ModelConfig:
             reasons.append("GPT-2 ties the LM head to the embedding (tie_embeddings=True)")
         if self.scale_embeddings:
             reasons.append("GPT-2 does not scale embeddings (scale_embeddings=False)")
+        return reasons
+
+    def is_bert_shaped(self) -> list[str]:
+        """Reasons this config cannot be expressed as a Hugging Face BERT (empty if it can)."""
+        reasons = []
+        if self.family != "encoder":
+            reasons.append(f"BERT is an encoder (family='encoder'), this is {self.family!r}")
+        if self.positional != "learned":
+            reasons.append("BERT uses learned positions (positional='learned')")
+        if self.norm != "post":
+            reasons.append("BERT is post-LN (norm='post')")
+        if not self.bias:
+            reasons.append("BERT has biases (bias=True)")
+        if not self.tie_embeddings:
+            reasons.append("BERT ties the MLM decoder to the embedding (tie_embeddings=True)")
+        if self.scale_embeddings:
+            reasons.append("BERT does not scale embeddings (scale_embeddings=False)")
         return reasons

@@ -142,8 +142,17 @@ class MultiHeadAttention(nn.Module):
         return weights @ v, probs
 
 
+def activate(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The config's activation: "gelu" (tanh approximation, GPT-2), "gelu_exact" (erf, BERT) or "relu"."""
+    if name == "gelu":
+        return F.gelu(x, approximate="tanh")
+    if name == "gelu_exact":
+        return F.gelu(x)
+    return F.relu(x)
+
+
 class FeedForward(nn.Module):
-    """Position-wise FFN: Linear(C -> d_ff), GELU (tanh approximation) or ReLU, Linear(d_ff -> C)."""
+    """Position-wise FFN: Linear(C -> d_ff), activation (see `activate`), Linear(d_ff -> C)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -154,7 +163,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)  # (B, T, d_ff)
-        h = F.gelu(h, approximate="tanh") if self.activation == "gelu" else F.relu(h)
+        h = activate(h, self.activation)
         h = self.proj(h)  # (B, T, C)
         return self.dropout(h) if self.training else h
 

@@ -11,10 +11,16 @@ import functools
 from pathlib import Path
 from typing import Iterable
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
+# The encoder's special tokens (BERT's names). The text "[MASK]" in an input *is* the mask
+# token; like RoBERTa's <mask> it absorbs the space before it, so "the [MASK] of" masks the
+# word token " king" in "the king of" rather than leaving a lone space token in front.
+PAD_TOKEN, CLS_TOKEN, SEP_TOKEN, MASK_TOKEN = "[PAD]", "[CLS]", "[SEP]", "[MASK]"
+ENCODER_SPECIAL_TOKENS = (PAD_TOKEN, CLS_TOKEN, SEP_TOKEN, MASK_TOKEN)
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,21 +73,39 @@ class Tokenizer:
         self.backend = backend
         self._token_bytes: dict[int, bytes] = {}
         self.eos_id = backend.token_to_id(EOS_TOKEN)
+        # None when this tokenizer has no such token (a decoder's tokenizer)
+        self.pad_id = backend.token_to_id(PAD_TOKEN)
+        self.cls_id = backend.token_to_id(CLS_TOKEN)
+        self.sep_id = backend.token_to_id(SEP_TOKEN)
+        self.mask_id = backend.token_to_id(MASK_TOKEN)
+        # Byte-level BPE (ours, GPT-2's) maps tokens to bytes exactly; an imported WordPiece
+        # (BERT's) tokenizer is shown by its token text ("##" continuation, else a new word).
+        self.byte_level = "ByteLevel" in type(backend.decoder).__name__ if backend.decoder else False
 
     # --- construction ------------------------------------------------------
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, *, show_progress: bool = False) -> "Tokenizer":
+    def train(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        *,
+        show_progress: bool = False,
+        encoder_tokens: bool = False,
+    ) -> "Tokenizer":
+        """Byte-level BPE; `encoder_tokens` adds [PAD] [CLS] [SEP] [MASK] (ids 1-4) after EOS."""
         backend = HFTokenizer(models.BPE())
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
             min_frequency=2,
-            special_tokens=[EOS_TOKEN],
+            special_tokens=[EOS_TOKEN, *(ENCODER_SPECIAL_TOKENS if encoder_tokens else ())],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=show_progress,
         )
         backend.train_from_iterator(texts, trainer=trainer)
+        if encoder_tokens:  # re-register [MASK] so that it takes the space before it
+            backend.add_special_tokens([AddedToken(MASK_TOKEN, lstrip=True, special=True, normalized=False)])
         return cls(backend)
 
     @classmethod
@@ -120,6 +144,16 @@ class Tokenizer:
 
     # --- use ---------------------------------------------------------------
     @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of every special token (EOS and the encoder's), never masked or predicted."""
+        ids = (self.eos_id, self.pad_id, self.cls_id, self.sep_id, self.mask_id)
+        return frozenset(i for i in ids if i is not None)
+
+    @property
+    def has_encoder_tokens(self) -> bool:
+        return None not in (self.pad_id, self.cls_id, self.sep_id, self.mask_id)
+
+    @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
@@ -131,6 +165,8 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Exact text for ids; a trailing partial character decodes as U+FFFD."""
+        if not self.byte_level:
+            return self.backend.decode(list(ids), skip_special_tokens=False)
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -142,6 +178,8 @@ class Tokenizer:
                 raise KeyError(f"token id {token_id} is not in the vocabulary")
             if token == EOS_TOKEN or token in self._special_tokens():
                 cached = token.encode("utf-8")
+            elif not self.byte_level:
+                cached = (token[2:] if token.startswith("##") else " " + token).encode("utf-8")
             else:
                 table = unicode_to_byte()
                 cached = bytes(table[c] for c in token)

@@ -35,6 +35,7 @@ from .config import ModelConfig
 from .data import load_split
 from .decoding import SamplingParams, generate_tokens
 from .tokenizer import Tokenizer
+from .encoder import build_model
 from .transformer import Transformer
 
 LN2 = math.log(2.0)
@@ -67,6 +68,14 @@ class TrainSettings:
     save_dtype: str = "float32"  # dtype of model.safetensors in the final checkpoint
     n_samples: int = 5
     sample_tokens: int = 60
+    # encoder only: masked-LM pretraining for max_steps, then genre fine-tuning
+    mask_prob: float = 0.15
+    classify_steps: int = 0  # fine-tuning steps after pretraining (0: MLM only)
+    classify_lr: float = 3e-4
+    classify_min_lr: float = 3e-5
+    classify_warmup_steps: int = 20
+    classify_batch_size: int = 32
+    bow_baseline: bool = True  # the final report measures bag-of-words and majority baselines
 
 
 @dataclass
@@ -175,6 +184,61 @@ def evaluate(model, stream, byte_lengths, block, device, max_windows=0, batch_si
     }
 
 
+# --- objectives: what a step trains and how a run is evaluated ----------------------------
+@dataclass
+class Batch:
+    tensors: tuple  # already on the device
+    n_tokens: int  # tokens this batch feeds the model (for tokens/s)
+
+
+class LMObjective:
+    """Next-token prediction for the decoder: random windows, bits per byte on held-out works."""
+
+    has_unused_parameters = False
+
+    def __init__(self, run: RunConfig, tokenizer: Tokenizer, train_texts, val_texts, device, autocast):
+        self.s, self.tokenizer, self.device, self.autocast = run.train, tokenizer, device, autocast
+        self.block = run.model.context_length
+        self.train_stream = encode_corpus(tokenizer, train_texts)
+        self.val_stream = encode_corpus(tokenizer, val_texts)
+        self.byte_lengths = token_byte_lengths(tokenizer, run.model.vocab_size)
+        self.total_steps = run.train.max_steps
+
+    def phase(self, step: int) -> str | None:
+        return None
+
+    def ends_phase(self, step: int) -> bool:
+        return False
+
+    def lr_at(self, step: int) -> float:
+        return lr_at(step, self.s)
+
+    def batch(self, step: int, micro: int, rank: int) -> Batch:
+        s = self.s
+        x, y = batch_at(self.train_stream, step * s.grad_accum + micro, rank, s.batch_size, self.block, s.seed)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return Batch((x, y), x.numel())
+
+    def loss(self, fwd_model, step: int, batch: Batch) -> torch.Tensor:
+        x, y = batch.tensors
+        logits = fwd_model(x).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    def round_to_save_dtype(self, model) -> None:
+        pass  # the decoder's report is measured before the final cast (as it always was)
+
+    def evaluate(self, model, step: int, full: bool) -> dict:
+        return evaluate(model, self.val_stream, self.byte_lengths, self.block, self.device,
+                        max_windows=0 if full else self.s.eval_batches, autocast=self.autocast)
+
+    def describe(self, ev: dict) -> str:
+        return f"val loss {ev['val_loss']:.4f}, {ev['val_bits_per_byte']:.4f} bits/byte"
+
+    def final_report(self, model) -> dict:
+        s = self.s
+        return {"samples": sample_generations(model, self.tokenizer, s.n_samples, s.sample_tokens, s.seed)}
+
+
 # --- optimisation ------------------------------------------------------------------------
 def make_optimizer(model: torch.nn.Module, s: TrainSettings, fused: bool) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -257,9 +321,11 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    records = [json.loads(line) for line in metrics_path.read_text(encoding="utf-8").splitlines()]
+    if any(r.get("phase") == "classify" for r in records):
+        return plot_encoder_run(records, out_png, plt)
     train_pts, val_pts, full_pts = [], [], []
-    for line in metrics_path.read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line)
+    for rec in records:
         if "train_loss" in rec:
             train_pts.append((rec["step"], rec["train_loss"]))
         if "val_loss" in rec:  # periodic: a fixed sample of windows; final: every window
@@ -277,6 +343,39 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
     ax.set_title("attnlens training loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+
+
+def plot_encoder_run(records: list[dict], out_png: Path, plt) -> None:
+    """Two panels: masked-LM loss (train, held-out) and fine-tuning (loss, held-out genre accuracy)."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    mlm = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r and r.get("phase") == "mlm"]
+    cls = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r and r.get("phase") == "classify"]
+    val = [(r["step"], r["val_loss"], r.get("full")) for r in records if "val_loss" in r]
+    acc = [(r["step"], r["val_genre_accuracy"], r["val_genre_balanced_accuracy"])
+           for r in records if "val_genre_accuracy" in r]
+    if mlm:
+        ax1.plot(*zip(*mlm), lw=1, alpha=0.8, label="train (masked positions)")
+    if val:
+        ax1.plot([s for s, _, _ in val], [v for _, v, _ in val], "o-", ms=3, label="held-out works")
+    ax1.set(xlabel="step", ylabel="masked-LM loss (nats / masked token)", title="masked-LM pretraining")
+    ax1.grid(alpha=0.3)
+    ax1.legend()
+    if cls:
+        ax2.plot(*zip(*cls), lw=1, alpha=0.8, label="train loss (cross-entropy)")
+    ax2.set(xlabel="step", ylabel="genre loss", title="genre fine-tuning")
+    ax2.grid(alpha=0.3)
+    if acc:
+        twin = ax2.twinx()
+        twin.plot([s for s, _, _ in acc], [a for _, a, _ in acc], "s-", color="C2", ms=4, label="held-out accuracy")
+        twin.plot([s for s, _, _ in acc], [b for _, _, b in acc], "^-", color="C3", ms=4,
+                  label="held-out balanced accuracy")
+        twin.set_ylim(0, 1)
+        twin.set_ylabel("held-out genre accuracy")
+        twin.legend(loc="upper right")
+    ax2.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)
@@ -326,17 +425,20 @@ def train(
     elif s.tokenizer:
         tokenizer = Tokenizer.from_file(s.tokenizer)
     else:
-        tokenizer = Tokenizer.train(train_texts, s.vocab_size)
+        tokenizer = Tokenizer.train(train_texts, s.vocab_size, encoder_tokens=mcfg.family == "encoder")
     if tokenizer.vocab_size > mcfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens; model.vocab_size is {mcfg.vocab_size}")
-    train_stream = encode_corpus(tokenizer, train_texts)
-    val_stream = encode_corpus(tokenizer, val_texts)
-    byte_lengths = token_byte_lengths(tokenizer, mcfg.vocab_size)
-    block = mcfg.context_length
+    if mcfg.family == "encoder":
+        from .train_encoder import EncoderObjective
+
+        objective = EncoderObjective(run, tokenizer, device, autocast)
+    else:
+        objective = LMObjective(run, tokenizer, train_texts, val_texts, device, autocast)
+    total_steps = objective.total_steps
 
     # model and optimiser
     torch.manual_seed(s.seed)
-    model = Transformer(mcfg).to(device)
+    model = build_model(mcfg).to(device)
     optimizer = make_optimizer(model, s, fused=device.type == "cuda")
     start_step, tokens_seen, wall_before = 0, 0, 0.0
     if resume:
@@ -348,7 +450,8 @@ def train(
     if dist_info.world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        fwd_model = DDP(fwd_model, device_ids=[dist_info.local_rank] if device.type == "cuda" else None)
+        fwd_model = DDP(fwd_model, device_ids=[dist_info.local_rank] if device.type == "cuda" else None,
+                        find_unused_parameters=objective.has_unused_parameters)
 
     if dist_info.main:
         out.mkdir(parents=True, exist_ok=True)
@@ -369,7 +472,7 @@ def train(
         wall = wall_before + (time.perf_counter() - t0)
         report = build_report(run, tokenizer, model, step, tokens_seen, wall, device, dist_info, last)
         if final:
-            report["samples"] = sample_generations(model, tokenizer, s.n_samples, s.sample_tokens, s.seed)
+            report.update(objective.final_report(model))
         save_checkpoint(out, model, tokenizer, report=report,
                         dtype=getattr(torch, s.save_dtype) if final else None)
         save_optimizer(optimizer, model, out / "optimizer.safetensors")
@@ -386,32 +489,30 @@ def train(
 
     old_handler = signal.signal(signal.SIGINT, on_sigint) if dist_info.main else None
 
-    tokens_per_step = s.batch_size * block * s.grad_accum * dist_info.world
-    bar = tqdm(total=s.max_steps, initial=start_step, disable=not (show_progress and dist_info.main),
+    bar = tqdm(total=total_steps, initial=start_step, disable=not (show_progress and dist_info.main),
                desc="train", unit="step", dynamic_ncols=True)
     t0 = time.perf_counter()
     t_window, tokens_window = time.perf_counter(), 0
     model.train()
     step = start_step
     try:
-        while step < s.max_steps:
-            lr = lr_at(step, s)
+        while step < total_steps:
+            lr = objective.lr_at(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             torch.manual_seed(s.seed + 7919 * step + dist_info.rank)  # dropout masks: resumable
             loss_sum = 0.0
+            tokens_per_step = 0
             for micro in range(s.grad_accum):
-                x, y = batch_at(train_stream, step * s.grad_accum + micro, dist_info.rank,
-                                s.batch_size, block, s.seed)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                batch = objective.batch(step, micro, dist_info.rank)
                 sync = contextlib.nullcontext()
                 if dist_info.world > 1 and micro < s.grad_accum - 1:
                     sync = fwd_model.no_sync()
                 with sync, (autocast or contextlib.nullcontext()):
-                    logits = fwd_model(x).logits
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / s.grad_accum
+                    loss = objective.loss(fwd_model, step, batch) / s.grad_accum
                 loss.backward()
                 loss_sum += float(loss.detach())
+                tokens_per_step += batch.n_tokens * dist_info.world
             if s.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
             optimizer.step()
@@ -421,21 +522,24 @@ def train(
             tokens_window += tokens_per_step
             last["train_loss"] = loss_sum
 
-            if step % s.log_interval == 0 or step == s.max_steps:
+            phase = objective.phase(step - 1)
+            if step % s.log_interval == 0 or step == total_steps:
                 elapsed = time.perf_counter() - t_window
                 tps = tokens_window / max(elapsed, 1e-9)
                 t_window, tokens_window = time.perf_counter(), 0
                 log({"step": step, "train_loss": loss_sum, "lr": lr, "tokens_per_s": tps,
-                     "tokens_seen": tokens_seen})
+                     "tokens_seen": tokens_seen, **({"phase": phase} if phase else {})})
                 bar.set_postfix(loss=f"{loss_sum:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
-            if dist_info.main and (step % s.eval_interval == 0 or step == s.max_steps):
-                ev = evaluate(model, val_stream, byte_lengths, block, device,
-                              max_windows=0 if step == s.max_steps else s.eval_batches, autocast=autocast)
+            final_eval = step == total_steps or objective.ends_phase(step)
+            if dist_info.main and (step % s.eval_interval == 0 or final_eval):
+                if step == total_steps:  # the report describes the weights as saved
+                    objective.round_to_save_dtype(model)
+                ev = objective.evaluate(model, step, full=final_eval)
                 last.update(ev)
-                log({"step": step, **ev, "full": step == s.max_steps})
-                bar.write(f"step {step}: val loss {ev['val_loss']:.4f}, {ev['val_bits_per_byte']:.4f} bits/byte")
+                log({"step": step, **ev, "full": final_eval, **({"phase": phase} if phase else {})})
+                bar.write(f"step {step}: " + objective.describe(ev))
             bar.update(1)
-            if step % s.checkpoint_interval == 0 and step < s.max_steps:
+            if step % s.checkpoint_interval == 0 and step < total_steps:
                 save(step, final=False)
             if stop["requested"] or (stop_at_step is not None and step >= stop_at_step):
                 raise Interrupted

@@ -12,6 +12,7 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402  (schemathesis brings hypothesis)
 
+from conftest import make_tiny_checkpoint  # noqa: E402
 from live_server import live_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -20,9 +21,11 @@ MODES = ("positive", "negative")
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tiny_checkpoint, tmp_path_factory):
-    env = {"ATTNLENS_MAX_NEW_TOKENS": "32", "ATTNLENS_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
-    with live_server(tiny_checkpoint, tmp_path_factory.mktemp("fuzz-logs"), env=env) as s:
+def fuzz_server(tmp_path_factory):
+    # context 256 so that the defaults (64 new tokens) fit: positive examples reach the handlers
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("fuzz") / "tiny256", context_length=256)
+    env = {"ATTNLENS_MAX_NEW_TOKENS": "64", "ATTNLENS_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
+    with live_server(ckpt, tmp_path_factory.mktemp("fuzz-logs"), env=env) as s:
         yield s
 
 

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
+from helpers import run_async
 from model import SamplingParams
 from model.decoding import filter_logits
 
@@ -209,7 +210,7 @@ def test_answer_budget_waits_then_429_and_refuses_what_never_fits():
         await d.release()  # idempotent
         assert budget.in_use == 0
 
-    asyncio.run(scenario())
+    run_async(scenario())  # on a thread of its own (the browser tests' Playwright keeps a loop here)
 
 
 def test_attention_claims_and_releases_its_bytes(client):

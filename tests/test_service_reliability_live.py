@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from conftest import make_tiny_checkpoint
+from helpers import run_async
 from live_server import live_server
 
 pytestmark = pytest.mark.slow
@@ -150,7 +151,7 @@ def test_healthz_fast_while_big_answers_are_encoded(server):
 
     probe = start_probe(server.base_url, 4.0)
     time.sleep(0.5)  # the probe is up
-    statuses = asyncio.run(load())
+    statuses = run_async(load())
     latencies = json.loads(probe.communicate(timeout=60)[0])
     assert statuses.count(200) >= 3
     latencies.sort()

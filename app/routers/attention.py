@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from ..answers import claimed_json
+from ..answers import claimed_json, off_loop
 from ..attention_codec import attention_maps, encode, encoded_bytes
-from ..deps import get_engine, get_state
-from ..engine import Engine
+from ..deps import get_state
+from ..encoder_tasks import TaskInputError, encoder_attention_maps, framed_ids
 from ..errors import ApiError, field_error
-from ..prompts import check_token_ids, tokenize_text
+from ..prompts import check_text_bytes, check_token_ids, tokenize_text
+from ..registry import ATTENTION, lookup
 from ..schemas import AttentionRequest, AttentionResponse
 from ..state import AppState
 
@@ -53,29 +54,52 @@ async def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[i
     response_model=AttentionResponse,
     responses={400: {"description": "text or ids longer than the context, or an answer larger than "
                                     "ATTNLENS_MAX_ANSWER_BYTES (the message gives the numbers)"},
-               413: {}, 429: {"description": "answers in flight over ATTNLENS_MAX_ANSWER_BYTES for "
-                                             "ATTNLENS_ANSWER_WAIT_S; see Retry-After"}, 503: {}},
+               404: {"description": "unknown model"}, 413: {},
+               429: {"description": "too many attention requests, or answers in flight over "
+                                    "ATTNLENS_MAX_ANSWER_BYTES for ATTNLENS_ANSWER_WAIT_S; see Retry-After"},
+               503: {}},
 )
-async def attention(body: AttentionRequest, engine: Engine = Depends(get_engine),
-                    state: AppState = Depends(get_state)):
-    """Attention maps of `text`, or of token `ids` as they are (exactly one of the two)."""
-    cfg = engine.config
+async def attention(body: AttentionRequest, state: AppState = Depends(get_state)):
+    """Attention maps of `text`, or of token `ids` as they are (exactly one of the two).
+
+    A decoder's maps are causal (zero above the diagonal). An encoder's are bidirectional,
+    full T x T, and its `text` is framed as [CLS] text [SEP] (`ids` are used as they are).
+    """
+    served = lookup(state, body.model, ATTENTION)
+    runner = served.runner
+    cfg = served.checkpoint.config
+    encoder = cfg.family == "encoder"
+    if encoder and body.packing == "tril":
+        raise field_error("packing", "'tril' keeps only the lower triangle, but this model's attention is "
+                                     "bidirectional (full T x T): use packing='full'", "unsupported")
     layers = _indices("layers", body.layers, cfg.n_layers)
     heads = _indices("heads", body.heads, cfg.n_heads)
-    tok = engine.tokenizer
-    ids = await _input_ids(body, tok, cfg.context_length)
+    tok = served.checkpoint.tokenizer
+    if encoder and body.text is not None and body.ids is None:
+        check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
+        try:
+            ids = await off_loop(framed_ids, served.checkpoint, body.text)
+        except TaskInputError as e:
+            raise ApiError(400, str(e), param=e.param, code=e.code) from None
+    else:
+        ids = await _input_ids(body, tok, cfg.context_length)
     shape = [len(layers), len(heads), len(ids), len(ids)]
     # held from before the forward until the answer's last byte is sent: bounded memory
     claim = await state.answers.claim(encoded_bytes(shape, body.format, body.packing), what="this answer")
     try:
-        maps = await engine.call(lambda model: attention_maps(model, ids, layers, heads))
+        if encoder:
+            maps = await runner.call(lambda ckpt: encoder_attention_maps(ckpt.model, ids, layers, heads))
+        else:
+            maps = await runner.call(lambda model: attention_maps(model, ids, layers, heads))
     except BaseException:
         await claim.release()
         raise
 
     def content() -> dict:  # runs on a worker thread, as does its encoding
         return {
-            "model": state.model_name,
+            "model": served.name,
+            "family": cfg.family,
+            "direction": "bidirectional" if encoder else "causal",
             "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
             "n_layers": cfg.n_layers,
             "n_heads": cfg.n_heads,

@@ -1,7 +1,8 @@
 """OpenAI-compatible legacy completions: POST /v1/completions and GET /v1/models.
 
-Differences from OpenAI, on purpose: `model` may be left out (the loaded model answers; an
-id /v1/models does not list is a 404); `n` > 1 with a seed uses seed, seed + 1, ... for the
+`model` names one of the loaded decoders (GET /v1/models; none = the default model); an
+unknown name is a 404 `model_not_found` listing the loaded ones, an encoder a 400.
+Differences from OpenAI, on purpose: `n` > 1 with a seed uses seed, seed + 1, ... for the
 choices so they differ yet repeat; penalties, best_of, logit_bias and suffix are accepted
 and ignored; a streamed `echo` sends the prompt text first but no logprobs for the prompt
 tokens.
@@ -22,12 +23,13 @@ from model import SamplingParams
 
 from ..deps import get_engine, get_state
 from ..engine import Engine, Generation, GenerationParams
-from ..errors import ApiError, public_message
+from ..errors import public_message
 from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import GeneratedTokenOut, StreamDone, StreamToken
 from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, sse
 from ..openai_schemas import Completion, CompletionRequest, ModelList, OpenAIErrorResponse
 from ..prompts import check_text_bytes, check_token_ids, tokenize_text
+from ..registry import COMPLETIONS, lookup
 from ..state import AppState
 
 log = logging.getLogger("attnlens.routers")
@@ -128,12 +130,10 @@ def _generation_params(body: CompletionRequest, prompts_ids: list[list[int]]) ->
 
 
 @router.post("/completions", response_model=Completion, response_model_exclude_none=False, responses=ERRORS)
-async def completions(body: CompletionRequest, request: Request, engine: Engine = Depends(get_engine),
-                      state: AppState = Depends(get_state)):
+async def completions(body: CompletionRequest, request: Request, state: AppState = Depends(get_state)):
+    served = lookup(state, body.model, COMPLETIONS)
+    engine: Engine = served.runner
     settings = state.settings
-    if body.model is not None and body.model != state.model_name:
-        raise ApiError(404, f"the model {body.model!r} does not exist: /v1/models lists {state.model_name!r}",
-                       param="model", code="model_not_found")
     check_new_token_limit(settings, body.max_tokens, "max_tokens")
     tok = engine.tokenizer
     prompts_ids = await _prompt_ids(body, tok, settings.max_prompt_tokens)
@@ -146,7 +146,7 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
     want_lp = body.logprobs is not None
     choices = [Choice(i, prompts[i // body.n], want_lp, body.echo, tok, body.logprobs or 0)
                for i in range(len(generations))]
-    cid, created, name = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_name
+    cid, created, name = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), served.name
     prompt_tokens = sum(len(ids) for ids in prompts_ids)
     metrics = state.metrics
 
@@ -224,7 +224,12 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
 
 @router.get("/models", response_model=ModelList)
 async def models(engine: Engine = Depends(get_engine), state: AppState = Depends(get_state)):
-    path = engine.checkpoint.path
-    created = int(path.stat().st_mtime) if path is not None and path.exists() else 0
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": created,
-                                        "owned_by": "attnlens"}]}
+    """The models that generate (decoders); GET /models lists every loaded model."""
+    data = []
+    for served in state.registry.models.values():
+        if COMPLETIONS not in served.tasks:
+            continue
+        path = served.path
+        created = int(path.stat().st_mtime) if path is not None and path.exists() else 0
+        data.append({"id": served.name, "object": "model", "created": created, "owned_by": "attnlens"})
+    return {"object": "list", "data": data}

@@ -1,0 +1,168 @@
+"""An encoder-only transformer (BERT's shape), stacked from the decoder's own parts.
+
+Shapes: B = batch, T = positions, C = d_model, H = heads, V = vocab, L = labels.
+
+    ids (B, T) -> token embedding + positions -> LayerNorm -> n_layers x Block(bidirectional)
+               -> [final norm if pre-LN] -> hidden (B, T, C)
+    hidden -> MLM head: Linear(C, C) -> activation -> LayerNorm -> tied embedding^T + bias -> (B, T, V)
+    hidden -> pool -> classification head: Linear(C, C) -> tanh -> Linear(C, L) -> (B, L)
+
+The Blocks, attention, FFN and norms are the shared ones in model/parts.py, built with
+causal=False: every position sees every other, and a padding mask (`attention_mask`,
+True/1 for real tokens as in Hugging Face) gives padded keys exactly zero weight.
+
+Pooling for the classification head is the mean over non-padding positions by default
+(`pooling="mean"`): a small model pretrained only with masked-LM never trains its [CLS]
+position to summarise the passage (no next-sentence task), while the mean of all positions
+starts out as a useful summary, so fine-tuning has less to learn. `pooling="cls"` (BERT's
+choice) is available. Both read only real positions: padding never changes a prediction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .kv_cache import ContextLengthError
+from .parts import Block, activate, sinusoidal_table
+from .transformer import ModelOutput, Transformer
+
+TASKS = ("mlm", "classify", "hidden")
+
+
+def padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, T) 1/0 or bool real-token mask -> (B, 1, 1, T) boolean key mask for attention."""
+    if attention_mask is None:
+        return None
+    return attention_mask.bool()[:, None, None, :]
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        C, V = config.d_model, config.vocab_size
+        self.tok_emb = nn.Embedding(V, C)
+        if config.positional == "learned":
+            self.pos_emb = nn.Embedding(config.context_length, C)
+        else:
+            self.pos_emb = None
+            self.register_buffer("pos_table", sinusoidal_table(config.context_length, C), persistent=False)
+        self.emb_norm = nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
+        self.emb_dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, causal=False) for _ in range(config.n_layers))
+        self.ln_f = (
+            nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
+            if config.norm == "pre"
+            else nn.Identity()
+        )
+        # masked-LM head (BERT's "transform" then a decoder tied to the token embedding)
+        self.mlm_dense = nn.Linear(C, C, bias=config.bias)
+        self.mlm_norm = nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
+        self.mlm_bias = nn.Parameter(torch.zeros(V))
+        self.mlm_decoder = None if config.tie_embeddings else nn.Linear(C, V, bias=False)
+        # classification head on the pooled representation
+        if config.labels:
+            self.pooler = nn.Linear(C, C, bias=config.bias)
+            self.classifier = nn.Linear(C, len(config.labels), bias=True)
+        else:
+            self.pooler = self.classifier = None
+        self.apply(Transformer._init_weights)
+
+    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.tok_emb.weight.numel()
+            if self.pos_emb is not None:
+                n -= self.pos_emb.weight.numel()
+        return n
+
+    # --- the stack -------------------------------------------------------------------
+    def encode(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               return_attention: bool = False) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Hidden states (B, T, C) and, if asked, per-layer (B, H, T, T) attention maps.
+
+        Rows of padded query positions in the maps are zero: they are not results.
+        """
+        B, T = ids.shape
+        if T > self.config.context_length:
+            raise ContextLengthError(
+                f"sequence of {T} tokens exceeds the context length {self.config.context_length}"
+            )
+        x = self.tok_emb(ids)  # (B, T, C)
+        if self.config.scale_embeddings:
+            x = x * math.sqrt(self.config.d_model)
+        pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table
+        x = self.emb_norm(x + pos[:T].to(x.dtype))
+        if self.training:
+            x = self.emb_dropout(x)
+        key_mask = padding_mask(attention_mask)  # (B, 1, 1, T) or None
+        attentions = [] if return_attention else None
+        for block in self.blocks:
+            x, probs, _ = block(x, mask=key_mask, return_attention=return_attention)
+            if return_attention:
+                if attention_mask is not None:  # padded query rows are not results
+                    probs = probs * attention_mask.to(probs.dtype)[:, None, :, None]
+                attentions.append(probs)
+        return self.ln_f(x), attentions
+
+    # --- heads -----------------------------------------------------------------------
+    def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., C) -> (..., V)"""
+        h = self.mlm_norm(activate(self.mlm_dense(hidden), self.config.activation))
+        weight = self.tok_emb.weight if self.mlm_decoder is None else self.mlm_decoder.weight
+        return F.linear(h, weight, self.mlm_bias)
+
+    def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, C) -> (B, C): mean over real positions, or the first ([CLS]) position."""
+        if self.config.pooling == "cls":
+            return hidden[:, 0]
+        if attention_mask is None:
+            return hidden.mean(dim=1)
+        w = attention_mask.to(hidden.dtype).unsqueeze(-1)  # (B, T, 1)
+        return (hidden * w).sum(dim=1) / w.sum(dim=1).clamp(min=1.0)
+
+    def classify_logits(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.classifier is None:
+            raise ValueError("this encoder has no classification head (config.labels is empty)")
+        return self.classifier(torch.tanh(self.pooler(self.pool(hidden, attention_mask))))  # (B, L)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        return_attention: bool = False,
+        task: str = "mlm",
+        positions: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        """The decoder's ModelOutput: logits of the task's head, attentions or None.
+
+        task "mlm": logits (B, T, V), or (P, V) for the P True cells of a boolean `positions`
+        (B, T) (training scores only the masked positions); "classify": (B, L);
+        "hidden": the states (B, T, C).
+        """
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        hidden, attentions = self.encode(ids, attention_mask, return_attention)
+        if task == "mlm":
+            logits = self.mlm_logits(hidden if positions is None else hidden[positions])
+        elif task == "classify":
+            logits = self.classify_logits(hidden, attention_mask)
+        else:
+            logits = hidden
+        return ModelOutput(logits, attentions)
+
+
+def build_model(config: ModelConfig) -> nn.Module:
+    """The module for a config's family."""
+    if config.family == "decoder":
+        return Transformer(config)
+    if config.family == "encoder":
+        return Encoder(config)
+    raise ValueError(f"family {config.family!r} is not built by this version of attnlens")
