@@ -149,7 +149,9 @@ export async function getJSON(path, { signal } = {}) {
   return res.json();
 }
 
-export const getModel = (opts) => getJSON("/model", opts);
+/** /model: the description of the loaded model `name` (default: the server's default model). */
+export const getModel = (name, opts) => getJSON(name ? `/model?model=${encodeURIComponent(name)}` : "/model", opts);
+export const getModels = (opts) => getJSON("/models", opts);
 
 // ---- /attention ---------------------------------------------------------------
 
@@ -253,6 +255,7 @@ export async function fetchAttention(source, { layers = null, heads = null, form
     nHeads: resp.n_heads,
     layers: resp.layers,
     heads: resp.heads,
+    direction: resp.direction ?? "causal", // "bidirectional": an encoder's full T x T maps
     T,
     data,
   };

@@ -26,6 +26,9 @@ export class AttentionSet {
     this.layers = new Map(); // layer -> Float32Array(H*T*T)
     this.pending = new Map(); // layer -> Promise
     this.lastFormat = null;
+    // a causal model's maps are sent as their lower triangle; others (an encoder's) in full
+    this.packing = meta.attention && meta.attention !== "causal" ? "full" : "tril";
+    this.causal = this.packing === "tril"; // confirmed by the answer's `direction`
   }
 
   chooseFormat(T) {
@@ -52,10 +55,11 @@ export class AttentionSet {
       const known = this.T || (this.ids ? this.ids.length : null);
       const format = this.chooseFormat(known || (bytes <= JSON_MAX_TOKENS ? bytes : null));
       this.lastFormat = format;
-      const p = fetchAttention(this.ids ?? this.text, { layers: missing, format, signal }).then((res) => {
+      const p = fetchAttention(this.ids ?? this.text, { layers: missing, format, packing: this.packing, signal }).then((res) => {
         if (!this.tokens) {
           this.tokens = res.tokens;
           this.T = res.T;
+          this.causal = res.direction === "causal";
         }
         const T = res.T;
         const H = res.heads.length;

@@ -20,12 +20,14 @@ function buildTabs(store) {
     if (v.title) b.title = v.title;
     b.addEventListener("click", () => store.set({ view: v.id }));
     b.addEventListener("keydown", (e) => {
-      const i = tabs.indexOf(b);
-      const j = { ArrowRight: (i + 1) % tabs.length, ArrowLeft: (i - 1 + tabs.length) % tabs.length, Home: 0, End: tabs.length - 1 }[e.key];
+      const shown = tabs.filter((t) => !t.hidden); // a family's own tabs hide for other models
+      const i = shown.indexOf(b);
+      const n = shown.length;
+      const j = { ArrowRight: (i + 1) % n, ArrowLeft: (i - 1 + n) % n, Home: 0, End: n - 1 }[e.key];
       if (j == null) return;
       e.preventDefault();
-      tabs[j].focus();
-      store.set({ view: tabs[j].dataset.view });
+      shown[j].focus();
+      store.set({ view: shown[j].dataset.view });
     });
     return b;
   });
@@ -102,7 +104,10 @@ export function syncControls(s) {
     const v = s[el.dataset.key];
     if (el.type === "checkbox") el.checked = !!v;
     else if (el.type === "radio") el.checked = el.value === String(v);
-    else if (document.activeElement !== el && v != null && el.value !== String(v)) el.value = String(v);
+    else if (document.activeElement !== el && v != null) {
+      const shown = el.dataset.default != null && v === el.dataset.default ? "" : String(v); // "" stands for the default
+      if (el.value !== shown) el.value = shown;
+    }
   }
   const ticked = (host, list) => {
     for (const input of host.querySelectorAll("input")) input.checked = list == null || list.includes(+input.value);
@@ -121,5 +126,9 @@ export function syncControls(s) {
   }
   const view = viewById(s.view);
   for (const g of $$(".opt-group")) g.classList.toggle("active", g.dataset.view === s.view);
-  for (const ctl of $$(".toolbar [data-ctl]")) ctl.hidden = !view.controls.includes(ctl.dataset.ctl);
+  const family = s.meta?.family ?? "decoder";
+  for (const ctl of $$(".toolbar [data-ctl]")) {
+    const fits = !ctl.dataset.families || ctl.dataset.families.split(" ").includes(family); // e.g. the encoder's pooled button
+    ctl.hidden = !view.controls.includes(ctl.dataset.ctl) || !fits;
+  }
 }

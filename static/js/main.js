@@ -2,14 +2,14 @@
 // view from the store's state. Views read one params object (views/params.js); the URL is
 // derived from the state (state/url.js); everything that changes the state calls store.set.
 
-import { ApiError, fetchAttention, setApiKey, apiKey } from "./api.js";
-import { loadModel } from "./model.js";
+import { ApiError, fetchAttention, setApiKey, apiKey, setRequestModel } from "./api.js";
+import { loadModel, validModel, resolveModel, fitPageToModel } from "./model.js";
 import { AttentionSet } from "./attention.js";
 import { drawLegend } from "./paint.js";
 import { createStore } from "./state/store.js";
 import { readURL, writeURL } from "./state/url.js";
 import { URL_KEYS } from "./state/schema.js";
-import { VIEWS, VIEW_IDS, viewById } from "./views/registry.js";
+import { VIEWS, viewById, viewIdsFor } from "./views/registry.js";
 import { viewParams, constrainState } from "./views/params.js";
 import { buildControls, modelControls, syncControls } from "./controls.js";
 import { showError, clearMessages, wireFieldResets, setKeyHandler } from "./messages.js";
@@ -17,6 +17,7 @@ import { OutputPanel } from "./output.js";
 import { GenerationRecord, readSamplingForm, streamGeneration } from "./generation.js";
 import { exportPNG, exportJSON } from "./export.js";
 import { wireTheme } from "./theme.js";
+import { Panels } from "./panels.js";
 
 const $ = (sel) => document.querySelector(sel);
 
@@ -60,7 +61,14 @@ const ctx = {
   },
   track,
   showError,
+  /** Make `text` the prompt and analyse it (a panel's action, e.g. masking a token). */
+  analyse(text) {
+    $("#prompt").value = text;
+    store.set({ prompt: text });
+    return analyse({ text });
+  },
 };
+const panels = new Panels(ctx, { sidebar: $("#panels"), frame: $("#frame-panels") });
 
 function clearFrame() {
   current?.view.unmount();
@@ -232,10 +240,11 @@ function wire() {
   $("#prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) {
       e.preventDefault();
-      generate();
+      if (canGenerate()) generate();
+      else $("#analyse").click();
     }
   });
-  $("#prompt").addEventListener("input", () => ($("#prompt-hint").textContent = "Ctrl+Enter generates"));
+  $("#prompt").addEventListener("input", () => ($("#prompt-hint").textContent = promptHint()));
   $("#export-png").addEventListener("click", async () => {
     const { view, opts } = currentExportView();
     if (!(await exportPNG(view, opts))) showError(new Error("nothing is drawn: there is nothing to export"), "Export", { warn: true });
@@ -276,10 +285,49 @@ function wire() {
   });
   document.addEventListener("keydown", (e) => e.key === "Escape" && controller?.abort());
   store.subscribe((changed, s) => {
+    if (changed.has("model") && resolveModel(s.model) !== targetModel) switchModel(); // "" and the default's name: one model
     syncControls(s);
+    if (s.meta) panels.render(viewParams(s), changed);
     if (changed.has("step") || changed.has("gen")) output.markStep(s.step);
     scheduleRender(changed);
   });
+}
+
+// ---------------------------------------------------------------------------------------
+// The model: the store's `model` key picks it; the page fits its family (tabs, panels, controls)
+// ---------------------------------------------------------------------------------------
+let modelSeq = 0;
+let targetModel = null; // the name of the model loaded or being loaded
+const canGenerate = () => store.get("meta")?.tasks.includes("generate") ?? true;
+const promptHint = () => (canGenerate() ? "Ctrl+Enter generates" : "Ctrl+Enter analyses");
+
+/**
+ * Load model `name`'s description, fit the page to it and put it in the store with `patch`
+ * (one change: views and panels never see the new model with the old one's data).
+ * Returns null if it failed or a newer choice came meanwhile.
+ */
+async function useModel(name, patch = {}) {
+  const mine = ++modelSeq;
+  targetModel = resolveModel(name);
+  const meta = await loadModel(name);
+  if (!meta || mine !== modelSeq) return null;
+  targetModel = meta.name;
+  setRequestModel(validModel(name) || null);
+  modelControls(store, meta);
+  fitPageToModel(meta);
+  panels.setModel(meta);
+  const views = viewIdsFor(meta.family);
+  store.setConstraint((next) => constrainState({ ...next, model: validModel(next.model) }, meta, views), { meta, ...patch });
+  $("#prompt-hint").textContent = promptHint();
+  return meta;
+}
+
+/** The picker chose another model: its description, a fresh analysis of the same text. */
+async function switchModel() {
+  clearMessages();
+  controller?.abort();
+  const meta = await useModel(store.get("model"), { att: null, gen: null, ids: null, plen: 0, source: "prompt", pin: [], step: 0 });
+  if (meta) await analyse({ text: store.get("prompt") });
 }
 
 async function init() {
@@ -287,13 +335,8 @@ async function init() {
   const s = store.state;
   if (s.prompt) $("#prompt").value = s.prompt;
   else store.set({ prompt: $("#prompt").value });
-  $("#prompt-hint").textContent = "Ctrl+Enter generates";
   syncControls(store.state);
-  const meta = await loadModel();
-  if (!meta) return;
-  modelControls(store, meta);
-  store.setConstraint((next) => constrainState(next, meta, VIEW_IDS));
-  store.set({ meta });
+  if (!(await useModel(s.model))) return;
   writeURL(store.state);
   const { ids, plen, source } = store.state;
   if (ids?.length) await rebuildGeneration(ids, plen);

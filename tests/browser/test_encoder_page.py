@@ -1,6 +1,7 @@
-"""The encoder page in Chromium: the model picker, full square attention heatmaps, the
-fill-mask panel (click a token to mask it; candidates with probability bars), the classify
-panel, and the pooled position's attention one click away. Figures are checked against the
+"""The encoder in Chromium, on the page's store and views: the model picker (state key
+`model`), full square attention heatmaps in the shared views, the fill-mask panel (click a
+token to mask it; candidates with probability bars), the classify panel, and the pooled
+position's attention one click away (a pin of its rows). Figures are checked against the
 API's own answers."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 
 from app.attention_codec import decode
 
-from .helpers import ARTIFACTS
+from .helpers import ARTIFACTS, state, wait_rendered
 
 TEXT = "the queen of France and the king"
 
@@ -30,8 +31,9 @@ def no_console_errors(page):
 
 
 def open_encoder(page, server, text=TEXT):
-    page.goto(f"{server.base_url}/?{urllib.parse.urlencode({'model': 'genre', 'text': text})}")
-    page.wait_for_function("() => document.body.dataset.models === 'ready'")
+    page.goto(f"{server.base_url}/?{urllib.parse.urlencode({'model': 'genre', 'prompt': text})}")
+    page.wait_for_function("() => document.body.dataset.family === 'encoder'")
+    wait_rendered(page)
     page.wait_for_selector("#enc-chips .enc-chip")
 
 
@@ -43,25 +45,43 @@ def api_attention(server, text):
 
 def test_picker_lists_the_models_and_the_encoder_page_adapts(page, server, tiny_checkpoint):
     open_encoder(page, server)
-    options = page.eval_on_selector_all("#model-picker option", "os => os.map(o => [o.value, o.selected])")
-    assert options == [[tiny_checkpoint.name, False], ["genre", True]]
-    assert page.is_hidden("#generate-form") and page.is_visible("#enc-text")
+    # the picker is bound to state key `model`; the default model's option stands for "" (the default)
+    options = page.eval_on_selector_all("#model-picker option", "os => os.map(o => [o.value, o.textContent.split(' ')[0], o.selected])")
+    assert options == [["", tiny_checkpoint.name, False], ["genre", "genre", True]]
+    assert page.get_attribute("#model-picker", "data-key") == "model" and state(page, "s.model") == "genre"
+    # the encoder analyses its text (the store's prompt), it does not generate
+    assert page.is_hidden("#generate") and page.is_hidden(".params") and page.is_hidden(".output-panel")
+    assert page.is_visible("#prompt") and page.input_value("#prompt") == TEXT and state(page, "s.prompt") == TEXT
     assert page.is_visible("#fill-mask-panel") and page.is_visible("#classify-panel")
+    assert page.is_hidden("#tab-gen") and page.is_visible("#tab-head") and page.is_visible("#enc-focus-pooled")
     body, maps = api_attention(server, TEXT)
     T = len(body["tokens"])
-    assert page.inner_text("#enc-caption").startswith(f"Layer 0, head 0: {T} × {T}, bidirectional")
+    assert body["direction"] == "bidirectional"
+    assert page.inner_text("#caption").startswith(f"Layer 0 · head 0 — {T} × {T}, bidirectional")
     chips = page.eval_on_selector_all("#enc-chips .enc-chip", "cs => cs.map(c => c.textContent)")
     assert chips[0] == "[CLS]" and chips[-1] == "[SEP]" and len(chips) == T
     # the square heatmap has colour above the diagonal (no causal mask painted)
     grey = page.evaluate("""() => {
-        const c = document.querySelector('#enc-heatmap .heatmap-base');
+        const c = document.querySelector('#view-host .heatmap-base');
         return [c.width, c.height];
     }""")
     assert grey[0] > 0 and abs(grey[0] - grey[1]) < grey[0] * 0.6
-    # switching to the decoder brings back the generate page
-    page.select_option("#model-picker", tiny_checkpoint.name)
-    page.wait_for_function("() => document.body.dataset.models === 'ready' && !document.body.classList.contains('encoder-mode')")
-    assert page.is_visible("#generate-form") and "model=" not in page.url
+    heat = page.evaluate("() => { const m = window.__attnlens.current().heatmap.model; return [m.causal, m.rows, m.cols]; }")
+    assert heat == [False, T, T]
+    # hovering a cell above the diagonal shows its weight (a causal map would say "masked")
+    box = page.locator("#view-host .heatmap-base").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * (T - 0.5) / T, box["y"] + box["height"] * 0.5 / T)
+    page.wait_for_selector("#tooltip:not([hidden])")
+    assert "masked" not in page.inner_text("#tooltip")
+    # switching to the decoder brings back the generate page, its causal maps and its tabs
+    r = wait_rendered(page)
+    page.select_option("#model-picker", "")
+    page.wait_for_function("() => document.body.dataset.family === 'decoder'")
+    wait_rendered(page, r)
+    assert page.is_visible("#generate") and page.is_visible(".output-panel") and "model=" not in page.url
+    assert page.is_visible("#tab-gen") and page.is_hidden("#enc-focus-pooled")
+    assert page.locator("#fill-mask-panel").count() == 0 and page.locator("#classify-panel").count() == 0
+    assert page.evaluate("() => window.__attnlens.current().heatmap.model.causal") is True
 
 
 def test_click_a_token_to_mask_it_and_see_candidates(page, server):
@@ -70,9 +90,11 @@ def test_click_a_token_to_mask_it_and_see_candidates(page, server):
     i = tokens.index(" of")
     page.click(f"#enc-chips .enc-chip[data-index='{i}']")
     page.wait_for_selector("#fill-results .prob-row")
-    text = page.input_value("#enc-text")
+    text = page.input_value("#prompt")
     assert text == "".join(tokens[1:i]) + " [MASK]" + "".join(tokens[i + 1 : -1])
     assert text.endswith("[MASK] France and the king")
+    # the masked text is the store's prompt, so the link carries it
+    assert state(page, "s.prompt") == text and urllib.parse.parse_qs(urllib.parse.urlsplit(page.url).query)["prompt"] == [text]
     rows = page.eval_on_selector_all("#fill-results .prob-row", "rs => rs.map(r => [r.dataset.token, r.querySelector('.prob-fill').style.width])")
     want = httpx.post(server.base_url + "/fill-mask", json={"model": "genre", "text": text, "top_k": 5}).json()
     assert [int(t) for t, _ in rows] == [c["token"] for c in want["masks"][0]]
@@ -95,7 +117,9 @@ def test_typed_masks_and_classify(page, server):
 
 def test_pooled_attention_is_one_click_away(page, server):
     open_encoder(page, server)
-    page.select_option("#enc-layer", "1")
+    r = wait_rendered(page)
+    page.select_option("#layer", "1")
+    wait_rendered(page, r)
     page.click("#enc-focus-pooled")
     page.wait_for_selector("#enc-pooled .prob-row")
     values = page.eval_on_selector_all("#enc-pooled .prob-value", "vs => vs.map(v => parseFloat(v.textContent))")
@@ -104,9 +128,13 @@ def test_pooled_attention_is_one_click_away(page, server):
     assert len(values) == len(body["tokens"])
     assert np.allclose(np.array(values) / 100, pooled, atol=0.0006)
     assert "mean-pooled" in page.inner_text("#enc-pooled h3")
+    # the click pinned the rows the pooled vector is made of (every row, for mean pooling)
+    assert state(page, "s.pin") == list(range(len(body["tokens"])))
+    assert page.get_attribute("#enc-focus-pooled", "aria-pressed") == "true"
     page.click("#classify")
     page.wait_for_selector("#classify-results .prob-row")
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "encoder-page.png"), full_page=True)
     page.click("#enc-focus-pooled")
-    assert page.is_hidden("#enc-pooled")
+    page.wait_for_selector("#enc-pooled", state="hidden")
+    assert state(page, "s.pin") == []

@@ -1,42 +1,49 @@
-// Classify panel: POST /classify, every label with a probability bar, best first.
+// Classify panel (an encoder with a classification head): POST /classify on the analysed text,
+// every label with a probability bar, best first. Runs for each new text; the button re-runs.
 
 import { postJSON } from "../api.js";
 import { escapeHTML } from "../tokens.js";
+import { probRow, ResultsBox } from "./probs.js";
 
 export class ClassifyPanel {
-  constructor(host, { model, labels, onError }) {
-    this.model = model;
-    this.onError = onError;
+  /** ctx: {showError(err, what)} */
+  constructor(ctx) {
+    this.ctx = ctx;
+    this.params = null;
+  }
+
+  mount(host) {
     this.root = document.createElement("section");
     this.root.className = "panel enc-panel";
     this.root.id = "classify-panel";
     this.root.innerHTML = `
-      <div class="panel-head"><h2>Classify</h2><span class="hint">${escapeHTML(labels.join(" · "))}</span></div>
+      <div class="panel-head"><h2>Classify</h2><span class="hint"></span></div>
       <div class="actions"><button type="button" id="classify" class="btn primary">Classify</button></div>
       <div id="classify-results" class="enc-results" aria-live="polite"></div>`;
     host.append(this.root);
+    this.results = new ResultsBox(this.root.querySelector("#classify-results"));
+    this.root.querySelector("#classify").addEventListener("click", () => this.run());
   }
 
-  onClick(handler) {
-    this.root.querySelector("#classify").addEventListener("click", handler);
+  unmount() {
+    this.root?.remove();
   }
 
-  async run(text) {
-    const out = this.root.querySelector("#classify-results");
-    out.classList.add("loading");
-    try {
-      const res = await postJSON("/classify", { model: this.model, text });
-      out.innerHTML = res.labels.map((l) => `
-        <div class="prob-row" data-label="${escapeHTML(l.label)}">
-          <span class="prob-label">${escapeHTML(l.label)}</span>
-          <span class="prob-track"><span class="prob-fill" style="width:${(100 * l.score).toFixed(1)}%"></span></span>
-          <span class="prob-value">${(100 * l.score).toFixed(1)}%</span>
-        </div>`).join("");
-    } catch (err) {
-      out.replaceChildren();
-      this.onError(err, "Classify");
-    } finally {
-      out.classList.remove("loading");
-    }
+  render(params, changed) {
+    this.params = params;
+    if (changed && !changed.has("att") && !changed.has("meta")) return;
+    this.root.querySelector(".hint").innerHTML = escapeHTML((params.model.labels ?? []).join(" · "));
+    this.results.clear();
+    if (params.attention?.tokens) this.run();
+  }
+
+  run() {
+    const { model, text } = this.params ?? {};
+    if (!text) return;
+    this.results.run(
+      () => postJSON("/classify", { model: model.name, text }),
+      (res) => (this.results.el.innerHTML = res.labels.map((l) => probRow(l.label, l.score, { attrs: `data-label="${escapeHTML(l.label)}"` })).join("")),
+      (err) => this.ctx.showError(err, "Classify"),
+    );
   }
 }

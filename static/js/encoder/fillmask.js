@@ -1,8 +1,10 @@
-// Fill-mask panel: the text's tokens as chips (click one to mask it), POST /fill-mask,
-// and each [MASK]'s candidates with probability bars.
+// Fill-mask panel (an encoder's): the analysed text's tokens as chips (click one to mask it),
+// POST /fill-mask on that text, and each [MASK]'s candidates with probability bars. It reads
+// the text and top-k from the params; masking a token analyses the masked text (store's prompt).
 
 import { postJSON } from "../api.js";
-import { escapeHTML, visible } from "../tokens.js";
+import { visible } from "../tokens.js";
+import { probRow, ResultsBox } from "./probs.js";
 
 export const MASK = "[MASK]";
 
@@ -17,10 +19,13 @@ export function maskTokenAt(tokens, index) {
 }
 
 export class FillMaskPanel {
-  constructor(host, { model, onTextChange, onError }) {
-    this.model = model;
-    this.onTextChange = onTextChange;
-    this.onError = onError;
+  /** ctx: {select(patch), analyse(text) -> Promise, showError(err, what)} */
+  constructor(ctx) {
+    this.ctx = ctx;
+    this.params = null;
+  }
+
+  mount(host) {
     this.root = document.createElement("section");
     this.root.className = "panel enc-panel";
     this.root.id = "fill-mask-panel";
@@ -28,65 +33,74 @@ export class FillMaskPanel {
       <div class="panel-head"><h2>Fill mask</h2><span class="hint">click a token to mask it, or type ${MASK}</span></div>
       <div class="enc-chips" id="enc-chips" aria-label="Tokens: click one to mask it"></div>
       <div class="actions">
-        <label class="ctl">Top-k <input id="fill-top-k" type="number" min="1" max="100" value="5"></label>
+        <label class="ctl">Top-k <input id="fill-top-k" type="number" min="1" max="100" step="1" inputmode="numeric"></label>
         <button type="button" id="fill-mask" class="btn primary">Fill mask</button>
       </div>
       <div id="fill-results" class="enc-results" aria-live="polite"></div>`;
     host.append(this.root);
-    this.root.querySelector("#fill-mask").addEventListener("click", () => this.run(this.text));
+    this.results = new ResultsBox(this.root.querySelector("#fill-results"));
+    this.topK = this.root.querySelector("#fill-top-k");
+    this.topK.addEventListener("change", () => this.ctx.select({ fillk: this.topK.value }));
+    this.root.querySelector("#fill-mask").addEventListener("click", () => this.run());
   }
 
-  /** Show the tokens of the analysed text as clickable chips. */
-  setTokens(tokens, text) {
-    this.text = text;
+  unmount() {
+    this.root?.remove();
+  }
+
+  render(params, changed) {
+    this.params = params;
+    if (document.activeElement !== this.topK) this.topK.value = String(params.settings.fillk);
+    if (changed && !["att", "meta", "fillk"].some((k) => changed.has(k))) return;
+    if (!changed || changed.has("att") || changed.has("meta")) {
+      this.showTokens(params.attention?.tokens ?? []);
+      this.results.clear();
+    }
+    if (params.attention?.tokens && params.text.includes(MASK)) this.run(); // the candidates follow the text
+  }
+
+  /** The analysed text's tokens as chips; the framing [CLS] / [SEP] and masks are not clickable. */
+  showTokens(tokens) {
     const chips = this.root.querySelector("#enc-chips");
-    chips.replaceChildren();
-    tokens.forEach((t, i) => {
-      const b = document.createElement("button");
-      b.type = "button";
-      b.className = "enc-chip" + (t.text === MASK ? " masked" : "") + (i === 0 || i === tokens.length - 1 ? " special" : "");
-      b.textContent = visible(t.text);
-      b.dataset.index = String(i);
-      b.title = i === 0 || i === tokens.length - 1 ? `${t.text} (special)` : `mask “${t.text}”`;
-      if (i > 0 && i < tokens.length - 1 && t.text !== MASK) {
+    chips.replaceChildren(
+      ...tokens.map((t, i) => {
+        const special = i === 0 || i === tokens.length - 1;
+        const b = document.createElement("button");
+        b.type = "button";
+        b.className = "enc-chip" + (t.text === MASK ? " masked" : "") + (special ? " special" : "");
+        b.textContent = visible(t.text);
+        b.dataset.index = String(i);
+        b.title = special ? `${t.text} (special)` : `mask “${t.text}”`;
+        b.disabled = special || t.text === MASK;
         b.addEventListener("click", () => {
           const masked = maskTokenAt(tokens, i);
-          if (masked != null) this.onTextChange(masked, { fill: true });
+          if (masked != null) this.ctx.analyse(masked);
         });
-      } else b.disabled = i === 0 || i === tokens.length - 1;
-      chips.append(b);
-    });
+        return b;
+      }),
+    );
   }
 
-  async run(text) {
-    const out = this.root.querySelector("#fill-results");
+  run() {
+    const text = this.params?.text;
     if (!text || !text.includes(MASK)) {
-      out.innerHTML = `<p class="empty-note">Put ${MASK} in the text (or click a token) to see what the model would fill in.</p>`;
+      this.results.clear(`<p class="empty-note">Put ${MASK} in the text (or click a token) to see what the model would fill in.</p>`);
       return;
     }
-    const topK = Number(this.root.querySelector("#fill-top-k").value) || 5;
-    out.classList.add("loading");
-    try {
-      const res = await postJSON("/fill-mask", { model: this.model, text, top_k: topK });
-      out.replaceChildren(...res.masks.map((cands, i) => this.renderMask(cands, i, res.masks.length)));
-    } catch (err) {
-      out.replaceChildren();
-      this.onError(err, "Fill mask");
-    } finally {
-      out.classList.remove("loading");
-    }
+    const { model, settings } = this.params;
+    this.results.run(
+      () => postJSON("/fill-mask", { model: model.name, text, top_k: settings.fillk }),
+      (res) => this.results.el.replaceChildren(...res.masks.map((cands, i) => this.maskBox(cands, i, res.masks.length))),
+      (err) => this.ctx.showError(err, "Fill mask"),
+    );
   }
 
-  renderMask(cands, i, n) {
+  maskBox(cands, i, n) {
     const box = document.createElement("div");
     box.className = "enc-mask";
-    box.innerHTML = `<h3>${n > 1 ? `[MASK] ${i + 1} of ${n}` : "[MASK]"}</h3>` + cands.map((c) => `
-      <div class="prob-row" data-token="${c.token}">
-        <span class="prob-label">${escapeHTML(visible(c.token_str))}</span>
-        <span class="prob-track"><span class="prob-fill" style="width:${(100 * c.score).toFixed(1)}%"></span></span>
-        <span class="prob-value">${(100 * c.score).toFixed(1)}%</span>
-      </div>`).join("");
-    box.querySelectorAll(".prob-row").forEach((row, k) => { row.title = cands[k].sequence; });
+    box.innerHTML =
+      `<h3>${n > 1 ? `${MASK} ${i + 1} of ${n}` : MASK}</h3>` +
+      cands.map((c) => probRow(visible(c.token_str), c.score, { attrs: `data-token="${c.token}"`, title: c.sequence })).join("");
     return box;
   }
 }

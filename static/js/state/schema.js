@@ -28,6 +28,8 @@ export const STATE_KEYS = [
   { key: "op", type: "string", def: "mean", url: true },
   { key: "layers", type: "set", def: null, url: true },
   { key: "heads", type: "set", def: null, url: true },
+  // fill-mask panel (an encoder's): candidates shown per [MASK]
+  { key: "fillk", type: "int", def: 5, url: true },
   // difference view
   { key: "diff", type: "string", def: "heads", url: true },
   { key: "layerB", type: "int", def: 0, url: true },

@@ -93,10 +93,10 @@ export function createStore(initial = {}) {
       listeners.add(fn);
       return () => listeners.delete(fn);
     },
-    /** Install the rule that keeps values in range (e.g. layer < n_layers) and apply it. */
-    setConstraint(fn) {
+    /** Install the rule that keeps values in range (e.g. layer < n_layers) and apply it, with `patch`. */
+    setConstraint(fn, patch = {}) {
       constrain = fn;
-      this.set({});
+      return this.set(patch);
     },
   };
 }

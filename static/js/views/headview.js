@@ -4,7 +4,7 @@ import { MatrixView } from "./matrixview.js";
 import { removeSink, headStats, HEAD_STATS_ROWS } from "../attention.js";
 
 export class HeadView extends MatrixView {
-  async compute({ attention: att, selection: { layer, head }, settings: { sink }, tokens, boundary }) {
+  async compute({ attention: att, selection: { layer, head }, settings: { sink }, tokens, boundary, causal }) {
     await att.ensure([layer]);
     let data = att.head(layer, head);
     if (!data) return null;
@@ -12,6 +12,9 @@ export class HeadView extends MatrixView {
     if (sink) data = removeSink(data, att.T);
     const pct = (x) => (x === x ? `${(100 * x).toFixed(0)}%` : "—");
     const where = boundary != null ? ` The line after token ${boundary} marks where the prompt ends and the generation begins.` : "";
+    const shape = causal
+      ? `${att.T} tokens.`
+      : `${att.T} × ${att.T}, bidirectional: every token attends to every other (rows: queries, columns: keys; each row sums to 1).`;
     return {
       data,
       rows: att.T,
@@ -20,9 +23,9 @@ export class HeadView extends MatrixView {
       boundary,
       title: `layer ${layer}, head ${head}${sink ? " (first-token sink hidden)" : ""}`,
       caption:
-        `<b>Layer ${layer} · head ${head}</b> — ${att.T} tokens. ` +
+        `<b>Layer ${layer} · head ${head}</b> — ${shape} ` +
         `<span class="head-stats" data-self="${stats.self}" data-previous="${stats.previous}" data-first="${stats.first}">` +
-        `Mean weight on itself ${pct(stats.self)}, on the previous token ${pct(stats.previous)}, on the first token ${pct(stats.first)}, ${HEAD_STATS_ROWS}</span>` +
+        `Mean weight on itself ${pct(stats.self)}, on the previous token ${pct(stats.previous)}, on the first token ${pct(stats.first)}, ${causal ? HEAD_STATS_ROWS : "averaged over query rows 1 … T−1"}</span>` +
         `${sink ? "; colours with the first-token column hidden and rows renormalised" : ""}. Click a row to pin it; shift-click to add rows.${where}`,
     };
   }

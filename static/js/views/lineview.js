@@ -69,12 +69,12 @@ export class LineView {
   }
 
   async render(params, changed, isCurrent = () => true) {
-    const { attention: att, selection: { layer, head }, settings: { sink }, tokens } = params;
+    const { attention: att, selection: { layer, head }, settings: { sink }, tokens, causal } = params;
     await att.ensure([layer]);
     if (!isCurrent()) return false;
     let m = att.head(layer, head);
     if (sink) m = removeSink(m, att.T);
-    this.matrix = { data: m, T: att.T, tokens };
+    this.matrix = { data: m, T: att.T, tokens, causal };
     this.title = `lines, layer ${layer} head ${head}${sink ? " (first-token sink hidden)" : ""}`;
     this.locked = null;
     this.ctx.setLegend(null);
@@ -160,7 +160,7 @@ export class LineView {
 
   /** Lines and token columns in CSS pixels, `active` = the focused token or null. */
   paint(ctx, active) {
-    const { data, T } = this.matrix;
+    const { data, T, causal } = this.matrix;
     const g = this.geo;
     const accent = cssVar("--accent");
     const text = cssVar("--text");
@@ -196,7 +196,7 @@ export class LineView {
     const buckets = Array.from({ length: 21 }, () => []);
     for (let i = 0; i < T; i++) {
       if (active && active.side === "q" && i !== active.index) continue;
-      for (let j = 0; j <= i && j < T; j++) {
+      for (let j = 0; j < (causal ? i + 1 : T); j++) { // a causal map has nothing right of its diagonal
         if (active && active.side === "k" && j !== active.index) continue;
         const v = data[i * T + j] * scale;
         if (!(v > 0.01)) continue;

@@ -77,7 +77,7 @@ export class MatrixView {
       vmin: sc.vmin,
       vmax: sc.vmax,
       gamma: sc.gamma,
-      causal: result.causal ?? true, // an encoder's maps are full squares: causal false
+      causal: result.causal ?? params.causal ?? true, // an encoder's maps are full squares: causal false
       boundary: result.boundary ?? null,
       rowTitle: `${params.axes.rows} →`,
       colTitle: `${params.axes.cols} →`,

@@ -124,7 +124,7 @@ export class ModelView {
         if (state.sink) m = removeSink(m, T);
         const sc = colourScale(m, T, state.scale);
         const t = this.thumbs[l][h];
-        paintMatrix(sc.data, T, T, { cmap: state.cmap, vmin: sc.vmin, vmax: sc.vmax, gamma: sc.gamma, causal: true, maskColor, canvas: t.canvas });
+        paintMatrix(sc.data, T, T, { cmap: state.cmap, vmin: sc.vmin, vmax: sc.vmax, gamma: sc.gamma, causal: this.params.causal, maskColor, canvas: t.canvas });
         t.drawn = true;
         t.button.classList.remove("loading");
       }

@@ -17,6 +17,7 @@ export function constrainState(s, meta, viewIds) {
   if (!Object.hasOwn(OPS, out.op)) out.op = "mean";
   if (out.diff !== "heads" && out.diff !== "prompts") out.diff = "heads";
   out.zoom = Math.max(0.25, Math.min(8, out.zoom || 1));
+  out.fillk = Math.max(1, Math.min(100, out.fillk || 5));
   if (meta) {
     const { n_layers: L, n_heads: H } = meta;
     out.layer = clamp(out.layer, L);
@@ -32,7 +33,10 @@ export function constrainState(s, meta, viewIds) {
 }
 
 /**
- * {model, tokens, attention, generation, boundary, selection, settings, axes, live}
+ * {model, text, tokens, attention, causal, generation, boundary, selection, settings, axes, live}
+ *  - model: name, layer / head counts, family, attention kind, tasks, labels, pooling
+ *  - text: the text the analysis shows (the store's prompt, or the generation's text)
+ *  - causal: whether the maps are causal (a decoder's) or full squares (an encoder's)
  *  - attention: the AttentionSet of the analysed sequence ([layer][head][query][key], fetched
  *    per layer on demand: `await attention.ensure([l])`, then `attention.head(l, h)`)
  *  - generation: the GenerationRecord, or null
@@ -48,9 +52,14 @@ export function viewParams(s) {
   const gen = s.gen;
   const fromGeneration = !!(att?.ids && s.ids && att.ids.length === s.ids.length && att.ids.every((x, i) => x === s.ids[i]));
   return Object.freeze({
-    model: { name: meta.name, n_layers: meta.n_layers, n_heads: meta.n_heads, context_length: meta.context_length },
+    model: Object.freeze({
+      name: meta.name, n_layers: meta.n_layers, n_heads: meta.n_heads, context_length: meta.context_length,
+      family: meta.family ?? "decoder", attention: meta.attention ?? "causal", tasks: meta.tasks ?? [], labels: meta.labels ?? null, pooling: meta.pooling ?? null,
+    }),
+    text: att ? att.text : s.prompt,
     tokens: att?.tokens ?? [],
     attention: att,
+    causal: att ? att.causal : (meta.attention ?? "causal") === "causal",
     generation: gen,
     boundary: fromGeneration && s.plen > 0 && s.plen < att.T ? s.plen : null,
     selection: Object.freeze({
@@ -63,7 +72,7 @@ export function viewParams(s) {
       layers: (s.layers ?? all(meta.n_layers)).slice().sort((a, b) => a - b),
       heads: (s.heads ?? all(meta.n_heads)).slice().sort((a, b) => a - b),
     }),
-    settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom }),
+    settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom, fillk: s.fillk }),
     axes: Object.freeze({ rows: "query", cols: "key" }),
     live: s.streaming,
   });

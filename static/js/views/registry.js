@@ -4,6 +4,9 @@
 // analysed sequence, "generation": a generation); `controls` lists the toolbar controls it
 // uses (data-ctl names in index.html); a panel of options for it is an element with
 // data-view="<id>" inside #view-options, its inputs bound to state keys by data-key.
+// `families` (optional) lists the model families a view applies to (its tab hides for others).
+// PANELS are the same idea for the side panels a family has (an encoder's fill-mask and
+// classify, read from the store's text) and for readouts under the picture (`slot: "frame"`).
 
 import { HeadView } from "./headview.js";
 import { ModelView } from "./modelview.js";
@@ -11,15 +14,30 @@ import { AggregateView } from "./aggregateview.js";
 import { DiffView } from "./diffview.js";
 import { LineView } from "./lineview.js";
 import { GenView } from "./genview.js";
+import { FillMaskPanel } from "../encoder/fillmask.js";
+import { ClassifyPanel } from "../encoder/classify.js";
+import { PooledPanel } from "../encoder/pooled.js";
 
 export const VIEWS = [
-  { id: "head", label: "Head", source: "analysis", controls: ["layer", "head", "sink", "cmap", "scale", "zoom"], View: HeadView },
+  { id: "head", label: "Head", source: "analysis", controls: ["layer", "head", "sink", "cmap", "scale", "zoom", "pooled"], View: HeadView },
   { id: "model", label: "Model", source: "analysis", controls: ["sink", "cmap", "scale"], View: ModelView },
   { id: "aggregate", label: "Aggregate", source: "analysis", controls: ["sink", "cmap", "scale", "zoom"], View: AggregateView },
   { id: "diff", label: "Difference", source: "analysis", controls: ["layer", "head", "sink", "dcmap", "scale", "zoom"], View: DiffView },
   { id: "lines", label: "Lines", source: "analysis", controls: ["layer", "head", "sink"], View: LineView },
-  { id: "gen", label: "Generation", source: "generation", controls: ["layer", "head", "sink", "cmap", "scale", "zoom"], View: GenView, title: "What each generated token attended to, step by step" },
+  { id: "gen", label: "Generation", source: "generation", families: ["decoder", "encoder-decoder"], controls: ["layer", "head", "sink", "cmap", "scale", "zoom"], View: GenView, title: "What each generated token attended to, step by step" },
+];
+
+/** Whether view or panel `v` applies to a model of this family (none listed: every family). */
+export const viewFits = (v, family) => !v.families || v.families.includes(family);
+
+// `task`: shown only for a model that answers that endpoint (GET /models lists its tasks)
+export const PANELS = [
+  { id: "fill-mask", families: ["encoder"], task: "fill-mask", slot: "sidebar", Panel: FillMaskPanel },
+  { id: "classify", families: ["encoder"], task: "classify", slot: "sidebar", Panel: ClassifyPanel },
+  { id: "pooled", families: ["encoder"], slot: "frame", Panel: PooledPanel },
 ];
 
 export const VIEW_IDS = VIEWS.map((v) => v.id);
 export const viewById = (id) => VIEWS.find((v) => v.id === id) ?? VIEWS[0];
+/** The views a model of this family has, in tab order. */
+export const viewIdsFor = (family) => VIEWS.filter((v) => viewFits(v, family)).map((v) => v.id);
