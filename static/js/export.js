@@ -115,3 +115,16 @@ export function exportJSON(view, { state, model }) {
   download(new Blob([JSON.stringify(doc, null, 1)], { type: "application/json" }), exportName(state, "json"));
   return true;
 }
+
+/** The PNG and JSON buttons; `current()` -> {view, opts} of the view on screen. */
+export function wireExportButtons(current, showError) {
+  const nothing = () => showError(new Error("nothing is drawn: there is nothing to export"), "Export", { warn: true });
+  document.querySelector("#export-png").addEventListener("click", async () => {
+    const { view, opts } = current();
+    if (!(await exportPNG(view, opts))) nothing();
+  });
+  document.querySelector("#export-json").addEventListener("click", () => {
+    const { view, opts } = current();
+    if (!exportJSON(view, opts)) nothing();
+  });
+}

@@ -2,20 +2,20 @@
 // view from the store's state. Views read one params object (views/params.js); the URL is
 // derived from the state (state/url.js); everything that changes the state calls store.set.
 
-import { ApiError, fetchAttention, setApiKey, apiKey, setRequestModel } from "./api.js";
-import { loadModel, validModel, resolveModel, fitPageToModel } from "./model.js";
+import { ApiError, fetchAttention, setApiKey, apiKey } from "./api.js";
+import { ModelChoice } from "./modelchoice.js";
 import { AttentionSet } from "./attention.js";
 import { drawLegend } from "./paint.js";
 import { createStore } from "./state/store.js";
 import { readURL, writeURL } from "./state/url.js";
 import { URL_KEYS } from "./state/schema.js";
-import { VIEWS, viewById, viewIdsFor } from "./views/registry.js";
-import { viewParams, constrainState } from "./views/params.js";
-import { buildControls, modelControls, syncControls } from "./controls.js";
+import { VIEWS, viewById } from "./views/registry.js";
+import { viewParams } from "./views/params.js";
+import { buildControls, syncControls } from "./controls.js";
 import { showError, clearMessages, wireFieldResets, setKeyHandler } from "./messages.js";
 import { OutputPanel } from "./output.js";
 import { GenerationRecord, readSamplingForm, streamGeneration } from "./generation.js";
-import { exportPNG, exportJSON } from "./export.js";
+import { wireExportButtons } from "./export.js";
 import { wireTheme } from "./theme.js";
 import { Panels } from "./panels.js";
 
@@ -69,6 +69,7 @@ const ctx = {
   },
 };
 const panels = new Panels(ctx, { sidebar: $("#panels"), frame: $("#frame-panels") });
+const models = new ModelChoice(store, panels);
 
 function clearFrame() {
   current?.view.unmount();
@@ -245,14 +246,7 @@ function wire() {
     }
   });
   $("#prompt").addEventListener("input", () => ($("#prompt-hint").textContent = promptHint()));
-  $("#export-png").addEventListener("click", async () => {
-    const { view, opts } = currentExportView();
-    if (!(await exportPNG(view, opts))) showError(new Error("nothing is drawn: there is nothing to export"), "Export", { warn: true });
-  });
-  $("#export-json").addEventListener("click", () => {
-    const { view, opts } = currentExportView();
-    if (!exportJSON(view, opts)) showError(new Error("nothing is drawn: there is nothing to export"), "Export", { warn: true });
-  });
+  wireExportButtons(currentExportView, showError);
   $("#copy-link").addEventListener("click", async () => {
     writeURL(store.state);
     try {
@@ -285,7 +279,7 @@ function wire() {
   });
   document.addEventListener("keydown", (e) => e.key === "Escape" && controller?.abort());
   store.subscribe((changed, s) => {
-    if (changed.has("model") && resolveModel(s.model) !== targetModel) switchModel(); // "" and the default's name: one model
+    if (changed.has("model") && models.differs(s.model)) switchModel(); // "" and the default's name are one model
     syncControls(s);
     if (s.meta) panels.render(viewParams(s), changed);
     if (changed.has("step") || changed.has("gen")) output.markStep(s.step);
@@ -294,40 +288,19 @@ function wire() {
 }
 
 // ---------------------------------------------------------------------------------------
-// The model: the store's `model` key picks it; the page fits its family (tabs, panels, controls)
+// The model: the store's `model` key picks it (modelchoice.js); the page fits its family
 // ---------------------------------------------------------------------------------------
-let modelSeq = 0;
-let targetModel = null; // the name of the model loaded or being loaded
 const canGenerate = () => store.get("meta")?.tasks.includes("generate") ?? true;
 const promptHint = () => (canGenerate() ? "Ctrl+Enter generates" : "Ctrl+Enter analyses");
-
-/**
- * Load model `name`'s description, fit the page to it and put it in the store with `patch`
- * (one change: views and panels never see the new model with the old one's data).
- * Returns null if it failed or a newer choice came meanwhile.
- */
-async function useModel(name, patch = {}) {
-  const mine = ++modelSeq;
-  targetModel = resolveModel(name);
-  const meta = await loadModel(name);
-  if (!meta || mine !== modelSeq) return null;
-  targetModel = meta.name;
-  setRequestModel(validModel(name) || null);
-  modelControls(store, meta);
-  fitPageToModel(meta);
-  panels.setModel(meta);
-  const views = viewIdsFor(meta.family);
-  store.setConstraint((next) => constrainState({ ...next, model: validModel(next.model) }, meta, views), { meta, ...patch });
-  $("#prompt-hint").textContent = promptHint();
-  return meta;
-}
 
 /** The picker chose another model: its description, a fresh analysis of the same text. */
 async function switchModel() {
   clearMessages();
   controller?.abort();
-  const meta = await useModel(store.get("model"), { att: null, gen: null, ids: null, plen: 0, source: "prompt", pin: [], step: 0 });
-  if (meta) await analyse({ text: store.get("prompt") });
+  const meta = await models.use(store.get("model"), { att: null, gen: null, ids: null, plen: 0, source: "prompt", pin: [], step: 0 });
+  if (!meta) return;
+  $("#prompt-hint").textContent = promptHint();
+  await analyse({ text: store.get("prompt") });
 }
 
 async function init() {
@@ -336,7 +309,8 @@ async function init() {
   if (s.prompt) $("#prompt").value = s.prompt;
   else store.set({ prompt: $("#prompt").value });
   syncControls(store.state);
-  if (!(await useModel(s.model))) return;
+  if (!(await models.use(s.model))) return;
+  $("#prompt-hint").textContent = promptHint();
   writeURL(store.state);
   const { ids, plen, source } = store.state;
   if (ids?.length) await rebuildGeneration(ids, plen);
