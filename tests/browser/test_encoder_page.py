@@ -108,6 +108,14 @@ def test_typed_masks_and_classify(page, server):
     page.click("#fill-mask")
     page.wait_for_selector("#fill-results .enc-mask:nth-child(2)")
     assert page.inner_text("#fill-results .enc-mask h3") == "[MASK] 1 of 2"
+    # top-k is state key `fillk`: changing it asks again and the link carries it
+    page.fill("#fill-top-k", "3")
+    page.press("#fill-top-k", "Enter")
+    page.wait_for_function("() => document.querySelectorAll('#fill-results .enc-mask:first-child .prob-row').length === 3")
+    assert state(page, "s.fillk") == 3 and "fillk=3" in page.url
+    want = httpx.post(server.base_url + "/fill-mask", json={"model": "genre", "text": "a [MASK] and a [MASK]", "top_k": 3}).json()
+    rows = page.eval_on_selector_all("#fill-results .enc-mask:nth-child(2) .prob-row", "rs => rs.map(r => +r.dataset.token)")
+    assert rows == [c["token"] for c in want["masks"][1]]
     page.click("#classify")
     page.wait_for_selector("#classify-results .prob-row")
     labels = page.eval_on_selector_all("#classify-results .prob-row", "rs => rs.map(r => r.dataset.label)")
