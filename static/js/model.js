@@ -64,6 +64,12 @@ export function resolveModel(name) {
   return validModel(name) || modelList?.default || name;
 }
 
+/** /models's summary of a model, shaped as /model's answer (device and limits: the server's). */
+function fromSummary(m, raw) {
+  const { name, family, n_layers, n_heads, d_model, context_length, vocab_size, parameters } = m;
+  return { name, architecture: { family, n_layers, n_heads, d_model }, context_length, vocab_size, parameters, device: raw.device, limits: raw.limits };
+}
+
 /**
  * The description of model `name` ("" = the default) for the views: {name, family, attention
  * ("causal" | "bidirectional" | …), tasks, labels, pooling, n_layers, n_heads, …}, or null if
@@ -82,16 +88,17 @@ export async function loadModel(name = "") {
     return null;
   }
   const summary = list?.models.find((m) => m.name === (name || list.default));
-  const described = !summary || raw.name === summary.name; // a server whose /model ignores ?model= describes its default
-  const a = described ? raw.architecture : summary;
+  // a server whose /model ignores ?model= describes its default: then /models says the rest
+  const described = !summary || raw.name === summary.name ? raw : fromSummary(summary, raw);
+  const a = described.architecture;
   const meta = {
-    ...(described ? raw : { name: summary.name, context_length: summary.context_length, vocab_size: summary.vocab_size, parameters: summary.parameters, device: raw.device, limits: raw.limits }),
+    ...described,
     n_layers: a.n_layers,
     n_heads: a.n_heads,
     d_model: a.d_model,
     max_new_tokens: raw.limits.max_new_tokens,
-    family: summary?.family ?? raw.architecture.family ?? "decoder",
-    attention: summary?.attention ?? (raw.architecture.family === "encoder" ? "bidirectional" : "causal"),
+    family: summary?.family ?? a.family ?? "decoder",
+    attention: summary?.attention ?? (a.family === "encoder" ? "bidirectional" : "causal"),
     tasks: summary?.tasks ?? ["generate", "attention"],
     labels: summary?.labels ?? null,
     pooling: summary?.pooling ?? null,
