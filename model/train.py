@@ -76,6 +76,8 @@ class TrainSettings:
     classify_warmup_steps: int = 20
     classify_batch_size: int = 32
     bow_baseline: bool = True  # the final report measures bag-of-words and majority baselines
+    # encoder-decoder only: held-out pairs of each kind (dates, numbers) the final report decodes
+    eval_pairs: int = 2000
 
 
 @dataclass

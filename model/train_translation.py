@@ -62,14 +62,14 @@ def exact_match(model, tokenizer: Tokenizer, pairs: list[Pair]) -> dict:
 class TranslationObjective:
     has_unused_parameters = False
     QUICK_EVAL = 100  # held-out pairs of each kind in the periodic evaluations
-    REPORT_EVAL = 2000  # ... and in the final report
 
     def __init__(self, run: RunConfig, tokenizer: Tokenizer, device, autocast):
         if tokenizer.pad_id is None:
             raise ValueError("the translator needs a tokenizer with [PAD] (encoder_tokens=True)")
         self.s, self.cfg, self.tokenizer, self.device, self.autocast = run.train, run.model, tokenizer, device, autocast
         self.total_steps = self.s.max_steps
-        self.quick = {k: held_out_sample(k, self.QUICK_EVAL, seed=1) for k in KINDS}
+        n_quick = min(self.QUICK_EVAL, self.s.eval_pairs)
+        self.quick = {k: held_out_sample(k, n_quick, seed=1) for k in KINDS}
 
     def phase(self, step: int) -> str | None:
         return None
@@ -117,7 +117,7 @@ class TranslationObjective:
                 f"numbers {ev['val_number_exact_match']:.3f}")
 
     def final_report(self, model) -> dict:
-        return translation_report(model, self.tokenizer, self.REPORT_EVAL)
+        return translation_report(model, self.tokenizer, self.s.eval_pairs)
 
 
 def translation_report(model, tokenizer: Tokenizer, n_per_kind: int, seed: int = 0, n_mistakes: int = 10) -> dict:
