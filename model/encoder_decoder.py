@@ -95,6 +95,15 @@ class TranslationCache:
     def row_slice(self, rows: slice | None, batch: int) -> slice:
         return self.decoder.row_slice(rows, batch)
 
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Every key tensor held (decoder self-attention, then cross-attention), e.g. to size it."""
+        return self.decoder.keys + self.cross_keys
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return self.decoder.values + self.cross_values
+
     # --- the source side ---------------------------------------------------------------
     def store_source(self, rows: slice, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep one decoder layer's cross keys/values (B, H, S, D) for rows `rows`."""
@@ -340,3 +349,16 @@ def greedy_translate(model: EncoderDecoder, tokenizer, texts: list[str], batch_s
         for ids in greedy_translate_ids(model, chunk, start, start):
             results.append(tokenizer.decode(ids))
     return results
+
+
+@torch.inference_mode()
+def attention_groups(model: EncoderDecoder, source_ids: list[int], decoder_ids: list[int]):
+    """The three groups of attention maps of one (source, decoder input) pair, each a
+    (L, H, ., .) tensor: encoder self (S x S), decoder self (T x T, causal), cross (T x S).
+    `decoder_ids` are the decoder's inputs: the start token, then the target."""
+    device = model.tok_emb.weight.device
+    src = torch.tensor([source_ids], dtype=torch.long, device=device)
+    tgt = torch.tensor([decoder_ids], dtype=torch.long, device=device)
+    out = model(tgt, source=src, return_attention=True, last_only=True)
+    stack = lambda maps: torch.stack([m[0] for m in maps])  # L x (1, H, ., .) -> (L, H, ., .)
+    return stack(out.encoder_attentions), stack(out.attentions), stack(out.cross_attentions)

@@ -246,3 +246,14 @@ def test_checkpoint_round_trip_builds_the_family(tmp_path, model):
     src = torch.tensor([[5, 6, 7]])
     tgt = torch.tensor([[0, 8]])
     torch.testing.assert_close(ck.model(tgt, source=src).logits, m(tgt, source=src).logits)
+
+
+def test_attention_groups_of_one_pair(model):
+    from model.encoder_decoder import attention_groups
+
+    enc, dec, cross = attention_groups(model, [5, 6, 7, 8], [0, 9, 10])
+    assert enc.shape == (L, H, 4, 4) and dec.shape == (L, H, 3, 3) and cross.shape == (L, H, 3, 4)
+    with torch.no_grad():
+        out = model(torch.tensor([[0, 9, 10]]), source=torch.tensor([[5, 6, 7, 8]]), return_attention=True)
+    torch.testing.assert_close(cross[1], out.cross_attentions[1][0])
+    torch.testing.assert_close(enc[0], out.encoder_attentions[0][0])
