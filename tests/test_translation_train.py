@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -11,6 +16,8 @@ from model import load_checkpoint
 from model.encoder_decoder import EncoderDecoder
 from model.train import load_run_config, train
 from translator_helpers import small_translation_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
 
 TINY_TRANSLATOR_TOML = """
 [model]
@@ -81,3 +88,19 @@ def test_resumed_translator_run_equals_an_uninterrupted_one(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name].float(), b[name].float(), atol=2e-3, rtol=0)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_translator_run_over_gloo(tmp_path):
+    cfg = write_config(tmp_path)
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "app.cli", "train", "--config", str(cfg), "--out", str(out), "--set", "train.max_steps=4",
+           "--set", "train.eval_pairs=4"]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["hardware"].startswith("2 x CPU") and report["steps"] == 4
+    assert report["held_out_numbers"]["n"] == 4
+    assert isinstance(load_checkpoint(out).model, EncoderDecoder)
