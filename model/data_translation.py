@@ -115,3 +115,23 @@ def tokenizer_corpus(step: int = 5) -> list[str]:
     pairs = [date_pair(day, fmt) for day in range(0, N_DAYS, step) for fmt in DATE_FORMATS]
     pairs += [number_pair(n) for n in list(range(1000)) + list(range(1000, N_NUMBERS, 997))]
     return [text for pair in pairs if not is_held_out(pair.source) for text in pair[1:]]
+
+
+def all_held_out(kind: str) -> list[Pair]:
+    """Every held-out pair of one kind (about 21,900 dates or 100,000 numbers; slow: it
+    formats every candidate's source)."""
+    if kind == "date":
+        from babel.dates import format_date
+
+        out = []
+        for day in range(N_DAYS):
+            d = FIRST_DATE + datetime.timedelta(days=day)
+            for fmt in DATE_FORMATS:
+                source = format_date(d, format=fmt, locale="en")
+                if is_held_out(source):
+                    out.append(Pair("date", source, format_date(d, format=fmt, locale="fr")))
+        return out
+    from num2words import num2words
+
+    return [Pair("number", s, num2words(n, lang="fr"))
+            for n, s in ((n, num2words(n, lang="en")) for n in range(N_NUMBERS)) if is_held_out(s)]
