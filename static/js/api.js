@@ -12,32 +12,27 @@ export class ApiError extends Error {
   }
 }
 
-/** Turn a FastAPI/pydantic `detail` into readable text plus the rejected field names. */
+/** The server's `detail`: a message, or pydantic's list of {loc, msg, type} for a 422. */
 export function describeDetail(detail) {
-  if (detail == null) return { text: "", fields: [] };
-  if (typeof detail === "string") return { text: detail, fields: [] };
+  if (detail == null) return "";
+  if (typeof detail === "string") return detail;
   if (Array.isArray(detail)) {
-    const fields = [];
-    const parts = detail.map((d) => {
-      if (typeof d === "string") return d;
-      const loc = Array.isArray(d.loc) ? d.loc.filter((p) => p !== "body") : [];
-      const field = loc.filter((p) => typeof p === "string").join(".") || d.field || "";
-      if (field) fields.push(field.split(".")[0]);
-      let msg = d.msg || d.reason || d.message || JSON.stringify(d);
-      msg = msg.replace(/^Value error, /, "");
-      return field ? `${field}: ${msg}` : msg;
-    });
-    return { text: parts.join("; "), fields };
+    return detail
+      .map((d) => {
+        const field = (d.loc || []).filter((p) => p !== "body").join(".");
+        const msg = String(d.msg || "").replace(/^Value error, /, "");
+        return field ? `${field}: ${msg}` : msg;
+      })
+      .join("; ");
   }
-  if (typeof detail === "object") {
-    const field = detail.field || (Array.isArray(detail.loc) ? detail.loc.filter((p) => p !== "body").join(".") : "");
-    const msg = detail.message || detail.msg || detail.reason || detail.error || JSON.stringify(detail);
-    return { text: field ? `${field}: ${msg}` : msg, fields: field ? [field] : [] };
-  }
-  return { text: String(detail), fields: [] };
+  return JSON.stringify(detail);
 }
 
-/** Build an ApiError from a non-OK Response (reads its body). */
+/**
+ * Build an ApiError from a non-OK Response. The field to mark comes from the server's
+ * `param` (every native error that blames a field names it there), plus, for a 422 with
+ * several problems, each one's `loc`.
+ */
 export async function errorFromResponse(res) {
   let body = null;
   let raw = "";
@@ -47,22 +42,21 @@ export async function errorFromResponse(res) {
   } catch {
     body = null;
   }
-  const d = body && typeof body === "object" ? body.detail ?? body.error ?? body.message ?? body : raw;
-  let { text, fields } = describeDetail(d);
-  if (body && typeof body === "object" && body.error && typeof body.error === "object") {
-    ({ text, fields } = describeDetail(body.error));
-  }
-  // native errors name the request field to fix in `param` (400s have no field list)
-  if (body && typeof body === "object" && typeof body.param === "string" && body.param) {
-    const f = body.param.split(".")[0];
-    if (!fields.includes(f)) fields = [...fields, f];
-  }
+  const detail = body && typeof body === "object" ? body.detail : raw;
+  const text = describeDetail(detail);
+  const fields = [];
+  if (typeof body?.param === "string" && body.param) fields.push(body.param.split(".")[0]);
+  if (Array.isArray(detail)) for (const d of detail) fields.push(...(d.loc || []).filter((p) => p !== "body").slice(0, 1).map(String));
   const retryAfter = res.headers.get("Retry-After");
   let message;
   switch (res.status) {
     case 422:
     case 400:
       message = `Invalid request — ${text || res.statusText}`;
+      break;
+    case 401:
+    case 403:
+      message = `Not allowed — ${text || "the server wants an API key"}`;
       break;
     case 413:
       message = `Input too large — ${text || "the request body or text is over the server's limit"}`;
@@ -76,7 +70,32 @@ export async function errorFromResponse(res) {
     default:
       message = `Server error ${res.status}${text ? ` — ${text}` : res.statusText ? ` — ${res.statusText}` : ""}`;
   }
-  return new ApiError(message, { status: res.status, fields, retryAfter, detail: d });
+  return new ApiError(message, { status: res.status, fields: [...new Set(fields)], retryAfter, detail });
+}
+
+const KEY_STORAGE = "attnlens-api-key";
+
+/** The API key this browser sends (localStorage, never the URL), or "". */
+export function apiKey() {
+  try {
+    return localStorage.getItem(KEY_STORAGE) || "";
+  } catch {
+    return "";
+  }
+}
+
+export function setApiKey(key) {
+  try {
+    if (key) localStorage.setItem(KEY_STORAGE, key);
+    else localStorage.removeItem(KEY_STORAGE);
+  } catch {
+    /* private mode: nothing kept */
+  }
+}
+
+function headers(extra) {
+  const key = apiKey();
+  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
 }
 
 function networkError(err) {
@@ -90,7 +109,7 @@ export async function postRaw(path, body, { signal } = {}) {
   try {
     res = await fetch(path, {
       method: "POST",
-      headers: { "Content-Type": "application/json", Accept: "application/json, text/event-stream" },
+      headers: headers({ "Content-Type": "application/json", Accept: "application/json, text/event-stream" }),
       body: JSON.stringify(body),
       signal,
     });
@@ -113,7 +132,7 @@ export async function postJSON(path, body, opts) {
 export async function getJSON(path, { signal } = {}) {
   let res;
   try {
-    res = await fetch(path, { headers: { Accept: "application/json" }, signal });
+    res = await fetch(path, { headers: headers({ Accept: "application/json" }), signal });
   } catch (err) {
     throw networkError(err);
   }
@@ -212,8 +231,7 @@ export async function fetchAttention(source, { layers = null, heads = null, form
   const resp = await postJSON("/attention", body, { signal });
   const data = decodeAttention(resp);
   const T = resp.tokens.length;
-  const L = resp.shape?.[0] ?? ((resp.layers ?? layers ?? []).length || resp.n_layers);
-  const H = resp.shape?.[1] ?? ((resp.heads ?? heads ?? []).length || resp.n_heads);
+  const [L, H] = resp.shape;
   if (data.length !== L * H * T * T) {
     throw new ApiError(
       `Unexpected attention payload: ${data.length} values for ${L} layers × ${H} heads × ${T}² tokens`,
@@ -224,8 +242,8 @@ export async function fetchAttention(source, { layers = null, heads = null, form
     tokens: resp.tokens,
     nLayers: resp.n_layers,
     nHeads: resp.n_heads,
-    layers: resp.layers ?? layers ?? [...Array(L).keys()],
-    heads: resp.heads ?? heads ?? [...Array(H).keys()],
+    layers: resp.layers,
+    heads: resp.heads,
     T,
     data,
   };

@@ -203,77 +203,22 @@ export function maxAbs(m) {
   return mx;
 }
 
-/** Entropy-free summary stats for a head, shown in the model view tooltip. */
+/**
+ * How much a head attends to the query itself, the previous token and the first token,
+ * each averaged over the same query rows 1 … T−1 (row 0 can only attend to itself, which
+ * would count 1.0 for both "itself" and "first token"). NaN when T < 2.
+ */
 export function headStats(m, T) {
-  let diag = 0;
+  let self = 0;
   let first = 0;
   let prev = 0;
-  for (let r = 0; r < T; r++) {
-    diag += m[r * T + r] || 0;
+  for (let r = 1; r < T; r++) {
+    self += m[r * T + r] || 0;
     first += m[r * T] || 0;
-    if (r > 0) prev += m[r * T + r - 1] || 0;
+    prev += m[r * T + r - 1] || 0;
   }
-  return { self: diag / T, first: first / T, previous: T > 1 ? prev / (T - 1) : 0 };
+  const n = T - 1;
+  return n > 0 ? { self: self / n, first: first / n, previous: prev / n, rows: n } : { self: NaN, first: NaN, previous: NaN, rows: 0 };
 }
 
-/** The q-th quantile (0..1) of the finite values of `m`, estimated from at most ~4096 samples. */
-export function quantile(m, q, { from = 0 } = {}) {
-  const n = m.length - from;
-  if (n <= 0) return 0;
-  const stride = Math.max(1, Math.floor(n / 4096));
-  const sample = [];
-  for (let i = from; i < m.length; i += stride) {
-    const v = m[i];
-    if (v === v && v > 0) sample.push(v);
-  }
-  if (!sample.length) return 0;
-  const s = Float32Array.from(sample).sort();
-  return s[Math.min(s.length - 1, Math.floor(q * (s.length - 1)))];
-}
-
-/** Each row divided by its own maximum (NaN stays NaN). */
-export function rowNormalise(m, cols) {
-  const rows = m.length / cols;
-  const out = new Float32Array(m.length);
-  for (let r = 0; r < rows; r++) {
-    const b = r * cols;
-    let mx = 0;
-    for (let c = 0; c < cols; c++) if (m[b + c] > mx) mx = m[b + c];
-    for (let c = 0; c < cols; c++) {
-      const v = m[b + c];
-      out[b + c] = v !== v ? NaN : mx > 0 ? v / mx : 0;
-    }
-  }
-  return out;
-}
-
-export const SCALES = {
-  p99: "0 – 99th percentile",
-  max: "0 – max",
-  unit: "0 – 1",
-  row: "each row to its max",
-  sqrt: "√, 0 – max",
-};
-
-/**
- * How to colour a non-negative matrix: returns {data, vmin, vmax, gamma, label}.
- * "p99" ignores the first row (a causal model's first query always puts 1.0 on itself,
- * which would otherwise make every map's maximum 1).
- */
-export function colourScale(m, cols, mode, { skipFirstRow = true } = {}) {
-  const from = skipFirstRow && m.length > cols ? cols : 0;
-  switch (mode) {
-    case "unit":
-      return { data: m, vmin: 0, vmax: 1, gamma: 1, label: "attention weight" };
-    case "row":
-      return { data: rowNormalise(m, cols), vmin: 0, vmax: 1, gamma: 1, label: "weight ÷ row maximum" };
-    case "sqrt":
-      return { data: m, vmin: 0, vmax: maxOf(m) || 1, gamma: 0.5, label: "attention weight (√ scale)" };
-    case "max":
-      return { data: m, vmin: 0, vmax: maxOf(m) || 1, gamma: 1, label: "attention weight" };
-    default: {
-      const v = quantile(m, 0.99, { from }) || maxOf(m) || 1;
-      return { data: m, vmin: 0, vmax: v, gamma: 1, label: "weight (colour clipped at 99th pct.)" };
-    }
-  }
-}
+export const HEAD_STATS_ROWS = "averaged over query rows 1 … T−1 (row 0 can only attend to itself)";

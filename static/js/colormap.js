@@ -136,7 +136,3 @@ export function luminance(name, t) {
   };
   return 0.2126 * lin(table[i]) + 0.7152 * lin(table[i + 1]) + 0.0722 * lin(table[i + 2]);
 }
-
-export function isDiverging(name) {
-  return DIVERGING.includes(name);
-}

@@ -1,663 +1,233 @@
-// attnlens page: wires the prompt and generation panel, the attention views, the URL state,
-// themes and error messages together. Each view lives in views/*.js.
+// attnlens page: creates the store, the controls and the output panel, and renders the chosen
+// view from the store's state. Views read one params object (views/params.js); the URL is
+// derived from the state (state/url.js); everything that changes the state calls store.set.
 
-import { ApiError, getModel, postRaw, fetchAttention } from "./api.js";
-import { readSSE } from "./sse.js";
+import { ApiError, fetchAttention, setApiKey, apiKey } from "./api.js";
+import { loadModel } from "./model.js";
 import { AttentionSet } from "./attention.js";
-import { drawLegend } from "./heatmap.js";
-import { lut } from "./colormap.js";
+import { drawLegend } from "./paint.js";
+import { createStore } from "./state/store.js";
 import { readURL, writeURL } from "./state/url.js";
-import { showTooltip, hideTooltip } from "./tooltip.js";
-import { escapeHTML, visible } from "./tokens.js";
-import { HeadView } from "./views/headview.js";
-import { ModelView } from "./views/modelview.js";
-import { AggregateView } from "./views/aggregateview.js";
-import { DiffView } from "./views/diffview.js";
-import { LineView } from "./views/lineview.js";
-import { GenView } from "./views/genview.js";
+import { URL_KEYS } from "./state/schema.js";
+import { VIEWS, VIEW_IDS, viewById } from "./views/registry.js";
+import { viewParams, constrainState } from "./views/params.js";
+import { buildControls, modelControls, syncControls } from "./controls.js";
+import { showError, clearMessages, wireFieldResets, setKeyHandler } from "./messages.js";
+import { OutputPanel } from "./output.js";
+import { GenerationRecord, readSamplingForm, streamGeneration } from "./generation.js";
+import { exportPNG, exportJSON } from "./export.js";
+import { wireTheme } from "./theme.js";
 
 const $ = (sel) => document.querySelector(sel);
-const VIEWS = { head: HeadView, model: ModelView, aggregate: AggregateView, diff: DiffView, lines: LineView, gen: GenView };
-const DEFAULTS = {
-  view: "head",
-  layer: 0,
-  head: 0,
-  sink: false,
-  cmap: "viridis",
-  dcmap: "RdBu",
-  scale: "p99",
-  op: "mean",
-  diff: "heads",
-  layerB: 0,
-  headB: 1,
-  step: 0,
-};
 
-// Exposed for tests and for poking around in the console.
-window.__attnlens = { perf: {}, renders: 0, errors: [] };
+const store = createStore(readURL());
+window.__attnlens = { perf: {}, renders: 0, errors: [], store, views: VIEWS, urlKeys: URL_KEYS.map((k) => k.key), current: () => current?.view ?? null };
+
+// keys whose change means a view must draw again, by what the view draws from
+const SHOWN = ["view", "layer", "head", "pin", "sink", "cmap", "dcmap", "scale", "zoom", "op", "layers", "heads", "diff", "layerB", "headB", "promptB", "meta"];
+const RENDER_KEYS = { analysis: new Set([...SHOWN, "att"]), generation: new Set([...SHOWN, "gen", "step", "streaming"]) };
 
 // ---------------------------------------------------------------------------------------
-// App state
+// The view on screen
 // ---------------------------------------------------------------------------------------
-const app = {
-  meta: null,
-  att: null, // AttentionSet of the analysed text
-  gen: null, // {promptTokens, tokens, attention, text}
-  view: null,
-  seq: 0,
-  state: { ...DEFAULTS, pinned: new Set(), layers: [], heads: [], prompt: "", text: "", promptB: "" },
-
-  async setState(patch, { quiet = false, render = true } = {}) {
-    Object.assign(this.state, patch);
-    syncControls();
-    saveURL();
-    if (!quiet && render) await renderView();
-  },
-
-  selectHead(layer, head, { view = null, quiet = false } = {}) {
-    const patch = { layer, head };
-    if (view) patch.view = view;
-    if (view && view !== this.state.view) {
-      Object.assign(this.state, patch);
-      return switchView(view);
-    }
-    return this.setState(patch, { quiet });
-  },
-
-  setPinned(rows) {
-    this.state.pinned = new Set(rows);
-    if (this.view?.onPinnedChange) this.view.onPinnedChange();
-  },
-
-  setLegend(spec) {
-    const wrap = $("#legend-wrap");
-    if (!spec) {
-      wrap.hidden = true;
-      return;
-    }
-    wrap.hidden = false;
-    drawLegend($("#legend"), spec);
-    $("#legend-label").textContent = spec.label || "";
-  },
-
-  setCaption(html) {
-    $("#caption").innerHTML = html;
-  },
-
-  /** Show the spinner while a promise runs. */
-  async track(promise) {
-    busy(+1);
-    try {
-      return await promise;
-    } finally {
-      busy(-1);
-    }
-  },
-
-  showError(err, context) {
-    showError(err, context);
-  },
-
-  markGeneratedStep(step) {
-    document.querySelectorAll("#output .tok.gen.current").forEach((el) => el.classList.remove("current"));
-    const el = document.querySelector(`#output .tok.gen[data-step="${step}"]`);
-    if (el) {
-      el.classList.add("current");
-      el.scrollIntoView({ block: "nearest" });
-    }
-  },
-};
-window.__attnlens.app = app;
-
+let current = null; // {id, view}
+let seq = 0;
 let busyCount = 0;
+
 function busy(d) {
   busyCount = Math.max(0, busyCount + d);
   $("#spinner").hidden = busyCount === 0;
   document.documentElement.toggleAttribute("data-busy", busyCount > 0);
 }
 
-// ---------------------------------------------------------------------------------------
-// Messages
-// ---------------------------------------------------------------------------------------
-const FIELD_INPUTS = ["prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs"];
-
-function clearFieldErrors() {
-  for (const f of FIELD_INPUTS) $("#" + f)?.removeAttribute("aria-invalid");
-}
-
-function showError(err, context = "", { warn = false } = {}) {
-  if (err?.detail === "aborted") return;
-  const msg = err instanceof ApiError ? err.message : err?.message || String(err);
-  window.__attnlens.errors.push(`${context}: ${msg}`);
-  const box = document.createElement("div");
-  box.className = "message" + (warn ? " warn" : "");
-  box.innerHTML = `<span class="icon" aria-hidden="true">${warn ? "!" : "✕"}</span><div class="body"><span class="title"></span><span class="text"></span></div><button type="button" class="close" aria-label="Dismiss">×</button>`;
-  box.querySelector(".title").textContent = context ? `${context} failed` : "Error";
-  box.querySelector(".text").textContent = msg;
-  box.querySelector(".close").addEventListener("click", () => box.remove());
-  const host = $("#messages");
-  while (host.children.length >= 3) host.firstElementChild.remove();
-  host.append(box);
-  if (err instanceof ApiError) {
-    for (const f of err.fields || []) {
-      const el = $("#" + f);
-      if (el) el.setAttribute("aria-invalid", "true");
-    }
-    // the server names max_new_tokens for "prompt + max_new_tokens > context"
-    if (err.status === 400 && /max_new_tokens/.test(msg)) $("#max_new_tokens")?.setAttribute("aria-invalid", "true");
-  }
-}
-
-function clearMessages() {
-  $("#messages").replaceChildren();
-  clearFieldErrors();
-}
-
-// ---------------------------------------------------------------------------------------
-// Model info and controls
-// ---------------------------------------------------------------------------------------
-function normaliseMeta(m) {
-  const arch = (m && typeof m.architecture === "object" && m.architecture) || m.config || {};
-  return {
-    ...m,
-    n_layers: m.n_layers ?? arch.n_layers,
-    n_heads: m.n_heads ?? arch.n_heads,
-    d_model: m.d_model ?? arch.d_model,
-    context_length: m.context_length ?? arch.context_length,
-    vocab_size: m.vocab_size ?? arch.vocab_size,
-    max_new_tokens: m.limits?.max_new_tokens ?? m.max_new_tokens ?? 512,
-  };
-}
-
-function showModelInfo(meta) {
-  const el = $("#model-info");
-  el.classList.remove("down");
-  const params = meta.parameters ? `${(meta.parameters / 1e6).toFixed(meta.parameters < 1e6 ? 3 : 1)} M params` : "";
-  const pills = [
-    ["model", meta.name],
-    ["layers", meta.n_layers],
-    ["heads", meta.n_heads],
-    ["d_model", meta.d_model],
-    ["context", meta.context_length],
-    ["vocab", meta.vocab_size],
-  ]
-    .filter(([, v]) => v != null)
-    .map(([k, v]) => `<span class="pill${k === "d_model" || k === "vocab" ? " minor" : ""}">${k} <b>${escapeHTML(v)}</b></span>`);
-  if (params) pills.push(`<span class="pill minor">${params}</span>`);
-  if (meta.device) pills.push(`<span class="pill minor">${escapeHTML(meta.device)}</span>`);
-  el.innerHTML = pills.join("");
-}
-
-function fillSelect(sel, n, prefix) {
-  const cur = sel.value;
-  sel.replaceChildren(...Array.from({ length: n }, (_, i) => new Option(`${prefix}${i}`, String(i))));
-  if (cur && +cur < n) sel.value = cur;
-}
-
-function toggleSet(host, n, prefix, key) {
-  host.replaceChildren();
-  for (let i = 0; i < n; i++) {
-    const label = document.createElement("label");
-    label.innerHTML = `<input type="checkbox" value="${i}" aria-label="${key === "layers" ? "layer" : "head"} ${i}"><span>${prefix}${i}</span>`;
-    label.querySelector("input").addEventListener("change", () => {
-      const values = [...host.querySelectorAll("input:checked")].map((x) => +x.value);
-      app.setState({ [key]: values });
-    });
-    host.append(label);
-  }
-  const all = document.createElement("button");
-  all.type = "button";
-  all.className = "btn small ghost";
-  all.textContent = "all";
-  all.addEventListener("click", () => app.setState({ [key]: [...Array(n).keys()] }));
-  host.append(all);
-}
-
-function buildControls() {
-  const { n_layers: L, n_heads: H } = app.meta;
-  fillSelect($("#layer"), L, "L");
-  fillSelect($("#head"), H, "H");
-  fillSelect($("#layerB"), L, "L");
-  fillSelect($("#headB"), H, "H");
-  toggleSet($("#agg-layers"), L, "L", "layers");
-  toggleSet($("#agg-heads"), H, "H", "heads");
-  const s = app.state;
-  s.layer = Math.min(s.layer, L - 1);
-  s.head = Math.min(s.head, H - 1);
-  s.layerB = Math.min(s.layerB, L - 1);
-  s.headB = Math.min(s.headB, H - 1);
-  if (!s.layers.length) s.layers = [...Array(L).keys()];
-  if (!s.heads.length) s.heads = [...Array(H).keys()];
-  const maxNew = Math.max(1, Math.min(app.meta.max_new_tokens, (app.meta.context_length || 1024) - 1));
-  $("#max_new_tokens").max = String(maxNew);
-  if (+$("#max_new_tokens").value > maxNew) $("#max_new_tokens").value = String(Math.max(1, Math.floor(maxNew / 2)));
-  syncControls();
-}
-
-/** Make every control show the state. */
-function syncControls() {
-  const s = app.state;
-  const setVal = (sel, v) => {
-    const el = $(sel);
-    if (el && v != null && el.value !== String(v)) el.value = String(v);
-  };
-  setVal("#layer", s.layer);
-  setVal("#head", s.head);
-  setVal("#layerB", s.layerB);
-  setVal("#headB", s.headB);
-  setVal("#cmap", s.cmap);
-  setVal("#dcmap", s.dcmap);
-  setVal("#scale", s.scale);
-  setVal("#op", s.op);
-  $("#sink").checked = !!s.sink;
-  for (const input of $("#agg-layers").querySelectorAll("input")) input.checked = s.layers.includes(+input.value);
-  for (const input of $("#agg-heads").querySelectorAll("input")) input.checked = s.heads.includes(+input.value);
-  for (const r of document.querySelectorAll('input[name="diff"]')) r.checked = r.value === s.diff;
-  const dg = document.querySelector('.opt-group[data-view="diff"]');
-  dg.dataset.mode = s.diff;
-  $("#diff-a-layer").textContent = s.layer;
-  $("#diff-a-head").textContent = s.head;
-  if (document.activeElement !== $("#promptB")) $("#promptB").value = s.promptB || "";
-  for (const tab of document.querySelectorAll('[role="tab"]')) {
-    const on = tab.dataset.view === s.view;
-    tab.setAttribute("aria-selected", on ? "true" : "false");
-    tab.tabIndex = on ? 0 : -1;
-  }
-  for (const g of document.querySelectorAll(".opt-group")) g.classList.toggle("active", g.dataset.view === s.view);
-  for (const ctl of document.querySelectorAll(".toolbar [data-for]")) ctl.hidden = !ctl.dataset.for.split(" ").includes(s.view);
-  $("#cmap").closest(".ctl").hidden = s.view === "diff" || s.view === "lines";
-  $("#scale").closest(".ctl").hidden = s.view === "lines";
-  app.view?.markSelected?.();
-}
-
-function saveURL() {
-  const s = app.state;
-  const defaults = { ...DEFAULTS, prompt: "", text: s.prompt };
-  if (app.meta) {
-    defaults.layers = [...Array(app.meta.n_layers).keys()];
-    defaults.heads = [...Array(app.meta.n_heads).keys()];
-  }
-  writeURL({ ...s, prompt: s.prompt, text: s.text !== s.prompt ? s.text : "" }, defaults);
-}
-
-// ---------------------------------------------------------------------------------------
-// Views
-// ---------------------------------------------------------------------------------------
-async function switchView(name) {
-  if (!VIEWS[name]) name = "head";
-  app.view?.unmount();
-  app.view = null;
-  app.state.view = name;
-  syncControls();
-  saveURL();
-  await renderView();
-}
-
-async function renderView() {
-  const seq = ++app.seq;
-  const host = $("#view-host");
-  const needsText = app.state.view !== "gen";
-  $("#view-empty").hidden = !needsText || !!app.att;
-  if (needsText && !app.att) {
-    app.view?.unmount();
-    app.view = null;
-    app.setLegend(null);
-    app.setCaption("");
-    return;
-  }
-  if (!app.view || !(app.view instanceof VIEWS[app.state.view])) {
-    app.view?.unmount();
-    app.view = new VIEWS[app.state.view](app);
-    app.view.mount(host);
-  }
-  const view = app.view;
+async function track(promise) {
   busy(+1);
   try {
-    await view.render(seq);
-    if (seq === app.seq) {
-      window.__attnlens.renders++;
-      host.dataset.rendered = `${app.state.view}:${app.state.layer}:${app.state.head}:${app.att?.T ?? 0}:${window.__attnlens.renders}`;
-    }
-  } catch (err) {
-    if (seq === app.seq) showError(err, "Loading attention");
+    return await promise;
   } finally {
     busy(-1);
   }
 }
 
-/**
- * Analyse a new text: fetch its attention (lazily, per view) and redraw. With `ids` (the token
- * ids of prompt + generation) the server analyses exactly those tokens and `text` is the label.
- */
-async function analyse(text, { ids = null } = {}) {
-  if (!app.meta) {
-    showError(new ApiError("the model description (/model) is not loaded — is the server running?"), "Analysis");
-    return;
+const ctx = {
+  select: (patch) => store.set(patch),
+  setCaption: (html) => ($("#caption").innerHTML = html),
+  setLegend(spec) {
+    $("#legend-wrap").hidden = !spec;
+    if (!spec) return;
+    drawLegend($("#legend"), spec);
+    $("#legend-label").textContent = spec.label || "";
+  },
+  track,
+  showError,
+};
+
+function clearFrame() {
+  current?.view.unmount();
+  current = null;
+  ctx.setLegend(null);
+  ctx.setCaption("");
+}
+
+async function renderView(changed = null) {
+  const s = store.state;
+  const entry = viewById(s.view);
+  const source = entry.source;
+  $(".view-frame").classList.toggle("stale", s.streaming && source === "analysis");
+  if (changed && current?.id === entry.id && ![...changed].some((k) => RENDER_KEYS[source].has(k))) return;
+  const mine = ++seq;
+  const empty = !s.meta || (source === "analysis" && !s.att);
+  $("#view-empty").hidden = !empty;
+  if (empty) return clearFrame();
+  if (current?.id !== entry.id) {
+    clearFrame();
+    current = { id: entry.id, view: new entry.View(ctx) };
+    current.view.mount($("#view-host"));
+    changed = null; // a new view draws everything
   }
-  if (!text) {
-    showError(new ApiError("Type a prompt first."), "Analysis", { warn: true });
-    return;
-  }
-  const set = new AttentionSet(text, app.meta, { ids });
-  // Get the tokens (and the layer on screen) before swapping in, so errors leave the old view.
+  const view = current.view;
+  busy(+1);
   try {
-    await app.track(set.ensure([Math.min(app.state.layer, app.meta.n_layers - 1)]));
+    await view.render(viewParams(s), changed, () => mine === seq && current?.view === view);
+    if (mine === seq) {
+      window.__attnlens.renders++;
+      $("#view-host").dataset.rendered = `${s.view}:${s.layer}:${s.head}:${s.att?.T ?? 0}:${window.__attnlens.renders}`;
+    }
+  } catch (err) {
+    if (mine === seq) showError(err, "Drawing the view");
+  } finally {
+    busy(-1);
+  }
+}
+
+let pending = null;
+function scheduleRender(changed) {
+  if (pending) {
+    for (const k of changed) pending.add(k);
+    return;
+  }
+  pending = new Set(changed);
+  queueMicrotask(() => {
+    const c = pending;
+    pending = null;
+    renderView(c);
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Analysis and generation
+// ---------------------------------------------------------------------------------------
+/** Fetch the attention of a text (or of exact token ids) and make it the analysed sequence. */
+async function analyse({ text, ids = null, source = "prompt", keepPin = false }) {
+  const meta = store.get("meta");
+  if (!meta) return showError(new ApiError("the model description (/model) is not loaded — is the server running?"), "Analysis");
+  if (!text && !ids) return showError(new ApiError("Type a prompt first."), "Analysis", { warn: true });
+  const set = new AttentionSet(text, meta, { ids });
+  try {
+    await track(set.ensure([store.get("layer")])); // errors leave the old picture
   } catch (err) {
     showError(err, "Attention");
-    if (!ids && err instanceof ApiError && /text/.test(err.message)) $("#prompt").setAttribute("aria-invalid", "true");
-    return;
+    return null;
   }
-  app.att = set;
-  app.state.text = text;
-  app.state.pinned = new Set();
-  const T = set.T;
-  $("#analysed").textContent = `${T} tokens analysed${set.lastFormat && set.lastFormat !== "json" ? ` · ${set.lastFormat}` : ""}`;
-  $("#analysed").title = text;
-  if (text === $("#prompt").value && app.meta.context_length) {
-    const room = app.meta.context_length - T;
-    $("#prompt-hint").textContent = `${T} tokens · ${Math.max(0, room)} free in the context`;
-  }
-  saveURL();
-  await renderView();
+  store.set(keepPin ? { att: set, source } : { att: set, source, pin: [] });
+  $("#analysed").textContent = `${set.T} tokens analysed${set.lastFormat !== "json" ? ` · ${set.lastFormat}` : ""}`;
+  if (source === "prompt") $("#prompt-hint").textContent = `${set.T} tokens · ${Math.max(0, meta.context_length - set.T)} free in the context`;
+  return set;
 }
 
-// ---------------------------------------------------------------------------------------
-// Generation
-// ---------------------------------------------------------------------------------------
 let controller = null;
-
-function parseStops(raw) {
-  raw = raw.trim();
-  if (!raw) return [];
-  if (raw.startsWith("[")) {
-    try {
-      const v = JSON.parse(raw);
-      if (Array.isArray(v)) return v.map(String);
-    } catch {
-      /* fall through */
-    }
-  }
-  return raw
-    .split(",")
-    .map((s) => s.trim().replace(/\\n/g, "\n").replace(/\\t/g, "\t"))
-    .filter((s) => s.length);
-}
-
-function numberField(id) {
-  const el = $("#" + id);
-  if (el.validity?.badInput) return NaN;
-  const v = el.value.trim();
-  if (v === "") return undefined;
-  return Number(v);
-}
-
-function readParams() {
-  const body = { prompt: $("#prompt").value };
-  for (const f of ["max_new_tokens", "temperature", "top_k", "top_p", "seed", "logprobs"]) {
-    const v = numberField(f);
-    if (v === undefined) continue;
-    body[f] = Number.isNaN(v) ? $("#" + f).value : v;
-  }
-  if (body.top_k === undefined) body.top_k = null;
-  if (body.seed === undefined) body.seed = null;
-  body.stop = parseStops($("#stop").value);
-  body.return_attention = $("#return_attention").checked;
-  body.stream = true;
-  return body;
-}
-
-function tokenChip(t, step) {
-  const el = document.createElement("span");
-  el.className = "tok gen fresh";
-  el.tabIndex = 0;
-  el.dataset.step = step;
-  const p = Math.exp(t.logprob ?? 0);
-  const table = lut("viridis");
-  const i = Math.max(0, Math.min(255, Math.round(p * 255))) * 3;
-  el.style.setProperty("--chip-rgb", `${table[i]}, ${table[i + 1]}, ${table[i + 2]}`);
-  const text = t.text ?? t.delta ?? "";
-  // newlines stay line breaks but get a visible ↵ marker
-  const parts = text.split("\n");
-  parts.forEach((part, k) => {
-    if (k > 0) {
-      const ws = document.createElement("span");
-      ws.className = "ws";
-      ws.textContent = "↵";
-      el.append(ws, "\n");
-    }
-    if (part) el.append(part);
-  });
-  if (!text) el.textContent = "∅";
-  el.setAttribute("aria-label", `${visible(text)}: probability ${(p * 100).toFixed(1)}%`);
-  return el;
-}
-
-function chipTooltipHTML(t) {
-  if (t.logprob == null) return `<div class="tt-cell"><span class="tt-tok">${escapeHTML(visible(t.text))}</span></div><div class="tt-muted">no probability reported</div>`;
-  const p = Math.exp(t.logprob);
-  let rows = "";
-  const alts = t.top_logprobs || [];
-  const maxP = Math.max(p, ...alts.map((a) => Math.exp(a.logprob)));
-  for (const a of alts) {
-    const ap = Math.exp(a.logprob);
-    const chosen = a.id === t.id;
-    rows += `<span class="tt-tok ${chosen ? "chosen" : ""}">${escapeHTML(visible(a.text))}</span><span class="bar" style="width:${Math.max(1, (ap / maxP) * 100)}%"></span><span class="num ${chosen ? "chosen" : ""}">${(ap * 100).toFixed(1)}%</span>`;
-  }
-  return (
-    `<div class="tt-cell"><span class="tt-tok">${escapeHTML(visible(t.text))}</span> p = <b>${(p * 100).toFixed(2)}%</b> <span class="tt-muted">logprob ${t.logprob.toFixed(3)}</span></div>` +
-    (rows ? `<div class="tt-muted" style="margin-top:4px">top alternatives</div><div class="tt-alts">${rows}</div>` : "") +
-    `<div class="tt-muted" style="margin-top:4px">click: what it attended to</div>`
-  );
-}
-
-function bindChip(el, t, step) {
-  const show = () => {
-    const r = el.getBoundingClientRect();
-    showTooltip(chipTooltipHTML(t), r.left, r.bottom);
-  };
-  el.addEventListener("mouseenter", show);
-  el.addEventListener("focus", show);
-  el.addEventListener("mouseleave", hideTooltip);
-  el.addEventListener("blur", hideTooltip);
-  const open = () => {
-    app.state.step = step;
-    if (app.state.view !== "gen") switchView("gen");
-    else app.view?.draw?.();
-  };
-  el.addEventListener("click", open);
-  el.addEventListener("keydown", (e) => {
-    if (e.key === "Enter" || e.key === " ") {
-      e.preventDefault();
-      open();
-    }
-  });
-}
-
-function setGenerating(on) {
-  $("#generate").disabled = on;
-  $("#stop-btn").disabled = !on;
-  const st = $("#gen-status");
-  st.classList.toggle("running", on);
-}
+const output = new OutputPanel((step) => store.set({ step, view: "gen" }));
 
 async function generate() {
   if (controller) return;
   clearMessages();
-  const body = readParams();
-  const out = $("#output");
-  out.replaceChildren();
-  const promptSpan = document.createElement("span");
-  promptSpan.className = "tok prompt";
-  promptSpan.textContent = body.prompt;
-  out.append(promptSpan);
-  $("#gen-stats").replaceChildren();
-  const st = $("#gen-status");
-  st.textContent = "waiting…";
-  setGenerating(true);
+  const prompt = $("#prompt").value;
+  const body = readSamplingForm(prompt);
+  output.start(prompt);
   controller = new AbortController();
+  $("#generate").disabled = true;
+  $("#stop-btn").disabled = false;
+  store.set({ prompt, streaming: true, step: 0, gen: new GenerationRecord({ rows: body.return_attention ? [] : null }), ids: null, plen: 0 });
   const tokens = [];
-  const attention = [];
-  let done = null;
-  let streamError = null;
-  let stopped = false;
-  const addToken = (t) => {
-    const step = tokens.length;
-    tokens.push(t);
-    if (t.attention) attention.push(t.attention);
-    const chip = tokenChip(t, step);
-    bindChip(chip, t, step);
-    out.append(chip);
-    if (out.scrollHeight - out.scrollTop - out.clientHeight < 80) out.scrollTop = out.scrollHeight;
-    st.textContent = `${tokens.length} token${tokens.length === 1 ? "" : "s"}…`;
-  };
-  try {
-    const res = await postRaw("/generate", body, { signal: controller.signal });
-    const type = res.headers.get("content-type") || "";
-    if (type.includes("text/event-stream")) {
-      await readSSE(res, ({ event, data }) => {
-        if (event === "token") addToken(data);
-        else if (event === "done") done = data;
-        else if (event === "error") streamError = new ApiError(data?.message || String(data), { status: 500 });
-      });
-    } else {
-      const j = await res.json();
-      (j.tokens || []).forEach((t, i) => addToken({ ...t, attention: j.attention?.[i] }));
-      done = j;
-    }
-  } catch (err) {
-    if (err?.detail === "aborted" || err?.name === "AbortError") stopped = true;
-    else {
-      st.textContent = "failed";
-      showError(err, "Generation");
-      setGenerating(false);
-      controller = null;
-      out.dataset.done = "error";
-      if (!tokens.length) {
-        out.replaceChildren(Object.assign(document.createElement("p"), { className: "empty-note", textContent: "Nothing generated — see the message above." }));
-        return;
-      }
-    }
-  }
-  setGenerating(false);
+  const rows = [];
+  const { done, stopped, error } = await streamGeneration(body, {
+    signal: controller.signal,
+    onToken(t, i) {
+      tokens.push(t);
+      if (t.attention) rows.push(t.attention);
+      output.add(t, i);
+      const s = store.state;
+      const follow = s.step >= tokens.length - 2; // the view follows the newest token unless moved back
+      store.set({ gen: s.gen.with({ tokens: tokens.slice(), rows: body.return_attention ? rows.slice() : null }), step: follow ? tokens.length - 1 : s.step });
+    },
+  });
   controller = null;
-  if (streamError) showError(streamError, "Generation");
-  const text = done?.text ?? tokens.map((t) => t.delta ?? t.text).join("");
-  if (done) {
-    const u = done.usage || {};
-    const tm = done.timings || {};
-    st.textContent = `finished: ${done.finish_reason}`;
-    $("#gen-stats").innerHTML = [
-      `<span><b>${u.completion_tokens ?? tokens.length}</b> tokens</span>`,
-      u.prompt_tokens != null ? `<span>prompt <b>${u.prompt_tokens}</b></span>` : "",
-      tm.tokens_per_second != null ? `<span><b>${Number(tm.tokens_per_second).toFixed(1)}</b> tok/s</span>` : "",
-      tm.prefill_ms != null ? `<span>prefill <b>${Number(tm.prefill_ms).toFixed(0)}</b> ms</span>` : "",
-      tm.queue_ms != null ? `<span>queue <b>${Number(tm.queue_ms).toFixed(0)}</b> ms</span>` : "",
-    ].join("");
-  } else if (stopped) {
-    st.textContent = `stopped after ${tokens.length} token${tokens.length === 1 ? "" : "s"}`;
+  $("#generate").disabled = false;
+  $("#stop-btn").disabled = true;
+  if (error) showError(error, "Generation");
+  if (!tokens.length) {
+    store.set({ streaming: false, gen: null });
+    if (error) output.failed(false);
+    else output.finish(stopped ? "stopped before the first token" : `finished: ${done?.finish_reason}`, done);
+    return;
   }
-  out.dataset.done = "1";
-  if (!tokens.length) return;
-  // The prompt's tokens come with the answer (the stream's `done` event, or the JSON answer).
-  // Only a generation stopped before its end has none: then ask /attention for them (1 head).
+  if (done) output.finish(`finished: ${done.finish_reason}`, done);
+  else output.finish(error ? "failed" : `stopped after ${tokens.length} token${tokens.length === 1 ? "" : "s"}`);
+  // The prompt's tokens come with the `done` event; only a stopped generation has to ask.
   let promptTokens = done?.prompt_tokens;
   if (!promptTokens) {
     try {
-      promptTokens = (await fetchAttention(body.prompt, { layers: [0], heads: [0], format: "u8" })).tokens;
+      promptTokens = (await fetchAttention(prompt, { layers: [0], heads: [0], format: "u8" })).tokens;
     } catch {
-      promptTokens = null;
+      promptTokens = [];
     }
   }
-  app.gen = {
-    promptTokens: promptTokens || [],
-    tokens,
-    attention: attention.length === tokens.length ? attention : null,
-    text,
-  };
-  app.state.step = Math.min(app.state.step, tokens.length - 1);
-  app.state.prompt = body.prompt;
-  // Analyse the very tokens the model saw (prompt + generated ids), not a re-tokenised text:
-  // a generation can end in part of a UTF-8 character, whose text (U+FFFD) encodes differently.
-  const ids = promptTokens ? promptTokens.map((t) => t.id).concat(tokens.map((t) => t.id)) : null;
-  await analyse(body.prompt + text, { ids });
+  const ids = promptTokens.length ? promptTokens.map((t) => t.id).concat(tokens.map((t) => t.id)) : null;
+  store.set({ streaming: false, gen: store.get("gen").with({ promptTokens, done: true }), ids, plen: promptTokens.length });
+  // Analyse the very tokens the model saw, not a re-tokenised text: a generation can end in
+  // part of a UTF-8 character, whose text (U+FFFD) encodes differently.
+  if (ids) await analyse({ text: prompt + (done?.text ?? tokens.map((t) => t.delta).join("")), ids, source: "gen" });
 }
 
-function stop() {
-  controller?.abort();
-}
-
-// ---------------------------------------------------------------------------------------
-// Export, theme, wiring
-// ---------------------------------------------------------------------------------------
-function download(blob, name) {
-  const a = document.createElement("a");
-  a.href = URL.createObjectURL(blob);
-  a.download = name;
-  document.body.append(a);
-  a.click();
-  a.remove();
-  setTimeout(() => URL.revokeObjectURL(a.href), 2000);
-}
-
-function exportName(ext) {
-  const s = app.state;
-  const part = { head: `L${s.layer}H${s.head}`, lines: `lines-L${s.layer}H${s.head}`, model: "all-heads", aggregate: s.op, diff: "difference", gen: `gen-step${s.step}` }[s.view];
-  return `attnlens-${part}${s.sink ? "-nosink" : ""}.${ext}`;
-}
-
-function exportPNG() {
-  const c = app.view?.exportCanvas?.();
-  if (!c) return showError(new Error("nothing to export yet"), "Export", { warn: true });
-  c.toBlob((b) => download(b, exportName("png")), "image/png");
-}
-
-function exportJSON() {
-  const data = app.view?.exportData?.();
-  if (!data) return showError(new Error("nothing to export yet"), "Export", { warn: true });
-  const s = app.state;
-  const doc = {
-    model: app.meta?.name,
-    text: s.text,
-    view: s.view,
-    layer: s.layer,
-    head: s.head,
-    first_token_sink_hidden: s.sink,
-    url: window.location.href,
-    ...data,
-  };
-  download(new Blob([JSON.stringify(doc, null, 1)], { type: "application/json" }), exportName("json"));
-}
-
-const THEMES = ["auto", "light", "dark"];
-function applyTheme(t) {
-  if (t === "light" || t === "dark") document.documentElement.dataset.theme = t;
-  else delete document.documentElement.dataset.theme;
+/** A link with token ids: rebuild the generation (and its analysis) from them. */
+async function rebuildGeneration(ids, plen) {
+  const meta = store.get("meta");
+  const set = new AttentionSet("", meta, { ids });
   try {
-    if (t === "auto") localStorage.removeItem("attnlens-theme");
-    else localStorage.setItem("attnlens-theme", t);
-  } catch {
-    /* private mode */
+    await track(set.ensure([store.get("layer")]));
+  } catch (err) {
+    showError(err, "Rebuilding the linked generation");
+    return;
   }
-  const btn = $("#theme-toggle");
-  btn.querySelector(".theme-name").textContent = t[0].toUpperCase() + t.slice(1);
-  btn.setAttribute("aria-label", `Colour theme: ${t === "auto" ? "follow the system" : t} (click to change)`);
-  if (app.att || app.gen) renderView();
+  const gen = GenerationRecord.fromAnalysis(set, plen);
+  output.showTokens(gen.promptTokens.map((t) => t.text).join(""), gen.tokens);
+  store.set({ gen, plen: gen.promptTokens.length });
+  if (store.get("source") === "gen") {
+    store.set({ att: set });
+    $("#analysed").textContent = `${set.T} tokens analysed (the linked generation)`;
+  }
 }
 
-function currentTheme() {
-  return document.documentElement.dataset.theme || "auto";
+// ---------------------------------------------------------------------------------------
+// Wiring
+// ---------------------------------------------------------------------------------------
+function currentExportView() {
+  const s = store.state;
+  return { view: current?.view, opts: { state: s, model: s.meta?.name ?? "attnlens", viewLabel: viewById(s.view).label } };
 }
 
 function wire() {
+  buildControls(store);
+  wireFieldResets();
   $("#generate-form").addEventListener("submit", (e) => {
     e.preventDefault();
     generate();
   });
-  $("#stop-btn").addEventListener("click", stop);
+  $("#stop-btn").addEventListener("click", () => controller?.abort());
   $("#analyse").addEventListener("click", () => {
     clearMessages();
-    app.state.prompt = $("#prompt").value;
-    analyse($("#prompt").value);
+    store.set({ prompt: $("#prompt").value });
+    analyse({ text: $("#prompt").value });
   });
   $("#prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) {
@@ -665,91 +235,69 @@ function wire() {
       generate();
     }
   });
-  $("#prompt").addEventListener("input", () => {
-    $("#prompt").removeAttribute("aria-invalid");
-    $("#prompt-hint").textContent = "Ctrl+Enter generates";
+  $("#prompt").addEventListener("input", () => ($("#prompt-hint").textContent = "Ctrl+Enter generates"));
+  $("#export-png").addEventListener("click", async () => {
+    const { view, opts } = currentExportView();
+    if (!(await exportPNG(view, opts))) showError(new Error("nothing is drawn: there is nothing to export"), "Export", { warn: true });
   });
-  for (const f of FIELD_INPUTS) $("#" + f)?.addEventListener("input", () => $("#" + f).removeAttribute("aria-invalid"));
-
-  for (const tab of document.querySelectorAll('[role="tab"]')) {
-    tab.addEventListener("click", () => switchView(tab.dataset.view));
-    tab.addEventListener("keydown", (e) => {
-      const tabs = [...document.querySelectorAll('[role="tab"]')];
-      const i = tabs.indexOf(tab);
-      let j = null;
-      if (e.key === "ArrowRight") j = (i + 1) % tabs.length;
-      else if (e.key === "ArrowLeft") j = (i - 1 + tabs.length) % tabs.length;
-      else if (e.key === "Home") j = 0;
-      else if (e.key === "End") j = tabs.length - 1;
-      if (j == null) return;
-      e.preventDefault();
-      tabs[j].focus();
-      switchView(tabs[j].dataset.view);
-    });
-  }
-  $("#layer").addEventListener("change", (e) => app.setState({ layer: +e.target.value }));
-  $("#head").addEventListener("change", (e) => app.setState({ head: +e.target.value }));
-  $("#layerB").addEventListener("change", (e) => app.setState({ layerB: +e.target.value }));
-  $("#headB").addEventListener("change", (e) => app.setState({ headB: +e.target.value }));
-  $("#sink").addEventListener("change", (e) => app.setState({ sink: e.target.checked }));
-  $("#cmap").addEventListener("change", (e) => app.setState({ cmap: e.target.value }));
-  $("#dcmap").addEventListener("change", (e) => app.setState({ dcmap: e.target.value }));
-  $("#scale").addEventListener("change", (e) => app.setState({ scale: e.target.value }));
-  $("#op").addEventListener("change", (e) => app.setState({ op: e.target.value }));
-  for (const r of document.querySelectorAll('input[name="diff"]')) r.addEventListener("change", () => app.setState({ diff: r.value }));
-  $("#compare").addEventListener("click", () => app.setState({ promptB: $("#promptB").value, diff: "prompts" }));
-  $("#promptB").addEventListener("keydown", (e) => {
-    if (e.key === "Enter") app.setState({ promptB: $("#promptB").value });
+  $("#export-json").addEventListener("click", () => {
+    const { view, opts } = currentExportView();
+    if (!exportJSON(view, opts)) showError(new Error("nothing is drawn: there is nothing to export"), "Export", { warn: true });
   });
-  $("#export-png").addEventListener("click", exportPNG);
-  $("#export-json").addEventListener("click", exportJSON);
   $("#copy-link").addEventListener("click", async () => {
-    saveURL();
+    writeURL(store.state);
     try {
       await navigator.clipboard.writeText(window.location.href);
-      const b = $("#copy-link");
-      const label = b.querySelector("span");
+      const label = $("#copy-link span");
       label.textContent = "Copied ✓";
       setTimeout(() => (label.textContent = "Copy link"), 1500);
     } catch {
       showError(new Error(window.location.href), "Copying (copy the link by hand)", { warn: true });
     }
   });
-  $("#theme-toggle").addEventListener("click", () => applyTheme(THEMES[(THEMES.indexOf(currentTheme()) + 1) % THEMES.length]));
-  window.matchMedia?.("(prefers-color-scheme: dark)").addEventListener?.("change", () => currentTheme() === "auto" && renderView());
-  let resizeTimer = null;
+  const askKey = ({ reload = false } = {}) => {
+    const key = window.prompt("API key for this server (kept in this browser only; empty to remove):", apiKey());
+    if (key == null) return;
+    setApiKey(key.trim());
+    $("#api-key").classList.toggle("set", !!apiKey());
+    if (reload) window.location.reload(); // the state is in the URL: the page comes back as it was
+  };
+  $("#api-key").addEventListener("click", () => askKey({ reload: !store.get("meta") }));
+  setKeyHandler(() => askKey({ reload: true }));
+  $("#api-key").classList.toggle("set", !!apiKey());
+  wireTheme(() => current && renderView());
   let lastWidth = window.innerWidth;
+  let timer = null;
   window.addEventListener("resize", () => {
     if (window.innerWidth === lastWidth) return;
     lastWidth = window.innerWidth;
-    clearTimeout(resizeTimer);
-    resizeTimer = setTimeout(() => renderView(), 150);
+    clearTimeout(timer);
+    timer = setTimeout(() => renderView(), 150);
   });
-  document.addEventListener("keydown", (e) => {
-    if (e.key === "Escape" && controller) stop();
+  document.addEventListener("keydown", (e) => e.key === "Escape" && controller?.abort());
+  store.subscribe((changed, s) => {
+    syncControls(s);
+    if (changed.has("step") || changed.has("gen")) output.markStep(s.step);
+    scheduleRender(changed);
   });
 }
 
 async function init() {
   wire();
-  applyTheme(currentTheme());
-  const url = readURL();
-  Object.assign(app.state, DEFAULTS, url, { pinned: new Set() });
-  if (url.prompt != null) $("#prompt").value = url.prompt;
-  app.state.prompt = $("#prompt").value;
+  const s = store.state;
+  if (s.prompt) $("#prompt").value = s.prompt;
+  else store.set({ prompt: $("#prompt").value });
   $("#prompt-hint").textContent = "Ctrl+Enter generates";
-  syncControls();
-  try {
-    app.meta = normaliseMeta(await getModel());
-  } catch (err) {
-    $("#model-info").textContent = "server unreachable";
-    $("#model-info").classList.add("down");
-    showError(err, "Loading the model description");
-    return;
-  }
-  showModelInfo(app.meta);
-  buildControls();
-  await analyse(url.text || app.state.prompt);
+  syncControls(store.state);
+  const meta = await loadModel();
+  if (!meta) return;
+  modelControls(store, meta);
+  store.setConstraint((next) => constrainState(next, meta, VIEW_IDS));
+  store.set({ meta });
+  writeURL(store.state);
+  const { ids, plen, source } = store.state;
+  if (ids?.length) await rebuildGeneration(ids, plen);
+  if (!(ids?.length && source === "gen")) await analyse({ text: store.get("prompt"), keepPin: true });
 }
 
 init();

@@ -38,3 +38,12 @@ export function hideTooltip() {
   t.classList.remove("visible");
   t.hidden = true;
 }
+
+// On a touch screen a tooltip stays until the next tap somewhere else.
+document.addEventListener(
+  "pointerdown",
+  (e) => {
+    if (e.pointerType === "touch" && el && !el.hidden && !(e.target instanceof HTMLCanvasElement)) hideTooltip();
+  },
+  { passive: true },
+);

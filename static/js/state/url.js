@@ -1,57 +1,62 @@
-// The page state that a link should reproduce, kept in the query string.
+// The query string <-> the URL keys of the state (state/schema.js). Nothing else decides
+// what a link carries.
 
-const KEYS = {
-  prompt: "string",
-  text: "string",
-  view: "string",
-  layer: "int",
-  head: "int",
-  sink: "bool",
-  cmap: "string",
-  scale: "string",
-  op: "string",
-  layers: "list",
-  heads: "list",
-  diff: "string",
-  layerB: "int",
-  headB: "int",
-  promptB: "string",
-  step: "int",
-};
+import { URL_KEYS } from "./schema.js";
 
-/** Read the known keys from a query string (default: the page's). */
+function decode(type, v) {
+  switch (type) {
+    case "int": {
+      const n = Number.parseInt(v, 10);
+      return Number.isFinite(n) && n >= 0 ? n : undefined;
+    }
+    case "number": {
+      const n = Number(v);
+      return Number.isFinite(n) && n > 0 ? n : undefined;
+    }
+    case "bool":
+      return v === "1" || v === "true";
+    case "list":
+    case "set":
+      return v === "" ? [] : v.split(",").map(Number).filter((n) => Number.isInteger(n) && n >= 0);
+    default:
+      return v;
+  }
+}
+
+function same(a, b) {
+  if (Array.isArray(a) && Array.isArray(b)) return a.length === b.length && a.every((x, i) => x === b[i]);
+  return a === b;
+}
+
+/** The URL keys present in a query string (default: the page's), decoded. */
 export function readURL(search = window.location.search) {
   const q = new URLSearchParams(search);
   const out = {};
-  for (const [k, type] of Object.entries(KEYS)) {
-    if (!q.has(k)) continue;
-    const v = q.get(k);
-    if (type === "int") {
-      const n = Number.parseInt(v, 10);
-      if (Number.isFinite(n) && n >= 0) out[k] = n;
-    } else if (type === "bool") out[k] = v === "1" || v === "true";
-    else if (type === "list") out[k] = v === "" ? [] : v.split(",").map(Number).filter((n) => Number.isInteger(n) && n >= 0);
-    else out[k] = v;
+  for (const { key, type } of URL_KEYS) {
+    if (!q.has(key)) continue;
+    const v = decode(type, q.get(key));
+    if (v !== undefined) out[key] = v;
   }
   return out;
 }
 
-/** Write the state into the URL without adding history entries; defaults are left out. */
-export function writeURL(state, defaults = {}) {
+/** The query string for a state: every URL key that differs from its default. */
+export function queryFor(state) {
   const q = new URLSearchParams();
-  for (const [k, type] of Object.entries(KEYS)) {
-    let v = state[k];
-    if (v == null || v === "" || v === defaults[k]) continue;
-    if (type === "bool") {
-      if (!v) continue;
-      v = "1";
-    } else if (type === "list") {
-      if (Array.isArray(defaults[k]) && v.length === defaults[k].length && v.every((x, i) => x === defaults[k][i])) continue;
-      v = v.join(",");
-    }
-    q.set(k, String(v));
+  for (const { key, type, def } of URL_KEYS) {
+    const v = state[key];
+    if (v === undefined || same(v, def)) continue;
+    if (v === null) continue;
+    if (type === "bool") q.set(key, v ? "1" : "0");
+    else if (type === "list" || type === "set") q.set(key, v.join(","));
+    else q.set(key, String(v));
   }
-  const s = q.toString();
+  return q.toString();
+}
+
+/** Replace the page's URL (no history entry) with the one derived from `state`. */
+export function writeURL(state) {
+  const s = queryFor(state);
   const url = window.location.pathname + (s ? "?" + s : "") + window.location.hash;
   if (url !== window.location.pathname + window.location.search + window.location.hash) {
     window.history.replaceState(null, "", url);

@@ -1,64 +1,78 @@
-// Difference view: cell-wise A − B between two heads, or one head on two prompts,
-// drawn with a diverging colour map centred on zero.
+// Difference view: cell-wise A − B between two heads, or one head on two prompts (aligned by
+// position, both token sequences on the axes: A left and top, B right and bottom), drawn with
+// a diverging colour map centred on zero.
 
 import { MatrixView, fmt } from "./matrixview.js";
 import { AttentionSet, difference, removeSink } from "../attention.js";
+import { quoted, escapeHTML } from "../tokens.js";
 
 export class DiffView extends MatrixView {
-  constructor(app) {
-    super(app);
-    this.other = null; // AttentionSet for prompt B
+  constructor(ctx) {
+    super(ctx);
+    this.other = null; // AttentionSet of prompt B
   }
 
-  async compute() {
-    const { att, state } = this.app;
+  async compute({ attention: att, selection, settings, tokens, model }) {
+    const { layer: l, head: h } = selection;
     const T = att.T;
-    let a;
+    await att.ensure([l]);
+    let a = att.head(l, h);
     let b;
     let Tb;
     let title;
     let caption;
-    const l = state.layer;
-    const h = state.head;
-    await att.ensure([l]);
-    a = att.head(l, h);
-    if (state.diff === "prompts") {
-      const textB = state.promptB || "";
+    let extra = {};
+    let names;
+    if (settings.diff === "prompts") {
+      const textB = settings.promptB;
       if (!textB.trim()) {
-        this.app.setCaption("Type a second prompt (B) to compare the same head on two texts.");
+        this.ctx.setCaption("Type a second prompt (B) to compare the same head on two texts.");
         return null;
       }
-      if (!this.other || this.other.text !== textB) this.other = new AttentionSet(textB, this.app.meta);
+      if (!this.other || this.other.text !== textB) this.other = new AttentionSet(textB, model);
       await this.other.ensure([l]);
       b = this.other.head(l, h);
       Tb = this.other.T;
-      title = `layer ${l} head ${h}: current text − prompt B`;
-      caption = `Same head (layer ${l}, head ${h}) on two texts: current (A, ${T} tokens) minus prompt B (${Tb} tokens), aligned by position over the first ${Math.min(T, Tb)} tokens. Labels are A's tokens.`;
+      const n = Math.min(T, Tb);
+      extra = { rowTokens2: this.other.tokens, colTokens2: this.other.tokens };
+      title = `layer ${l} head ${h}: text A − prompt B`;
+      names = ["text A", "prompt B"];
+      caption =
+        `Same head (layer ${l}, head ${h}) on two texts, aligned by position over the first ${n} tokens: A (${T} tokens, labels left and top) minus B (${Tb} tokens, labels right and bottom).` +
+        (T !== Tb ? ` Positions past ${n} are not compared.` : "") + " Where the two texts hold different tokens at a position, the cells compare different words.";
     } else {
-      const lb = Math.min(state.layerB, att.nLayers - 1);
-      const hb = Math.min(state.headB, att.nHeads - 1);
+      const lb = selection.layerB;
+      const hb = selection.headB;
       await att.ensure([lb]);
       b = att.head(lb, hb);
       Tb = T;
       title = `L${l}H${h} − L${lb}H${hb}`;
-      caption = `Layer ${l} head ${h} (A) minus layer ${lb} head ${hb} (B). Red: A attends more; blue: B attends more.`;
+      names = [`L${l}H${h}`, `L${lb}H${hb}`];
+      caption = `Layer ${l} head ${h} (A) minus layer ${lb} head ${hb} (B).`;
     }
-    if (state.sink) {
+    if (settings.sink) {
       a = removeSink(a, T);
       b = removeSink(b, Tb);
     }
     const d = difference(a, T, b, Tb);
-    const A = a;
-    const B = b;
+    const high = `A (${names[0]}) attends more`;
+    const low = `B (${names[1]}) attends more`;
+    const tokB = extra.rowTokens2;
     return {
       data: d.data,
-      n: d.n,
+      rows: d.n,
+      cols: d.n,
+      tokens,
       diverging: true,
       title,
-      caption: caption + (state.sink ? " First-token column hidden, rows renormalised." : ""),
-      legend: "A − B",
+      lowNote: `← ${low}`,
+      highNote: `${high} →`,
+      caption: `${caption} Colour: ${high} at the ${settings.dcmap === "RdBu" ? "red" : "warm"} end, ${low} at the ${settings.dcmap === "RdBu" ? "blue" : "cool"} end.${settings.sink ? " First-token column hidden, rows renormalised." : ""}`,
       format: (v) => (v >= 0 ? "+" : "−") + fmt(Math.abs(v), 4),
-      cellInfo: (r, c) => `<div class="tt-muted">A ${fmt(A[r * T + c], 4)} − B ${fmt(B[r * Tb + c], 4)}</div>`,
+      cellInfo: (r, c) =>
+        `<div class="tt-muted">A ${fmt(a[r * T + c], 4)} − B ${fmt(b[r * Tb + c], 4)}</div>` +
+        (tokB ? `<div class="tt-muted">in B: <span class="tt-tok">${escapeHTML(quoted(tokB[r], r))}</span> → <span class="tt-tok">${escapeHTML(quoted(tokB[c], c))}</span></div>` : ""),
+      ...extra,
     };
   }
 }

@@ -1,22 +1,23 @@
-// Generated-token view: for one generated token, the attention of the position that
-// produced it over every earlier token, per layer and head (from /generate with
-// return_attention). A slider scrubs through the generation step by step.
+// Generation view: for one generated token, what the position that produced it attended to
+// (that position is the query: the token before it), per layer and head. A slider scrubs
+// through the steps; while a generation streams in, the view follows the newest token.
 
 import { Heatmap } from "../heatmap.js";
-import { removeSink, maxOf, colourScale } from "../attention.js";
+import { removeSink, maxOf } from "../attention.js";
+import { colourScale } from "../scales.js";
 import { css, luminance } from "../colormap.js";
 import { quoted, escapeHTML, visible } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
 
 export class GenView {
-  constructor(app) {
-    this.app = app;
+  constructor(ctx) {
+    this.ctx = ctx;
     this.playing = null;
     this.result = null;
+    this.params = null;
   }
 
   mount(host) {
-    this.host = host;
     this.root = document.createElement("div");
     this.root.className = "gen-view";
     this.root.innerHTML = `
@@ -29,25 +30,27 @@ export class GenView {
       </div>
       <div class="gen-strip" aria-live="polite"></div>
       <div class="gen-heat"></div>`;
-    this.host.append(this.root);
+    host.append(this.root);
     this.slider = this.root.querySelector("#gen-step");
     this.stepText = this.root.querySelector("#gen-step-text");
     this.strip = this.root.querySelector(".gen-strip");
-    this.slider.addEventListener("input", () => this.app.setState({ step: +this.slider.value }, { quiet: true }).then(() => this.draw()));
+    this.slider.addEventListener("input", () => this.ctx.select({ step: +this.slider.value }));
     this.root.querySelector('[data-act="prev"]').addEventListener("click", () => this.go(-1));
     this.root.querySelector('[data-act="next"]').addEventListener("click", () => this.go(1));
     this.playBtn = this.root.querySelector('[data-act="play"]');
     this.playBtn.addEventListener("click", () => this.togglePlay());
     this.heatmap = new Heatmap(this.root.querySelector(".gen-heat"), {
       maxCell: 22,
+      minCell: 6,
+      minRowHeight: 14, // a row per head stays legible however many keys there are
       onHover: (h) => this.onHover(h),
       onCellClick: ({ row }) => {
-        const H = this.app.att?.nHeads || this.app.gen.nHeads;
-        this.app.selectHead(Math.floor(row / H), row % H, { quiet: true });
-        this.draw();
+        const H = this.result.H;
+        this.ctx.select({ layer: Math.floor(row / H), head: row % H });
       },
+      onZoom: (zoom) => this.ctx.select({ zoom }),
     });
-    this.heatmap.overlay.setAttribute("aria-label", "Attention of the selected generated token per layer and head; click a row to follow that head in the strip above");
+    this.heatmap.overlay.setAttribute("aria-label", "Attention of the position that produced the selected token, per layer and head; click a row to follow that head in the strip above");
   }
 
   unmount() {
@@ -56,23 +59,22 @@ export class GenView {
     this.root?.remove();
   }
 
+  steps() {
+    return this.params?.generation?.tokens.length || 0;
+  }
+
   go(d) {
-    const n = this.app.gen?.tokens.length || 0;
-    if (!n) return;
-    const step = Math.max(0, Math.min(n - 1, this.app.state.step + d));
-    this.app.setState({ step }, { quiet: true }).then(() => this.draw());
+    const n = this.steps();
+    if (n) this.ctx.select({ step: Math.max(0, Math.min(n - 1, this.params.selection.step + d)) });
   }
 
   togglePlay() {
     if (this.playing) return this.stop();
-    const n = this.app.gen?.tokens.length || 0;
+    const n = this.steps();
     if (!n) return;
-    if (this.app.state.step >= n - 1) this.app.state.step = -1;
+    if (this.params.selection.step >= n - 1) this.ctx.select({ step: 0 });
     this.playBtn.textContent = "❚❚ Pause";
-    this.playing = setInterval(() => {
-      if (this.app.state.step >= n - 1) return this.stop();
-      this.go(1);
-    }, 350);
+    this.playing = setInterval(() => (this.params.selection.step >= this.steps() - 1 ? this.stop() : this.go(1)), 350);
   }
 
   stop() {
@@ -81,47 +83,51 @@ export class GenView {
     if (this.playBtn) this.playBtn.textContent = "▶ Play";
   }
 
-  async render() {
-    this.draw();
+  /** Nothing to draw: a note instead, and no caption, legend or old picture. */
+  blank(note) {
+    this.root.classList.add("empty");
+    this.strip.innerHTML = `<p class="empty-note">${note}</p>`;
+    this.stepText.textContent = "";
+    this.heatmap.clear();
+    this.result = null;
+    this.ctx.setCaption("");
+    this.ctx.setLegend(null);
+    return false;
   }
 
-  draw() {
-    const { gen, state } = this.app;
+  async render(params, changed, isCurrent = () => true) {
+    this.params = params;
+    const gen = params.generation;
     if (!gen || !gen.tokens.length) {
-      this.root.classList.add("empty");
-      this.strip.innerHTML = '<p class="empty-note">Generate some text first: this view shows, for each generated token, which earlier tokens it attended to.</p>';
-      this.app.setCaption("");
-      this.app.setLegend(null);
-      this.heatmap.wrap.hidden = true;
-      return;
+      return this.blank(params.live ? "Waiting for the first token…" : "Generate some text first: this view shows, for each generated token, which earlier tokens it attended to.");
     }
-    if (!gen.attention) {
-      this.strip.innerHTML = '<p class="empty-note">The last generation did not record attention. Tick “Record attention” and generate again.</p>';
-      this.heatmap.wrap.hidden = true;
-      return;
-    }
+    if (!gen.recorded) return this.blank("The last generation did not record attention. Tick “Record attention while generating” and generate again.");
+    const { settings, selection } = params;
+    const n = gen.tokens.length;
+    const step = Math.max(0, Math.min(n - 1, selection.step));
     this.root.classList.remove("empty");
-    this.heatmap.wrap.hidden = false;
-    const n = gen.attention.length;
-    const step = Math.max(0, Math.min(n - 1, state.step ?? 0));
     this.slider.max = String(n - 1);
     this.slider.value = String(step);
-    const att = gen.attention[step]; // [L][H][S]
+    if (gen.analysis) {
+      await gen.analysis.ensure([...Array(gen.analysis.nLayers).keys()]);
+      if (!isCurrent()) return false;
+    }
+    const att = gen.attentionAt(step); // [L][H][S]
     const L = att.length;
     const H = att[0].length;
     const S = att[0][0].length;
-    const P = gen.promptTokens.length;
-    const all = gen.promptTokens.concat(gen.tokens);
-    const keys = all.slice(0, S);
+    const P = gen.promptLength;
+    const keys = gen.keyTokens().slice(0, S);
     while (keys.length < S) keys.push({ id: -1, text: "?" });
     const target = gen.tokens[step];
     let data = new Float32Array(L * H * S);
     for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) data.set(att[l][h], (l * H + h) * S);
-    if (state.sink) data = removeSink(data, S, S);
+    if (settings.sink) data = removeSink(data, S, S);
     const rowLabels = [];
     for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) rowLabels.push(`L${l} · H${h}`);
-    const sc = colourScale(data, S, state.scale, { skipFirstRow: false });
-    this.result = { data, rows: L * H, cols: S, keys, L, H, S, step, target };
+    const sc = colourScale(data, S, settings.scale, { skipFirstRow: false });
+    this.result = { data, rows: L * H, cols: S, keys, L, H, S, P, step, target };
+    this.heatmap.opts.zoom = settings.zoom;
     this.heatmap.set({
       data: sc.data,
       rows: L * H,
@@ -129,34 +135,45 @@ export class GenView {
       rowLabels,
       plainRowLabels: true,
       colLabels: keys.map((t) => t.text),
-      cmap: state.cmap,
+      cmap: settings.cmap,
       vmin: sc.vmin,
       vmax: sc.vmax,
       gamma: sc.gamma,
-      causal: false,
+      boundary: P < S ? P : null,
       rowTitle: "layer · head",
       colTitle: "earlier tokens (keys) →",
     });
-    const sel = Math.min(state.layer, L - 1) * H + Math.min(state.head, H - 1);
+    const sel = Math.min(selection.layer, L - 1) * H + Math.min(selection.head, H - 1);
     this.heatmap.setPinned([sel]);
-    this.app.setLegend({ cmap: state.cmap, vmin: sc.vmin, vmax: sc.vmax, gamma: sc.gamma, label: sc.label });
-    this.stepText.innerHTML = `step ${step + 1} / ${n}: generating <span class="tok-inline">${escapeHTML(visible(target.text))}</span> from ${S} earlier tokens (${P} in the prompt)`;
-    this.app.markGeneratedStep(step);
-    // strip: the earlier tokens tinted by the selected head's weights
-    const row = data.subarray(sel * S, (sel + 1) * S);
+    this.legend = { cmap: settings.cmap, vmin: sc.vmin, vmax: sc.vmax, gamma: sc.gamma, label: sc.label };
+    this.ctx.setLegend(this.legend);
+    const query = keys[S - 1];
+    this.stepText.innerHTML =
+      `step ${step + 1} / ${n}${params.live ? " (arriving…)" : ""}: query ${escapeHTML(quoted(query, S - 1))} predicting ` +
+      `<span class="tok-inline">${escapeHTML(visible(target.text))}</span> from ${S} earlier tokens (${P} in the prompt)`;
+    this.drawStrip(data.subarray(sel * S, (sel + 1) * S), sel, keys, P, target, settings.cmap);
+    this.ctx.setCaption(
+      `Each row is one head: the attention of position ${S - 1} (the query, ${escapeHTML(quoted(query))}) when it produced generated token ${step + 1}; generated keys are right of the line. The strip above shows the outlined row (click another row to follow it).${settings.sink ? " First-token column hidden, rows renormalised." : ""}`,
+    );
+    return true;
+  }
+
+  /** The earlier tokens as text, tinted by the selected head's weights. */
+  drawStrip(row, sel, keys, P, target, cmap) {
+    const H = this.result.H;
     const rmax = maxOf(row) || 1;
     const frag = document.createDocumentFragment();
     const lab = document.createElement("span");
     lab.className = "strip-label";
     lab.textContent = `L${Math.floor(sel / H)} H${sel % H}:`;
     frag.append(lab);
-    for (let j = 0; j < S; j++) {
+    for (let j = 0; j < keys.length; j++) {
       const s = document.createElement("span");
       s.className = "strip-tok" + (j >= P ? " generated" : "");
       const v = row[j];
       const t = v === v ? v / rmax : 0;
-      s.style.background = v === v ? css(state.cmap, t) : "transparent";
-      s.style.color = luminance(state.cmap, t) > 0.35 ? "#111" : "#fff";
+      s.style.background = v === v ? css(cmap, t) : "transparent";
+      s.style.color = luminance(cmap, t) > 0.35 ? "#111" : "#fff";
       if (v !== v) s.classList.add("hidden-sink");
       s.textContent = visible(keys[j].text);
       s.title = `${quoted(keys[j], j)}: ${v === v ? v.toFixed(3) : "hidden"}`;
@@ -167,31 +184,29 @@ export class GenView {
     arrow.textContent = `→ ${visible(target.text)}`;
     frag.append(arrow);
     this.strip.replaceChildren(frag);
-    this.app.setCaption(
-      `Each row is one head's attention from the position that produced generated token ${step + 1}; the strip above shows the outlined row (click another row to follow it).${state.sink ? " First-token column hidden, rows renormalised." : ""}`,
-    );
   }
 
   onHover(h) {
     if (!h || !this.result) return hideTooltip();
-    const { H, keys, S } = this.result;
-    const l = Math.floor(h.row / H);
-    const hd = h.row % H;
-    const v = this.result.data[h.row * S + h.col];
+    const { H, keys, S, data, target } = this.result;
+    const v = data[h.row * S + h.col];
     showTooltip(
-      `<div class="tt-cell">L${l} H${hd}: <span class="tt-tok">${escapeHTML(visible(this.result.target.text))}</span> → <span class="tt-tok">${escapeHTML(quoted(keys[h.col], h.col))}</span>: <b>${v === v ? v.toFixed(3) : "hidden"}</b></div>`,
+      `<div class="tt-cell">L${Math.floor(h.row / H)} H${h.row % H}: query <span class="tt-tok">${escapeHTML(quoted(keys[S - 1], S - 1))}</span> → key <span class="tt-tok">${escapeHTML(quoted(keys[h.col], h.col))}</span>: <b>${v === v ? v.toFixed(3) : "hidden"}</b></div>` +
+        `<div class="tt-muted">while predicting the next token, ${escapeHTML(quoted(target))}</div>`,
       h.x,
       h.y,
     );
   }
 
-  exportCanvas() {
-    return this.heatmap?.exportCanvas();
+  exportPicture(scale) {
+    if (!this.result || !this.heatmap.model) return null;
+    const { step, target, S } = this.result;
+    return { canvas: this.heatmap.exportPicture(scale), title: `generation step ${step + 1}: query #${S - 1} predicting ${quoted(target)}`, legend: this.legend };
   }
 
   exportData() {
-    const g = this.app.gen;
-    if (!g || !g.attention) return null;
-    return { title: "generation attention", prompt_tokens: g.promptTokens, tokens: g.tokens, step: this.app.state.step, attention: g.attention[this.app.state.step] };
+    const g = this.params?.generation;
+    if (!g || !g.recorded || !this.result) return null;
+    return { title: "generation attention", prompt_tokens: g.promptTokens, tokens: g.tokens, step: this.result.step, query_position: this.result.S - 1, attention: g.attentionAt(this.result.step).map((l) => l.map((h) => Array.from(h))) };
   }
 }

@@ -1,25 +1,29 @@
 // Head view: one large heatmap for the chosen layer and head.
 
 import { MatrixView } from "./matrixview.js";
-import { removeSink, headStats } from "../attention.js";
+import { removeSink, headStats, HEAD_STATS_ROWS } from "../attention.js";
 
 export class HeadView extends MatrixView {
-  async compute() {
-    const { att, state } = this.app;
-    await att.ensure([state.layer]);
-    let data = att.head(state.layer, state.head);
+  async compute({ attention: att, selection: { layer, head }, settings: { sink }, tokens, boundary }) {
+    await att.ensure([layer]);
+    let data = att.head(layer, head);
     if (!data) return null;
     const stats = headStats(data, att.T);
-    if (state.sink) data = removeSink(data, att.T);
-    const pct = (x) => `${(100 * x).toFixed(0)}%`;
+    if (sink) data = removeSink(data, att.T);
+    const pct = (x) => (x === x ? `${(100 * x).toFixed(0)}%` : "—");
+    const where = boundary != null ? ` The line after token ${boundary} marks where the prompt ends and the generation begins.` : "";
     return {
       data,
-      n: att.T,
-      title: `layer ${state.layer}, head ${state.head}${state.sink ? " (first-token sink hidden)" : ""}`,
+      rows: att.T,
+      cols: att.T,
+      tokens,
+      boundary,
+      title: `layer ${layer}, head ${head}${sink ? " (first-token sink hidden)" : ""}`,
       caption:
-        `<b>Layer ${state.layer} · head ${state.head}</b> — ${att.T} tokens. ` +
-        `Mean weight on itself ${pct(stats.self)}, on the previous token ${pct(stats.previous)}, on the first token ${pct(stats.first)}` +
-        `${state.sink ? " (hidden and rows renormalised)" : ""}. Click a row to pin it; shift-click to add rows.`,
+        `<b>Layer ${layer} · head ${head}</b> — ${att.T} tokens. ` +
+        `<span class="head-stats" data-self="${stats.self}" data-previous="${stats.previous}" data-first="${stats.first}">` +
+        `Mean weight on itself ${pct(stats.self)}, on the previous token ${pct(stats.previous)}, on the first token ${pct(stats.first)}, ${HEAD_STATS_ROWS}</span>` +
+        `${sink ? "; colours with the first-token column hidden and rows renormalised" : ""}. Click a row to pin it; shift-click to add rows.${where}`,
     };
   }
 }

@@ -3,7 +3,7 @@
 // Hovering a token keeps only its lines; clicking it keeps the filter until clicked again.
 
 import { removeSink } from "../attention.js";
-import { cssVar, opaqueCopy } from "../heatmap.js";
+import { cssVar } from "../paint.js";
 import { axisLabel, quoted, escapeHTML } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
 
@@ -11,8 +11,8 @@ const ROW = 18;
 const FONT = '12px ui-monospace, "SF Mono", Menlo, Consolas, "DejaVu Sans Mono", monospace';
 
 export class LineView {
-  constructor(app) {
-    this.app = app;
+  constructor(ctx) {
+    this.ctx = ctx;
     this.focus = null; // {side: "q"|"k", index}
     this.locked = null;
     this.matrix = null;
@@ -68,20 +68,22 @@ export class LineView {
     this.scroller?.remove();
   }
 
-  async render(seq) {
-    const { att, state } = this.app;
-    await att.ensure([state.layer]);
-    if (seq != null && seq !== this.app.seq) return;
-    let m = att.head(state.layer, state.head);
-    if (state.sink) m = removeSink(m, att.T);
-    this.matrix = { data: m, T: att.T, tokens: att.tokens };
+  async render(params, changed, isCurrent = () => true) {
+    const { attention: att, selection: { layer, head }, settings: { sink }, tokens } = params;
+    await att.ensure([layer]);
+    if (!isCurrent()) return false;
+    let m = att.head(layer, head);
+    if (sink) m = removeSink(m, att.T);
+    this.matrix = { data: m, T: att.T, tokens };
+    this.title = `lines, layer ${layer} head ${head}${sink ? " (first-token sink hidden)" : ""}`;
     this.locked = null;
-    this.app.setLegend(null);
-    this.app.setCaption(
-      `<b>Layer ${state.layer} · head ${state.head}</b> — queries on the left, keys on the right; line opacity is the attention weight (relative to the strongest line while a token is focused). Hover a token to see only its lines, click to keep them${state.sink ? "; first-token sink hidden" : ""}.`,
+    this.ctx.setLegend(null);
+    this.ctx.setCaption(
+      `<b>Layer ${layer} · head ${head}</b> — queries on the left, keys on the right; line opacity is the attention weight (relative to the strongest line while a token is focused). Hover a token to see only its lines, click to keep them${sink ? "; first-token sink hidden" : ""}.`,
     );
     this.layout();
     this.draw();
+    return true;
   }
 
   layout() {
@@ -91,7 +93,7 @@ export class LineView {
     let w = 0;
     for (const l of labels) w = Math.max(w, ctx.measureText(l).width);
     const colW = Math.ceil(w) + 16;
-    const W = Math.max(420, Math.min(this.host.clientWidth - 8 || 700, colW * 2 + 460));
+    const W = Math.max(Math.min(320, colW * 2 + 80), Math.min(this.host.clientWidth - 8 || 700, colW * 2 + 460));
     const H = 30 + this.matrix.T * ROW + 10;
     this.geo = { labels, colW, W, H, qx: 24, kx: W - 24 - colW, top: 30 };
     const dpr = window.devicePixelRatio || 1;
@@ -149,13 +151,17 @@ export class LineView {
 
   draw() {
     if (!this.matrix || !this.geo) return;
-    const { data, T } = this.matrix;
-    const g = this.geo;
     const dpr = window.devicePixelRatio || 1;
     const ctx = this.canvas.getContext("2d");
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.clearRect(0, 0, g.W, g.H);
-    const active = this.focus || this.locked;
+    ctx.clearRect(0, 0, this.geo.W, this.geo.H);
+    this.paint(ctx, this.focus || this.locked);
+  }
+
+  /** Lines and token columns in CSS pixels, `active` = the focused token or null. */
+  paint(ctx, active) {
+    const { data, T } = this.matrix;
+    const g = this.geo;
     const accent = cssVar("--accent");
     const text = cssVar("--text");
     const muted = cssVar("--muted");
@@ -238,20 +244,26 @@ export class LineView {
     }
   }
 
-  exportCanvas() {
-    return opaqueCopy(this.canvas);
+  exportPicture(scale = 1) {
+    if (!this.matrix || !this.geo) return null;
+    const c = document.createElement("canvas");
+    c.width = Math.round(this.geo.W * scale);
+    c.height = Math.round(this.geo.H * scale);
+    const ctx = c.getContext("2d");
+    ctx.scale(scale, scale);
+    this.paint(ctx, this.locked);
+    return { canvas: c, title: this.title, legend: null };
   }
 
   exportData() {
     if (!this.matrix) return null;
     const { data, T, tokens } = this.matrix;
-    const { layer, head } = this.app.state;
     const lines = [];
     for (let i = 0; i < T; i++)
       for (let j = 0; j <= i; j++) {
         const v = data[i * T + j];
         if (v > 0.01) lines.push({ query: i, key: j, weight: +v.toFixed(5) });
       }
-    return { title: `lines, layer ${layer} head ${head}`, tokens, lines };
+    return { title: this.title, tokens, lines };
   }
 }

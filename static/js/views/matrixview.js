@@ -1,32 +1,33 @@
 // Shared base for views that show one token × token matrix (head, aggregate, difference):
 // one Heatmap, pinned query rows (their sum drawn as bars under the grid), tooltips.
+// A subclass implements compute(params) -> result | null (null: nothing to draw, and the
+// view then shows nothing rather than an old picture).
 
 import { Heatmap } from "../heatmap.js";
-import { maxAbs, sumRows, colourScale } from "../attention.js";
+import { sumRows } from "../attention.js";
+import { colourScale, divergingScale } from "../scales.js";
 import { quoted, escapeHTML, visible } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
 
 export const fmt = (v, digits = 3) => (v !== v ? "—" : Number(v).toFixed(digits));
 
 export class MatrixView {
-  constructor(app) {
-    this.app = app;
+  /** ctx: {select(patch), setLegend(spec|null), setCaption(html)} — the page's actions. */
+  constructor(ctx) {
+    this.ctx = ctx;
     this.result = null;
+    this.params = null;
   }
 
   mount(host) {
-    this.host = host;
     this.heatmap = new Heatmap(host, {
       onHover: (h) => this.onHover(h),
       onCellClick: (c) => this.onCellClick(c),
       onLabelHover: (h) => this.onLabelHover(h),
-      onEscape: () => this.app.setPinned([]),
+      onEscape: () => this.ctx.select({ pin: [] }),
+      onZoom: (zoom) => this.ctx.select({ zoom }),
     });
-    this.heatmap.overlay.setAttribute("aria-label", this.ariaLabel());
-  }
-
-  ariaLabel() {
-    return "Attention heatmap: arrow keys move between cells, Enter pins the query row, Escape clears pins";
+    this.heatmap.overlay.setAttribute("aria-label", "Attention heatmap: arrow keys move between cells, Enter pins the query row, Escape clears pins, + and − zoom");
   }
 
   unmount() {
@@ -35,99 +36,91 @@ export class MatrixView {
     this.heatmap = null;
   }
 
-  /** Subclasses: resolve to {data, n, diverging?, title, caption, cellInfo?(r, c) -> html}. */
   async compute() {
     return null;
   }
 
-  async render(seq) {
-    const result = await this.compute();
-    if (seq != null && seq !== this.app.seq) return; // a newer render started meanwhile
-    if (!result || !this.heatmap) return;
-    this.result = result;
-    const { state } = this.app;
-    const { data, n } = result;
-    const tokens = result.tokens || this.app.att.tokens;
-    let shown = data;
-    let vmin;
-    let vmax;
-    let gamma = 1;
-    let cmap = state.cmap;
-    let legend = result.legend;
-    if (result.diverging) {
-      cmap = state.dcmap;
-      const m = state.scale === "unit" ? 1 : maxAbs(data) || 1;
-      vmin = -m;
-      vmax = m;
-    } else {
-      const sc = colourScale(data, n, result.unbounded && state.scale === "unit" ? "max" : state.scale);
-      ({ vmin, vmax, gamma } = sc);
-      shown = sc.data;
-      if (state.scale !== "unit" && state.scale !== "max") legend = sc.label;
+  /**
+   * result: {data, rows, cols, tokens, colTokens?, rowTokens2?, colTokens2?, diverging?,
+   * title, caption, legend?, what?, format?, cellInfo?(r, c)}
+   */
+  async render(params, changed, isCurrent = () => true) {
+    if (this.result && changed && [...changed].every((k) => k === "pin" || k === "zoom")) {
+      this.params = params;
+      if (changed.has("zoom")) this.heatmap.setZoom(params.settings.zoom);
+      this.updateFooter();
+      return true;
     }
-    const labels = tokens.slice(0, n).map((t) => t.text);
+    const result = await this.compute(params);
+    if (!isCurrent() || !this.heatmap) return false;
+    this.params = params;
+    this.result = result;
+    if (!result) {
+      this.heatmap.clear();
+      this.ctx.setLegend(null);
+      return false;
+    }
+    const { settings } = params;
+    const { data, rows, cols } = result;
+    const sc = result.diverging ? divergingScale(data, cols, settings.scale) : colourScale(data, cols, settings.scale, { what: result.what });
+    const cmap = result.diverging ? settings.dcmap : settings.cmap;
+    this.heatmap.opts.zoom = settings.zoom;
     this.heatmap.set({
-      data: shown,
-      rows: n,
-      cols: n,
-      rowLabels: labels,
-      colLabels: labels,
+      data: sc.data,
+      rows,
+      cols,
+      rowLabels: result.tokens.slice(0, rows).map((t) => t.text),
+      colLabels: (result.colTokens || result.tokens).slice(0, cols).map((t) => t.text),
+      rowLabels2: result.rowTokens2?.slice(0, rows).map((t) => t.text),
+      colLabels2: result.colTokens2?.slice(0, cols).map((t) => t.text),
       cmap,
-      vmin,
-      vmax,
-      gamma,
-      causal: true,
-      rowTitle: "query →",
-      colTitle: "key →",
+      vmin: sc.vmin,
+      vmax: sc.vmax,
+      gamma: sc.gamma,
+      causal: result.causal ?? true, // an encoder's maps are full squares: causal false
+      boundary: result.boundary ?? null,
+      rowTitle: `${params.axes.rows} →`,
+      colTitle: `${params.axes.cols} →`,
     });
-    this.app.setLegend({ cmap, vmin, vmax, gamma, label: legend || "attention weight" });
-    this.app.setCaption(result.caption || "");
+    this.legend = { cmap, vmin: sc.vmin, vmax: sc.vmax, gamma: sc.gamma, label: sc.label, lowNote: result.lowNote, highNote: result.highNote };
+    this.ctx.setLegend(this.legend);
+    this.ctx.setCaption(result.caption || "");
     this.updateFooter();
+    return true;
   }
 
   updateFooter() {
-    const pinned = [...this.app.state.pinned].filter((r) => this.result && r < this.result.n);
+    if (!this.result || !this.heatmap?.model) return;
+    const tokens = this.result.tokens;
+    const pinned = this.params.selection.pinned.filter((r) => r < this.result.rows);
     this.heatmap.setPinned(pinned);
-    if (pinned.length && this.result) {
-      const values = sumRows(this.result.data, this.result.n, pinned);
-      const tokens = this.result.tokens || this.app.att.tokens;
-      const names = pinned
-        .slice(0, 4)
-        .map((r) => `“${visible(tokens[r].text)}”`)
-        .join(", ");
-      const more = pinned.length > 4 ? ` +${pinned.length - 4}` : "";
-      this.heatmap.setFooter({ values, label: `Σ of ${pinned.length} pinned row${pinned.length > 1 ? "s" : ""}: ${names}${more}` });
-    } else {
-      this.heatmap.setFooter(null);
-    }
-  }
-
-  onPinnedChange() {
-    if (this.heatmap && this.result) this.updateFooter();
+    if (!pinned.length) return this.heatmap.setFooter(null);
+    const values = sumRows(this.result.data, this.result.cols, pinned);
+    const names = pinned.slice(0, 4).map((r) => `“${visible(tokens[r].text)}”`).join(", ");
+    const more = pinned.length > 4 ? ` +${pinned.length - 4}` : "";
+    this.heatmap.setFooter({ values, label: `Σ of ${pinned.length} pinned row${pinned.length > 1 ? "s" : ""}: ${names}${more}` });
   }
 
   cellHTML(row, col, value, masked) {
-    const tokens = this.result.tokens || this.app.att.tokens;
-    const q = quoted(tokens[row], row);
-    const k = quoted(tokens[col], col);
+    const r = this.result;
+    const q = quoted(r.tokens[row], row);
+    const k = quoted((r.colTokens || r.tokens)[col], col);
     let v;
     if (masked) v = '<span class="tt-muted">masked (a later token)</span>';
     else if (value !== value) v = '<span class="tt-muted">hidden (first-token sink)</span>';
-    else v = `<b>${this.result.format ? this.result.format(value) : fmt(value)}</b>`;
-    const extra = this.result.cellInfo && !masked && value === value ? this.result.cellInfo(row, col) : "";
+    else v = `<b>${r.format ? r.format(value) : fmt(value)}</b>`;
+    const extra = r.cellInfo && !masked && value === value ? r.cellInfo(row, col) : "";
     return `<div class="tt-cell"><span class="tt-tok">${escapeHTML(q)}</span> → <span class="tt-tok">${escapeHTML(k)}</span>: ${v}</div>${extra}`;
   }
 
   onHover(h) {
     if (!h || !this.result) return hideTooltip();
-    const value = this.result.data[h.row * this.result.n + h.col]; // the weight, not its colour scale
+    const value = this.result.data[h.row * this.result.cols + h.col]; // the value, not its colour
     showTooltip(this.cellHTML(h.row, h.col, value, h.masked), h.x, h.y);
   }
 
   onLabelHover(h) {
-    if (!h) return hideTooltip();
-    const tokens = this.result.tokens || this.app.att.tokens;
-    const t = tokens[h.index];
+    const t = h && this.result?.tokens[h.index];
     if (!t) return hideTooltip();
     showTooltip(
       `<div class="tt-cell"><span class="tt-tok">${escapeHTML(quoted(t, h.index))}</span></div>` +
@@ -138,30 +131,33 @@ export class MatrixView {
   }
 
   onCellClick({ row, event }) {
-    const pinned = new Set(this.app.state.pinned);
+    const pinned = new Set(this.params.selection.pinned);
     const multi = event && (event.shiftKey || event.ctrlKey || event.metaKey);
     if (multi) {
       if (pinned.has(row)) pinned.delete(row);
       else pinned.add(row);
-    } else if (pinned.has(row) && pinned.size === 1) {
+    } else if (pinned.has(row) && pinned.size === 1 && event?.pointerType !== "touch") {
       pinned.clear();
     } else {
       pinned.clear();
       pinned.add(row);
     }
-    this.app.setPinned([...pinned]);
+    this.ctx.select({ pin: [...pinned] });
   }
 
-  exportCanvas() {
-    return this.heatmap?.exportCanvas();
+  /** {canvas (at `scale`), title, legend} for the PNG export, or null when nothing is drawn. */
+  exportPicture(scale) {
+    if (!this.result || !this.heatmap?.model) return null;
+    return { canvas: this.heatmap.exportPicture(scale), title: this.result.title, legend: this.legend };
   }
 
   exportData() {
     if (!this.result) return null;
-    const { data, n } = this.result;
-    const tokens = (this.result.tokens || this.app.att.tokens).slice(0, n);
+    const { data, rows, cols } = this.result;
     const matrix = [];
-    for (let r = 0; r < n; r++) matrix.push(Array.from(data.subarray(r * n, (r + 1) * n), (v) => (v !== v ? null : +v.toFixed(6))));
-    return { title: this.result.title, tokens, matrix, pinned_rows: [...this.app.state.pinned] };
+    for (let r = 0; r < rows; r++) matrix.push(Array.from(data.subarray(r * cols, (r + 1) * cols), (v) => (v !== v ? null : +v.toFixed(6))));
+    const out = { title: this.result.title, tokens: this.result.tokens.slice(0, rows), matrix, pinned_rows: this.params.selection.pinned };
+    if (this.result.rowTokens2) out.tokens_b = this.result.rowTokens2.slice(0, rows);
+    return out;
   }
 }

@@ -2,13 +2,15 @@
 // canvas of T×T pixels (one per cell) that CSS scales; layers are fetched as they scroll
 // into view when the input is long.
 
-import { paintMatrix, cssVar, parseColor } from "../heatmap.js";
-import { removeSink, headStats, colourScale, SCALES, JSON_MAX_TOKENS } from "../attention.js";
+import { paintMatrix, cssVar, parseColor } from "../paint.js";
+import { removeSink, headStats, JSON_MAX_TOKENS } from "../attention.js";
+import { colourScale, SCALES } from "../scales.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
 
 export class ModelView {
-  constructor(app) {
-    this.app = app;
+  constructor(ctx) {
+    this.ctx = ctx;
+    this.params = null;
     this.thumbs = []; // [layer][head] -> {button, canvas}
     this.observer = null;
     this.wanted = new Set();
@@ -34,7 +36,7 @@ export class ModelView {
   }
 
   build() {
-    const { att } = this.app;
+    const att = this.params.attention;
     const L = att.nLayers;
     const H = att.nHeads;
     const size = this.thumbSize(H);
@@ -72,7 +74,7 @@ export class ModelView {
         c.width = att.T;
         c.height = att.T;
         b.append(c);
-        b.addEventListener("click", () => this.app.selectHead(l, h, { view: "head" }));
+        b.addEventListener("click", () => this.ctx.select({ layer: l, head: h, view: "head", pin: [] }));
         b.addEventListener("mouseenter", () => this.tip(b, l, h));
         b.addEventListener("focus", () => this.tip(b, l, h));
         b.addEventListener("mouseleave", hideTooltip);
@@ -86,20 +88,20 @@ export class ModelView {
   }
 
   tip(b, l, h) {
-    const { att } = this.app;
+    const att = this.params.attention;
     const m = att.head(l, h);
     const r = b.getBoundingClientRect();
     let body = '<div class="tt-muted">loading…</div>';
     if (m) {
       const s = headStats(m, att.T);
       const pct = (x) => `${(100 * x).toFixed(0)}%`;
-      body = `<div class="tt-muted">self ${pct(s.self)} · previous ${pct(s.previous)} · first token ${pct(s.first)}</div><div class="tt-muted">click to open in the head view</div>`;
+      body = `<div class="tt-muted">self ${pct(s.self)} · previous ${pct(s.previous)} · first token ${pct(s.first)}</div><div class="tt-muted">means over query rows 1 … ${att.T - 1}; click to open in the head view</div>`;
     }
     showTooltip(`<div class="tt-cell"><b>Layer ${l} · head ${h}</b></div>${body}`, r.right - 6, r.top + 4);
   }
 
   markSelected() {
-    const { layer, head } = this.app.state;
+    const { layer, head } = this.params.selection;
     for (const row of this.thumbs)
       for (const t of row) {
         const sel = +t.button.dataset.layer === layer && +t.button.dataset.head === head;
@@ -110,7 +112,8 @@ export class ModelView {
 
   /** Paint every thumbnail of the given layers; returns milliseconds spent. */
   paintLayers(layers) {
-    const { att, state } = this.app;
+    const att = this.params.attention;
+    const state = this.params.settings;
     const T = att.T;
     const maskColor = parseColor(cssVar("--heat-masked", "#e5e7eb"));
     const t0 = performance.now();
@@ -129,20 +132,27 @@ export class ModelView {
     return performance.now() - t0;
   }
 
-  async render(seq) {
-    const { att } = this.app;
+  async render(params, changed, isCurrent = () => true) {
+    const prev = this.params;
+    this.params = params;
+    if (prev && prev.attention === params.attention && changed && [...changed].every((k) => ["layer", "head", "pin", "step", "zoom"].includes(k))) {
+      this.markSelected();
+      return true;
+    }
+    const att = params.attention;
     const started = performance.now();
     const perf = (window.__attnlens.perf.modelView = { started, T: 0, drawMs: null, totalMs: null, layers: 0, heads: 0 });
     // We need T to size the canvases: fetch the first layer (or all of them for short inputs).
     const lazy = att.T ? att.T > JSON_MAX_TOKENS : att.text.length > 3 * JSON_MAX_TOKENS;
     if (!att.T) await att.ensure(lazy ? [0] : [...Array(att.nLayers).keys()]);
     if (!lazy) await att.ensure([...Array(att.nLayers).keys()]);
-    if (seq != null && seq !== this.app.seq) return;
+    if (!isCurrent()) return false;
     this.build();
-    const scale = this.app.state.scale;
+    const scale = params.settings.scale;
     const perMap = scale !== "unit" && scale !== "row";
-    this.app.setLegend({ cmap: this.app.state.cmap, vmin: 0, vmax: 1, gamma: scale === "sqrt" ? 0.5 : 1, label: perMap ? "0 → each map's own top" : SCALES[scale] });
-    this.app.setCaption(
+    this.legend = { cmap: params.settings.cmap, vmin: 0, vmax: 1, gamma: scale === "sqrt" ? 0.5 : 1, label: perMap ? `attention weight, 0 → each map's own top (${SCALES[scale]})` : `attention weight, ${SCALES[scale]}` };
+    this.ctx.setLegend(this.legend);
+    this.ctx.setCaption(
       `<b>All ${att.nLayers} layers × ${att.nHeads} heads</b> on ${att.T} tokens; colours ${perMap ? `per map (${SCALES[scale]})` : SCALES[scale]}. Click a map to open it in the head view.`,
     );
     const present = [...Array(att.nLayers).keys()].filter((l) => att.has(l));
@@ -152,10 +162,11 @@ export class ModelView {
     perf.layers = present.length;
     if (att.hasAll()) perf.totalMs = performance.now() - started;
     else this.observe(perf, started);
+    return true;
   }
 
   observe(perf, started) {
-    const { att } = this.app;
+    const att = this.params.attention;
     this.observer?.disconnect();
     this.observer = new IntersectionObserver(
       (entries) => {
@@ -171,55 +182,56 @@ export class ModelView {
   }
 
   async flush(perf, started) {
-    const { att } = this.app;
+    const att = this.params.attention;
     const layers = [...this.wanted].filter((l) => !att.has(l));
     this.wanted.clear();
     if (!layers.length) return;
     try {
-      await this.app.track(att.ensure(layers));
+      await this.ctx.track(att.ensure(layers));
     } catch (err) {
-      this.app.showError(err, "Loading attention");
+      this.ctx.showError(err, "Loading attention");
       return;
     }
-    if (this.app.att !== att || !this.root.isConnected) return;
+    if (this.params.attention !== att || !this.root.isConnected) return;
     perf.drawMs += this.paintLayers(layers);
     perf.layers = [...Array(att.nLayers).keys()].filter((l) => att.has(l)).length;
     layers.forEach((l) => this.observer?.unobserve(this.rowEls[l]));
     if (att.hasAll()) perf.totalMs = performance.now() - started;
   }
 
-  exportCanvas() {
-    const { att } = this.app;
+  /** Every map with layer and head labels, each at least 64 px, for the PNG export. */
+  exportPicture(scale = 1) {
+    const att = this.params?.attention;
+    if (!att?.T || !this.thumbs.length) return null;
     const H = att.nHeads;
     const L = att.nLayers;
-    const T = att.T;
-    const cell = Math.max(64, Math.min(160, T));
-    const gap = 8;
-    const left = 40;
-    const top = 24;
+    const cell = Math.max(64, Math.min(160, att.T)) * scale;
+    const gap = 8 * scale;
+    const left = 40 * scale;
+    const top = 24 * scale;
     const c = document.createElement("canvas");
     c.width = left + H * (cell + gap);
     c.height = top + L * (cell + gap);
     const ctx = c.getContext("2d");
-    ctx.fillStyle = cssVar("--surface", "#fff");
-    ctx.fillRect(0, 0, c.width, c.height);
     ctx.fillStyle = cssVar("--text", "#111");
-    ctx.font = "12px system-ui, sans-serif";
+    ctx.font = `${12 * scale}px system-ui, sans-serif`;
     ctx.textBaseline = "middle";
-    ctx.imageSmoothingEnabled = T > cell;
-    for (let h = 0; h < H; h++) ctx.fillText(`H${h}`, left + h * (cell + gap) + cell / 2 - 8, top / 2);
+    ctx.imageSmoothingEnabled = false;
+    for (let h = 0; h < H; h++) ctx.fillText(`H${h}`, left + h * (cell + gap) + cell / 2 - 8 * scale, top / 2);
     for (let l = 0; l < L; l++) {
-      ctx.fillText(`L${l}`, 8, top + l * (cell + gap) + cell / 2);
+      ctx.fillText(`L${l}`, 8 * scale, top + l * (cell + gap) + cell / 2);
       for (let h = 0; h < H; h++) {
         const t = this.thumbs[l]?.[h];
         if (t?.drawn) ctx.drawImage(t.canvas, left + h * (cell + gap), top + l * (cell + gap), cell, cell);
       }
     }
-    return c;
+    return { canvas: c, title: `all ${L} layers × ${H} heads`, legend: this.legend };
   }
 
   exportData() {
-    const { att, state } = this.app;
+    const att = this.params?.attention;
+    if (!att?.T) return null;
+    const state = this.params.settings;
     const T = att.T;
     const heads = [];
     for (let l = 0; l < att.nLayers; l++) {

@@ -1,186 +1,21 @@
-"""The web page in a real browser: Playwright for Python driving Debian's Chromium against a
-real `attnlens serve` on a free localhost port.
-
-Skipped (with the reason) when the playwright package or /usr/bin/chromium is missing.
-Never downloads a browser. Screenshots go to test-artifacts/ at the repository root.
-"""
+"""The page in Chromium: loading, generating, the views, errors, the theme (fixtures in
+conftest.py, helpers in helpers.py). Screenshots go to test-artifacts/."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
 import urllib.parse
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import REPO_ROOT, TINY_TEXT, make_tiny_checkpoint
-from live_server import live_server
 
-pytestmark = pytest.mark.browser
-
-CHROMIUM = Path(os.environ.get("ATTNLENS_CHROMIUM", "/usr/bin/chromium"))
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-ARTIFACTS = REPO_ROOT / "test-artifacts"
-VIEWPORT = {"width": 1280, "height": 900}
-# At most 64 UTF-8 bytes, so the page asks for format=json and the numbers match the API's exactly.
-PROMPT = "To be, or not to be, that is the question:\nWhether"
-
-try:
-    from playwright.sync_api import sync_playwright
-except ImportError:  # pragma: no cover - depends on the environment
-    sync_playwright = None
+from .conftest import DESKTOP
+from .helpers import (ARTIFACTS, PROMPT, api_attention, canvas_digest, open_page, record_attention_requests,
+                      rendered, screenshot, visible, wait_rendered)
 
 
-def _skip_reason() -> str | None:
-    if sync_playwright is None:
-        return "the playwright Python package is not installed (pip install playwright; no browser download needed)"
-    if not (CHROMIUM.is_file() and os.access(CHROMIUM, os.X_OK)) and not shutil.which(str(CHROMIUM)):
-        return f"{CHROMIUM} not found: install Debian's Chromium (apt-get install chromium)"
-    return None
-
-
-if _skip_reason():
-    pytestmark = [pytest.mark.browser, pytest.mark.skip(reason=_skip_reason())]
-
-
-def visible(text: str) -> str:
-    """What the page shows for a token: whitespace as ␣ ↵ ⇥ (static/js/tokens.js)."""
-    return text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍") or "∅"
-
-
-# ------------------------------------------------------------------------------------------
-# fixtures: one server and one browser for the module, a fresh page per test
-# ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    with live_server(tiny_checkpoint, tmp_path_factory.mktemp("browser-logs")) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def default_server(default_checkpoint, tmp_path_factory):
-    """The bundled trained model: real text, and decode steps slow enough (milliseconds) that
-    a stream reaches the page in several reads, unlike the tiny model's near-instant steps."""
-    with live_server(default_checkpoint, tmp_path_factory.mktemp("browser-default-logs")) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
-
-
-class Console:
-    def __init__(self):
-        self.messages: list[str] = []
-
-    @property
-    def errors(self) -> list[str]:
-        return [m for m in self.messages if m.startswith(("error", "pageerror"))]
-
-
-@pytest.fixture
-def page(browser, server):
-    context = browser.new_context(viewport=VIEWPORT, color_scheme="light", accept_downloads=True)
-    pg = context.new_page()
-    console = Console()
-    pg.on("console", lambda m: console.messages.append(f"{m.type}: {m.text}"))
-    pg.on("pageerror", lambda e: console.messages.append(f"pageerror: {e}"))
-    pg.console_log = console
-    pg.set_default_timeout(20_000)
-    try:
-        yield pg
-    finally:
-        context.close()
-
-
-def open_page(page, server, **query) -> None:
-    q = {"prompt": PROMPT, **query}
-    page.goto(f"{server.base_url}/?{urllib.parse.urlencode(q)}")
-    wait_rendered(page)
-
-
-def rendered(page) -> str:
-    return page.eval_on_selector("#view-host", "e => e.dataset.rendered || ''")
-
-
-def wait_rendered(page, previous: str | None = None, prefix: str = "") -> str:
-    """Wait until the view has finished drawing (after `previous`, starting with `prefix`)."""
-    page.wait_for_function(
-        """([prev, prefix]) => {
-            const r = document.querySelector('#view-host').dataset.rendered || '';
-            return r && r !== prev && r.startsWith(prefix) && !document.documentElement.hasAttribute('data-busy');
-        }""",
-        arg=[previous or "", prefix],
-    )
-    return rendered(page)
-
-
-def head_canvas_digest(page) -> dict:
-    """Hash and colour count of the head-view heatmap's pixels."""
-    return page.evaluate(
-        """() => {
-            const c = document.querySelector('#view-host .heatmap-base');
-            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-            let h = 2166136261 >>> 0, nonBlank = 0;
-            const colours = new Set();
-            for (let i = 0; i < d.length; i += 4) {
-                if (d[i + 3] === 0) continue;
-                nonBlank++;
-                const v = (d[i] << 16) | (d[i + 1] << 8) | d[i + 2];
-                colours.add(v);
-                h = Math.imul(h ^ v, 16777619) >>> 0;
-            }
-            return {hash: h, nonBlank, colours: colours.size, w: c.width, h: c.height};
-        }"""
-    )
-
-
-def screenshot(page, name: str) -> Path:
-    ARTIFACTS.mkdir(exist_ok=True)
-    path = ARTIFACTS / name
-    page.screenshot(path=str(path), full_page=True)
-    return path
-
-
-def record_attention_requests(page) -> list[dict]:
-    """The JSON bodies of the page's /attention requests from now on (filled in as they go)."""
-    bodies: list[dict] = []
-
-    def on_request(request):
-        if request.url.endswith("/attention") and request.method == "POST":
-            bodies.append(json.loads(request.post_data or "null"))
-
-    page.on("request", on_request)
-    return bodies
-
-
-def api_attention(server, text: str) -> dict:
-    r = httpx.post(f"{server.base_url}/attention", json={"text": text, "format": "json"}, timeout=30)
-    r.raise_for_status()
-    return r.json()
-
-
-# ------------------------------------------------------------------------------------------
-# tests
-# ------------------------------------------------------------------------------------------
 def test_page_loads_without_console_errors(page, server):
     open_page(page, server)
     assert page.title().startswith("attnlens")
@@ -229,13 +64,13 @@ def test_generate_streams_tokens_into_the_page(page, default_server):
     # the prompt's tokens came with the stream's `done` event: no /attention call just for them,
     # and the analysis asks for exactly the prompt's + the generated token ids
     prompt_ids = [t["id"] for t in api_attention(server, "To be, or not")["tokens"]]
-    gen = page.evaluate("() => ({prompt: window.__attnlens.app.gen.promptTokens, tokens: window.__attnlens.app.gen.tokens})")
+    gen = page.evaluate("() => ({prompt: window.__attnlens.store.state.gen.promptTokens, tokens: window.__attnlens.store.state.gen.tokens})")
     assert [t["id"] for t in gen["prompt"]] == prompt_ids
     gen_ids = [t["id"] for t in gen["tokens"]]
     assert len(gen_ids) == n
     assert [r.get("ids") for r in requests] == [prompt_ids + gen_ids], requests
     assert all("text" not in r and "heads" not in r for r in requests), requests
-    assert page.evaluate("() => window.__attnlens.app.att.tokens.map(t => t.id)") == prompt_ids + gen_ids
+    assert page.evaluate("() => window.__attnlens.store.state.att.tokens.map(t => t.id)") == prompt_ids + gen_ids
     chips.nth(min(2, n - 1)).click()
     wait_rendered(page, before, prefix="gen:")
     assert f"step {min(2, n - 1) + 1} /" in page.inner_text("#gen-step-text")
@@ -281,7 +116,7 @@ def test_generation_ending_in_a_partial_character_is_analysed_by_its_ids(page, s
     ids = prompt_ids + gen_ids
     assert [r.get("ids") for r in requests] == [ids], requests
     assert all("text" not in r for r in requests)
-    assert page.evaluate("() => window.__attnlens.app.att.tokens.map(t => t.id)") == ids
+    assert page.evaluate("() => window.__attnlens.store.state.att.tokens.map(t => t.id)") == ids
     assert page.inner_text("#analysed").startswith(f"{len(ids)} tokens analysed")
     assert not page.locator("#messages .message").count()
     # the typed prompt is still analysed as text
@@ -294,12 +129,12 @@ def test_generation_ending_in_a_partial_character_is_analysed_by_its_ids(page, s
 
 def test_head_view_pixels_change_with_the_head(page, server):
     open_page(page, server)
-    first = head_canvas_digest(page)
+    first = canvas_digest(page)
     assert first["nonBlank"] > 1000 and first["colours"] > 10, first
     before = rendered(page)
     page.select_option("#head", "1")
     wait_rendered(page, before, prefix="head:0:1:")
-    second = head_canvas_digest(page)
+    second = canvas_digest(page)
     assert second["colours"] > 10
     assert second["hash"] != first["hash"], "the heatmap did not change when another head was chosen"
     assert "head=1" in page.url
@@ -324,7 +159,7 @@ def test_hover_shows_query_key_and_weight(page, server):
     api = api_attention(server, PROMPT)
     tokens = api["tokens"]
     q, k = 5, 2
-    point = page.evaluate(f"() => window.__attnlens.app.view.heatmap.cellCenter({q}, {k})")
+    point = page.evaluate(f"() => window.__attnlens.current().heatmap.cellCenter({q}, {k})")
     page.mouse.move(point["x"], point["y"])
     page.wait_for_selector("#tooltip:not([hidden])")
     tip = page.inner_text("#tooltip")
@@ -334,7 +169,7 @@ def test_hover_shows_query_key_and_weight(page, server):
     weight = float(tip.rsplit(":", 1)[1].split()[0])
     assert weight == pytest.approx(api["attention"][0][0][q][k], abs=1e-3)
     # hovering a token on the axis names that token
-    label = page.evaluate(f"() => window.__attnlens.app.view.heatmap.labelCenter('row', {q})")
+    label = page.evaluate(f"() => window.__attnlens.current().heatmap.labelCenter('row', {q})")
     page.mouse.move(label["x"], label["y"])
     page.wait_for_function(f"() => document.querySelector('#tooltip').innerText.includes('(#{q})')")
     assert "→" not in page.inner_text("#tooltip")
@@ -415,32 +250,50 @@ def test_dark_theme_toggle(page, server):
     screenshot(page, "browser-head-view-dark.png")
 
 
-def test_model_view_of_256_tokens_draws_under_a_second(browser, tmp_path_factory):
+def test_model_view_of_256_tokens_draws_under_a_second(browser, long_server, long_text):
     """6 layers × 8 heads over 256 tokens: time the drawing of all 48 maps."""
-    root = tmp_path_factory.mktemp("ctx256")
-    ckpt = make_tiny_checkpoint(root / "model", context_length=256, n_layers=6, n_heads=8, d_model=64, d_ff=128)
-    from model import load_checkpoint
-
-    tok = load_checkpoint(ckpt).tokenizer
-    text = tok.decode(tok.encode(TINY_TEXT * 4)[:256])
-    while len(tok.encode(text)) > 256:
-        text = text[:-1]
-    assert len(tok.encode(text)) >= 250
-    with live_server(ckpt, root) as srv:
-        context = browser.new_context(viewport=VIEWPORT)
-        pg = context.new_page()
-        try:
-            pg.goto(f"{srv.base_url}/?{urllib.parse.urlencode({'prompt': text, 'view': 'model'})}")
-            pg.wait_for_function(
-                "() => window.__attnlens.perf.modelView && window.__attnlens.perf.modelView.totalMs != null",
-                timeout=60_000,
-            )
-            perf = pg.evaluate("window.__attnlens.perf.modelView")
-            screenshot(pg, "browser-model-view-256.png")
-        finally:
-            context.close()
+    text = long_text(256)
+    assert len(long_text.tokenizer.encode(text)) >= 250
+    context = browser.new_context(viewport=DESKTOP)
+    pg = context.new_page()
+    try:
+        pg.goto(f"{long_server.base_url}/?{urllib.parse.urlencode({'prompt': text, 'view': 'model'})}")
+        pg.wait_for_function(
+            "() => window.__attnlens.perf.modelView && window.__attnlens.perf.modelView.totalMs != null",
+            timeout=60_000,
+        )
+        perf = pg.evaluate("window.__attnlens.perf.modelView")
+        screenshot(pg, "browser-model-view-256.png")
+    finally:
+        context.close()
     print(f"\nmodel view, {perf['T']} tokens x {perf['layers']} layers x {perf['heads']} heads: "
           f"draw {perf['drawMs']:.0f} ms, with fetching {perf['totalMs']:.0f} ms")
     (ARTIFACTS / "model-view-perf.json").write_text(json.dumps(perf, indent=1))
     assert perf["T"] >= 250 and perf["layers"] == 6 and perf["heads"] == 8
     assert perf["drawMs"] < 1000
+
+
+def test_api_key_is_asked_for_on_401_and_sent(page, server):
+    """A server with an API key answers 401 without `Authorization: Bearer <key>`: the page
+    offers to enter the key, keeps it in localStorage and sends it on every request."""
+    seen = []
+
+    def guard(route, request):
+        auth = request.headers.get("authorization")
+        seen.append((request.url.rsplit("/", 1)[-1], auth))
+        if auth != "Bearer s3cret":
+            return route.fulfill(status=401, headers={"WWW-Authenticate": "Bearer", "Content-Type": "application/json"},
+                                 body=json.dumps({"detail": "missing or wrong API key (ATTNLENS_API_KEY)", "code": "invalid_api_key"}))
+        return route.continue_()
+
+    for path in ("**/model", "**/attention", "**/generate"):
+        page.route(path, guard)
+    page.goto(f"{server.base_url}/?{urllib.parse.urlencode({'prompt': PROMPT, 'layer': '1'})}")
+    btn = page.wait_for_selector("#messages .key-btn")
+    assert "API key" in page.inner_text("#messages")
+    page.once("dialog", lambda d: d.accept("s3cret"))
+    btn.click()
+    wait_rendered(page, prefix="head:1:0:")
+    assert page.evaluate("localStorage.getItem('attnlens-api-key')") == "s3cret"
+    assert ("model", "Bearer s3cret") in seen and ("attention", "Bearer s3cret") in seen
+    assert not page.locator("#messages .message").count()

@@ -1,0 +1,125 @@
+// The display controls: view tabs (from the view registry), the toolbar, and the views'
+// option panels. Every input with data-key="<state key>" is bound to that key of the store
+// both ways, so a new option is a schema key plus an input in index.html.
+
+import { VIEWS, viewById } from "./views/registry.js";
+
+const $ = (sel) => document.querySelector(sel);
+const $$ = (sel) => [...document.querySelectorAll(sel)];
+
+function buildTabs(store) {
+  const host = $("#tabs");
+  const tabs = VIEWS.map((v) => {
+    const b = document.createElement("button");
+    b.type = "button";
+    b.setAttribute("role", "tab");
+    b.id = `tab-${v.id}`;
+    b.dataset.view = v.id;
+    b.setAttribute("aria-controls", "view-host");
+    b.textContent = v.label;
+    if (v.title) b.title = v.title;
+    b.addEventListener("click", () => store.set({ view: v.id }));
+    b.addEventListener("keydown", (e) => {
+      const i = tabs.indexOf(b);
+      const j = { ArrowRight: (i + 1) % tabs.length, ArrowLeft: (i - 1 + tabs.length) % tabs.length, Home: 0, End: tabs.length - 1 }[e.key];
+      if (j == null) return;
+      e.preventDefault();
+      tabs[j].focus();
+      store.set({ view: tabs[j].dataset.view });
+    });
+    return b;
+  });
+  host.prepend(...tabs);
+}
+
+function readInput(el) {
+  if (el.type === "checkbox") return el.checked;
+  return el.value;
+}
+
+/** Bind every [data-key] input to the store (radio groups: the checked one's value). */
+function bindInputs(store) {
+  for (const el of $$("[data-key]")) {
+    el.addEventListener("change", () => {
+      if (el.type === "radio" && !el.checked) return;
+      store.set({ [el.dataset.key]: readInput(el) });
+    });
+  }
+}
+
+function toggleSet(host, n, prefix, key, store) {
+  host.replaceChildren();
+  const all = () => [...Array(n).keys()];
+  for (let i = 0; i < n; i++) {
+    const label = document.createElement("label");
+    label.innerHTML = `<input type="checkbox" value="${i}" aria-label="${key === "layers" ? "layer" : "head"} ${i}"><span>${prefix}${i}</span>`;
+    label.querySelector("input").addEventListener("change", () => {
+      const values = [...host.querySelectorAll("input:checked")].map((x) => +x.value);
+      store.set({ [key]: values.length === n ? null : values });
+    });
+    host.append(label);
+  }
+  const btn = document.createElement("button");
+  btn.type = "button";
+  btn.className = "btn small ghost";
+  btn.textContent = "all";
+  btn.addEventListener("click", () => store.set({ [key]: null }));
+  host.append(btn);
+  return all;
+}
+
+function fillSelect(sel, n, prefix) {
+  sel.replaceChildren(...Array.from({ length: n }, (_, i) => new Option(`${prefix}${i}`, String(i))));
+}
+
+export function buildControls(store) {
+  buildTabs(store);
+  bindInputs(store);
+  $("#compare").addEventListener("click", () => store.set({ promptB: $("#promptB").value, diff: "prompts" }));
+  $("#promptB").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) store.set({ promptB: $("#promptB").value, diff: "prompts" });
+  });
+  $("#zoom-in").addEventListener("click", () => store.set({ zoom: store.get("zoom") * 1.25 }));
+  $("#zoom-out").addEventListener("click", () => store.set({ zoom: store.get("zoom") * 0.8 }));
+  $("#zoom-fit").addEventListener("click", () => store.set({ zoom: 1 }));
+}
+
+/** Fill the controls whose options depend on the model (layer and head counts). */
+export function modelControls(store, meta) {
+  for (const id of ["layer", "layerB"]) fillSelect($("#" + id), meta.n_layers, "L");
+  for (const id of ["head", "headB"]) fillSelect($("#" + id), meta.n_heads, "H");
+  toggleSet($("#agg-layers"), meta.n_layers, "L", "layers", store);
+  toggleSet($("#agg-heads"), meta.n_heads, "H", "heads", store);
+  const maxNew = Math.max(1, Math.min(meta.max_new_tokens, meta.context_length - 1));
+  const input = $("#max_new_tokens");
+  input.max = String(maxNew);
+  if (+input.value > maxNew) input.value = String(Math.max(1, Math.floor(maxNew / 2)));
+}
+
+/** Make every control show the state. */
+export function syncControls(s) {
+  for (const el of $$("[data-key]")) {
+    const v = s[el.dataset.key];
+    if (el.type === "checkbox") el.checked = !!v;
+    else if (el.type === "radio") el.checked = el.value === String(v);
+    else if (document.activeElement !== el && v != null && el.value !== String(v)) el.value = String(v);
+  }
+  const ticked = (host, list) => {
+    for (const input of host.querySelectorAll("input")) input.checked = list == null || list.includes(+input.value);
+  };
+  ticked($("#agg-layers"), s.layers);
+  ticked($("#agg-heads"), s.heads);
+  $(".opt-group[data-view='diff']").dataset.mode = s.diff;
+  $("#diff-a-layer").textContent = s.layer;
+  $("#diff-a-head").textContent = s.head;
+  if (document.activeElement !== $("#promptB")) $("#promptB").value = s.promptB;
+  $("#zoom-level").textContent = `${Math.round(s.zoom * 100)}%`;
+  for (const tab of $$('[role="tab"]')) {
+    const on = tab.dataset.view === s.view;
+    tab.setAttribute("aria-selected", on ? "true" : "false");
+    tab.tabIndex = on ? 0 : -1;
+  }
+  const view = viewById(s.view);
+  for (const g of $$(".opt-group")) g.classList.toggle("active", g.dataset.view === s.view);
+  for (const ctl of $$(".toolbar [data-ctl]")) ctl.hidden = !view.controls.includes(ctl.dataset.ctl);
+}

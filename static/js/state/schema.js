@@ -1,0 +1,50 @@
+// Every piece of page state, in one list. Types: string, int (≥ 0), number (> 0), bool,
+// list (of ints ≥ 0, in order), set (a list without repeats), object (data, never in the URL). `url: true` keys are what a link reproduces: the
+// URL is derived from this list (state/url.js), so a key added here is shared and restored
+// with no other change. The other keys hold data the page fetched or is doing right now.
+
+export const STATE_KEYS = [
+  // which model to explain ("" = the server's default); a model picker only has to set it
+  { key: "model", type: "string", def: "", url: true },
+  // the prompt box, and what the attention views analyse: "prompt" or "gen" (the generation's ids)
+  { key: "prompt", type: "string", def: "", url: true },
+  { key: "source", type: "string", def: "prompt", url: true },
+  // a generation: the token ids of prompt + generated text and how many are the prompt, so a
+  // link rebuilds exactly the sequence (and the Generation view) its sender saw
+  { key: "ids", type: "list", def: null, url: true },
+  { key: "plen", type: "int", def: 0, url: true },
+  // what is shown
+  { key: "view", type: "string", def: "head", url: true },
+  { key: "layer", type: "int", def: 0, url: true },
+  { key: "head", type: "int", def: 0, url: true },
+  { key: "pin", type: "set", def: [], url: true }, // pinned query rows
+  { key: "step", type: "int", def: 0, url: true }, // generation step
+  { key: "sink", type: "bool", def: false, url: true },
+  { key: "cmap", type: "string", def: "viridis", url: true },
+  { key: "dcmap", type: "string", def: "RdBu", url: true },
+  { key: "scale", type: "string", def: "p99", url: true },
+  { key: "zoom", type: "number", def: 1, url: true },
+  // aggregate view: null = every layer / head, [] = none ticked
+  { key: "op", type: "string", def: "mean", url: true },
+  { key: "layers", type: "set", def: null, url: true },
+  { key: "heads", type: "set", def: null, url: true },
+  // difference view
+  { key: "diff", type: "string", def: "heads", url: true },
+  { key: "layerB", type: "int", def: 0, url: true },
+  { key: "headB", type: "int", def: 1, url: true },
+  { key: "promptB", type: "string", def: "", url: true },
+  // data and activity (never in the URL)
+  { key: "meta", type: "object", def: null }, // /model, normalised
+  { key: "att", type: "object", def: null }, // AttentionSet of the analysed sequence
+  { key: "gen", type: "object", def: null }, // GenerationRecord (generation.js)
+  { key: "streaming", type: "bool", def: false }, // a generation is arriving
+  { key: "analysing", type: "string", def: "" }, // text being analysed, "" when idle
+];
+
+export const URL_KEYS = STATE_KEYS.filter((k) => k.url);
+
+export function defaults() {
+  const out = {};
+  for (const k of STATE_KEYS) out[k.key] = Array.isArray(k.def) ? k.def.slice() : k.def;
+  return out;
+}

@@ -1,0 +1,70 @@
+// The one object a view reads: built from the store's state, checked once here, so views
+// never see the store, the page or an out-of-range index.
+
+import { SEQUENTIAL, DIVERGING } from "../colormap.js";
+import { SCALES } from "../scales.js";
+import { OPS } from "./aggregateview.js";
+
+const clamp = (v, n) => Math.max(0, Math.min(n - 1, v | 0));
+
+/** Keep the state's choices in range for a model with `meta` (used as the store's constraint). */
+export function constrainState(s, meta, viewIds) {
+  const out = { ...s };
+  if (!viewIds.includes(out.view)) out.view = viewIds[0];
+  if (!Object.hasOwn(SCALES, out.scale)) out.scale = "p99";
+  if (!SEQUENTIAL.includes(out.cmap)) out.cmap = "viridis";
+  if (!DIVERGING.includes(out.dcmap)) out.dcmap = "RdBu";
+  if (!Object.hasOwn(OPS, out.op)) out.op = "mean";
+  if (out.diff !== "heads" && out.diff !== "prompts") out.diff = "heads";
+  out.zoom = Math.max(0.25, Math.min(8, out.zoom || 1));
+  if (meta) {
+    const { n_layers: L, n_heads: H } = meta;
+    out.layer = clamp(out.layer, L);
+    out.head = clamp(out.head, H);
+    out.layerB = clamp(out.layerB, L);
+    out.headB = clamp(out.headB, H);
+    if (out.layers) out.layers = out.layers.filter((l) => l < L);
+    if (out.heads) out.heads = out.heads.filter((h) => h < H);
+  }
+  if (out.gen) out.step = Math.min(out.step, Math.max(0, out.gen.tokens.length - 1));
+  if (out.att?.T) out.pin = out.pin.filter((r) => r < out.att.T);
+  return out;
+}
+
+/**
+ * {model, tokens, attention, generation, boundary, selection, settings, axes, live}
+ *  - attention: the AttentionSet of the analysed sequence ([layer][head][query][key], fetched
+ *    per layer on demand: `await attention.ensure([l])`, then `attention.head(l, h)`)
+ *  - generation: the GenerationRecord, or null
+ *  - boundary: index of the first generated token in `tokens` when they are prompt + generation
+ *  - axes: what rows and columns are (a cross-attention view would say target / source)
+ */
+export function viewParams(s) {
+  const meta = s.meta;
+  if (!meta || !(meta.n_layers > 0) || !(meta.n_heads > 0)) throw new TypeError("view params need the model's layer and head counts");
+  const att = s.att;
+  if (att && att.tokens && att.tokens.length !== att.T) throw new TypeError("attention tokens and size disagree");
+  const all = (n) => [...Array(n).keys()];
+  const gen = s.gen;
+  const fromGeneration = !!(att?.ids && s.ids && att.ids.length === s.ids.length && att.ids.every((x, i) => x === s.ids[i]));
+  return Object.freeze({
+    model: { name: meta.name, n_layers: meta.n_layers, n_heads: meta.n_heads, context_length: meta.context_length },
+    tokens: att?.tokens ?? [],
+    attention: att,
+    generation: gen,
+    boundary: fromGeneration && s.plen > 0 && s.plen < att.T ? s.plen : null,
+    selection: Object.freeze({
+      layer: s.layer,
+      head: s.head,
+      layerB: s.layerB,
+      headB: s.headB,
+      step: s.step,
+      pinned: s.pin.slice(),
+      layers: (s.layers ?? all(meta.n_layers)).slice().sort((a, b) => a - b),
+      heads: (s.heads ?? all(meta.n_heads)).slice().sort((a, b) => a - b),
+    }),
+    settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom }),
+    axes: Object.freeze({ rows: "query", cols: "key" }),
+    live: s.streaming,
+  });
+}
