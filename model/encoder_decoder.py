@@ -258,6 +258,12 @@ class EncoderDecoder(nn.Module):
         With a cache: `source` given encodes it into rows `rows` (a new request; those rows'
         decoder state starts empty); without it, the rows' cached sources are used and `ids`
         continue each row's target from its own length.
+
+        A prompt is a source: on cache rows that hold no source yet (new or freed), `ids`
+        (B, S) ARE the source; it is encoded and the decoder is fed its start token
+        (config.decoder_start_id), so the logits (B, 1, V) give the first target token. This
+        is how the decoder family's prefill (`model(prompt, kv_cache=, rows=)`) reads for this
+        family, so one decode step and one engine serve both.
         """
         B, T = ids.shape
         encoder_attentions = None
@@ -274,6 +280,10 @@ class EncoderDecoder(nn.Module):
                 return_attention=return_attention)
         else:
             rows = kv_cache.row_slice(rows, B)
+            if source is None and int(kv_cache.source_lengths[rows].max()) == 0:  # a prompt: the source
+                source, source_mask = ids, None
+                ids = torch.full((B, 1), self.config.decoder_start_id, dtype=torch.long, device=ids.device)
+                B, T = ids.shape
             if source is not None:  # a new request: encode once, keep every layer's cross K/V
                 memory, encoder_attentions = self.encode(source, source_mask, return_attention)
                 lengths = (torch.full((B,), source.shape[1], dtype=torch.long) if source_mask is None
@@ -284,7 +294,8 @@ class EncoderDecoder(nn.Module):
                 for r in range(rows.start, rows.stop):
                     kv_cache.decoder.free(r)
             if int(kv_cache.source_lengths[rows].min()) == 0:
-                raise ValueError(f"cache rows {rows} hold no source: pass `source` first")
+                raise ValueError(f"cache rows {rows} mix rows with and without a source: "
+                                 "start new requests in their own call")
             width = kv_cache.source_width(rows)
             memory_kv = [kv_cache.memory_kv(rows, i, width) for i in range(self.config.n_layers)]
             write = kv_cache.decoder.begin(rows, B, T)
@@ -302,7 +313,8 @@ class EncoderDecoder(nn.Module):
 
 
 def decoder_start_id(tokenizer) -> int:
-    """The token that starts every target (and ends it): the tokenizer's EOS."""
+    """The token that starts every target (and ends it): the tokenizer's EOS (id 0 in every
+    tokenizer attnlens trains, which is config.decoder_start_id's default)."""
     return tokenizer.eos_id
 
 

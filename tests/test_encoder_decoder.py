@@ -200,7 +200,7 @@ def test_cache_rows_of_different_target_lengths_and_moves(model):
     src, src_keep, tgt, _ = padded_batch()
     with torch.no_grad():
         full = model(tgt, source=src, source_mask=src_keep).logits
-        cache = model.new_kv_cache(4)
+        cache = model.new_kv_cache(5)
         model(tgt[0:1, :3], source=src[0:1], source_mask=src_keep[0:1], kv_cache=cache, rows=slice(0, 1))
         model(tgt[1:2, :1], source=src[1:2, :4], kv_cache=cache, rows=slice(1, 2))
         # row 0 is at step 3, row 1 at step 1: one batched call gives each its own next logits
@@ -211,8 +211,35 @@ def test_cache_rows_of_different_target_lengths_and_moves(model):
         again = model(tgt[1:2, 2:3], kv_cache=cache, rows=slice(3, 4)).logits
         torch.testing.assert_close(again[0, 0], full[1, 2], atol=1e-5, rtol=0)
         cache.free(3)
-        with pytest.raises(ValueError, match="no source"):
-            model(tgt[1:2, :1], kv_cache=cache, rows=slice(3, 4))
+        model(src[2:3, :1], kv_cache=cache, rows=slice(4, 5))  # row 4: a new request (a prompt)
+        with pytest.raises(ValueError, match="mix rows"):
+            model(tgt[0:2, :1], kv_cache=cache, rows=slice(3, 5))
+
+
+def test_a_prompt_on_an_empty_row_is_the_source(model):
+    """The decoder family's prefill, model(prompt, kv_cache=, rows=), reads the prompt as the
+    source and feeds the start token: the same logits as the explicit call."""
+    src, src_keep, tgt, _ = padded_batch()
+    with torch.no_grad():
+        full = model(torch.cat([torch.zeros(1, 1, dtype=torch.long), tgt[1:2, 1:3]], dim=1),
+                     source=src[1:2, :4]).logits
+        cache = model.new_kv_cache(2)
+        first = model(src[1:2, :4], kv_cache=cache, rows=slice(1, 2), return_attention=True)
+        assert first.logits.shape == (1, 1, V) and first.encoder_attentions[0].shape == (1, H, 4, 4)
+        assert first.cross_attentions[0].shape == (1, H, 1, 4)
+        nxt = model(tgt[1:2, 1:3], kv_cache=cache, rows=slice(1, 2)).logits
+    torch.testing.assert_close(torch.cat([first.logits, nxt], dim=1), full, atol=1e-5, rtol=0)
+    assert int(cache.source_lengths[1]) == 4 and int(cache.lengths[1]) == 3
+
+
+def test_generate_tokens_translates_the_prompt(model):
+    """model.generate's token generator (the decoder's) works unchanged: the prompt is the source."""
+    from model.generate import SamplingParams, generate_tokens
+
+    src = [7, 8, 9, 10, 11]
+    want = greedy_translate_ids(model, [src], 0, -1, max_new_tokens=6)[0]
+    got = [t.id for t in generate_tokens(model, src, 6, SamplingParams(temperature=0))]
+    assert got == want
 
 
 def test_greedy_batch_equals_greedy_alone(model):
