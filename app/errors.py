@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .engine import EngineClosed, QueueFull
+from .engine import EngineClosed, QueueFull, RequestTooLarge
 
 log = logging.getLogger("attnlens.errors")
 
@@ -94,6 +94,11 @@ def install_error_handlers(app: FastAPI) -> None:
         request.app.state.attnlens.metrics.rejected.labels("queue_full").inc()
         return error_response(request.url.path, 429, str(exc), code="queue_full",
                               headers={"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(RequestTooLarge)
+    async def request_too_large(request: Request, exc: RequestTooLarge):
+        request.app.state.attnlens.metrics.rejected.labels("too_large").inc()
+        return error_response(request.url.path, 400, str(exc), param=exc.param, code="too_many_generations")
 
     @app.exception_handler(EngineClosed)
     async def engine_closed(request: Request, exc: EngineClosed):

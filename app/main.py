@@ -25,12 +25,12 @@ from model import SamplingParams
 
 from .attention_codec import attention_maps
 from .body_limit import BodyLimitMiddleware
-from .engine import Engine, GenerationJob
+from .engine import Engine, GenerationParams
 from .errors import install_error_handlers, scope_error_response
 from .loader import load_for_serving
 from .metrics import Metrics, MetricsMiddleware
 from .routers import attention, generate, openai, ops, ui
-from .schemas import StreamDone, StreamToken
+from .schemas import StreamDone, StreamError, StreamToken
 from .settings import Settings
 from .state import AppState
 
@@ -40,11 +40,11 @@ log = logging.getLogger("attnlens.app")
 async def warm_up(engine: Engine) -> None:
     """One short generation and one attention pass, through the engine like any request."""
     ids = engine.tokenizer.encode("The") or [0]
-    job = GenerationJob(prompt_ids=ids, max_new_tokens=2, sampling=SamplingParams(temperature=0.0),
-                        n_logprobs=1, return_attention=True)
-    async for event in engine.submit(job).events():
-        if event.kind == "error":
-            raise RuntimeError(f"warm-up generation failed: {event.data['message']}")
+    params = GenerationParams(prompt_ids=ids, max_new_tokens=2, sampling=SamplingParams(temperature=0.0),
+                              n_logprobs=1, return_attention=True)
+    async for event in engine.submit(params).events():
+        if isinstance(event, StreamError):
+            raise RuntimeError(f"warm-up generation failed: {event.message}")
     await engine.call(lambda model: attention_maps(model, ids, [0], [0]))
 
 
@@ -59,7 +59,8 @@ async def lifespan(app: FastAPI):
         state.status = "failed"
         log.error("cannot load the model from %s: %s", s.model, e)
         raise RuntimeError(f"cannot load the model from {s.model}: {e}") from None
-    engine = Engine(ckpt, max_concurrent=s.max_concurrent, max_queue=s.max_queue)
+    engine = Engine(ckpt, max_concurrent=s.max_concurrent, max_queue=s.max_queue,
+                    max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs)
     state.checkpoint, state.engine = ckpt, engine
     state.metrics.bind_engine(engine)
     try:
@@ -68,9 +69,10 @@ async def lifespan(app: FastAPI):
             await warm_up(engine)
         state.ready, state.status = True, "ready"
         cfg = ckpt.config
-        log.info("ready: %s (%d layers x %d heads, context %d, %s params) on %s as %s",
+        log.info("ready: %s (%d layers x %d heads, context %d, %s params) on %s as %s; KV cache %d rows, %.0f MB",
                  state.model_name, cfg.n_layers, cfg.n_heads, cfg.context_length,
-                 f"{ckpt.model.num_parameters():,}", engine.device, str(engine.dtype).removeprefix("torch."))
+                 f"{ckpt.model.num_parameters():,}", engine.device, str(engine.dtype).removeprefix("torch."),
+                 engine.cache.n_rows, engine.cache_bytes / 2**20)
         yield
     finally:
         state.ready, state.status = False, "stopped"
@@ -78,7 +80,7 @@ async def lifespan(app: FastAPI):
 
 
 def add_stream_schemas(app: FastAPI) -> None:
-    """Put the server-sent events' bodies (StreamToken, StreamDone) in the OpenAPI components,
+    """Put the server-sent events' bodies (StreamToken, StreamDone, StreamError) in the OpenAPI components,
     where /generate's text/event-stream answer refers to them; FastAPI only adds models that
     a route returns as JSON."""
     default = app.openapi
@@ -86,7 +88,7 @@ def add_stream_schemas(app: FastAPI) -> None:
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = default()  # also stored in app.openapi_schema
-            _, defs = models_json_schema([(StreamToken, "serialization"), (StreamDone, "serialization")],
+            _, defs = models_json_schema([(m, "serialization") for m in (StreamToken, StreamDone, StreamError)],
                                          ref_template="#/components/schemas/{model}")
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name, body in defs.get("$defs", {}).items():

@@ -32,21 +32,24 @@ class Metrics:
         self.engine_errors = Gauge("attnlens_engine_step_errors", "Engine steps that raised", registry=r)
         self.engine_cancelled = Gauge("attnlens_engine_cancelled_requests",
                                       "Requests stopped early because their client went away", registry=r)
+        self.attention_in_flight = Gauge("attnlens_attention_in_flight",
+                                         "Attention requests running or waiting for the model", registry=r)
 
     def bind_engine(self, engine) -> None:
         self.queue_depth.set_function(lambda: engine.waiting)
         self.in_flight.set_function(lambda: engine.in_flight)
         self.engine_errors.set_function(lambda: engine.errors)
         self.engine_cancelled.set_function(lambda: engine.cancelled)
+        self.attention_in_flight.set_function(lambda: engine.attention_in_flight)
 
-    def observe_generation(self, done: dict) -> None:
-        """Record a finished generation from the engine's done event."""
-        usage, timings = done["usage"], done["timings"]
-        self.generations.labels(done["finish_reason"]).inc()
-        self.prompt_tokens.inc(usage["prompt_tokens"])
-        self.generated_tokens.inc(usage["completion_tokens"])
-        if usage["completion_tokens"]:
-            self.ttft.observe(timings["time_to_first_token_ms"] / 1000)
+    def observe_generation(self, done) -> None:
+        """Record a finished generation from its StreamDone event."""
+        usage, timings = done.usage, done.timings
+        self.generations.labels(done.finish_reason).inc()
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generated_tokens.inc(usage.completion_tokens)
+        if usage.completion_tokens:
+            self.ttft.observe(timings.time_to_first_token_ms / 1000)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

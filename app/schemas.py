@@ -107,6 +107,12 @@ class StreamDone(BaseModel):
     timings: Timings
 
 
+class StreamError(BaseModel):
+    """`event: error` data when streaming: the generation failed on the server."""
+
+    message: str
+
+
 # --- /attention --------------------------------------------------------------
 class AttentionRequest(Strict):
     """Give exactly one of `text` (tokenised here) or `ids` (used as they are)."""

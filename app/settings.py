@@ -25,8 +25,11 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     max_prompt_tokens: int = Field(1024, ge=1)
     max_new_tokens: int = Field(512, ge=1)
-    max_concurrent: int = Field(8, ge=1)  # requests being generated at once
-    max_queue: int = Field(32, ge=0)  # requests waiting for a slot
+    # generations decoded together in one batch (= KV cache rows); see bench/README.md
+    max_concurrent: int = Field(32, ge=1)
+    max_queue: int = Field(64, ge=0)  # generations waiting for a slot
+    max_attention_concurrent: int = Field(4, ge=1)  # /attention forwards running or waiting
+    cuda_graphs: bool = True  # on CUDA, replay the decode step from captured CUDA graphs
     # Comma-separated list ("*" for any origin); empty = no CORS headers.
     cors_origins: Annotated[list[str], NoDecode] = []
     log_level: str = "info"

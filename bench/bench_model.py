@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from model.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
-from model.generate import SamplingParams, generate_tokens  # noqa: E402
+from model.decoding import SamplingParams, generate_tokens  # noqa: E402
 from model.hf import export_hf  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.transformer import Transformer  # noqa: E402

@@ -2,7 +2,7 @@
 
 from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, ModelConfig
-from .generate import GeneratedToken, SamplingParams, generate_tokens
+from .decoding import GeneratedToken, SamplingParams, generate_tokens
 from .tokenizer import Tokenizer
 from .kv_cache import ContextLengthError, KVCache
 from .transformer import ModelOutput, Transformer

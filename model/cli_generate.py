@@ -9,7 +9,7 @@ import sys
 import torch
 
 from .checkpoint import load_checkpoint
-from .generate import SamplingParams, generate_tokens
+from .decoding import SamplingParams, generate_tokens
 
 
 def pick_device(pref: str) -> str:

@@ -30,8 +30,8 @@ class CacheWrite:
 
     cache: "KVCache"
     rows: slice
-    starts: torch.Tensor  # (B,) lengths before this call
-    positions: torch.Tensor  # (B, T) absolute position of each new token, on the model's device
+    start: int  # where the call's tokens go when every row has the same length (else -1)
+    positions: torch.Tensor | None  # (B, T) absolute position of each new token when lengths differ
     mask: torch.Tensor | None  # (B, 1, T, S) True = may attend; None when plain causality covers it
     n_keys: int  # S = max(starts) + T
 
@@ -61,29 +61,27 @@ class KVCache:
     def begin(self, rows: slice | None, batch: int, n_new: int) -> CacheWrite:
         """Check that n_new tokens fit in every row; positions and mask for the call."""
         rows = self.row_slice(rows, batch)
-        starts = self.lengths[rows]  # (B,)
-        longest = int(starts.max())
+        starts = self.lengths[rows].tolist()  # (B,) as ints: few small tensor ops per step
+        longest = max(starts)
         if longest + n_new > self.capacity:
             raise ContextLengthError(
                 f"sequence of {longest + n_new} tokens exceeds the context length {self.capacity}"
             )
         S = longest + n_new
-        steps = torch.arange(n_new)
-        positions = (starts[:, None] + steps[None, :]).to(self.device)  # (B, T)
-        mask = None
-        if int(starts.min()) != longest:  # rows of different lengths: each row its own keys
-            # query t of row b sits at starts[b] + t and may see keys 0 .. starts[b] + t
-            keys = torch.arange(S)
-            mask = (keys[None, None, :] <= (starts[:, None, None] + steps[None, :, None]))  # (B, T, S)
-            mask = mask[:, None].to(self.device)  # (B, T, S) -> (B, 1, T, S): the same for every head
-        return CacheWrite(self, rows, starts, positions, mask, S)
+        if min(starts) == longest:  # every row continues from the same position: slices, causal
+            return CacheWrite(self, rows, longest, None, None, S)
+        # rows of different lengths: query t of row b sits at starts[b] + t, sees keys 0 .. starts[b] + t
+        positions = torch.tensor(starts)[:, None] + torch.arange(n_new)[None, :]  # (B, T)
+        mask = torch.arange(S)[None, None, :] <= positions[:, :, None]  # (B, T, S)
+        mask = mask[:, None].to(self.device)  # (B, T, S) -> (B, 1, T, S): the same for every head
+        return CacheWrite(self, rows, -1, positions.to(self.device), mask, S)
 
     def update(self, write: CacheWrite, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store (B, H, T, D) keys/values at each row's positions; return (B, H, S, D) views."""
         keys, values = self.keys[layer][write.rows], self.values[layer][write.rows]  # (B, H, P, D) views
         T = k.shape[2]
-        if write.mask is None:  # every row starts at the same position: one slice
-            start = int(write.starts[0])
+        if write.positions is None:  # every row starts at the same position: one slice
+            start = write.start
             keys[:, :, start:start + T] = k
             values[:, :, start:start + T] = v
         else:
@@ -93,7 +91,22 @@ class KVCache:
             values[b, :, write.positions] = v.transpose(1, 2)
         return keys[:, :, :write.n_keys], values[:, :, :write.n_keys]
 
-    def commit(self, write: CacheWrite, n_new: int) -> None:
+    def fixed_update(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor) -> KVUpdate:
+        """For Transformer.decode_fixed: store one new (B, H, 1, D) key/value per row at position
+        lengths[b] of row b (device tensors, no host sync); return all (B, H, P, D) keys/values."""
+
+        def update(k: torch.Tensor, v: torch.Tensor):
+            B = k.shape[0]
+            keys, values = self.keys[layer][:B], self.values[layer][:B]  # (B, H, P, D) views
+            # advanced indices (rows, lengths) around a slice: the indexed shape is (B, H, D)
+            keys[rows, :, lengths] = k[:, :, 0]
+            values[rows, :, lengths] = v[:, :, 0]
+            return keys, values
+
+        return update
+
+    def commit(self, write: CacheWrite, n_new: int | torch.Tensor) -> None:
+        """Advance the rows by n_new tokens (an int, or (B,) per row when rows were right-padded)."""
         self.lengths[write.rows] += n_new
 
     # --- rows ----------------------------------------------------------------

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from .checkpoint import load_weights, save_checkpoint
 from .config import ModelConfig
 from .data import load_split
-from .generate import SamplingParams, generate_tokens
+from .decoding import SamplingParams, generate_tokens
 from .tokenizer import Tokenizer
 from .encoder import build_model
 from .transformer import Transformer

@@ -92,11 +92,15 @@ class Transformer(nn.Module):
         kv_cache: KVCache | None = None,
         rows: slice | None = None,
         last_only: bool = False,
+        valid: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Logits (B, T, V) for token ids (B, T); (B, 1, V) with last_only.
 
         With a kv_cache, `ids` are the tokens after the cached ones of the cache rows `rows`
-        (default: rows 0 .. B-1); each row continues from its own length.
+        (default: rows 0 .. B-1); each row continues from its own length. `valid` (B,) says
+        how many of each row's T tokens are real, the rest being right padding (prompts of
+        different lengths prefilled together): the cache keeps only the real ones, and
+        last_only keeps each row's last real position.
         """
         B, T = ids.shape
         write = kv_cache.begin(rows, B, T) if kv_cache is not None else None
@@ -110,9 +114,8 @@ class Transformer(nn.Module):
         pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (P, C)
         if write is None:
             x = x + pos[:T].to(x.dtype)  # positions 0 .. T-1: a slice, no index lookup
-        elif write.mask is None:  # every row continues from the same position
-            start = int(write.starts[0])
-            x = x + pos[start : start + T].to(x.dtype)
+        elif write.positions is None:  # every row continues from the same position
+            x = x + pos[write.start : write.start + T].to(x.dtype)
         else:
             x = x + pos[write.positions].to(x.dtype)  # (B, T) -> (B, T, C): each row its own
         if self.training:
@@ -127,9 +130,34 @@ class Transformer(nn.Module):
             if return_attention:
                 attentions.append(out.self_attention)
         if write is not None:
-            kv_cache.commit(write, T)
+            kv_cache.commit(write, T if valid is None else valid.cpu())
 
         if last_only:  # the final norm is per position: normalise only the one we keep
-            x = x[:, -1:, :]
+            if valid is None:
+                x = x[:, -1:, :]
+            else:  # each row's last real position: (B, T, C) -> (B, 1, C)
+                x = x[torch.arange(B, device=x.device), valid.to(x.device) - 1][:, None, :]
         x = self.ln_f(x)
         return ModelOutput(self.lm_head(x), attentions)  # (B, T, V)
+
+    def decode_fixed(self, ids: torch.Tensor, kv_cache: KVCache, lengths: torch.Tensor) -> torch.Tensor:
+        """One decode step for cache rows 0 .. B-1 with shapes that never change, for CUDA graphs.
+
+        ids (B, 1) and lengths (B,) (each row's filled positions) are tensors on the model's
+        device; the new keys/values go to position lengths[b] of row b, and every query looks
+        over the whole capacity P with a mask (keys 0 .. lengths[b]). No value is read back
+        to the host, so the step can be captured once and replayed. kv_cache.lengths is not
+        advanced: the caller does that. Returns (B, 1, V) logits.
+        """
+        B = ids.shape[0]
+        x = self.tok_emb(ids)  # (B, 1, C)
+        if self.config.scale_embeddings:
+            x = x * math.sqrt(self.config.d_model)
+        pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (P, C)
+        x = x + pos[lengths][:, None, :].to(x.dtype)  # (B,) -> (B, 1, C)
+        keys = torch.arange(kv_cache.capacity, device=ids.device)  # (P,)
+        mask = (keys[None, :] <= lengths[:, None])[:, None, None, :]  # (B, P) -> (B, 1, 1, P)
+        rows = torch.arange(B, device=ids.device)
+        for i, block in enumerate(self.blocks):
+            x = block(x, mask=mask, kv_update=kv_cache.fixed_update(i, rows, lengths)).x
+        return self.lm_head(self.ln_f(x))  # (B, 1, V)

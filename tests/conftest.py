@@ -1,9 +1,9 @@
-"""Shared fixtures: a tiny randomly initialised checkpoint that every test can load fast."""
+"""Shared fixtures: a tiny randomly initialised checkpoint that every test can load fast, loaded
+(`ckpt`) and served in-process (`client`)."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,37 +12,8 @@ import torch
 # per process (the service tests start extra processes of their own).
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-TINY_TEXT = (
-    "To be, or not to be, that is the question:\n"
-    "Whether 'tis nobler in the mind to suffer\n"
-    "The slings and arrows of outrageous fortune,\n"
-    "Or to take arms against a sea of troubles\n"
-    "And by opposing end them. To die—to sleep,\n"
-    "No more; and by a sleep to say we end\n"
-    "Café naïve résumé — 東京 and emoji 😀🎭 too.\n"
-)
-
-
-def make_tiny_checkpoint(path: Path, *, seed: int = 0, **overrides) -> Path:
-    """Write a small random checkpoint (byte-level BPE on TINY_TEXT) to `path`."""
-    from model import ModelConfig, Tokenizer, Transformer, save_checkpoint
-
-    tok = Tokenizer.train([TINY_TEXT] * 4, vocab_size=300)
-    fields = dict(
-        vocab_size=tok.vocab_size,
-        context_length=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        d_ff=64,
-    )
-    fields.update(overrides)
-    torch.manual_seed(seed)
-    model = Transformer(ModelConfig(**fields))
-    save_checkpoint(path, model, tok)
-    return path
+# the tiny checkpoint's maker lives in helpers (test modules import it from there)
+from helpers import REPO_ROOT, TINY_TEXT, make_tiny_checkpoint  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +28,26 @@ def default_checkpoint() -> Path:
     if not (path / "model.safetensors").is_file():
         pytest.skip("the bundled default model is not in checkpoints/default")
     return path
+
+
+@pytest.fixture(scope="session")
+def ckpt(tiny_checkpoint):
+    """The tiny checkpoint, loaded (CPU, float32)."""
+    from model import load_checkpoint
+
+    return load_checkpoint(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_checkpoint):
+    """The app on the tiny checkpoint, started (lifespan) in a TestClient."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+    from helpers import MAX_NEW, MAX_PROMPT
+
+    settings = Settings(model=tiny_checkpoint, device="cpu", max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW,
+                        cors_origins="http://viewer.example")
+    with TestClient(create_app(settings)) as c:
+        yield c

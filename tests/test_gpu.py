@@ -76,3 +76,59 @@ def test_service_picks_cuda_and_bf16_on_auto(tiny_checkpoint):
         assert info["device"].startswith("cuda") and info["dtype"] == "bfloat16"
         r = client.post("/generate", json={"prompt": "To be", "max_new_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_cuda_graph_decode_equals_the_eager_step(pair):
+    """The captured decode step (one CUDA graph per batch bucket) gives the eager step's logits."""
+    from model.cuda_graphs import GraphedDecoder
+    from model.decoding import RowSampler, decode_step
+
+    _, gpu = pair
+    model = gpu.model
+    plain, graphed = model.new_kv_cache(8), model.new_kv_cache(8)
+    decoder = GraphedDecoder(model, graphed)
+    assert decoder.capture and set(decoder.graphs) == {1, 2, 4, 8}
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    samplers = [RowSampler(SamplingParams(temperature=0)) for _ in prompts]
+    with torch.inference_mode():
+        for cache in (plain, graphed):
+            for row, ids in enumerate(prompts):
+                model(torch.tensor([ids], device="cuda"), kv_cache=cache, rows=slice(row, row + 1))
+        last = torch.tensor([[10], [11], [12]], device="cuda")
+        for _ in range(12):
+            a = decode_step(model, plain, last, samplers)
+            b = decode_step(model, graphed, last, samplers, graphs=decoder)
+            torch.testing.assert_close(b.output.logits, a.output.logits, rtol=1e-4, atol=1e-4)
+            assert [t.id for t in a.tokens] == [t.id for t in b.tokens]
+            last = torch.tensor([[t.id] for t in a.tokens], device="cuda")
+
+
+def test_engine_on_cuda_with_graphs_matches_generate_tokens(tiny_checkpoint):
+    import asyncio
+
+    from app.engine import Engine, GenerationParams
+    from app.schemas import StreamToken
+
+    ckpt = load_checkpoint(tiny_checkpoint, device="cuda")
+    engine = Engine(ckpt, max_concurrent=4, max_queue=4)
+    assert engine.graphs is not None
+    prompts = ["To be", "Or not", "The slings", "No more", "Whether"]
+
+    async def main():
+        gens = engine.submit_all([GenerationParams(ckpt.tokenizer.encode(p), 16, SamplingParams(temperature=0))
+                                  for p in prompts])
+
+        async def ids(g):
+            return [e.id for e in [e async for e in g.events()] if isinstance(e, StreamToken)]
+
+        return await asyncio.gather(*(ids(g) for g in gens))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        engine.close()
+    eos = ckpt.tokenizer.eos_id
+    for p, tokens in zip(prompts, got):
+        ref = [t.id for t in generate_tokens(ckpt.model, ckpt.tokenizer.encode(p), 16, SamplingParams(temperature=0))]
+        ref = ref[: ref.index(eos)] if eos in ref else ref
+        assert tokens == ref

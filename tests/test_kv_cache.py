@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from model import ContextLengthError, ModelConfig
-from model.generate import RowSampler, SamplingParams, decode_step, make_generator
+from model.decoding import RowSampler, SamplingParams, decode_step, make_generator
 from model.parts import MultiHeadAttention
 from test_model import SMALL, make_model
 
@@ -153,3 +153,74 @@ def test_one_batched_decode_step_picks_what_each_row_picks_alone():
     together = run([0, 1, 2, 3])
     for r in range(4):
         assert run([r])[r] == together[r]
+
+
+def test_right_padded_prompts_prefill_together_like_each_alone():
+    """Prompts of 2, 9 and 5 tokens in one right-padded forward: each row's logits at its last
+    real token, its attention row, and the decoding after it equal a full recompute of that row."""
+    model = make_model(seed=37)
+    prompts = [[3, 4], [5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16, 17, 18]]
+    n_new = [len(p) for p in prompts]
+    padded = torch.tensor([p + [0] * (9 - len(p)) for p in prompts])  # (3, 9), pad id 0
+    cache = model.new_kv_cache(3)
+    samplers = [RowSampler(SamplingParams(temperature=0), return_attention=True) for _ in prompts]
+    with torch.no_grad():
+        step = decode_step(model, cache, padded, samplers, n_new=n_new)
+        assert cache.lengths.tolist() == n_new  # the padding is not kept
+        for b, ids in enumerate(prompts):
+            ref = full_last_logits(model, ids)
+            torch.testing.assert_close(step.output.logits[b, -1], ref, atol=1e-4, rtol=0)
+            assert step.tokens[b].id == int(ref.argmax())
+            full_att = model(torch.tensor([ids]), return_attention=True).attentions
+            for layer, row in enumerate(step.tokens[b].attention):
+                torch.testing.assert_close(row, full_att[layer][0, :, -1], atol=1e-5, rtol=0)
+        nxt = [t.id for t in step.tokens]
+        out = model(torch.tensor([[t] for t in nxt]), kv_cache=cache).logits
+        for b, ids in enumerate(prompts):
+            torch.testing.assert_close(out[b, -1], full_last_logits(model, ids + [nxt[b]]), atol=1e-4, rtol=0)
+
+
+def test_fixed_shape_decode_step_equals_the_cached_forward():
+    """Transformer.decode_fixed (keys over the whole capacity, masked by each row's length: the
+    step CUDA graphs capture) gives the logits of a full recompute and leaves a usable cache."""
+    model = make_model(seed=38)
+    seqs = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    cache = model.new_kv_cache(3)
+    with torch.no_grad():
+        for row, ids in enumerate(seqs):
+            model(torch.tensor([ids]), kv_cache=cache, rows=slice(row, row + 1))
+        for step in range(4):
+            nxt = torch.tensor([[20 + step], [30 + step], [40 + step]])
+            logits = model.decode_fixed(nxt, cache, cache.lengths.clone())
+            cache.lengths += 1
+            for row, ids in enumerate(seqs):
+                ids.append(int(nxt[row, 0]))
+                torch.testing.assert_close(logits[row, -1], full_last_logits(model, ids), atol=1e-4, rtol=0)
+        out = model(torch.tensor([[7], [7], [7]]), kv_cache=cache).logits  # the ordinary path goes on from there
+    for row, ids in enumerate(seqs):
+        torch.testing.assert_close(out[row, -1], full_last_logits(model, ids + [7]), atol=1e-4, rtol=0)
+
+
+def test_graphed_decoder_pads_a_batch_to_its_bucket_like_the_plain_step():
+    """The CUDA-graph decoder's padded bucket path (run eagerly here, without CUDA): 3 rows in the
+    bucket of 4 decode exactly as the plain step does, and the free 4th row stays free."""
+    from model.cuda_graphs import GraphedDecoder
+
+    model = make_model(seed=39)
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    plain, graphed = model.new_kv_cache(5), model.new_kv_cache(5)
+    decoder = GraphedDecoder(model, graphed, capture=False)
+    assert decoder.buckets == [1, 2, 4, 5] and decoder.bucket(3) == 4
+    samplers = [RowSampler(SamplingParams(temperature=0)) for _ in prompts]
+    with torch.no_grad():
+        for cache in (plain, graphed):
+            for row, ids in enumerate(prompts):
+                model(torch.tensor([ids]), kv_cache=cache, rows=slice(row, row + 1))
+        last = torch.tensor([[10], [11], [12]])
+        for _ in range(5):
+            a = decode_step(model, plain, last, samplers)
+            b = decode_step(model, graphed, last, samplers, graphs=decoder)
+            torch.testing.assert_close(b.output.logits, a.output.logits, atol=1e-4, rtol=0)
+            assert [t.id for t in a.tokens] == [t.id for t in b.tokens]
+            last = torch.tensor([[t.id] for t in a.tokens])
+    assert graphed.lengths.tolist() == plain.lengths.tolist() == [9, 7, 8, 0, 0]

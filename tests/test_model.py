@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.config import ConfigError, ModelConfig
-from model.generate import SamplingParams, filter_logits, generate_tokens
+from model.decoding import SamplingParams, filter_logits, generate_tokens
 from model.parts import MultiHeadAttention
 from model.transformer import (
     ContextLengthError,
@@ -372,7 +372,7 @@ def test_config_json_round_trip(tmp_path):
     assert len(cfg.is_gpt2_shaped()) == 2
 
 
-# --- decoding (model.generate) -------------------------------------------------------------
+# --- decoding (model.decoding) -------------------------------------------------------------
 
 
 def test_filter_logits_top_k():

@@ -1,6 +1,6 @@
 """The native HTTP API in-process (TestClient runs the lifespan): /generate, /attention,
 operations, and every bad-input case. The tiny random model makes the text gibberish,
-so correctness is checked against model.generate / the model itself."""
+so correctness is checked against model.decoding.generate_tokens / the model itself."""
 
 from __future__ import annotations
 
@@ -16,46 +16,8 @@ from app.attention_codec import decode
 from app.main import create_app
 from app.settings import Settings
 from model import SamplingParams, generate_tokens, load_checkpoint
-from conftest import make_tiny_checkpoint
 
-MAX_PROMPT = 40
-MAX_NEW = 60
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint):
-    return load_checkpoint(tiny_checkpoint)
-
-
-@pytest.fixture(scope="module")
-def client(tiny_checkpoint):
-    settings = Settings(model=tiny_checkpoint, device="cpu", max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW,
-                        cors_origins="http://viewer.example")
-    with TestClient(create_app(settings)) as c:
-        yield c
-
-
-def parse_sse(text: str) -> list[tuple[str | None, str]]:
-    events = []
-    for block in text.split("\n\n"):
-        if not block.strip():
-            continue
-        name, data = None, []
-        for line in block.split("\n"):
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                data.append(line[len("data: "):])
-        events.append((name, "\n".join(data)))
-    return events
-
-
-def reference(ckpt, prompt: str, n: int, *, n_logprobs=0, return_attention=False, **sampling):
-    toks = list(generate_tokens(ckpt.model, ckpt.tokenizer.encode(prompt), n, SamplingParams(**sampling),
-                                n_logprobs=n_logprobs, return_attention=return_attention))
-    ids = [t.id for t in toks]
-    eos = ckpt.tokenizer.eos_id
-    return toks[: ids.index(eos)] if eos in ids else toks
+from helpers import MAX_NEW, MAX_PROMPT, make_tiny_checkpoint, parse_sse, reference_tokens as reference
 
 
 # --- operations ----------------------------------------------------------------

@@ -8,17 +8,13 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 
 from app.attention_codec import decode, encode
-from app.engine import Engine, GenerationJob, QueueFull
-from app.textstream import TextStream
-from model import SamplingParams, generate_tokens, load_checkpoint
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint):
-    return load_checkpoint(tiny_checkpoint)
+from app.engine import Engine, GenerationParams, QueueFull
+from app.engine.textstream import TextStream
+from app.schemas import StreamDone, StreamError
+from helpers import drain, reference_ids
+from model import SamplingParams
 
 
 # --- stop strings --------------------------------------------------------------
@@ -112,24 +108,6 @@ class GatedModel:
         return self._model(ids, **kw)
 
 
-def reference_ids(ckpt, prompt_ids, n, **sampling):
-    return [t.id for t in generate_tokens(ckpt.model, prompt_ids, n, SamplingParams(**sampling))]
-
-
-def until_eos(ids, eos):
-    return ids[: ids.index(eos)] if eos in ids else ids
-
-
-async def drain(handle):
-    tokens, last = [], None
-    async for ev in handle.events():
-        if ev.kind == "token":
-            tokens.append(ev.data["id"])
-        else:
-            last = ev
-    return tokens, last
-
-
 def test_engine_matches_generate_tokens_for_interleaved_requests(ckpt):
     tok = ckpt.tokenizer
     prompts = ["To be", "Whether 'tis", "The slings", "Or to take", "And by opposing", "No more"]
@@ -138,17 +116,17 @@ def test_engine_matches_generate_tokens_for_interleaved_requests(ckpt):
     engine = Engine(ckpt, max_concurrent=3, max_queue=10)
 
     async def main():
-        handles = [engine.submit(GenerationJob(tok.encode(p), 20, SamplingParams(**kw)))
+        generations = [engine.submit(GenerationParams(tok.encode(p), 20, SamplingParams(**kw)))
                    for p, kw in zip(prompts, params)]
-        return await asyncio.gather(*(drain(h) for h in handles))
+        return await asyncio.gather(*(drain(g) for g in generations))
 
     try:
         results = asyncio.run(main())
     finally:
         engine.close()
     for (tokens, done), p, kw in zip(results, prompts, params):
-        assert done.kind == "done"
-        assert tokens == until_eos(reference_ids(ckpt, tok.encode(p), 20, **kw), tok.eos_id)
+        assert isinstance(done, StreamDone)
+        assert tokens == reference_ids(ckpt, p, 20, **kw)
 
 
 def test_queue_full_error_isolation_and_cancellation(ckpt):
@@ -161,11 +139,11 @@ def test_queue_full_error_isolation_and_cancellation(ckpt):
 
     async def main():
         ids = tok.encode("To be")
-        good = engine.submit(GenerationJob(ids, 15, SamplingParams(temperature=0.0)))
-        bad = engine.submit(GenerationJob(tok.encode("the question"), 15, SamplingParams(temperature=0.0)))
-        waiting = engine.submit(GenerationJob(ids, 50, SamplingParams(temperature=0.0)))
+        good = engine.submit(GenerationParams(ids, 15, SamplingParams(temperature=0.0)))
+        bad = engine.submit(GenerationParams(tok.encode("the question"), 15, SamplingParams(temperature=0.0)))
+        waiting = engine.submit(GenerationParams(ids, 50, SamplingParams(temperature=0.0)))
         with pytest.raises(QueueFull) as e:
-            engine.submit(GenerationJob(ids, 5))
+            engine.submit(GenerationParams(ids, 5))
         assert e.value.retry_after >= 1
         waiting.cancel()  # gives up while still waiting: frees its place
         gated.gate.set()
@@ -175,18 +153,18 @@ def test_queue_full_error_isolation_and_cancellation(ckpt):
 
     try:
         good_tokens, good_done, bad_done = asyncio.run(main())
-        assert bad_done.kind == "error" and "poisoned input" in bad_done.data["message"]
-        assert good_done.kind == "done"
-        assert good_tokens == until_eos(reference_ids(ckpt, tok.encode("To be"), 15, temperature=0.0), tok.eos_id)
+        assert isinstance(bad_done, StreamError) and "poisoned" not in bad_done.message  # details stay in the log
+        assert isinstance(good_done, StreamDone)
+        assert good_tokens == reference_ids(ckpt, "To be", 15, temperature=0.0)
         assert engine.alive and engine.errors == 1
 
         async def after():
             # slots and the queue place of the cancelled request are all free again
-            handles = [engine.submit(GenerationJob(tok.encode("No more"), 3, SamplingParams(temperature=0.0)))
+            generations = [engine.submit(GenerationParams(tok.encode("No more"), 3, SamplingParams(temperature=0.0)))
                        for _ in range(3)]
-            return await asyncio.gather(*(drain(h) for h in handles))
+            return await asyncio.gather(*(drain(g) for g in generations))
 
-        assert all(done.kind == "done" for _, done in asyncio.run(after()))
+        assert all(isinstance(done, StreamDone) for _, done in asyncio.run(after()))
         assert engine.in_flight == 0 and engine.waiting == 0
     finally:
         gated.gate.set()
@@ -209,10 +187,10 @@ def test_cancelled_generation_stops_within_a_step(ckpt):
     counting = engine.model = CountingModel(ckpt.model)
 
     async def main():
-        handle = engine.submit(GenerationJob(tok.encode("To be"), 60, SamplingParams(temperature=0.0)))
-        async for ev in handle.events():
-            if ev.kind == "token" and ev.data["index"] == 2:
-                handle.cancel()
+        generation = engine.submit(GenerationParams(tok.encode("To be"), 60, SamplingParams(temperature=0.0)))
+        async for ev in generation.events():
+            if ev.index == 2:
+                generation.cancel()
                 calls_at_cancel = counting.calls
                 break
         for _ in range(300):

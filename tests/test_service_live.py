@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from conftest import REPO_ROOT, make_tiny_checkpoint
+from helpers import REPO_ROOT, make_tiny_checkpoint, sse_events
 from live_server import free_port, live_server
 
 pytestmark = pytest.mark.slow
@@ -67,20 +67,11 @@ def oai(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
-def sse_events(lines):
-    """(event, data) pairs from an iterator of SSE lines."""
-    name, data = None, []
-    for line in lines:
-        if line == "":
-            if data:
-                yield name, "\n".join(data)
-            name, data = None, []
-        elif line.startswith("event: "):
-            name = line[7:]
-        elif line.startswith("data: "):
-            data.append(line[6:])
-    if data:
-        yield name, "\n".join(data)
+def metric_or_zero(http, name: str) -> float:
+    try:
+        return metric(http, name)
+    except AssertionError:
+        return 0.0
 
 
 def metric(http, name: str) -> float:
@@ -296,6 +287,8 @@ def test_non_streaming_request_is_cancelled_when_its_client_leaves(http, server)
                        for _ in range(CONCURRENT - 1)]
             try:
                 before = metric(http, "attnlens_engine_cancelled_requests")
+                closed_before = metric_or_zero(
+                    http, 'attnlens_http_requests_total{method="POST",route="/generate",status="499"}')
                 with pytest.raises(httpx.ReadTimeout):  # gives up waiting and closes the connection
                     await c.post("/generate", json={"prompt": "Or not", "max_new_tokens": LONG},
                                  timeout=httpx.Timeout(60, read=0.5))
@@ -304,6 +297,12 @@ def test_non_streaming_request_is_cancelled_when_its_client_leaves(http, server)
                     assert time.monotonic() < deadline, "the abandoned generation was not cancelled"
                     await asyncio.sleep(0.05)
                 assert metric(http, "attnlens_requests_in_flight") == CONCURRENT - 1  # the streams go on
+                # the handler ended too, and the request is counted (499: the client closed it)
+                counted = 'attnlens_http_requests_total{method="POST",route="/generate",status="499"}'
+                deadline = time.monotonic() + 5
+                while metric(http, counted) != closed_before + 1:
+                    assert time.monotonic() < deadline, "the abandoned request's handler did not end"
+                    await asyncio.sleep(0.05)
             finally:
                 for r in streams:
                     await r.aclose()

@@ -7,34 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
-from app.main import create_app
-from app.settings import Settings
-from model import SamplingParams, generate_tokens, load_checkpoint
-
-MAX_NEW = 60
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint):
-    return load_checkpoint(tiny_checkpoint)
-
-
-@pytest.fixture(scope="module")
-def client(tiny_checkpoint):
-    with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", max_new_tokens=MAX_NEW))) as c:
-        yield c
-
-
-def ref_ids(ckpt, prompt, n, **sampling):
-    ids = [t.id for t in generate_tokens(ckpt.model, ckpt.tokenizer.encode(prompt), n, SamplingParams(**sampling))]
-    eos = ckpt.tokenizer.eos_id
-    return ids[: ids.index(eos)] if eos in ids else ids
-
-
-def data_chunks(text: str) -> list[str]:
-    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+from model import SamplingParams, generate_tokens
+from helpers import MAX_NEW, data_chunks, reference_ids as ref_ids
 
 
 def test_models(client):

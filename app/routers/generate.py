@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import uuid
-
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from model import SamplingParams
 
 from ..deps import get_engine, get_state
-from ..engine import Engine, GenerationJob
-from ..generation import SSE_HEADERS, cancel_on_disconnect, check_lengths, check_new_token_limit, collect, sse
-from ..schemas import GenerateRequest, GenerateResponse
+from ..engine import Engine, GenerationParams
+from ..request_limits import check_lengths, check_new_token_limit
+from ..schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
+from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, sse
 from ..state import AppState
 
 router = APIRouter(tags=["generate"])
@@ -31,9 +30,10 @@ ERRORS = {
     responses={**ERRORS, 200: {"content": {"text/event-stream": {"schema": {
                                    "description": "each `event: token` carries a StreamToken, the last "
                                                   "`event: done` a StreamDone (or `event: error` a "
-                                                  "{message})",
+                                                  "StreamError)",
                                    "oneOf": [{"$ref": "#/components/schemas/StreamToken"},
-                                             {"$ref": "#/components/schemas/StreamDone"}]}}},
+                                             {"$ref": "#/components/schemas/StreamDone"},
+                                             {"$ref": "#/components/schemas/StreamError"}]}}},
                                "description": "JSON, or with stream=true a stream of `token` events, "
                                               "then one `done` (or `error`) event"}},
 )
@@ -43,8 +43,8 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
     check_new_token_limit(settings, body.max_new_tokens, "max_new_tokens")
     tok = engine.tokenizer
     prompt_ids = tok.encode(body.prompt)
-    check_lengths(engine, settings, prompt_ids, body.max_new_tokens)
-    job = GenerationJob(
+    check_lengths(engine.config.context_length, settings, prompt_ids, body.max_new_tokens)
+    params = GenerationParams(
         prompt_ids=prompt_ids,
         max_new_tokens=body.max_new_tokens,
         sampling=SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed),
@@ -52,46 +52,38 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
         n_logprobs=body.logprobs,
         return_attention=body.return_attention,
     )
-    handle = engine.submit(job)
-    gen_id = f"gen-{uuid.uuid4().hex[:24]}"
+    generation = engine.submit(params)
     metrics = state.metrics
-    prompt_tokens = [{"id": i, "text": tok.display_text(i)} for i in prompt_ids]
 
     if body.stream:
         async def events():
             try:
-                async for event in handle.events():
-                    if event.kind == "token":
-                        t = event.data
-                        # as documented (StreamToken) and as in the JSON answer: a list, [] without logprobs
-                        yield sse("token", {**t, "top_logprobs": t["top_logprobs"] or []})
-                    elif event.kind == "done":
-                        d = event.data
-                        metrics.observe_generation(d)
-                        yield sse("done", {"id": gen_id, "finish_reason": d["finish_reason"],
-                                           "prompt_tokens": prompt_tokens, "text": d["text"],
-                                           "delta": d["delta"], "usage": d["usage"], "timings": d["timings"]})
+                async for event in generation.events():
+                    if isinstance(event, StreamToken):
+                        yield sse("token", event)
+                    elif isinstance(event, StreamDone):
+                        metrics.observe_generation(event)
+                        yield sse("done", event)
                     else:
-                        yield sse("error", {"message": event.data["message"]})
+                        yield sse("error", event)
             except Exception as e:  # anything on our side mid-stream: tell the client
-                yield sse("error", {"message": f"internal error: {type(e).__name__}"})
+                yield sse("error", StreamError(message=f"internal error: {type(e).__name__}"))
             finally:
-                handle.cancel()  # client gone (the stream was cancelled) or finished: free the slot
+                generation.cancel()  # client gone (the stream was cancelled) or finished: free the slot
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async with cancel_on_disconnect(request, [handle]):
-        out = await collect(handle, metrics)
-    tokens = [{"id": t["id"], "text": t["text"], "logprob": t["logprob"], "top_logprobs": t["top_logprobs"] or []}
-              for t in out.tokens]
-    return {
-        "id": gen_id,
-        "model": state.model_name,
-        "text": out.done["text"],
-        "prompt_tokens": prompt_tokens,
-        "tokens": tokens,
-        "finish_reason": out.done["finish_reason"],
-        "usage": out.done["usage"],
-        "timings": out.done["timings"],
-        "attention": [t["attention"] for t in out.tokens] if body.return_attention else None,
-    }
+    async with cancel_on_disconnect(request, [generation]):
+        out = await collect(generation, metrics)
+    done = out.done
+    return GenerateResponse(
+        id=done.id,
+        model=state.model_name,
+        text=done.text,
+        prompt_tokens=done.prompt_tokens,
+        tokens=out.tokens,
+        finish_reason=done.finish_reason,
+        usage=done.usage,
+        timings=done.timings,
+        attention=[t.attention for t in out.tokens] if body.return_attention else None,
+    )

@@ -19,8 +19,10 @@ from fastapi.responses import StreamingResponse
 from model import SamplingParams
 
 from ..deps import get_engine, get_state
-from ..engine import Engine, GenerationJob, GenerationRequest
-from ..generation import SSE_HEADERS, cancel_on_disconnect, check_lengths, check_new_token_limit, collect, sse
+from ..engine import Engine, Generation, GenerationParams
+from ..request_limits import check_lengths, check_new_token_limit
+from ..schemas import StreamDone, StreamToken
+from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, sse
 from ..openai_schemas import Completion, CompletionRequest, ModelList, OpenAIErrorResponse
 from ..state import AppState
 
@@ -30,8 +32,7 @@ ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 413, 422, 429, 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-def _top(token: dict) -> dict[str, float] | None:
-    alts = token.get("top_logprobs")
+def _top(alts: list[dict] | None) -> dict[str, float] | None:
     if alts is None:
         return None
     return {a["text"]: a["logprob"] for a in alts}
@@ -40,8 +41,9 @@ def _top(token: dict) -> dict[str, float] | None:
 class Choice:
     """Builds one choice's text and legacy logprobs object from the engine's events."""
 
-    def __init__(self, index: int, prompt: str, want_logprobs: bool, echo: bool, tokenizer):
+    def __init__(self, index: int, prompt: str, want_logprobs: bool, echo: bool, tokenizer, n_alternatives: int = 0):
         self.index = index
+        self.n_alternatives = n_alternatives
         self.tokenizer = tokenizer
         self.want_logprobs = want_logprobs
         self.text = prompt if echo else ""
@@ -52,15 +54,16 @@ class Choice:
     def add_prompt_scores(self, scores: list[dict]) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         for s in scores:
-            self._append(s["text"], s["logprob"], _top(s))
+            self._append(s["text"], s["logprob"], _top(s["top_logprobs"]))
             self.offset += len(decoder.decode(self.tokenizer.token_bytes(s["id"]), final=False))
         self.offset = len(self.text)  # the prompt exactly as the client sent it
 
-    def add_token(self, token: dict) -> dict | None:
+    def add_token(self, token: StreamToken) -> dict | None:
         """Record a token; return its logprobs fragment (for a stream chunk) or None."""
-        frag = self._append(token["text"], token["logprob"], _top(token))
-        self.text += token["delta"]
-        self.offset += len(token["delta"])
+        top = {a.text: a.logprob for a in token.top_logprobs} if self.n_alternatives else None
+        frag = self._append(token.text, token.logprob, top)
+        self.text += token.delta
+        self.offset += len(token.delta)
         return frag
 
     def _append(self, text: str, logprob: float | None, top: dict | None) -> dict | None:
@@ -76,12 +79,13 @@ class Choice:
                 "finish_reason": FINISH[finish_reason]}
 
 
-def _jobs(body: CompletionRequest, prompts_ids: list[list[int]]) -> list[GenerationJob]:
+def _generation_params(body: CompletionRequest, prompts_ids: list[list[int]]) -> list[GenerationParams]:
+    """One generation per prompt and choice (len(prompts) x n), in choice order."""
     jobs = []
     for ids in prompts_ids:
         for k in range(body.n):
             seed = None if body.seed is None else (body.seed + k) % 2**63
-            jobs.append(GenerationJob(
+            jobs.append(GenerationParams(
                 prompt_ids=ids,
                 max_new_tokens=body.max_tokens,
                 sampling=SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed),
@@ -90,18 +94,6 @@ def _jobs(body: CompletionRequest, prompts_ids: list[list[int]]) -> list[Generat
                 prompt_logprobs=(body.logprobs or 0) if (body.echo and body.logprobs is not None) else None,
             ))
     return jobs
-
-
-def _submit_all(engine: Engine, jobs: list[GenerationJob]) -> list[GenerationRequest]:
-    handles = []
-    try:
-        for job in jobs:
-            handles.append(engine.submit(job))
-    except Exception:
-        for h in handles:  # all or nothing: a 429 must not leave half the choices running
-            h.cancel()
-        raise
-    return handles
 
 
 @router.post("/completions", response_model=Completion, response_model_exclude_none=False, responses=ERRORS)
@@ -113,11 +105,12 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
     prompts = body.prompts
     prompts_ids = [tok.encode(p) for p in prompts]
     for ids in prompts_ids:
-        check_lengths(engine, settings, ids, body.max_tokens, max_field="max_tokens")
-    jobs = _jobs(body, prompts_ids)
-    handles = _submit_all(engine, jobs)
+        check_lengths(engine.config.context_length, settings, ids, body.max_tokens, max_field="max_tokens")
+    # all choices or none: a 429 never leaves part of them running; more than can ever fit is a 400
+    generations = engine.submit_all(_generation_params(body, prompts_ids), param="n" if body.n > 1 else "prompt")
     want_lp = body.logprobs is not None
-    choices = [Choice(i, prompts[i // body.n], want_lp, body.echo, tok) for i in range(len(jobs))]
+    choices = [Choice(i, prompts[i // body.n], want_lp, body.echo, tok, body.logprobs or 0)
+               for i in range(len(generations))]
     cid, created, name = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_name
     prompt_tokens = sum(len(ids) for ids in prompts_ids)
     metrics = state.metrics
@@ -133,30 +126,30 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
         async def events():
             merged: asyncio.Queue = asyncio.Queue()
 
-            async def forward(i: int, h: GenerationRequest):
-                async for ev in h.events():
+            async def forward(i: int, g: Generation):
+                async for ev in g.events():
                     await merged.put((i, ev))
 
-            tasks = [asyncio.create_task(forward(i, h)) for i, h in enumerate(handles)]
+            tasks = [asyncio.create_task(forward(i, g)) for i, g in enumerate(generations)]
             completion_tokens = 0
             try:
                 if body.echo:
                     for c in choices:
                         yield chunk(c.index, c.text, None, None)
-                remaining = len(handles)
+                remaining = len(generations)
                 while remaining:
                     i, ev = await merged.get()
                     c = choices[i]
-                    if ev.kind == "token":
-                        frag = c.add_token(ev.data)
-                        yield chunk(i, ev.data["delta"], frag, None)
-                    elif ev.kind == "done":
+                    if isinstance(ev, StreamToken):
+                        frag = c.add_token(ev)
+                        yield chunk(i, ev.delta, frag, None)
+                    elif isinstance(ev, StreamDone):
                         remaining -= 1
-                        completion_tokens += ev.data["usage"]["completion_tokens"]
-                        metrics.observe_generation(ev.data)
-                        yield chunk(i, ev.data["delta"], None, FINISH[ev.data["finish_reason"]])
+                        completion_tokens += ev.usage.completion_tokens
+                        metrics.observe_generation(ev)
+                        yield chunk(i, ev.delta, None, FINISH[ev.finish_reason])
                     else:
-                        yield sse(None, {"error": {"message": ev.data["message"], "type": "server_error",
+                        yield sse(None, {"error": {"message": ev.message, "type": "server_error",
                                                    "param": None, "code": "generation_failed"}})
                         return
                 if include_usage:
@@ -171,22 +164,22 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
             finally:
                 for t in tasks:
                     t.cancel()
-                for h in handles:
-                    h.cancel()
+                for g in generations:
+                    g.cancel()
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async with cancel_on_disconnect(request, handles):
-        outcomes = await asyncio.gather(*(collect(h, metrics) for h in handles))
+    async with cancel_on_disconnect(request, generations):
+        outcomes = await asyncio.gather(*(collect(g, metrics) for g in generations))
     result = []
-    for c, out in zip(choices, outcomes):
-        if "prompt_logprobs" in out.done:
-            c.add_prompt_scores(out.done["prompt_logprobs"])
+    for c, g, out in zip(choices, generations, outcomes):
+        if g.prompt_scores is not None:
+            c.add_prompt_scores(g.prompt_scores)
         for t in out.tokens:
             c.add_token(t)
-        c.text += out.done["delta"]
-        result.append(c.as_dict(out.done["finish_reason"]))
-    completion_tokens = sum(o.done["usage"]["completion_tokens"] for o in outcomes)
+        c.text += out.done.delta
+        result.append(c.as_dict(out.done.finish_reason))
+    completion_tokens = sum(o.done.usage.completion_tokens for o in outcomes)
     return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": result,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}

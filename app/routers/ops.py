@@ -62,6 +62,7 @@ async def model_info(engine: Engine = Depends(get_engine), state: AppState = Dep
         "training": training_summary(ckpt.report),
         "limits": {"max_prompt_tokens": s.max_prompt_tokens, "max_new_tokens": s.max_new_tokens,
                    "max_concurrent": s.max_concurrent, "max_queue": s.max_queue,
+                   "max_attention_concurrent": s.max_attention_concurrent,
                    "max_body_bytes": s.max_body_bytes},
     }
 

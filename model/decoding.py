@@ -4,11 +4,14 @@ cache rows, each sampled by its own rules), and a token-by-token generator built
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from .kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from .cuda_graphs import GraphedDecoder
 from .transformer import ModelOutput, Transformer
 
 
@@ -88,15 +91,18 @@ def sample_rows(logits: torch.Tensor, samplers: list[RowSampler]) -> list[Genera
     under the model's own distribution (temperature 1, no filtering).
     """
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
-    ids = torch.argmax(logits, dim=-1).tolist()  # (B,): the greedy choice of every row
+    best, ids = logits.max(dim=-1)  # (B,), (B,): the greedy choice of every row
+    ids = ids.tolist()
     for i, s in enumerate(samplers):
         if s.params.temperature != 0:
             ids[i] = choose_token(logits[i], s.params, s.generator)
-    chosen = logprobs.gather(1, torch.tensor(ids, device=logits.device)[:, None])[:, 0].tolist()  # (B,)
+            best[i] = logits[i, ids[i]]
+    # log p(token) = logit - logsumexp(logits): no (B, V) log-softmax unless alternatives are asked for
+    chosen = (best - torch.logsumexp(logits, dim=-1)).tolist()  # (B,)
     tokens = [GeneratedToken(id=t, logprob=lp) for t, lp in zip(ids, chosen)]
     k = max((s.n_logprobs for s in samplers), default=0)
     if k > 0:
+        logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
         top = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)  # (B, k)
         top_ids, top_values = top.indices.tolist(), top.values.tolist()
         for i, s in enumerate(samplers):
@@ -120,23 +126,41 @@ def decode_step(
     *,
     rows: slice | None = None,
     last_only: bool = True,
+    n_new: list[int] | None = None,
+    graphs: "GraphedDecoder | None" = None,
 ) -> StepOutput:
     """One step for a batch of cache rows: feed (B, T) new ids to rows `rows` (default
     0 .. B-1), then pick each row's next token. The single decode step of both
-    `generate_tokens` and the service's engine; T > 1 is a prefill.
+    `generate_tokens` and the service's engine; T > 1 is a prefill. With `n_new`, row b's
+    real tokens are inputs[b, :n_new[b]] (right-padded prompts of different lengths,
+    prefilled together) and its next token comes from its last real position.
 
     A row whose sampler asks for attention gets, per layer, the (H, length) attention row of
     its last position: its own keys only, never the padding of longer rows.
+
+    With `graphs` (model.cuda_graphs.GraphedDecoder on the same cache), a plain one-token
+    step over rows 0 .. B-1 without attention replays a captured CUDA graph instead.
     """
     want_attention = any(s.return_attention for s in samplers)
-    out = model(inputs, kv_cache=cache, rows=rows, return_attention=want_attention, last_only=last_only)
-    tokens = sample_rows(out.logits[:, -1], samplers)
+    if (graphs is not None and inputs.shape[1] == 1 and not want_attention and n_new is None
+            and cache.row_slice(rows, inputs.shape[0]).start == 0):
+        out = ModelOutput(graphs.run(inputs), None)
+        return StepOutput(sample_rows(out.logits[:, -1], samplers), out)
+    valid = torch.tensor(n_new) if n_new is not None else None
+    out = model(inputs, kv_cache=cache, rows=rows, return_attention=want_attention, last_only=last_only,
+                valid=valid)
+    if valid is None or last_only:
+        last = out.logits[:, -1]  # (B, V)
+    else:
+        last = out.logits[torch.arange(len(n_new)), valid - 1]  # each row's last real position
+    tokens = sample_rows(last, samplers)
     if want_attention:
         first = cache.row_slice(rows, inputs.shape[0]).start
         for b, (s, tok) in enumerate(zip(samplers, tokens)):
             if s.return_attention:
                 n = int(cache.lengths[first + b])  # positions this row has, the newest included
-                tok.attention = [a[b, :, -1, :n].float().cpu() for a in out.attentions]  # (H, n) per layer
+                q = -1 if n_new is None else n_new[b] - 1  # the query of that newest position
+                tok.attention = [a[b, :, q, :n].float().cpu() for a in out.attentions]  # (H, n) per layer
     return StepOutput(tokens, out)
 
 

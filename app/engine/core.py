@@ -1,0 +1,451 @@
+"""The engine core: the one owner of the model, on its own thread.
+
+Each iteration (`Engine._step`):
+  1. schedule  drop cancelled and stopped generations (their cache rows are freed and the
+               rows kept contiguous), move waiting generations into free slots;
+  2. call      run at most one model call (an /attention forward), bounded on its own line;
+  3. prefill   run the prompts of newly admitted generations into free cache rows: the oldest,
+               plus more (right-padded, one forward) while they hold no more tokens than
+               one full-context prompt, so the running streams wait one long prefill at most;
+  4. decode    ONE batched forward over every decoding generation's row of the KV cache,
+               each row at its own length (on CUDA a replayed CUDA graph of it), then sample
+               every row with that generation's own parameters and seeded generator
+               (model.decoding.decode_step);
+  5. output    hand typed records (tokens with log-probs and attention rows as tensors,
+               prompt scores, finishes) to the output stage on the event loop in one call.
+
+Text, stop strings and event payloads are made in outputs.py, off this thread. A forward
+that raises is retried row by row, so one request's exception stays its own. A
+cancelled generation that is still waiting leaves the line at once (on the event loop);
+one that is running stops at the next step. Every generation ends with exactly one final
+record, sent after its slot is free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from model import Checkpoint, SamplingParams
+from model.cuda_graphs import GraphedDecoder
+from model.decoding import RowSampler, decode_step, make_generator
+
+from .outputs import FinishRecord, GenerationOutput, PromptRecord, Record, TokenRecord, dispatch
+from .scheduler import EngineClosed, Scheduler
+
+log = logging.getLogger("attnlens.engine")
+
+_numbers = itertools.count(1)
+
+
+@dataclass
+class GenerationParams:
+    """What to generate; validated by the caller (lengths fit the context)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    n_logprobs: int = 0
+    return_attention: bool = False
+    prompt_logprobs: int | None = None  # also score the prompt tokens (OpenAI echo), with this many alternatives
+
+
+class Generation:
+    """One generation request, from admission to its last event: the same object in the
+    scheduler, on the model thread (row, sampler, counters) and in the output stage."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, params: GenerationParams, tokenizer):
+        self.number = next(_numbers)
+        self.id = f"gen-{uuid.uuid4().hex[:24]}"
+        self.loop = loop
+        self.params = params
+        self.output = GenerationOutput(self, tokenizer, params.stop)
+        self.cancelled = False  # the client went away
+        self.stop_requested = False  # the output stage found a stop string
+        self.engine: Engine | None = None
+        # model thread state
+        self.sampler: RowSampler | None = None
+        self.last_token: int | None = None
+        self.produced = 0  # tokens generated, a final EOS included
+        self.finish_reason: str | None = None  # set on the model thread when it is done
+        self.error_message = ""
+        self.t_submit = time.perf_counter()
+        self.t_start: float | None = None
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+
+    def events(self):
+        """StreamToken events, then one StreamDone or StreamError (see GenerationOutput.events)."""
+        return self.output.events()
+
+    @property
+    def prompt_scores(self) -> list[dict] | None:
+        return self.output.prompt_scores
+
+    @property
+    def eos_token(self):
+        """The final EOS token with its log-probabilities (GeneratedTokenOut), if the generation ended on one."""
+        return self.output.eos_token
+
+    def cancel(self) -> None:
+        """Stop this generation (a no-op once it has finished); a waiting one leaves the line now."""
+        if self.cancelled:
+            return
+        self.cancelled = True
+        if self.engine is not None:
+            self.engine._cancel_waiting(self)
+
+    def stop(self) -> None:
+        self.stop_requested = True
+
+
+class ModelCall:
+    """Run fn(model) once on the model thread (e.g. one attention forward)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any]):
+        self.loop = loop
+        self.fn = fn
+        self.future: asyncio.Future = loop.create_future()
+        self.cancelled = False
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
+        def apply():
+            if not self.future.done():
+                if error is not None:
+                    self.future.set_exception(error)
+                else:
+                    self.future.set_result(result)
+
+        _call_soon(self.loop, apply)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
+
+
+class Engine:
+    def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 32, max_queue: int = 64,
+                 max_attention_concurrent: int = 4, cuda_graphs: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
+        self.checkpoint = checkpoint
+        self.model = checkpoint.model
+        self.tokenizer = checkpoint.tokenizer
+        self.config = checkpoint.config
+        self.device = self.model.tok_emb.weight.device
+        self.dtype = self.model.tok_emb.weight.dtype
+        self.max_concurrent = max_concurrent
+        self.max_queue = max_queue
+        self.scheduler = Scheduler(max_concurrent, max_queue, max_attention_concurrent, clock=clock)
+        self.cache = self.model.new_kv_cache(max_concurrent)  # one row per slot, reused
+        # on CUDA: the decode step captured once per batch-size bucket, replayed every step
+        self.graphs: GraphedDecoder | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            try:
+                self.graphs = GraphedDecoder(self.model, self.cache)
+            except Exception:  # the eager step always works: use it
+                log.warning("could not capture the decode step in CUDA graphs; decoding eagerly", exc_info=True)
+                self.cache.reset()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._prefill: collections.deque[Generation] = collections.deque()  # in a slot, no row yet
+        self._decoding: list[Generation] = []  # generation i owns cache row i
+        self.errors = 0  # requests failed by an exception on the model thread
+        self.cancelled = 0  # generations dropped because their client went away
+        self._thread = threading.Thread(target=self._run, name="attnlens-engine", daemon=True)
+        self._thread.start()
+
+    # --- introspection (metrics) -------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self.scheduler.generations.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.generations.waiting)
+
+    @property
+    def attention_in_flight(self) -> int:
+        return self.scheduler.calls.held
+
+    @property
+    def cache_bytes(self) -> int:
+        """Memory of the KV cache: MAX_CONCURRENT rows x the context, every layer."""
+        return sum(t.numel() * t.element_size() for t in self.cache.keys + self.cache.values)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # --- event loop side ---------------------------------------------------
+    def submit(self, params: GenerationParams) -> Generation:
+        """Admit one generation (raises QueueFull / EngineClosed); read it with .events()."""
+        return self.submit_all([params])[0]
+
+    def submit_all(self, params: list[GenerationParams], *, param: str | None = None) -> list[Generation]:
+        """Admit all of these generations or none (QueueFull, RequestTooLarge, EngineClosed)."""
+        loop = asyncio.get_running_loop()
+        generations = [Generation(loop, p, self.tokenizer) for p in params]
+        for g in generations:
+            g.engine = self
+        with self._lock:
+            self.scheduler.admit_generations(generations, param=param)
+            self._wakeup.notify()
+        return generations
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(model) on the model thread between decode steps, on the model-call line."""
+        work = ModelCall(asyncio.get_running_loop(), fn)
+        with self._lock:
+            self.scheduler.admit_call(work)
+            self._wakeup.notify()
+        try:
+            return await work.future
+        finally:
+            work.cancelled = True  # if we were interrupted, a call still waiting is skipped
+
+    def _cancel_waiting(self, g: Generation) -> None:
+        """A waiting generation leaves the line at once, and ends."""
+        with self._lock:
+            removed = self.scheduler.generations.remove_waiting(g)
+            if removed:
+                self.cancelled += 1
+        if removed:
+            g.t_end = time.perf_counter()
+            self._emit([FinishRecord(g, "cancelled")])
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self.scheduler.closed = True
+            self._wakeup.notify()
+        self._thread.join(timeout)
+
+    # --- model thread ------------------------------------------------------
+    def _emit(self, records: list[Record]) -> None:
+        """Hand records to the output stage: one call per event loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[Record]] = {}
+        for r in records:
+            by_loop.setdefault(r.generation.loop, []).append(r)
+        for loop, rs in by_loop.items():
+            _call_soon(loop, dispatch, rs)
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    gens, calls = self.scheduler.generations, self.scheduler.calls
+                    while not self.scheduler.closed and not (gens.held or calls.held):
+                        self._wakeup.wait()
+                    if self.scheduler.closed:
+                        break
+                self._step()
+        self._shut_down()
+
+    def _step(self) -> None:
+        records: list[Record] = []
+        self._schedule(records)
+        self._emit(records)
+        self._run_call()
+        records = []
+        if self._prefill:
+            self._run_prefills(self._next_prefills(), records)
+            self._retire_finished(records)
+        if self._decoding:
+            t0 = time.perf_counter()
+            self._run_decode(records)
+            self.scheduler.drain.note_step(time.perf_counter() - t0)
+            self._retire_finished(records)
+        self._emit(records)
+
+    def _schedule(self, records: list[Record]) -> None:
+        for g in list(self._decoding):
+            if g.cancelled or g.stop_requested:
+                self._retire(g, "stop" if g.stop_requested and not g.cancelled else "cancelled", records)
+        for g in [g for g in self._prefill if g.cancelled]:
+            self._prefill.remove(g)
+            self._retire(g, "cancelled", records)
+        with self._lock:
+            self._prefill.extend(self.scheduler.generations.take())
+
+    def _run_call(self) -> None:
+        with self._lock:
+            self.scheduler.calls.take()
+            running = list(self.scheduler.calls.running)
+        if not running:
+            return
+        work = running[0]
+        t0 = time.perf_counter()
+        try:
+            if not work.cancelled:
+                work.settle(result=work.fn(self.model))
+        except Exception as e:  # the call's failure is its own
+            self.errors += 1
+            log.exception("model call failed")
+            work.settle(error=RuntimeError("internal error in a model call; see the server log"))
+        finally:
+            with self._lock:
+                self.scheduler.call_finished(work, time.perf_counter() - t0)
+
+    def _next_prefills(self) -> list[Generation]:
+        """The prompts to prefill in this step: the oldest one, plus more while the padded batch
+        holds no more tokens than one full-context prompt (so the running streams never wait
+        longer than one long prefill). A prompt to score (echo) goes alone."""
+        batch = [self._prefill.popleft()]
+        if batch[0].params.prompt_logprobs is not None:
+            return batch
+        longest = len(batch[0].params.prompt_ids)
+        while self._prefill and self._prefill[0].params.prompt_logprobs is None:
+            n = len(self._prefill[0].params.prompt_ids)
+            if (len(batch) + 1) * max(longest, n) > self.config.context_length:
+                break
+            batch.append(self._prefill.popleft())
+            longest = max(longest, n)
+        return batch
+
+    def _run_prefills(self, batch: list[Generation], records: list[Record]) -> None:
+        """Prefill these prompts into the next free rows (one right-padded forward); each
+        generation then decodes with the others."""
+        first = len(self._decoding)
+        for i, g in enumerate(batch):
+            p = g.params
+            self.cache.free(first + i)
+            g.t_start = time.perf_counter()
+            g.sampler = RowSampler(p.sampling, make_generator(p.sampling.seed, self.device), p.n_logprobs,
+                                   p.return_attention)
+            self._decoding.append(g)  # owns row first + i from now on
+        lengths = [len(g.params.prompt_ids) for g in batch]
+        T = max(lengths)
+        padded = [g.params.prompt_ids + [0] * (T - n) for g, n in zip(batch, lengths)]  # (B, T), pad id 0
+        inputs = torch.tensor(padded, dtype=torch.long, device=self.device)
+        rows = slice(first, first + len(batch))
+        try:
+            if len(batch) == 1:
+                step = decode_step(self.model, self.cache, inputs, [batch[0].sampler], rows=rows,
+                                   last_only=batch[0].params.prompt_logprobs is None)
+            else:
+                step = decode_step(self.model, self.cache, inputs, [g.sampler for g in batch], rows=rows,
+                                   n_new=lengths)
+        except Exception as e:
+            if len(batch) == 1:
+                self._fail(batch[0], e)
+                return
+            for i, g in enumerate(batch):  # whose prompt fails? prefill them one by one
+                one = slice(first + i, first + i + 1)
+                self.cache.free(first + i)
+                try:
+                    alone = decode_step(self.model, self.cache, inputs[i : i + 1, : lengths[i]], [g.sampler], rows=one)
+                except Exception as e:
+                    self._fail(g, e)
+                    continue
+                self._prefilled(g, alone, 0, first + i, records)
+            return
+        for i, g in enumerate(batch):
+            self._prefilled(g, step, i, first + i, records)
+
+    def _prefilled(self, g: Generation, step, index: int, row: int, records: list[Record]) -> None:
+        if g.params.prompt_logprobs is not None:
+            records.append(self._prompt_record(g, step.output.logits[index]))
+        if g.params.max_new_tokens == 0:
+            g.finish_reason = "length"
+            return
+        self._advance(g, step.tokens[index], int(self.cache.lengths[row]), records)
+
+    def _prompt_record(self, g: Generation, logits: torch.Tensor) -> PromptRecord:
+        ids = g.params.prompt_ids
+        lp = torch.log_softmax(logits.float(), dim=-1)  # (T, V): row i predicts token i + 1
+        targets = torch.tensor(ids[1:], dtype=torch.long, device=lp.device)
+        chosen = lp[:-1].gather(1, targets[:, None])[:, 0].tolist() if len(ids) > 1 else []
+        k = g.params.prompt_logprobs or 0
+        top_ids, top_values = [], []
+        if k > 0 and len(ids) > 1:
+            top = torch.topk(lp[:-1], min(k, lp.shape[-1]), dim=-1)
+            top_ids, top_values = top.indices.tolist(), top.values.tolist()
+        return PromptRecord(g, chosen, top_ids, top_values)
+
+    def _run_decode(self, records: list[Record]) -> None:
+        rows = self._decoding  # finished generations were retired: row i is rows[i]
+        inputs = torch.tensor([[g.last_token] for g in rows], dtype=torch.long, device=self.device)  # (B, 1)
+        before = self.cache.lengths[: len(rows)].tolist()
+        try:
+            step = decode_step(self.model, self.cache, inputs, [g.sampler for g in rows], graphs=self.graphs)
+        except Exception:
+            # find whose input fails: decode the rows one by one from where they were (their
+            # cache positions are written again)
+            self.cache.lengths[: len(rows)] = torch.tensor(before)
+            if self.graphs is not None:
+                log.warning("a replayed CUDA graph step failed; decoding eagerly from now on", exc_info=True)
+                self.graphs = None
+            for i, g in enumerate(rows):
+                try:
+                    one = decode_step(self.model, self.cache, inputs[i : i + 1], [g.sampler], rows=slice(i, i + 1))
+                except Exception as e:
+                    self._fail(g, e)
+                    continue
+                self._advance(g, one.tokens[0], int(self.cache.lengths[i]), records)
+            return
+        for g, token, length in zip(rows, step.tokens, before):
+            self._advance(g, token, length + 1, records)  # each row took one token
+
+    def _advance(self, g: Generation, token, length: int, records: list[Record]) -> None:
+        """Record g's new token; decide whether g is done (its row now holds `length` positions)."""
+        g.produced += 1
+        if g.t_first is None:
+            g.t_first = time.perf_counter()
+        g.last_token = token.id
+        records.append(TokenRecord(g, token))
+        if token.id == self.tokenizer.eos_id:
+            g.finish_reason = "eos"
+        elif g.produced >= g.params.max_new_tokens or length >= self.cache.capacity:
+            g.finish_reason = "length"
+
+    def _fail(self, g: Generation, error: Exception) -> None:
+        """g ends with an error event; the others go on."""
+        self.errors += 1
+        log.error("generation %s failed", g.number, exc_info=error)
+        g.finish_reason = "error"
+        g.error_message = "internal error while generating; see the server log"  # details stay in the log
+
+    def _retire_finished(self, records: list[Record]) -> None:
+        for g in [g for g in self._decoding if g.finish_reason is not None]:
+            self._retire(g, g.finish_reason, records)
+
+    def _retire(self, g: Generation, reason: str, records: list[Record]) -> None:
+        """Free g's slot and cache row (the last row moves into it), then its final record."""
+        if g in self._decoding:
+            row, last = self._decoding.index(g), len(self._decoding) - 1
+            if row != last:
+                self.cache.move(last, row)
+                self._decoding[row] = self._decoding[last]
+            else:
+                self.cache.free(row)
+            self._decoding.pop()
+        g.t_end = time.perf_counter()
+        with self._lock:
+            if reason == "cancelled":
+                self.cancelled += 1
+            self.scheduler.generation_finished(g)
+        records.append(FinishRecord(g, reason, g.error_message))
+
+    def _shut_down(self) -> None:
+        with self._lock:
+            gens = list(self.scheduler.generations.waiting) + list(self.scheduler.generations.running)
+            calls = list(self.scheduler.calls.waiting) + list(self.scheduler.calls.running)
+            self.scheduler.generations.waiting.clear()
+            self.scheduler.generations.running.clear()
+            self.scheduler.calls.waiting.clear()
+            self.scheduler.calls.running.clear()
+        self._emit([FinishRecord(g, "error", "the server is shutting down") for g in gens])
+        for c in calls:
+            c.settle(error=EngineClosed("the server is shutting down"))

@@ -1,0 +1,190 @@
+"""The output stage: typed records from the model thread -> the pydantic events clients get.
+
+The engine core (model thread) only produces records: a generated token (ids, log-probs,
+attention rows as tensors), a prompt's scores, the end of a generation. Everything else
+happens here, on the event loop that submitted the generation: ids -> display text, stop
+strings (TextStream), log-prob alternatives, attention rows -> rounded lists, and the
+StreamToken / StreamDone / StreamError events that the routes send as they are.
+
+When a stop string completes, the output stage asks the core to stop the generation; the
+core retires it at its next step and sends the final record, so a client that sees `done`
+also sees the generation's slot free again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Union
+
+import numpy as np
+import torch
+
+from model.decoding import GeneratedToken
+
+from ..schemas import (Alternative, GeneratedTokenOut, StreamDone, StreamError, StreamToken, Timings, TokenText,
+                       Usage)
+from .textstream import TextStream
+
+if TYPE_CHECKING:
+    from .core import Generation
+
+
+class GenerationCancelled(Exception):
+    """The generation was cancelled (its client went away) before it finished."""
+
+
+# --- records: what the model thread hands over ------------------------------------
+@dataclass
+class TokenRecord:
+    generation: "Generation"
+    token: GeneratedToken  # id, logprob, top alternatives, attention rows (tensors)
+
+
+@dataclass
+class PromptRecord:
+    """log p(prompt token i | tokens < i) for i >= 1, with the top-k alternatives of each."""
+
+    generation: "Generation"
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass
+class FinishRecord:
+    generation: "Generation"
+    reason: str  # "length" | "eos" | "stop" | "cancelled" | "error"
+    message: str = ""  # for "error"
+
+
+Record = Union[TokenRecord, PromptRecord, FinishRecord]
+Event = Union[StreamToken, StreamDone, StreamError]
+
+
+def dispatch(records: list[Record]) -> None:
+    """Deliver one step's records, in order (runs on the generations' event loop)."""
+    for record in records:
+        record.generation.output.handle(record)
+
+
+def attention_lists(rows: list[torch.Tensor]) -> list[list[list[float]]]:
+    """Per layer (H, S) tensors -> [layer][head][position] floats rounded to 6 places."""
+    return [np.round(r.numpy().astype(np.float64), 6).tolist() for r in rows]
+
+
+@dataclass
+class GenerationOutput:
+    """One generation's output stage: its text stream, its events, its finished answer."""
+
+    generation: "Generation"
+    tokenizer: Any
+    stop: list[str]
+    text: TextStream = field(init=False)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prompt_scores: list[dict] | None = None  # OpenAI echo: each prompt token with its logprob
+    seen: int = 0  # generated tokens processed (the EOS included)
+    eos_token: GeneratedTokenOut | None = None  # a final EOS (no text, but scored: /v1 logprobs list it)
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.text = TextStream(self.tokenizer, self.stop)
+
+    # --- consumer side -------------------------------------------------------
+    async def events(self) -> AsyncIterator[Event]:
+        """StreamToken events, then exactly one StreamDone or StreamError; raises
+        GenerationCancelled instead when the generation was cancelled."""
+        while True:
+            event = await self.queue.get()
+            if isinstance(event, GenerationCancelled):
+                raise event
+            yield event
+            if not isinstance(event, StreamToken):
+                return
+
+    # --- records -------------------------------------------------------------
+    def handle(self, record: Record) -> None:
+        if self.closed:
+            return
+        if isinstance(record, TokenRecord):
+            self._token(record.token)
+        elif isinstance(record, PromptRecord):
+            self._prompt(record)
+        else:
+            self._finish(record)
+
+    def _alternatives(self, ids: list[int], logprobs: list[float]) -> list[Alternative]:
+        tok = self.tokenizer
+        return [Alternative(id=i, text=tok.display_text(i), logprob=lp) for i, lp in zip(ids, logprobs)]
+
+    def _token(self, token: GeneratedToken) -> None:
+        self.seen += 1
+        if self.text.stopped:
+            return  # after a stop string: the core stops at its next step
+        if token.id == self.tokenizer.eos_id:  # the end: no text, but its score is kept
+            self.eos_token = GeneratedTokenOut(id=token.id, text=self.tokenizer.display_text(token.id),
+                                               logprob=token.logprob,
+                                               top_logprobs=self._alternatives(token.top_ids, token.top_logprobs))
+            return
+        for r in self.text.push(self.seen - 1, token.id, token):
+            self.queue.put_nowait(self._event(r))
+        if self.text.stopped:
+            self.generation.stop()
+
+    def _event(self, r) -> StreamToken:
+        token: GeneratedToken = r.extra
+        return StreamToken(
+            index=r.index, id=r.id, text=r.text, delta=r.delta, logprob=token.logprob,
+            top_logprobs=self._alternatives(token.top_ids, token.top_logprobs),
+            attention=attention_lists(token.attention) if token.attention is not None else None,
+        )
+
+    def _prompt(self, record: PromptRecord) -> None:
+        tok, ids = self.tokenizer, self.generation.params.prompt_ids
+        k = self.generation.params.prompt_logprobs or 0
+        items = [{"id": ids[0], "text": tok.display_text(ids[0]), "logprob": None, "top_logprobs": None}]
+        for i in range(1, len(ids)):
+            top = None
+            if k > 0:
+                top = [a.model_dump() for a in self._alternatives(record.top_ids[i - 1], record.top_logprobs[i - 1])]
+            items.append({"id": ids[i], "text": tok.display_text(ids[i]), "logprob": record.logprobs[i - 1],
+                          "top_logprobs": top})
+        self.prompt_scores = items
+
+    def _finish(self, record: FinishRecord) -> None:
+        self.closed = True
+        if record.reason == "cancelled":
+            self.queue.put_nowait(GenerationCancelled("the generation was cancelled"))
+            return
+        if record.reason == "error":
+            self.queue.put_nowait(StreamError(message=record.message))
+            return
+        reason = "stop" if self.text.stopped else record.reason
+        if reason != "stop":
+            for r in self.text.finish():
+                self.queue.put_nowait(self._event(r))
+        self.queue.put_nowait(self._done(reason))
+
+    def _done(self, reason: str) -> StreamDone:
+        g, tok = self.generation, self.tokenizer
+        produced = self.seen if reason == "stop" else g.produced  # tokens after a stop string do not count
+        now = g.t_end or time.perf_counter()
+        t_start = g.t_start or now
+        t_first = g.t_first or now
+        n_prompt = len(g.params.prompt_ids)
+        return StreamDone(
+            id=g.id,
+            finish_reason=reason,
+            prompt_tokens=[TokenText(id=i, text=tok.display_text(i)) for i in g.params.prompt_ids],
+            text=self.text.text,
+            delta=self.text.unsent,
+            usage=Usage(prompt_tokens=n_prompt, completion_tokens=produced, total_tokens=n_prompt + produced),
+            timings=Timings(
+                queue_ms=round((t_start - g.t_submit) * 1000, 3),
+                prefill_ms=round((t_first - t_start) * 1000, 3),
+                decode_ms=round((now - t_first) * 1000, 3),
+                tokens_per_second=round(produced / max(now - t_start, 1e-9), 3),
+                time_to_first_token_ms=round((t_first - g.t_submit) * 1000, 3),
+            ),
+        )

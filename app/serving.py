@@ -1,0 +1,83 @@
+"""Running generations for a route: watching the client, gathering an answer, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from .engine import Generation, GenerationCancelled
+from .errors import ApiError
+from .metrics import Metrics
+from .schemas import StreamDone, StreamToken
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first": logged and counted, never sent
+
+
+@dataclass
+class Outcome:
+    """A finished generation, gathered from its events."""
+
+    tokens: list[StreamToken] = field(default_factory=list)
+    done: StreamDone | None = None
+
+
+async def _cancel_on_disconnect(request: Request, generations: list[Generation]) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            for g in generations:
+                g.cancel()
+            return
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(request: Request, generations: list[Generation]):
+    """While the block runs, a client that goes away cancels these generations (for
+    non-streamed answers; a cancelled stream cancels its own generation). Each cancelled
+    generation then ends, so the handler ends too (collect raises a 499 ApiError)."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, generations))
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watcher
+        for g in generations:
+            g.cancel()  # a no-op once finished; stops the work if we were interrupted
+
+
+async def collect(generation: Generation, metrics: Metrics) -> Outcome:
+    """Run a generation to its end; an engine error becomes a 500, a cancellation a 499."""
+    out = Outcome()
+    try:
+        async for event in generation.events():
+            if isinstance(event, StreamToken):
+                out.tokens.append(event)
+            elif isinstance(event, StreamDone):
+                out.done = event
+                metrics.observe_generation(event)
+            else:
+                raise ApiError(500, event.message, code="generation_failed")
+    except GenerationCancelled:
+        raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed") from None
+    return out
+
+
+def sse(event: str | None, data: BaseModel | dict | str) -> str:
+    """One server-sent event; `data` is a schema object, a dict (JSON-encoded) or a ready string."""
+    if isinstance(data, BaseModel):
+        payload = data.model_dump_json(exclude_none=isinstance(data, StreamToken))
+    elif isinstance(data, str):
+        payload = data
+    else:
+        payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,0 +1,105 @@
+"""Helpers the service tests share: reading server-sent events, the reference tokens a
+generation must produce, and waiting on an engine's generations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from model import SamplingParams, generate_tokens
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+TINY_TEXT = (
+    "To be, or not to be, that is the question:\n"
+    "Whether 'tis nobler in the mind to suffer\n"
+    "The slings and arrows of outrageous fortune,\n"
+    "Or to take arms against a sea of troubles\n"
+    "And by opposing end them. To die—to sleep,\n"
+    "No more; and by a sleep to say we end\n"
+    "Café naïve résumé — 東京 and emoji 😀🎭 too.\n"
+)
+
+
+def make_tiny_checkpoint(path: Path, *, seed: int = 0, **overrides) -> Path:
+    """Write a small random checkpoint (byte-level BPE on TINY_TEXT) to `path`."""
+    from model import ModelConfig, Tokenizer, Transformer, save_checkpoint
+
+    tok = Tokenizer.train([TINY_TEXT] * 4, vocab_size=300)
+    fields = dict(
+        vocab_size=tok.vocab_size,
+        context_length=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+    )
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(**fields))
+    save_checkpoint(path, model, tok)
+    return path
+
+
+MAX_PROMPT = 40  # the `client` fixture's ATTNLENS_MAX_PROMPT_TOKENS
+MAX_NEW = 60  # the `client` fixture's ATTNLENS_MAX_NEW_TOKENS
+
+
+def sse_events(lines: Iterable[str]) -> Iterator[tuple[str | None, str]]:
+    """(event, data) pairs from server-sent event lines (`event` None when the event has no name)."""
+    name, data = None, []
+    for line in lines:
+        if line == "":
+            if data:
+                yield name, "\n".join(data)
+            name, data = None, []
+        elif line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            data.append(line[len("data: "):])
+    if data:
+        yield name, "\n".join(data)
+
+
+def parse_sse(text: str) -> list[tuple[str | None, str]]:
+    """(event, data) pairs of a whole server-sent events body."""
+    return list(sse_events(text.split("\n")))
+
+
+def data_chunks(text: str) -> list[str]:
+    """The `data:` payloads of a server-sent events body (OpenAI streams have no event names)."""
+    return [data for _, data in parse_sse(text)]
+
+
+def reference_tokens(ckpt, prompt: str | list[int], n: int, *, n_logprobs: int = 0, return_attention: bool = False,
+                     **sampling):
+    """What the model generates for `prompt` alone (model.generate_tokens), up to its EOS (excluded)."""
+    ids = ckpt.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    toks = list(generate_tokens(ckpt.model, ids, n, SamplingParams(**sampling), n_logprobs=n_logprobs,
+                                return_attention=return_attention))
+    eos = ckpt.tokenizer.eos_id
+    out = []
+    for t in toks:
+        if t.id == eos:
+            break
+        out.append(t)
+    return out
+
+
+def reference_ids(ckpt, prompt: str | list[int], n: int, **sampling) -> list[int]:
+    return [t.id for t in reference_tokens(ckpt, prompt, n, **sampling)]
+
+
+async def drain(generation):
+    """(token ids, last event) of an engine generation; last is a StreamDone or StreamError."""
+    from app.schemas import StreamToken
+
+    tokens, last = [], None
+    async for event in generation.events():
+        if isinstance(event, StreamToken):
+            tokens.append(event.id)
+        else:
+            last = event
+    return tokens, last
