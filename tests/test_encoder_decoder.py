@@ -233,8 +233,8 @@ def test_a_prompt_on_an_empty_row_is_the_source(model):
 
 
 def test_generate_tokens_translates_the_prompt(model):
-    """model.generate's token generator (the decoder's) works unchanged: the prompt is the source."""
-    from model.generate import SamplingParams, generate_tokens
+    """model.decoding.generate_tokens (the decoder's) works unchanged: the prompt is the source."""
+    from model.decoding import SamplingParams, generate_tokens
 
     src = [7, 8, 9, 10, 11]
     want = greedy_translate_ids(model, [src], 0, -1, max_new_tokens=6)[0]
