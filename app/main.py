@@ -24,6 +24,7 @@ from starlette.middleware.gzip import GZipMiddleware
 from model import SamplingParams
 
 from .attention_codec import attention_maps
+from .translation_attention import translation_maps
 from .body_limit import BodyLimitMiddleware
 from .engine import Engine, GenerationParams
 from .errors import install_error_handlers, scope_error_response
@@ -45,7 +46,10 @@ async def warm_up(engine: Engine) -> None:
     async for event in engine.submit(params).events():
         if isinstance(event, StreamError):
             raise RuntimeError(f"warm-up generation failed: {event.message}")
-    await engine.call(lambda model: attention_maps(model, ids, [0], [0]))
+    if engine.config.family == "encoder-decoder":  # the prompt is a source; the target its translation
+        await engine.call(lambda model: translation_maps(model, ids, None, [0], [0]))
+    else:
+        await engine.call(lambda model: attention_maps(model, ids, [0], [0]))
 
 
 @asynccontextmanager

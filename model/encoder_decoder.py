@@ -250,6 +250,7 @@ class EncoderDecoder(nn.Module):
         rows: slice | None = None,
         return_attention: bool = False,
         last_only: bool = False,
+        valid: torch.Tensor | None = None,
     ) -> EncoderDecoderOutput:
         """Logits (B, T, V) for target ids (B, T) (the decoder's inputs: start token first).
 
@@ -263,7 +264,8 @@ class EncoderDecoder(nn.Module):
         (B, S) ARE the source; it is encoded and the decoder is fed its start token
         (config.decoder_start_id), so the logits (B, 1, V) give the first target token. This
         is how the decoder family's prefill (`model(prompt, kv_cache=, rows=)`) reads for this
-        family, so one decode step and one engine serve both.
+        family, so one decode step and one engine serve both. `valid` (B,), as the decoder
+        takes it, gives each right-padded prompt's real length: the source padding mask.
         """
         B, T = ids.shape
         encoder_attentions = None
@@ -281,7 +283,10 @@ class EncoderDecoder(nn.Module):
         else:
             rows = kv_cache.row_slice(rows, B)
             if source is None and int(kv_cache.source_lengths[rows].max()) == 0:  # a prompt: the source
-                source, source_mask = ids, None
+                source = ids
+                source_mask = None if valid is None else (
+                    torch.arange(ids.shape[1], device=ids.device)[None, :] < valid.to(ids.device)[:, None])
+                valid = None
                 ids = torch.full((B, 1), self.config.decoder_start_id, dtype=torch.long, device=ids.device)
                 B, T = ids.shape
             if source is not None:  # a new request: encode once, keep every layer's cross K/V
@@ -293,14 +298,16 @@ class EncoderDecoder(nn.Module):
                     kv_cache.store_source(rows, i, k, v)
                 for r in range(rows.start, rows.stop):
                     kv_cache.decoder.free(r)
+            if valid is not None:
+                raise ValueError("right-padded target tokens (valid=) are not supported: decode rows step by step")
             if int(kv_cache.source_lengths[rows].min()) == 0:
                 raise ValueError(f"cache rows {rows} mix rows with and without a source: "
                                  "start new requests in their own call")
             width = kv_cache.source_width(rows)
             memory_kv = [kv_cache.memory_kv(rows, i, width) for i in range(self.config.n_layers)]
             write = kv_cache.decoder.begin(rows, B, T)
-            if write.mask is None:
-                y = self.embed(ids, start=int(write.starts[0]))
+            if write.positions is None:  # every row continues from the same position
+                y = self.embed(ids, start=write.start)
             else:
                 y = self.embed(ids, positions=write.positions)
             y, self_attn, cross_attn = self.decoder_stack(

@@ -11,6 +11,7 @@ from ..engine import Engine
 from ..errors import ApiError, field_error
 from ..schemas import AttentionRequest, AttentionResponse
 from ..state import AppState
+from ..translation_attention import translation_content, translation_maps
 
 router = APIRouter(tags=["attention"])
 
@@ -50,6 +51,30 @@ def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[int]:
     return ids
 
 
+def _target_ids(body: AttentionRequest, tok, context_length: int) -> list[int] | None:
+    """An encoder-decoder's target: `target` tokenised or `target_ids` as they are, or None
+    (then the model's greedy translation). The decoder reads start + target: context - 1 at most."""
+    if body.target is not None and body.target_ids is not None:
+        raise field_error("target_ids", "give either target or target_ids, not both", "exclusive")
+    if body.target is None and body.target_ids is None:
+        return None
+    if body.target_ids is not None:
+        field, ids = "target_ids", list(body.target_ids)
+        for pos, i in enumerate(ids):
+            if not 0 <= i < tok.vocab_size:
+                raise field_error("target_ids", f"token id {i} (at position {pos}) is not in the vocabulary: "
+                                                f"ids run 0..{tok.vocab_size - 1}", "out_of_range")
+    else:
+        field, ids = "target", tok.encode(body.target)
+        if not ids:
+            raise ApiError(400, "target encodes to no tokens", param="target", code="empty_text")
+    if len(ids) + 1 > context_length:
+        raise ApiError(400, f"{field} has {len(ids)} tokens; with the decoder's start token that is more than "
+                            f"the model's context length of {context_length}", param=field,
+                       code="context_length_exceeded")
+    return ids
+
+
 @router.post(
     "/attention",
     response_model=AttentionResponse,
@@ -64,7 +89,17 @@ async def attention(body: AttentionRequest, engine: Engine = Depends(get_engine)
     heads = _indices("heads", body.heads, cfg.n_heads)
     tok = engine.tokenizer
     ids = _input_ids(body, tok, cfg.context_length)
-    maps = await engine.call(lambda model: attention_maps(model, ids, layers, heads))
+    if cfg.family == "encoder-decoder":
+        target = _target_ids(body, tok, cfg.context_length)
+        maps = await engine.call(lambda model: translation_maps(model, ids, target, layers, heads))
+        content = {"model": state.model_name,
+                   "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
+                   "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "layers": layers, "heads": heads,
+                   "format": body.format, **translation_content(maps, tok, body.format, body.packing)}
+        return JSONResponse(content)
+    if body.target is not None or body.target_ids is not None:
+        name = "target" if body.target is not None else "target_ids"
+        raise field_error(name, f"only an encoder-decoder takes a target; this model is a {cfg.family}", "unsupported")
     content = {
         "model": state.model_name,
         "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],

@@ -43,7 +43,8 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
     check_new_token_limit(settings, body.max_new_tokens, "max_new_tokens")
     tok = engine.tokenizer
     prompt_ids = tok.encode(body.prompt)
-    check_lengths(engine.config.context_length, settings, prompt_ids, body.max_new_tokens)
+    check_lengths(engine.config.context_length, settings, prompt_ids, body.max_new_tokens,
+                  family=engine.config.family)
     params = GenerationParams(
         prompt_ids=prompt_ids,
         max_new_tokens=body.max_new_tokens,
@@ -86,4 +87,6 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
         usage=done.usage,
         timings=done.timings,
         attention=[t.attention for t in out.tokens] if body.return_attention else None,
+        cross_attention=([t.cross_attention for t in out.tokens]
+                         if body.return_attention and engine.config.family == "encoder-decoder" else None),
     )

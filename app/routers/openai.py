@@ -20,6 +20,7 @@ from model import SamplingParams
 
 from ..deps import get_engine, get_state
 from ..engine import Engine, Generation, GenerationParams
+from ..errors import ApiError
 from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import StreamDone, StreamToken
 from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, sse
@@ -105,7 +106,12 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
     prompts = body.prompts
     prompts_ids = [tok.encode(p) for p in prompts]
     for ids in prompts_ids:
-        check_lengths(engine.config.context_length, settings, ids, body.max_tokens, max_field="max_tokens")
+        check_lengths(engine.config.context_length, settings, ids, body.max_tokens, max_field="max_tokens",
+                      family=engine.config.family)
+    if engine.config.family == "encoder-decoder" and body.echo and body.logprobs is not None:
+        raise ApiError(400, "echo with logprobs scores the prompt's tokens, but an encoder-decoder's prompt is "
+                            "its source, which it reads rather than predicts: leave out echo or logprobs",
+                       param="echo", code="unsupported")
     # all choices or none: a 429 never leaves part of them running; more than can ever fit is a 400
     generations = engine.submit_all(_generation_params(body, prompts_ids), param="n" if body.n > 1 else "prompt")
     want_lp = body.logprobs is not None
