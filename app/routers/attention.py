@@ -100,6 +100,7 @@ async def attention(body: AttentionRequest, engine: Engine = Depends(get_engine)
     if body.target is not None or body.target_ids is not None:
         name = "target" if body.target is not None else "target_ids"
         raise field_error(name, f"only an encoder-decoder takes a target; this model is a {cfg.family}", "unsupported")
+    maps = await engine.call(lambda model: attention_maps(model, ids, layers, heads))
     content = {
         "model": state.model_name,
         "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
