@@ -120,6 +120,6 @@ export function syncControls(s) {
     tab.tabIndex = on ? 0 : -1;
   }
   const view = viewById(s.view);
-  for (const g of $$(".opt-group")) g.classList.toggle("active", g.dataset.view === s.view);
+  for (const g of $$(".opt-group")) g.classList.toggle("active", g.dataset.view.split(" ").includes(s.view));
   for (const ctl of $$(".toolbar [data-ctl]")) ctl.hidden = !view.controls.includes(ctl.dataset.ctl);
 }

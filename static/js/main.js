@@ -9,7 +9,7 @@ import { drawLegend } from "./paint.js";
 import { createStore } from "./state/store.js";
 import { readURL, writeURL } from "./state/url.js";
 import { URL_KEYS } from "./state/schema.js";
-import { VIEWS, VIEW_IDS, viewById } from "./views/registry.js";
+import { VIEWS, VIEW_IDS, viewById, viewFits } from "./views/registry.js";
 import { viewParams, constrainState } from "./views/params.js";
 import { buildControls, modelControls, syncControls } from "./controls.js";
 import { showError, clearMessages, wireFieldResets, setKeyHandler } from "./messages.js";
@@ -24,7 +24,7 @@ const store = createStore(readURL());
 window.__attnlens = { perf: {}, renders: 0, errors: [], store, views: VIEWS, urlKeys: URL_KEYS.map((k) => k.key), current: () => current?.view ?? null };
 
 // keys whose change means a view must draw again, by what the view draws from
-const SHOWN = ["view", "layer", "head", "pin", "sink", "cmap", "dcmap", "scale", "zoom", "op", "layers", "heads", "diff", "layerB", "headB", "promptB", "meta"];
+const SHOWN = ["view", "layer", "head", "pin", "sink", "cmap", "dcmap", "scale", "zoom", "op", "layers", "heads", "diff", "layerB", "headB", "promptB", "meta", "xavg"];
 const RENDER_KEYS = { analysis: new Set([...SHOWN, "att"]), generation: new Set([...SHOWN, "gen", "step", "streaming"]) };
 
 // ---------------------------------------------------------------------------------------
@@ -292,6 +292,8 @@ async function init() {
   const meta = await loadModel();
   if (!meta) return;
   modelControls(store, meta);
+  const family = meta.architecture?.family ?? "decoder";
+  for (const v of VIEWS) { const tab = document.getElementById(`tab-${v.id}`); if (tab) tab.hidden = !viewFits(v, family); }
   store.setConstraint((next) => constrainState(next, meta, VIEW_IDS));
   store.set({ meta });
   writeURL(store.state);
