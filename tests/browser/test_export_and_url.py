@@ -87,6 +87,7 @@ def test_url_round_trip_of_every_state_key(page, browser, server):
         "layerB": 1,
         "headB": 2,
         "promptB": "B text,\nsecond line & more",
+        "xavg": "layer",
     }
     url_keys = page.evaluate("window.__attnlens.urlKeys")
     assert sorted(values) == sorted(url_keys), "a state key the link carries is not covered by this test"
