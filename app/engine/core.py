@@ -256,9 +256,11 @@ class Engine:
     def _step(self) -> None:
         records: list[Record] = []
         self._schedule(records)
-        self._emit(records)
-        self._run_call()
-        records = []
+        if records:
+            self._emit(records)
+            records = []
+        if self.scheduler.calls.held:
+            self._run_call()
         if self._prefill:
             self._run_prefills(self._next_prefills(), records)
             self._retire_finished(records)
@@ -267,17 +269,18 @@ class Engine:
             self._run_decode(records)
             self.scheduler.drain.note_step(time.perf_counter() - t0)
             self._retire_finished(records)
-        self._emit(records)
+        if records:
+            self._emit(records)
 
     def _schedule(self, records: list[Record]) -> None:
-        for g in list(self._decoding):
-            if g.cancelled or g.stop_requested:
-                self._retire(g, "stop" if g.stop_requested and not g.cancelled else "cancelled", records)
+        for g in [g for g in self._decoding if g.cancelled or g.stop_requested]:
+            self._retire(g, "stop" if g.stop_requested and not g.cancelled else "cancelled", records)
         for g in [g for g in self._prefill if g.cancelled]:
             self._prefill.remove(g)
             self._retire(g, "cancelled", records)
-        with self._lock:
-            self._prefill.extend(self.scheduler.generations.take())
+        if self.scheduler.generations.waiting:  # read without the lock: a stale answer only waits one step
+            with self._lock:
+                self._prefill.extend(self.scheduler.generations.take())
 
     def _run_call(self) -> None:
         with self._lock:

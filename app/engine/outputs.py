@@ -116,7 +116,8 @@ class GenerationOutput:
 
     def _alternatives(self, ids: list[int], logprobs: list[float]) -> list[Alternative]:
         tok = self.tokenizer
-        return [Alternative(id=i, text=tok.display_text(i), logprob=lp) for i, lp in zip(ids, logprobs)]
+        # built from the engine's own typed values: construct without re-validating
+        return [Alternative.model_construct(id=i, text=tok.display_text(i), logprob=lp) for i, lp in zip(ids, logprobs)]
 
     def _token(self, token: GeneratedToken) -> None:
         self.seen += 1
@@ -134,7 +135,7 @@ class GenerationOutput:
 
     def _event(self, r) -> StreamToken:
         token: GeneratedToken = r.extra
-        return StreamToken(
+        return StreamToken.model_construct(  # the engine's own typed values: no re-validation per token
             index=r.index, id=r.id, text=r.text, delta=r.delta, logprob=token.logprob,
             top_logprobs=self._alternatives(token.top_ids, token.top_logprobs),
             attention=attention_lists(token.attention) if token.attention is not None else None,
