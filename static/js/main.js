@@ -154,7 +154,9 @@ async function generate() {
     signal: controller.signal,
     onToken(t, i) {
       tokens.push(t);
-      if (t.attention) rows.push(t.attention);
+      // an encoder-decoder's step reads its source: the Generation view shows that step's
+      // cross-attention row over the prompt (= source) tokens
+      if (t.attention) rows.push(t.cross_attention ?? t.attention);
       output.add(t, i);
       const s = store.state;
       const follow = s.step >= tokens.length - 2; // the view follows the newest token unless moved back

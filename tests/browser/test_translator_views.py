@@ -92,3 +92,25 @@ def test_head_view_shows_the_encoders_self_attention_and_decoder_models_hide_the
     assert labels["n"] == labels["m"] == S
     open_page(page, server, view="head")
     assert page.is_hidden("#tab-cross") and page.is_hidden("#tab-align") and page.is_hidden("#tab-decoder")
+
+
+def test_generating_a_translation_steps_through_the_source_each_token_read(page, translator_server):
+    import httpx
+
+    open_page(page, translator_server, prompt="ninety-seven", view="gen")
+    page.fill("#temperature", "0")
+    page.click("#generate")
+    page.wait_for_function("() => { const g = window.__attnlens.store.state.gen; "
+                           "return g && g.done !== undefined && !window.__attnlens.store.state.streaming; }")
+    wait_rendered(page)
+    want = httpx.post(f"{translator_server.base_url}/generate", timeout=60, json={
+        "prompt": "ninety-seven", "temperature": 0, "max_new_tokens": 32, "return_attention": True}).json()
+    assert "".join(t["text"] for t in state(page, "s.gen.tokens")) == want["text"] == "quatre-vingt-dix-sept"
+    S = len(want["prompt_tokens"])
+    result = page.evaluate("() => { const r = window.__attnlens.current().result; return {S: r.S, step: r.step, "
+                           "data: Array.from(r.data)}; }")
+    assert result["S"] == S  # columns are the source tokens
+    step = result["step"]
+    np.testing.assert_allclose(np.asarray(result["data"]).reshape(-1),
+                               np.asarray(want["cross_attention"][step]).reshape(-1), atol=1e-5)
+    screenshot(page, "translator-generation.png")
