@@ -113,4 +113,5 @@ def test_generating_a_translation_steps_through_the_source_each_token_read(page,
     step = result["step"]
     np.testing.assert_allclose(np.asarray(result["data"]).reshape(-1),
                                np.asarray(want["cross_attention"][step]).reshape(-1), atol=1e-5)
+    assert "cross-attention of the decoder step" in page.inner_text("#caption")
     screenshot(page, "translator-generation.png")

@@ -49,7 +49,7 @@ export function viewParams(s) {
   const gen = s.gen;
   const fromGeneration = !!(att?.ids && s.ids && att.ids.length === s.ids.length && att.ids.every((x, i) => x === s.ids[i]));
   return Object.freeze({
-    model: { name: meta.name, n_layers: meta.n_layers, n_heads: meta.n_heads, context_length: meta.context_length },
+    model: { name: meta.name, n_layers: meta.n_layers, n_heads: meta.n_heads, context_length: meta.context_length, family: meta.architecture?.family ?? "decoder" },
     tokens: att?.tokens ?? [],
     attention: att,
     generation: gen,
