@@ -162,3 +162,18 @@ def test_attention_with_a_given_target_and_selected_heads(tclient, translator):
 def test_a_decoder_takes_no_target(client):
     r = client.post("/attention", json={"text": "To be", "target": "x"})
     assert r.status_code in (400, 422) and "target" in r.text
+
+
+def test_translation_through_the_live_server_equals_the_model(translator, tmp_path):
+    import httpx
+
+    from live_server import live_server
+
+    want = greedy_translate(translator.model, translator.tokenizer, SOURCES)
+    with live_server(TRANSLATOR, tmp_path) as srv:
+        got = [httpx.post(f"{srv.base_url}/generate", timeout=60,
+                          json={"prompt": s, "temperature": 0, "max_new_tokens": 40}).json()["text"] for s in SOURCES]
+        v1 = httpx.post(f"{srv.base_url}/v1/completions", timeout=60,
+                        json={"model": "translator", "prompt": SOURCES, "temperature": 0, "max_tokens": 40}).json()
+    assert got == want
+    assert [c["text"] for c in v1["choices"]] == want
