@@ -284,3 +284,26 @@ def test_attention_groups_of_one_pair(model):
         out = model(torch.tensor([[0, 9, 10]]), source=torch.tensor([[5, 6, 7, 8]]), return_attention=True)
     torch.testing.assert_close(cross[1], out.cross_attentions[1][0])
     torch.testing.assert_close(enc[0], out.encoder_attentions[0][0])
+
+
+def test_cross_keys_values_are_computed_once_per_request(model, monkeypatch):
+    """Decoding steps reuse the cached cross K/V: neither the encoder nor the memory
+    projection runs after the first call."""
+    from model.parts import MultiHeadAttention
+
+    calls = {"memory": 0, "encode": 0}
+    project = MultiHeadAttention.project_memory
+    encode = EncoderDecoder.encode
+
+    def counting_project(self, memory):
+        calls["memory"] += 1
+        return project(self, memory)
+
+    def counting_encode(self, *a, **kw):
+        calls["encode"] += 1
+        return encode(self, *a, **kw)
+
+    monkeypatch.setattr(MultiHeadAttention, "project_memory", counting_project)
+    monkeypatch.setattr(EncoderDecoder, "encode", counting_encode)
+    greedy_translate_ids(model, [[5, 6, 7], [8, 9]], 0, -1, max_new_tokens=6)
+    assert calls == {"memory": L, "encode": 1}  # one projection per decoder layer, for the whole batch

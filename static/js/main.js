@@ -278,10 +278,20 @@ function wire() {
   });
   document.addEventListener("keydown", (e) => e.key === "Escape" && controller?.abort());
   store.subscribe((changed, s) => {
+    if (changed.has("meta")) familyTabs(s.meta);
     syncControls(s);
     if (changed.has("step") || changed.has("gen")) output.markStep(s.step);
     scheduleRender(changed);
   });
+}
+
+/** Show the tabs of the views that apply to the model's family (e.g. Cross for an encoder-decoder). */
+function familyTabs(meta) {
+  const family = meta?.architecture?.family ?? "decoder";
+  for (const v of VIEWS) {
+    const tab = document.getElementById(`tab-${v.id}`);
+    if (tab) tab.hidden = !viewFits(v, family);
+  }
 }
 
 async function init() {
@@ -294,8 +304,6 @@ async function init() {
   const meta = await loadModel();
   if (!meta) return;
   modelControls(store, meta);
-  const family = meta.architecture?.family ?? "decoder";
-  for (const v of VIEWS) { const tab = document.getElementById(`tab-${v.id}`); if (tab) tab.hidden = !viewFits(v, family); }
   store.setConstraint((next) => constrainState(next, meta, VIEW_IDS));
   store.set({ meta });
   writeURL(store.state);
