@@ -3,6 +3,7 @@ generation must produce, and waiting on an engine's generations."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -90,6 +91,27 @@ def reference_tokens(ckpt, prompt: str | list[int], n: int, *, n_logprobs: int =
 
 def reference_ids(ckpt, prompt: str | list[int], n: int, **sampling) -> list[int]:
     return [t.id for t in reference_tokens(ckpt, prompt, n, **sampling)]
+
+
+def run_async(coroutine):
+    """asyncio.run(coroutine) on a thread of its own, so it works even when this thread already
+    has a running event loop (the browser tests' session-long Playwright keeps one)."""
+    import threading
+
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = asyncio.run(coroutine)
+        except BaseException as e:  # re-raised in the caller
+            result["error"] = e
+
+    thread = threading.Thread(target=target, name="test-event-loop")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 async def drain(generation):

@@ -18,7 +18,7 @@ from app.engine.scheduler import DrainRate, Scheduler
 from app.main import create_app
 from app.schemas import StreamDone, StreamError, StreamToken
 from app.settings import Settings
-from helpers import drain, reference_ids, reference_tokens
+from helpers import drain, reference_ids, reference_tokens, run_async
 from model import SamplingParams
 
 PROMPTS = ["To be", "Whether 'tis nobler in the mind", "The slings", "Or to take arms against a sea",
@@ -40,7 +40,7 @@ def run(engine: Engine, params: list[GenerationParams]):
         generations = engine.submit_all(params)
         return await asyncio.gather(*(collect_tokens(g) for g in generations))
 
-    return asyncio.run(main())
+    return run_async(main())
 
 
 async def collect_tokens(generation):
@@ -91,7 +91,7 @@ def test_rows_of_different_lengths_joining_and_leaving_mid_batch(ckpt):
         return await asyncio.gather(*tasks)
 
     try:
-        results = run_async(main)
+        results = run_fn(main)
     finally:
         engine.close()
     for i, (tokens, done) in enumerate(results):
@@ -100,8 +100,8 @@ def test_rows_of_different_lengths_joining_and_leaving_mid_batch(ckpt):
     assert engine.in_flight == 0 and engine.cache.lengths.tolist() == [0] * 4
 
 
-def run_async(fn):
-    return asyncio.run(fn())
+def run_fn(fn):
+    return run_async(fn())
 
 
 class RecordingModel:
@@ -174,7 +174,7 @@ def test_cancellation_frees_the_row_for_the_next_request(ckpt):
         return await collect_tokens(late), await b_task
 
     try:
-        (late_tokens, late_done), (b_tokens, b_done) = run_async(main)
+        (late_tokens, late_done), (b_tokens, b_done) = run_fn(main)
     finally:
         engine.close()
     assert engine.cancelled == 1 and engine.in_flight == 0
@@ -239,7 +239,7 @@ def test_a_cancelled_waiting_request_frees_its_queue_place_at_once(ckpt):
         return await asyncio.wait_for(drain(newcomer), 30)
 
     try:
-        tokens, done = run_async(main)
+        tokens, done = run_fn(main)
     finally:
         rec.gate.set()
         engine.close()
@@ -266,7 +266,7 @@ def test_a_request_of_several_generations_is_admitted_whole_or_not_at_all(ckpt):
             g.cancel()
 
     try:
-        run_async(main)
+        run_fn(main)
     finally:
         rec.gate.set()
         engine.close()
@@ -335,7 +335,7 @@ def in_process(tiny_checkpoint, scenario, **settings):
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
                 return await scenario(app, client)
 
-    return asyncio.run(main())
+    return run_async(main())
 
 
 def test_429_contract_of_generate_and_v1_in_process(tiny_checkpoint):
@@ -502,7 +502,7 @@ def test_a_generation_ending_on_eos_keeps_the_eos_score(tmp_path):
         return tokens, done, g.eos_token
 
     try:
-        tokens, done, eos = asyncio.run(main())
+        tokens, done, eos = run_async(main())
     finally:
         engine.close()
     assert done.finish_reason == "eos" and done.usage.completion_tokens == eos_at + 1
@@ -555,7 +555,7 @@ def test_a_random_mix_of_requests_and_cancellations_keeps_every_answer_right(ckp
         return await asyncio.gather(*(one(s) for s in specs))
 
     try:
-        results = asyncio.run(main())
+        results = run_async(main())
     finally:
         engine.close()
     assert engine.in_flight == 0 and engine.waiting == 0 and engine.errors == 0

@@ -108,6 +108,7 @@ def test_engine_on_cuda_with_graphs_matches_generate_tokens(tiny_checkpoint):
 
     from app.engine import Engine, GenerationParams
     from app.schemas import StreamToken
+    from helpers import run_async
 
     ckpt = load_checkpoint(tiny_checkpoint, device="cuda")
     engine = Engine(ckpt, max_concurrent=4, max_queue=4)
@@ -124,7 +125,7 @@ def test_engine_on_cuda_with_graphs_matches_generate_tokens(tiny_checkpoint):
         return await asyncio.gather(*(ids(g) for g in gens))
 
     try:
-        got = asyncio.run(main())
+        got = run_async(main())
     finally:
         engine.close()
     eos = ckpt.tokenizer.eos_id

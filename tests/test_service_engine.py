@@ -13,7 +13,7 @@ from app.attention_codec import decode, encode
 from app.engine import Engine, GenerationParams, QueueFull
 from app.engine.textstream import TextStream
 from app.schemas import StreamDone, StreamError
-from helpers import drain, reference_ids
+from helpers import drain, reference_ids, run_async
 from model import SamplingParams
 
 
@@ -121,7 +121,7 @@ def test_engine_matches_generate_tokens_for_interleaved_requests(ckpt):
         return await asyncio.gather(*(drain(g) for g in generations))
 
     try:
-        results = asyncio.run(main())
+        results = run_async(main())
     finally:
         engine.close()
     for (tokens, done), p, kw in zip(results, prompts, params):
@@ -152,7 +152,7 @@ def test_queue_full_error_isolation_and_cancellation(ckpt):
         return good_tokens, good_done, bad_done
 
     try:
-        good_tokens, good_done, bad_done = asyncio.run(main())
+        good_tokens, good_done, bad_done = run_async(main())
         assert isinstance(bad_done, StreamError) and "poisoned" not in bad_done.message  # details stay in the log
         assert isinstance(good_done, StreamDone)
         assert good_tokens == reference_ids(ckpt, "To be", 15, temperature=0.0)
@@ -164,7 +164,7 @@ def test_queue_full_error_isolation_and_cancellation(ckpt):
                        for _ in range(3)]
             return await asyncio.gather(*(drain(g) for g in generations))
 
-        assert all(isinstance(done, StreamDone) for _, done in asyncio.run(after()))
+        assert all(isinstance(done, StreamDone) for _, done in run_async(after()))
         assert engine.in_flight == 0 and engine.waiting == 0
     finally:
         gated.gate.set()
@@ -200,7 +200,7 @@ def test_cancelled_generation_stops_within_a_step(ckpt):
         return calls_at_cancel
 
     try:
-        calls_at_cancel = asyncio.run(main())
+        calls_at_cancel = run_async(main())
         assert engine.in_flight == 0
         assert counting.calls <= calls_at_cancel + 1  # at most the step already under way
     finally:

@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from helpers import REPO_ROOT, make_tiny_checkpoint, sse_events
+from helpers import REPO_ROOT, make_tiny_checkpoint, run_async, sse_events
 from live_server import free_port, live_server
 
 pytestmark = pytest.mark.slow
@@ -196,7 +196,7 @@ def test_16_concurrent_requests_each_match_running_alone(http, server):
 
             return await asyncio.gather(*(one(i) for i in range(16)))
 
-    results = asyncio.run(together())
+    results = run_async(together())
     for i, (ids, last) in enumerate(results):
         assert last == "done"
         assert ids == [t["id"] for t in alone[i]["tokens"]], f"request {i} differs when run concurrently"
@@ -272,7 +272,7 @@ def test_queue_full_429_disconnect_frees_slots_and_healthz_stays_fast(http, serv
     def load():
         return metric(http, "attnlens_requests_in_flight"), metric(http, "attnlens_queue_depth")
 
-    asyncio.run(scenario())
+    run_async(scenario())
     assert "Traceback" not in server.log(), server.log()
 
 
@@ -307,7 +307,7 @@ def test_non_streaming_request_is_cancelled_when_its_client_leaves(http, server)
                 for r in streams:
                     await r.aclose()
 
-    asyncio.run(scenario())
+    run_async(scenario())
     deadline = time.monotonic() + 5
     while metric(http, "attnlens_requests_in_flight") != 0:
         assert time.monotonic() < deadline
