@@ -22,9 +22,10 @@ COPY model ./model
 COPY app ./app
 RUN pip install .
 
-# 3. the data the installed package serves: the web page and the bundled default model.
+# 3. the data the installed package serves: the web page and the bundled models.
 COPY static ./static
 COPY checkpoints/default ./checkpoints/default
+COPY checkpoints/encoder ./checkpoints/encoder
 
 RUN useradd --create-home --uid 10001 attnlens
 USER attnlens
@@ -32,6 +33,7 @@ USER attnlens
 ENV ATTNLENS_HOST=0.0.0.0 \
     ATTNLENS_PORT=8000 \
     ATTNLENS_MODEL=/srv/attnlens/checkpoints/default \
+    ATTNLENS_MODELS=/srv/attnlens/checkpoints/default,/srv/attnlens/checkpoints/encoder \
     ATTNLENS_STATIC_DIR=/srv/attnlens/static
 EXPOSE 8000
 

@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 PIP    := $(BIN)/python -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev serve test bench bench-service data train-default clean
+.PHONY: install install-dev serve test bench bench-service data train-default train-encoder clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ data: install
 ## Retrain the bundled default model (see configs/default.toml)
 train-default: install
 	$(BIN)/attnlens train --config configs/default.toml --out runs/default
+
+## Retrain the bundled encoder (configs/encoder.toml: masked LM, then genre fine-tuning)
+train-encoder: install-dev
+	$(BIN)/attnlens train --config configs/encoder.toml --out runs/encoder
 
 clean:
 	rm -rf $(VENV) .pytest_cache test-artifacts

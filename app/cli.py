@@ -21,6 +21,14 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
+    from model.checkpoint import load_config
+
+    if load_config(args.model).family == "encoder":
+        from model.hf_bert import export_bert
+
+        out = export_bert(args.model, args.out)
+        print(f"wrote a transformers BertForMaskedLM directory to {out}")
+        return 0
     from model.hf import export_hf
 
     out = export_hf(args.model, args.out)
@@ -29,10 +37,30 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
-    from model.hf import import_hf
+    import json
 
-    out = import_hf(args.src, args.out)
+    config = Path(args.src) / "config.json"
+    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type") if config.is_file() else None
+    if model_type == "bert":
+        from model.hf_bert import import_bert
+
+        out = import_bert(args.src, args.out)
+    else:
+        from model.hf import import_hf
+
+        out = import_hf(args.src, args.out)
     print(f"wrote an attnlens checkpoint to {out}")
+    return 0
+
+
+def cmd_encoder_report(args: argparse.Namespace) -> int:
+    import json
+
+    from model.encoder_eval import refresh_report
+
+    report = refresh_report(args.model, args.data)
+    keys = ("held_out_mlm", "held_out_genre", "bow_baseline", "majority_baseline")
+    print(json.dumps({k: report.get(k) for k in keys}, indent=2))
     return 0
 
 
@@ -62,7 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from app.server import serve
 
-    serve(model=args.model, host=args.host, port=args.port)
+    serve(model=args.model, models=args.models, host=args.host, port=args.port)
     return 0
 
 
@@ -74,15 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory")
     s.set_defaults(func=cmd_info)
 
-    s = sub.add_parser("export-hf", help="write a checkpoint as a transformers GPT-2 directory")
+    s = sub.add_parser("export-hf", help="write a checkpoint as a transformers GPT-2 (decoder) or "
+                                         "BertForMaskedLM (encoder) directory")
     s.add_argument("--model", default=str(DEFAULT_MODEL), help="attnlens checkpoint directory")
     s.add_argument("--out", required=True, help="output directory")
     s.set_defaults(func=cmd_export_hf)
 
-    s = sub.add_parser("import-hf", help="convert a GPT-2 checkpoint on disk into an attnlens one")
-    s.add_argument("--src", required=True, help="transformers GPT-2 directory")
+    s = sub.add_parser("import-hf", help="convert a GPT-2 or BERT checkpoint on disk into an attnlens one")
+    s.add_argument("--src", required=True, help="transformers GPT-2 or BertForMaskedLM directory")
     s.add_argument("--out", required=True, help="output checkpoint directory")
     s.set_defaults(func=cmd_import_hf)
+
+    s = sub.add_parser("encoder-report", help="recompute an encoder checkpoint's held-out figures "
+                                              "(MLM, genre, bag-of-words and majority baselines) into its train_report.json")
+    s.add_argument("--model", default=str(REPO_ROOT / "checkpoints" / "encoder"), help="encoder checkpoint directory")
+    s.add_argument("--data", default=str(REPO_ROOT / "data" / "shakespeare"), help="prepared corpus")
+    s.set_defaults(func=cmd_encoder_report)
 
     s = sub.add_parser("prepare-data", help="build the Shakespeare corpus (train/val split by work)")
     s.add_argument("--out", default=str(REPO_ROOT / "data" / "shakespeare"))
@@ -114,7 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="run the HTTP service under uvicorn")
-    s.add_argument("--model", default=None, help="checkpoint directory (default: $ATTNLENS_MODEL or the bundled model)")
+    s.add_argument("--model", default=None, help="the default model's checkpoint directory (default: $ATTNLENS_MODEL or the bundled decoder)")
+    s.add_argument("--models", default=None, help="comma-separated checkpoint directories to serve side by side "
+                                                  "(default: $ATTNLENS_MODELS, else every bundled checkpoint, "
+                                                  "or only --model when it is given)")
     s.add_argument("--host", default=None, help="default: $ATTNLENS_HOST or 127.0.0.1")
     s.add_argument("--port", type=int, default=None, help="default: $ATTNLENS_PORT or 8000")
     s.set_defaults(func=cmd_serve)

@@ -1,8 +1,9 @@
 """The FastAPI application: `create_app(settings)` builds it; `app` is the default one.
 
-Start-up (lifespan): load the checkpoint named by ATTNLENS_MODEL onto ATTNLENS_DEVICE in
-ATTNLENS_DTYPE, start the engine, warm it up (a short generation and an attention pass
-through the same path requests take), then report ready on /readyz.
+Start-up (lifespan): load every checkpoint Settings.model_dirs() names (ATTNLENS_MODELS, by
+default every bundled one; ATTNLENS_MODEL is the default model) onto ATTNLENS_DEVICE in
+ATTNLENS_DTYPE, start an engine per decoder (an EncoderRunner per encoder), warm each up
+through the same path requests take, then report ready on /readyz.
 
 If the checkpoint cannot be loaded, start-up fails: the log says which directory and
 why ("cannot load the model from ...: ..."), and `attnlens serve` exits with status 3
@@ -30,7 +31,9 @@ from .engine import Engine, GenerationParams
 from .errors import install_error_handlers, scope_error_response
 from .loader import load_for_serving
 from .metrics import Metrics, MetricsMiddleware
-from .routers import attention, generate, openai, ops, ui
+from .encoder_tasks import classify_or_fill_warm_up
+from .registry import ENGINE_FAMILIES, EncoderRunner, ModelRegistry, ServedModel, model_name, tasks_of
+from .routers import attention, encoder, generate, openai, ops, ui
 from .schemas import StreamDone, StreamError, StreamToken
 from .settings import Settings
 from .state import AppState
@@ -57,30 +60,51 @@ async def lifespan(app: FastAPI):
     state: AppState = app.state.attnlens
     s = state.settings
     state.status = "loading"
+    registry = ModelRegistry(default=model_name(s.model))
+    engines: list[Engine] = []
     try:
-        ckpt = await asyncio.to_thread(load_for_serving, s.model, s.device, s.dtype)
-    except Exception as e:
-        state.status = "failed"
-        log.error("cannot load the model from %s: %s", s.model, e)
-        raise RuntimeError(f"cannot load the model from {s.model}: {e}") from None
-    engine = Engine(ckpt, max_concurrent=s.max_concurrent, max_queue=s.max_queue,
-                    max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs)
-    state.checkpoint, state.engine = ckpt, engine
-    state.metrics.bind_engine(engine)
-    try:
+        for model_dir in s.model_dirs():
+            try:
+                ckpt = await asyncio.to_thread(load_for_serving, model_dir, s.device, s.dtype)
+            except Exception as e:
+                state.status = "failed"
+                log.error("cannot load the model from %s: %s", model_dir, e)
+                raise RuntimeError(f"cannot load the model from {model_dir}: {e}") from None
+            if ckpt.config.family in ENGINE_FAMILIES:
+                runner = Engine(ckpt, max_concurrent=s.max_concurrent, max_queue=s.max_queue,
+                                max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs)
+                engines.append(runner)
+            else:
+                runner = EncoderRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)
+            registry.add(ServedModel(model_name(model_dir), ckpt.path, ckpt, runner, tasks_of(ckpt)))
+        default = registry.get(None)
+        engine = default.runner if isinstance(default.runner, Engine) else (engines[0] if engines else None)
+        state.checkpoint, state.engine, state.registry = default.checkpoint, engine, registry
+        if engine is not None:
+            state.metrics.bind_engine(engine)
         if s.warmup:
             state.status = "warming up"
-            await warm_up(engine)
+            for served in registry.models.values():
+                if isinstance(served.runner, Engine):
+                    await warm_up(served.runner)
+                else:
+                    await served.runner.call(lambda ckpt: classify_or_fill_warm_up(ckpt))
         state.ready, state.status = True, "ready"
-        cfg = ckpt.config
-        log.info("ready: %s (%d layers x %d heads, context %d, %s params) on %s as %s; KV cache %d rows, %.0f MB",
-                 state.model_name, cfg.n_layers, cfg.n_heads, cfg.context_length,
-                 f"{ckpt.model.num_parameters():,}", engine.device, str(engine.dtype).removeprefix("torch."),
-                 engine.cache.n_rows, engine.cache_bytes / 2**20)
+        for served in registry.models.values():
+            cfg = served.checkpoint.config
+            log.info("ready: %s, %s (%d layers x %d heads, context %d, %s params; %s)%s",
+                     served.name, cfg.family, cfg.n_layers, cfg.n_heads, cfg.context_length,
+                     f"{served.checkpoint.model.num_parameters():,}", ", ".join(served.tasks),
+                     " [default]" if served.name == registry.default else "")
+        for engine in engines:
+            log.info("engine for %s on %s as %s; KV cache %d rows, %.0f MB", engine.checkpoint.path,
+                     engine.device, str(engine.dtype).removeprefix("torch."), engine.cache.n_rows,
+                     engine.cache_bytes / 2**20)
         yield
     finally:
         state.ready, state.status = False, "stopped"
-        await asyncio.to_thread(engine.close)
+        for engine in engines:
+            await asyncio.to_thread(engine.close)
 
 
 def add_stream_schemas(app: FastAPI) -> None:
@@ -112,7 +136,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.attnlens = AppState(settings=settings, metrics=Metrics())
     install_error_handlers(app)
-    for module in (generate, attention, openai, ops, ui):
+    for module in (generate, attention, encoder, openai, ops, ui):
         app.include_router(module.router)
     add_stream_schemas(app)
     if settings.static_dir.is_dir():

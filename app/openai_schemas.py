@@ -11,7 +11,7 @@ class CompletionRequest(BaseModel):
     # Clients send fields we do not use (user, presence_penalty, ...): accept and ignore them.
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = Field(None, description="accepted for compatibility; the loaded model answers")
+    model: str | None = Field(None, description="a model from GET /v1/models; default: the default model")
     prompt: str | list[str] = Field(description="a string or a list of strings (one choice set each)")
     max_tokens: int = Field(16, ge=0, description="0 with echo scores the prompt only")
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)

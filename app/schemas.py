@@ -14,7 +14,11 @@ class Strict(BaseModel):
 
 
 # --- /generate ---------------------------------------------------------------
+MODEL_FIELD = "a loaded model's name (GET /models); default: the default model"
+
+
 class GenerateRequest(Strict):
+    model: str | None = Field(None, description=MODEL_FIELD)
     prompt: str = Field(min_length=1, description="text to continue")
     max_new_tokens: int = Field(64, ge=1, description="1..ATTNLENS_MAX_NEW_TOKENS")
     temperature: float = Field(0.8, ge=0, allow_inf_nan=False, description="0 = greedy")
@@ -124,6 +128,7 @@ class StreamError(BaseModel):
 class AttentionRequest(Strict):
     """Give exactly one of `text` (tokenised here) or `ids` (used as they are)."""
 
+    model: str | None = Field(None, description=MODEL_FIELD)
     text: str | None = Field(None, min_length=1, description="text to tokenise and analyse")
     ids: list[int] | None = Field(
         None, min_length=1,
@@ -137,7 +142,8 @@ class AttentionRequest(Strict):
     packing: Literal["full", "tril"] = Field(
         "full",
         description="f16/u8 only: 'full' = every cell row-major; 'tril' = per matrix only the "
-        "cells on or below the diagonal, row by row (row i has i+1 values), ~half the bytes",
+        "cells on or below the diagonal, row by row (row i has i+1 values), ~half the bytes; causal "
+        "(decoder) attention only",
     )
     # encoder-decoder only: `text` / `ids` are the source; the target is given or translated
     target: str | None = Field(None, min_length=1, description="encoder-decoder only: the target text "
@@ -172,7 +178,13 @@ class TranslationAttention(BaseModel):
 
 class AttentionResponse(BaseModel):
     model: str
-    tokens: list[TokenText]
+    family: Literal["decoder", "encoder", "encoder-decoder"] = "decoder"
+    direction: Literal["causal", "bidirectional", "encoder-decoder"] = Field(
+        "causal", description="causal: position i sees positions <= i (zero above the diagonal); "
+        "bidirectional: every position sees every other (an encoder; full T x T maps); encoder-decoder: "
+        "the top-level maps are the encoder's over the source, `translation` has the decoder's and the cross maps")
+    tokens: list[TokenText] = Field(description="the analysed positions; an encoder's text is framed "
+                                                "as [CLS] text [SEP]")
     n_layers: int
     n_heads: int
     layers: list[int]

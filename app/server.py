@@ -12,9 +12,11 @@ from .settings import Settings
 STARTUP_FAILED = 3  # uvicorn's own exit status for a failed start-up
 
 
-def serve(model: str | None = None, host: str | None = None, port: int | None = None) -> None:
+def serve(model: str | None = None, host: str | None = None, port: int | None = None,
+          models: str | None = None) -> None:
     """Serve with ATTNLENS_* settings; arguments that are not None override them."""
-    overrides = {k: v for k, v in {"model": model, "host": host, "port": port}.items() if v is not None}
+    overrides = {k: v for k, v in {"model": model, "host": host, "port": port, "models": models}.items()
+                 if v is not None}
     settings = Settings(**overrides)
     logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

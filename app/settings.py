@@ -9,7 +9,8 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL_DIR = REPO_ROOT / "checkpoints" / "default"
+CHECKPOINTS_DIR = REPO_ROOT / "checkpoints"
+DEFAULT_MODEL_DIR = CHECKPOINTS_DIR / "default"
 STATIC_DIR = REPO_ROOT / "static"
 
 
@@ -18,7 +19,12 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="ATTNLENS_", extra="ignore")
 
-    model: Path = DEFAULT_MODEL_DIR
+    model: Path = DEFAULT_MODEL_DIR  # the default model: requests that name no model get it
+    # Every checkpoint to serve, comma-separated directories (each served under its directory
+    # name). Empty: every bundled checkpoint in checkpoints/ — unless ATTNLENS_MODEL is set, then
+    # that one alone. The default model is always served.
+    models: Annotated[list[Path], NoDecode] = []
+    max_encoder_concurrent: int = Field(2, ge=1)  # encoder forwards at once, per encoder model
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     host: str = "127.0.0.1"
@@ -43,6 +49,31 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [o.strip() for o in value.split(",") if o.strip()]
         return value
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _split_models(cls, value):
+        if isinstance(value, str):
+            return [Path(p.strip()) for p in value.split(",") if p.strip()]
+        return value
+
+    def model_dirs(self) -> list[Path]:
+        """The checkpoint directories to load, the default model's first, without repeats."""
+        if self.models:
+            dirs = list(self.models)
+        elif "model" in self.model_fields_set:
+            dirs = []
+        else:
+            from .registry import bundled_checkpoints
+
+            dirs = bundled_checkpoints(CHECKPOINTS_DIR)
+        out, seen = [], set()
+        for d in [self.model, *dirs]:
+            key = Path(d).resolve()
+            if key not in seen:
+                seen.add(key)
+                out.append(Path(d))
+        return out
 
     @field_validator("log_level")
     @classmethod

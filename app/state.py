@@ -8,6 +8,7 @@ from model import Checkpoint
 
 from .engine import Engine
 from .metrics import Metrics
+from .registry import ModelRegistry
 from .settings import Settings
 
 
@@ -16,7 +17,8 @@ class AppState:
     settings: Settings
     metrics: Metrics
     checkpoint: Checkpoint | None = None
-    engine: Engine | None = None
+    engine: Engine | None = None  # the default model's engine
+    registry: ModelRegistry | None = None  # every loaded model by name
     ready: bool = False
     status: str = "starting"
 

@@ -139,16 +139,19 @@ class Encoder(nn.Module):
         attention_mask: torch.Tensor | None = None,
         return_attention: bool = False,
         task: str = "mlm",
+        positions: torch.Tensor | None = None,
     ) -> ModelOutput:
         """The decoder's ModelOutput: logits of the task's head, attentions or None.
 
-        task "mlm": logits (B, T, V); "classify": (B, L); "hidden": the states (B, T, C).
+        task "mlm": logits (B, T, V), or (P, V) for the P True cells of a boolean `positions`
+        (B, T) (training scores only the masked positions); "classify": (B, L);
+        "hidden": the states (B, T, C).
         """
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         hidden, attentions = self.encode(ids, attention_mask, return_attention)
         if task == "mlm":
-            logits = self.mlm_logits(hidden)
+            logits = self.mlm_logits(hidden if positions is None else hidden[positions])
         elif task == "classify":
             logits = self.classify_logits(hidden, attention_mask)
         else:

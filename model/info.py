@@ -20,7 +20,13 @@ def summary(ckpt_dir: str | Path) -> dict:
     if ckpt.report:
         keys = ("steps", "tokens_seen", "wall_time_s", "hardware", "final_train_loss",
                 "final_val_loss", "val_bits_per_byte")
-        info["report"] = {k: ckpt.report[k] for k in keys if k in ckpt.report}
+        info["report"] = {k: ckpt.report[k] for k in keys if ckpt.report.get(k) is not None}
+        r = ckpt.report
+        if "held_out_mlm" in r:
+            info["report"]["held_out_mlm_accuracy"] = round(r["held_out_mlm"]["mlm_accuracy"], 4)
+        for name in ("held_out_genre", "bow_baseline", "majority_baseline"):
+            if isinstance(r.get(name), dict) and "accuracy" in r[name]:
+                info["report"][f"{name}_balanced_accuracy"] = round(r[name]["balanced_accuracy"], 4)
     return info
 
 
@@ -29,6 +35,8 @@ def describe(ckpt_dir: str | Path) -> str:
     cfg = info["config"]
     lines = [
         f"checkpoint   {info['path']}",
+        f"family       {cfg.get('family', 'decoder')}"
+        + (f", labels {', '.join(cfg['labels'])} ({cfg['pooling']} pooling)" if cfg.get("labels") else ""),
         f"parameters   {info['parameters']:,} ({info['parameters_without_embeddings']:,} without embeddings)",
         f"layers       {cfg['n_layers']} x {cfg['n_heads']} heads, d_model {cfg['d_model']}, d_ff {cfg['d_ff']}",
         f"context      {cfg['context_length']} tokens, vocab {cfg['vocab_size']} "

@@ -323,9 +323,11 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    records = [json.loads(line) for line in metrics_path.read_text(encoding="utf-8").splitlines()]
+    if any(r.get("phase") == "classify" for r in records):
+        return plot_encoder_run(records, out_png, plt)
     train_pts, val_pts, full_pts = [], [], []
-    for line in metrics_path.read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line)
+    for rec in records:
         if "train_loss" in rec:
             train_pts.append((rec["step"], rec["train_loss"]))
         if "val_loss" in rec:  # periodic: a fixed sample of windows; final: every window
@@ -343,6 +345,39 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
     ax.set_title("attnlens training loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+
+
+def plot_encoder_run(records: list[dict], out_png: Path, plt) -> None:
+    """Two panels: masked-LM loss (train, held-out) and fine-tuning (loss, held-out genre accuracy)."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    mlm = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r and r.get("phase") == "mlm"]
+    cls = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r and r.get("phase") == "classify"]
+    val = [(r["step"], r["val_loss"], r.get("full")) for r in records if "val_loss" in r]
+    acc = [(r["step"], r["val_genre_accuracy"], r["val_genre_balanced_accuracy"])
+           for r in records if "val_genre_accuracy" in r]
+    if mlm:
+        ax1.plot(*zip(*mlm), lw=1, alpha=0.8, label="train (masked positions)")
+    if val:
+        ax1.plot([s for s, _, _ in val], [v for _, v, _ in val], "o-", ms=3, label="held-out works")
+    ax1.set(xlabel="step", ylabel="masked-LM loss (nats / masked token)", title="masked-LM pretraining")
+    ax1.grid(alpha=0.3)
+    ax1.legend()
+    if cls:
+        ax2.plot(*zip(*cls), lw=1, alpha=0.8, label="train loss (cross-entropy)")
+    ax2.set(xlabel="step", ylabel="genre loss", title="genre fine-tuning")
+    ax2.grid(alpha=0.3)
+    if acc:
+        twin = ax2.twinx()
+        twin.plot([s for s, _, _ in acc], [a for _, a, _ in acc], "s-", color="C2", ms=4, label="held-out accuracy")
+        twin.plot([s for s, _, _ in acc], [b for _, _, b in acc], "^-", color="C3", ms=4,
+                  label="held-out balanced accuracy")
+        twin.set_ylim(0, 1)
+        twin.set_ylabel("held-out genre accuracy")
+        twin.legend(loc="upper right")
+    ax2.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)

@@ -85,10 +85,9 @@ class EncoderObjective:
     def loss(self, fwd_model, step: int, batch: Batch) -> torch.Tensor:
         if self.phase(step) == "mlm":
             inputs, labels = batch.tensors
-            hidden = fwd_model(inputs, task="hidden").logits  # (B, T, C)
             picked = labels != IGNORE
-            model = getattr(fwd_model, "module", fwd_model)
-            logits = model.mlm_logits(hidden[picked])  # only the scored positions: (P, V)
+            # the head runs inside the (DDP-wrapped) forward, on the scored positions only: (P, V)
+            logits = fwd_model(inputs, task="mlm", positions=picked).logits
             return F.cross_entropy(logits.float(), labels[picked])
         rows, genres = batch.tensors
         logits = fwd_model(rows, task="classify").logits  # (B, 3)

@@ -152,3 +152,21 @@ def test_resumed_encoder_run_equals_an_uninterrupted_one(tmp_path, genre_corpus)
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name].float(), b[name].float(), atol=2e-3, rtol=0)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_trains_the_encoder(tmp_path, genre_corpus):
+    import os
+    import subprocess
+    import sys
+
+    cfg = write_config(tmp_path, genre_corpus, mlm=3, cls=2)
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "app.cli", "train", "--config", str(cfg), "--out", str(out), "--set", "train.bow_baseline=false"]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["hardware"].startswith("2 x CPU") and report["steps"] == 5
+    assert "held_out_genre" in report

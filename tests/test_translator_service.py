@@ -109,8 +109,9 @@ def test_limits_of_an_encoder_decoder_are_per_side(tclient, translator):
     ctx = translator.config.context_length
     ok = tclient.post("/generate", json={"prompt": SOURCES[2], "max_new_tokens": ctx, "temperature": 0})
     assert ok.status_code == 200  # source and target each have the whole context
-    too_many = tclient.post("/generate", json={"prompt": "one", "max_new_tokens": ctx + 1})
-    assert too_many.status_code in (400, 422)
+    # the output stops at the context whatever max_new_tokens asks (the default 64 > 48 works)
+    default = tclient.post("/generate", json={"prompt": "one", "temperature": 0})
+    assert default.status_code == 200 and default.json()["text"] == "un"
     long_source = " ".join(["one"] * (ctx + 1))
     r = tclient.post("/generate", json={"prompt": long_source, "max_new_tokens": 4})
     assert r.status_code == 400 and r.json()["param"] == "prompt" and "source" in r.json()["detail"]
@@ -177,3 +178,27 @@ def test_translation_through_the_live_server_equals_the_model(translator, tmp_pa
                         json={"model": "translator", "prompt": SOURCES, "temperature": 0, "max_tokens": 40}).json()
     assert got == want
     assert [c["text"] for c in v1["choices"]] == want
+
+
+def test_served_beside_a_decoder_and_listed_as_an_encoder_decoder(translator, tiny_checkpoint):
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    settings = Settings(model=tiny_checkpoint, models=[tiny_checkpoint, TRANSLATOR], device="cpu")
+    with TestClient(create_app(settings)) as c:
+        models = {m["name"]: m for m in c.get("/models").json()["models"]}
+        tr = models["translator"]
+        assert tr["family"] == "encoder-decoder" and tr["attention"] == "encoder-decoder"
+        assert set(tr["tasks"]) == {"generate", "completions", "attention"}
+        assert "translator" in [m["id"] for m in c.get("/v1/models").json()["data"]]
+        r = c.post("/generate", json={"model": "translator", "prompt": "ninety-seven", "temperature": 0})
+        assert r.json()["text"] == "quatre-vingt-dix-sept" and r.json()["model"] == "translator"
+        d = c.post("/generate", json={"prompt": "To be", "max_new_tokens": 3, "temperature": 0})
+        assert d.status_code == 200 and d.json()["model"] != "translator"
+        a = c.post("/attention", json={"model": "translator", "text": "ninety-seven"}).json()
+        assert a["family"] == "encoder-decoder" and a["direction"] == "encoder-decoder"
+        assert "".join(t["text"] for t in a["translation"]["target_tokens"][1:]) == "quatre-vingt-dix-sept"
+        bad = c.post("/fill-mask", json={"model": "translator", "text": "a [MASK]"})
+        assert bad.status_code == 400 and "generate" in bad.text

@@ -6,9 +6,10 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from ..attention_codec import attention_maps, encode
-from ..deps import get_engine, get_state
-from ..engine import Engine
+from ..deps import get_state
+from ..encoder_tasks import TaskInputError, encoder_attention_maps, framed_ids
 from ..errors import ApiError, field_error
+from ..registry import ATTENTION, lookup
 from ..schemas import AttentionRequest, AttentionResponse
 from ..state import AppState
 from ..translation_attention import translation_content, translation_maps
@@ -79,30 +80,52 @@ def _target_ids(body: AttentionRequest, tok, context_length: int) -> list[int] |
     "/attention",
     response_model=AttentionResponse,
     responses={400: {"description": "text or ids longer than the context (the message gives the numbers)"},
-               413: {}, 429: {}, 503: {}},
+               404: {"description": "unknown model"}, 413: {}, 429: {}, 503: {}},
 )
-async def attention(body: AttentionRequest, engine: Engine = Depends(get_engine),
-                    state: AppState = Depends(get_state)):
-    """Attention maps of `text`, or of token `ids` as they are (exactly one of the two)."""
-    cfg = engine.config
+async def attention(body: AttentionRequest, state: AppState = Depends(get_state)):
+    """Attention maps of `text`, or of token `ids` as they are (exactly one of the two).
+
+    A decoder's maps are causal (zero above the diagonal). An encoder's are bidirectional,
+    full T x T, and its `text` is framed as [CLS] text [SEP] (`ids` are used as they are).
+    """
+    served = lookup(state, body.model, ATTENTION)
+    runner = served.runner
+    cfg = served.checkpoint.config
+    encoder = cfg.family == "encoder"
+    if encoder and body.packing == "tril":
+        raise field_error("packing", "'tril' keeps only the lower triangle, but this model's attention is "
+                                     "bidirectional (full T x T): use packing='full'", "unsupported")
     layers = _indices("layers", body.layers, cfg.n_layers)
     heads = _indices("heads", body.heads, cfg.n_heads)
-    tok = engine.tokenizer
-    ids = _input_ids(body, tok, cfg.context_length)
+    tok = served.checkpoint.tokenizer
+    if cfg.family != "encoder-decoder" and (body.target is not None or body.target_ids is not None):
+        name = "target" if body.target is not None else "target_ids"
+        raise field_error(name, f"only an encoder-decoder takes a target; {served.describe()}", "unsupported")
     if cfg.family == "encoder-decoder":
+        ids = _input_ids(body, tok, cfg.context_length)
         target = _target_ids(body, tok, cfg.context_length)
-        maps = await engine.call(lambda model: translation_maps(model, ids, target, layers, heads))
-        content = {"model": state.model_name,
+        maps = await runner.call(lambda model: translation_maps(model, ids, target, layers, heads))
+        content = {"model": served.name, "family": cfg.family, "direction": "encoder-decoder",
                    "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
                    "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "layers": layers, "heads": heads,
                    "format": body.format, **translation_content(maps, tok, body.format, body.packing)}
         return JSONResponse(content)
-    if body.target is not None or body.target_ids is not None:
-        name = "target" if body.target is not None else "target_ids"
-        raise field_error(name, f"only an encoder-decoder takes a target; this model is a {cfg.family}", "unsupported")
-    maps = await engine.call(lambda model: attention_maps(model, ids, layers, heads))
+    if encoder:
+        if body.text is not None and body.ids is None:
+            try:
+                ids = framed_ids(served.checkpoint, body.text)
+            except TaskInputError as e:
+                raise ApiError(400, str(e), param=e.param, code=e.code) from None
+        else:
+            ids = _input_ids(body, tok, cfg.context_length)
+        maps = await runner.call(lambda ckpt: encoder_attention_maps(ckpt.model, ids, layers, heads))
+    else:
+        ids = _input_ids(body, tok, cfg.context_length)
+        maps = await runner.call(lambda model: attention_maps(model, ids, layers, heads))
     content = {
-        "model": state.model_name,
+        "model": served.name,
+        "family": cfg.family,
+        "direction": "bidirectional" if encoder else "causal",
         "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
         "n_layers": cfg.n_layers,
         "n_heads": cfg.n_heads,

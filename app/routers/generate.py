@@ -7,17 +7,20 @@ from fastapi.responses import StreamingResponse
 
 from model import SamplingParams
 
-from ..deps import get_engine, get_state
+from ..deps import get_state
 from ..engine import Engine, GenerationParams
 from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
 from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, sse
+from ..registry import GENERATE, lookup
 from ..state import AppState
 
 router = APIRouter(tags=["generate"])
 
 ERRORS = {
-    400: {"description": "prompt too long for the limit or the context (the message gives the numbers)"},
+    400: {"description": "prompt too long for the limit or the context (the message gives the numbers), "
+                         "or a model that does not generate"},
+    404: {"description": "unknown model (the message lists the loaded ones)"},
     413: {"description": "request body over the size limit"},
     429: {"description": "queue full; see Retry-After"},
     503: {"description": "model not loaded yet"},
@@ -37,8 +40,9 @@ ERRORS = {
                                "description": "JSON, or with stream=true a stream of `token` events, "
                                               "then one `done` (or `error`) event"}},
 )
-async def generate(body: GenerateRequest, request: Request, engine: Engine = Depends(get_engine),
-                   state: AppState = Depends(get_state)):
+async def generate(body: GenerateRequest, request: Request, state: AppState = Depends(get_state)):
+    served = lookup(state, body.model, GENERATE)
+    engine: Engine = served.runner
     settings = state.settings
     check_new_token_limit(settings, body.max_new_tokens, "max_new_tokens")
     tok = engine.tokenizer
@@ -79,7 +83,7 @@ async def generate(body: GenerateRequest, request: Request, engine: Engine = Dep
     done = out.done
     return GenerateResponse(
         id=done.id,
-        model=state.model_name,
+        model=served.name,
         text=done.text,
         prompt_tokens=done.prompt_tokens,
         tokens=out.tokens,

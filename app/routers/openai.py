@@ -1,7 +1,8 @@
 """OpenAI-compatible legacy completions: POST /v1/completions and GET /v1/models.
 
-Differences from OpenAI, on purpose: `model` may name anything (the loaded model
-answers); `n` > 1 with a seed uses seed, seed + 1, ... for the choices so they differ yet
+`model` names one of the loaded decoders (GET /v1/models; none = the default model); an
+unknown name is a 404 `model_not_found` listing the loaded ones, an encoder a 400.
+Differences from OpenAI, on purpose: `n` > 1 with a seed uses seed, seed + 1, ... for the choices so they differ yet
 repeat; penalties, best_of, logit_bias and suffix are accepted and ignored; a streamed
 `echo` sends the prompt text first but no logprobs for the prompt tokens.
 """
@@ -25,11 +26,12 @@ from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import StreamDone, StreamToken
 from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, sse
 from ..openai_schemas import Completion, CompletionRequest, ModelList, OpenAIErrorResponse
+from ..registry import COMPLETIONS, lookup
 from ..state import AppState
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
-ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 413, 422, 429, 503)}
+ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 404, 413, 422, 429, 503)}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
@@ -98,8 +100,9 @@ def _generation_params(body: CompletionRequest, prompts_ids: list[list[int]]) ->
 
 
 @router.post("/completions", response_model=Completion, response_model_exclude_none=False, responses=ERRORS)
-async def completions(body: CompletionRequest, request: Request, engine: Engine = Depends(get_engine),
-                      state: AppState = Depends(get_state)):
+async def completions(body: CompletionRequest, request: Request, state: AppState = Depends(get_state)):
+    served = lookup(state, body.model, COMPLETIONS)
+    engine: Engine = served.runner
     settings = state.settings
     check_new_token_limit(settings, body.max_tokens, "max_tokens")
     tok = engine.tokenizer
@@ -117,7 +120,7 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
     want_lp = body.logprobs is not None
     choices = [Choice(i, prompts[i // body.n], want_lp, body.echo, tok, body.logprobs or 0)
                for i in range(len(generations))]
-    cid, created, name = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_name
+    cid, created, name = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), served.name
     prompt_tokens = sum(len(ids) for ids in prompts_ids)
     metrics = state.metrics
 
@@ -193,7 +196,12 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine 
 
 @router.get("/models", response_model=ModelList)
 async def models(engine: Engine = Depends(get_engine), state: AppState = Depends(get_state)):
-    path = engine.checkpoint.path
-    created = int(path.stat().st_mtime) if path is not None and path.exists() else 0
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": created,
-                                        "owned_by": "attnlens"}]}
+    """The models that generate (decoders); GET /models lists every loaded model."""
+    data = []
+    for served in state.registry.models.values():
+        if COMPLETIONS not in served.tasks:
+            continue
+        path = served.path
+        created = int(path.stat().st_mtime) if path is not None and path.exists() else 0
+        data.append({"id": served.name, "object": "model", "created": created, "owned_by": "attnlens"})
+    return {"object": "list", "data": data}

@@ -103,8 +103,17 @@ function networkError(err) {
   return new ApiError("Cannot reach the attnlens server — is `attnlens serve` running?", { status: 0 });
 }
 
+// The model the page's requests name (the model picker sets it); null = the server's default.
+let requestModel = null;
+export function setRequestModel(name) {
+  requestModel = name || null;
+}
+
 /** POST JSON; resolves to the raw Response when OK, throws ApiError otherwise. */
 export async function postRaw(path, body, { signal } = {}) {
+  if (requestModel && body && typeof body === "object" && !Array.isArray(body) && !("model" in body)) {
+    body = { ...body, model: requestModel };
+  }
   let res;
   try {
     res = await fetch(path, {

@@ -67,6 +67,17 @@ def default_server(default_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def encoder_server(tiny_checkpoint, tmp_path_factory):
+    """The tiny decoder (the default) and a tiny random encoder named "genre", side by side."""
+    from encoder_helpers import make_tiny_encoder
+
+    enc = make_tiny_encoder(tmp_path_factory.mktemp("enc") / "genre", seed=6)
+    env = {"ATTNLENS_MODELS": f"{tiny_checkpoint},{enc}"}
+    with live_server(tiny_checkpoint, tmp_path_factory.mktemp("browser-enc-logs"), env=env) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
 def long_checkpoint(tmp_path_factory):
     """6 layers × 8 heads with a 256-token context: for long prompts."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ctx256") / "model", context_length=256, n_layers=6, n_heads=8, d_model=64, d_ff=128)

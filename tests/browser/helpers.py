@@ -35,7 +35,7 @@ def wait_rendered(page, previous: str | None = None, prefix: str = "") -> str:
     """Wait until the view has finished drawing (after `previous`, starting with `prefix`)."""
     page.wait_for_function(
         """([prev, prefix]) => {
-            const r = document.querySelector('#view-host').dataset.rendered || '';
+            const r = document.querySelector('#view-host')?.dataset.rendered || '';  // null while a reload swaps the document
             return r && r !== prev && r.startsWith(prefix) && !document.documentElement.hasAttribute('data-busy');
         }""",
         arg=[previous or "", prefix],

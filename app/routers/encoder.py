@@ -1,0 +1,84 @@
+"""The model list and the encoder's tasks: GET /models, POST /fill-mask, POST /classify."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+
+from ..encoder_schemas import (
+    ClassifyRequest,
+    ClassifyResponse,
+    FillMaskRequest,
+    FillMaskResponse,
+    ModelsResponse,
+    ModelSummary,
+)
+from ..encoder_tasks import TaskInputError, classify, fill_mask
+from ..errors import ApiError
+from ..registry import ATTENTION_KIND, CLASSIFY, FILL_MASK, ModelRegistry, ServedModel
+
+router = APIRouter(tags=["models", "encoder"])
+
+MAX_MASKS = 32  # [MASK]s in one /fill-mask text (each is one row of top-k work)
+
+
+def get_registry(request: Request) -> ModelRegistry:
+    state = request.app.state.attnlens
+    registry = getattr(state, "registry", None)
+    if not state.ready or registry is None:
+        raise ApiError(503, f"the models are not ready ({state.status})", code="not_ready",
+                       headers={"Retry-After": "5"})
+    return registry
+
+
+RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]
+
+
+def summary(served: ServedModel, default: str) -> ModelSummary:
+    cfg = served.checkpoint.config
+    return ModelSummary(
+        name=served.name, family=cfg.family, default=served.name == default, n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads, d_model=cfg.d_model, context_length=cfg.context_length,
+        vocab_size=cfg.vocab_size, parameters=served.checkpoint.model.num_parameters(),
+        tasks=served.tasks, attention=ATTENTION_KIND[cfg.family],
+        labels=served.labels, pooling=cfg.pooling if cfg.family == "encoder" and cfg.labels else None,
+    )
+
+
+@router.get("/models", response_model=ModelsResponse)
+async def list_models(registry: RegistryDep) -> ModelsResponse:
+    """Every loaded model: its family, size, the tasks it answers and, for a classifier, its labels."""
+    return ModelsResponse(default=registry.default,
+                          models=[summary(m, registry.default) for m in registry.models.values()])
+
+
+def _input_error(e: TaskInputError) -> ApiError:
+    status = 400
+    return ApiError(status, str(e), param=e.param, code=e.code)
+
+
+@router.post("/fill-mask", response_model=FillMaskResponse,
+             responses={400: {"description": "no [MASK], too long, or a model that cannot fill masks"},
+                        404: {"description": "unknown model"}, 429: {}, 503: {}})
+async def fill_mask_route(body: FillMaskRequest, registry: RegistryDep) -> FillMaskResponse:
+    """The top-k tokens for each `[MASK]` in `text`, as Hugging Face's fill-mask pipeline gives them."""
+    served = registry.get(body.model, FILL_MASK)
+    try:
+        masks = await served.runner.call(lambda ckpt: fill_mask(ckpt, body.text, body.top_k, MAX_MASKS))
+    except TaskInputError as e:
+        raise _input_error(e) from None
+    return FillMaskResponse(model=served.name, masks=[[c.__dict__ for c in row] for row in masks])
+
+
+@router.post("/classify", response_model=ClassifyResponse,
+             responses={400: {"description": "too long, or a model without a classification head"},
+                        404: {"description": "unknown model"}, 429: {}, 503: {}})
+async def classify_route(body: ClassifyRequest, registry: RegistryDep) -> ClassifyResponse:
+    """Every label's probability for `text`, highest first (Hugging Face's text-classification, top_k=None)."""
+    served = registry.get(body.model, CLASSIFY)
+    try:
+        labels = await served.runner.call(lambda ckpt: classify(ckpt, body.text))
+    except TaskInputError as e:
+        raise _input_error(e) from None
+    return ClassifyResponse(model=served.name, labels=[{"label": label, "score": s} for label, s in labels])

@@ -1,0 +1,112 @@
+"""The encoder page in Chromium: the model picker, full square attention heatmaps, the
+fill-mask panel (click a token to mask it; candidates with probability bars), the classify
+panel, and the pooled position's attention one click away. Figures are checked against the
+API's own answers."""
+
+from __future__ import annotations
+
+import urllib.parse
+
+import httpx
+import numpy as np
+import pytest
+
+from app.attention_codec import decode
+
+from .helpers import ARTIFACTS
+
+TEXT = "the queen of France and the king"
+
+
+@pytest.fixture
+def server(encoder_server):
+    return encoder_server
+
+
+@pytest.fixture(autouse=True)
+def no_console_errors(page):
+    yield
+    assert not page.console_log.errors, page.console_log.errors
+
+
+def open_encoder(page, server, text=TEXT):
+    page.goto(f"{server.base_url}/?{urllib.parse.urlencode({'model': 'genre', 'text': text})}")
+    page.wait_for_function("() => document.body.dataset.models === 'ready'")
+    page.wait_for_selector("#enc-chips .enc-chip")
+
+
+def api_attention(server, text):
+    r = httpx.post(server.base_url + "/attention", json={"model": "genre", "text": text, "format": "f16"})
+    assert r.status_code == 200
+    return r.json(), decode(r.json())
+
+
+def test_picker_lists_the_models_and_the_encoder_page_adapts(page, server, tiny_checkpoint):
+    open_encoder(page, server)
+    options = page.eval_on_selector_all("#model-picker option", "os => os.map(o => [o.value, o.selected])")
+    assert options == [[tiny_checkpoint.name, False], ["genre", True]]
+    assert page.is_hidden("#generate-form") and page.is_visible("#enc-text")
+    assert page.is_visible("#fill-mask-panel") and page.is_visible("#classify-panel")
+    body, maps = api_attention(server, TEXT)
+    T = len(body["tokens"])
+    assert page.inner_text("#enc-caption").startswith(f"Layer 0, head 0: {T} × {T}, bidirectional")
+    chips = page.eval_on_selector_all("#enc-chips .enc-chip", "cs => cs.map(c => c.textContent)")
+    assert chips[0] == "[CLS]" and chips[-1] == "[SEP]" and len(chips) == T
+    # the square heatmap has colour above the diagonal (no causal mask painted)
+    grey = page.evaluate("""() => {
+        const c = document.querySelector('#enc-heatmap .heatmap-base');
+        return [c.width, c.height];
+    }""")
+    assert grey[0] > 0 and abs(grey[0] - grey[1]) < grey[0] * 0.6
+    # switching to the decoder brings back the generate page
+    page.select_option("#model-picker", tiny_checkpoint.name)
+    page.wait_for_function("() => document.body.dataset.models === 'ready' && !document.body.classList.contains('encoder-mode')")
+    assert page.is_visible("#generate-form") and "model=" not in page.url
+
+
+def test_click_a_token_to_mask_it_and_see_candidates(page, server):
+    open_encoder(page, server)
+    tokens = [t["text"] for t in api_attention(server, TEXT)[0]["tokens"]]
+    i = tokens.index(" of")
+    page.click(f"#enc-chips .enc-chip[data-index='{i}']")
+    page.wait_for_selector("#fill-results .prob-row")
+    text = page.input_value("#enc-text")
+    assert text == "".join(tokens[1:i]) + " [MASK]" + "".join(tokens[i + 1 : -1])
+    assert text.endswith("[MASK] France and the king")
+    rows = page.eval_on_selector_all("#fill-results .prob-row", "rs => rs.map(r => [r.dataset.token, r.querySelector('.prob-fill').style.width])")
+    want = httpx.post(server.base_url + "/fill-mask", json={"model": "genre", "text": text, "top_k": 5}).json()
+    assert [int(t) for t, _ in rows] == [c["token"] for c in want["masks"][0]]
+    for (_, width), c in zip(rows, want["masks"][0]):
+        assert float(width.rstrip("%")) == pytest.approx(100 * c["score"], abs=0.06)
+    assert page.eval_on_selector("#enc-chips .enc-chip.masked", "c => c.textContent") == "[MASK]"
+
+
+def test_typed_masks_and_classify(page, server):
+    open_encoder(page, server, text="a [MASK] and a [MASK]")
+    page.click("#fill-mask")
+    page.wait_for_selector("#fill-results .enc-mask:nth-child(2)")
+    assert page.inner_text("#fill-results .enc-mask h3") == "[MASK] 1 of 2"
+    page.click("#classify")
+    page.wait_for_selector("#classify-results .prob-row")
+    labels = page.eval_on_selector_all("#classify-results .prob-row", "rs => rs.map(r => r.dataset.label)")
+    want = httpx.post(server.base_url + "/classify", json={"model": "genre", "text": "a [MASK] and a [MASK]"}).json()
+    assert labels == [x["label"] for x in want["labels"]]
+
+
+def test_pooled_attention_is_one_click_away(page, server):
+    open_encoder(page, server)
+    page.select_option("#enc-layer", "1")
+    page.click("#enc-focus-pooled")
+    page.wait_for_selector("#enc-pooled .prob-row")
+    values = page.eval_on_selector_all("#enc-pooled .prob-value", "vs => vs.map(v => parseFloat(v.textContent))")
+    body, maps = api_attention(server, TEXT)
+    pooled = maps[1, 0].mean(axis=0)  # the genre model pools by the mean: the mean of the rows
+    assert len(values) == len(body["tokens"])
+    assert np.allclose(np.array(values) / 100, pooled, atol=0.0006)
+    assert "mean-pooled" in page.inner_text("#enc-pooled h3")
+    page.click("#classify")
+    page.wait_for_selector("#classify-results .prob-row")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "encoder-page.png"), full_page=True)
+    page.click("#enc-focus-pooled")
+    assert page.is_hidden("#enc-pooled")
