@@ -149,7 +149,7 @@ export async function getJSON(path, { signal } = {}) {
   return res.json();
 }
 
-export const getModel = (opts) => getJSON("/model", opts);
+export const getModel = (opts) => getJSON(requestModel ? `/model?model=${encodeURIComponent(requestModel)}` : "/model", opts);
 
 // ---- /attention ---------------------------------------------------------------
 

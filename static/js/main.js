@@ -2,7 +2,7 @@
 // view from the store's state. Views read one params object (views/params.js); the URL is
 // derived from the state (state/url.js); everything that changes the state calls store.set.
 
-import { ApiError, fetchAttention, setApiKey, apiKey } from "./api.js";
+import { ApiError, fetchAttention, setApiKey, apiKey, setRequestModel } from "./api.js";
 import { loadModel } from "./model.js";
 import { AttentionSet } from "./attention.js";
 import { drawLegend } from "./paint.js";
@@ -301,6 +301,8 @@ async function init() {
   else store.set({ prompt: $("#prompt").value });
   $("#prompt-hint").textContent = "Ctrl+Enter generates";
   syncControls(store.state);
+  // the picked model (?model=NAME): its description, and every request names it
+  if (store.state.model) setRequestModel(store.state.model);
   const meta = await loadModel();
   if (!meta) return;
   modelControls(store, meta);

@@ -115,3 +115,33 @@ def test_generating_a_translation_steps_through_the_source_each_token_read(page,
                                np.asarray(want["cross_attention"][step]).reshape(-1), atol=1e-5)
     assert "cross-attention of the decoder step" in page.inner_text("#caption")
     screenshot(page, "translator-generation.png")
+
+
+@pytest.fixture(scope="module")
+def pair_server(tiny_checkpoint, tmp_path_factory):
+    """The tiny decoder (the default) and the translator, side by side."""
+    if not (TRANSLATOR / "model.safetensors").is_file():
+        pytest.skip("the bundled translator is not in checkpoints/translator")
+    env = {"ATTNLENS_MODELS": f"{tiny_checkpoint},{TRANSLATOR}"}
+    with live_server(tiny_checkpoint, tmp_path_factory.mktemp("browser-pair-logs"), env=env) as srv:
+        yield srv
+
+
+def test_picking_the_translator_shows_its_views_and_its_model(page, pair_server):
+    open_page(page, pair_server, prompt=SOURCE, model="translator", view="cross")
+    page.wait_for_function("() => document.body.dataset.models === 'ready'")
+    assert state(page, "s.meta.name") == "translator" and state(page, "s.meta.n_layers") == 3
+    assert page.is_visible("#tab-cross")
+    labels = heatmap_labels(page)
+    assert labels["m"] == len(api_attention_model(pair_server, "translator", SOURCE)["tokens"])
+    screenshot(page, "translator-picked.png")
+    open_page(page, pair_server, view="head")  # the default decoder: no translator tabs
+    assert page.is_hidden("#tab-cross") and state(page, "s.meta.n_layers") == 2
+
+
+def api_attention_model(server, model, text):
+    import httpx
+
+    r = httpx.post(f"{server.base_url}/attention", json={"model": model, "text": text, "format": "json"}, timeout=60)
+    r.raise_for_status()
+    return r.json()

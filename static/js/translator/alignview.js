@@ -41,7 +41,7 @@ export class AlignView {
       this.ctx.setLegend(null);
       return false;
     }
-    const set = await translationFor(params.attention.text);
+    const set = await translationFor(params.attention.text, params.model.name);
     if (!isCurrent() || !this.canvas) return false;
     const { layer, head } = params.selection;
     const avg = params.settings.xavg ?? "head";

@@ -58,7 +58,7 @@ export class CrossView extends MatrixView {
   async compute(params) {
     const meta = params.attention?.meta;
     if (!params.attention || !isTranslator(meta)) return null;
-    const set = await translationFor(params.attention.text);
+    const set = await translationFor(params.attention.text, params.model.name);
     this.set = set;
     const { layer, head } = params.selection;
     const avg = params.settings.xavg ?? "head";

@@ -54,17 +54,18 @@ export class TranslationSet {
   }
 }
 
-/** The translation maps of `text` (one request per text, every layer and head, JSON). */
-export function translationFor(text) {
-  if (!cache.has(text)) {
+/** The translation maps of `text` by model `name` (one request each, every layer and head, JSON). */
+export function translationFor(text, name = "") {
+  const key = `${name}\n${text}`;
+  if (!cache.has(key)) {
     const p = postJSON("/attention", { text, format: "json" }).then((resp) => {
       if (!resp.translation) throw new Error("this model is not an encoder-decoder: it has no cross-attention");
       return new TranslationSet(resp);
     });
-    p.catch(() => cache.delete(text));
-    cache.set(text, p);
+    p.catch(() => cache.delete(key));
+    cache.set(key, p);
   }
-  return cache.get(text);
+  return cache.get(key);
 }
 
 export const isTranslator = (meta) => meta?.architecture?.family === "encoder-decoder";
