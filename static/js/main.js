@@ -305,6 +305,7 @@ async function init() {
   if (store.state.model) setRequestModel(store.state.model);
   const meta = await loadModel();
   if (!meta) return;
+  if (meta.architecture?.family === "encoder") return; // the encoder's own page (static/js/encoder) takes over
   modelControls(store, meta);
   store.setConstraint((next) => constrainState(next, meta, VIEW_IDS));
   store.set({ meta });
