@@ -1,9 +1,10 @@
 """Compute full attention maps and pack them compactly for the browser.
 
-`json` is nested lists. `f16` and `u8` are the same [layers][heads][T][T] array, row-major,
-as base64 of little-endian float16, or of bytes with value = byte * scale (scale = 1/255).
-With packing="tril" each T x T matrix keeps only the cells on or below the diagonal (row
-i has i + 1 values), since causal attention is zero above it: about half the bytes.
+`json` is nested lists (with packing="tril", rows of growing length). `f16` and `u8` are
+the same [layers][heads][T][T] array, row-major, as base64 of little-endian float16, or of
+bytes with value = byte * scale (scale = 1/255). With packing="tril" each T x T matrix
+keeps only the cells on or below the diagonal (row i has i + 1 values), since causal
+attention is zero above it: about half the bytes.
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ def tril_pack(a: np.ndarray) -> np.ndarray:
 def encode(a: np.ndarray, fmt: str, packing: str = "full") -> dict:
     """Fields of AttentionResponse for the array in the requested format."""
     shape = list(a.shape)
-    if fmt == "json":
-        return {"shape": shape, "attention": np.round(a, 6).tolist()}
+    if fmt == "json":  # numpy arrays, written as nested lists by app.answers.encode_json
+        rounded = np.round(a.astype(np.float32, copy=False), 6)
+        if packing == "tril":  # row i of each matrix keeps its first i + 1 values
+            nested = [[[row[: i + 1] for i, row in enumerate(m)] for m in layer] for layer in rounded]
+            return {"shape": shape, "attention": nested, "packing": packing}
+        return {"shape": shape, "attention": rounded, "packing": packing}
     flat = tril_pack(a) if packing == "tril" else a
     if fmt == "f16":
         raw = np.ascontiguousarray(flat, dtype="<f2").tobytes()
@@ -47,10 +52,27 @@ def encode(a: np.ndarray, fmt: str, packing: str = "full") -> dict:
             "packing": packing, "scale": U8_SCALE}
 
 
+def encoded_bytes(shape: list[int], fmt: str, packing: str) -> int:
+    """An upper bound on the bytes `encode` and its JSON answer take for an array of `shape`
+    (the float32 maps, the encoded field, and per-token overhead): what an answer claims."""
+    *outer, T, _ = shape
+    mats = int(np.prod(outer)) if outer else 1
+    cells = mats * (T * (T + 1) // 2 if packing == "tril" else T * T)
+    per_cell = {"json": 10.0, "f16": 2 + 8 / 3, "u8": 1 + 4 / 3}[fmt]  # text, or raw + base64
+    return int(mats * T * T * 4 + cells * per_cell + mats * T * 2 + T * 64 + 4096)
+
+
 def decode(fields: dict) -> np.ndarray:
     """The inverse of encode (for tests and Python clients): a float32 array of `shape`."""
     shape = fields["shape"]
     if fields.get("attention") is not None:
+        if fields.get("packing") == "tril":
+            out = np.zeros(shape, dtype=np.float32)
+            for li, layer in enumerate(fields["attention"]):
+                for hi, matrix in enumerate(layer):
+                    for i, row in enumerate(matrix):
+                        out[li, hi, i, : i + 1] = row
+            return out
         return np.asarray(fields["attention"], dtype=np.float32)
     raw = base64.b64decode(fields["data"])
     if fields["dtype"] == "float16":

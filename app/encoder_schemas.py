@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from .schemas import Strict
+from .schemas import Strict, Text
 
 Family = Literal["decoder", "encoder", "encoder-decoder"]
 
@@ -37,8 +37,8 @@ class ModelsResponse(BaseModel):
 
 # --- /fill-mask --------------------------------------------------------------
 class FillMaskRequest(Strict):
-    model: str | None = Field(None, description="a name from GET /models; default: the default model")
-    text: str = Field(min_length=1, description="text with one or more [MASK]")
+    model: Text | None = Field(None, description="a name from GET /models; default: the default model")
+    text: Text = Field(min_length=1, description="text with one or more [MASK]")
     top_k: int = Field(5, ge=1, le=100, description="candidates per mask")
 
 
@@ -56,8 +56,8 @@ class FillMaskResponse(BaseModel):
 
 # --- /classify ---------------------------------------------------------------
 class ClassifyRequest(Strict):
-    model: str | None = Field(None, description="a name from GET /models; default: the default model")
-    text: str = Field(min_length=1, description="the passage to classify")
+    model: Text | None = Field(None, description="a name from GET /models; default: the default model")
+    text: Text = Field(min_length=1, description="the passage to classify")
 
 
 class LabelScore(BaseModel):

@@ -4,7 +4,9 @@ every error either natively ({"detail": ..., "param"?, "code"?}) or, under /v1, 
 
 from __future__ import annotations
 
+import json
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,6 +20,7 @@ log = logging.getLogger("attnlens.errors")
 
 OPENAI_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -38,9 +41,24 @@ class ApiError(HTTPException):
         self.code = code
 
 
+def public_message(message: str) -> str:
+    """What a client may see of an engine error: its own words for expected failures (e.g.
+    shutting down), never the text of an internal exception (that is in the server log)."""
+    return "internal error while generating (see the server log)" if message.startswith("internal error") else message
+
+
 def field_error(field: str, message: str, kind: str = "value_error") -> RequestValidationError:
     """A 422 in exactly the shape of pydantic's own, for checks that need the settings."""
-    return RequestValidationError([{"loc": ("body", field), "msg": message, "type": kind}])
+    loc = tuple(int(p) if p.isdigit() else p for p in field.split("."))  # "prompt.1" -> ("prompt", 1)
+    return RequestValidationError([{"loc": ("body", *loc), "msg": message, "type": kind}])
+
+
+class ErrorJSONResponse(JSONResponse):
+    """An error body as ASCII JSON: a message may quote the client's own input, which can hold
+    lone surrogates that have no UTF-8 form (escaped as \\udXXX they round-trip)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def is_openai(path: str) -> bool:
@@ -59,17 +77,34 @@ def error_response(path: str, status: int, message: str, *, param: str | None = 
             body["param"] = param  # the request field to fix, as in the /v1 shape
         if code:
             body["code"] = code
-    return JSONResponse(body, status_code=status, headers=headers)
+    return ErrorJSONResponse(body, status_code=status, headers=headers)
 
 
-def scope_error_response(scope, status: int, message: str) -> JSONResponse:
+def scope_error_response(scope, status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """For ASGI middleware, which has a scope rather than a Request."""
-    return error_response(scope.get("path", ""), status, message)
+    code = {401: "invalid_api_key", 413: "body_too_large"}.get(status)
+    return error_response(scope.get("path", ""), status, message, code=code, headers=headers)
 
 
 def _loc_name(loc) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    """`prompt.2` from pydantic's loc, without the union members' tags (`list[int]`, `str`, ...)."""
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")
+             and (isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS))]
     return ".".join(parts) or "body"
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
+
+
+def _most_telling(errors: list[dict]) -> list[dict]:
+    """For a field that may take several shapes (a union), pydantic reports one error per shape;
+    a value check (e.g. a lone surrogate) says more than "should be a list" for the others."""
+    checks = [e for e in errors if e.get("type") not in _SHAPE_ERRORS]
+    return checks or errors
+
+
+_SHAPE_ERRORS = {"string_type", "list_type", "int_type", "float_type", "bool_type", "dict_type", "none_required",
+                 "model_type"}
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -78,13 +113,19 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
                   for e in errors]
-        message = "; ".join(f"{_loc_name(e['loc'])}: {e['msg']}" for e in detail) or "invalid request"
-        param = _loc_name(detail[0]["loc"]) if detail else None
+        telling = _most_telling(detail)
+        message = "; ".join(f"{_loc_name(e['loc'])}: {e['msg']}" for e in telling) or "invalid request"
+        param = _loc_name(telling[0]["loc"]) if telling else None
         return error_response(request.url.path, 422, message, param=param, code="invalid_value",
                               detail=detail)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
+        if exc.status_code >= 500 and exc.status_code not in (502, 503, 504):
+            ref = uuid.uuid4().hex[:12]  # the details go to the log, never to the client
+            log.error("error %s on %s: %s", ref, request.url.path, exc.detail)
+            return error_response(request.url.path, exc.status_code, f"internal error (reference {ref} in the "
+                                  f"server log)", code=getattr(exc, "code", None) or "internal_error")
         return error_response(request.url.path, exc.status_code, str(exc.detail),
                               param=getattr(exc, "param", None), code=getattr(exc, "code", None),
                               headers=getattr(exc, "headers", None))
@@ -106,6 +147,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}",
+        ref = uuid.uuid4().hex[:12]
+        log.exception("unhandled error %s on %s", ref, request.url.path)
+        return error_response(request.url.path, 500, f"internal error (reference {ref} in the server log)",
                               code="internal_error")

@@ -5,9 +5,10 @@ default every bundled one; ATTNLENS_MODEL is the default model) onto ATTNLENS_DE
 ATTNLENS_DTYPE, start an engine per decoder (an EncoderRunner per encoder), warm each up
 through the same path requests take, then report ready on /readyz.
 
-If the checkpoint cannot be loaded, start-up fails: the log says which directory and
-why ("cannot load the model from ...: ..."), and `attnlens serve` exits with status 3
-without ever accepting connections. Importing this module never touches the checkpoint.
+If the checkpoint cannot be loaded, start-up fails: `attnlens serve` loads it before it
+starts the server, prints one line saying which directory and why ("attnlens: cannot load
+the model from ...: ...") and exits with status 3 without ever accepting connections.
+Importing this module never touches the checkpoint.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from fastapi.staticfiles import StaticFiles
 from pydantic.json_schema import models_json_schema
 from starlette.middleware.gzip import GZipMiddleware
 
-from model import SamplingParams
+from model import Checkpoint, SamplingParams
 
+from .answers import AnswerBudget
 from .attention_codec import attention_maps
+from .auth import ApiKeyMiddleware, is_open
 from .translation_attention import translation_maps
 from .body_limit import BodyLimitMiddleware
 from .engine import Engine, GenerationParams
@@ -64,8 +67,10 @@ async def lifespan(app: FastAPI):
     engines: list[Engine] = []
     try:
         for model_dir in s.model_dirs():
+            ckpt = state.preloaded.pop(str(model_dir), None)  # `attnlens serve` loads them first
             try:
-                ckpt = await asyncio.to_thread(load_for_serving, model_dir, s.device, s.dtype)
+                if ckpt is None:
+                    ckpt = await asyncio.to_thread(load_for_serving, model_dir, s.device, s.dtype)
             except Exception as e:
                 state.status = "failed"
                 log.error("cannot load the model from %s: %s", model_dir, e)
@@ -77,6 +82,9 @@ async def lifespan(app: FastAPI):
             else:
                 runner = EncoderRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)
             registry.add(ServedModel(model_name(model_dir), ckpt.path, ckpt, runner, tasks_of(ckpt)))
+        if s.max_prompt_tokens is None:  # the default follows the models (each checks its own context too)
+            longest = max(m.checkpoint.config.context_length for m in registry.models.values())
+            s = state.settings = s.model_copy(update={"max_prompt_tokens": longest})
         default = registry.get(None)
         engine = default.runner if isinstance(default.runner, Engine) else (engines[0] if engines else None)
         state.checkpoint, state.engine, state.registry = default.checkpoint, engine, registry
@@ -126,15 +134,42 @@ def add_stream_schemas(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def add_bearer_scheme(app: FastAPI) -> None:
+    """With an API key set, the OpenAPI description says which operations need it (so /docs'
+    Authorize button and generated clients send it)."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = default()
+            schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+            schemes["bearer"] = {"type": "http", "scheme": "bearer", "description": "ATTNLENS_API_KEY"}
+            for path, operations in schema.get("paths", {}).items():
+                if not is_open(path):
+                    for operation in operations.values():
+                        operation["security"] = [{"bearer": []}]
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint] | None = None) -> FastAPI:
+    """The app for `settings`; `preloaded` (str(model dir) -> Checkpoint) are served instead of
+    loading those directories at start-up (`attnlens serve` loads them first, to fail with one
+    clear line)."""
     settings = settings or Settings()
     app = FastAPI(
         title="attnlens",
         summary="A small transformer trained from scratch: generate text and look at its attention heads.",
         version="0.1.0",
         lifespan=lifespan,
+        # no redirect from /path/ to /path (or /static to /static/): Starlette builds its absolute
+        # URL from the Host header the client sent, so anyone could make us point elsewhere
+        redirect_slashes=False,
     )
-    app.state.attnlens = AppState(settings=settings, metrics=Metrics())
+    app.state.attnlens = AppState(settings=settings, metrics=Metrics(),
+                                  answers=AnswerBudget(settings.max_answer_bytes, settings.answer_wait_s),
+                                  preloaded=dict(preloaded or {}))
     install_error_handlers(app)
     for module in (generate, attention, encoder, openai, ops, ui):
         app.include_router(module.router)
@@ -142,9 +177,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.static_dir.is_dir():
         app.mount("/static", StaticFiles(directory=settings.static_dir), name="static")
 
-    # added innermost first: metrics sees everything, CORS headers go on every answer
-    app.add_middleware(GZipMiddleware, minimum_size=1024)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_response=scope_error_response)
+    # added innermost first: metrics sees everything, CORS headers go on every answer (a 401
+    # too; CORS answers preflights itself, before the key check)
+    app.add_middleware(GZipMiddleware, minimum_size=1024, compresslevel=settings.gzip_level)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_response=scope_error_response,
+                       timeout_s=settings.body_timeout_s)
+    if settings.api_key is not None and settings.api_key.get_secret_value():
+        add_bearer_scheme(app)
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(),
+                           error_response=scope_error_response)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["Retry-After"])

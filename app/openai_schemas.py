@@ -6,19 +6,27 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .schemas import Text
+
+TokenIds = list[int]
+Prompt = Text | list[Text] | TokenIds | list[TokenIds]
+
 
 class CompletionRequest(BaseModel):
     # Clients send fields we do not use (user, presence_penalty, ...): accept and ignore them.
-    model_config = ConfigDict(extra="ignore")
+    # Types are strict: "4" or true is no integer, "yes" no boolean.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    model: str | None = Field(None, description="a model from GET /v1/models; default: the default model")
-    prompt: str | list[str] = Field(description="a string or a list of strings (one choice set each)")
+    model: Text | None = Field(None, description="a model id from GET /v1/models (others: 404); "
+                                                 "default: the default model")
+    prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of lists of "
+                                       "token ids (one choice set per prompt), as in OpenAI's API")
     max_tokens: int = Field(16, ge=0, description="0 with echo scores the prompt only")
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=1, description="extension (as vLLM)")
     n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     seed: int | None = Field(None, ge=0, lt=2**63)
@@ -28,10 +36,15 @@ class CompletionRequest(BaseModel):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, v):
-        items = [v] if isinstance(v, str) else v
+        if isinstance(v, str):
+            items = [v]
+        elif v and isinstance(v[0], int):
+            items = [v]  # one prompt of token ids
+        else:
+            items = v
         if not items:
             raise ValueError("prompt must not be an empty list")
-        if any(p == "" for p in items):
+        if any(len(p) == 0 for p in items):
             raise ValueError("prompt must not be empty")
         return v
 
@@ -46,8 +59,12 @@ class CompletionRequest(BaseModel):
         return v
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: its text, or its token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
     @property
     def stops(self) -> list[str]:

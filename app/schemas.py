@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def _utf8_text(value: str) -> str:
+    """JSON can carry a lone surrogate ("\\ud800"); it is no text and cannot be tokenised."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode: a lone surrogate U+{ord(value[e.start]):04X} at character "
+                         f"{e.start}") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8_text)]
+"""A str that is valid Unicode (encodes to UTF-8): what every text field of a request is."""
 
 
 class Strict(BaseModel):
-    """Unknown fields are an error (422), so a misspelt option is never silently ignored."""
+    """Unknown fields are an error (422), so a misspelt option is never silently ignored; types
+    are strict, so `"4"` or `true` is no integer and `"yes"` no boolean."""
 
-    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+    model_config = ConfigDict(extra="forbid", strict=True, ser_json_inf_nan="constants")
 
 
 # --- /generate ---------------------------------------------------------------
@@ -18,14 +33,14 @@ MODEL_FIELD = "a loaded model's name (GET /models); default: the default model"
 
 
 class GenerateRequest(Strict):
-    model: str | None = Field(None, description=MODEL_FIELD)
-    prompt: str = Field(min_length=1, description="text to continue")
+    model: Text | None = Field(None, description=MODEL_FIELD)
+    prompt: Text = Field(min_length=1, description="text to continue")
     max_new_tokens: int = Field(64, ge=1, description="1..ATTNLENS_MAX_NEW_TOKENS")
     temperature: float = Field(0.8, ge=0, allow_inf_nan=False, description="0 = greedy")
     top_k: int | None = Field(None, ge=1)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**63, description="same seed and parameters, same text")
-    stop: list[str] = Field(default_factory=list, max_length=4, description="at most 4 stop strings")
+    stop: list[Text] = Field(default_factory=list, max_length=4, description="at most 4 stop strings")
     logprobs: int = Field(0, ge=0, le=20, description="alternatives per token")
     stream: bool = False
     return_attention: bool = False
@@ -128,8 +143,8 @@ class StreamError(BaseModel):
 class AttentionRequest(Strict):
     """Give exactly one of `text` (tokenised here) or `ids` (used as they are)."""
 
-    model: str | None = Field(None, description=MODEL_FIELD)
-    text: str | None = Field(None, min_length=1, description="text to tokenise and analyse")
+    model: Text | None = Field(None, description=MODEL_FIELD)
+    text: Text | None = Field(None, min_length=1, description="text to tokenise and analyse")
     ids: list[int] | None = Field(
         None, min_length=1,
         description="token ids to analyse as they are, e.g. a prompt's `prompt_tokens` ids followed by the "
@@ -141,9 +156,9 @@ class AttentionRequest(Strict):
     format: Literal["json", "f16", "u8"] = "json"
     packing: Literal["full", "tril"] = Field(
         "full",
-        description="f16/u8 only: 'full' = every cell row-major; 'tril' = per matrix only the "
-        "cells on or below the diagonal, row by row (row i has i+1 values), ~half the bytes; causal "
-        "(decoder) attention only",
+        description="'full' = every cell row-major; 'tril' = per matrix only the cells on or below the "
+        "diagonal, row by row (row i has i+1 values), ~half the bytes (with format=json each matrix "
+        "is then a list of rows of growing length); causal (decoder) attention only",
     )
     # encoder-decoder only: `text` / `ids` are the source; the target is given or translated
     target: str | None = Field(None, min_length=1, description="encoder-decoder only: the target text "
@@ -215,7 +230,7 @@ class Readiness(BaseModel):
 
 class ModelInfo(BaseModel):
     name: str
-    path: str
+    path: str = Field(description="the checkpoint directory's name (never the server's absolute path)")
     architecture: dict[str, Any]
     parameters: int
     parameters_without_embeddings: int

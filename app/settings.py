@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,8 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    max_prompt_tokens: int = Field(1024, ge=1)
+    # None = the model's context length (set once the model is loaded)
+    max_prompt_tokens: int | None = Field(None, ge=1)
     max_new_tokens: int = Field(512, ge=1)
     # generations decoded together in one batch (= KV cache rows); see bench/README.md
     max_concurrent: int = Field(32, ge=1)
@@ -40,7 +41,18 @@ class Settings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = []
     log_level: str = "info"
     max_body_bytes: int = Field(1_000_000, ge=1)
+    # Attention answers: bytes held for answers computed but not yet read by their clients
+    max_answer_bytes: int = Field(256_000_000, ge=1)
+    answer_wait_s: float = Field(10.0, ge=0)  # wait this long for room, then 429
+    send_timeout_s: float = Field(30.0, gt=0)  # drop a client that takes < 1 MB of an answer in this long
+    # Reading requests: the headers (from connect, or from the previous answer), then the body
+    header_timeout_s: float = Field(10.0, gt=0)  # else 408 (if begun) and the connection is closed
+    body_timeout_s: float = Field(30.0, gt=0)  # else 408
+    keep_alive_s: float = Field(5.0, gt=0)  # an idle keep-alive connection is closed after this
+    gzip_level: int = Field(1, ge=1, le=9)  # answers over 1 KB; big ones are compressed off the event loop
     static_dir: Path = STATIC_DIR
+    # When set, every route but /healthz, /readyz and the page's files needs Authorization: Bearer <key>
+    api_key: SecretStr | None = None
     warmup: bool = True
 
     @field_validator("cors_origins", mode="before")

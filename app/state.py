@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from model import Checkpoint
 
+from .answers import AnswerBudget
 from .engine import Engine
 from .metrics import Metrics
 from .registry import ModelRegistry
@@ -16,11 +17,13 @@ from .settings import Settings
 class AppState:
     settings: Settings
     metrics: Metrics
+    answers: AnswerBudget
     checkpoint: Checkpoint | None = None
     engine: Engine | None = None  # the default model's engine
     registry: ModelRegistry | None = None  # every loaded model by name
     ready: bool = False
     status: str = "starting"
+    preloaded: dict[str, Checkpoint] = field(default_factory=dict)  # model dir -> loaded before start-up
 
     @property
     def model_name(self) -> str:

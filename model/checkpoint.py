@@ -1,5 +1,9 @@
 """Checkpoint directories: config.json, model.safetensors, tokenizer.json[, train_report.json].
 
+tokenizer_config.json and special_tokens_map.json sit beside tokenizer.json so that
+`transformers.AutoTokenizer.from_pretrained(dir)` (as evaluation harnesses call it) reads
+the same tokenizer with bos/eos set; attnlens itself only reads tokenizer.json.
+
 Loading never unpickles anything. Every problem is reported as a CheckpointError that
 names the file and what is wrong with it.
 """
@@ -68,6 +72,8 @@ def save_checkpoint(
     save_file(model_state(model, dtype), str(tmp), metadata={"format": "pt", "producer": "attnlens"})
     tmp.replace(out / WEIGHTS_FILE)  # never leave a half-written weights file behind
     tokenizer.save(out / TOKENIZER_FILE)
+    for name, data in tokenizer.transformers_files(model.config.context_length).items():
+        (out / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     if report is not None:
         (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return out

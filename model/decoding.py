@@ -51,9 +51,12 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the tokens ranked above it already reach top_p
-        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= params.top_p
+        # the nucleus always keeps the most likely token (a top_p below float32's range,
+        # e.g. 1e-300, rounds to 0 and would otherwise drop every token)
+        drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

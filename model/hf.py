@@ -141,20 +141,8 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
     _write_json(out / "config.json", gpt2_config_dict(ckpt.config, tok))
     tok.save(out / "tokenizer.json")
 
-    special = {}
-    if tok.eos_id is not None:
-        special = {"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN, "unk_token": EOS_TOKEN}
-    _write_json(out / "special_tokens_map.json", special)
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": ckpt.config.context_length,
-            "add_prefix_space": False,
-            "clean_up_tokenization_spaces": False,
-            **special,
-        },
-    )
+    for name, data in tok.transformers_files(ckpt.config.context_length).items():
+        _write_json(out / name, data)
     if tok.eos_id is not None:
         _write_json(
             out / "generation_config.json",

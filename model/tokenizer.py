@@ -129,6 +129,16 @@ class Tokenizer:
     def save(self, path: str | Path) -> None:
         self.backend.save(str(path))
 
+    def transformers_files(self, context_length: int) -> dict[str, dict]:
+        """special_tokens_map.json and tokenizer_config.json for a directory that also holds
+        tokenizer.json, so `transformers.AutoTokenizer` loads it with bos/eos (and unk, pad
+        left unset) naming the end-of-text token, as GPT-2's do."""
+        special = {"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN, "unk_token": EOS_TOKEN} \
+            if self.eos_id is not None else {}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context_length,
+                  "add_prefix_space": False, "clean_up_tokenization_spaces": False, **special}
+        return {"special_tokens_map.json": special, "tokenizer_config.json": config}
+
     def to_str(self) -> str:
         return self.backend.to_str()
 

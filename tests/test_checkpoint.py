@@ -48,7 +48,8 @@ def test_round_trip_is_exact(tmp_path, tok, overrides):
     report = {"steps": 12, "final_val_loss": 3.5}
     save_checkpoint(tmp_path / "c", model, tok, report=report)
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json", "train_report.json"
+        "config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
+        "tokenizer_config.json", "train_report.json"
     ]  # fmt: skip
     loaded = load_checkpoint(tmp_path / "c")
     assert loaded.config == model.config

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
 
-from ..attention_codec import attention_maps, encode
+from ..answers import claimed_json, off_loop
+from ..attention_codec import attention_maps, encode, encoded_bytes
 from ..deps import get_state
 from ..encoder_tasks import TaskInputError, encoder_attention_maps, framed_ids
 from ..errors import ApiError, field_error
+from ..prompts import check_text_bytes, check_token_ids, tokenize_text
 from ..registry import ATTENTION, lookup
 from ..schemas import AttentionRequest, AttentionResponse
 from ..state import AppState
@@ -29,21 +30,18 @@ def _indices(name: str, requested: list[int] | None, n: int) -> list[int]:
     return list(requested)
 
 
-def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[int]:
+async def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[int]:
     """The token ids to analyse: `ids` as given, or `text` tokenised; exactly one of them."""
     if body.text is not None and body.ids is not None:
         raise field_error("ids", "give either text or ids, not both", "exclusive")
     if body.text is None and body.ids is None:
         raise field_error("text", "give text (to tokenise) or ids (token ids)", "missing")
     if body.ids is not None:
-        field, ids = "ids", list(body.ids)
-        vocab = tok.vocab_size
-        for pos, i in enumerate(ids):
-            if not 0 <= i < vocab:
-                raise field_error("ids", f"token id {i} (at position {pos}) is not in the vocabulary: "
-                                         f"ids run 0..{vocab - 1}", "out_of_range")
+        field, ids = "ids", check_token_ids(tok, body.ids, field="ids")
     else:
-        field, ids = "text", tok.encode(body.text)
+        field = "text"
+        ids = await tokenize_text(tok, body.text, context_length, field="text",
+                                  limit_name="the model's context length")
         if not ids:
             raise ApiError(400, "text encodes to no tokens", param="text", code="empty_text")
     if len(ids) > context_length:
@@ -79,8 +77,12 @@ def _target_ids(body: AttentionRequest, tok, context_length: int) -> list[int] |
 @router.post(
     "/attention",
     response_model=AttentionResponse,
-    responses={400: {"description": "text or ids longer than the context (the message gives the numbers)"},
-               404: {"description": "unknown model"}, 413: {}, 429: {}, 503: {}},
+    responses={400: {"description": "text or ids longer than the context, or an answer larger than "
+                                    "ATTNLENS_MAX_ANSWER_BYTES (the message gives the numbers)"},
+               404: {"description": "unknown model"}, 413: {},
+               429: {"description": "too many attention requests, or answers in flight over "
+                                    "ATTNLENS_MAX_ANSWER_BYTES for ATTNLENS_ANSWER_WAIT_S; see Retry-After"},
+               503: {}},
 )
 async def attention(body: AttentionRequest, state: AppState = Depends(get_state)):
     """Attention maps of `text`, or of token `ids` as they are (exactly one of the two).
@@ -101,38 +103,67 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
     if cfg.family != "encoder-decoder" and (body.target is not None or body.target_ids is not None):
         name = "target" if body.target is not None else "target_ids"
         raise field_error(name, f"only an encoder-decoder takes a target; {served.describe()}", "unsupported")
-    if cfg.family == "encoder-decoder":
-        ids = _input_ids(body, tok, cfg.context_length)
-        target = _target_ids(body, tok, cfg.context_length)
-        maps = await runner.call(lambda model: translation_maps(model, ids, target, layers, heads))
-        content = {"model": served.name, "family": cfg.family, "direction": "encoder-decoder",
-                   "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
-                   "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "layers": layers, "heads": heads,
-                   "format": body.format, **translation_content(maps, tok, body.format, body.packing)}
-        return JSONResponse(content)
-    if encoder:
-        if body.text is not None and body.ids is None:
-            try:
-                ids = framed_ids(served.checkpoint, body.text)
-            except TaskInputError as e:
-                raise ApiError(400, str(e), param=e.param, code=e.code) from None
-        else:
-            ids = _input_ids(body, tok, cfg.context_length)
-        maps = await runner.call(lambda ckpt: encoder_attention_maps(ckpt.model, ids, layers, heads))
+    if encoder and body.text is not None and body.ids is None:
+        check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
+        try:
+            ids = await off_loop(framed_ids, served.checkpoint, body.text)
+        except TaskInputError as e:
+            raise ApiError(400, str(e), param=e.param, code=e.code) from None
     else:
-        ids = _input_ids(body, tok, cfg.context_length)
-        maps = await runner.call(lambda model: attention_maps(model, ids, layers, heads))
-    content = {
-        "model": served.name,
-        "family": cfg.family,
-        "direction": "bidirectional" if encoder else "causal",
-        "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
-        "n_layers": cfg.n_layers,
-        "n_heads": cfg.n_heads,
-        "layers": layers,
-        "heads": heads,
-        "format": body.format,
-        **encode(maps, body.format, body.packing),
-    }
-    # Already the documented shape; skip re-validating up to millions of floats.
-    return JSONResponse(content)
+        ids = await _input_ids(body, tok, cfg.context_length)
+    if cfg.family == "encoder-decoder":
+        return await _translation_answer(body, state, served, ids, layers, heads)
+    shape = [len(layers), len(heads), len(ids), len(ids)]
+    # held from before the forward until the answer's last byte is sent: bounded memory
+    claim = await state.answers.claim(encoded_bytes(shape, body.format, body.packing), what="this answer")
+    try:
+        if encoder:
+            maps = await runner.call(lambda ckpt: encoder_attention_maps(ckpt.model, ids, layers, heads))
+        else:
+            maps = await runner.call(lambda model: attention_maps(model, ids, layers, heads))
+    except BaseException:
+        await claim.release()
+        raise
+
+    def content() -> dict:  # runs on a worker thread, as does its encoding
+        return {
+            "model": served.name,
+            "family": cfg.family,
+            "direction": "bidirectional" if encoder else "causal",
+            "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
+            "n_layers": cfg.n_layers,
+            "n_heads": cfg.n_heads,
+            "layers": layers,
+            "heads": heads,
+            "format": body.format,
+            **encode(maps, body.format, body.packing),
+        }
+
+    # Already the documented shape: no re-validating millions of floats.
+    return await claimed_json(content, claim, state.settings.send_timeout_s)
+
+
+async def _translation_answer(body: AttentionRequest, state: AppState, served, ids: list[int], layers: list[int],
+                              heads: list[int]):
+    """An encoder-decoder's answer: the encoder's maps over the source at the top level, the
+    decoder's and the cross maps under `translation` (app/translation_attention.py)."""
+    cfg, tok = served.checkpoint.config, served.checkpoint.tokenizer
+    target = _target_ids(body, tok, cfg.context_length)
+    S, L, H = len(ids), len(layers), len(heads)
+    T = cfg.context_length if target is None else len(target) + 1  # the greedy translation's at most
+    size = (encoded_bytes([L, H, S, S], body.format, "full") + encoded_bytes([L, H, T, T], body.format, body.packing)
+            + encoded_bytes([L, H, max(S, T), max(S, T)], body.format, "full"))  # cross T x S, bounded by a square
+    claim = await state.answers.claim(size, what="this answer")
+    try:
+        maps = await served.runner.call(lambda model: translation_maps(model, ids, target, layers, heads))
+    except BaseException:
+        await claim.release()
+        raise
+
+    def content() -> dict:  # on a worker thread, as is its encoding
+        return {"model": served.name, "family": cfg.family, "direction": "encoder-decoder",
+                "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
+                "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "layers": layers, "heads": heads,
+                "format": body.format, **translation_content(maps, tok, body.format, body.packing)}
+
+    return await claimed_json(content, claim, state.settings.send_timeout_s)

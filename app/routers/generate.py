@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from model import SamplingParams
 
+from ..answers import off_loop
 from ..deps import get_state
 from ..engine import Engine, GenerationParams
+from ..errors import public_message
+from ..prompts import tokenize_text
 from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
 from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, sse
 from ..registry import GENERATE, lookup
 from ..state import AppState
+
+log = logging.getLogger("attnlens.routers")
 
 router = APIRouter(tags=["generate"])
 
@@ -46,7 +53,8 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     settings = state.settings
     check_new_token_limit(settings, body.max_new_tokens, "max_new_tokens")
     tok = engine.tokenizer
-    prompt_ids = tok.encode(body.prompt)
+    prompt_ids = await tokenize_text(tok, body.prompt, settings.max_prompt_tokens, field="prompt",
+                                     limit_name="ATTNLENS_MAX_PROMPT_TOKENS")
     check_lengths(engine.config.context_length, settings, prompt_ids, body.max_new_tokens,
                   family=engine.config.family)
     params = GenerationParams(
@@ -70,9 +78,10 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
                         metrics.observe_generation(event)
                         yield sse("done", event)
                     else:
-                        yield sse("error", event)
-            except Exception as e:  # anything on our side mid-stream: tell the client
-                yield sse("error", StreamError(message=f"internal error: {type(e).__name__}"))
+                        yield sse("error", StreamError(message=public_message(event.message)))
+            except Exception:  # anything on our side mid-stream: log it, tell the client
+                log.exception("stream failed")
+                yield sse("error", StreamError(message="internal error (see the server log)"))
             finally:
                 generation.cancel()  # client gone (the stream was cancelled) or finished: free the slot
 
@@ -81,16 +90,20 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     async with cancel_on_disconnect(request, [generation]):
         out = await collect(generation, metrics)
     done = out.done
-    return GenerateResponse(
-        id=done.id,
-        model=served.name,
-        text=done.text,
-        prompt_tokens=done.prompt_tokens,
-        tokens=out.tokens,
-        finish_reason=done.finish_reason,
-        usage=done.usage,
-        timings=done.timings,
-        attention=[t.attention for t in out.tokens] if body.return_attention else None,
-        cross_attention=([t.cross_attention for t in out.tokens]
-                         if body.return_attention and engine.config.family == "encoder-decoder" else None),
-    )
+
+    def answer() -> bytes:  # on a worker thread: with attention it can be megabytes of floats
+        return GenerateResponse(
+            id=done.id,
+            model=served.name,
+            text=done.text,
+            prompt_tokens=done.prompt_tokens,
+            tokens=out.tokens,
+            finish_reason=done.finish_reason,
+            usage=done.usage,
+            timings=done.timings,
+            attention=[t.attention for t in out.tokens] if body.return_attention else None,
+            cross_attention=([t.cross_attention for t in out.tokens]
+                             if body.return_attention and engine.config.family == "encoder-decoder" else None),
+        ).model_dump_json().encode()
+
+    return Response(await off_loop(answer), media_type="application/json")

@@ -2,15 +2,17 @@
 
 `model` names one of the loaded decoders (GET /v1/models; none = the default model); an
 unknown name is a 404 `model_not_found` listing the loaded ones, an encoder a 400.
-Differences from OpenAI, on purpose: `n` > 1 with a seed uses seed, seed + 1, ... for the choices so they differ yet
-repeat; penalties, best_of, logit_bias and suffix are accepted and ignored; a streamed
-`echo` sends the prompt text first but no logprobs for the prompt tokens.
+Differences from OpenAI, on purpose: `n` > 1 with a seed uses seed, seed + 1, ... for the
+choices so they differ yet repeat; penalties, best_of, logit_bias and suffix are accepted
+and ignored; a streamed `echo` sends the prompt text first but no logprobs for the prompt
+tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import codecs
+import logging
 import time
 import uuid
 
@@ -21,17 +23,20 @@ from model import SamplingParams
 
 from ..deps import get_engine, get_state
 from ..engine import Engine, Generation, GenerationParams
-from ..errors import ApiError
+from ..errors import ApiError, public_message
 from ..request_limits import check_lengths, check_new_token_limit
-from ..schemas import StreamDone, StreamToken
+from ..schemas import GeneratedTokenOut, StreamDone, StreamToken
 from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, sse
 from ..openai_schemas import Completion, CompletionRequest, ModelList, OpenAIErrorResponse
+from ..prompts import check_text_bytes, check_token_ids, tokenize_text
 from ..registry import COMPLETIONS, lookup
 from ..state import AppState
 
+log = logging.getLogger("attnlens.routers")
+
 router = APIRouter(prefix="/v1", tags=["openai"])
 
-ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 404, 413, 422, 429, 503)}
+ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 401, 404, 408, 413, 422, 429, 503)}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
@@ -69,6 +74,16 @@ class Choice:
         self.offset += len(token.delta)
         return frag
 
+    def add_end(self, delta: str, eos: GeneratedTokenOut | None) -> dict | None:
+        """The text no token carried, then the generated EOS if there was one: it counts as a
+        completion token, so it gets its logprobs entry (text stays as it is)."""
+        self.text += delta
+        self.offset += len(delta)
+        if eos is None:
+            return None
+        top = {a.text: a.logprob for a in eos.top_logprobs} if self.n_alternatives else None
+        return self._append(eos.text, eos.logprob, top)
+
     def _append(self, text: str, logprob: float | None, top: dict | None) -> dict | None:
         if not self.want_logprobs:
             return None
@@ -80,6 +95,21 @@ class Choice:
     def as_dict(self, finish_reason: str) -> dict:
         return {"index": self.index, "text": self.text, "logprobs": self.lp if self.want_logprobs else None,
                 "finish_reason": FINISH[finish_reason]}
+
+
+async def _prompt_ids(body: CompletionRequest, tok, limit: int) -> list[list[int]]:
+    """Token ids of each prompt: strings tokenised (off the event loop), ids checked against the
+    vocabulary (a 422 names the prompt and the position of the first bad id)."""
+    many = len(body.prompts) > 1 or not (isinstance(body.prompt, str) or isinstance(body.prompt[0], int))
+    fields = [f"prompt.{k}" if many else "prompt" for k in range(len(body.prompts))]
+    limit_name = "ATTNLENS_MAX_PROMPT_TOKENS"
+    for field, p in zip(fields, body.prompts):  # every prompt checked before any is tokenised
+        if isinstance(p, str):
+            check_text_bytes(tok, p, limit, field=field, limit_name=limit_name)
+        else:
+            check_token_ids(tok, p, field=field)
+    return [await tokenize_text(tok, p, limit, field=field, limit_name=limit_name) if isinstance(p, str) else list(p)
+            for field, p in zip(fields, body.prompts)]
 
 
 def _generation_params(body: CompletionRequest, prompts_ids: list[list[int]]) -> list[GenerationParams]:
@@ -106,8 +136,9 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
     settings = state.settings
     check_new_token_limit(settings, body.max_tokens, "max_tokens")
     tok = engine.tokenizer
-    prompts = body.prompts
-    prompts_ids = [tok.encode(p) for p in prompts]
+    prompts_ids = await _prompt_ids(body, tok, settings.max_prompt_tokens)
+    # the text each prompt echoes: as sent, or the ids' text
+    prompts = [p if isinstance(p, str) else tok.decode(p) for p in body.prompts]
     for ids in prompts_ids:
         check_lengths(engine.config.context_length, settings, ids, body.max_tokens, max_field="max_tokens",
                       family=engine.config.family)
@@ -156,9 +187,10 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
                         remaining -= 1
                         completion_tokens += ev.usage.completion_tokens
                         metrics.observe_generation(ev)
-                        yield chunk(i, ev.delta, None, FINISH[ev.finish_reason])
+                        frag = c.add_end(ev.delta, generations[i].eos_token)
+                        yield chunk(i, ev.delta, frag, FINISH[ev.finish_reason])
                     else:
-                        yield sse(None, {"error": {"message": ev.message, "type": "server_error",
+                        yield sse(None, {"error": {"message": public_message(ev.message), "type": "server_error",
                                                    "param": None, "code": "generation_failed"}})
                         return
                 if include_usage:
@@ -167,8 +199,9 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
                                                               "completion_tokens": completion_tokens,
                                                               "total_tokens": prompt_tokens + completion_tokens}})
                 yield "data: [DONE]\n\n"
-            except Exception as e:
-                yield sse(None, {"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error",
+            except Exception:
+                log.exception("stream failed")
+                yield sse(None, {"error": {"message": "internal error (see the server log)", "type": "server_error",
                                            "param": None, "code": "internal_error"}})
             finally:
                 for t in tasks:
@@ -186,7 +219,7 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
             c.add_prompt_scores(g.prompt_scores)
         for t in out.tokens:
             c.add_token(t)
-        c.text += out.done.delta
+        c.add_end(out.done.delta, g.eos_token)
         result.append(c.as_dict(out.done.finish_reason))
     completion_tokens = sum(o.done.usage.completion_tokens for o in outcomes)
     return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": result,

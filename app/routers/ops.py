@@ -58,7 +58,7 @@ async def model_info(engine: Engine = Depends(get_engine), state: AppState = Dep
     cfg, weights = ckpt.config, ckpt.model.tok_emb.weight
     return {
         "name": name,
-        "path": str(ckpt.path),
+        "path": name,  # the directory's name: the server's file system stays private
         "architecture": cfg.to_dict(),
         "parameters": ckpt.model.num_parameters(),
         "parameters_without_embeddings": ckpt.model.num_parameters(exclude_embeddings=True),

@@ -1,0 +1,67 @@
+"""uvicorn's HTTP protocol with a deadline for request headers.
+
+uvicorn closes a keep-alive connection that stays idle after a response, but a connection
+that never sends a request, or sends its headers a byte at a time, would be held for ever.
+Here every connection must complete a request's headers within `header_timeout_s` of being
+opened (or of the previous response): if part of a request arrived it gets a 408, and the
+connection is closed either way. (Slow bodies are timed by app.body_limit.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+_BODY = b'{"detail":"request headers not received in time","code":"header_timeout"}'
+TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(_BODY)).encode() + b"\r\nconnection: close\r\n\r\n" + _BODY)
+
+
+class HeaderTimeoutProtocol(HttpToolsProtocol):
+    header_timeout_s: float = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._request_begun = False
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._request_begun = False
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self._request_begun:
+            self.transport.write(TIMEOUT_RESPONSE)
+        self.transport.close()
+
+    def on_message_begin(self) -> None:
+        self._request_begun = True
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_timer()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and not self.pipeline:
+            self._arm_header_timer()  # the next request's headers get the same time
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+
+def protocol_with_header_timeout(timeout_s: float) -> type[HeaderTimeoutProtocol]:
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": timeout_s})

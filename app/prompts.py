@@ -1,0 +1,53 @@
+"""Turn a request's prompt (text or token ids) into checked token ids without blocking the loop.
+
+Text is tokenised on a worker thread, and only after a byte-length check: byte-level BPE
+tokens are at most `longest_token_bytes` bytes each, so a text of more than
+`limit * longest_token_bytes` bytes has more than `limit` tokens whatever it says. Such a
+text is refused at once, without tokenising a megabyte on the event loop. Token ids are
+checked against the vocabulary, naming the first bad one and where it is.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from starlette.concurrency import run_in_threadpool
+
+from model.tokenizer import Tokenizer
+
+from .errors import ApiError, field_error
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_token_bytes(tokenizer: Tokenizer) -> int:
+    return max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
+
+
+def longest_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most bytes one token stands for (so the fewest tokens a text can have)."""
+    return _longest_token_bytes(tokenizer)
+
+
+def check_text_bytes(tokenizer: Tokenizer, text: str, limit: int, *, field: str, limit_name: str) -> None:
+    """A 400 (code prompt_too_long) when the UTF-8 bytes of `text` alone prove it has more than
+    `limit` tokens."""
+    n_bytes = len(text.encode("utf-8"))
+    if n_bytes > limit * longest_token_bytes(tokenizer):
+        raise ApiError(400, f"{field} is {n_bytes} bytes long, so it has more than {limit} tokens "
+                            f"({limit_name}) whatever they are", param=field, code="prompt_too_long")
+
+
+async def tokenize_text(tokenizer: Tokenizer, text: str, limit: int, *, field: str, limit_name: str) -> list[int]:
+    """Token ids of `text`, tokenised on a worker thread once check_text_bytes lets it through."""
+    check_text_bytes(tokenizer, text, limit, field=field, limit_name=limit_name)
+    return await run_in_threadpool(tokenizer.encode, text)
+
+
+def check_token_ids(tokenizer: Tokenizer, ids: list[int], *, field: str) -> list[int]:
+    """`ids` if every one is in the vocabulary, else a 422 naming the first that is not."""
+    vocab = tokenizer.vocab_size
+    for pos, i in enumerate(ids):
+        if not 0 <= i < vocab:
+            raise field_error(field, f"token id {i} (at position {pos}) is not in the vocabulary: ids run "
+                                     f"0..{vocab - 1}", "out_of_range")
+    return list(ids)
