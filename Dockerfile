@@ -26,6 +26,7 @@ RUN pip install .
 COPY static ./static
 COPY checkpoints/default ./checkpoints/default
 COPY checkpoints/encoder ./checkpoints/encoder
+COPY checkpoints/translator ./checkpoints/translator
 
 RUN useradd --create-home --uid 10001 attnlens
 USER attnlens
@@ -33,7 +34,7 @@ USER attnlens
 ENV ATTNLENS_HOST=0.0.0.0 \
     ATTNLENS_PORT=8000 \
     ATTNLENS_MODEL=/srv/attnlens/checkpoints/default \
-    ATTNLENS_MODELS=/srv/attnlens/checkpoints/default,/srv/attnlens/checkpoints/encoder \
+    ATTNLENS_MODELS=/srv/attnlens/checkpoints/default,/srv/attnlens/checkpoints/encoder,/srv/attnlens/checkpoints/translator \
     ATTNLENS_STATIC_DIR=/srv/attnlens/static
 EXPOSE 8000
 

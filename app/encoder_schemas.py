@@ -23,7 +23,9 @@ class ModelSummary(BaseModel):
     vocab_size: int
     parameters: int
     tasks: list[str] = Field(description="the endpoints this model answers, e.g. generate, fill-mask, classify, attention")
-    attention: Literal["causal", "bidirectional"]
+    attention: Literal["causal", "bidirectional", "encoder-decoder"] = Field(
+        description="causal (a decoder), bidirectional (an encoder), or encoder-decoder (bidirectional "
+        "encoder, causal decoder, and cross-attention from the target to the source)")
     labels: list[str] | None = Field(None, description="a classifier's labels, in the head's order")
     pooling: str | None = Field(None, description="how the classification head pools the positions")
 

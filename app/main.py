@@ -28,13 +28,14 @@ from model import Checkpoint, SamplingParams
 from .answers import AnswerBudget
 from .attention_codec import attention_maps
 from .auth import ApiKeyMiddleware, is_open
+from .translation_attention import translation_maps
 from .body_limit import BodyLimitMiddleware
 from .engine import Engine, GenerationParams
 from .errors import install_error_handlers, scope_error_response
 from .loader import load_for_serving
 from .metrics import Metrics, MetricsMiddleware
 from .encoder_tasks import classify_or_fill_warm_up
-from .registry import EncoderRunner, ModelRegistry, ServedModel, model_name, tasks_of
+from .registry import ENGINE_FAMILIES, EncoderRunner, ModelRegistry, ServedModel, model_name, tasks_of
 from .routers import attention, encoder, generate, openai, ops, ui
 from .schemas import StreamDone, StreamError, StreamToken
 from .settings import Settings
@@ -51,7 +52,10 @@ async def warm_up(engine: Engine) -> None:
     async for event in engine.submit(params).events():
         if isinstance(event, StreamError):
             raise RuntimeError(f"warm-up generation failed: {event.message}")
-    await engine.call(lambda model: attention_maps(model, ids, [0], [0]))
+    if engine.config.family == "encoder-decoder":  # the prompt is a source; the target its translation
+        await engine.call(lambda model: translation_maps(model, ids, None, [0], [0]))
+    else:
+        await engine.call(lambda model: attention_maps(model, ids, [0], [0]))
 
 
 @asynccontextmanager
@@ -71,7 +75,7 @@ async def lifespan(app: FastAPI):
                 state.status = "failed"
                 log.error("cannot load the model from %s: %s", model_dir, e)
                 raise RuntimeError(f"cannot load the model from {model_dir}: {e}") from None
-            if ckpt.config.family == "decoder":
+            if ckpt.config.family in ENGINE_FAMILIES:
                 runner = Engine(ckpt, max_concurrent=s.max_concurrent, max_queue=s.max_queue,
                                 max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs)
                 engines.append(runner)

@@ -25,6 +25,12 @@ TASK_ENDPOINTS = {GENERATE: "POST /generate", COMPLETIONS: "POST /v1/completions
                   FILL_MASK: "POST /fill-mask", CLASSIFY: "POST /classify"}
 
 
+# How each family is served: whether the batched generation engine runs it (prompt -> tokens;
+# for an encoder-decoder the prompt is the source) and what its attention maps are.
+ENGINE_FAMILIES = ("decoder", "encoder-decoder")
+ATTENTION_KIND = {"decoder": "causal", "encoder": "bidirectional", "encoder-decoder": "encoder-decoder"}
+
+
 def tasks_of(ckpt: Checkpoint) -> list[str]:
     family = ckpt.config.family
     if family == "encoder":

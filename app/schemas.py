@@ -101,6 +101,10 @@ class GenerateResponse(BaseModel):
     attention: list[list[list[list[float]]]] | None = Field(
         None, description="[token][layer][head][position]: each generated token's attention row"
     )
+    cross_attention: list[list[list[list[float]]]] | None = Field(
+        None, description="encoder-decoder only, with return_attention: [token][layer][head][source position]: "
+        "the cross-attention row over the source (the prompt's tokens) of the step that wrote each token"
+    )
 
 
 class StreamToken(GeneratedTokenOut):
@@ -109,6 +113,9 @@ class StreamToken(GeneratedTokenOut):
     index: int
     delta: str = Field(description="exact text this token adds (text joins these)")
     attention: list[list[list[float]]] | None = None
+    cross_attention: list[list[list[float]]] | None = Field(
+        None, description="encoder-decoder only: [layer][head][source position], this step's cross-attention "
+        "row over the source (the prompt's tokens)")
 
 
 class StreamDone(BaseModel):
@@ -153,14 +160,44 @@ class AttentionRequest(Strict):
         "diagonal, row by row (row i has i+1 values), ~half the bytes (with format=json each matrix "
         "is then a list of rows of growing length); causal (decoder) attention only",
     )
+    # encoder-decoder only: `text` / `ids` are the source; the target is given or translated
+    target: str | None = Field(None, min_length=1, description="encoder-decoder only: the target text "
+                               "(tokenised here); without target or target_ids, the model's greedy translation")
+    target_ids: list[int] | None = Field(None, min_length=1, description="encoder-decoder only: the target's "
+                                         "token ids as they are (without the decoder's start token)")
+
+
+class AttentionGroup(BaseModel):
+    """One group of maps in the format asked for (the same fields as the top level's)."""
+
+    shape: list[int] = Field(description="[len(layers), len(heads), rows, columns]")
+    attention: list[list[list[list[float]]]] | None = Field(None, description="format=json")
+    data: str | None = Field(None, description="f16/u8: base64 of the row-major array")
+    dtype: Literal["float16", "uint8"] | None = None
+    packing: Literal["full", "tril"] | None = None
+    scale: float | None = None
+
+
+class TranslationAttention(BaseModel):
+    """An encoder-decoder's second and third groups (the first, the encoder's self-attention
+    over the source, is the answer's top-level maps). Rows of `decoder` and `cross` are
+    `target_tokens` (the decoder's start token, then the target); columns of `cross` are the
+    source tokens (the answer's `tokens`)."""
+
+    target_tokens: list[TokenText]
+    generated: bool = Field(description="true when the target is the model's own greedy translation")
+    decoder: AttentionGroup = Field(description="decoder self-attention, [L][H][T][T], causal "
+                                    "(packing 'tril' applies here only)")
+    cross: AttentionGroup = Field(description="cross-attention, [L][H][T][S]: target rows over source columns")
 
 
 class AttentionResponse(BaseModel):
     model: str
     family: Literal["decoder", "encoder", "encoder-decoder"] = "decoder"
-    direction: Literal["causal", "bidirectional"] = Field(
+    direction: Literal["causal", "bidirectional", "encoder-decoder"] = Field(
         "causal", description="causal: position i sees positions <= i (zero above the diagonal); "
-        "bidirectional: every position sees every other (an encoder; full T x T maps)")
+        "bidirectional: every position sees every other (an encoder; full T x T maps); encoder-decoder: "
+        "the top-level maps are the encoder's over the source, `translation` has the decoder's and the cross maps")
     tokens: list[TokenText] = Field(description="the analysed positions; an encoder's text is framed "
                                                 "as [CLS] text [SEP]")
     n_layers: int
@@ -174,6 +211,10 @@ class AttentionResponse(BaseModel):
     dtype: Literal["float16", "uint8"] | None = Field(None, description="element type of data (little-endian)")
     packing: Literal["full", "tril"] | None = None
     scale: float | None = Field(None, description="u8: value = byte * scale")
+    translation: TranslationAttention | None = Field(
+        None, description="encoder-decoder only: `tokens` are the source and the top-level maps its "
+        "encoder self-attention [L][H][S][S] (always packing 'full'); this holds the target's tokens, the "
+        "decoder self-attention and the cross-attention")
 
 
 # --- operations --------------------------------------------------------------

@@ -37,6 +37,8 @@ class ModelConfig:
     # encoder only: the classification head's labels (none: no head) and how it pools
     labels: list[str] = field(default_factory=list)
     pooling: str = "mean"  # "mean" over non-padding positions | "cls" (the first position)
+    # encoder-decoder only: the token the decoder starts every target with (the tokenizer's EOS)
+    decoder_start_id: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -76,6 +78,8 @@ class ModelConfig:
             raise ConfigError(f"labels must be distinct, got {self.labels!r}")
         if self.labels and self.family != "encoder":
             raise ConfigError("only an encoder has a classification head (labels)")
+        if not isinstance(self.decoder_start_id, int) or not 0 <= self.decoder_start_id < self.vocab_size:
+            raise ConfigError(f"decoder_start_id must be a token id below vocab_size, got {self.decoder_start_id!r}")
         if not self.layer_norm_eps > 0:
             raise ConfigError(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
 

@@ -39,6 +39,8 @@ class GeneratedToken:
     top_logprobs: list[float] = field(default_factory=list)
     # attention of the position that produced this token: per layer (H, positions so far)
     attention: list[torch.Tensor] | None = None
+    # encoder-decoder only: that position's cross-attention, per layer (H, source positions)
+    cross_attention: list[torch.Tensor] | None = None
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -162,8 +164,14 @@ def decode_step(
         for b, (s, tok) in enumerate(zip(samplers, tokens)):
             if s.return_attention:
                 n = int(cache.lengths[first + b])  # positions this row has, the newest included
-                q = -1 if n_new is None else n_new[b] - 1  # the query of that newest position
+                # the query of that newest position (an encoder-decoder's prefill has one query:
+                # the decoder's start token; its prompt was the source)
+                q = -1 if n_new is None or out.attentions[0].shape[2] == 1 else n_new[b] - 1
                 tok.attention = [a[b, :, q, :n].float().cpu() for a in out.attentions]  # (H, n) per layer
+                cross = getattr(out, "cross_attentions", None)
+                if cross is not None:  # encoder-decoder: this step's row over the row's own source
+                    m = int(cache.source_lengths[first + b])
+                    tok.cross_attention = [c[b, :, -1, :m].float().cpu() for c in cross]  # (H, m) per layer
     return StepOutput(tokens, out)
 
 

@@ -165,4 +165,8 @@ def build_model(config: ModelConfig) -> nn.Module:
         return Transformer(config)
     if config.family == "encoder":
         return Encoder(config)
+    if config.family == "encoder-decoder":
+        from .encoder_decoder import EncoderDecoder
+
+        return EncoderDecoder(config)
     raise ValueError(f"family {config.family!r} is not built by this version of attnlens")

@@ -72,20 +72,28 @@ class MultiHeadAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def project(self, x: torch.Tensor, memory: torch.Tensor | None):
-        """q (B, H, T, D) from x; k, v (B, H, S, D) from x, or from memory for cross-attention."""
+    def project(self, x: torch.Tensor, memory: torch.Tensor | None, memory_kv=None):
+        """q (B, H, T, D) from x; k, v (B, H, S, D) from x, or from memory for cross-attention
+        (or `memory_kv`, memory's keys and values already projected by `project_memory`)."""
         B, T, C = x.shape
         H, D = self.n_heads, self.d_head
-        if memory is None:
+        if memory is None and memory_kv is None:
             # (B, T, 3C) -> (B, T, 3, H, D) -> (3, B, H, T, D): q, k, v as views
             return self.qkv(x).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
-        S = memory.shape[1]
         w, b = self.qkv.weight, self.qkv.bias
         q = F.linear(x, w[:C], None if b is None else b[:C])  # (B, T, C)
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, T, C) -> (B, H, T, D)
-        kv = F.linear(memory, w[C:], None if b is None else b[C:])  # (B, S, 2C)
-        k, v = kv.view(B, S, 2, H, D).permute(2, 0, 3, 1, 4).unbind(0)  # (B, S, 2C) -> 2 x (B, H, S, D)
+        k, v = memory_kv if memory_kv is not None else self.project_memory(memory)
         return q, k, v
+
+    def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention keys and values (B, H, S, D) of memory (B, S, C): computed once per
+        source and reused at every decoding step (the encoder-decoder's cross K/V cache)."""
+        B, S, C = memory.shape
+        w, b = self.qkv.weight, self.qkv.bias
+        kv = F.linear(memory, w[C:], None if b is None else b[C:])  # (B, S, 2C)
+        k, v = kv.view(B, S, 2, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4).unbind(0)  # 2 x (B, H, S, D)
+        return k, v
 
     def forward(
         self,
@@ -96,10 +104,11 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         kv_update: KVUpdate | None = None,
         return_attention: bool = False,
+        memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T, C) output and, with return_attention, the (B, H, T, S) probabilities (else None)."""
         B, T, C = x.shape
-        q, k, v = self.project(x, memory)
+        q, k, v = self.project(x, memory, memory_kv)
         if kv_update is not None:
             k, v = kv_update(k, v)  # (B, H, S, D): the cached keys/values followed by the new ones
         S = k.shape[2]
@@ -213,14 +222,16 @@ class Block(nn.Module):
         return_attention: bool = False,
         memory: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
+        memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> BlockOutput:
         x, self_probs = self._sublayer(x, self.ln1, lambda h: self.attn(
             h, mask=mask, causal=self.causal, kv_update=kv_update, return_attention=return_attention))
         cross_probs = None
         if self.cross_attn is not None:
-            if memory is None:
-                raise ValueError("this block has cross-attention: pass the encoder output as memory")
+            if memory is None and memory_kv is None:
+                raise ValueError("this block has cross-attention: pass the encoder output as memory "
+                                 "(or its projected keys/values as memory_kv)")
             x, cross_probs = self._sublayer(x, self.ln_cross, lambda h: self.cross_attn(
-                h, memory, mask=memory_mask, return_attention=return_attention))
+                h, memory, mask=memory_mask, return_attention=return_attention, memory_kv=memory_kv))
         x, _ = self._sublayer(x, self.ln2, lambda h: (self.ffn(h), None))
         return BlockOutput(x, self_probs, cross_probs)

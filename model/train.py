@@ -76,6 +76,8 @@ class TrainSettings:
     classify_warmup_steps: int = 20
     classify_batch_size: int = 32
     bow_baseline: bool = True  # the final report measures bag-of-words and majority baselines
+    # encoder-decoder only: held-out pairs of each kind (dates, numbers) the final report decodes
+    eval_pairs: int = 2000
 
 
 @dataclass
@@ -417,18 +419,27 @@ def train(
         torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
     )
 
-    # tokenizer and data
-    train_texts = load_split(s.data_dir, "train")
-    val_texts = load_split(s.data_dir, "val")
+    # tokenizer and data (the encoder-decoder generates its own pairs: model/data_translation.py)
+    seq2seq = mcfg.family == "encoder-decoder"
+    train_texts = None if seq2seq else load_split(s.data_dir, "train")
+    val_texts = None if seq2seq else load_split(s.data_dir, "val")
     if resume and (out / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(out / "tokenizer.json")
     elif s.tokenizer:
         tokenizer = Tokenizer.from_file(s.tokenizer)
+    elif seq2seq:
+        from .train_translation import train_translation_tokenizer
+
+        tokenizer = train_translation_tokenizer(s.vocab_size)
     else:
         tokenizer = Tokenizer.train(train_texts, s.vocab_size, encoder_tokens=mcfg.family == "encoder")
     if tokenizer.vocab_size > mcfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens; model.vocab_size is {mcfg.vocab_size}")
-    if mcfg.family == "encoder":
+    if seq2seq:
+        from .train_translation import TranslationObjective
+
+        objective = TranslationObjective(run, tokenizer, device, autocast)
+    elif mcfg.family == "encoder":
         from .train_encoder import EncoderObjective
 
         objective = EncoderObjective(run, tokenizer, device, autocast)

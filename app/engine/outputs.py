@@ -139,6 +139,7 @@ class GenerationOutput:
             index=r.index, id=r.id, text=r.text, delta=r.delta, logprob=token.logprob,
             top_logprobs=self._alternatives(token.top_ids, token.top_logprobs),
             attention=attention_lists(token.attention) if token.attention is not None else None,
+            cross_attention=attention_lists(token.cross_attention) if token.cross_attention is not None else None,
         )
 
     def _prompt(self, record: PromptRecord) -> None:

@@ -13,6 +13,7 @@ from ..prompts import check_text_bytes, check_token_ids, tokenize_text
 from ..registry import ATTENTION, lookup
 from ..schemas import AttentionRequest, AttentionResponse
 from ..state import AppState
+from ..translation_attention import translation_content, translation_maps
 
 router = APIRouter(tags=["attention"])
 
@@ -49,6 +50,30 @@ async def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[i
     return ids
 
 
+def _target_ids(body: AttentionRequest, tok, context_length: int) -> list[int] | None:
+    """An encoder-decoder's target: `target` tokenised or `target_ids` as they are, or None
+    (then the model's greedy translation). The decoder reads start + target: context - 1 at most."""
+    if body.target is not None and body.target_ids is not None:
+        raise field_error("target_ids", "give either target or target_ids, not both", "exclusive")
+    if body.target is None and body.target_ids is None:
+        return None
+    if body.target_ids is not None:
+        field, ids = "target_ids", list(body.target_ids)
+        for pos, i in enumerate(ids):
+            if not 0 <= i < tok.vocab_size:
+                raise field_error("target_ids", f"token id {i} (at position {pos}) is not in the vocabulary: "
+                                                f"ids run 0..{tok.vocab_size - 1}", "out_of_range")
+    else:
+        field, ids = "target", tok.encode(body.target)
+        if not ids:
+            raise ApiError(400, "target encodes to no tokens", param="target", code="empty_text")
+    if len(ids) + 1 > context_length:
+        raise ApiError(400, f"{field} has {len(ids)} tokens; with the decoder's start token that is more than "
+                            f"the model's context length of {context_length}", param=field,
+                       code="context_length_exceeded")
+    return ids
+
+
 @router.post(
     "/attention",
     response_model=AttentionResponse,
@@ -75,6 +100,9 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
     layers = _indices("layers", body.layers, cfg.n_layers)
     heads = _indices("heads", body.heads, cfg.n_heads)
     tok = served.checkpoint.tokenizer
+    if cfg.family != "encoder-decoder" and (body.target is not None or body.target_ids is not None):
+        name = "target" if body.target is not None else "target_ids"
+        raise field_error(name, f"only an encoder-decoder takes a target; {served.describe()}", "unsupported")
     if encoder and body.text is not None and body.ids is None:
         check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
         try:
@@ -83,6 +111,8 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
     else:
         ids = await _input_ids(body, tok, cfg.context_length)
+    if cfg.family == "encoder-decoder":
+        return await _translation_answer(body, state, served, ids, layers, heads)
     shape = [len(layers), len(heads), len(ids), len(ids)]
     # held from before the forward until the answer's last byte is sent: bounded memory
     claim = await state.answers.claim(encoded_bytes(shape, body.format, body.packing), what="this answer")
@@ -110,4 +140,30 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
         }
 
     # Already the documented shape: no re-validating millions of floats.
+    return await claimed_json(content, claim, state.settings.send_timeout_s)
+
+
+async def _translation_answer(body: AttentionRequest, state: AppState, served, ids: list[int], layers: list[int],
+                              heads: list[int]):
+    """An encoder-decoder's answer: the encoder's maps over the source at the top level, the
+    decoder's and the cross maps under `translation` (app/translation_attention.py)."""
+    cfg, tok = served.checkpoint.config, served.checkpoint.tokenizer
+    target = _target_ids(body, tok, cfg.context_length)
+    S, L, H = len(ids), len(layers), len(heads)
+    T = cfg.context_length if target is None else len(target) + 1  # the greedy translation's at most
+    size = (encoded_bytes([L, H, S, S], body.format, "full") + encoded_bytes([L, H, T, T], body.format, body.packing)
+            + encoded_bytes([L, H, max(S, T), max(S, T)], body.format, "full"))  # cross T x S, bounded by a square
+    claim = await state.answers.claim(size, what="this answer")
+    try:
+        maps = await served.runner.call(lambda model: translation_maps(model, ids, target, layers, heads))
+    except BaseException:
+        await claim.release()
+        raise
+
+    def content() -> dict:  # on a worker thread, as is its encoding
+        return {"model": served.name, "family": cfg.family, "direction": "encoder-decoder",
+                "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
+                "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "layers": layers, "heads": heads,
+                "format": body.format, **translation_content(maps, tok, body.format, body.packing)}
+
     return await claimed_json(content, claim, state.settings.send_timeout_s)

@@ -16,7 +16,7 @@ from ..encoder_schemas import (
 )
 from ..encoder_tasks import TaskInputError, classify, fill_mask
 from ..errors import ApiError
-from ..registry import CLASSIFY, FILL_MASK, ModelRegistry, ServedModel
+from ..registry import ATTENTION_KIND, CLASSIFY, FILL_MASK, ModelRegistry, ServedModel
 
 router = APIRouter(tags=["models", "encoder"])
 
@@ -41,7 +41,7 @@ def summary(served: ServedModel, default: str) -> ModelSummary:
         name=served.name, family=cfg.family, default=served.name == default, n_layers=cfg.n_layers,
         n_heads=cfg.n_heads, d_model=cfg.d_model, context_length=cfg.context_length,
         vocab_size=cfg.vocab_size, parameters=served.checkpoint.model.num_parameters(),
-        tasks=served.tasks, attention="bidirectional" if cfg.family == "encoder" else "causal",
+        tasks=served.tasks, attention=ATTENTION_KIND[cfg.family],
         labels=served.labels, pooling=cfg.pooling if cfg.family == "encoder" and cfg.labels else None,
     )
 

@@ -55,7 +55,8 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     tok = engine.tokenizer
     prompt_ids = await tokenize_text(tok, body.prompt, settings.max_prompt_tokens, field="prompt",
                                      limit_name="ATTNLENS_MAX_PROMPT_TOKENS")
-    check_lengths(engine.config.context_length, settings, prompt_ids, body.max_new_tokens)
+    check_lengths(engine.config.context_length, settings, prompt_ids, body.max_new_tokens,
+                  family=engine.config.family)
     params = GenerationParams(
         prompt_ids=prompt_ids,
         max_new_tokens=body.max_new_tokens,
@@ -101,6 +102,8 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
             usage=done.usage,
             timings=done.timings,
             attention=[t.attention for t in out.tokens] if body.return_attention else None,
+            cross_attention=([t.cross_attention for t in out.tokens]
+                             if body.return_attention and engine.config.family == "encoder-decoder" else None),
         ).model_dump_json().encode()
 
     return Response(await off_loop(answer), media_type="application/json")

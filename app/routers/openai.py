@@ -23,7 +23,7 @@ from model import SamplingParams
 
 from ..deps import get_engine, get_state
 from ..engine import Engine, Generation, GenerationParams
-from ..errors import public_message
+from ..errors import ApiError, public_message
 from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import GeneratedTokenOut, StreamDone, StreamToken
 from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, sse
@@ -140,7 +140,12 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
     # the text each prompt echoes: as sent, or the ids' text
     prompts = [p if isinstance(p, str) else tok.decode(p) for p in body.prompts]
     for ids in prompts_ids:
-        check_lengths(engine.config.context_length, settings, ids, body.max_tokens, max_field="max_tokens")
+        check_lengths(engine.config.context_length, settings, ids, body.max_tokens, max_field="max_tokens",
+                      family=engine.config.family)
+    if engine.config.family == "encoder-decoder" and body.echo and body.logprobs is not None:
+        raise ApiError(400, "echo with logprobs scores the prompt's tokens, but an encoder-decoder's prompt is "
+                            "its source, which it reads rather than predicts: leave out echo or logprobs",
+                       param="echo", code="unsupported")
     # all choices or none: a 429 never leaves part of them running; more than can ever fit is a 400
     generations = engine.submit_all(_generation_params(body, prompts_ids), param="n" if body.n > 1 else "prompt")
     want_lp = body.logprobs is not None

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from ..deps import get_engine, get_state
 from ..engine import Engine
 from ..metrics import CONTENT_TYPE_LATEST
+from ..registry import lookup
 from ..schemas import Health, ModelInfo, Readiness
 from ..state import AppState
 
@@ -45,20 +46,27 @@ def training_summary(report: dict | None) -> dict | None:
     return picked
 
 
-@router.get("/model", response_model=ModelInfo)
-async def model_info(engine: Engine = Depends(get_engine), state: AppState = Depends(get_state)):
-    ckpt, cfg, s = engine.checkpoint, engine.config, state.settings
+@router.get("/model", response_model=ModelInfo, responses={404: {"description": "unknown model"}})
+async def model_info(engine: Engine = Depends(get_engine), state: AppState = Depends(get_state),
+                     model: str | None = None):
+    """The default model, or the loaded model named by `?model=` (GET /models lists them)."""
+    ckpt, s = engine.checkpoint, state.settings
+    name = state.model_name
+    if model is not None:
+        served = lookup(state, model, None)
+        ckpt, name = served.checkpoint, served.name
+    cfg, weights = ckpt.config, ckpt.model.tok_emb.weight
     return {
-        "name": state.model_name,
-        "path": state.model_name,  # the directory's name: the server's file system stays private
+        "name": name,
+        "path": name,  # the directory's name: the server's file system stays private
         "architecture": cfg.to_dict(),
-        "parameters": engine.model.num_parameters(),
-        "parameters_without_embeddings": engine.model.num_parameters(exclude_embeddings=True),
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
+        "parameters": ckpt.model.num_parameters(),
+        "parameters_without_embeddings": ckpt.model.num_parameters(exclude_embeddings=True),
+        "device": str(weights.device),
+        "dtype": str(weights.dtype).removeprefix("torch."),
         "context_length": cfg.context_length,
         "vocab_size": cfg.vocab_size,
-        "tokenizer_vocab_size": engine.tokenizer.vocab_size,
+        "tokenizer_vocab_size": ckpt.tokenizer.vocab_size,
         "training": training_summary(ckpt.report),
         "limits": {"max_prompt_tokens": s.max_prompt_tokens, "max_new_tokens": s.max_new_tokens,
                    "max_concurrent": s.max_concurrent, "max_queue": s.max_queue,

@@ -125,7 +125,7 @@ export function syncControls(s) {
     tab.tabIndex = on ? 0 : -1;
   }
   const view = viewById(s.view);
-  for (const g of $$(".opt-group")) g.classList.toggle("active", g.dataset.view === s.view);
+  for (const g of $$(".opt-group")) g.classList.toggle("active", g.dataset.view.split(" ").includes(s.view)); // a group may serve several views
   const family = s.meta?.family ?? "decoder";
   for (const ctl of $$(".toolbar [data-ctl]")) {
     const fits = !ctl.dataset.families || ctl.dataset.families.split(" ").includes(family); // e.g. the encoder's pooled button

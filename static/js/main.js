@@ -25,7 +25,7 @@ const store = createStore(readURL());
 window.__attnlens = { perf: {}, renders: 0, errors: [], store, views: VIEWS, urlKeys: URL_KEYS.map((k) => k.key), current: () => current?.view ?? null };
 
 // keys whose change means a view must draw again, by what the view draws from
-const SHOWN = ["view", "layer", "head", "pin", "sink", "cmap", "dcmap", "scale", "zoom", "op", "layers", "heads", "diff", "layerB", "headB", "promptB", "meta"];
+const SHOWN = ["view", "layer", "head", "pin", "sink", "cmap", "dcmap", "scale", "zoom", "op", "layers", "heads", "diff", "layerB", "headB", "promptB", "meta", "xavg"];
 const RENDER_KEYS = { analysis: new Set([...SHOWN, "att"]), generation: new Set([...SHOWN, "gen", "step", "streaming"]) };
 
 // ---------------------------------------------------------------------------------------
@@ -163,7 +163,9 @@ async function generate() {
     signal: controller.signal,
     onToken(t, i) {
       tokens.push(t);
-      if (t.attention) rows.push(t.attention);
+      // an encoder-decoder's step reads its source: the Generation view shows that step's
+      // cross-attention row over the prompt (= source) tokens
+      if (t.attention) rows.push(t.cross_attention ?? t.attention);
       output.add(t, i);
       const s = store.state;
       const follow = s.step >= tokens.length - 2; // the view follows the newest token unless moved back

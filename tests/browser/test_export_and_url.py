@@ -88,6 +88,7 @@ def test_url_round_trip_of_every_state_key(page, browser, server):
         "headB": 2,
         "promptB": "B text,\nsecond line & more",
         "fillk": 7,
+        "xavg": "layer",
     }
     url_keys = page.evaluate("window.__attnlens.urlKeys")
     assert sorted(values) == sorted(url_keys), "a state key the link carries is not covered by this test"

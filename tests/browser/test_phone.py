@@ -13,7 +13,7 @@ def test_phone_layout_fits_the_screen(phone, server):
     # the theme button and every tab can be reached on screen
     box = phone.locator("#theme-toggle").bounding_box()
     assert box and box["x"] >= 0 and box["x"] + box["width"] <= 390, box
-    for tab in phone.locator('[role="tab"]').all():
+    for tab in phone.locator('[role="tab"]:visible').all():  # a family's own tabs hide for other models
         tab.scroll_into_view_if_needed()
         b = tab.bounding_box()
         assert b and b["x"] >= 0 and b["x"] + b["width"] <= 390, b

@@ -28,6 +28,8 @@ export const STATE_KEYS = [
   { key: "op", type: "string", def: "mean", url: true },
   { key: "layers", type: "set", def: null, url: true },
   { key: "heads", type: "set", def: null, url: true },
+  // encoder-decoder views: one head ("head"), the layer's mean ("layer") or the mean of all ("all")
+  { key: "xavg", type: "string", def: "head", url: true },
   // fill-mask panel (an encoder's): candidates shown per [MASK]
   { key: "fillk", type: "int", def: 5, url: true },
   // difference view

@@ -113,6 +113,8 @@ export class GenView {
       if (!isCurrent()) return false;
     }
     const att = gen.attentionAt(step); // [L][H][S]
+    // an encoder-decoder's rows are cross-attention over the source (the prompt), not earlier tokens
+    const cross = params.model.family === "encoder-decoder";
     const L = att.length;
     const H = att[0].length;
     const S = att[0][0].length;
@@ -141,19 +143,22 @@ export class GenView {
       gamma: sc.gamma,
       boundary: P < S ? P : null,
       rowTitle: "layer · head",
-      colTitle: "earlier tokens (keys) →",
+      colTitle: cross ? "source tokens →" : "earlier tokens (keys) →",
     });
     const sel = Math.min(selection.layer, L - 1) * H + Math.min(selection.head, H - 1);
     this.heatmap.setPinned([sel]);
     this.legend = { cmap: settings.cmap, vmin: sc.vmin, vmax: sc.vmax, gamma: sc.gamma, label: sc.label };
     this.ctx.setLegend(this.legend);
     const query = keys[S - 1];
-    this.stepText.innerHTML =
-      `step ${step + 1} / ${n}${params.live ? " (arriving…)" : ""}: query ${escapeHTML(quoted(query, S - 1))} predicting ` +
-      `<span class="tok-inline">${escapeHTML(visible(target.text))}</span> from ${S} earlier tokens (${P} in the prompt)`;
+    this.stepText.innerHTML = cross
+      ? `step ${step + 1} / ${n}${params.live ? " (arriving…)" : ""}: writing <span class="tok-inline">${escapeHTML(visible(target.text))}</span>, ` +
+        `reading the ${S} source tokens`
+      : `step ${step + 1} / ${n}${params.live ? " (arriving…)" : ""}: query ${escapeHTML(quoted(query, S - 1))} predicting ` +
+        `<span class="tok-inline">${escapeHTML(visible(target.text))}</span> from ${S} earlier tokens (${P} in the prompt)`;
     this.drawStrip(data.subarray(sel * S, (sel + 1) * S), sel, keys, P, target, settings.cmap);
-    this.ctx.setCaption(
-      `Each row is one head: the attention of position ${S - 1} (the query, ${escapeHTML(quoted(query))}) when it produced generated token ${step + 1}; generated keys are right of the line. The strip above shows the outlined row (click another row to follow it).${settings.sink ? " First-token column hidden, rows renormalised." : ""}`,
+    this.ctx.setCaption(cross
+      ? `Each row is one head: the cross-attention of the decoder step that wrote generated token ${step + 1}, over the source (the prompt's tokens). The strip above shows the outlined row.`
+      : `Each row is one head: the attention of position ${S - 1} (the query, ${escapeHTML(quoted(query))}) when it produced generated token ${step + 1}; generated keys are right of the line. The strip above shows the outlined row (click another row to follow it).${settings.sink ? " First-token column hidden, rows renormalised." : ""}`,
     );
     return true;
   }

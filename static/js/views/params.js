@@ -16,6 +16,7 @@ export function constrainState(s, meta, viewIds) {
   if (!DIVERGING.includes(out.dcmap)) out.dcmap = "RdBu";
   if (!Object.hasOwn(OPS, out.op)) out.op = "mean";
   if (out.diff !== "heads" && out.diff !== "prompts") out.diff = "heads";
+  if (!["head", "layer", "all"].includes(out.xavg)) out.xavg = "head";
   out.zoom = Math.max(0.25, Math.min(8, out.zoom || 1));
   out.fillk = Math.max(1, Math.min(100, out.fillk || 5));
   if (meta) {
@@ -72,7 +73,7 @@ export function viewParams(s) {
       layers: (s.layers ?? all(meta.n_layers)).slice().sort((a, b) => a - b),
       heads: (s.heads ?? all(meta.n_heads)).slice().sort((a, b) => a - b),
     }),
-    settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom, fillk: s.fillk }),
+    settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom, fillk: s.fillk, xavg: s.xavg }),
     axes: Object.freeze({ rows: "query", cols: "key" }),
     live: s.streaming,
   });

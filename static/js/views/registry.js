@@ -14,6 +14,9 @@ import { AggregateView } from "./aggregateview.js";
 import { DiffView } from "./diffview.js";
 import { LineView } from "./lineview.js";
 import { GenView } from "./genview.js";
+import { CrossView } from "../translator/crossview.js";
+import { DecoderView } from "../translator/decoderview.js";
+import { AlignView } from "../translator/alignview.js";
 import { FillMaskPanel } from "../encoder/fillmask.js";
 import { ClassifyPanel } from "../encoder/classify.js";
 import { PooledPanel } from "../encoder/pooled.js";
@@ -25,6 +28,11 @@ export const VIEWS = [
   { id: "diff", label: "Difference", source: "analysis", controls: ["layer", "head", "sink", "dcmap", "scale", "zoom"], View: DiffView },
   { id: "lines", label: "Lines", source: "analysis", controls: ["layer", "head", "sink"], View: LineView },
   { id: "gen", label: "Generation", source: "generation", families: ["decoder", "encoder-decoder"], controls: ["layer", "head", "sink", "cmap", "scale", "zoom"], View: GenView, title: "What each generated token attended to, step by step" },
+  // encoder-decoder only (`families`: the tabs show only for those models; the views above
+  // show the encoder's self-attention over the source for them)
+  { id: "cross", label: "Cross", source: "analysis", families: ["encoder-decoder"], controls: ["layer", "head", "cmap", "scale", "zoom"], View: CrossView, title: "Cross-attention: target steps down, source tokens across" },
+  { id: "align", label: "Alignment", source: "analysis", families: ["encoder-decoder"], controls: ["layer", "head"], View: AlignView, title: "Lines from each target step to the source tokens it reads" },
+  { id: "decoder", label: "Decoder", source: "analysis", families: ["encoder-decoder"], controls: ["layer", "head", "cmap", "scale", "zoom"], View: DecoderView, title: "The decoder's causal self-attention over the target" },
 ];
 
 /** Whether view or panel `v` applies to a model of this family (none listed: every family). */
