@@ -146,3 +146,25 @@ def api_attention_model(server, model, text):
     r = httpx.post(f"{server.base_url}/attention", json={"model": model, "text": text, "format": "json"}, timeout=60)
     r.raise_for_status()
     return r.json()
+
+
+def test_the_picker_switches_to_the_translator_in_place(page, pair_server):
+    """Choosing the translator in the picker (state key `model`, no reload) brings its family's
+    tabs, keeps generation (it translates), and its encoder's maps are full squares."""
+    open_page(page, pair_server, prompt=SOURCE)
+    assert page.is_hidden("#tab-cross") and page.evaluate("() => window.__attnlens.current().heatmap.model.causal") is True
+    r = rendered(page)
+    page.evaluate("() => { window.__samePage = 1; }")
+    page.select_option("#model-picker", "translator")
+    page.wait_for_function("() => document.body.dataset.family === 'encoder-decoder'")
+    wait_rendered(page, r)
+    assert page.evaluate("() => window.__samePage") == 1 and "model=translator" in page.url
+    assert page.is_visible("#tab-cross") and page.is_visible("#tab-gen") and page.is_visible("#generate")
+    assert page.locator("#fill-mask-panel").count() == 0 and page.is_hidden("#enc-focus-pooled")
+    api = api_attention_model(pair_server, "translator", SOURCE)
+    heat = page.evaluate("() => { const m = window.__attnlens.current().heatmap.model; return [m.causal, m.rows, m.cols]; }")
+    assert heat == [False, len(api["tokens"]), len(api["tokens"])]
+    r = rendered(page)
+    page.click("#tab-cross")
+    wait_rendered(page, r, prefix="cross:")
+    assert heatmap_labels(page)["n"] == len(api["translation"]["target_tokens"])
