@@ -74,3 +74,19 @@ def test_tap_shows_the_tooltip_on_screen_and_pins_the_row(phone, server):
     phone.wait_for_function(f"() => window.__attnlens.store.state.pin.join() === '{row}'")
     assert f"pin={row}" in phone.url
     screenshot(phone, "phone-tooltip.png", full_page=False)
+
+
+def test_phone_encoder_page_fits_the_screen(phone, encoder_server):
+    """With several models the top bar has the model picker; the encoder's panels stack in
+    the sidebar: nothing is wider than the screen."""
+    phone.goto(f"{encoder_server.base_url}/?model=genre&prompt=the+queen+of+%5BMASK%5D")
+    phone.wait_for_function("() => document.body.dataset.family === 'encoder'")
+    wait_rendered(phone)
+    phone.wait_for_selector("#fill-results .prob-row")
+    assert phone.is_visible("#model-picker") and phone.is_visible("#fill-mask-panel")
+    o = overflow(phone)
+    assert o["scrollWidth"] <= 390 and not o["wide"], o
+    box = phone.locator("#model-picker").bounding_box()
+    assert box and box["x"] >= 0 and box["x"] + box["width"] <= 390, box
+    screenshot(phone, "phone-encoder.png")
+    assert not phone.console_log.errors, phone.console_log.errors
