@@ -283,7 +283,7 @@ function wire() {
   store.subscribe((changed, s) => {
     if (changed.has("model") && models.differs(s.model)) switchModel(); // "" and the default's name are one model
     syncControls(s);
-    if (s.meta) panels.render(viewParams(s), changed);
+    if (s.meta && panels.count) panels.render(viewParams(s), changed);
     if (changed.has("step") || changed.has("gen")) output.markStep(s.step);
     scheduleRender(changed);
   });

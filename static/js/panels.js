@@ -30,6 +30,10 @@ export class Panels {
     for (const host of Object.values(this.hosts)) host.hidden = !host.childElementCount;
   }
 
+  get count() {
+    return this.mounted.size;
+  }
+
   /** changed: the state keys that changed, or null (draw everything). */
   render(params, changed) {
     for (const [id, panel] of this.mounted) {
