@@ -20,7 +20,6 @@ choice) is available. Both read only real positions: padding never changes a pre
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import ContextLengthError
-from .parts import Block, activate, sinusoidal_table
+from .parts import Block, Embeddings, activate
 from .transformer import ModelOutput, Transformer
 
 TASKS = ("mlm", "classify", "hidden")
@@ -41,20 +40,14 @@ def padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     return attention_mask.bool()[:, None, None, :]
 
 
-class Encoder(nn.Module):
+class Encoder(Embeddings, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         config.validate()
         self.config = config
         C, V = config.d_model, config.vocab_size
-        self.tok_emb = nn.Embedding(V, C)
-        if config.positional == "learned":
-            self.pos_emb = nn.Embedding(config.context_length, C)
-        else:
-            self.pos_emb = None
-            self.register_buffer("pos_table", sinusoidal_table(config.context_length, C), persistent=False)
+        self.init_embeddings(config)  # tok_emb, pos_emb | pos_table, emb_dropout
         self.emb_norm = nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
-        self.emb_dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, causal=False) for _ in range(config.n_layers))
         self.ln_f = (
             nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
@@ -74,14 +67,6 @@ class Encoder(nn.Module):
             self.pooler = self.classifier = None
         self.apply(Transformer._init_weights)
 
-    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            n -= self.tok_emb.weight.numel()
-            if self.pos_emb is not None:
-                n -= self.pos_emb.weight.numel()
-        return n
-
     # --- the stack -------------------------------------------------------------------
     def encode(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                return_attention: bool = False) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -94,13 +79,7 @@ class Encoder(nn.Module):
             raise ContextLengthError(
                 f"sequence of {T} tokens exceeds the context length {self.config.context_length}"
             )
-        x = self.tok_emb(ids)  # (B, T, C)
-        if self.config.scale_embeddings:
-            x = x * math.sqrt(self.config.d_model)
-        pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table
-        x = self.emb_norm(x + pos[:T].to(x.dtype))
-        if self.training:
-            x = self.emb_dropout(x)
+        x = self.embed(ids, norm=self.emb_norm)  # (B, T, C): LayerNorm(tokens + positions)
         key_mask = padding_mask(attention_mask)  # (B, 1, 1, T) or None
         attentions = [] if return_attention else None
         for block in self.blocks:

@@ -23,7 +23,6 @@ reuse the cached cross K/V and never run the encoder again.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -31,7 +30,7 @@ import torch.nn as nn
 
 from .config import ModelConfig
 from .kv_cache import ContextLengthError, KVCache
-from .parts import Block, sinusoidal_table
+from .parts import Block, Embeddings
 from .transformer import Transformer
 
 
@@ -141,19 +140,13 @@ class TranslationCache:
         self.source_lengths.zero_()
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(Embeddings, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         config.validate()
         self.config = config
         C = config.d_model
-        self.tok_emb = nn.Embedding(config.vocab_size, C)  # shared: source, target, LM head
-        if config.positional == "learned":
-            self.pos_emb = nn.Embedding(config.context_length, C)
-        else:
-            self.pos_emb = None
-            self.register_buffer("pos_table", sinusoidal_table(config.context_length, C), persistent=False)
-        self.emb_dropout = nn.Dropout(config.dropout)
+        self.init_embeddings(config)  # tok_emb (shared: source, target, LM head), positions, dropout
         self.encoder_blocks = nn.ModuleList(Block(config, causal=False) for _ in range(config.n_layers))
         self.encoder_norm = nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
         self.decoder_blocks = nn.ModuleList(
@@ -164,32 +157,10 @@ class EncoderDecoder(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         self.apply(Transformer._init_weights)
 
-    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            n -= self.tok_emb.weight.numel()
-            if self.pos_emb is not None:
-                n -= self.pos_emb.weight.numel()
-        return n
-
     def new_kv_cache(self, n_rows: int = 1) -> TranslationCache:
         c, p = self.config, self.tok_emb.weight
         return TranslationCache(c.n_layers, n_rows, c.n_heads, c.context_length, c.d_head,
                                 device=p.device, dtype=p.dtype)
-
-    # --- embeddings ----------------------------------------------------------------------
-    def embed(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T) ids -> (B, T, C): token embedding (scaled if configured) + positions
-        start .. start+T-1, or the (B, T) `positions` of each token."""
-        x = self.tok_emb(ids)
-        if self.config.scale_embeddings:
-            x = x * math.sqrt(self.config.d_model)
-        pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (P, C)
-        if positions is None:
-            x = x + pos[start:start + ids.shape[1]].to(x.dtype)
-        else:
-            x = x + pos[positions].to(x.dtype)  # (B, T) -> (B, T, C)
-        return self.emb_dropout(x) if self.training else x
 
     def check_length(self, n: int, what: str) -> None:
         if n > self.config.context_length:

@@ -5,6 +5,7 @@ queries may see (cached + new, or the memory's length for cross-attention), C = 
 H = heads, D = d_head = C / H.
 
     sinusoidal_table   fixed positions of Vaswani et al. (2017)
+    Embeddings         mixin: token embedding + learned or sinusoidal positions, dropout
     MultiHeadAttention self-attention (keys/values from x) or cross-attention (from `memory`);
                        a boolean mask broadcastable to (B, H, T, S), True = may attend, and/or
                        `causal`; the SDPA fast path, or the explicit path that also returns the
@@ -42,6 +43,51 @@ def sinusoidal_table(n_positions: int, d_model: int) -> torch.Tensor:
     table[:, 0::2] = torch.sin(angle)
     table[:, 1::2] = torch.cos(angle)
     return table.float()
+
+
+class Embeddings:
+    """Mixin for a family's nn.Module: the token + position embedding, written once.
+
+    `init_embeddings` registers the attributes on the model itself, so the state-dict names
+    stay `tok_emb.weight` and `pos_emb.weight` (GPT-2/BERT interop and saved checkpoints):
+    tok_emb (V, C); pos_emb (P, C) when positions are learned, else pos_emb None and the
+    non-persistent sinusoidal buffer pos_table (P, C); emb_dropout.
+    """
+
+    def init_embeddings(self, config: ModelConfig) -> None:
+        C = config.d_model
+        self.tok_emb = nn.Embedding(config.vocab_size, C)
+        if config.positional == "learned":
+            self.pos_emb = nn.Embedding(config.context_length, C)
+        else:
+            self.pos_emb = None
+            self.register_buffer("pos_table", sinusoidal_table(config.context_length, C), persistent=False)
+        self.emb_dropout = nn.Dropout(config.dropout)
+
+    def embed(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None, *,
+              norm: nn.Module | None = None, dropout: bool = True) -> torch.Tensor:
+        """(B, T) ids -> (B, T, C): token embedding (times sqrt(C) if configured) + positions
+        start .. start+T-1 (a slice, no index lookup), or each token's own (B, T) `positions`;
+        then `norm` (BERT's embedding LayerNorm) and dropout while training."""
+        x = self.tok_emb(ids)  # (B, T, C)
+        if self.config.scale_embeddings:
+            x = x * math.sqrt(self.config.d_model)
+        pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (P, C)
+        if positions is None:
+            x = x + pos[start : start + ids.shape[1]].to(x.dtype)
+        else:
+            x = x + pos[positions].to(x.dtype)  # (B, T) -> (B, T, C)
+        if norm is not None:
+            x = norm(x)
+        return self.emb_dropout(x) if dropout and self.training else x
+
+    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.tok_emb.weight.numel()
+            if self.pos_emb is not None:
+                n -= self.pos_emb.weight.numel()
+        return n
 
 
 def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from .config import ModelConfig
 from .kv_cache import ContextLengthError, KVCache
-from .parts import Block, sinusoidal_table
+from .parts import Block, Embeddings, sinusoidal_table
 
 __all__ = ["ContextLengthError", "KVCache", "ModelOutput", "Transformer", "sinusoidal_table"]
 
@@ -32,20 +32,12 @@ class ModelOutput(NamedTuple):
     attentions: list[torch.Tensor] | None = None
 
 
-class Transformer(nn.Module):
+class Transformer(Embeddings, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         config.validate()
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        if config.positional == "learned":
-            self.pos_emb = nn.Embedding(config.context_length, config.d_model)
-        else:
-            self.pos_emb = None
-            self.register_buffer(
-                "pos_table", sinusoidal_table(config.context_length, config.d_model), persistent=False
-            )
-        self.emb_dropout = nn.Dropout(config.dropout)
+        self.init_embeddings(config)  # tok_emb, pos_emb | pos_table, emb_dropout
         self.blocks = nn.ModuleList(Block(config, causal=True) for _ in range(config.n_layers))
         # Post-LN already normalises every block's output; pre-LN needs a final norm.
         self.ln_f = (
@@ -70,14 +62,6 @@ class Transformer(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            n -= self.tok_emb.weight.numel()
-            if self.pos_emb is not None:
-                n -= self.pos_emb.weight.numel()
-        return n
 
     def new_kv_cache(self, n_rows: int = 1) -> KVCache:
         """An empty cache with `n_rows` rows (slots), each up to the context length."""
@@ -108,18 +92,12 @@ class Transformer(nn.Module):
             raise ContextLengthError(
                 f"sequence of {T} tokens exceeds the context length {self.config.context_length}"
             )
-        x = self.tok_emb(ids)  # (B, T, C)
-        if self.config.scale_embeddings:
-            x = x * math.sqrt(self.config.d_model)
-        pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (P, C)
         if write is None:
-            x = x + pos[:T].to(x.dtype)  # positions 0 .. T-1: a slice, no index lookup
+            x = self.embed(ids)  # (B, T, C), positions 0 .. T-1
         elif write.positions is None:  # every row continues from the same position
-            x = x + pos[write.start : write.start + T].to(x.dtype)
+            x = self.embed(ids, start=write.start)
         else:
-            x = x + pos[write.positions].to(x.dtype)  # (B, T) -> (B, T, C): each row its own
-        if self.training:
-            x = self.emb_dropout(x)
+            x = self.embed(ids, positions=write.positions)  # each row its own (B, T) positions
 
         attentions = [] if return_attention else None
         mask = write.mask if write is not None else None
@@ -150,11 +128,7 @@ class Transformer(nn.Module):
         advanced: the caller does that. Returns (B, 1, V) logits.
         """
         B = ids.shape[0]
-        x = self.tok_emb(ids)  # (B, 1, C)
-        if self.config.scale_embeddings:
-            x = x * math.sqrt(self.config.d_model)
-        pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (P, C)
-        x = x + pos[lengths][:, None, :].to(x.dtype)  # (B,) -> (B, 1, C)
+        x = self.embed(ids, positions=lengths[:, None], dropout=False)  # (B, 1, C) at positions (B, 1)
         keys = torch.arange(kv_cache.capacity, device=ids.device)  # (P,)
         mask = (keys[None, :] <= lengths[:, None])[:, None, None, :]  # (B, P) -> (B, 1, 1, P)
         rows = torch.arange(B, device=ids.device)
