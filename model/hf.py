@@ -325,9 +325,9 @@ def read_gpt2_tokenizer(src: Path) -> Tokenizer:
     raise CheckpointError(f"{src}: no tokenizer found (need tokenizer.json or vocab.json + merges.txt)")
 
 
-def import_hf(src_dir: str | Path, out_dir: str | Path) -> Path:
-    """Convert the transformers GPT-2 directory `src_dir` into an attnlens checkpoint; return it."""
-    src = Path(src_dir)
+def read_hf_config(src: Path) -> tuple[dict[str, Any], Path]:
+    """The JSON object in a transformers directory's config.json, and that file's path
+    (every problem a CheckpointError naming the file)."""
     if not src.is_dir():
         raise CheckpointError(f"{src}: directory does not exist")
     config_path = src / "config.json"
@@ -339,6 +339,13 @@ def import_hf(src_dir: str | Path, out_dir: str | Path) -> Path:
         raise CheckpointError(f"{config_path}: not valid JSON ({e})") from e
     if not isinstance(data, dict):
         raise CheckpointError(f"{config_path}: expected a JSON object")
+    return data, config_path
+
+
+def import_hf(src_dir: str | Path, out_dir: str | Path) -> Path:
+    """Convert the transformers GPT-2 directory `src_dir` into an attnlens checkpoint; return it."""
+    src = Path(src_dir)
+    data, config_path = read_hf_config(src)
     config = config_from_gpt2(data, config_path)
 
     tensors, weights_path = read_gpt2_weights(src)

@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, ModelConfig
 from .encoder import Encoder
-from .hf import read_gpt2_weights
+from .hf import read_gpt2_weights, read_hf_config
 from .tokenizer import CLS_TOKEN, MASK_TOKEN, PAD_TOKEN, SEP_TOKEN, Tokenizer
 
 # BERT's hidden_act values and ours
@@ -222,13 +222,7 @@ def read_bert_tokenizer(src: Path) -> Tokenizer:
 def import_bert(src_dir: str | Path, out_dir: str | Path) -> Path:
     """Convert the BertForMaskedLM directory `src_dir` into an attnlens encoder checkpoint."""
     src = Path(src_dir)
-    config_path = src / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{config_path}: file is missing")
-    try:
-        data = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from e
+    data, config_path = read_hf_config(src)
     config = config_from_bert(data, config_path)
     tensors, weights_path = read_gpt2_weights(src)  # the same file layouts as any HF model
     state = state_from_bert(tensors, config, weights_path)
