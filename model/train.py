@@ -193,18 +193,12 @@ class Batch:
     n_tokens: int  # tokens this batch feeds the model (for tokens/s)
 
 
-class LMObjective:
-    """Next-token prediction for the decoder: random windows, bits per byte on held-out works."""
+class Objective:
+    """What every objective shares: by default one phase and the run's cosine learning rate.
+    A subclass sets self.s (TrainSettings) and overrides these for more than one phase."""
 
     has_unused_parameters = False
-
-    def __init__(self, run: RunConfig, tokenizer: Tokenizer, train_texts, val_texts, device, autocast):
-        self.s, self.tokenizer, self.device, self.autocast = run.train, tokenizer, device, autocast
-        self.block = run.model.context_length
-        self.train_stream = encode_corpus(tokenizer, train_texts)
-        self.val_stream = encode_corpus(tokenizer, val_texts)
-        self.byte_lengths = token_byte_lengths(tokenizer, run.model.vocab_size)
-        self.total_steps = run.train.max_steps
+    s: TrainSettings
 
     def phase(self, step: int) -> str | None:
         return None
@@ -214,6 +208,18 @@ class LMObjective:
 
     def lr_at(self, step: int) -> float:
         return lr_at(step, self.s)
+
+
+class LMObjective(Objective):
+    """Next-token prediction for the decoder: random windows, bits per byte on held-out works."""
+
+    def __init__(self, run: RunConfig, tokenizer: Tokenizer, train_texts, val_texts, device, autocast):
+        self.s, self.tokenizer, self.device, self.autocast = run.train, tokenizer, device, autocast
+        self.block = run.model.context_length
+        self.train_stream = encode_corpus(tokenizer, train_texts)
+        self.val_stream = encode_corpus(tokenizer, val_texts)
+        self.byte_lengths = token_byte_lengths(tokenizer, run.model.vocab_size)
+        self.total_steps = run.train.max_steps
 
     def batch(self, step: int, micro: int, rank: int) -> Batch:
         s = self.s

@@ -18,7 +18,7 @@ from .encoder_eval import EVAL_MASK_SEED, build_split, encoder_report, every_nth
 from .genres import GENRES
 from .mlm import IGNORE, mask_tokens
 from .passages import frame, load_works, random_windows, tokenize_works
-from .train import Batch, RunConfig, lr_at
+from .train import Batch, Objective, RunConfig, lr_at
 
 
 def cosine_lr(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
@@ -28,7 +28,7 @@ def cosine_lr(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
 
 
-class EncoderObjective:
+class EncoderObjective(Objective):
     has_unused_parameters = True  # the classification head is idle during pretraining
 
     def __init__(self, run: RunConfig, tokenizer, device, autocast):

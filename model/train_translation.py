@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .data_translation import KINDS, Pair, held_out_sample, is_held_out, sample_training_pairs, tokenizer_corpus
 from .encoder_decoder import decoder_start_id, greedy_translate
 from .tokenizer import Tokenizer
-from .train import Batch, RunConfig, lr_at
+from .train import Batch, Objective, RunConfig
 
 IGNORE = -100
 
@@ -59,8 +59,7 @@ def exact_match(model, tokenizer: Tokenizer, pairs: list[Pair]) -> dict:
             "accuracy": (len(pairs) - len(mistakes)) / len(pairs), "mistakes": mistakes}
 
 
-class TranslationObjective:
-    has_unused_parameters = False
+class TranslationObjective(Objective):
     QUICK_EVAL = 100  # held-out pairs of each kind in the periodic evaluations
 
     def __init__(self, run: RunConfig, tokenizer: Tokenizer, device, autocast):
@@ -70,15 +69,6 @@ class TranslationObjective:
         self.total_steps = self.s.max_steps
         n_quick = min(self.QUICK_EVAL, self.s.eval_pairs)
         self.quick = {k: held_out_sample(k, n_quick, seed=1) for k in KINDS}
-
-    def phase(self, step: int) -> str | None:
-        return None
-
-    def ends_phase(self, step: int) -> bool:
-        return False
-
-    def lr_at(self, step: int) -> float:
-        return lr_at(step, self.s)
 
     def batch(self, step: int, micro: int, rank: int) -> Batch:
         g = torch.Generator().manual_seed(self.s.seed * 1_000_003 + (step * self.s.grad_accum + micro) * 101 + rank)
