@@ -131,27 +131,34 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
     reasons = ckpt.config.is_gpt2_shaped()
     if reasons:
         raise ValueError(f"{model_dir}: cannot export as GPT-2: " + "; ".join(reasons))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tok = ckpt.tokenizer
-
-    tmp = out / "model.safetensors.tmp"
-    save_file(gpt2_state(ckpt.model), str(tmp), metadata={"format": "pt", "producer": "attnlens"})
-    tmp.replace(out / "model.safetensors")
-    _write_json(out / "config.json", gpt2_config_dict(ckpt.config, tok))
-    tok.save(out / "tokenizer.json")
+    out = write_hf_dir(out_dir, gpt2_state(ckpt.model), gpt2_config_dict(ckpt.config, tok), tok)
 
     for name, data in tok.transformers_files(ckpt.config.context_length).items():
-        _write_json(out / name, data)
+        write_json(out / name, data)
     if tok.eos_id is not None:
-        _write_json(
+        write_json(
             out / "generation_config.json",
             {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id},
         )
     return out
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], config: dict[str, Any],
+                 tokenizer: Tokenizer) -> Path:
+    """Start a transformers directory: model.safetensors (written atomically), config.json
+    and tokenizer.json; return it. The caller adds its family's tokenizer files."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt", "producer": "attnlens"})
+    tmp.replace(out / "model.safetensors")
+    write_json(out / "config.json", config)
+    tokenizer.save(out / "tokenizer.json")
+    return out
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 

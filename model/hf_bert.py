@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, ModelConfig
 from .encoder import Encoder
-from .hf import read_gpt2_weights, read_hf_config
+from .hf import read_gpt2_weights, read_hf_config, write_hf_dir, write_json
 from .tokenizer import CLS_TOKEN, MASK_TOKEN, PAD_TOKEN, SEP_TOKEN, Tokenizer
 
 # BERT's hidden_act values and ours
@@ -117,18 +116,12 @@ def export_bert(model_dir: str | Path, out_dir: str | Path) -> Path:
     reasons = ckpt.config.is_bert_shaped()
     if reasons:
         raise ValueError(f"{model_dir}: cannot export as BERT: " + "; ".join(reasons))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "model.safetensors.tmp"
-    save_file(bert_state(ckpt.model), str(tmp), metadata={"format": "pt", "producer": "attnlens"})
-    tmp.replace(out / "model.safetensors")
     tok = ckpt.tokenizer
-    _write_json(out / "config.json", bert_config_dict(ckpt.config, tok))
-    tok.save(out / "tokenizer.json")
+    out = write_hf_dir(out_dir, bert_state(ckpt.model), bert_config_dict(ckpt.config, tok), tok)
     special = {"pad_token": PAD_TOKEN, "cls_token": CLS_TOKEN, "sep_token": SEP_TOKEN,
                "mask_token": MASK_TOKEN, "unk_token": PAD_TOKEN}
-    _write_json(out / "special_tokens_map.json", special)
-    _write_json(out / "tokenizer_config.json", {
+    write_json(out / "special_tokens_map.json", special)
+    write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": ckpt.config.context_length,
         "clean_up_tokenization_spaces": False,
@@ -137,8 +130,6 @@ def export_bert(model_dir: str | Path, out_dir: str | Path) -> Path:
     return out
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 # --- import ------------------------------------------------------------------------------
