@@ -165,6 +165,17 @@ def encoder_report(model, split: Split, *, with_baselines: bool = True) -> dict:
     return report
 
 
+def merge_report(old: dict, new: dict) -> dict:
+    """old updated with new, except that a figure new could not compute (an `error`, e.g. the
+    bag-of-words baseline without scikit-learn) never replaces the one old recorded."""
+    merged = dict(old)
+    for key, value in new.items():
+        failed = isinstance(value, dict) and "error" in value
+        if not (failed and isinstance(old.get(key), dict) and "error" not in old[key]):
+            merged[key] = value
+    return merged
+
+
 def refresh_report(ckpt_dir, data_dir="data/shakespeare") -> dict:
     """Recompute a trained encoder checkpoint's held-out figures into its train_report.json."""
     import json
@@ -174,8 +185,7 @@ def refresh_report(ckpt_dir, data_dir="data/shakespeare") -> dict:
 
     ckpt = load_checkpoint(ckpt_dir)
     split = build_split(data_dir, ckpt.tokenizer, ckpt.config.context_length)
-    report = dict(ckpt.report or {})
-    report.update(encoder_report(ckpt.model, split))
+    report = merge_report(ckpt.report or {}, encoder_report(ckpt.model, split))
     path = Path(ckpt_dir) / REPORT_FILE
     path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report

@@ -88,3 +88,32 @@ def test_fills_an_obvious_mask(ckpt):
     masks = fill_mask(ckpt, "O Romeo, Romeo! wherefore art thou [MASK]?", top_k=5, max_masks=4)
     assert len(masks) == 1 and len(masks[0]) == 5
     assert masks[0][0].score >= masks[0][-1].score
+
+
+def test_refresh_report_keeps_a_recorded_baseline_it_cannot_recompute(tmp_path, monkeypatch):
+    """`attnlens encoder-report` without scikit-learn (a `make serve` venv) must not overwrite
+    the committed bag-of-words figures in train_report.json with an error."""
+    import json
+    from types import SimpleNamespace
+
+    import model.checkpoint
+    import model.encoder_eval as encoder_eval
+
+    old = {"steps": 7, "held_out_mlm": {"mlm_accuracy": 0.1},
+           "bow_baseline": {"accuracy": 0.7}, "majority_baseline": {"accuracy": 0.5}}
+    new = {"held_out_mlm": {"mlm_accuracy": 0.2},
+           "bow_baseline": {"error": "scikit-learn is not installed (no module named sklearn)"},
+           "majority_baseline": {"accuracy": 0.5}}
+    fake = SimpleNamespace(report=old, model=None, tokenizer=None,
+                           config=SimpleNamespace(context_length=8))
+    monkeypatch.setattr(model.checkpoint, "load_checkpoint", lambda d: fake)
+    monkeypatch.setattr(encoder_eval, "build_split", lambda *a, **k: None)
+    monkeypatch.setattr(encoder_eval, "encoder_report", lambda m, s: new)
+
+    written = encoder_eval.refresh_report(tmp_path, tmp_path)
+    on_disk = json.loads((tmp_path / model.checkpoint.REPORT_FILE).read_text())
+    for report in (written, on_disk):
+        assert report["bow_baseline"] == {"accuracy": 0.7}  # kept, not the error
+        assert report["held_out_mlm"] == {"mlm_accuracy": 0.2} and report["steps"] == 7
+    # with nothing recorded before, the error is what there is to say
+    assert encoder_eval.merge_report({}, new)["bow_baseline"] == new["bow_baseline"]
