@@ -17,7 +17,7 @@ Names map one to one (ours -> BertForMaskedLM), with our fused q/k/v split in th
     mlm_bias                -> cls.predictions.bias (the decoder is tied to word_embeddings)
 
 Our classification head (pooler + classifier on a mean- or [CLS]-pooled state) is not part
-of BertForMaskedLM and is not exported. Like model/hf.py, this module does not import
+of BertForMaskedLM and is not exported. Like model/interop/hf.py, this module does not import
 `transformers`: both directions only read and write files.
 """
 
