@@ -14,7 +14,7 @@ DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "default"
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from model.info import describe
+    from model.evaluation.info import describe
 
     print(describe(args.model))
     return 0
@@ -24,12 +24,12 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     from model.checkpoint import load_config
 
     if load_config(args.model).family == "encoder":
-        from model.hf_bert import export_bert
+        from model.interop.hf_bert import export_bert
 
         out = export_bert(args.model, args.out)
         print(f"wrote a transformers BertForMaskedLM directory to {out}")
         return 0
-    from model.hf import export_hf
+    from model.interop.hf import export_hf
 
     out = export_hf(args.model, args.out)
     print(f"wrote a transformers GPT-2 directory to {out}")
@@ -42,11 +42,11 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     config = Path(args.src) / "config.json"
     model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type") if config.is_file() else None
     if model_type == "bert":
-        from model.hf_bert import import_bert
+        from model.interop.hf_bert import import_bert
 
         out = import_bert(args.src, args.out)
     else:
-        from model.hf import import_hf
+        from model.interop.hf import import_hf
 
         out = import_hf(args.src, args.out)
     print(f"wrote an attnlens checkpoint to {out}")
@@ -56,7 +56,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 def cmd_encoder_report(args: argparse.Namespace) -> int:
     import json
 
-    from model.encoder_eval import refresh_report
+    from model.evaluation.encoder import refresh_report
 
     report = refresh_report(args.model, args.data)
     keys = ("held_out_mlm", "held_out_genre", "bow_baseline", "majority_baseline")
@@ -65,7 +65,7 @@ def cmd_encoder_report(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
-    from model.data import prepare_data
+    from model.data.shakespeare import prepare_data
 
     manifest = prepare_data(args.out, source=args.source)
     n_train = sum(1 for w in manifest["works"] if w["split"] == "train")
@@ -75,14 +75,14 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from model.train import train_from_file
+    from model.training.train import train_from_file
 
     train_from_file(args.config, args.out, resume=args.resume, overrides=args.set or [])
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from model.cli_generate import generate_to_terminal
+    from app.cli_generate import generate_to_terminal
 
     return generate_to_terminal(args)
 

@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_model.py --model DIR     # any GPT-2-shaped attnlens checkpoint
     .venv/bin/python bench/bench_model.py --threads 2 --reps 7
 
-Our checkpoint is exported with `model.hf.export_hf` and loaded with
+Our checkpoint is exported with `model.interop.hf.export_hf` and loaded with
 `transformers.GPT2LMHeadModel.from_pretrained`, in this same process. Timed:
 
 * forward over T tokens (default 256), without attention maps (ours: SDPA, transformers: sdpa)
@@ -34,9 +34,9 @@ sys.path.insert(0, str(REPO_ROOT))
 from model.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.decoding import SamplingParams, generate_tokens  # noqa: E402
-from model.hf import export_hf  # noqa: E402
+from model.interop.hf import export_hf  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
-from model.transformer import Transformer  # noqa: E402
+from model.families.decoder import Transformer  # noqa: E402
 
 DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "default"
 # The bundled default model's shape (configs/default.toml).

@@ -151,7 +151,7 @@ def in_process_peers(model_dir: Path, new_tokens: int, reps: int) -> dict:
     from transformers import GPT2LMHeadModel
 
     from model import SamplingParams, generate_tokens, load_checkpoint
-    from model.hf import export_hf
+    from model.interop.hf import export_hf
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)

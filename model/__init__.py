@@ -1,11 +1,17 @@
-"""attnlens' transformer: config, model, tokenizer, checkpoints, decoding."""
+"""attnlens' transformer: config, model, tokenizer, checkpoints, decoding.
+
+Layout: the core every family uses sits here (config, parts, kv_cache, cuda_graphs, tokenizer,
+checkpoint, decoding); families/ holds the decoder, encoder and encoder-decoder models and the
+family -> class map; data/ the corpora; training/ the training loop and objectives;
+evaluation/ the reports; interop/ Hugging Face export and import.
+"""
 
 from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, ModelConfig
 from .decoding import GeneratedToken, SamplingParams, generate_tokens
 from .tokenizer import Tokenizer
 from .kv_cache import ContextLengthError, KVCache
-from .transformer import ModelOutput, Transformer
+from .families.decoder import ModelOutput, Transformer
 
 __all__ = [
     "Checkpoint",

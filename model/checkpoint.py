@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig
 from .tokenizer import Tokenizer
-from .encoder import build_model
-from .transformer import Transformer
+from .families import build_model
+from .families.decoder import Transformer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -12,7 +12,7 @@ from .kv_cache import KVCache
 
 if TYPE_CHECKING:
     from .cuda_graphs import GraphedDecoder
-from .transformer import ModelOutput, Transformer
+from .families.decoder import ModelOutput, Transformer
 
 
 @dataclass

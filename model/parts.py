@@ -15,7 +15,7 @@ H = heads, D = d_head = C / H.
                        residual sum ("post", Vaswani et al.): self-attention (causal or not),
                        an optional cross-attention (encoder-decoder), the FFN
 
-A family (decoder: model/transformer.py) chooses how to stack these; it never copies them.
+A family (decoder: model/families/decoder.py) chooses how to stack these; it never copies them.
 """
 
 from __future__ import annotations

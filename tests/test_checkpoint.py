@@ -14,7 +14,7 @@ from safetensors import safe_open
 from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from model.config import ModelConfig
 from model.tokenizer import Tokenizer
-from model.transformer import Transformer
+from model.families.decoder import Transformer
 
 
 @pytest.fixture()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from model.data import VAL_WORKS, clean_text, load_split, prepare_data
+from model.data.shakespeare import VAL_WORKS, clean_text, load_split, prepare_data
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "data" / "shakespeare"

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from model import ModelConfig, load_checkpoint, save_checkpoint
 from model.config import ConfigError
-from model.encoder import Encoder, padding_mask
+from model.families.encoder import Encoder, padding_mask
 from model.tokenizer import Tokenizer
 from encoder_helpers import make_tiny_encoder
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from model import ModelConfig, load_checkpoint, save_checkpoint
-from model.encoder_decoder import EncoderDecoder, EncoderDecoderOutput, greedy_translate_ids
+from model.families.encoder_decoder import EncoderDecoder, EncoderDecoderOutput, greedy_translate_ids
 from model.kv_cache import ContextLengthError
 
 C, H, F_, L, V = 32, 4, 64, 2, 53
@@ -276,7 +276,7 @@ def test_checkpoint_round_trip_builds_the_family(tmp_path, model):
 
 
 def test_attention_groups_of_one_pair(model):
-    from model.encoder_decoder import attention_groups
+    from model.families.encoder_decoder import attention_groups
 
     enc, dec, cross = attention_groups(model, [5, 6, 7, 8], [0, 9, 10])
     assert enc.shape == (L, H, 4, 4) and dec.shape == (L, H, 3, 3) and cross.shape == (L, H, 3, 4)

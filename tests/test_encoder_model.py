@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from model import load_checkpoint
-from model.encoder_eval import (
+from model.evaluation.encoder import (
     SAMPLE_EVERY,
     bow_baseline,
     build_split,
@@ -16,7 +16,7 @@ from model.encoder_eval import (
     majority_baseline,
     mlm_metrics,
 )
-from model.genres import GENRES
+from model.data.genres import GENRES
 
 from conftest import REPO_ROOT
 

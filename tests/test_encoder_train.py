@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.data import VAL_WORKS, prepare_data
-from model.genres import EXCLUDED, FOLIO_GENRE, GENRES
-from model.mlm import IGNORE, mask_tokens
-from model.passages import load_works
+from model.data.shakespeare import VAL_WORKS, prepare_data
+from model.data.genres import EXCLUDED, FOLIO_GENRE, GENRES
+from model.data.mlm import IGNORE, mask_tokens
+from model.data.passages import load_works
 from model.tokenizer import Tokenizer
-from model.train import load_run_config, train
+from model.training.train import load_run_config, train
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from model.decoding import SamplingParams, generate_tokens
-from model.hf import export_hf, import_hf
+from model.interop.hf import export_hf, import_hf
 from model.tokenizer import EOS_TOKEN, Tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from model.hf_bert import export_bert, import_bert
+from model.interop.hf_bert import export_bert, import_bert
 
 transformers = pytest.importorskip("transformers")
 from transformers import BertConfig, BertForMaskedLM  # noqa: E402

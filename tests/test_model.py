@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from model.config import ConfigError, ModelConfig
 from model.decoding import SamplingParams, filter_logits, generate_tokens
 from model.parts import MultiHeadAttention
-from model.transformer import (
+from model.families.decoder import (
     ContextLengthError,
     Transformer,
     sinusoidal_table,

@@ -148,7 +148,7 @@ def test_generated_eos_has_its_logprobs_entry_when_streamed(eos_client):
 # --- bos/eos: the checkpoint's tokenizer and the export both name the end-of-text token -----
 def test_checkpoint_and_export_tokenizers_name_eos(tiny_checkpoint, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from model.hf import export_hf
+    from model.interop.hf import export_hf
 
     tok = load_checkpoint(tiny_checkpoint).tokenizer
     for directory in (tiny_checkpoint, export_hf(tiny_checkpoint, tmp_path / "hf"),

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.data import VAL_WORKS, load_split, prepare_data
-from model.train import evaluate, load_run_config, token_byte_lengths, train, encode_corpus
+from model.data.shakespeare import VAL_WORKS, load_split, prepare_data
+from model.training.train import evaluate, load_run_config, token_byte_lengths, train, encode_corpus
 from model.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,7 +82,7 @@ def test_tiny_run_lowers_held_out_loss_and_writes_everything(tmp_path, small_cor
     tok = Tokenizer.from_file(out / "tokenizer.json")
     stream = encode_corpus(tok, load_split(small_corpus, "val"))
     torch.manual_seed(run.train.seed)
-    from model.transformer import Transformer
+    from model.families.decoder import Transformer
 
     untrained = Transformer(run.model)
     before = evaluate(untrained, stream, token_byte_lengths(tok, run.model.vocab_size), 32, "cpu")
@@ -165,7 +165,7 @@ def test_two_process_ddp_over_gloo_writes_one_checkpoint(tmp_path, small_corpus)
 
 
 def test_generate_cli_streams_and_is_seeded(tiny_checkpoint):
-    from model.cli_generate import generate_to_terminal
+    from app.cli_generate import generate_to_terminal
 
     def run(seed):
         buf = io.StringIO()

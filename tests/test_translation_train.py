@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from model import load_checkpoint
-from model.encoder_decoder import EncoderDecoder
-from model.train import load_run_config, train
+from model.families.encoder_decoder import EncoderDecoder
+from model.training.train import load_run_config, train
 from translator_helpers import small_translation_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ import torch
 
 from app.attention_codec import decode
 from model import load_checkpoint
-from model.encoder_decoder import attention_groups, greedy_translate
+from model.families.encoder_decoder import attention_groups, greedy_translate
 
 from conftest import REPO_ROOT
 from helpers import parse_sse

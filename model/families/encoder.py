@@ -25,10 +25,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .kv_cache import ContextLengthError
-from .parts import Block, Embeddings, activate
-from .transformer import ModelOutput, Transformer
+from ..config import ModelConfig
+from ..kv_cache import ContextLengthError
+from ..parts import Block, Embeddings, activate
+from .decoder import ModelOutput, Transformer
 
 TASKS = ("mlm", "classify", "hidden")
 
@@ -136,16 +136,3 @@ class Encoder(Embeddings, nn.Module):
         else:
             logits = hidden
         return ModelOutput(logits, attentions)
-
-
-def build_model(config: ModelConfig) -> nn.Module:
-    """The module for a config's family."""
-    if config.family == "decoder":
-        return Transformer(config)
-    if config.family == "encoder":
-        return Encoder(config)
-    if config.family == "encoder-decoder":
-        from .encoder_decoder import EncoderDecoder
-
-        return EncoderDecoder(config)
-    raise ValueError(f"family {config.family!r} is not built by this version of attnlens")

@@ -1,7 +1,7 @@
 """The encoder's data: works as token streams, cut into [CLS] passage [SEP] rows.
 
 Masked-LM pretraining reads random windows of every training work; the genre task reads
-windows of the works the First Folio catalogues (model/genres.py), labelled by genre.
+windows of the works the First Folio catalogues (model/data/genres.py), labelled by genre.
 Held-out works (manifest.json's val split) give fixed, non-overlapping passages.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .genres import FOLIO_GENRE
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 
 
 @dataclass

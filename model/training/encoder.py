@@ -14,10 +14,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .encoder_eval import EVAL_MASK_SEED, build_split, encoder_report, every_nth, genre_metrics, mlm_metrics
-from .genres import GENRES
-from .mlm import IGNORE, mask_tokens
-from .passages import frame, load_works, random_windows, tokenize_works
+from ..evaluation.encoder import EVAL_MASK_SEED, build_split, encoder_report, every_nth, genre_metrics, mlm_metrics
+from ..data.genres import GENRES
+from ..data.mlm import IGNORE, mask_tokens
+from ..data.passages import frame, load_works, random_windows, tokenize_works
 from .train import Batch, Objective, RunConfig, lr_at
 
 

@@ -30,13 +30,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from .checkpoint import load_weights, save_checkpoint
-from .config import ModelConfig
-from .data import load_split
-from .decoding import SamplingParams, generate_tokens
-from .tokenizer import Tokenizer
-from .encoder import build_model
-from .transformer import Transformer
+from ..checkpoint import load_weights, save_checkpoint
+from ..config import ModelConfig
+from ..data.shakespeare import load_split
+from ..decoding import SamplingParams, generate_tokens
+from ..tokenizer import Tokenizer
+from ..families import build_model
+from ..families.decoder import Transformer
 
 LN2 = math.log(2.0)
 SAMPLE_PROMPTS = ["ROMEO.\n", "To be, or not to be", "KING.\nMy lords,", "O, ", "First Citizen.\n"]
@@ -425,7 +425,7 @@ def train(
         torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
     )
 
-    # tokenizer and data (the encoder-decoder generates its own pairs: model/data_translation.py)
+    # tokenizer and data (the encoder-decoder generates its own pairs: model/data/translation.py)
     seq2seq = mcfg.family == "encoder-decoder"
     train_texts = None if seq2seq else load_split(s.data_dir, "train")
     val_texts = None if seq2seq else load_split(s.data_dir, "val")
@@ -434,7 +434,7 @@ def train(
     elif s.tokenizer:
         tokenizer = Tokenizer.from_file(s.tokenizer)
     elif seq2seq:
-        from .train_translation import train_translation_tokenizer
+        from .translation import train_translation_tokenizer
 
         tokenizer = train_translation_tokenizer(s.vocab_size)
     else:
@@ -442,11 +442,11 @@ def train(
     if tokenizer.vocab_size > mcfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens; model.vocab_size is {mcfg.vocab_size}")
     if seq2seq:
-        from .train_translation import TranslationObjective
+        from .translation import TranslationObjective
 
         objective = TranslationObjective(run, tokenizer, device, autocast)
     elif mcfg.family == "encoder":
-        from .train_encoder import EncoderObjective
+        from .encoder import EncoderObjective
 
         objective = EncoderObjective(run, tokenizer, device, autocast)
     else:

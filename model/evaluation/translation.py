@@ -1,9 +1,9 @@
-"""`python -m model.translation_eval CHECKPOINT`: greedy exact match of a translator on EVERY
+"""`python -m model.evaluation.translation CHECKPOINT`: greedy exact match of a translator on EVERY
 held-out pair (not a sample), written into its train_report.json as "held_out_all".
 
 Slow (it formats all 219,147 dates and 1,000,000 numbers to find the held-out ones, then
 decodes about 122,000 pairs): minutes on one CPU thread. The training report's own figures
-come from a fixed sample (model/train_translation.py) that the tests recompute.
+come from a fixed sample (model/training/translation.py) that the tests recompute.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint import REPORT_FILE, load_checkpoint
-from .data_translation import KINDS, all_held_out
-from .encoder_decoder import greedy_translate
+from ..checkpoint import REPORT_FILE, load_checkpoint
+from ..data.translation import KINDS, all_held_out
+from ..families.encoder_decoder import greedy_translate
 
 
 def evaluate_all(ckpt_dir: str | Path, batch_size: int = 512, n_mistakes: int = 25) -> dict:

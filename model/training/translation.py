@@ -1,6 +1,6 @@
 """The encoder-decoder's training objective: English -> French dates and numbers.
 
-Each step draws `batch_size` pairs that are not held out (model/data_translation.py) from
+Each step draws `batch_size` pairs that are not held out (model/data/translation.py) from
 a generator seeded by (seed, step, rank), so a resumed run sees the batches an uninterrupted
 run would have seen. Teacher forcing: the decoder reads [EOS] + target and predicts
 target + [EOS] (EOS both starts and ends a translation); padding is masked on both sides
@@ -17,9 +17,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .data_translation import KINDS, Pair, held_out_sample, is_held_out, sample_training_pairs, tokenizer_corpus
-from .encoder_decoder import decoder_start_id, greedy_translate
-from .tokenizer import Tokenizer
+from ..data.translation import KINDS, Pair, held_out_sample, is_held_out, sample_training_pairs, tokenizer_corpus
+from ..families.encoder_decoder import decoder_start_id, greedy_translate
+from ..tokenizer import Tokenizer
 from .train import Batch, Objective, RunConfig
 
 IGNORE = -100

@@ -28,10 +28,10 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from .config import ModelConfig
-from .kv_cache import ContextLengthError, KVCache
-from .parts import Block, Embeddings
-from .transformer import Transformer
+from ..config import ModelConfig
+from ..kv_cache import ContextLengthError, KVCache
+from ..parts import Block, Embeddings
+from .decoder import Transformer
 
 
 class EncoderDecoderOutput(NamedTuple):

@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from .checkpoint import load_checkpoint
-from .decoding import SamplingParams, generate_tokens
+from model.checkpoint import load_checkpoint
+from model.decoding import SamplingParams, generate_tokens
 
 
 def pick_device(pref: str) -> str:

@@ -32,10 +32,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .config import ConfigError, ModelConfig
-from .tokenizer import EOS_TOKEN, Tokenizer
-from .transformer import Transformer
+from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..config import ConfigError, ModelConfig
+from ..tokenizer import EOS_TOKEN, Tokenizer
+from ..families.decoder import Transformer
 
 HF_PREFIX = "transformer."
 # GPT-2 activations that are exactly our tanh-approximated GELU.

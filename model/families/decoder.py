@@ -17,9 +17,9 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from .config import ModelConfig
-from .kv_cache import ContextLengthError, KVCache
-from .parts import Block, Embeddings, sinusoidal_table
+from ..config import ModelConfig
+from ..kv_cache import ContextLengthError, KVCache
+from ..parts import Block, Embeddings, sinusoidal_table
 
 __all__ = ["ContextLengthError", "KVCache", "ModelOutput", "Transformer", "sinusoidal_table"]
 

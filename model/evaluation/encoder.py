@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .genres import GENRES
-from .mlm import IGNORE, mask_tokens
-from .passages import TokenizedWork, fixed_passages, frame, load_works, tokenize_works
-from .tokenizer import Tokenizer
+from ..data.genres import GENRES
+from ..data.mlm import IGNORE, mask_tokens
+from ..data.passages import TokenizedWork, fixed_passages, frame, load_works, tokenize_works
+from ..tokenizer import Tokenizer
 
 EVAL_MASK_SEED = 20231
 BATCH = 64
@@ -181,7 +181,7 @@ def refresh_report(ckpt_dir, data_dir="data/shakespeare") -> dict:
     import json
     from pathlib import Path
 
-    from .checkpoint import REPORT_FILE, load_checkpoint
+    from ..checkpoint import REPORT_FILE, load_checkpoint
 
     ckpt = load_checkpoint(ckpt_dir)
     split = build_split(data_dir, ckpt.tokenizer, ckpt.config.context_length)

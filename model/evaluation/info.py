@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import load_checkpoint
+from ..checkpoint import load_checkpoint
 
 
 def summary(ckpt_dir: str | Path) -> dict:

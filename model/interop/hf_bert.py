@@ -17,7 +17,7 @@ Names map one to one (ours -> BertForMaskedLM), with our fused q/k/v split in th
     mlm_bias                -> cls.predictions.bias (the decoder is tied to word_embeddings)
 
 Our classification head (pooler + classifier on a mean- or [CLS]-pooled state) is not part
-of BertForMaskedLM and is not exported. Like model/hf.py, this module does not import
+of BertForMaskedLM and is not exported. Like model/interop/hf.py, this module does not import
 `transformers`: both directions only read and write files.
 """
 
@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .config import ConfigError, ModelConfig
-from .encoder import Encoder
+from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..config import ConfigError, ModelConfig
+from ..families.encoder import Encoder
 from .hf import read_gpt2_weights, read_hf_config, write_hf_dir, write_json
-from .tokenizer import CLS_TOKEN, MASK_TOKEN, PAD_TOKEN, SEP_TOKEN, Tokenizer
+from ..tokenizer import CLS_TOKEN, MASK_TOKEN, PAD_TOKEN, SEP_TOKEN, Tokenizer
 
 # BERT's hidden_act values and ours
 ACTIVATIONS_TO_HF = {"relu": "relu", "gelu": "gelu_new", "gelu_exact": "gelu"}
