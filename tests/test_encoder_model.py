@@ -97,7 +97,7 @@ def test_refresh_report_keeps_a_recorded_baseline_it_cannot_recompute(tmp_path, 
     from types import SimpleNamespace
 
     import model.checkpoint
-    import model.encoder_eval as encoder_eval
+    import model.evaluation.encoder as encoder_eval
 
     old = {"steps": 7, "held_out_mlm": {"mlm_accuracy": 0.1},
            "bow_baseline": {"accuracy": 0.7}, "majority_baseline": {"accuracy": 0.5}}
