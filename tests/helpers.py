@@ -125,3 +125,14 @@ async def drain(generation):
         else:
             last = event
     return tokens, last
+
+
+@torch.no_grad()
+def copy_attention_into_torch(ours, theirs) -> None:
+    """Copy our MultiHeadAttention's weights into a torch nn.MultiheadAttention (same layout:
+    qkv rows q|k|v = in_proj, proj = out_proj), for parity tests against PyTorch."""
+    theirs.in_proj_weight.copy_(ours.qkv.weight)
+    theirs.in_proj_bias.copy_(ours.qkv.bias)
+    theirs.out_proj.weight.copy_(ours.proj.weight)
+    theirs.out_proj.bias.copy_(ours.proj.bias)
+

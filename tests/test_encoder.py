@@ -14,6 +14,7 @@ from model.config import ConfigError
 from model.families.encoder import Encoder, padding_mask
 from model.tokenizer import Tokenizer
 from encoder_helpers import make_tiny_encoder
+from helpers import copy_attention_into_torch
 
 C, H, F_, L = 32, 4, 64, 3
 
@@ -31,10 +32,7 @@ def lengths_mask(lengths: list[int], T: int) -> torch.Tensor:
 
 def copy_block_into_torch_layer(block, layer: nn.TransformerEncoderLayer) -> None:
     with torch.no_grad():
-        layer.self_attn.in_proj_weight.copy_(block.attn.qkv.weight)
-        layer.self_attn.in_proj_bias.copy_(block.attn.qkv.bias)
-        layer.self_attn.out_proj.weight.copy_(block.attn.proj.weight)
-        layer.self_attn.out_proj.bias.copy_(block.attn.proj.bias)
+        copy_attention_into_torch(block.attn, layer.self_attn)
         layer.linear1.weight.copy_(block.ffn.fc.weight)
         layer.linear1.bias.copy_(block.ffn.fc.bias)
         layer.linear2.weight.copy_(block.ffn.proj.weight)

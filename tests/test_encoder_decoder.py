@@ -9,6 +9,7 @@ import torch.nn as nn
 from model import ModelConfig, load_checkpoint, save_checkpoint
 from model.families.encoder_decoder import EncoderDecoder, EncoderDecoderOutput, greedy_translate_ids
 from model.kv_cache import ContextLengthError
+from helpers import copy_attention_into_torch
 
 C, H, F_, L, V = 32, 4, 64, 2, 53
 
@@ -38,13 +39,6 @@ def randomise(model: nn.Module, seed: int = 0) -> None:
             p.add_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def copy_attention(ours, theirs: nn.MultiheadAttention) -> None:
-    theirs.in_proj_weight.copy_(ours.qkv.weight)
-    theirs.in_proj_bias.copy_(ours.qkv.bias)
-    theirs.out_proj.weight.copy_(ours.proj.weight)
-    theirs.out_proj.bias.copy_(ours.proj.bias)
-
-
 def copy_linear_norm(ours, theirs) -> None:
     theirs.weight.copy_(ours.weight)
     theirs.bias.copy_(ours.bias)
@@ -58,14 +52,14 @@ def torch_transformer_from(model: EncoderDecoder) -> nn.Transformer:
                          activation="relu", batch_first=True, norm_first=False)
     with torch.no_grad():
         for ours, theirs in zip(model.encoder_blocks, ref.encoder.layers):
-            copy_attention(ours.attn, theirs.self_attn)
+            copy_attention_into_torch(ours.attn, theirs.self_attn)
             copy_linear_norm(ours.ffn.fc, theirs.linear1)
             copy_linear_norm(ours.ffn.proj, theirs.linear2)
             copy_linear_norm(ours.ln1, theirs.norm1)
             copy_linear_norm(ours.ln2, theirs.norm2)
         for ours, theirs in zip(model.decoder_blocks, ref.decoder.layers):
-            copy_attention(ours.attn, theirs.self_attn)
-            copy_attention(ours.cross_attn, theirs.multihead_attn)
+            copy_attention_into_torch(ours.attn, theirs.self_attn)
+            copy_attention_into_torch(ours.cross_attn, theirs.multihead_attn)
             copy_linear_norm(ours.ffn.fc, theirs.linear1)
             copy_linear_norm(ours.ffn.proj, theirs.linear2)
             copy_linear_norm(ours.ln1, theirs.norm1)

@@ -10,6 +10,7 @@ from model import ContextLengthError, ModelConfig
 from model.decoding import RowSampler, SamplingParams, decode_step, make_generator
 from model.parts import MultiHeadAttention
 from test_model import SMALL, make_model
+from helpers import copy_attention_into_torch
 
 
 def full_last_logits(model, ids: list[int]) -> torch.Tensor:
@@ -99,10 +100,7 @@ def test_masked_keys_get_exactly_zero_probability():
     # the same masked attention from nn.MultiheadAttention on the same weights
     mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
     with torch.no_grad():
-        mha.in_proj_weight.copy_(attn.qkv.weight)
-        mha.in_proj_bias.copy_(attn.qkv.bias)
-        mha.out_proj.weight.copy_(attn.proj.weight)
-        mha.out_proj.bias.copy_(attn.proj.bias)
+        copy_attention_into_torch(attn, mha)
         ref, ref_probs = mha(x, x, x, key_padding_mask=~mask[:, 0, 0], average_attn_weights=False)
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(probs, ref_probs, atol=1e-6, rtol=0)
@@ -113,10 +111,7 @@ def test_cross_attention_equals_torch_multihead_attention():
     attn = MultiHeadAttention(ModelConfig(**SMALL)).eval()
     mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
     with torch.no_grad():
-        mha.in_proj_weight.copy_(attn.qkv.weight)
-        mha.in_proj_bias.copy_(attn.qkv.bias)
-        mha.out_proj.weight.copy_(attn.proj.weight)
-        mha.out_proj.bias.copy_(attn.proj.bias)
+        copy_attention_into_torch(attn, mha)
         x, memory = torch.randn(2, 3, 32), torch.randn(2, 6, 32)
         ours, probs = attn(x, memory, return_attention=True)
         fast, _ = attn(x, memory)

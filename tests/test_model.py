@@ -17,6 +17,7 @@ from model.families.decoder import (
     Transformer,
     sinusoidal_table,
 )
+from helpers import copy_attention_into_torch
 
 SMALL = dict(vocab_size=50, context_length=40, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 
@@ -67,11 +68,7 @@ def test_attention_equals_torch_multihead_attention():
     attn = make_attention(seed=1)
     B, T, C, H = 2, 7, 32, 4
     mha = nn.MultiheadAttention(C, H, bias=True, batch_first=True).eval()
-    with torch.no_grad():
-        mha.in_proj_weight.copy_(attn.qkv.weight)
-        mha.in_proj_bias.copy_(attn.qkv.bias)
-        mha.out_proj.weight.copy_(attn.proj.weight)
-        mha.out_proj.bias.copy_(attn.proj.bias)
+    copy_attention_into_torch(attn, mha)
     x = torch.randn(B, T, C)
     blocked = torch.ones(T, T, dtype=torch.bool).triu(diagonal=1)  # True = may NOT attend
     with torch.no_grad():
