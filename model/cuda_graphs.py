@@ -1,11 +1,16 @@
 """The batched decode step captured in CUDA graphs, one per batch-size bucket, replayed each step.
 
-A decode step of a small model is mostly kernel-launch overhead on a GPU: capturing it once
-(`torch.cuda.CUDAGraph`) and replaying it launches every kernel in one go. A graph has fixed
-shapes, so it runs `Transformer.decode_fixed` (keys over the whole cache capacity, masked by
-each row's length) on static input buffers; a batch of B rows runs in the smallest bucket
->= B, its extra rows padded (they write position 0 of cache rows that are free, which the
-next prefill of those rows overwrites). Batches larger than every bucket run eagerly.
+A decode step of a small model is mostly kernel-launch and host overhead on a GPU: capturing
+it once (`torch.cuda.CUDAGraph`) and replaying it launches every kernel in one go. A graph has
+fixed shapes, so it runs `Transformer.decode_fixed` (keys over the whole cache capacity, masked
+by each row's length) on static input buffers; a batch of B rows runs in the smallest bucket
+>= B, its extra rows padded (they write position 0 of cache rows that are free, which the next
+prefill of those rows overwrites). Batches larger than every bucket run eagerly.
+
+The graph also holds the greedy choice: each row's argmax and its log-probability (logit -
+logsumexp), so a step in which every row is greedy without alternatives costs the host one
+copy in (token ids and lengths, from pinned memory) and one copy out ((B, 2) numbers); other
+steps sample from the logits on the host side (`sample_rows`).
 
 All buckets are captured when the decoder is built, while the cache is empty (capturing
 writes into the cache). Without CUDA (`capture=False`), the same padded path runs eagerly,
@@ -14,11 +19,27 @@ which is how the CPU tests check it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .kv_cache import ContextLengthError, KVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+class StepResult(NamedTuple):
+    logits: torch.Tensor  # (B, 1, V)
+    greedy: torch.Tensor  # (B, 2) float64: each row's argmax id and its log-probability
+
+
+def fixed_step(model, ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> StepResult:
+    """decode_fixed, then each row's greedy token and its log-probability, all on the device."""
+    logits = model.decode_fixed(ids, cache, lengths)  # (B, 1, V)
+    last = logits[:, -1].float()  # (B, V)
+    best, arg = last.max(dim=-1)
+    logprob = best - torch.logsumexp(last, dim=-1)
+    return StepResult(logits, torch.stack([arg.double(), logprob.double()], dim=1))
 
 
 class GraphedDecoder:
@@ -31,33 +52,39 @@ class GraphedDecoder:
             fitting.add(cache.n_rows)  # e.g. 3 rows: buckets 1, 2, 3
         self.buckets = sorted(fitting)
         top = max(self.buckets)
-        self.ids = torch.zeros(top, 1, dtype=torch.long, device=device)  # static inputs
-        self.lengths = torch.zeros(top, dtype=torch.long, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # static inputs, (top, 2): per row its token id and its length (filled positions), copied
+        # in one go from a pinned host buffer of the same layout
+        self.inputs = torch.zeros(top, 2, dtype=torch.long, device=device)
+        self.staging = torch.zeros(top, 2, dtype=torch.long, pin_memory=self.capture)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepResult]] = {}
         if self.capture:
             for b in self.buckets:
                 self.graphs[b] = self._capture(b)
             cache.reset()
 
+    def _static(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[:b, 0:1], self.inputs[:b, 1]  # ids (b, 1), lengths (b,): views
+
     @torch.inference_mode()
     def _capture(self, b: int):
-        ids, lengths = self.ids[:b], self.lengths[:b]
+        ids, lengths = self._static(b)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up outside the graph (allocations, autotuning)
             for _ in range(2):
-                self.model.decode_fixed(ids, self.cache, lengths)
+                fixed_step(self.model, ids, lengths, self.cache)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self.model.decode_fixed(ids, self.cache, lengths)
+            out = fixed_step(self.model, ids, lengths, self.cache)
         return graph, out
 
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
-    def run(self, ids: torch.Tensor) -> torch.Tensor:
-        """Decode one token for cache rows 0 .. B-1 (ids (B, 1)); advances their lengths; (B, 1, V) logits."""
+    def run(self, ids: torch.Tensor) -> StepResult:
+        """Decode one token for cache rows 0 .. B-1 (ids (B, 1), on the host or the device);
+        advances their lengths; (B, 1, V) logits and each row's greedy choice."""
         B = ids.shape[0]
         starts = self.cache.lengths[:B]
         if int(starts.max()) + 1 > self.cache.capacity:
@@ -65,17 +92,34 @@ class GraphedDecoder:
                 f"sequence of {int(starts.max()) + 1} tokens exceeds the context length {self.cache.capacity}")
         b = self.bucket(B)
         if b is None:  # larger than every bucket: the same step, eagerly
-            logits = self.model.decode_fixed(ids, self.cache, starts.to(ids.device))
+            device = self.inputs.device
+            out = fixed_step(self.model, ids.to(device), starts.to(device), self.cache)
         else:
-            self.ids[:B].copy_(ids)
-            self.ids[B:b].zero_()
-            self.lengths[:B].copy_(starts)
-            self.lengths[B:b].zero_()
+            if ids.device.type == "cpu":
+                self.staging[:B, 0] = ids[:, 0]
+                self.staging[:B, 1] = starts
+                self.staging[B:b] = 0
+                self.inputs[:b].copy_(self.staging[:b], non_blocking=True)  # one copy in
+            else:
+                self.inputs[:B, 0] = ids[:, 0]
+                self.inputs[:B, 1] = starts.to(ids.device)
+                self.inputs[B:b] = 0
             if b in self.graphs:
                 graph, out = self.graphs[b]
                 graph.replay()
             else:
-                out = self.model.decode_fixed(self.ids[:b], self.cache, self.lengths[:b])
-            logits = out[:B]
+                out = fixed_step(self.model, *self._static(b), self.cache)
+            out = StepResult(out.logits[:B], out.greedy[:B])
         self.cache.lengths[:B] += 1
-        return logits
+        return out
+
+    def decode(self, ids: torch.Tensor, samplers: list) -> tuple[torch.Tensor, list]:
+        """One decode step and each row's next token: (B, 1, V) logits, GeneratedToken per row.
+        When every row is greedy and asks for no alternatives, the tokens come from the graph's
+        own argmax (one small copy back); otherwise `sample_rows` picks them from the logits."""
+        from .decoding import GeneratedToken, sample_rows
+
+        out = self.run(ids)
+        if all(s.params.temperature == 0 and s.n_logprobs == 0 for s in samplers):
+            return out.logits, [GeneratedToken(id=int(t), logprob=lp) for t, lp in out.greedy.tolist()]
+        return out.logits, sample_rows(out.logits[:, -1], samplers)

@@ -144,13 +144,15 @@ def decode_step(
     its last position: its own keys only, never the padding of longer rows.
 
     With `graphs` (model.cuda_graphs.GraphedDecoder on the same cache), a plain one-token
-    step over rows 0 .. B-1 without attention replays a captured CUDA graph instead.
+    step over rows 0 .. B-1 without attention replays a captured CUDA graph instead (its
+    inputs best stay on the host: the graph copies them in with the rows' lengths at once).
     """
     want_attention = any(s.return_attention for s in samplers)
     if (graphs is not None and inputs.shape[1] == 1 and not want_attention and n_new is None
             and cache.row_slice(rows, inputs.shape[0]).start == 0):
-        out = ModelOutput(graphs.run(inputs), None)
-        return StepOutput(sample_rows(out.logits[:, -1], samplers), out)
+        logits, tokens = graphs.decode(inputs, samplers)
+        return StepOutput(tokens, ModelOutput(logits, None))
+    inputs = inputs.to(model.tok_emb.weight.device)  # ids may come from the host (a no-op when already there)
     valid = torch.tensor(n_new) if n_new is not None else None
     out = model(inputs, kv_cache=cache, rows=rows, return_attention=want_attention, last_only=last_only,
                 valid=valid)

@@ -150,9 +150,10 @@ class Engine:
         self.max_queue = max_queue
         self.scheduler = Scheduler(max_concurrent, max_queue, max_attention_concurrent, clock=clock)
         self.cache = self.model.new_kv_cache(max_concurrent)  # one row per slot, reused
-        # on CUDA: the decode step captured once per batch-size bucket, replayed every step
+        # on CUDA: the decode step captured once per batch-size bucket, replayed every step (for
+        # the families with a fixed-shape step, `decode_fixed`; the others decode eagerly)
         self.graphs: GraphedDecoder | None = None
-        if cuda_graphs and self.device.type == "cuda":
+        if cuda_graphs and self.device.type == "cuda" and hasattr(self.model, "decode_fixed"):
             try:
                 self.graphs = GraphedDecoder(self.model, self.cache)
             except Exception:  # the eager step always works: use it
@@ -379,7 +380,9 @@ class Engine:
 
     def _run_decode(self, records: list[Record]) -> None:
         rows = self._decoding  # finished generations were retired: row i is rows[i]
-        inputs = torch.tensor([[g.last_token] for g in rows], dtype=torch.long, device=self.device)  # (B, 1)
+        # (B, 1) ids; replayed CUDA graphs copy them in from the host with the rows' lengths
+        inputs = torch.tensor([[g.last_token] for g in rows], dtype=torch.long,
+                              device="cpu" if self.graphs is not None else self.device)
         before = self.cache.lengths[: len(rows)].tolist()
         try:
             step = decode_step(self.model, self.cache, inputs, [g.sampler for g in rows], graphs=self.graphs)
