@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -63,6 +64,7 @@ async def lifespan(app: FastAPI):
     state: AppState = app.state.attnlens
     s = state.settings
     state.status = "loading"
+    sys.setswitchinterval(s.switch_interval_ms / 1000)  # process-wide: see Settings.switch_interval_ms
     registry = ModelRegistry(default=model_name(s.model))
     engines: list[Engine] = []
     try:

@@ -37,6 +37,11 @@ class Settings(BaseSettings):
     max_queue: int = Field(64, ge=0)  # generations waiting for a slot
     max_attention_concurrent: int = Field(4, ge=1)  # /attention forwards running or waiting
     cuda_graphs: bool = True  # on CUDA, replay the decode step from captured CUDA graphs
+    # How long one thread may hold Python's GIL while another waits for it (Python's default
+    # is 5 ms). The model thread and the event loop share one interpreter: with a GPU the
+    # model thread is mostly Python, and a short interval keeps the event loop (HTTP, SSE)
+    # from waiting whole intervals between its turns. See bench/README.md.
+    switch_interval_ms: float = Field(0.5, gt=0, le=100)
     # Comma-separated list ("*" for any origin); empty = no CORS headers.
     cors_origins: Annotated[list[str], NoDecode] = []
     log_level: str = "info"
