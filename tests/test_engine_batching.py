@@ -12,6 +12,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from app.engine import Engine, GenerationCancelled, GenerationParams, QueueFull, RequestTooLarge
 from app.engine.scheduler import DrainRate, Scheduler
@@ -19,7 +20,17 @@ from app.main import create_app
 from app.schemas import StreamDone, StreamError, StreamToken
 from app.settings import Settings
 from helpers import drain, reference_ids, reference_tokens, run_async
-from model import SamplingParams
+from model import SamplingParams, load_checkpoint
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="no CUDA device on this machine")])
+
+
+@pytest.fixture(scope="module", params=["cpu", CUDA])
+def ckpt(request, tiny_checkpoint):
+    """The tiny checkpoint in float32 on the CPU and, where there is one, on a CUDA device (the
+    engine then replays its decode steps from CUDA graphs, checked against the eager reference)."""
+    return load_checkpoint(tiny_checkpoint, device=request.param)
 
 PROMPTS = ["To be", "Whether 'tis nobler in the mind", "The slings", "Or to take arms against a sea",
            "And by opposing", "No more; and by a sleep to say we end", "Café", "東京 and emoji",
@@ -134,7 +145,7 @@ def test_one_forward_per_step_and_prefills_never_longer_than_one_full_prompt(ckp
     and five short ones (prefilled together in one right-padded forward)."""
     tok = ckpt.tokenizer
     ctx = ckpt.config.context_length
-    engine = Engine(ckpt, max_concurrent=8, max_queue=0)
+    engine = Engine(ckpt, max_concurrent=8, max_queue=0, cuda_graphs=False)  # the recorder sees every forward
     rec = engine.model = RecordingModel(ckpt.model)
     long_ids = (tok.encode(" ".join(PROMPTS)) * 4)[:40]
     prompts = [long_ids, tok.encode("To be"), long_ids[:38], tok.encode("Or"), tok.encode("The slings"),
@@ -193,7 +204,7 @@ def test_a_failing_request_leaves_the_batch_running(ckpt):
     others = [p for p in PROMPTS[1:] if poison not in reference_ids(ckpt, p, 15, temperature=0.0)
               and poison not in tok.encode(p)][:3]
     assert len(others) == 3
-    engine = Engine(ckpt, max_concurrent=4, max_queue=0)
+    engine = Engine(ckpt, max_concurrent=4, max_queue=0, cuda_graphs=False)  # the recorder sees every forward
     engine.model = RecordingModel(ckpt.model, poison=poison)
     params = [GenerationParams(tok.encode("To be"), 15, SamplingParams(temperature=0.0))]
     params += [GenerationParams(tok.encode(p), 15, SamplingParams(temperature=0.0)) for p in others]
@@ -475,8 +486,6 @@ def test_per_step_attention_comes_from_the_batched_forward(ckpt):
 
 def test_a_generation_ending_on_eos_keeps_the_eos_score(tmp_path):
     """EOS is not text, but it is a generated token: its log-probability is kept for /v1 logprobs."""
-    import torch
-
     from helpers import make_tiny_checkpoint
     from model import generate_tokens, load_checkpoint, save_checkpoint
 

@@ -133,3 +133,37 @@ def test_engine_on_cuda_with_graphs_matches_generate_tokens(tiny_checkpoint):
         ref = [t.id for t in generate_tokens(ckpt.model, ckpt.tokenizer.encode(p), 16, SamplingParams(temperature=0))]
         ref = ref[: ref.index(eos)] if eos in ref else ref
         assert tokens == ref
+
+
+def test_every_bundled_family_serves_on_cuda_as_on_the_cpu(default_checkpoint):
+    """The bundled decoder, encoder and translator served on CUDA (auto: bf16; the decoder's steps
+    from CUDA graphs) answer like the same models in fp32 on the CPU: the same translation, the
+    same top fill-mask token and genre, the same first greedy tokens."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    requests = [
+        ("/generate", {"model": "translator", "prompt": "Wednesday, March 3, 2021", "temperature": 0,
+                       "max_new_tokens": 20}, lambda r: r["text"]),
+        ("/fill-mask", {"model": "encoder", "text": "O Romeo, Romeo! wherefore art thou [MASK]?", "top_k": 3},
+         lambda r: r["masks"][0][0]["token"]),
+        ("/classify", {"model": "encoder", "text": "My liege, the French are landed at Southampton."},
+         lambda r: r["labels"][0]["label"]),
+        ("/generate", {"prompt": "ROMEO.\n", "temperature": 0, "max_new_tokens": 3, "logprobs": 1},
+         lambda r: r["text"]),
+    ]
+    answers = {}
+    for device in ("cpu", "auto"):
+        with TestClient(create_app(Settings(device=device, dtype="auto", warmup=False))) as client:
+            models = {m["name"]: m for m in client.get("/models").json()["models"]}
+            assert {"default", "encoder", "translator"} <= set(models)
+            info = client.get("/model").json()
+            assert info["device"].startswith("cuda" if device == "auto" else "cpu")
+            answers[device] = []
+            for path, body, pick in requests:
+                r = client.post(path, json=body)
+                assert r.status_code == 200, (device, path, r.text)
+                answers[device].append(pick(r.json()))
+    assert answers["auto"] == answers["cpu"]
