@@ -49,11 +49,12 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def start_server(model: Path, port: int, max_concurrent: int, log_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "ATTNLENS_DEVICE": "cpu", "ATTNLENS_DTYPE": "float32", "OMP_NUM_THREADS": "1",
+def start_server(model: Path, port: int, max_concurrent: int, log_path: Path, *, device: str = "cpu",
+                 dtype: str = "float32") -> subprocess.Popen:
+    env = {**os.environ, "ATTNLENS_DEVICE": device, "ATTNLENS_DTYPE": dtype, "OMP_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1", "ATTNLENS_MAX_CONCURRENT": str(max_concurrent),
            "ATTNLENS_MAX_QUEUE": str(max_concurrent), "ATTNLENS_LOG_LEVEL": "warning",
-           "PYTHONPATH": str(REPO_ROOT)}
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
                              "--port", str(port)], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
