@@ -1,0 +1,61 @@
+"""Batched sampling (model/sampling.py): the distribution it draws from is softmax(filter_logits)
+(checked by frequencies over many draws), each row is independent of the batch around it, and
+the inverse CDF picks the token a uniform number falls on."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model.decoding import SamplingParams, filter_logits
+from model.sampling import draw_uniforms, sample_batch
+
+CASES = [dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=1.3, top_p=0.8),
+         dict(temperature=0.9, top_k=8, top_p=0.6)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_frequencies_follow_the_filtered_softmax(case):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 20, generator=g) * 2
+    params = SamplingParams(**case)
+    want = torch.softmax(filter_logits(logits[0], params), dim=-1)
+    n = 40_000
+    ids = sample_batch(logits.expand(n, -1), [params] * n, torch.rand(n, generator=g, dtype=torch.float64))
+    got = torch.bincount(ids, minlength=20).double() / n
+    assert (got[want == 0] == 0).all()  # filtered tokens are never drawn
+    assert (got - want.double()).abs().max() < 4 * math.sqrt(0.25 / n)
+
+
+def test_each_row_is_independent_of_the_batch():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 50, generator=g)
+    params = [SamplingParams(**c) for c in CASES] + [SamplingParams(temperature=0.5), SamplingParams(top_p=0.3)]
+    u = torch.rand(6, generator=g, dtype=torch.float64)
+    together = sample_batch(logits, params, u)
+    alone = torch.cat([sample_batch(logits[i : i + 1], [params[i]], u[i : i + 1]) for i in range(6)])
+    assert together.tolist() == alone.tolist()
+
+
+def test_the_uniform_number_falls_on_its_token():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    p = SamplingParams(temperature=1.0)
+    picks = [sample_batch(logits, [p], torch.tensor([u], dtype=torch.float64)).item() for u in (0.0, 0.49, 0.51, 0.74,
+                                                                                                  0.76, 0.999999)]
+    assert picks == [0, 0, 1, 1, 2, 2]
+
+
+def test_top_k_1_and_a_tiny_top_p_keep_only_the_best_token():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 30, generator=g)
+    u = torch.rand(4, generator=g, dtype=torch.float64)
+    for p in (SamplingParams(temperature=2.0, top_k=1), SamplingParams(temperature=2.0, top_p=1e-300)):
+        assert sample_batch(logits, [p] * 4, u).tolist() == logits.argmax(-1).tolist()
+
+
+def test_seeded_generators_repeat_and_unseeded_rows_use_the_global_generator():
+    a = draw_uniforms([torch.Generator().manual_seed(5), None])
+    b = draw_uniforms([torch.Generator().manual_seed(5), None])
+    assert a[0] == b[0] and a.dtype == torch.float64 and ((a >= 0) & (a < 1)).all()
