@@ -594,3 +594,26 @@ def test_a_random_mix_of_requests_and_cancellations_keeps_every_answer_right(ckp
         assert all((t.attention is not None) == spec["attention"] for t in tokens)
         assert (g.prompt_scores is not None) == spec["echo"]
     assert finished >= 20
+
+
+def test_events_already_waiting_come_as_one_batch(ckpt):
+    """A stream writer that falls behind gets every waiting event at once (one SSE write), in
+    order; a cancellation still raises after the events before it."""
+    tok = ckpt.tokenizer
+    engine = Engine(ckpt, max_concurrent=2, max_queue=0)
+
+    async def main():
+        g = engine.submit(GenerationParams(tok.encode("To be"), 6, SamplingParams(temperature=0.0)))
+        while g.t_end is None:  # let the whole generation finish before reading anything
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # its records reach the queue on this loop
+        return [batch async for batch in g.event_batches()]
+
+    try:
+        batches = run_async(main())
+    finally:
+        engine.close()
+    assert len(batches) == 1
+    *tokens, done = batches[0]
+    assert isinstance(done, StreamDone) and all(isinstance(t, StreamToken) for t in tokens)
+    assert [t.id for t in tokens] == reference_ids(ckpt, "To be", 6, temperature=0.0)

@@ -88,6 +88,10 @@ class Generation:
         """StreamToken events, then one StreamDone or StreamError (see GenerationOutput.events)."""
         return self.output.events()
 
+    def event_batches(self):
+        """The same events, every one already waiting at once (see GenerationOutput.event_batches)."""
+        return self.output.event_batches()
+
     @property
     def prompt_scores(self) -> list[dict] | None:
         return self.output.prompt_scores

@@ -95,12 +95,24 @@ class GenerationOutput:
     async def events(self) -> AsyncIterator[Event]:
         """StreamToken events, then exactly one StreamDone or StreamError; raises
         GenerationCancelled instead when the generation was cancelled."""
+        async for batch in self.event_batches():
+            for event in batch:
+                yield event
+
+    async def event_batches(self) -> AsyncIterator[list[Event]]:
+        """The same events in order, each time every one already waiting: a stream writer that
+        falls behind the engine (many streams, a fast device) sends them in one write."""
         while True:
-            event = await self.queue.get()
-            if isinstance(event, GenerationCancelled):
-                raise event
-            yield event
-            if not isinstance(event, StreamToken):
+            batch = [await self.queue.get()]
+            while isinstance(batch[-1], StreamToken) and not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            last = batch[-1]
+            if isinstance(last, GenerationCancelled):
+                if len(batch) > 1:
+                    yield batch[:-1]
+                raise last
+            yield batch
+            if not isinstance(last, StreamToken):
                 return
 
     # --- records -------------------------------------------------------------

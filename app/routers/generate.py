@@ -69,16 +69,18 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     metrics = state.metrics
 
     if body.stream:
+        def encode(event) -> str:
+            if isinstance(event, StreamToken):
+                return sse("token", event)
+            if isinstance(event, StreamDone):
+                metrics.observe_generation(event)
+                return sse("done", event)
+            return sse("error", StreamError(message=public_message(event.message)))
+
         async def events():
             try:
-                async for event in generation.events():
-                    if isinstance(event, StreamToken):
-                        yield sse("token", event)
-                    elif isinstance(event, StreamDone):
-                        metrics.observe_generation(event)
-                        yield sse("done", event)
-                    else:
-                        yield sse("error", StreamError(message=public_message(event.message)))
+                async for batch in generation.event_batches():  # the events waiting go out in one write
+                    yield "".join(encode(event) for event in batch)
             except Exception:  # anything on our side mid-stream: log it, tell the client
                 log.exception("stream failed")
                 yield sse("error", StreamError(message="internal error (see the server log)"))

@@ -178,21 +178,27 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
                         yield chunk(c.index, c.text, None, None)
                 remaining = len(generations)
                 while remaining:
-                    i, ev = await merged.get()
-                    c = choices[i]
-                    if isinstance(ev, StreamToken):
-                        frag = c.add_token(ev)
-                        yield chunk(i, ev.delta, frag, None)
-                    elif isinstance(ev, StreamDone):
-                        remaining -= 1
-                        completion_tokens += ev.usage.completion_tokens
-                        metrics.observe_generation(ev)
-                        frag = c.add_end(ev.delta, generations[i].eos_token)
-                        yield chunk(i, ev.delta, frag, FINISH[ev.finish_reason])
-                    else:
-                        yield sse(None, {"error": {"message": public_message(ev.message), "type": "server_error",
-                                                   "param": None, "code": "generation_failed"}})
-                        return
+                    waiting = [await merged.get()]  # and every event already waiting: one write
+                    while not merged.empty():
+                        waiting.append(merged.get_nowait())
+                    out = []
+                    for i, ev in waiting:
+                        c = choices[i]
+                        if isinstance(ev, StreamToken):
+                            out.append(chunk(i, ev.delta, c.add_token(ev), None))
+                        elif isinstance(ev, StreamDone):
+                            remaining -= 1
+                            completion_tokens += ev.usage.completion_tokens
+                            metrics.observe_generation(ev)
+                            frag = c.add_end(ev.delta, generations[i].eos_token)
+                            out.append(chunk(i, ev.delta, frag, FINISH[ev.finish_reason]))
+                        else:
+                            out.append(sse(None, {"error": {"message": public_message(ev.message),
+                                                            "type": "server_error", "param": None,
+                                                            "code": "generation_failed"}}))
+                            yield "".join(out)
+                            return
+                    yield "".join(out)
                 if include_usage:
                     yield sse(None, {"id": cid, "object": "text_completion", "created": created, "model": name,
                                      "choices": [], "usage": {"prompt_tokens": prompt_tokens,
