@@ -159,6 +159,9 @@ def engine_levels(model_dir: Path, dtype: torch.dtype, levels: list[int], n: int
     from app.schemas import StreamToken
     from bench_service import PROMPTS
 
+    from app.settings import Settings
+
+    sys.setswitchinterval(Settings.model_fields["switch_interval_ms"].default / 1000)  # as the server does
     ckpt = load_checkpoint(model_dir, device=DEVICE, dtype=dtype)
     engine = Engine(ckpt, max_concurrent=max(levels), max_queue=max(levels))
     tok = ckpt.tokenizer
