@@ -166,7 +166,7 @@ def engine_levels(model_dir: Path, dtype: torch.dtype, levels: list[int], n: int
     engine = Engine(ckpt, max_concurrent=max(levels), max_queue=max(levels))
     tok = ckpt.tokenizer
 
-    async def level(k: int) -> tuple[int, float]:
+    async def level(k: int, n: int = n) -> tuple[int, float]:
         params = [GenerationParams(tok.encode(PROMPTS[i % len(PROMPTS)]), n, SamplingParams(temperature=0))
                   for i in range(k)]
         t0 = time.perf_counter()
@@ -180,8 +180,8 @@ def engine_levels(model_dir: Path, dtype: torch.dtype, levels: list[int], n: int
 
     out = []
     try:
-        asyncio.run(level(1))  # warm-up
         for k in levels:
+            asyncio.run(level(k, 8))  # warm-up: this level's prefill shapes load their kernels once
             runs = sorted((asyncio.run(level(k)) for _ in range(reps)), key=lambda r: r[1])
             out.append((k, *runs[len(runs) // 2]))
     finally:
@@ -201,9 +201,9 @@ def http_levels(model_dir: Path, dtype_name: str, levels: list[int], n: int, rep
     with tempfile.TemporaryDirectory() as tmp:
         proc = start_server(model_dir, port, max(levels), Path(tmp) / "server.log", device=DEVICE, dtype=dtype_name)
         try:
-            run_level(port, 1, 8)
             rows = []
             for k in levels:
+                run_level(port, k, 8)  # warm-up: this level's prefill shapes load their kernels once
                 runs = sorted((run_level(port, k, n) for _ in range(reps)), key=lambda r: r["aggregate"])
                 rows.append(runs[len(runs) // 2])
         finally:
@@ -247,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         http, http_by_interval = [], {}
         for switch_ms in ([] if args.skip_http else args.switch_intervals):
             try:
-                http_by_interval[switch_ms] = http_levels(model_dir, args.dtype, args.levels, n,
-                                                          max(1, args.reps // 2), switch_ms)
+                http_by_interval[switch_ms] = http_levels(model_dir, args.dtype, args.levels, n, args.reps, switch_ms)
             except (SystemExit, Exception) as e:  # keep the in-process figures
                 print(f"the HTTP levels failed: {e}", flush=True)
         if http_by_interval:
