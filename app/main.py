@@ -79,7 +79,8 @@ async def lifespan(app: FastAPI):
                 raise RuntimeError(f"cannot load the model from {model_dir}: {e}") from None
             if ckpt.config.family in ENGINE_FAMILIES:
                 runner = Engine(ckpt, max_concurrent=s.max_concurrent, max_queue=s.max_queue,
-                                max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs)
+                                max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs,
+                                max_stream_backlog_bytes=s.max_stream_backlog_bytes)
                 engines.append(runner)
             else:
                 runner = EncoderRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)

@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     max_concurrent: int = Field(32, ge=1)
     max_queue: int = Field(64, ge=0)  # generations waiting for a slot
     max_attention_concurrent: int = Field(4, ge=1)  # /attention forwards running or waiting
+    # Per generation: estimated bytes of events (attention rows above all) its client may leave
+    # unread; past it the generation ends with an error event and frees its row
+    max_stream_backlog_bytes: int = Field(64_000_000, ge=1)
     cuda_graphs: bool = True  # on CUDA, replay the decode step from captured CUDA graphs
     # How long one thread may hold Python's GIL while another waits for it (Python's default
     # is 5 ms). The model thread and the event loop share one interpreter: with a GPU the

@@ -617,3 +617,32 @@ def test_events_already_waiting_come_as_one_batch(ckpt):
     *tokens, done = batches[0]
     assert isinstance(done, StreamDone) and all(isinstance(t, StreamToken) for t in tokens)
     assert [t.id for t in tokens] == reference_ids(ckpt, "To be", 6, temperature=0.0)
+
+
+def test_a_stream_left_unread_past_its_backlog_bound_ends_with_an_error(ckpt):
+    """Attention rows make token events big: a client that reads none of them while they pile up
+    past max_stream_backlog_bytes gets the tokens queued so far, then an error naming the
+    setting; its row is freed and a client that reads as it goes is unaffected."""
+    tok = ckpt.tokenizer
+    per_token = 32 * ckpt.config.n_layers * ckpt.config.n_heads * 20  # attention of ~20 positions
+    engine = Engine(ckpt, max_concurrent=2, max_queue=0, max_stream_backlog_bytes=5 * per_token)
+    params = GenerationParams(tok.encode("To be"), 40, SamplingParams(temperature=0.0), return_attention=True)
+
+    async def main():
+        idle, reader = engine.submit_all([params, GenerationParams(tok.encode("The slings"), 40,
+                                                                   SamplingParams(temperature=0.0))])
+        read = await collect_tokens(reader)
+        while idle.t_end is None:
+            await asyncio.sleep(0.01)
+        return await collect_tokens(idle), read
+
+    try:
+        (tokens, last), (read_tokens, read_done) = run_async(main())
+    finally:
+        engine.close()
+    assert isinstance(last, StreamError) and "ATTNLENS_MAX_STREAM_BACKLOG_BYTES" in last.message
+    assert 0 < len(tokens) < 40
+    assert [t.id for t in tokens] == reference_ids(ckpt, "To be", 40, temperature=0.0)[: len(tokens)]
+    assert isinstance(read_done, StreamDone)
+    assert [t.id for t in read_tokens] == reference_ids(ckpt, "The slings", 40, temperature=0.0)
+    assert engine.in_flight == 0 and engine.cache.lengths.tolist() == [0, 0]

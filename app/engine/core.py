@@ -64,12 +64,13 @@ class Generation:
     """One generation request, from admission to its last event: the same object in the
     scheduler, on the model thread (row, sampler, counters) and in the output stage."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, params: GenerationParams, tokenizer):
+    def __init__(self, loop: asyncio.AbstractEventLoop, params: GenerationParams, tokenizer, *,
+                 backlog_limit: int = 0):
         self.number = next(_numbers)
         self.id = f"gen-{uuid.uuid4().hex[:24]}"
         self.loop = loop
         self.params = params
-        self.output = GenerationOutput(self, tokenizer, params.stop)
+        self.output = GenerationOutput(self, tokenizer, params.stop, backlog_limit=backlog_limit)
         self.cancelled = False  # the client went away
         self.stop_requested = False  # the output stage found a stop string
         self.engine: Engine | None = None
@@ -143,6 +144,7 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
 class Engine:
     def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 32, max_queue: int = 64,
                  max_attention_concurrent: int = 4, cuda_graphs: bool = True,
+                 max_stream_backlog_bytes: int = 64_000_000,
                  clock: Callable[[], float] = time.monotonic):
         self.checkpoint = checkpoint
         self.model = checkpoint.model
@@ -152,6 +154,7 @@ class Engine:
         self.dtype = self.model.tok_emb.weight.dtype
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
+        self.max_stream_backlog_bytes = max_stream_backlog_bytes  # per generation, unread events
         self.scheduler = Scheduler(max_concurrent, max_queue, max_attention_concurrent, clock=clock)
         self.cache = self.model.new_kv_cache(max_concurrent)  # one row per slot, reused
         # on CUDA: the decode step captured once per batch-size bucket, replayed every step (for
@@ -202,7 +205,8 @@ class Engine:
     def submit_all(self, params: list[GenerationParams], *, param: str | None = None) -> list[Generation]:
         """Admit all of these generations or none (QueueFull, RequestTooLarge, EngineClosed)."""
         loop = asyncio.get_running_loop()
-        generations = [Generation(loop, p, self.tokenizer) for p in params]
+        generations = [Generation(loop, p, self.tokenizer, backlog_limit=self.max_stream_backlog_bytes)
+                       for p in params]
         for g in generations:
             g.engine = self
         with self._lock:

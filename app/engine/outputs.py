@@ -31,6 +31,13 @@ if TYPE_CHECKING:
     from .core import Generation
 
 
+# Estimated memory of an event held for a stream's client, as Python objects: a token event,
+# and each attention probability in it (a float in a list). Bounded per stream by
+# ATTNLENS_MAX_STREAM_BACKLOG_BYTES.
+EVENT_BYTES = 512
+FLOAT_BYTES = 32
+
+
 class GenerationCancelled(Exception):
     """The generation was cancelled (its client went away) before it finished."""
 
@@ -69,6 +76,12 @@ def dispatch(records: list[Record]) -> None:
         record.generation.output.handle(record)
 
 
+def event_bytes(token: GeneratedToken) -> int:
+    """Estimated memory of a token's event: its attention rows dominate when it has them."""
+    floats = sum(a.numel() for a in token.attention or ()) + sum(c.numel() for c in token.cross_attention or ())
+    return EVENT_BYTES + FLOAT_BYTES * floats
+
+
 def attention_lists(rows: list[torch.Tensor]) -> list[list[list[float]]]:
     """Per layer (H, S) tensors -> [layer][head][position] floats rounded to 6 places."""
     return [np.round(r.numpy().astype(np.float64), 6).tolist() for r in rows]
@@ -87,6 +100,9 @@ class GenerationOutput:
     seen: int = 0  # generated tokens processed (the EOS included)
     eos_token: GeneratedTokenOut | None = None  # a final EOS (no text, but scored: /v1 logprobs list it)
     closed: bool = False
+    backlog_limit: int = 0  # estimated bytes of events a client may leave unread (0: no limit)
+    backlog: int = 0  # estimated bytes of the events queued and not yet taken
+    overflowed: bool = False  # the client fell behind by more than backlog_limit: the generation ends
 
     def __post_init__(self) -> None:
         self.text = TextStream(self.tokenizer, self.stop)
@@ -103,9 +119,9 @@ class GenerationOutput:
         """The same events in order, each time every one already waiting: a stream writer that
         falls behind the engine (many streams, a fast device) sends them in one write."""
         while True:
-            batch = [await self.queue.get()]
+            batch = [self._take(await self.queue.get())]
             while isinstance(batch[-1], StreamToken) and not self.queue.empty():
-                batch.append(self.queue.get_nowait())
+                batch.append(self._take(self.queue.get_nowait()))
             last = batch[-1]
             if isinstance(last, GenerationCancelled):
                 if len(batch) > 1:
@@ -114,6 +130,15 @@ class GenerationOutput:
             yield batch
             if not isinstance(last, StreamToken):
                 return
+
+    def _take(self, item: tuple[Any, int]):
+        event, size = item
+        self.backlog -= size
+        return event
+
+    def _put(self, event, size: int = EVENT_BYTES) -> None:
+        self.queue.put_nowait((event, size))
+        self.backlog += size
 
     # --- records -------------------------------------------------------------
     def handle(self, record: Record) -> None:
@@ -133,16 +158,19 @@ class GenerationOutput:
 
     def _token(self, token: GeneratedToken) -> None:
         self.seen += 1
-        if self.text.stopped:
-            return  # after a stop string: the core stops at its next step
+        if self.text.stopped or self.overflowed:
+            return  # after a stop string (or an overflow): the core stops at its next step
         if token.id == self.tokenizer.eos_id:  # the end: no text, but its score is kept
             self.eos_token = GeneratedTokenOut(id=token.id, text=self.tokenizer.display_text(token.id),
                                                logprob=token.logprob,
                                                top_logprobs=self._alternatives(token.top_ids, token.top_logprobs))
             return
         for r in self.text.push(self.seen - 1, token.id, token):
-            self.queue.put_nowait(self._event(r))
+            self._put(self._event(r), event_bytes(r.extra))
         if self.text.stopped:
+            self.generation.stop()
+        elif self.backlog_limit and self.backlog > self.backlog_limit:
+            self.overflowed = True  # the client is not keeping up: end it, free its row
             self.generation.stop()
 
     def _event(self, r) -> StreamToken:
@@ -169,16 +197,19 @@ class GenerationOutput:
     def _finish(self, record: FinishRecord) -> None:
         self.closed = True
         if record.reason == "cancelled":
-            self.queue.put_nowait(GenerationCancelled("the generation was cancelled"))
+            self._put(GenerationCancelled("the generation was cancelled"))
             return
-        if record.reason == "error":
-            self.queue.put_nowait(StreamError(message=record.message))
+        if record.reason == "error" or self.overflowed:
+            message = record.message if record.reason == "error" else (
+                f"the client left more than {self.backlog_limit} bytes of this stream unread "
+                "(ATTNLENS_MAX_STREAM_BACKLOG_BYTES); the generation was ended")
+            self._put(StreamError(message=message))
             return
         reason = "stop" if self.text.stopped else record.reason
         if reason != "stop":
             for r in self.text.finish():
-                self.queue.put_nowait(self._event(r))
-        self.queue.put_nowait(self._done(reason))
+                self._put(self._event(r), event_bytes(r.extra))
+        self._put(self._done(reason))
 
     def _done(self, reason: str) -> StreamDone:
         g, tok = self.generation, self.tokenizer
