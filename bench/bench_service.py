@@ -10,8 +10,9 @@ that other processes' load on a shared machine does not dilute). Tokens are coun
 arrive; the client is a small asyncio socket reader, so it costs the machine little.
 
 In the same run, on the same weights, one thread each: Hugging Face `generate()` (greedy,
-exactly N new tokens) and our own decode loop in-process (`model.generate_tokens`), so the
-ratios are measured side by side. The load average is printed before and after.
+exactly N new tokens) and our own decode loop in-process (`model.generate_tokens`), taking
+turns with the one-stream level's repetitions (HF, ours in-process, one stream over HTTP, and
+again), so the ratios are measured side by side under the same load. The load average is printed before and after.
 
     .venv/bin/python bench/bench_service.py
     .venv/bin/python bench/bench_service.py --levels 1 16 --new-tokens 64 --model DIR
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
@@ -145,8 +147,9 @@ def run_level(port: int, n: int, new_tokens: int, server_pid: int | None = None)
             "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99)}
 
 
-def in_process_peers(model_dir: Path, new_tokens: int, reps: int) -> dict:
-    """HF generate() and our generate_tokens on the same weights, one thread, best of `reps`."""
+def in_process_peers(model_dir: Path, new_tokens: int) -> dict[str, Callable[[], None]]:
+    """Runners for HF generate() and our generate_tokens on the same weights, one thread each:
+    name -> a function that generates `new_tokens` greedy tokens after PROMPTS[0] (warmed up)."""
     import torch
     import transformers
     from transformers import GPT2LMHeadModel
@@ -161,7 +164,6 @@ def in_process_peers(model_dir: Path, new_tokens: int, reps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         hf = GPT2LMHeadModel.from_pretrained(export_hf(model_dir, Path(tmp) / "hf"), attn_implementation="sdpa").eval()
     prompt = torch.tensor([ids])
-    out: dict[str, float] = {}
 
     def hf_generate():
         with torch.inference_mode():
@@ -172,17 +174,16 @@ def in_process_peers(model_dir: Path, new_tokens: int, reps: int) -> dict:
         for _ in generate_tokens(ckpt.model, ids, new_tokens, SamplingParams(temperature=0)):
             pass
 
-    for name, fn in (("hf_generate", hf_generate), ("ours_in_process", ours)):
+    runners = {"hf_generate": hf_generate, "ours_in_process": ours}
+    for fn in runners.values():
         fn()  # warm-up
-    best = {"hf_generate": [], "ours_in_process": []}
-    for _ in range(reps):  # interleaved, so a burst of load hits both alike
-        for name, fn in (("hf_generate", hf_generate), ("ours_in_process", ours)):
-            t0 = time.perf_counter()
-            fn()
-            best[name].append(new_tokens / (time.perf_counter() - t0))
-    for name, rates in best.items():
-        out[name] = statistics.median(rates)
-    return out
+    return runners
+
+
+def tokens_per_second(fn: Callable[[], None], new_tokens: int) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return new_tokens / (time.perf_counter() - t0)
 
 
 def batch_scaling(model_dir: Path, sizes: list[int], steps: int = 40) -> list[tuple[int, float, float]]:
@@ -226,22 +227,33 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(args.model)
 
     print(f"load average before: {load_average()}  ({os.cpu_count()} CPUs)", flush=True)
-    peers = in_process_peers(model, args.new_tokens, args.reps)
+    runners = in_process_peers(model, args.new_tokens)
     scaling = batch_scaling(model, args.batch_sizes) if args.batch_sizes else []
     port = free_port()
+    peer_rates: dict[str, list[float]] = {name: [] for name in runners}
     with tempfile.TemporaryDirectory() as tmp:
         proc = start_server(model, port, args.max_concurrent, Path(tmp) / "server.log")
         try:
             run_level(port, 1, 8)  # warm the server's paths
             rows = []
             for n in args.levels:
-                runs = [run_level(port, n, args.new_tokens, proc.pid) for _ in range(args.reps)]
+                runs = []
+                for _ in range(args.reps):
+                    if n == 1:  # the peers take turns with the one-stream level: a burst of load hits all alike
+                        for name, fn in runners.items():
+                            peer_rates[name].append(tokens_per_second(fn, args.new_tokens))
+                    runs.append(run_level(port, n, args.new_tokens, proc.pid))
                 runs.sort(key=lambda r: r["aggregate"])
                 rows.append(runs[len(runs) // 2])
                 print(f"  {n} clients done", flush=True)
+            if not peer_rates["hf_generate"]:  # no one-stream level: measure the peers on their own
+                for _ in range(args.reps):
+                    for name, fn in runners.items():
+                        peer_rates[name].append(tokens_per_second(fn, args.new_tokens))
         finally:
             proc.terminate()
             proc.wait(timeout=15)
+    peers = {name: statistics.median(rates) for name, rates in peer_rates.items()}
     single = rows[0]["aggregate"] if rows and rows[0]["clients"] == 1 else None
 
     print()
@@ -266,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("the model alone, one batched decode step (CPU time, 1 thread):")
         print(f"{'batch':>5} | {'ms/step':>7} | {'tok/s':>6} | {'x batch 1':>9}")
-        for B, ms, rate in scaling:
-            print(f"{B:>5} | {ms:>7.2f} | {rate:>6.0f} | {rate / scaling[0][2]:>8.2f}x")
+        for B, ms, tok_s in scaling:
+            print(f"{B:>5} | {ms:>7.2f} | {tok_s:>6.0f} | {tok_s / scaling[0][2]:>8.2f}x")
     print(f"load average after: {load_average()}")
     return 0
 

@@ -4,6 +4,9 @@ tokenizer_config.json and special_tokens_map.json sit beside tokenizer.json so t
 `transformers.AutoTokenizer.from_pretrained(dir)` (as evaluation harnesses call it) reads
 the same tokenizer with bos/eos set; attnlens itself only reads tokenizer.json.
 
+A loaded model is in eval mode; on the CPU its Linear weights are stored transposed
+(model/weight_layout.py: same names, shapes and values, faster one-token steps).
+
 Loading never unpickles anything. Every problem is reported as a CheckpointError that
 names the file and what is wrong with it.
 """
@@ -23,6 +26,7 @@ from .config import ConfigError, ModelConfig
 from .tokenizer import Tokenizer
 from .families import build_model
 from .families.decoder import Transformer
+from .weight_layout import store_linear_weights_transposed
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -166,4 +170,5 @@ def load_checkpoint(
         raise CheckpointError(f"{ckpt / CONFIG_FILE}: {e}") from e
     load_weights(model, ckpt / WEIGHTS_FILE)
     model.to(device=device, dtype=dtype).eval()
+    store_linear_weights_transposed(model)  # CPU: the layout one-token steps stream fastest
     return Checkpoint(model=model, tokenizer=tokenizer, config=config, path=ckpt, report=load_report(ckpt))

@@ -96,18 +96,20 @@ def sample_rows(logits: torch.Tensor, samplers: list[RowSampler]) -> list[Genera
     under the model's own distribution (temperature 1, no filtering).
     """
     logits = logits.float()
-    best, ids = logits.max(dim=-1)  # (B,), (B,): the greedy choice of every row
-    ids = ids.tolist()
-    for i, s in enumerate(samplers):
-        if s.params.temperature != 0:
-            ids[i] = choose_token(logits[i], s.params, s.generator)
-            best[i] = logits[i, ids[i]]
-    # log p(token) = logit - logsumexp(logits): no (B, V) log-softmax unless alternatives are asked for
-    chosen = (best - torch.logsumexp(logits, dim=-1)).tolist()  # (B,)
-    tokens = [GeneratedToken(id=t, logprob=lp) for t, lp in zip(ids, chosen)]
+    ids = logits.argmax(dim=-1)  # (B,): the greedy choice of every row
+    sampled = [i for i, s in enumerate(samplers) if s.params.temperature != 0]
+    if sampled:
+        ids = ids.clone()
+        for i in sampled:
+            ids[i] = choose_token(logits[i], samplers[i].params, samplers[i].generator)
+    # log p(token) under the model's own distribution; one fused log-softmax (cheaper than
+    # logsumexp), one read back to the host for ids and log-probs together
+    logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0]  # (B,)
+    ids, chosen = torch.stack((ids.to(chosen.dtype), chosen)).tolist()  # V < 2^24: ids exact as floats
+    tokens = [GeneratedToken(id=int(t), logprob=lp) for t, lp in zip(ids, chosen)]
     k = max((s.n_logprobs for s in samplers), default=0)
     if k > 0:
-        logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
         top = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)  # (B, k)
         top_ids, top_values = top.indices.tolist(), top.values.tolist()
         for i, s in enumerate(samplers):

@@ -251,13 +251,13 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
         self.ffn = FeedForward(config)
 
-    def _sublayer(self, x, norm, fn):
-        """Apply one residual sub-layer; fn(h) returns (out, probs)."""
-        if self.pre_norm:
-            out, probs = fn(norm(x))
-            return x + out, probs
-        out, probs = fn(x)
-        return norm(x + out), probs
+    def _input(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """What a sub-layer reads: ln(x) before the sum (pre-LN), x itself (post-LN)."""
+        return norm(x) if self.pre_norm else x
+
+    def _residual(self, x: torch.Tensor, out: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """x + sub(ln(x)) (pre-LN) or ln(x + sub(x)) (post-LN), given out = the sub-layer's output."""
+        return x + out if self.pre_norm else norm(x + out)
 
     def forward(
         self,
@@ -270,14 +270,16 @@ class Block(nn.Module):
         memory_mask: torch.Tensor | None = None,
         memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> BlockOutput:
-        x, self_probs = self._sublayer(x, self.ln1, lambda h: self.attn(
-            h, mask=mask, causal=self.causal, kv_update=kv_update, return_attention=return_attention))
+        out, self_probs = self.attn(self._input(x, self.ln1), mask=mask, causal=self.causal, kv_update=kv_update,
+                                    return_attention=return_attention)
+        x = self._residual(x, out, self.ln1)
         cross_probs = None
         if self.cross_attn is not None:
             if memory is None and memory_kv is None:
                 raise ValueError("this block has cross-attention: pass the encoder output as memory "
                                  "(or its projected keys/values as memory_kv)")
-            x, cross_probs = self._sublayer(x, self.ln_cross, lambda h: self.cross_attn(
-                h, memory, mask=memory_mask, return_attention=return_attention, memory_kv=memory_kv))
-        x, _ = self._sublayer(x, self.ln2, lambda h: (self.ffn(h), None))
+            out, cross_probs = self.cross_attn(self._input(x, self.ln_cross), memory, mask=memory_mask,
+                                               return_attention=return_attention, memory_kv=memory_kv)
+            x = self._residual(x, out, self.ln_cross)
+        x = self._residual(x, self.ffn(self._input(x, self.ln2)), self.ln2)
         return BlockOutput(x, self_probs, cross_probs)
