@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from .kv_cache import KVCache
+from .sampling import draw_uniforms, sample_batch
 
 if TYPE_CHECKING:
     from .cuda_graphs import GraphedDecoder
@@ -62,20 +63,14 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A request's own random generator (on the CPU whatever the model's device: a sampled row
+    draws one number per step from it, see model.sampling), or None for torch's global one."""
     if seed is None:
         return None
-    gen = torch.Generator(device=device)
+    gen = torch.Generator()
     gen.manual_seed(int(seed))
     return gen
-
-
-def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick the next token from a (V,) logit vector."""
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(filter_logits(logits, params), dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 @dataclass
@@ -91,17 +86,19 @@ class RowSampler:
 def sample_rows(logits: torch.Tensor, samplers: list[RowSampler]) -> list[GeneratedToken]:
     """Pick one token per row of (B, V) logits, each row by its own sampler.
 
-    Greedy rows share one argmax; sampled rows draw from their own generator (so a seeded
-    request draws the same numbers whatever else is in the batch). Log-probabilities are
-    under the model's own distribution (temperature 1, no filtering).
+    Greedy rows share one argmax; sampled rows are drawn together (model.sampling), each by
+    its own rules with one number from its own generator, so a seeded request draws the same
+    tokens whatever else is in the batch. Log-probabilities are under the model's own
+    distribution (temperature 1, no filtering).
     """
     logits = logits.float()
     ids = logits.argmax(dim=-1)  # (B,): the greedy choice of every row
     sampled = [i for i, s in enumerate(samplers) if s.params.temperature != 0]
     if sampled:
+        rows = [samplers[i] for i in sampled]
         ids = ids.clone()
-        for i in sampled:
-            ids[i] = choose_token(logits[i], samplers[i].params, samplers[i].generator)
+        uniforms = draw_uniforms([s.generator for s in rows])  # one number per sampled row, from its generator
+        ids[sampled] = sample_batch(logits[sampled], [s.params for s in rows], uniforms)
     # log p(token) under the model's own distribution; one fused log-softmax (cheaper than
     # logsumexp), one read back to the host for ids and log-probs together
     logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
@@ -198,7 +195,7 @@ def generate_tokens(
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
     device = model.tok_emb.weight.device
-    sampler = RowSampler(params, make_generator(params.seed, device), n_logprobs, return_attention)
+    sampler = RowSampler(params, make_generator(params.seed), n_logprobs, return_attention)
     cache = model.new_kv_cache(1)
     inputs = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     remaining = min(max_new_tokens, model.config.context_length - len(prompt_ids) + 1)

@@ -131,7 +131,7 @@ def test_one_batched_decode_step_picks_what_each_row_picks_alone():
 
     def run(rows: list[int]) -> dict[int, list[int]]:
         cache = model.new_kv_cache(len(rows))
-        samplers = [RowSampler(params[r], make_generator(params[r].seed, torch.device("cpu")), 3) for r in rows]
+        samplers = [RowSampler(params[r], make_generator(params[r].seed), 3) for r in rows]
         last = []
         with torch.no_grad():
             for i, r in enumerate(rows):

@@ -334,7 +334,7 @@ class Engine:
             p = g.params
             self.cache.free(first + i)
             g.t_start = time.perf_counter()
-            g.sampler = RowSampler(p.sampling, make_generator(p.sampling.seed, self.device), p.n_logprobs,
+            g.sampler = RowSampler(p.sampling, make_generator(p.sampling.seed), p.n_logprobs,
                                    p.return_attention)
             self._decoding.append(g)  # owns row first + i from now on
         lengths = [len(g.params.prompt_ids) for g in batch]
