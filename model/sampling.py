@@ -48,15 +48,16 @@ def sample_batch(logits: torch.Tensor, params: list, uniforms: torch.Tensor) -> 
 def nucleus(x: torch.Tensor, params: list) -> torch.Tensor:
     """(N, V) bool, True = kept: each row's k best of the scaled logits x, then the smallest
     prefix of those reaching probability top_p (the best token always). Rows without top-k
-    or top-p keep everything."""
+    or top-p keep everything. Only the candidates are ranked: top-k alone never sorts a row."""
     V = x.shape[-1]
     device = x.device
-    ranked, order = torch.sort(x, dim=-1, descending=True)  # (N, V): each row best first
-    k = torch.tensor([[min(p.top_k or V, V)] for p in params], device=device)  # (N, 1)
-    keep = torch.arange(V, device=device)[None, :] < k
-    probs = torch.softmax(ranked.masked_fill(~keep, float("-inf")), dim=-1)
-    # top_p 1 must keep every token: no comparison against a cumulative sum that rounds to 1
-    top_p = torch.tensor([[p.top_p if p.top_p < 1.0 else math.inf] for p in params], device=device)
-    keep &= (probs.cumsum(dim=-1) - probs) < top_p  # drop once the tokens ranked above reach p
-    keep[:, 0] = True  # the nucleus always keeps the best token
-    return keep.scatter(-1, order, keep)  # back to vocabulary order
+    ks = [min(p.top_k or V, V) for p in params]
+    ranked, order = torch.topk(x, max(ks), dim=-1)  # (N, K): each row's K best, best first
+    keep = torch.arange(ranked.shape[-1], device=device)[None, :] < torch.tensor(ks, device=device)[:, None]
+    if any(p.top_p < 1.0 for p in params):
+        probs = torch.softmax(ranked.masked_fill(~keep, float("-inf")), dim=-1)
+        # top_p 1 must keep every token: no comparison against a cumulative sum that rounds to 1
+        top_p = torch.tensor([[p.top_p if p.top_p < 1.0 else math.inf] for p in params], device=device)
+        keep &= (probs.cumsum(dim=-1) - probs) < top_p  # drop once the tokens ranked above reach p
+        keep[:, 0] = True  # the nucleus always keeps the best token
+    return torch.zeros_like(x, dtype=torch.bool).scatter_(-1, order, keep)  # back to vocabulary order

@@ -7,9 +7,14 @@ import asyncio
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import pytest
 import torch
 
 from model import SamplingParams, generate_tokens
+
+# Device parameters for tests that run on the CPU and, where there is one, on a CUDA device.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine")])]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

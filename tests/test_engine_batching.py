@@ -19,14 +19,10 @@ from app.engine.scheduler import DrainRate, Scheduler
 from app.main import create_app
 from app.schemas import StreamDone, StreamError, StreamToken
 from app.settings import Settings
-from helpers import drain, reference_ids, reference_tokens, run_async
+from helpers import DEVICES, drain, reference_ids, reference_tokens, run_async
 from model import SamplingParams, load_checkpoint
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                       reason="no CUDA device on this machine")])
-
-
-@pytest.fixture(scope="module", params=["cpu", CUDA])
+@pytest.fixture(scope="module", params=DEVICES)
 def ckpt(request, tiny_checkpoint):
     """The tiny checkpoint in float32 on the CPU and, where there is one, on a CUDA device (the
     engine then replays its decode steps from CUDA graphs, checked against the eager reference)."""

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from helpers import DEVICES
 from model.decoding import SamplingParams, filter_logits
 from model.sampling import draw_uniforms, sample_batch
 
@@ -16,22 +17,25 @@ CASES = [dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature
          dict(temperature=0.9, top_k=8, top_p=0.6)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
-def test_frequencies_follow_the_filtered_softmax(case):
+def test_frequencies_follow_the_filtered_softmax(case, device):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 20, generator=g) * 2
     params = SamplingParams(**case)
     want = torch.softmax(filter_logits(logits[0], params), dim=-1)
     n = 40_000
-    ids = sample_batch(logits.expand(n, -1), [params] * n, torch.rand(n, generator=g, dtype=torch.float64))
-    got = torch.bincount(ids, minlength=20).double() / n
+    ids = sample_batch(logits.to(device).expand(n, -1), [params] * n, torch.rand(n, generator=g, dtype=torch.float64))
+    assert ids.device.type == device
+    got = torch.bincount(ids.cpu(), minlength=20).double() / n
     assert (got[want == 0] == 0).all()  # filtered tokens are never drawn
     assert (got - want.double()).abs().max() < 4 * math.sqrt(0.25 / n)
 
 
-def test_each_row_is_independent_of_the_batch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_row_is_independent_of_the_batch(device):
     g = torch.Generator().manual_seed(1)
-    logits = torch.randn(6, 50, generator=g)
+    logits = torch.randn(6, 50, generator=g).to(device)
     params = [SamplingParams(**c) for c in CASES] + [SamplingParams(temperature=0.5), SamplingParams(top_p=0.3)]
     u = torch.rand(6, generator=g, dtype=torch.float64)
     together = sample_batch(logits, params, u)
