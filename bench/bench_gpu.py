@@ -47,6 +47,7 @@ from model.interop.hf import export_hf  # noqa: E402
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ANCHOR_SHAPE = dict(n_layers=6, n_heads=6, d_model=384, d_ff=1536, context_length=1024)
 PROMPT = "ROMEO.\nBut soft, what light"
+SAMPLED = dict(temperature=0.8, top_k=50)  # the sampled-traffic rows: each request its own seed
 DEVICE = "cuda"  # --device cpu: a slow dry run of this script where there is no GPU
 
 
@@ -153,8 +154,10 @@ def step_scaling(model_dir: Path, dtype: torch.dtype, sizes: list[int], steps: i
     return rows
 
 
-def engine_levels(model_dir: Path, dtype: torch.dtype, levels: list[int], n: int, reps: int) -> list[tuple]:
-    """The engine in-process (no HTTP): (clients, tokens, aggregate tok/s) per level, median of reps."""
+def engine_levels(model_dir: Path, dtype: torch.dtype, levels: list[int], n: int, reps: int,
+                  sampling: dict | None = None) -> list[tuple]:
+    """The engine in-process (no HTTP): (clients, tokens, aggregate tok/s) per level, median of
+    reps; greedy, or every request sampled with `sampling` (its own seed each)."""
     from app.engine import Engine, GenerationParams
     from app.schemas import StreamToken
     from bench_service import PROMPTS
@@ -167,7 +170,8 @@ def engine_levels(model_dir: Path, dtype: torch.dtype, levels: list[int], n: int
     tok = ckpt.tokenizer
 
     async def level(k: int, n: int = n) -> tuple[int, float]:
-        params = [GenerationParams(tok.encode(PROMPTS[i % len(PROMPTS)]), n, SamplingParams(temperature=0))
+        rules = [dict(temperature=0) if sampling is None else dict(sampling, seed=i) for i in range(k)]
+        params = [GenerationParams(tok.encode(PROMPTS[i % len(PROMPTS)]), n, SamplingParams(**rules[i]))
                   for i in range(k)]
         t0 = time.perf_counter()
         gens = engine.submit_all(params)
@@ -243,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         scaling = step_scaling(model_dir, dtype, args.batch_sizes) if args.batch_sizes else []
         print("step scaling done", flush=True)
         engine = engine_levels(model_dir, dtype, args.levels, n, args.reps)
+        sampled = engine_levels(model_dir, dtype, [1, max(args.levels)], n, args.reps, SAMPLED)
         print("engine levels done", flush=True)
         http, http_by_interval = [], {}
         for switch_ms in ([] if args.skip_http else args.switch_intervals):
@@ -282,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         hs = (f"{h['aggregate']:>16.0f} | {h['aggregate'] / http[0]['aggregate']:>5.2f}x | {h['ttft_p50']:>11.1f} | "
               f"{h['itl_p50']:>10.2f} | {h['itl_p99']:>10.2f}") if h else f"{'-':>16} | {'-':>6} |"
         print(f"{k:>7} | {rate:>17.0f} | {rate / engine[0][2]:>5.2f}x | {hs}")
+    print(f"sampled streams ({SAMPLED}), engine in-process: " + ", ".join(
+        f"{k} streams {rate:.0f} tok/s ({rate / sampled[0][2]:.2f}x)" for k, _, rate in sampled))
     for switch_ms, rows in list(http_by_interval.items())[1:]:
         print(f"server over HTTP with a GIL switch interval of {switch_ms} ms:")
         for h in rows:
