@@ -32,32 +32,33 @@ def sample_batch(logits: torch.Tensor, params: list, uniforms: torch.Tensor) -> 
     """(N,) token ids drawn from (N, V) logits, row i by params[i] (a SamplingParams with
     temperature > 0) with uniforms[i] in [0, 1); stays on the logits' device."""
     V = logits.shape[-1]
-    device = logits.device
-    x = logits.float() / torch.tensor([[max(p.temperature, 1e-8)] for p in params], device=device)  # (N, V)
-    if any((p.top_k is not None and p.top_k < V) or p.top_p < 1.0 for p in params):
-        x = x.masked_fill(~nucleus(x, params), float("-inf"))
+    ks = [min(p.top_k or V, V) for p in params]
+    filtered = any(k < V for k in ks) or any(p.top_p < 1.0 for p in params)
+    # every row's rules and number in one host-to-device copy: temperature, k, top_p, u
+    # (top_p 1 becomes inf: no comparison against a cumulative sum that rounds to 1)
+    rules = torch.tensor([[max(p.temperature, 1e-8), k, p.top_p if p.top_p < 1.0 else math.inf, 0.0]
+                          for p, k in zip(params, ks)], dtype=torch.float64)
+    rules[:, 3] = uniforms
+    rules = rules.to(logits.device)
+    x = logits.float() / rules[:, 0:1].float()  # (N, V)
+    if filtered:
+        x = x.masked_fill(~nucleus(x, max(ks), rules[:, 1:2], rules[:, 2:3]), float("-inf"))
     # the inverse CDF runs over the vocabulary in its own order (never a sorted one), so the
     # token a row's number falls on depends on that row alone, not on the others' rules
     cdf = torch.softmax(x, dim=-1).double().cumsum(dim=-1)  # (N, V); float64: u x total stays below the end
-    target = uniforms.to(device=device, dtype=torch.float64)[:, None] * cdf[:, -1:]  # (N, 1)
+    target = rules[:, 3:4] * cdf[:, -1:]  # (N, 1)
     # the first index whose cumulative probability exceeds the target: a token of probability
     # 0 never is one (its cdf equals its predecessor's)
     return torch.searchsorted(cdf, target, right=True).clamp_(max=V - 1)[:, 0]
 
 
-def nucleus(x: torch.Tensor, params: list) -> torch.Tensor:
-    """(N, V) bool, True = kept: each row's k best of the scaled logits x, then the smallest
-    prefix of those reaching probability top_p (the best token always). Rows without top-k
-    or top-p keep everything. Only the candidates are ranked: top-k alone never sorts a row."""
-    V = x.shape[-1]
-    device = x.device
-    ks = [min(p.top_k or V, V) for p in params]
-    ranked, order = torch.topk(x, max(ks), dim=-1)  # (N, K): each row's K best, best first
-    keep = torch.arange(ranked.shape[-1], device=device)[None, :] < torch.tensor(ks, device=device)[:, None]
-    if any(p.top_p < 1.0 for p in params):
-        probs = torch.softmax(ranked.masked_fill(~keep, float("-inf")), dim=-1)
-        # top_p 1 must keep every token: no comparison against a cumulative sum that rounds to 1
-        top_p = torch.tensor([[p.top_p if p.top_p < 1.0 else math.inf] for p in params], device=device)
-        keep &= (probs.cumsum(dim=-1) - probs) < top_p  # drop once the tokens ranked above reach p
-        keep[:, 0] = True  # the nucleus always keeps the best token
+def nucleus(x: torch.Tensor, k_max: int, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """(N, V) bool, True = kept: each row's k best of the scaled logits x (k (N, 1)), then the
+    smallest prefix of those reaching probability top_p (N, 1) (the best token always). Only
+    the k_max best of each row are ranked: top-k alone never sorts a whole row."""
+    ranked, order = torch.topk(x, k_max, dim=-1)  # (N, K): each row's K best, best first
+    keep = torch.arange(k_max, device=x.device)[None, :] < k
+    probs = torch.softmax(ranked.masked_fill(~keep, float("-inf")), dim=-1)
+    keep &= (probs.cumsum(dim=-1) - probs).double() < top_p  # drop once the tokens ranked above reach p
+    keep[:, 0] = True  # the nucleus always keeps the best token
     return torch.zeros_like(x, dtype=torch.bool).scatter_(-1, order, keep)  # back to vocabulary order
