@@ -40,11 +40,11 @@ class Settings(BaseSettings):
     # unread; past it the generation ends with an error event and frees its row
     max_stream_backlog_bytes: int = Field(64_000_000, ge=1)
     cuda_graphs: bool = True  # on CUDA, replay the decode step from captured CUDA graphs
-    # How long one thread may hold Python's GIL while another waits for it (Python's default
-    # is 5 ms). The model thread and the event loop share one interpreter: with a GPU the
-    # model thread is mostly Python, and a short interval keeps the event loop (HTTP, SSE)
-    # from waiting whole intervals between its turns. See bench/README.md.
-    switch_interval_ms: float = Field(0.5, gt=0, le=100)
+    # How long one thread may hold Python's GIL while another waits for it (Python's default,
+    # 5 ms). The model thread and the event loop share one interpreter. Measured on an H100
+    # (bench/README.md): 0.5 ms raises one stream's rate over HTTP by about a quarter but
+    # makes new requests wait far longer for their first token when many arrive together.
+    switch_interval_ms: float = Field(5.0, gt=0, le=100)
     # Comma-separated list ("*" for any origin); empty = no CORS headers.
     cors_origins: Annotated[list[str], NoDecode] = []
     log_level: str = "info"
