@@ -10,7 +10,9 @@ prefill of those rows overwrites). Batches larger than every bucket run eagerly.
 The graph also holds the greedy choice: each row's argmax and its log-probability (logit -
 logsumexp), so a step in which every row is greedy without alternatives costs the host one
 copy in (token ids and lengths, from pinned memory) and one copy out ((B, 2) numbers); other
-steps sample from the logits on the host side (`sample_rows`).
+steps sample from the logits (`sample_rows`). Each bucket is captured twice: plain, and with
+the attention probabilities of every layer ((B, H, 1, P), the explicit softmax), replayed
+when a row streams its attention, so one such client keeps the batch on a graph.
 
 All buckets are captured when the decoder is built, while the cache is empty (capturing
 writes into the cache). Without CUDA (`capture=False`), the same padded path runs eagerly,
@@ -31,15 +33,17 @@ BUCKETS = (1, 2, 4, 8, 16, 32)
 class StepResult(NamedTuple):
     logits: torch.Tensor  # (B, 1, V)
     greedy: torch.Tensor  # (B, 2) float64: each row's argmax id and its log-probability
+    attentions: list[torch.Tensor] | None  # with attention: per layer (B, H, 1, P)
 
 
-def fixed_step(model, ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> StepResult:
+def fixed_step(model, ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache,
+               attention: bool = False) -> StepResult:
     """decode_fixed, then each row's greedy token and its log-probability, all on the device."""
-    logits = model.decode_fixed(ids, cache, lengths)  # (B, 1, V)
+    logits, attentions = model.decode_fixed(ids, cache, lengths, return_attention=attention)  # (B, 1, V)
     last = logits[:, -1].float()  # (B, V)
     best, arg = last.max(dim=-1)
     logprob = best - torch.logsumexp(last, dim=-1)
-    return StepResult(logits, torch.stack([arg.double(), logprob.double()], dim=1))
+    return StepResult(logits, torch.stack([arg.double(), logprob.double()], dim=1), attentions)
 
 
 class GraphedDecoder:
@@ -56,35 +60,39 @@ class GraphedDecoder:
         # in one go from a pinned host buffer of the same layout
         self.inputs = torch.zeros(top, 2, dtype=torch.long, device=device)
         self.staging = torch.zeros(top, 2, dtype=torch.long, pin_memory=self.capture)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepResult]] = {}
+        # (bucket, with attention) -> the captured graph and its static outputs
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, StepResult]] = {}
         if self.capture:
+            pool = torch.cuda.graph_pool_handle()  # the variants share one memory pool
             for b in self.buckets:
-                self.graphs[b] = self._capture(b)
+                for attention in (False, True):
+                    self.graphs[b, attention] = self._capture(b, attention, pool)
             cache.reset()
 
     def _static(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inputs[:b, 0:1], self.inputs[:b, 1]  # ids (b, 1), lengths (b,): views
 
     @torch.inference_mode()
-    def _capture(self, b: int):
+    def _capture(self, b: int, attention: bool, pool):
         ids, lengths = self._static(b)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up outside the graph (allocations, autotuning)
             for _ in range(2):
-                fixed_step(self.model, ids, lengths, self.cache)
+                fixed_step(self.model, ids, lengths, self.cache, attention)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fixed_step(self.model, ids, lengths, self.cache)
+        with torch.cuda.graph(graph, pool=pool):
+            out = fixed_step(self.model, ids, lengths, self.cache, attention)
         return graph, out
 
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
-    def run(self, ids: torch.Tensor) -> StepResult:
+    def run(self, ids: torch.Tensor, attention: bool = False) -> StepResult:
         """Decode one token for cache rows 0 .. B-1 (ids (B, 1), on the host or the device);
-        advances their lengths; (B, 1, V) logits and each row's greedy choice."""
+        advances their lengths; (B, 1, V) logits, each row's greedy choice and, with
+        `attention`, every layer's (B, H, 1, P) probabilities."""
         B = ids.shape[0]
         starts = self.cache.lengths[:B]
         if int(starts.max()) + 1 > self.cache.capacity:
@@ -93,7 +101,7 @@ class GraphedDecoder:
         b = self.bucket(B)
         if b is None:  # larger than every bucket: the same step, eagerly
             device = self.inputs.device
-            out = fixed_step(self.model, ids.to(device), starts.to(device), self.cache)
+            out = fixed_step(self.model, ids.to(device), starts.to(device), self.cache, attention)
         else:
             if ids.device.type == "cpu":
                 self.staging[:B, 0] = ids[:, 0]
@@ -104,22 +112,24 @@ class GraphedDecoder:
                 self.inputs[:B, 0] = ids[:, 0]
                 self.inputs[:B, 1] = starts.to(ids.device)
                 self.inputs[B:b] = 0
-            if b in self.graphs:
-                graph, out = self.graphs[b]
+            if (b, attention) in self.graphs:
+                graph, out = self.graphs[b, attention]
                 graph.replay()
             else:
-                out = fixed_step(self.model, *self._static(b), self.cache)
-            out = StepResult(out.logits[:B], out.greedy[:B])
+                out = fixed_step(self.model, *self._static(b), self.cache, attention)
+            out = StepResult(out.logits[:B], out.greedy[:B],
+                             None if out.attentions is None else [a[:B] for a in out.attentions])
         self.cache.lengths[:B] += 1
         return out
 
-    def decode(self, ids: torch.Tensor, samplers: list) -> tuple[torch.Tensor, list]:
-        """One decode step and each row's next token: (B, 1, V) logits, GeneratedToken per row.
-        When every row is greedy and asks for no alternatives, the tokens come from the graph's
-        own argmax (one small copy back); otherwise `sample_rows` picks them from the logits."""
+    def decode(self, ids: torch.Tensor, samplers: list) -> tuple[StepResult, list]:
+        """One decode step and each row's next token: the step's outputs (attention included
+        when a row asks for it), GeneratedToken per row. When every row is greedy and asks for
+        no alternatives, the tokens come from the graph's own argmax (one small copy back);
+        otherwise `sample_rows` picks them from the logits."""
         from .decoding import GeneratedToken, sample_rows
 
-        out = self.run(ids)
+        out = self.run(ids, attention=any(s.return_attention for s in samplers))
         if all(s.params.temperature == 0 and s.n_logprobs == 0 for s in samplers):
-            return out.logits, [GeneratedToken(id=int(t), logprob=lp) for t, lp in out.greedy.tolist()]
-        return out.logits, sample_rows(out.logits[:, -1], samplers)
+            return out, [GeneratedToken(id=int(t), logprob=lp) for t, lp in out.greedy.tolist()]
+        return out, sample_rows(out.logits[:, -1], samplers)

@@ -142,24 +142,25 @@ def decode_step(
     A row whose sampler asks for attention gets, per layer, the (H, length) attention row of
     its last position: its own keys only, never the padding of longer rows.
 
-    With `graphs` (model.cuda_graphs.GraphedDecoder on the same cache), a plain one-token
-    step over rows 0 .. B-1 without attention replays a captured CUDA graph instead (its
+    With `graphs` (model.cuda_graphs.GraphedDecoder on the same cache), a one-token step over
+    rows 0 .. B-1 replays a captured CUDA graph instead, with or without attention (its
     inputs best stay on the host: the graph copies them in with the rows' lengths at once).
     """
     want_attention = any(s.return_attention for s in samplers)
-    if (graphs is not None and inputs.shape[1] == 1 and not want_attention and n_new is None
+    if (graphs is not None and inputs.shape[1] == 1 and n_new is None
             and cache.row_slice(rows, inputs.shape[0]).start == 0):
-        logits, tokens = graphs.decode(inputs, samplers)
-        return StepOutput(tokens, ModelOutput(logits, None))
-    inputs = inputs.to(model.tok_emb.weight.device)  # ids may come from the host (a no-op when already there)
-    valid = torch.tensor(n_new) if n_new is not None else None
-    out = model(inputs, kv_cache=cache, rows=rows, return_attention=want_attention, last_only=last_only,
-                valid=valid)
-    if valid is None or last_only:
-        last = out.logits[:, -1]  # (B, V)
+        step, tokens = graphs.decode(inputs, samplers)
+        out = ModelOutput(step.logits, step.attentions)  # attentions (B, H, 1, P): zeros past each row
     else:
-        last = out.logits[torch.arange(len(n_new)), valid - 1]  # each row's last real position
-    tokens = sample_rows(last, samplers)
+        inputs = inputs.to(model.tok_emb.weight.device)  # ids may come from the host (a no-op when already there)
+        valid = torch.tensor(n_new) if n_new is not None else None
+        out = model(inputs, kv_cache=cache, rows=rows, return_attention=want_attention, last_only=last_only,
+                    valid=valid)
+        if valid is None or last_only:
+            last = out.logits[:, -1]  # (B, V)
+        else:
+            last = out.logits[torch.arange(len(n_new)), valid - 1]  # each row's last real position
+        tokens = sample_rows(last, samplers)
     if want_attention:
         first = cache.row_slice(rows, inputs.shape[0]).start
         for b, (s, tok) in enumerate(zip(samplers, tokens)):

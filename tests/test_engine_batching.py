@@ -457,7 +457,7 @@ def test_per_step_attention_comes_from_the_batched_forward(ckpt):
     """Three rows of different lengths decode together, one of them asking for attention: its
     rows equal those of the request alone (its own positions only), the others are unaffected."""
     tok = ckpt.tokenizer
-    engine = Engine(ckpt, max_concurrent=3, max_queue=0)
+    engine = Engine(ckpt, max_concurrent=3, max_queue=0, cuda_graphs=False)  # the recorder sees every forward
     rec = engine.model = RecordingModel(ckpt.model)
     prompts = ["To be", "Whether 'tis nobler in the mind", "Or"]
     params = [GenerationParams(tok.encode(p), 8, SamplingParams(temperature=0.0), return_attention=(i == 1))

@@ -79,7 +79,8 @@ def test_service_picks_cuda_and_bf16_on_auto(tiny_checkpoint):
 
 
 def test_cuda_graph_decode_equals_the_eager_step(pair):
-    """The captured decode step (one CUDA graph per batch bucket) gives the eager step's logits."""
+    """The captured decode step (two CUDA graphs per batch bucket: plain and with attention)
+    gives the eager step's logits, tokens and attention rows."""
     from model.cuda_graphs import GraphedDecoder
     from model.decoding import RowSampler, decode_step
 
@@ -87,7 +88,7 @@ def test_cuda_graph_decode_equals_the_eager_step(pair):
     model = gpu.model
     plain, graphed = model.new_kv_cache(8), model.new_kv_cache(8)
     decoder = GraphedDecoder(model, graphed)
-    assert decoder.capture and set(decoder.graphs) == {1, 2, 4, 8}
+    assert decoder.capture and set(decoder.graphs) == {(b, att) for b in (1, 2, 4, 8) for att in (False, True)}
     prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
     samplers = [RowSampler(SamplingParams(temperature=0)) for _ in prompts]
     with torch.inference_mode():
@@ -95,11 +96,15 @@ def test_cuda_graph_decode_equals_the_eager_step(pair):
             for row, ids in enumerate(prompts):
                 model(torch.tensor([ids], device="cuda"), kv_cache=cache, rows=slice(row, row + 1))
         last = torch.tensor([[10], [11], [12]], device="cuda")
-        for _ in range(12):
+        for step in range(12):
+            samplers[2].return_attention = step % 3 == 1  # now and then a row streams its attention
             a = decode_step(model, plain, last, samplers)
             b = decode_step(model, graphed, last, samplers, graphs=decoder)
             torch.testing.assert_close(b.output.logits, a.output.logits, rtol=1e-4, atol=1e-4)
             assert [t.id for t in a.tokens] == [t.id for t in b.tokens]
+            for ra, rb in zip(a.tokens[2].attention or [], b.tokens[2].attention or []):
+                torch.testing.assert_close(rb, ra, rtol=0, atol=1e-5)
+            assert (a.tokens[2].attention is None) == (b.tokens[2].attention is None) == (step % 3 != 1)
             last = torch.tensor([[t.id] for t in a.tokens], device="cuda")
 
 

@@ -177,7 +177,8 @@ def test_right_padded_prompts_prefill_together_like_each_alone():
 
 def test_fixed_shape_decode_step_equals_the_cached_forward():
     """Transformer.decode_fixed (keys over the whole capacity, masked by each row's length: the
-    step CUDA graphs capture) gives the logits of a full recompute and leaves a usable cache."""
+    step CUDA graphs capture) gives the logits and attention rows of a full recompute (exact
+    zeros past each row's length) and leaves a usable cache."""
     model = make_model(seed=38)
     seqs = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
     cache = model.new_kv_cache(3)
@@ -186,11 +187,15 @@ def test_fixed_shape_decode_step_equals_the_cached_forward():
             model(torch.tensor([ids]), kv_cache=cache, rows=slice(row, row + 1))
         for step in range(4):
             nxt = torch.tensor([[20 + step], [30 + step], [40 + step]])
-            logits = model.decode_fixed(nxt, cache, cache.lengths.clone())
+            logits, att = model.decode_fixed(nxt, cache, cache.lengths.clone(), return_attention=True)
             cache.lengths += 1
             for row, ids in enumerate(seqs):
                 ids.append(int(nxt[row, 0]))
                 torch.testing.assert_close(logits[row, -1], full_last_logits(model, ids), atol=1e-4, rtol=0)
+                full = model(torch.tensor([ids]), return_attention=True).attentions
+                for a, f in zip(att, full):  # (B, H, 1, P) against the full recompute's last query
+                    torch.testing.assert_close(a[row, :, 0, : len(ids)], f[0, :, -1], atol=1e-5, rtol=0)
+                    assert (a[row, :, 0, len(ids):] == 0).all()
         out = model(torch.tensor([[7], [7], [7]]), kv_cache=cache).logits  # the ordinary path goes on from there
     for row, ids in enumerate(seqs):
         torch.testing.assert_close(out[row, -1], full_last_logits(model, ids + [7]), atol=1e-4, rtol=0)
@@ -198,7 +203,8 @@ def test_fixed_shape_decode_step_equals_the_cached_forward():
 
 def test_graphed_decoder_pads_a_batch_to_its_bucket_like_the_plain_step():
     """The CUDA-graph decoder's padded bucket path (run eagerly here, without CUDA): 3 rows in the
-    bucket of 4 decode exactly as the plain step does, and the free 4th row stays free."""
+    bucket of 4 decode exactly as the plain step does (the steps where a row streams its
+    attention too: the same rows), and the free 4th row stays free."""
     from model.cuda_graphs import GraphedDecoder
 
     model = make_model(seed=39)
@@ -212,10 +218,16 @@ def test_graphed_decoder_pads_a_batch_to_its_bucket_like_the_plain_step():
             for row, ids in enumerate(prompts):
                 model(torch.tensor([ids]), kv_cache=cache, rows=slice(row, row + 1))
         last = torch.tensor([[10], [11], [12]])
-        for _ in range(5):
+        for step in range(5):
+            samplers[1].return_attention = step >= 2  # the middle row streams its attention from step 2
             a = decode_step(model, plain, last, samplers)
             b = decode_step(model, graphed, last, samplers, graphs=decoder)
             torch.testing.assert_close(b.output.logits, a.output.logits, atol=1e-4, rtol=0)
             assert [t.id for t in a.tokens] == [t.id for t in b.tokens]
+            for x, y in zip(a.tokens, b.tokens):
+                assert (x.attention is None) == (y.attention is None) == (x is not a.tokens[1] or step < 2)
+                for ra, rb in zip(x.attention or [], y.attention or []):  # (H, this row's length)
+                    assert ra.shape == rb.shape
+                    torch.testing.assert_close(rb, ra, atol=1e-5, rtol=0)
             last = torch.tensor([[t.id] for t in a.tokens])
     assert graphed.lengths.tolist() == plain.lengths.tolist() == [9, 7, 8, 0, 0]

@@ -118,20 +118,27 @@ class Transformer(Embeddings, nn.Module):
         x = self.ln_f(x)
         return ModelOutput(self.lm_head(x), attentions)  # (B, T, V)
 
-    def decode_fixed(self, ids: torch.Tensor, kv_cache: KVCache, lengths: torch.Tensor) -> torch.Tensor:
+    def decode_fixed(self, ids: torch.Tensor, kv_cache: KVCache, lengths: torch.Tensor, *,
+                     return_attention: bool = False) -> ModelOutput:
         """One decode step for cache rows 0 .. B-1 with shapes that never change, for CUDA graphs.
 
         ids (B, 1) and lengths (B,) (each row's filled positions) are tensors on the model's
         device; the new keys/values go to position lengths[b] of row b, and every query looks
         over the whole capacity P with a mask (keys 0 .. lengths[b]). No value is read back
         to the host, so the step can be captured once and replayed. kv_cache.lengths is not
-        advanced: the caller does that. Returns (B, 1, V) logits.
+        advanced: the caller does that. Returns (B, 1, V) logits and, with return_attention, one
+        (B, H, 1, P) probability tensor per layer (keys past a row's length exactly 0).
         """
         B = ids.shape[0]
         x = self.embed(ids, positions=lengths[:, None], dropout=False)  # (B, 1, C) at positions (B, 1)
         keys = torch.arange(kv_cache.capacity, device=ids.device)  # (P,)
         mask = (keys[None, :] <= lengths[:, None])[:, None, None, :]  # (B, P) -> (B, 1, 1, P)
         rows = torch.arange(B, device=ids.device)
+        attentions = [] if return_attention else None
         for i, block in enumerate(self.blocks):
-            x = block(x, mask=mask, kv_update=kv_cache.fixed_update(i, rows, lengths)).x
-        return self.lm_head(self.ln_f(x))  # (B, 1, V)
+            out = block(x, mask=mask, kv_update=kv_cache.fixed_update(i, rows, lengths),
+                        return_attention=return_attention)
+            x = out.x
+            if return_attention:
+                attentions.append(out.self_attention)
+        return ModelOutput(self.lm_head(self.ln_f(x)), attentions)  # (B, 1, V)
