@@ -12,14 +12,14 @@ return_attention=True, then one (B, H, T, S) tensor per layer.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 
 from ..config import ModelConfig
 from ..kv_cache import ContextLengthError, KVCache
-from ..parts import Block, Embeddings, sinusoidal_table
+from ..parts import Block, Embeddings, KVUpdate, sinusoidal_table
 
 __all__ = ["ContextLengthError", "KVCache", "ModelOutput", "Transformer", "sinusoidal_table"]
 
@@ -99,14 +99,8 @@ class Transformer(Embeddings, nn.Module):
         else:
             x = self.embed(ids, positions=write.positions)  # each row its own (B, T) positions
 
-        attentions = [] if return_attention else None
-        mask = write.mask if write is not None else None
-        for i, block in enumerate(self.blocks):
-            out = block(x, mask=mask, kv_update=write.layer(i) if write is not None else None,
-                        return_attention=return_attention)
-            x = out.x
-            if return_attention:
-                attentions.append(out.self_attention)
+        x, attentions = self.run_blocks(x, write.mask if write is not None else None,
+                                        write.layer if write is not None else None, return_attention)
         if write is not None:
             kv_cache.commit(write, T if valid is None else valid.cpu())
 
@@ -134,11 +128,18 @@ class Transformer(Embeddings, nn.Module):
         keys = torch.arange(kv_cache.capacity, device=ids.device)  # (P,)
         mask = (keys[None, :] <= lengths[:, None])[:, None, None, :]  # (B, P) -> (B, 1, 1, P)
         rows = torch.arange(B, device=ids.device)
+        x, attentions = self.run_blocks(x, mask, lambda i: kv_cache.fixed_update(i, rows, lengths), return_attention)
+        return ModelOutput(self.lm_head(self.ln_f(x)), attentions)  # (B, 1, V)
+
+    def run_blocks(self, x: torch.Tensor, mask: torch.Tensor | None, kv_update: Callable[[int], KVUpdate] | None,
+                   return_attention: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """x (B, T, C) through every block (layer i's cache through kv_update(i)); with
+        return_attention, each layer's (B, H, T, S) probabilities."""
         attentions = [] if return_attention else None
         for i, block in enumerate(self.blocks):
-            out = block(x, mask=mask, kv_update=kv_cache.fixed_update(i, rows, lengths),
+            out = block(x, mask=mask, kv_update=kv_update(i) if kv_update is not None else None,
                         return_attention=return_attention)
             x = out.x
             if return_attention:
                 attentions.append(out.self_attention)
-        return ModelOutput(self.lm_head(self.ln_f(x)), attentions)  # (B, 1, V)
+        return x, attentions
