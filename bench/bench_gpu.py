@@ -37,11 +37,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
-from model.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from model.config import ModelConfig  # noqa: E402
+from bench_model import random_checkpoint  # noqa: E402
+
+from model.checkpoint import load_checkpoint  # noqa: E402
 from model.cuda_graphs import GraphedDecoder  # noqa: E402
 from model.decoding import RowSampler, SamplingParams, decode_step, generate_tokens  # noqa: E402
-from model.families.decoder import Transformer  # noqa: E402
 from model.interop.hf import export_hf  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -59,12 +59,7 @@ def sync() -> None:
 def anchor_checkpoint(out: Path, seed: int = 0) -> Path:
     """The anchors' GPT-2 shape with random weights and the bundled tokenizer."""
     tok = load_checkpoint(REPO_ROOT / "checkpoints" / "default").tokenizer
-    torch.manual_seed(seed)
-    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, **ANCHOR_SHAPE))
-    with torch.no_grad():  # LayerNorms and biases away from their init, like a trained model
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return save_checkpoint(out, model, tok)
+    return random_checkpoint(out, seed, shape=dict(vocab_size=tok.vocab_size, **ANCHOR_SHAPE), tokenizer=tok)
 
 
 def timed(fn, reps: int, warmup: int = 2) -> float:

@@ -43,16 +43,18 @@ DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "default"
 DEFAULT_CONFIG = dict(vocab_size=4096, context_length=256, d_model=256, n_layers=4, n_heads=8, d_ff=1024)
 
 
-def random_checkpoint(out: Path, seed: int = 0) -> Path:
-    """A default-sized GPT-2-shaped checkpoint with random weights (for when none is trained yet)."""
-    text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer\n"
-    tok = Tokenizer.train([text] * 50, vocab_size=512)
+def random_checkpoint(out: Path, seed: int = 0, *, shape: dict | None = None, tokenizer: Tokenizer | None = None) -> Path:
+    """A GPT-2-shaped checkpoint with random weights: the default model's shape (for when none
+    is trained yet) unless `shape` says otherwise, and a small tokenizer unless one is given."""
+    if tokenizer is None:
+        text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer\n"
+        tokenizer = Tokenizer.train([text] * 50, vocab_size=512)
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig(**DEFAULT_CONFIG))
+    model = Transformer(ModelConfig(**(shape or DEFAULT_CONFIG)))
     with torch.no_grad():  # LayerNorms and biases away from their init, like a trained model
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    return save_checkpoint(out, model, tok)
+    return save_checkpoint(out, model, tokenizer)
 
 
 def paired_ms(fns, *, warmup: int, reps: int) -> list[tuple[float, float]]:
