@@ -9,14 +9,13 @@ import json
 import subprocess
 import sys
 import tarfile
-from pathlib import Path
 
 import pytest
 
 from model.data.shakespeare import VAL_WORKS, clean_text, load_split, prepare_data
+from helpers import REPO_ROOT
 
-REPO = Path(__file__).resolve().parent.parent
-DATA = REPO / "data" / "shakespeare"
+DATA = REPO_ROOT / "data" / "shakespeare"
 # sha256 of the committed manifest.json, which itself pins every work's sha256.
 MANIFEST_SHA256 = "934a47682420a0c31ed46f18f29c183b4089cdc7efc92c1c9e355ff62573df0e"
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,8 @@ from model.data.mlm import IGNORE, mask_tokens
 from model.data.passages import load_works
 from model.tokenizer import Tokenizer
 from model.training.train import load_run_config, train
+from helpers import REPO_ROOT
 
-REPO = Path(__file__).resolve().parent.parent
 
 TINY_ENCODER_TOML = """
 [model]
@@ -50,7 +49,7 @@ save_dtype = "float16"
 
 
 def test_every_work_has_a_folio_genre_or_a_reason_to_be_left_out():
-    works = load_works(REPO / "data/shakespeare")
+    works = load_works(REPO_ROOT / "data/shakespeare")
     names = {w.name for w in works}
     assert names == set(FOLIO_GENRE) | set(EXCLUDED)
     assert not set(FOLIO_GENRE) & set(EXCLUDED)
@@ -101,7 +100,7 @@ def test_the_text_mask_is_the_mask_token_and_takes_its_space():
 @pytest.fixture(scope="module")
 def genre_corpus(tmp_path_factory) -> Path:
     """One training work of each genre, one the Folio leaves out, and the held-out works."""
-    works = {w.name: w.text for w in load_works(REPO / "data/shakespeare")}
+    works = {w.name: w.text for w in load_works(REPO_ROOT / "data/shakespeare")}
     src = tmp_path_factory.mktemp("texts")
     for name in ("hamlet", "tempest", "henry_v", "sonnets", *VAL_WORKS):
         (src / f"{name}_gut.txt").write_text(works[name][:5000], encoding="utf-8")
@@ -165,7 +164,7 @@ def test_two_process_ddp_trains_the_encoder(tmp_path, genre_corpus):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "app.cli", "train", "--config", str(cfg), "--out", str(out), "--set", "train.bow_baseline=false"]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((out / "train_report.json").read_text())
     assert report["hardware"].startswith("2 x CPU") and report["steps"] == 5

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ from safetensors.torch import load_file
 from model.data.shakespeare import VAL_WORKS, load_split, prepare_data
 from model.training.train import evaluate, load_run_config, token_byte_lengths, train, encode_corpus
 from model.tokenizer import Tokenizer
+from helpers import REPO_ROOT
 
-REPO = Path(__file__).resolve().parent.parent
 
 TINY_TOML = """
 [model]
@@ -54,8 +53,8 @@ sample_tokens = 8
 def small_corpus(tmp_path_factory) -> Path:
     """A few kilobytes of each work, prepared exactly as the real corpus is."""
     src = tmp_path_factory.mktemp("texts")
-    texts = dict(zip(["hamlet", "macbeth", "othello"], load_split(REPO / "data/shakespeare", "train")[:3]))
-    val = load_split(REPO / "data/shakespeare", "val")
+    texts = dict(zip(["hamlet", "macbeth", "othello"], load_split(REPO_ROOT / "data/shakespeare", "train")[:3]))
+    val = load_split(REPO_ROOT / "data/shakespeare", "val")
     texts.update({name: text for name, text in zip(sorted(VAL_WORKS), val)})
     for name, text in texts.items():
         (src / f"{name}_gut.txt").write_text(text[:12000], encoding="utf-8")
@@ -135,7 +134,7 @@ def test_ctrl_c_saves_a_checkpoint(tmp_path, small_corpus):
     cfg = write_config(tmp_path, small_corpus, steps=100000)
     out = tmp_path / "interrupted"
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "train", "--config", str(cfg), "--out", str(out)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while not (out / "metrics.jsonl").is_file() or "train_loss" not in (out / "metrics.jsonl").read_text():
         assert proc.poll() is None, proc.stdout.read().decode()
@@ -155,7 +154,7 @@ def test_two_process_ddp_over_gloo_writes_one_checkpoint(tmp_path, small_corpus)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "app.cli", "train", "--config", str(cfg), "--out", str(out)]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((out / "train_report.json").read_text())
     assert report["hardware"].startswith("2 x CPU")

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +15,8 @@ from model import load_checkpoint
 from model.families.encoder_decoder import EncoderDecoder
 from model.training.train import load_run_config, train
 from translator_helpers import small_translation_tokenizer
+from helpers import REPO_ROOT
 
-REPO = Path(__file__).resolve().parent.parent
 
 TINY_TRANSLATOR_TOML = """
 [model]
@@ -98,7 +97,7 @@ def test_two_process_ddp_translator_run_over_gloo(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "app.cli", "train", "--config", str(cfg), "--out", str(out), "--set", "train.max_steps=4",
            "--set", "train.eval_pairs=4"]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((out / "train_report.json").read_text())
     assert report["hardware"].startswith("2 x CPU") and report["steps"] == 4
