@@ -106,12 +106,14 @@ class GraphedDecoder:
             if ids.device.type == "cpu":
                 self.staging[:B, 0] = ids[:, 0]
                 self.staging[:B, 1] = starts
-                self.staging[B:b] = 0
+                if b > B:  # padding rows: token 0 at position 0
+                    self.staging[B:b] = 0
                 self.inputs[:b].copy_(self.staging[:b], non_blocking=True)  # one copy in
             else:
                 self.inputs[:B, 0] = ids[:, 0]
                 self.inputs[:B, 1] = starts.to(ids.device)
-                self.inputs[B:b] = 0
+                if b > B:
+                    self.inputs[B:b] = 0
             if (b, attention) in self.graphs:
                 graph, out = self.graphs[b, attention]
                 graph.replay()
