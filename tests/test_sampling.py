@@ -63,3 +63,23 @@ def test_seeded_generators_repeat_and_unseeded_rows_use_the_global_generator():
     a = draw_uniforms([torch.Generator().manual_seed(5), None])
     b = draw_uniforms([torch.Generator().manual_seed(5), None])
     assert a[0] == b[0] and a.dtype == torch.float64 and ((a >= 0) & (a < 1)).all()
+
+
+def test_sample_rows_draws_its_sampled_rows_from_their_own_generators():
+    """sample_rows: greedy rows take the argmax, each sampled row the token its generator's next
+    number falls on (drawn here again from an identically seeded generator), and every row's
+    log-probability is that of its token under the model's own softmax."""
+    from model.decoding import RowSampler, make_generator, sample_rows
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(10, 40, generator=g)
+    params = [SamplingParams(temperature=0)] * 2 + [SamplingParams(temperature=1.5, seed=10 + i) for i in range(7)]
+    params.append(SamplingParams(temperature=1.2, top_k=5, seed=99))
+    tokens = sample_rows(logits, [RowSampler(p, make_generator(p.seed)) for p in params])
+    want = logits.argmax(-1).tolist()
+    for i in range(2, 10):
+        u = draw_uniforms([make_generator(params[i].seed)])
+        want[i] = sample_batch(logits[i : i + 1], [params[i]], u).item()
+    assert [t.id for t in tokens] == want
+    lp = torch.log_softmax(logits, -1)
+    assert [t.logprob for t in tokens] == pytest.approx([lp[i, t].item() for i, t in enumerate(want)], abs=1e-6)
