@@ -34,6 +34,7 @@ class CacheWrite:
     positions: torch.Tensor | None  # (B, T) absolute position of each new token when lengths differ
     mask: torch.Tensor | None  # (B, 1, T, S) True = may attend; None when plain causality covers it
     n_keys: int  # S = max(starts) + T
+    slots: torch.Tensor | None = None  # (B*H*T,) where each new key goes in a layer's flat (R*H*P, D) view
 
     def layer(self, index: int) -> KVUpdate:
         return partial(self.cache.update, self, index)
@@ -74,21 +75,24 @@ class KVCache:
         positions = torch.tensor(starts)[:, None] + torch.arange(n_new)[None, :]  # (B, T)
         mask = torch.arange(S)[None, None, :] <= positions[:, :, None]  # (B, T, S)
         mask = mask[:, None].to(self.device)  # (B, T, S) -> (B, 1, T, S): the same for every head
-        return CacheWrite(self, rows, -1, positions.to(self.device), mask, S)
+        # one flat index for every layer's keys and values: (row, head, position) -> (row * H + head) * P + position
+        H, P = self.keys[0].shape[1], self.capacity
+        heads = (torch.arange(rows.start, rows.stop)[:, None] * H + torch.arange(H)[None, :]) * P  # (B, H)
+        slots = (heads[:, :, None] + positions[:, None, :]).reshape(-1)  # (B, H, T) -> (B*H*T,)
+        return CacheWrite(self, rows, -1, positions.to(self.device), mask, S, slots.to(self.device))
 
     def update(self, write: CacheWrite, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store (B, H, T, D) keys/values at each row's positions; return (B, H, S, D) views."""
         keys, values = self.keys[layer][write.rows], self.values[layer][write.rows]  # (B, H, P, D) views
         T = k.shape[2]
-        if write.positions is None:  # every row starts at the same position: one slice
+        if write.slots is None:  # every row starts at the same position: one slice
             start = write.start
             keys[:, :, start:start + T] = k
             values[:, :, start:start + T] = v
-        else:
-            b = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
-            # advanced indices (b, positions) around a slice: the indexed shape is (B, T, H, D)
-            keys[b, :, write.positions] = k.transpose(1, 2)
-            values[b, :, write.positions] = v.transpose(1, 2)
+        else:  # rows at different positions: one indexed copy into the flat (R*H*P, D) view
+            D = k.shape[-1]
+            self.keys[layer].view(-1, D).index_copy_(0, write.slots, k.reshape(-1, D))
+            self.values[layer].view(-1, D).index_copy_(0, write.slots, v.reshape(-1, D))
         return keys[:, :, :write.n_keys], values[:, :, :write.n_keys]
 
     def fixed_update(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor) -> KVUpdate:
