@@ -6,6 +6,7 @@ Heavy imports happen inside each subcommand so `attnlens --help` stays instant.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -88,6 +89,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # PyTorch's own switch, read once before its first allocation: large CPU tensors (the
+    # weights, the KV cache) go on 2 MB pages, so a decode step that streams them all takes
+    # fewer TLB misses (bench/README.md: "Huge pages"). An explicit THP_MEM_ALLOC_ENABLE=0 wins.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from app.server import serve
 
     serve(model=args.model, models=args.models, host=args.host, port=args.port)

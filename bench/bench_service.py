@@ -37,6 +37,10 @@ from typing import Callable
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+# The allocator the server runs with (app/cli.py: large CPU tensors on 2 MB pages), for the
+# in-process peers too; torch is imported later, so it reads this.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "default"
 PROMPTS = ["ROMEO.\n", "JULIET.\nO Romeo", "First Citizen.\n", "KING HENRY.\nNow", "HAMLET.\nTo be, or",
            "The quality of mercy", "Friends, Romans,", "Now is the winter of"]
