@@ -72,6 +72,7 @@ class Tokenizer:
     def __init__(self, backend: HFTokenizer):
         self.backend = backend
         self._token_bytes: dict[int, bytes] = {}
+        self._display: dict[int, str] = {}
         self.eos_id = backend.token_to_id(EOS_TOKEN)
         # None when this tokenizer has no such token (a decoder's tokenizer)
         self.pad_id = backend.token_to_id(PAD_TOKEN)
@@ -191,7 +192,10 @@ class Tokenizer:
 
     def display_text(self, token_id: int) -> str:
         """What a person should see for this token on its own (spaces and newlines kept)."""
-        return bytes_for_display(self.token_bytes(token_id))
+        text = self._display.get(token_id)
+        if text is None:  # every streamed token and alternative asks: worked out once per id
+            text = self._display[token_id] = bytes_for_display(self.token_bytes(token_id))
+        return text
 
     def display_texts(self, ids: Iterable[int]) -> list[str]:
         return [self.display_text(i) for i in ids]
