@@ -14,6 +14,11 @@ steps sample from the logits (`sample_rows`). Each bucket is captured twice: pla
 the attention probabilities of every layer ((B, H, 1, P), the explicit softmax), replayed
 when a row streams its attention, so one such client keeps the batch on a graph.
 
+The host's part of a step (the rows' lengths, the staged inputs) is done on numpy views of
+the same memory, not with torch calls: every torch call lets go of the GIL, and on a busy
+server each hand-over can wait for the event loop's whole turn (bench/README.md). A step
+lets go three times: the copy in, the replay and the copy out, which waits for the device.
+
 All buckets are captured when the decoder is built, while the cache is empty (capturing
 writes into the cache). Without CUDA (`capture=False`), the same padded path runs eagerly,
 which is how the CPU tests check it.
@@ -60,6 +65,8 @@ class GraphedDecoder:
         # in one go from a pinned host buffer of the same layout
         self.inputs = torch.zeros(top, 2, dtype=torch.long, device=device)
         self.staging = torch.zeros(top, 2, dtype=torch.long, pin_memory=self.capture)
+        self._staging = self.staging.numpy()  # the same pinned memory, written without torch calls
+        self._lengths = cache.lengths.numpy()  # the cache's (R,) lengths, the same memory (never reallocated)
         # (bucket, with attention) -> the captured graph and its static outputs
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, StepResult]] = {}
         if self.capture:
@@ -94,24 +101,25 @@ class GraphedDecoder:
         advances their lengths; (B, 1, V) logits, each row's greedy choice and, with
         `attention`, every layer's (B, H, 1, P) probabilities."""
         B = ids.shape[0]
-        starts = self.cache.lengths[:B]
-        if int(starts.max()) + 1 > self.cache.capacity:
+        longest = int(self._lengths[:B].max())
+        if longest + 1 > self.cache.capacity:
             raise ContextLengthError(
-                f"sequence of {int(starts.max()) + 1} tokens exceeds the context length {self.cache.capacity}")
+                f"sequence of {longest + 1} tokens exceeds the context length {self.cache.capacity}")
         b = self.bucket(B)
         if b is None:  # larger than every bucket: the same step, eagerly
             device = self.inputs.device
-            out = fixed_step(self.model, ids.to(device), starts.to(device), self.cache, attention)
+            out = fixed_step(self.model, ids.to(device), self.cache.lengths[:B].to(device), self.cache, attention)
         else:
             if ids.device.type == "cpu":
-                self.staging[:B, 0] = ids[:, 0]
-                self.staging[:B, 1] = starts
+                staging = self._staging
+                staging[:B, 0] = ids.numpy()[:, 0]
+                staging[:B, 1] = self._lengths[:B]
                 if b > B:  # padding rows: token 0 at position 0
-                    self.staging[B:b] = 0
+                    staging[B:b] = 0
                 self.inputs[:b].copy_(self.staging[:b], non_blocking=True)  # one copy in
             else:
                 self.inputs[:B, 0] = ids[:, 0]
-                self.inputs[:B, 1] = starts.to(ids.device)
+                self.inputs[:B, 1] = self.cache.lengths[:B].to(ids.device)
                 if b > B:
                     self.inputs[B:b] = 0
             if (b, attention) in self.graphs:
@@ -121,17 +129,20 @@ class GraphedDecoder:
                 out = fixed_step(self.model, *self._static(b), self.cache, attention)
             out = StepResult(out.logits[:B], out.greedy[:B],
                              None if out.attentions is None else [a[:B] for a in out.attentions])
-        self.cache.lengths[:B] += 1
+        self._lengths[:B] += 1
         return out
 
-    def decode(self, ids: torch.Tensor, samplers: list) -> tuple[StepResult, list]:
+    def decode(self, ids: torch.Tensor, samplers: list, while_running=None) -> tuple[StepResult, list]:
         """One decode step and each row's next token: the step's outputs (attention included
         when a row asks for it), GeneratedToken per row. When every row is greedy and asks for
         no alternatives, the tokens come from the graph's own argmax (one small copy back);
-        otherwise `sample_rows` picks them from the logits."""
+        otherwise `sample_rows` picks them from the logits. `while_running()` is called after
+        the replay is launched, before anything is read back."""
         from .decoding import GeneratedToken, sample_rows
 
         out = self.run(ids, attention=any(s.return_attention for s in samplers))
+        if while_running is not None:
+            while_running()
         if all(s.params.temperature == 0 and s.n_logprobs == 0 for s in samplers):
             return out, [GeneratedToken(id=int(t), logprob=lp) for t, lp in out.greedy.tolist()]
         return out, sample_rows(out.logits[:, -1], samplers)

@@ -4,7 +4,7 @@ cache rows, each sampled by its own rules), and a token-by-token generator built
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -132,6 +132,7 @@ def decode_step(
     last_only: bool = True,
     n_new: list[int] | None = None,
     graphs: "GraphedDecoder | None" = None,
+    while_running: Callable[[], None] | None = None,
 ) -> StepOutput:
     """One step for a batch of cache rows: feed (B, T) new ids to rows `rows` (default
     0 .. B-1), then pick each row's next token. The single decode step of both
@@ -145,17 +146,22 @@ def decode_step(
     With `graphs` (model.cuda_graphs.GraphedDecoder on the same cache), a one-token step over
     rows 0 .. B-1 replays a captured CUDA graph instead, with or without attention (its
     inputs best stay on the host: the graph copies them in with the rows' lengths at once).
+
+    `while_running` is called once the step's work is launched and before its results are
+    read back: on a GPU the caller's own work there overlaps the device's.
     """
     want_attention = any(s.return_attention for s in samplers)
     if (graphs is not None and inputs.shape[1] == 1 and n_new is None
             and cache.row_slice(rows, inputs.shape[0]).start == 0):
-        step, tokens = graphs.decode(inputs, samplers)
+        step, tokens = graphs.decode(inputs, samplers, while_running)
         out = ModelOutput(step.logits, step.attentions)  # attentions (B, H, 1, P): zeros past each row
     else:
         inputs = inputs.to(model.tok_emb.weight.device)  # ids may come from the host (a no-op when already there)
         valid = torch.tensor(n_new) if n_new is not None else None
         out = model(inputs, kv_cache=cache, rows=rows, return_attention=want_attention, last_only=last_only,
                     valid=valid)
+        if while_running is not None:
+            while_running()
         if valid is None or last_only:
             last = out.logits[:, -1]  # (B, V)
         else:

@@ -60,11 +60,13 @@ async def collect_tokens(generation):
     return tokens, last
 
 
-def test_sixteen_together_equal_each_alone_tokens_and_logprobs(ckpt):
+@pytest.mark.parametrize("overlap", [False, True], ids=["records-after-the-step", "records-while-the-next-step-runs"])
+def test_sixteen_together_equal_each_alone_tokens_and_logprobs(ckpt, overlap):
     """Determinism: fp32 on the CPU, a seeded or greedy request gives the same tokens (and
-    log-probabilities within 1e-4) whether it runs alone or in a batch of 16."""
+    log-probabilities within 1e-4) whether it runs alone or in a batch of 16; the same with the
+    step's records handed over while the next step runs (the default on CUDA)."""
     tok = ckpt.tokenizer
-    engine = Engine(ckpt, max_concurrent=16, max_queue=0)
+    engine = Engine(ckpt, max_concurrent=16, max_queue=0, overlap_outputs=overlap)
     params = [GenerationParams(tok.encode(p), 24, SamplingParams(**sampling(i)), n_logprobs=2)
               for i, p in enumerate(PROMPTS)]
     try:
@@ -516,17 +518,19 @@ def test_a_generation_ending_on_eos_keeps_the_eos_score(tmp_path):
     assert [a.id for a in eos.top_logprobs] == ref[eos_at].top_ids
 
 
-def test_a_random_mix_of_requests_and_cancellations_keeps_every_answer_right(ckpt):
+@pytest.mark.parametrize("overlap", [False, True], ids=["records-after-the-step", "records-while-the-next-step-runs"])
+def test_a_random_mix_of_requests_and_cancellations_keeps_every_answer_right(ckpt, overlap):
     """40 requests (greedy or seeded, stop strings, logprobs, attention, echo scores) through 4
     slots, a quarter of them cancelled at random moments: every other one equals its reference
-    run alone, every one ends, and the engine is left empty."""
+    run alone, every one ends, and the engine is left empty; with the step's records handed
+    over after it, or while the next step runs."""
     import random
 
     from app.engine.textstream import TextStream
 
     tok = ckpt.tokenizer
     rng = random.Random(7)
-    engine = Engine(ckpt, max_concurrent=4, max_queue=40)
+    engine = Engine(ckpt, max_concurrent=4, max_queue=40, overlap_outputs=overlap)
     specs = []
     for i in range(40):
         prompt = rng.choice(PROMPTS)

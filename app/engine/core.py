@@ -144,7 +144,7 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
 class Engine:
     def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 32, max_queue: int = 64,
                  max_attention_concurrent: int = 4, cuda_graphs: bool = True,
-                 max_stream_backlog_bytes: int = 64_000_000,
+                 max_stream_backlog_bytes: int = 64_000_000, overlap_outputs: bool | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.checkpoint = checkpoint
         self.model = checkpoint.model
@@ -168,6 +168,11 @@ class Engine:
                 self.cache.reset()
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
+        # On CUDA a decode step's records are held until the next step has been launched, and
+        # handed over while the device computes it: the event loop turns them into events in
+        # that time instead of taking the GIL between this thread's launch calls (_step).
+        self._overlap_outputs = self.device.type == "cuda" if overlap_outputs is None else overlap_outputs
+        self._held: list[Record] = []
         self._prefill: collections.deque[Generation] = collections.deque()  # in a slot, no row yet
         self._decoding: list[Generation] = []  # generation i owns cache row i
         self.errors = 0  # requests failed by an exception on the model thread
@@ -242,6 +247,18 @@ class Engine:
         self._thread.join(timeout)
 
     # --- model thread ------------------------------------------------------
+    def _deliver(self, records: list[Record]) -> None:
+        """On the model thread: hand over the held records, then these ones (in that order)."""
+        if self._held:
+            records, self._held = self._held + records, []
+        if records:
+            self._emit(records)
+
+    def _deliver_held(self) -> None:
+        """Called by decode_step once the step's kernels are launched, before it waits for them."""
+        if self._held:
+            self._deliver([])
+
     def _emit(self, records: list[Record]) -> None:
         """Hand records to the output stage: one call per event loop per step."""
         by_loop: dict[asyncio.AbstractEventLoop, list[Record]] = {}
@@ -266,7 +283,7 @@ class Engine:
         records: list[Record] = []
         self._schedule(records)
         if records:
-            self._emit(records)
+            self._deliver(records)
             records = []
         if self.scheduler.calls.held:
             self._run_call()
@@ -278,8 +295,10 @@ class Engine:
             self._run_decode(records)
             self.scheduler.drain.note_step(time.perf_counter() - t0)
             self._retire_finished(records)
-        if records:
-            self._emit(records)
+        if self._overlap_outputs and self._decoding:
+            self._held.extend(records)  # handed over while the next step runs on the device
+        else:
+            self._deliver(records)
 
     def _schedule(self, records: list[Record]) -> None:
         for g in [g for g in self._decoding if g.cancelled or g.stop_requested]:
@@ -393,7 +412,8 @@ class Engine:
                               device="cpu" if self.graphs is not None else self.device)
         before = self.cache.lengths[: len(rows)].tolist()
         try:
-            step = decode_step(self.model, self.cache, inputs, [g.sampler for g in rows], graphs=self.graphs)
+            step = decode_step(self.model, self.cache, inputs, [g.sampler for g in rows], graphs=self.graphs,
+                               while_running=self._deliver_held)
         except Exception:
             # find whose input fails: decode the rows one by one from where they were (their
             # cache positions are written again)
@@ -460,6 +480,6 @@ class Engine:
             self.scheduler.generations.running.clear()
             self.scheduler.calls.waiting.clear()
             self.scheduler.calls.running.clear()
-        self._emit([FinishRecord(g, "error", "the server is shutting down") for g in gens])
+        self._deliver([FinishRecord(g, "error", "the server is shutting down") for g in gens])
         for c in calls:
             c.settle(error=EngineClosed("the server is shutting down"))
