@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from .kv_cache import ContextLengthError, KVCache
+from .parts import fixed_shapes
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 
@@ -84,13 +85,14 @@ class GraphedDecoder:
         ids, lengths = self._static(b)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up outside the graph (allocations, autotuning)
-            for _ in range(2):
-                fixed_step(self.model, ids, lengths, self.cache, attention)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fixed_step(self.model, ids, lengths, self.cache, attention)
+        with fixed_shapes():  # every attention backend, cuDNN's included: its plan is built here, once
+            with torch.cuda.stream(side):  # warm up outside the graph (allocations, autotuning)
+                for _ in range(2):
+                    fixed_step(self.model, ids, lengths, self.cache, attention)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = fixed_step(self.model, ids, lengths, self.cache, attention)
         return graph, out
 
     def bucket(self, batch: int) -> int | None:

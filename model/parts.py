@@ -20,12 +20,15 @@ A family (decoder: model/families/decoder.py) chooses how to stack these; it nev
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import ModelConfig
 
@@ -88,6 +91,33 @@ class Embeddings:
             if self.pos_emb is not None:
                 n -= self.pos_emb.weight.numel()
         return n
+
+
+# On CUDA, the fused attention kernels that need no set-up per shape. cuDNN's attention builds
+# an execution plan for each new (batch, length) shape, 80 ms on average on an H100 and up to
+# 160 (bench/README.md), which a prefill of every new prompt length would pay. Where the shapes
+# never change (a decode step captured in a CUDA graph) the plan is built once, at capture, and
+# cuDNN's masked decode kernel is the fastest: there every backend may run (`fixed_shapes`).
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_fixed_shapes = contextvars.ContextVar("attnlens_fixed_shapes", default=False)
+
+
+@contextlib.contextmanager
+def fixed_shapes():
+    """Within this block the attention shapes are fixed (a CUDA graph capture): any backend."""
+    token = _fixed_shapes.set(True)
+    try:
+        yield
+    finally:
+        _fixed_shapes.reset(token)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """F.scaled_dot_product_attention; on CUDA one of CUDA_SDPA_BACKENDS unless in `fixed_shapes`."""
+    if not q.is_cuda or _fixed_shapes.get():
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(CUDA_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
@@ -167,10 +197,9 @@ class MultiHeadAttention(nn.Module):
         else:
             probs = None
             if mask is None and causal and S == T:
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+                y = sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
             else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.full_mask(mask, causal, T, S, q.device),
-                                                   dropout_p=dropout_p)
+                y = sdpa(q, k, v, attn_mask=self.full_mask(mask, causal, T, S, q.device), dropout_p=dropout_p)
 
         y = self.proj(y.transpose(1, 2).reshape(B, T, C))  # (B, H, T, D) -> (B, T, C), project
         if self.training:  # dropout is the identity at inference; skip the call when decoding

@@ -172,3 +172,47 @@ def test_every_bundled_family_serves_on_cuda_as_on_the_cpu(default_checkpoint):
                 assert r.status_code == 200, (device, path, r.text)
                 answers[device].append(pick(r.json()))
     assert answers["auto"] == answers["cpu"]
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """(device, cuDNN attention allowed) of every scaled_dot_product_attention call."""
+    import torch.nn.functional as F
+
+    real, calls = F.scaled_dot_product_attention, []
+
+    def spy(*args, **kwargs):
+        calls.append((args[0].device.type, torch.backends.cuda.cudnn_sdp_enabled()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_eager_attention_on_cuda_runs_without_cudnn_and_its_plan_per_shape(pair, sdpa_calls):
+    """cuDNN's attention builds an execution plan for every new (batch, length) shape (80 ms on
+    average on an H100), which a prefill of each new prompt length would wait for: eager
+    attention on CUDA runs with that backend off (flash / memory-efficient kernels), in
+    prefills of every kind and in decode steps."""
+    backends = sdpa_calls
+    _, gpu = pair
+    vocab = gpu.config.vocab_size
+    with torch.inference_mode():
+        gpu.model(torch.randint(0, vocab, (3, 17), device="cuda"))  # causal, no cache
+        cache = gpu.model.new_kv_cache(2)
+        gpu.model(torch.randint(0, vocab, (1, 9), device="cuda"), kv_cache=cache, rows=slice(0, 1))
+        gpu.model(torch.randint(0, vocab, (2, 1), device="cuda"), kv_cache=cache)  # rows of different lengths
+    assert backends and all(device == "cuda" and not cudnn for device, cudnn in backends)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # only around the call: the process setting is left alone
+
+
+def test_the_captured_decode_step_may_use_cudnn_its_shapes_never_change(pair, sdpa_calls):
+    """A CUDA graph's step has fixed shapes: cuDNN's plan is built once, at capture, so there
+    every backend may run (cuDNN's masked decode is the fastest on an H100, bench/README.md)."""
+    from model.cuda_graphs import GraphedDecoder
+
+    _, gpu = pair
+    GraphedDecoder(gpu.model, gpu.model.new_kv_cache(2), buckets=(1, 2))
+    assert sdpa_calls and all(device == "cuda" and cudnn for device, cudnn in sdpa_calls)
+    gpu.model(torch.zeros(1, 5, dtype=torch.long, device="cuda"))  # after the capture: eager again
+    assert sdpa_calls[-1] == ("cuda", False)
