@@ -5,6 +5,7 @@ so correctness is checked against model.decoding.generate_tokens / the model its
 from __future__ import annotations
 
 import json
+import os
 import math
 
 import numpy as np
@@ -504,3 +505,19 @@ def test_model_reports_the_training_summary(tmp_path):
         training = c.get("/model").json()["training"]
     assert training["steps"] == 1200 and training["val_bits_per_byte"] == 1.87
     assert training["hardware"] == "1x H100" and "curve" not in training  # the summary, not the blobs
+
+
+@pytest.mark.parametrize("preset,expected", [(None, "1"), ("0", "0")])
+def test_serve_asks_for_huge_pages_unless_told_otherwise(monkeypatch, preset, expected):
+    """`attnlens serve` sets PyTorch's THP_MEM_ALLOC_ENABLE=1 (large CPU tensors on 2 MB pages)
+    before the server starts; a value the operator set is left alone."""
+    import app.server
+    from app import cli
+
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", preset or "")  # recorded: whatever serve sets is undone after
+    if preset is None:
+        monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    seen = {}
+    monkeypatch.setattr(app.server, "serve", lambda **kw: seen.setdefault("env", os.environ.get("THP_MEM_ALLOC_ENABLE")))
+    assert cli.main(["serve", "--port", "1"]) == 0
+    assert seen["env"] == expected
