@@ -220,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--skip-http", action="store_true")
-    p.add_argument("--switch-intervals", type=float, nargs="+", default=[5.0],
-                   help="the server's ATTNLENS_SWITCH_INTERVAL_MS: one HTTP table per value (5 = Python's default)")
+    p.add_argument("--switch-intervals", type=float, nargs="+", default=[0.2],
+                   help="the server's ATTNLENS_SWITCH_INTERVAL_MS: one HTTP table per value (0.2 = the setting's "
+                        "default, 5 = Python's)")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a dry run
     args = p.parse_args(argv)
     global DEVICE
