@@ -198,6 +198,8 @@ class MultiHeadAttention(nn.Module):
             probs = None
             if mask is None and causal and S == T:
                 y = sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
+            elif T == 1 and mask is not None and not q.is_cuda and dropout_p == 0.0:
+                y = self.one_query_attention(q, k, v, mask)  # a batched decode step on the CPU
             else:
                 y = sdpa(q, k, v, attn_mask=self.full_mask(mask, causal, T, S, q.device), dropout_p=dropout_p)
 
@@ -213,6 +215,19 @@ class MultiHeadAttention(nn.Module):
             return mask
         tri = causal_mask(T, S, device=device)  # (T, S)
         return tri if mask is None else mask & tri
+
+    @staticmethod
+    def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One query per row over keys with a mask (rows of different lengths decoding together):
+        (B, H, 1, D). On the CPU, MKL's batched products (scale and mask fused into one baddbmm)
+        run this faster than SDPA's kernel: the default model's batch-16 step, 6.8 against 7.4 ms
+        (bench/README.md). Keys and values stay views of the cache (B and H merge without a copy)."""
+        B, H, _, D = q.shape
+        S = k.shape[2]
+        bias = torch.zeros(B, H, 1, S, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        scores = torch.baddbmm(bias.view(B * H, 1, S), q.reshape(B * H, 1, D), k.reshape(B * H, S, D).transpose(1, 2),
+                               alpha=1.0 / math.sqrt(D))  # (B*H, 1, S): q k^T / sqrt(D) + mask
+        return torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * H, S, D)).view(B, H, 1, D)
 
     def explicit_attention(self, q, k, v, mask, causal: bool, dropout_p: float):
         """The textbook formula, keeping the probabilities: (B, H, T, D), (B, H, T, S)."""

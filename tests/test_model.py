@@ -64,6 +64,23 @@ def test_attention_equals_sdpa():
     assert probs.shape == (B, H, T, T)
 
 
+def test_one_query_attention_over_cache_views_equals_sdpa():
+    """The CPU's batched-decode path (one query per row, rows of different lengths, keys and
+    values read as views of a KV cache) against PyTorch's SDPA with the same mask, also with
+    a mask shared by every row (the cross-attention's shape)."""
+    R, B, H, P, D, S = 6, 4, 3, 20, 8, 13
+    cache_k, cache_v = torch.randn(R, H, P, D), torch.randn(R, H, P, D)
+    k, v = cache_k[1:1 + B, :, :S], cache_v[1:1 + B, :, :S]  # (B, H, S, D) strided views, as decoding reads them
+    q = torch.randn(B, H, 1, D)
+    lengths = torch.tensor([3, 13, 7, 1])
+    row_mask = (torch.arange(S)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    shared_mask = (torch.arange(S) < 9)[None, None, None, :]  # (1, 1, 1, S)
+    for mask in (row_mask, shared_mask):
+        got = MultiHeadAttention.one_query_attention(q, k, v, mask)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
 def test_attention_equals_torch_multihead_attention():
     attn = make_attention(seed=1)
     B, T, C, H = 2, 7, 32, 4
