@@ -39,7 +39,7 @@ from .encoder_tasks import classify_or_fill_warm_up
 from .registry import ENGINE_FAMILIES, EncoderRunner, ModelRegistry, ServedModel, model_name, tasks_of
 from .routers import attention, encoder, generate, openai, ops, ui
 from .schemas import StreamDone, StreamError, StreamToken
-from .settings import Settings
+from .settings import Settings, default_switch_interval_ms
 from .state import AppState
 
 log = logging.getLogger("attnlens.app")
@@ -64,7 +64,6 @@ async def lifespan(app: FastAPI):
     state: AppState = app.state.attnlens
     s = state.settings
     state.status = "loading"
-    sys.setswitchinterval(s.switch_interval_ms / 1000)  # process-wide: see Settings.switch_interval_ms
     registry = ModelRegistry(default=model_name(s.model))
     engines: list[Engine] = []
     try:
@@ -91,6 +90,9 @@ async def lifespan(app: FastAPI):
         default = registry.get(None)
         engine = default.runner if isinstance(default.runner, Engine) else (engines[0] if engines else None)
         state.checkpoint, state.engine, state.registry = default.checkpoint, engine, registry
+        device = next(default.checkpoint.model.parameters()).device
+        interval = s.switch_interval_ms or default_switch_interval_ms(device.type)
+        sys.setswitchinterval(interval / 1000)  # process-wide: see Settings.switch_interval_ms
         if engine is not None:
             state.metrics.bind_engine(engine)
         if s.warmup:

@@ -14,6 +14,19 @@ DEFAULT_MODEL_DIR = CHECKPOINTS_DIR / "default"
 STATIC_DIR = REPO_ROOT / "static"
 
 
+def default_switch_interval_ms(device_type: str) -> float:
+    """The GIL switch interval the server sets unless SWITCH_INTERVAL_MS says otherwise.
+
+    CUDA: 0.2 ms. With Python's 5 ms the model thread can wait out the event loop's whole turn
+    at each torch call while the device idles; on an H100, 32 streams over HTTP gave 22.1k
+    against 16.9k tok/s (medians of three alternating runs, bench/README.md). CPU: Python's
+    5 ms. There the model's kernels are the work itself, and two runs on the 2-core machine
+    disagreed: one stream 487 against 441 tok/s, 16 streams 1993 against 2002, then 469
+    against 462 and 1794 against 2077.
+    """
+    return 0.2 if device_type == "cuda" else 5.0
+
+
 class Settings(BaseSettings):
     """Every knob of the service; `ATTNLENS_<NAME>` overrides each one."""
 
@@ -40,13 +53,9 @@ class Settings(BaseSettings):
     # unread; past it the generation ends with an error event and frees its row
     max_stream_backlog_bytes: int = Field(64_000_000, ge=1)
     cuda_graphs: bool = True  # on CUDA, replay the decode step from captured CUDA graphs
-    # How long one thread may hold Python's GIL while another waits for it (Python's own default
-    # is 5 ms). The model thread and the event loop share one interpreter: with 5 ms, the model
-    # thread can wait out the loop's whole turn at each torch call. Measured (bench/README.md):
-    # on an H100, 32 streams over HTTP gave 22.1k against 16.9k tok/s (medians of three
-    # alternating runs) and their first tokens came sooner; on the 2-core CPU one stream gave
-    # 487 against 441 tok/s and 16 streams the same.
-    switch_interval_ms: float = Field(0.2, gt=0, le=100)
+    # How long one thread may hold Python's GIL while another waits for it; None = by device
+    # (`default_switch_interval_ms`). The model thread and the event loop share one interpreter.
+    switch_interval_ms: float | None = Field(None, gt=0, le=100)
     # Comma-separated list ("*" for any origin); empty = no CORS headers.
     cors_origins: Annotated[list[str], NoDecode] = []
     log_level: str = "info"

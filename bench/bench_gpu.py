@@ -157,9 +157,9 @@ def engine_levels(model_dir: Path, dtype: torch.dtype, levels: list[int], n: int
     from app.schemas import StreamToken
     from bench_service import PROMPTS
 
-    from app.settings import Settings
+    from app.settings import default_switch_interval_ms
 
-    sys.setswitchinterval(Settings.model_fields["switch_interval_ms"].default / 1000)  # as the server does
+    sys.setswitchinterval(default_switch_interval_ms(DEVICE) / 1000)  # as the server does
     ckpt = load_checkpoint(model_dir, device=DEVICE, dtype=dtype)
     engine = Engine(ckpt, max_concurrent=max(levels), max_queue=max(levels))
     tok = ckpt.tokenizer
@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--switch-intervals", type=float, nargs="+", default=[0.2],
-                   help="the server's ATTNLENS_SWITCH_INTERVAL_MS: one HTTP table per value (0.2 = the setting's "
-                        "default, 5 = Python's)")
+                   help="the server's ATTNLENS_SWITCH_INTERVAL_MS: one HTTP table per value (0.2 = its default "
+                        "on CUDA, 5 = Python's)")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a dry run
     args = p.parse_args(argv)
     global DEVICE

@@ -216,3 +216,21 @@ def test_the_captured_decode_step_may_use_cudnn_its_shapes_never_change(pair, sd
     assert sdpa_calls and all(device == "cuda" and cudnn for device, cudnn in sdpa_calls)
     gpu.model(torch.zeros(1, 5, dtype=torch.long, device="cuda"))  # after the capture: eager again
     assert sdpa_calls[-1] == ("cuda", False)
+
+
+def test_serving_on_cuda_sets_a_short_gil_switch_interval(tiny_checkpoint):
+    """On CUDA the server's default switch interval is 0.2 ms (the model thread gets the GIL
+    back from the event loop while the device computes)."""
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    before = sys.getswitchinterval()
+    try:
+        with TestClient(create_app(Settings(model=tiny_checkpoint, device="cuda", warmup=False))):
+            assert sys.getswitchinterval() == pytest.approx(0.0002)
+    finally:
+        sys.setswitchinterval(before)

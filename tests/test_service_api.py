@@ -521,3 +521,18 @@ def test_serve_asks_for_huge_pages_unless_told_otherwise(monkeypatch, preset, ex
     monkeypatch.setattr(app.server, "serve", lambda **kw: seen.setdefault("env", os.environ.get("THP_MEM_ALLOC_ENABLE")))
     assert cli.main(["serve", "--port", "1"]) == 0
     assert seen["env"] == expected
+
+
+@pytest.mark.parametrize("setting,expected_ms", [(None, 5.0), (0.7, 0.7)])
+def test_the_gil_switch_interval_follows_the_device_unless_set(tiny_checkpoint, setting, expected_ms):
+    """SWITCH_INTERVAL_MS: by default Python's 5 ms when serving on the CPU (0.2 ms on CUDA,
+    tested in test_gpu.py); a value set is used as it is."""
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False,
+                                            switch_interval_ms=setting))):
+            assert sys.getswitchinterval() == pytest.approx(expected_ms / 1000)
+    finally:
+        sys.setswitchinterval(before)
