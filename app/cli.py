@@ -91,7 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     # PyTorch's own switch, read once before its first allocation: large CPU tensors (the
     # weights, the KV cache) go on 2 MB pages, so a decode step that streams them all takes
-    # fewer TLB misses (bench/README.md: "Huge pages"). An explicit THP_MEM_ALLOC_ENABLE=0 wins.
+    # fewer TLB misses (bench/README.md, "Huge pages for large tensors"). A value already set wins.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from app.server import serve
 
