@@ -31,7 +31,9 @@ def test_generate_streams_tokens_into_the_page(page, default_server):
     server = default_server
     open_page(page, server)
     page.fill("#prompt", "To be, or not")
-    page.fill("#max_new_tokens", "64")
+    # long enough (about half a second on a 2-core CPU) that the stream outlasts the page's own
+    # busy moments: with 64 tokens a loaded CI machine once read the whole stream in one task
+    page.fill("#max_new_tokens", "200")
     page.fill("#temperature", "0")
     page.fill("#seed", "1")
     # record each separate moment chips were added: a stream adds them over several tasks
