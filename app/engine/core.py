@@ -12,7 +12,9 @@ Each iteration (`Engine._step`):
                every row with that generation's own parameters and seeded generator
                (model.decoding.decode_step);
   5. output    hand typed records (tokens with log-probs and attention rows as tensors,
-               prompt scores, finishes) to the output stage on the event loop in one call.
+               prompt scores, finishes) to the output stage on the event loop in one call;
+               on CUDA once the next step is launched, so that the loop turns them into
+               events while the device computes (vLLM's asynchronous output processing).
 
 Text, stop strings and event payloads are made in outputs.py, off this thread. A forward
 that raises is retried row by row, so one request's exception stays its own. A
