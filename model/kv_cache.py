@@ -20,6 +20,16 @@ import torch
 from .parts import KVUpdate
 
 
+def move_row(tensors: list[torch.Tensor], lengths: torch.Tensor, src: int, dst: int) -> None:
+    """Copy the first lengths[src] positions of row src into row dst in every (R, H, P, D)
+    tensor, and move the length with them (row src is left empty)."""
+    n = int(lengths[src])
+    for t in tensors:
+        t[dst, :, :n] = t[src, :, :n]
+    lengths[dst] = n
+    lengths[src] = 0
+
+
 class ContextLengthError(ValueError):
     """The sequence does not fit in the model's context window."""
 
@@ -120,12 +130,7 @@ class KVCache:
 
     def move(self, src: int, dst: int) -> None:
         """Copy row src's keys, values and length into row dst (to keep active rows contiguous)."""
-        n = int(self.lengths[src])
-        for store in (self.keys, self.values):
-            for layer in store:
-                layer[dst, :, :n] = layer[src, :, :n]
-        self.lengths[dst] = n
-        self.lengths[src] = 0
+        move_row(self.keys + self.values, self.lengths, src, dst)
 
     def reset(self) -> None:
         self.lengths.zero_()

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ModelConfig
-from ..kv_cache import ContextLengthError, KVCache
+from ..kv_cache import ContextLengthError, KVCache, move_row
 from ..parts import Block, Embeddings
 from .decoder import Transformer
 
@@ -128,12 +128,7 @@ class TranslationCache:
 
     def move(self, src: int, dst: int) -> None:
         self.decoder.move(src, dst)
-        n = int(self.source_lengths[src])
-        for store in (self.cross_keys, self.cross_values):
-            for layer in store:
-                layer[dst, :, :n] = layer[src, :, :n]
-        self.source_lengths[dst] = n
-        self.source_lengths[src] = 0
+        move_row(self.cross_keys + self.cross_values, self.source_lengths, src, dst)
 
     def reset(self) -> None:
         self.decoder.reset()
