@@ -220,7 +220,7 @@ class MultiHeadAttention(nn.Module):
     def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One query per row over keys with a mask (rows of different lengths decoding together):
         (B, H, 1, D). On the CPU, MKL's batched products (scale and mask fused into one baddbmm)
-        run this faster than SDPA's kernel: the default model's batch-16 step, 6.8 against 7.4 ms
+        run this faster than SDPA's kernel: the default model's batch-16 step, 7.08 against 7.52 ms
         (bench/README.md). Keys and values stay views of the cache (B and H merge without a copy)."""
         B, H, _, D = q.shape
         S = k.shape[2]

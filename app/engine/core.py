@@ -258,8 +258,7 @@ class Engine:
 
     def _deliver_held(self) -> None:
         """Called by decode_step once the step's kernels are launched, before it waits for them."""
-        if self._held:
-            self._deliver([])
+        self._deliver([])
 
     def _emit(self, records: list[Record]) -> None:
         """Hand records to the output stage: one call per event loop per step."""
