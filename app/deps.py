@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from .engine import Engine
+from .engine import EngineFront
 from .errors import ApiError
 from .metrics import Metrics
 from .settings import Settings
@@ -23,7 +23,7 @@ def get_metrics(request: Request) -> Metrics:
     return get_state(request).metrics
 
 
-def get_engine(request: Request) -> Engine:
+def get_engine(request: Request) -> EngineFront:
     state = get_state(request)
     if not state.ready or state.engine is None:
         raise ApiError(503, f"the model is not ready ({state.status})", code="not_ready",

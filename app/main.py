@@ -17,6 +17,7 @@ import asyncio
 import logging
 import sys
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -31,7 +32,7 @@ from .attention_codec import attention_maps
 from .auth import ApiKeyMiddleware, is_open
 from .translation_attention import translation_maps
 from .body_limit import BodyLimitMiddleware
-from .engine import Engine, GenerationParams
+from .engine import Engine, EngineFront, EngineProcess, GenerationParams
 from .errors import install_error_handlers, scope_error_response
 from .loader import load_for_serving
 from .metrics import Metrics, MetricsMiddleware
@@ -45,7 +46,7 @@ from .state import AppState
 log = logging.getLogger("attnlens.app")
 
 
-async def warm_up(engine: Engine) -> None:
+async def warm_up(engine: EngineFront) -> None:
     """One short generation and one attention pass, through the engine like any request."""
     ids = engine.tokenizer.encode("The") or [0]
     params = GenerationParams(prompt_ids=ids, max_new_tokens=2, sampling=SamplingParams(temperature=0.0),
@@ -54,9 +55,9 @@ async def warm_up(engine: Engine) -> None:
         if isinstance(event, StreamError):
             raise RuntimeError(f"warm-up generation failed: {event.message}")
     if engine.config.family == "encoder-decoder":  # the prompt is a source; the target its translation
-        await engine.call(lambda model: translation_maps(model, ids, None, [0], [0]))
+        await engine.call(partial(translation_maps, source_ids=ids, target_ids=None, layers=[0], heads=[0]))
     else:
-        await engine.call(lambda model: attention_maps(model, ids, [0], [0]))
+        await engine.call(partial(attention_maps, ids=ids, layers=[0], heads=[0]))
 
 
 @asynccontextmanager
@@ -65,7 +66,7 @@ async def lifespan(app: FastAPI):
     s = state.settings
     state.status = "loading"
     registry = ModelRegistry(default=model_name(s.model))
-    engines: list[Engine] = []
+    engines: list[EngineFront] = []
     try:
         for model_dir in s.model_dirs():
             ckpt = state.preloaded.pop(str(model_dir), None)  # `attnlens serve` loads them first
@@ -77,9 +78,14 @@ async def lifespan(app: FastAPI):
                 log.error("cannot load the model from %s: %s", model_dir, e)
                 raise RuntimeError(f"cannot load the model from {model_dir}: {e}") from None
             if ckpt.config.family in ENGINE_FAMILIES:
-                runner = Engine(ckpt, max_concurrent=s.max_concurrent, max_queue=s.max_queue,
-                                max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs,
-                                max_stream_backlog_bytes=s.max_stream_backlog_bytes)
+                limits = dict(max_concurrent=s.max_concurrent, max_queue=s.max_queue,
+                              max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs,
+                              max_stream_backlog_bytes=s.max_stream_backlog_bytes)
+                if s.engine_process and ckpt.path is not None:
+                    runner = await asyncio.to_thread(EngineProcess, ckpt, device=s.device, dtype=s.dtype,
+                                                     log_level=s.log_level, **limits)
+                else:
+                    runner = Engine(ckpt, **limits)
                 engines.append(runner)
             else:
                 runner = EncoderRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)
@@ -88,7 +94,7 @@ async def lifespan(app: FastAPI):
             longest = max(m.checkpoint.config.context_length for m in registry.models.values())
             s = state.settings = s.model_copy(update={"max_prompt_tokens": longest})
         default = registry.get(None)
-        engine = default.runner if isinstance(default.runner, Engine) else (engines[0] if engines else None)
+        engine = default.runner if isinstance(default.runner, EngineFront) else (engines[0] if engines else None)
         state.checkpoint, state.engine, state.registry = default.checkpoint, engine, registry
         device = next(default.checkpoint.model.parameters()).device
         interval = s.switch_interval_ms or default_switch_interval_ms(device.type)
@@ -98,7 +104,7 @@ async def lifespan(app: FastAPI):
         if s.warmup:
             state.status = "warming up"
             for served in registry.models.values():
-                if isinstance(served.runner, Engine):
+                if isinstance(served.runner, EngineFront):
                     await warm_up(served.runner)
                 else:
                     await served.runner.call(lambda ckpt: classify_or_fill_warm_up(ckpt))
@@ -110,9 +116,10 @@ async def lifespan(app: FastAPI):
                      f"{served.checkpoint.model.num_parameters():,}", ", ".join(served.tasks),
                      " [default]" if served.name == registry.default else "")
         for engine in engines:
-            log.info("engine for %s on %s as %s; KV cache %d rows, %.0f MB", engine.checkpoint.path,
-                     engine.device, str(engine.dtype).removeprefix("torch."), engine.cache.n_rows,
-                     engine.cache_bytes / 2**20)
+            log.info("engine for %s on %s as %s%s; KV cache %d rows, %.0f MB", engine.checkpoint.path,
+                     engine.device, str(engine.dtype).removeprefix("torch."),
+                     f" in process {engine.process.pid}" if isinstance(engine, EngineProcess) else "",
+                     engine.max_concurrent, engine.cache_bytes / 2**20)
         yield
     finally:
         state.ready, state.status = False, "stopped"

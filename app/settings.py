@@ -53,6 +53,10 @@ class Settings(BaseSettings):
     # unread; past it the generation ends with an error event and frees its row
     max_stream_backlog_bytes: int = Field(64_000_000, ge=1)
     cuda_graphs: bool = True  # on CUDA, replay the decode step from captured CUDA graphs
+    # Run each generation engine (model, KV cache, batched decode) in a process of its own, so
+    # the model never waits for the event loop's turn at Python's GIL (app/engine/process.py);
+    # false: on a thread of the server's process
+    engine_process: bool = True
     # How long one thread may hold Python's GIL while another waits for it; None = by device
     # (`default_switch_interval_ms`). The model thread and the event loop share one interpreter.
     switch_interval_ms: float | None = Field(None, gt=0, le=100)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from model import Checkpoint
 
 from .answers import AnswerBudget
-from .engine import Engine
+from .engine import EngineFront
 from .metrics import Metrics
 from .registry import ModelRegistry
 from .settings import Settings
@@ -19,7 +19,7 @@ class AppState:
     metrics: Metrics
     answers: AnswerBudget
     checkpoint: Checkpoint | None = None
-    engine: Engine | None = None  # the default model's engine
+    engine: EngineFront | None = None  # the default model's engine
     registry: ModelRegistry | None = None  # every loaded model by name
     ready: bool = False
     status: str = "starting"

@@ -114,12 +114,15 @@ async def one_stream(port: int, body: dict) -> dict:
 
 
 def process_cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a process (Linux /proc), or None elsewhere."""
+    """utime + stime of a process and of its child processes (the engine's), from Linux /proc;
+    None elsewhere."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        children = [c for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
     except (OSError, IndexError, ValueError):
         return None
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(filter(None, (process_cpu_seconds(int(c)) for c in children)))
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.engine import Engine, GenerationCancelled, GenerationParams, QueueFull, RequestTooLarge
+from app.engine import Engine, EngineProcess, GenerationCancelled, GenerationParams, QueueFull, RequestTooLarge
 from app.engine.scheduler import DrainRate, Scheduler
 from app.main import create_app
 from app.schemas import StreamDone, StreamError, StreamToken
@@ -32,6 +32,18 @@ PROMPTS = ["To be", "Whether 'tis nobler in the mind", "The slings", "Or to take
            "And by opposing", "No more; and by a sleep to say we end", "Café", "東京 and emoji",
            "To die—to sleep", "Or", "question", "That is the question: whether", "sea of troubles",
            "naïve résumé", "outrageous fortune,", "The"]
+
+
+def make_engine(kind: str, ckpt, tiny_checkpoint, **kw):
+    """The engine core on a thread here, or in a process of its own (the server's default)
+    loading the same checkpoint onto the same device in float32."""
+    if kind == "thread":
+        return Engine(ckpt, **kw)
+    return EngineProcess(ckpt, model_dir=tiny_checkpoint, device=str(ckpt.model.tok_emb.weight.device),
+                         dtype="float32", **kw)
+
+
+ENGINE_KINDS = pytest.mark.parametrize("kind", ["thread", "process"])
 
 
 def sampling(i: int) -> dict:
@@ -60,13 +72,15 @@ async def collect_tokens(generation):
     return tokens, last
 
 
+@ENGINE_KINDS
 @pytest.mark.parametrize("overlap", [False, True], ids=["records-after-the-step", "records-while-the-next-step-runs"])
-def test_sixteen_together_equal_each_alone_tokens_and_logprobs(ckpt, overlap):
+def test_sixteen_together_equal_each_alone_tokens_and_logprobs(ckpt, tiny_checkpoint, kind, overlap):
     """Determinism: fp32 on the CPU, a seeded or greedy request gives the same tokens (and
     log-probabilities within 1e-4) whether it runs alone or in a batch of 16; the same with the
-    step's records handed over while the next step runs (the default on CUDA)."""
+    step's records handed over while the next step runs (the default on CUDA), and with the
+    engine in a process of its own."""
     tok = ckpt.tokenizer
-    engine = Engine(ckpt, max_concurrent=16, max_queue=0, overlap_outputs=overlap)
+    engine = make_engine(kind, ckpt, tiny_checkpoint, max_concurrent=16, max_queue=0, overlap_outputs=overlap)
     params = [GenerationParams(tok.encode(p), 24, SamplingParams(**sampling(i)), n_logprobs=2)
               for i, p in enumerate(PROMPTS)]
     try:
@@ -82,11 +96,12 @@ def test_sixteen_together_equal_each_alone_tokens_and_logprobs(ckpt, overlap):
             assert [a.logprob for a in got.top_logprobs] == pytest.approx(want.top_logprobs, abs=1e-4)
 
 
-def test_rows_of_different_lengths_joining_and_leaving_mid_batch(ckpt):
+@ENGINE_KINDS
+def test_rows_of_different_lengths_joining_and_leaving_mid_batch(ckpt, tiny_checkpoint, kind):
     """Four slots, ten requests of different prompt lengths and budgets: requests finish at
     different steps and waiting ones take their rows mid-batch; later ones join while others run."""
     tok = ckpt.tokenizer
-    engine = Engine(ckpt, max_concurrent=4, max_queue=20)
+    engine = make_engine(kind, ckpt, tiny_checkpoint, max_concurrent=4, max_queue=20)
     budgets = [3, 17, 9, 30, 5, 12, 25, 1, 8, 20]
 
     async def main():
@@ -106,7 +121,9 @@ def test_rows_of_different_lengths_joining_and_leaving_mid_batch(ckpt):
     for i, (tokens, done) in enumerate(results):
         assert isinstance(done, StreamDone)
         assert [t.id for t in tokens] == reference_ids(ckpt, PROMPTS[i], budgets[i], **sampling(i)), i
-    assert engine.in_flight == 0 and engine.cache.lengths.tolist() == [0] * 4
+    assert engine.in_flight == 0 and engine.waiting == 0
+    if kind == "thread":
+        assert engine.cache.lengths.tolist() == [0] * 4
 
 
 def run_fn(fn):
@@ -335,8 +352,9 @@ def test_retry_after_before_any_finish_comes_from_the_step_time():
 
 # --- the HTTP contract, in-process ---------------------------------------------------
 def in_process(tiny_checkpoint, scenario, **settings):
-    """Run `scenario(app, client)` against the app with its lifespan, in this event loop."""
-    app = create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False, **settings))
+    """Run `scenario(app, client)` against the app with its lifespan, in this event loop; its
+    engine on a thread here, where a scenario can wrap the model (RecordingModel)."""
+    app = create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False, engine_process=False, **settings))
 
     async def main():
         async with app.router.lifespan_context(app):
@@ -518,19 +536,20 @@ def test_a_generation_ending_on_eos_keeps_the_eos_score(tmp_path):
     assert [a.id for a in eos.top_logprobs] == ref[eos_at].top_ids
 
 
+@ENGINE_KINDS
 @pytest.mark.parametrize("overlap", [False, True], ids=["records-after-the-step", "records-while-the-next-step-runs"])
-def test_a_random_mix_of_requests_and_cancellations_keeps_every_answer_right(ckpt, overlap):
+def test_a_random_mix_of_requests_and_cancellations_keeps_every_answer_right(ckpt, tiny_checkpoint, kind, overlap):
     """40 requests (greedy or seeded, stop strings, logprobs, attention, echo scores) through 4
     slots, a quarter of them cancelled at random moments: every other one equals its reference
     run alone, every one ends, and the engine is left empty; with the step's records handed
-    over after it, or while the next step runs."""
+    over after it, or while the next step runs; with the engine on a thread or in its own process."""
     import random
 
     from app.engine.textstream import TextStream
 
     tok = ckpt.tokenizer
     rng = random.Random(7)
-    engine = Engine(ckpt, max_concurrent=4, max_queue=40, overlap_outputs=overlap)
+    engine = make_engine(kind, ckpt, tiny_checkpoint, max_concurrent=4, max_queue=40, overlap_outputs=overlap)
     specs = []
     for i in range(40):
         prompt = rng.choice(PROMPTS)
@@ -568,7 +587,8 @@ def test_a_random_mix_of_requests_and_cancellations_keeps_every_answer_right(ckp
     finally:
         engine.close()
     assert engine.in_flight == 0 and engine.waiting == 0 and engine.errors == 0
-    assert engine.cache.lengths.tolist() == [0] * 4
+    if kind == "thread":  # (the engine process's cache is its own: there the answers show it)
+        assert engine.cache.lengths.tolist() == [0] * 4
     finished = 0
     for spec, (g, tokens, last) in zip(specs, results):
         assert last is not None

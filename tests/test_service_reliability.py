@@ -151,7 +151,8 @@ def test_500_body_has_no_exception_text(tiny_checkpoint, monkeypatch):
 
 
 def test_engine_error_text_stays_in_the_log(tiny_checkpoint):
-    with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False))) as c:
+    settings = Settings(model=tiny_checkpoint, device="cpu", warmup=False, engine_process=False)  # the model is wrapped here
+    with TestClient(create_app(settings)) as c:
         engine = c.app.state.attnlens.engine
         real_model = engine.model
 

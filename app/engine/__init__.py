@@ -1,8 +1,11 @@
-"""The inference engine: admission (scheduler), the model thread (core), the output stage (outputs)."""
+"""The inference engine: admission (scheduler, front), the model's side (core; in a process of
+its own: process, worker, wire) and the output stage (outputs)."""
 
-from .core import Engine, Generation, GenerationParams, ModelCall
+from .core import Engine, Generation, GenerationParams
+from .front import EngineFront, ModelCall
 from .outputs import GenerationCancelled
+from .process import EngineProcess
 from .scheduler import EngineClosed, QueueFull, RequestTooLarge
 
-__all__ = ["Engine", "EngineClosed", "Generation", "GenerationCancelled", "GenerationParams", "ModelCall",
-           "QueueFull", "RequestTooLarge"]
+__all__ = ["Engine", "EngineClosed", "EngineFront", "EngineProcess", "Generation", "GenerationCancelled",
+           "GenerationParams", "ModelCall", "QueueFull", "RequestTooLarge"]

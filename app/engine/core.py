@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -41,8 +41,9 @@ from model import Checkpoint, SamplingParams
 from model.cuda_graphs import GraphedDecoder
 from model.decoding import RowSampler, decode_step, make_generator
 
-from .outputs import FinishRecord, GenerationOutput, PromptRecord, Record, TokenRecord, dispatch
-from .scheduler import EngineClosed, Scheduler
+from .front import EngineFront
+from .outputs import FinishRecord, GenerationOutput, PromptRecord, Record, TokenRecord
+from .scheduler import EngineClosed
 
 log = logging.getLogger("attnlens.engine")
 
@@ -66,16 +67,17 @@ class Generation:
     """One generation request, from admission to its last event: the same object in the
     scheduler, on the model thread (row, sampler, counters) and in the output stage."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, params: GenerationParams, tokenizer, *,
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, params: GenerationParams, tokenizer, *,
                  backlog_limit: int = 0):
         self.number = next(_numbers)
         self.id = f"gen-{uuid.uuid4().hex[:24]}"
-        self.loop = loop
+        self.loop = loop  # None in an engine process: there the output stage is the parent's
         self.params = params
-        self.output = GenerationOutput(self, tokenizer, params.stop, backlog_limit=backlog_limit)
+        self.output = (GenerationOutput(self, tokenizer, params.stop, backlog_limit=backlog_limit)
+                       if loop is not None else None)
         self.cancelled = False  # the client went away
         self.stop_requested = False  # the output stage found a stop string
-        self.engine: Engine | None = None
+        self.engine: EngineFront | None = None
         # model thread state
         self.sampler: RowSampler | None = None
         self.last_token: int | None = None
@@ -110,54 +112,31 @@ class Generation:
             return
         self.cancelled = True
         if self.engine is not None:
-            self.engine._cancel_waiting(self)
+            self.engine._cancel(self)
 
     def stop(self) -> None:
+        """The output stage found a stop string (or the client fell behind): end at the next step."""
+        if self.stop_requested:
+            return
         self.stop_requested = True
+        if self.engine is not None:
+            self.engine._stop(self)
 
 
-class ModelCall:
-    """Run fn(model) once on the model thread (e.g. one attention forward)."""
+class Engine(EngineFront):
+    """The engine core on a thread of this process (the module docstring); EngineProcess runs
+    this same class in a process of its own."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any]):
-        self.loop = loop
-        self.fn = fn
-        self.future: asyncio.Future = loop.create_future()
-        self.cancelled = False
-
-    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
-        def apply():
-            if not self.future.done():
-                if error is not None:
-                    self.future.set_exception(error)
-                else:
-                    self.future.set_result(result)
-
-        _call_soon(self.loop, apply)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop is closed: nobody is listening any more
-        pass
-
-
-class Engine:
     def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 32, max_queue: int = 64,
                  max_attention_concurrent: int = 4, cuda_graphs: bool = True,
                  max_stream_backlog_bytes: int = 64_000_000, overlap_outputs: bool | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        self.checkpoint = checkpoint
+        super().__init__(checkpoint, max_concurrent=max_concurrent, max_queue=max_queue,
+                         max_attention_concurrent=max_attention_concurrent,
+                         max_stream_backlog_bytes=max_stream_backlog_bytes, clock=clock)
         self.model = checkpoint.model
-        self.tokenizer = checkpoint.tokenizer
-        self.config = checkpoint.config
         self.device = self.model.tok_emb.weight.device
         self.dtype = self.model.tok_emb.weight.dtype
-        self.max_concurrent = max_concurrent
-        self.max_queue = max_queue
-        self.max_stream_backlog_bytes = max_stream_backlog_bytes  # per generation, unread events
-        self.scheduler = Scheduler(max_concurrent, max_queue, max_attention_concurrent, clock=clock)
         self.cache = self.model.new_kv_cache(max_concurrent)  # one row per slot, reused
         # on CUDA: the decode step captured once per batch-size bucket, replayed every step (for
         # the families with a fixed-shape step, `decode_fixed`; the others decode eagerly)
@@ -168,7 +147,6 @@ class Engine:
             except Exception:  # the eager step always works: use it
                 log.warning("could not capture the decode step in CUDA graphs; decoding eagerly", exc_info=True)
                 self.cache.reset()
-        self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         # On CUDA a decode step's records are held until the next step has been launched, and
         # handed over while the device computes it: the event loop turns them into events in
@@ -178,22 +156,14 @@ class Engine:
         self._prefill: collections.deque[Generation] = collections.deque()  # in a slot, no row yet
         self._decoding: list[Generation] = []  # generation i owns cache row i
         self.errors = 0  # requests failed by an exception on the model thread
-        self.cancelled = 0  # generations dropped because their client went away
+        self.running_cancelled = 0  # generations dropped from a slot because their client went away
         self._thread = threading.Thread(target=self._run, name="attnlens-engine", daemon=True)
         self._thread.start()
 
-    # --- introspection (metrics) -------------------------------------------
     @property
-    def in_flight(self) -> int:
-        return len(self.scheduler.generations.running)
-
-    @property
-    def waiting(self) -> int:
-        return len(self.scheduler.generations.waiting)
-
-    @property
-    def attention_in_flight(self) -> int:
-        return self.scheduler.calls.held
+    def cancelled(self) -> int:
+        """Generations cancelled because their client went away (waiting or running)."""
+        return self.waiting_cancelled + self.running_cancelled
 
     @property
     def cache_bytes(self) -> int:
@@ -204,43 +174,8 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    # --- event loop side ---------------------------------------------------
-    def submit(self, params: GenerationParams) -> Generation:
-        """Admit one generation (raises QueueFull / EngineClosed); read it with .events()."""
-        return self.submit_all([params])[0]
-
-    def submit_all(self, params: list[GenerationParams], *, param: str | None = None) -> list[Generation]:
-        """Admit all of these generations or none (QueueFull, RequestTooLarge, EngineClosed)."""
-        loop = asyncio.get_running_loop()
-        generations = [Generation(loop, p, self.tokenizer, backlog_limit=self.max_stream_backlog_bytes)
-                       for p in params]
-        for g in generations:
-            g.engine = self
-        with self._lock:
-            self.scheduler.admit_generations(generations, param=param)
-            self._wakeup.notify()
-        return generations
-
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run fn(model) on the model thread between decode steps, on the model-call line."""
-        work = ModelCall(asyncio.get_running_loop(), fn)
-        with self._lock:
-            self.scheduler.admit_call(work)
-            self._wakeup.notify()
-        try:
-            return await work.future
-        finally:
-            work.cancelled = True  # if we were interrupted, a call still waiting is skipped
-
-    def _cancel_waiting(self, g: Generation) -> None:
-        """A waiting generation leaves the line at once, and ends."""
-        with self._lock:
-            removed = self.scheduler.generations.remove_waiting(g)
-            if removed:
-                self.cancelled += 1
-        if removed:
-            g.t_end = time.perf_counter()
-            self._emit([FinishRecord(g, "cancelled")])
+    def _admitted(self) -> None:
+        self._wakeup.notify()
 
     def close(self, timeout: float = 10.0) -> None:
         with self._lock:
@@ -259,14 +194,6 @@ class Engine:
     def _deliver_held(self) -> None:
         """Called by decode_step once the step's kernels are launched, before it waits for them."""
         self._deliver([])
-
-    def _emit(self, records: list[Record]) -> None:
-        """Hand records to the output stage: one call per event loop per step."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[Record]] = {}
-        for r in records:
-            by_loop.setdefault(r.generation.loop, []).append(r)
-        for loop, rs in by_loop.items():
-            _call_soon(loop, dispatch, rs)
 
     def _run(self) -> None:
         with torch.inference_mode():
@@ -322,7 +249,7 @@ class Engine:
         try:
             if not work.cancelled:
                 work.settle(result=work.fn(self.model))
-        except Exception as e:  # the call's failure is its own
+        except Exception:  # the call's failure is its own
             self.errors += 1
             log.exception("model call failed")
             work.settle(error=RuntimeError("internal error in a model call; see the server log"))
@@ -469,7 +396,7 @@ class Engine:
         g.t_end = time.perf_counter()
         with self._lock:
             if reason == "cancelled":
-                self.cancelled += 1
+                self.running_cancelled += 1
             self.scheduler.generation_finished(g)
         records.append(FinishRecord(g, reason, g.error_message))
 

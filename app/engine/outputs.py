@@ -76,6 +76,18 @@ def dispatch(records: list[Record]) -> None:
         record.generation.output.handle(record)
 
 
+def hand_over(records: list[Record]) -> None:
+    """From any thread: hand records to the output stage, one call per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Record]] = {}
+    for r in records:
+        by_loop.setdefault(r.generation.loop, []).append(r)
+    for loop, rs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(dispatch, rs)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
 def event_bytes(token: GeneratedToken) -> int:
     """Estimated memory of a token's event: its attention rows dominate when it has them."""
     if token.attention is None and token.cross_attention is None:

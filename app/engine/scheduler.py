@@ -134,6 +134,7 @@ class Scheduler:
         self.drain = DrainRate(clock)
         self.call_seconds = 0.0  # moving average of one model call
         self.closed = False
+        self.closed_reason = "the server is shutting down"  # what admission answers once closed
 
     def tokens_owed(self) -> int:
         return sum(max(0, g.params.max_new_tokens - g.produced) for g in self.generations.running)
@@ -147,7 +148,7 @@ class Scheduler:
     def admit_generations(self, items: list, *, param: str | None = None) -> None:
         """Queue all of `items` or none of them."""
         if self.closed:
-            raise EngineClosed("the server is shutting down")
+            raise EngineClosed(self.closed_reason)
         line, n = self.generations, len(items)
         if n > line.capacity:
             raise RequestTooLarge(
@@ -164,7 +165,7 @@ class Scheduler:
 
     def admit_call(self, item) -> None:
         if self.closed:
-            raise EngineClosed("the server is shutting down")
+            raise EngineClosed(self.closed_reason)
         line = self.calls
         if line.room() < 1:
             wait = math.ceil(max(self.call_seconds, 0.1) * (line.held + 1))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi import APIRouter, Depends
 
 from ..answers import claimed_json, off_loop
@@ -120,7 +122,7 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
         if encoder:
             maps = await runner.call(lambda ckpt: encoder_attention_maps(ckpt.model, ids, layers, heads))
         else:
-            maps = await runner.call(lambda model: attention_maps(model, ids, layers, heads))
+            maps = await runner.call(partial(attention_maps, ids=ids, layers=layers, heads=heads))
     except BaseException:
         await claim.release()
         raise
@@ -155,7 +157,8 @@ async def _translation_answer(body: AttentionRequest, state: AppState, served, i
             + encoded_bytes([L, H, max(S, T), max(S, T)], body.format, "full"))  # cross T x S, bounded by a square
     claim = await state.answers.claim(size, what="this answer")
     try:
-        maps = await served.runner.call(lambda model: translation_maps(model, ids, target, layers, heads))
+        maps = await served.runner.call(partial(translation_maps, source_ids=ids, target_ids=target, layers=layers,
+                                                heads=heads))
     except BaseException:
         await claim.release()
         raise

@@ -11,7 +11,7 @@ from model import SamplingParams
 
 from ..answers import off_loop
 from ..deps import get_state
-from ..engine import Engine, GenerationParams
+from ..engine import EngineFront, GenerationParams
 from ..errors import public_message
 from ..prompts import tokenize_text
 from ..request_limits import check_lengths, check_new_token_limit
@@ -49,7 +49,7 @@ ERRORS = {
 )
 async def generate(body: GenerateRequest, request: Request, state: AppState = Depends(get_state)):
     served = lookup(state, body.model, GENERATE)
-    engine: Engine = served.runner
+    engine: EngineFront = served.runner
     settings = state.settings
     check_new_token_limit(settings, body.max_new_tokens, "max_new_tokens")
     tok = engine.tokenizer

@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from model import SamplingParams
 
 from ..deps import get_engine, get_state
-from ..engine import Engine, Generation, GenerationParams
+from ..engine import EngineFront, Generation, GenerationParams
 from ..errors import ApiError, public_message
 from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import GeneratedTokenOut, StreamDone, StreamToken
@@ -132,7 +132,7 @@ def _generation_params(body: CompletionRequest, prompts_ids: list[list[int]]) ->
 @router.post("/completions", response_model=Completion, response_model_exclude_none=False, responses=ERRORS)
 async def completions(body: CompletionRequest, request: Request, state: AppState = Depends(get_state)):
     served = lookup(state, body.model, COMPLETIONS)
-    engine: Engine = served.runner
+    engine: EngineFront = served.runner
     settings = state.settings
     check_new_token_limit(settings, body.max_tokens, "max_tokens")
     tok = engine.tokenizer
@@ -234,7 +234,7 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
 
 
 @router.get("/models", response_model=ModelList)
-async def models(engine: Engine = Depends(get_engine), state: AppState = Depends(get_state)):
+async def models(engine: EngineFront = Depends(get_engine), state: AppState = Depends(get_state)):
     """The models that generate (decoders); GET /models lists every loaded model."""
     data = []
     for served in state.registry.models.values():

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
 from ..deps import get_engine, get_state
-from ..engine import Engine
+from ..engine import EngineFront
 from ..metrics import CONTENT_TYPE_LATEST
 from ..registry import lookup
 from ..schemas import Health, ModelInfo, Readiness
@@ -26,11 +26,11 @@ async def healthz():
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
 async def readyz(state: AppState = Depends(get_state)):
-    """200 once the model is loaded and warmed up and the engine thread runs; else 503."""
+    """200 once the model is loaded and warmed up and its engine runs (thread or process); else 503."""
     engine = state.engine
     if state.ready and engine is not None and engine.alive:
         return {"ready": True, "status": "ready"}
-    detail = "the engine thread has stopped" if state.ready and engine is not None else None
+    detail = "the engine has stopped" if state.ready and engine is not None else None
     return JSONResponse({"ready": False, "status": state.status if detail is None else "failed",
                          "detail": detail}, status_code=503)
 
@@ -47,7 +47,7 @@ def training_summary(report: dict | None) -> dict | None:
 
 
 @router.get("/model", response_model=ModelInfo, responses={404: {"description": "unknown model"}})
-async def model_info(engine: Engine = Depends(get_engine), state: AppState = Depends(get_state),
+async def model_info(engine: EngineFront = Depends(get_engine), state: AppState = Depends(get_state),
                      model: str | None = None):
     """The default model, or the loaded model named by `?model=` (GET /models lists them)."""
     ckpt, s = engine.checkpoint, state.settings

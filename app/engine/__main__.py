@@ -1,0 +1,11 @@
+"""`python -m app.engine COMMANDS_FD RECORDS_FD`: an engine process, as EngineProcess starts it."""
+
+import sys
+from multiprocessing.connection import Connection
+
+from .wire import receive
+from .worker import main
+
+commands = Connection(int(sys.argv[1]), writable=False)
+records = Connection(int(sys.argv[2]), readable=False)
+main(receive(commands)[1], commands, records)

@@ -1,0 +1,144 @@
+"""The event-loop side every engine shares: admission, cancellation, model calls, counters.
+
+An engine is this front plus a core that runs the model: `Engine` (core.py) steps it on a
+thread of this process, `EngineProcess` (process.py) in a process of its own. Either way a
+request is admitted here, into the scheduler's bounded lines (QueueFull with Retry-After,
+RequestTooLarge), and read back as events from its Generation; a waiting generation that is
+cancelled leaves the line at once, here, without waiting for the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from model import Checkpoint
+
+from .outputs import FinishRecord, Record, hand_over
+from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from .core import Generation
+
+
+class ModelCall:
+    """Run fn(model) once on the model's side (e.g. one attention forward). In an engine
+    process fn travels by pickle: a module-level function or a functools.partial of one."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any]):
+        self.loop = loop
+        self.fn = fn
+        self.future: asyncio.Future = loop.create_future()
+        self.cancelled = False
+        self.t_start = 0.0  # when the core was given it
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
+        def apply():
+            if not self.future.done():
+                if error is not None:
+                    self.future.set_exception(error)
+                else:
+                    self.future.set_result(result)
+
+        call_soon(self.loop, apply)
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
+
+
+class EngineFront:
+    """Admission and the counters /metrics reads; subclasses run the model (see the module docstring)."""
+
+    def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int, max_queue: int, max_attention_concurrent: int,
+                 max_stream_backlog_bytes: int, clock: Callable[[], float] = time.monotonic):
+        self.checkpoint = checkpoint
+        self.tokenizer = checkpoint.tokenizer
+        self.config = checkpoint.config
+        self.max_concurrent = max_concurrent
+        self.max_queue = max_queue
+        self.max_stream_backlog_bytes = max_stream_backlog_bytes  # per generation, unread events
+        self.scheduler = Scheduler(max_concurrent, max_queue, max_attention_concurrent, clock=clock)
+        self._lock = threading.Lock()
+        self.waiting_cancelled = 0  # generations that left the line before they ran
+
+    # --- introspection (metrics) -------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self.scheduler.generations.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.generations.waiting)
+
+    @property
+    def attention_in_flight(self) -> int:
+        return self.scheduler.calls.held
+
+    # --- event loop side ---------------------------------------------------
+    def submit(self, params) -> "Generation":
+        """Admit one generation (raises QueueFull / EngineClosed); read it with .events()."""
+        return self.submit_all([params])[0]
+
+    def submit_all(self, params: list, *, param: str | None = None) -> list["Generation"]:
+        """Admit all of these generations or none (QueueFull, RequestTooLarge, EngineClosed)."""
+        from .core import Generation
+
+        loop = asyncio.get_running_loop()
+        generations = [Generation(loop, p, self.tokenizer, backlog_limit=self.max_stream_backlog_bytes)
+                       for p in params]
+        self.admit(generations, param=param)
+        return generations
+
+    def admit(self, generations: list, *, param: str | None = None) -> None:
+        for g in generations:
+            g.engine = self
+        with self._lock:
+            self.scheduler.admit_generations(generations, param=param)
+            self._admitted()
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(model) on the model's side between decode steps, on the model-call line."""
+        work = ModelCall(asyncio.get_running_loop(), fn)
+        self.admit_call(work)
+        try:
+            return await work.future
+        finally:
+            work.cancelled = True  # if we were interrupted, a call still waiting is skipped
+
+    def admit_call(self, work) -> None:
+        with self._lock:
+            self.scheduler.admit_call(work)
+            self._admitted()
+
+    def _cancel(self, g) -> None:
+        """g was cancelled: a waiting generation leaves the line at once, and ends; a running
+        one is the core's to stop (`_cancel_running`)."""
+        with self._lock:
+            removed = self.scheduler.generations.remove_waiting(g)
+            if removed:
+                self.waiting_cancelled += 1
+        if removed:
+            g.t_end = time.perf_counter()
+            self._emit([FinishRecord(g, "cancelled")])
+        else:
+            self._cancel_running(g)
+
+    # --- what a core provides ----------------------------------------------
+    def _admitted(self) -> None:
+        """Under the lock: new work is in the scheduler's lines."""
+        raise NotImplementedError
+
+    def _cancel_running(self, g) -> None:
+        """g was cancelled while in a slot (or already finished)."""
+
+    def _stop(self, g) -> None:
+        """The output stage asks the core to end g at its next step."""
+
+    def _emit(self, records: list[Record]) -> None:
+        hand_over(records)

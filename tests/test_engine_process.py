@@ -1,0 +1,152 @@
+"""The engine core in a process of its own (app/engine/process.py, the server's default):
+admission stays in the server, so a cancelled waiter leaves at once even while the engine
+process is busy (here: stopped with SIGSTOP); the engine process dying ends every request it
+held with an error, never a hang; model calls travel by pickle, and one that cannot fails
+alone. That its answers equal each request run alone is tested with the thread engine's, in
+test_engine_batching.py (the `kind` parameter)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from functools import partial
+
+import pytest
+import torch
+
+from app.attention_codec import attention_maps
+from app.engine import EngineClosed, EngineProcess, GenerationCancelled, GenerationParams, QueueFull
+from app.schemas import StreamDone, StreamError
+from helpers import drain, reference_ids, run_async
+from model import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def engine_process(ckpt, tiny_checkpoint, **kw) -> EngineProcess:
+    return EngineProcess(ckpt, model_dir=tiny_checkpoint, device="cpu", dtype="float32", **kw)
+
+
+def test_a_cancelled_waiter_frees_its_place_while_the_engine_process_is_busy(ckpt, tiny_checkpoint):
+    """One generation holds the only slot while the engine process is stopped; a waiter gives up
+    and a new request is admitted at once; when the engine process goes on, the newcomer gets
+    its reference tokens."""
+    engine = engine_process(ckpt, tiny_checkpoint, max_concurrent=1, max_queue=1)
+    ids = ckpt.tokenizer.encode("To be")
+
+    async def main():
+        os.kill(engine.process.pid, signal.SIGSTOP)
+        try:
+            holder = engine.submit(GenerationParams(ids, 50, GREEDY))
+            waiter = engine.submit(GenerationParams(ids, 5, GREEDY))
+            with pytest.raises(QueueFull):
+                engine.submit(GenerationParams(ids, 5))
+            waiter.cancel()
+            newcomer = engine.submit(GenerationParams(ids, 4, GREEDY))  # no QueueFull
+            assert engine.in_flight == 1 and engine.waiting == 1 and engine.cancelled == 1
+            with pytest.raises(GenerationCancelled):
+                await asyncio.wait_for(drain(waiter), 5)
+        finally:
+            os.kill(engine.process.pid, signal.SIGCONT)
+        holder.cancel()
+        return await asyncio.wait_for(drain(newcomer), 30)
+
+    try:
+        tokens, done = run_async(main())
+    finally:
+        engine.close()
+    assert isinstance(done, StreamDone) and tokens == reference_ids(ckpt, "To be", 4, temperature=0.0)
+
+
+def test_the_engine_process_dying_ends_what_it_held_with_an_error(ckpt, tiny_checkpoint):
+    engine = engine_process(ckpt, tiny_checkpoint, max_concurrent=1, max_queue=2)
+    ids = ckpt.tokenizer.encode("To be")
+
+    async def main():
+        os.kill(engine.process.pid, signal.SIGSTOP)
+        running = engine.submit(GenerationParams(ids, 50, GREEDY))
+        waiting = engine.submit(GenerationParams(ids, 5, GREEDY))
+        call = asyncio.create_task(engine.call(partial(attention_maps, ids=ids, layers=[0], heads=[0])))
+        await asyncio.sleep(0.05)
+        os.kill(engine.process.pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(drain(running), drain(waiting)), 10)
+        with pytest.raises(EngineClosed, match="engine process stopped"):
+            await asyncio.wait_for(call, 10)
+        with pytest.raises(EngineClosed, match="engine process stopped"):
+            engine.submit(GenerationParams(ids, 5))
+        return results
+
+    try:
+        results = run_async(main())
+        assert not engine.alive and engine.in_flight == 0 and engine.waiting == 0
+    finally:
+        engine.close()
+    for tokens, last in results:
+        assert isinstance(last, StreamError) and "engine process stopped" in last.message
+
+
+def test_model_calls_travel_by_pickle_and_one_that_cannot_fails_alone(ckpt, tiny_checkpoint):
+    engine = engine_process(ckpt, tiny_checkpoint, max_concurrent=2, max_queue=0)
+    ids = ckpt.tokenizer.encode("To be, or not")
+
+    async def main():
+        with pytest.raises(RuntimeError, match="internal error in a model call"):
+            await engine.call(lambda model: attention_maps(model, ids, [0], [0]))  # a lambda does not pickle
+        maps = await engine.call(partial(attention_maps, ids=ids, layers=[0, 1], heads=[1, 3]))
+        tokens, done = await drain(engine.submit(GenerationParams(ids, 6, GREEDY)))
+        return maps, tokens, done
+
+    try:
+        maps, tokens, done = run_async(main())
+        assert engine.alive and engine.attention_in_flight == 0
+    finally:
+        engine.close()
+    with torch.inference_mode():
+        assert (maps == attention_maps(ckpt.model, ids, [0, 1], [1, 3])).all()
+    assert isinstance(done, StreamDone) and tokens == reference_ids(ckpt, "To be, or not", 6, temperature=0.0)
+
+
+def test_close_ends_every_generation_and_the_engine_process(ckpt, tiny_checkpoint):
+    engine = engine_process(ckpt, tiny_checkpoint, max_concurrent=1, max_queue=1)
+    ids = ckpt.tokenizer.encode("To be")
+
+    async def main():
+        os.kill(engine.process.pid, signal.SIGSTOP)
+        generations = engine.submit_all([GenerationParams(ids, 50, GREEDY), GenerationParams(ids, 5, GREEDY)])
+        os.kill(engine.process.pid, signal.SIGCONT)
+        await asyncio.to_thread(engine.close)
+        return await asyncio.wait_for(asyncio.gather(*(drain(g) for g in generations)), 10)
+
+    results = run_async(main())
+    assert engine.process.returncode == 0
+    for tokens, last in results:  # the running one may have finished first; none is left hanging
+        assert isinstance(last, StreamDone) or "shutting down" in last.message
+
+
+def test_a_model_that_cannot_load_fails_start_up_with_the_reason(ckpt, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="nowhere"):
+        EngineProcess(ckpt, model_dir=tmp_path / "nowhere", device="cpu")
+    assert time.monotonic() - start < 60
+
+
+def test_readyz_says_when_the_engine_process_has_stopped(tiny_checkpoint):
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False))) as c:
+        engine = c.app.state.attnlens.engine
+        assert isinstance(engine, EngineProcess) and c.get("/readyz").status_code == 200
+        os.kill(engine.process.pid, signal.SIGKILL)
+        for _ in range(200):
+            if not engine.alive:
+                break
+            time.sleep(0.01)
+        r = c.get("/readyz")
+        assert r.status_code == 503 and r.json()["detail"] == "the engine has stopped"
+        r = c.post("/generate", json={"prompt": "To be", "max_new_tokens": 2})
+        assert r.status_code == 503 and "engine process stopped" in r.json()["detail"]
