@@ -1,4 +1,5 @@
-"""The engine core: the one owner of the model, on its own thread.
+"""The engine core: the one owner of the model, on its own thread (of the server's process,
+or of an engine process of its own: process.py and worker.py run this same class there).
 
 Each iteration (`Engine._step`):
   1. schedule  drop cancelled and stopped generations (their cache rows are freed and the
@@ -12,15 +13,16 @@ Each iteration (`Engine._step`):
                every row with that generation's own parameters and seeded generator
                (model.decoding.decode_step);
   5. output    hand typed records (tokens with log-probs and attention rows as tensors,
-               prompt scores, finishes) to the output stage on the event loop in one call;
-               on CUDA once the next step is launched, so that the loop turns them into
-               events while the device computes (vLLM's asynchronous output processing).
+               prompt scores, finishes) to the output stage in one call (`_emit`: to the
+               event loop, or down the pipe to the server); on CUDA once the next step is
+               launched, so that they are handed over while the device computes (vLLM's
+               asynchronous output processing).
 
 Text, stop strings and event payloads are made in outputs.py, off this thread. A forward
 that raises is retried row by row, so one request's exception stays its own. A
 cancelled generation that is still waiting leaves the line at once (on the event loop);
 one that is running stops at the next step. Every generation ends with exactly one final
-record, sent after its slot is free.
+record, sent after its slot is free. Admission and cancelling a waiter live in front.py.
 """
 
 from __future__ import annotations
