@@ -8,6 +8,7 @@ test_engine_batching.py (the `kind` parameter)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -29,6 +30,16 @@ def engine_process(ckpt, tiny_checkpoint, **kw) -> EngineProcess:
     return EngineProcess(ckpt, model_dir=tiny_checkpoint, device="cpu", dtype="float32", **kw)
 
 
+@contextlib.contextmanager
+def paused(engine: EngineProcess):
+    """The engine process is stopped (SIGSTOP) inside the block: it takes no step, reads nothing."""
+    os.kill(engine.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(engine.process.pid, signal.SIGCONT)
+
+
 def test_a_cancelled_waiter_frees_its_place_while_the_engine_process_is_busy(ckpt, tiny_checkpoint):
     """One generation holds the only slot while the engine process is stopped; a waiter gives up
     and a new request is admitted at once; when the engine process goes on, the newcomer gets
@@ -37,8 +48,7 @@ def test_a_cancelled_waiter_frees_its_place_while_the_engine_process_is_busy(ckp
     ids = ckpt.tokenizer.encode("To be")
 
     async def main():
-        os.kill(engine.process.pid, signal.SIGSTOP)
-        try:
+        with paused(engine):
             holder = engine.submit(GenerationParams(ids, 50, GREEDY))
             waiter = engine.submit(GenerationParams(ids, 5, GREEDY))
             with pytest.raises(QueueFull):
@@ -48,8 +58,6 @@ def test_a_cancelled_waiter_frees_its_place_while_the_engine_process_is_busy(ckp
             assert engine.in_flight == 1 and engine.waiting == 1 and engine.cancelled == 1
             with pytest.raises(GenerationCancelled):
                 await asyncio.wait_for(drain(waiter), 5)
-        finally:
-            os.kill(engine.process.pid, signal.SIGCONT)
         holder.cancel()
         return await asyncio.wait_for(drain(newcomer), 30)
 
@@ -113,9 +121,8 @@ def test_close_ends_every_generation_and_the_engine_process(ckpt, tiny_checkpoin
     ids = ckpt.tokenizer.encode("To be")
 
     async def main():
-        os.kill(engine.process.pid, signal.SIGSTOP)
-        generations = engine.submit_all([GenerationParams(ids, 50, GREEDY), GenerationParams(ids, 5, GREEDY)])
-        os.kill(engine.process.pid, signal.SIGCONT)
+        with paused(engine):
+            generations = engine.submit_all([GenerationParams(ids, 50, GREEDY), GenerationParams(ids, 5, GREEDY)])
         await asyncio.to_thread(engine.close)
         return await asyncio.wait_for(asyncio.gather(*(drain(g) for g in generations)), 10)
 
