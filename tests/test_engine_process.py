@@ -14,6 +14,7 @@ import signal
 import time
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 
@@ -111,8 +112,8 @@ def test_model_calls_travel_by_pickle_and_one_that_cannot_fails_alone(ckpt, tiny
         assert engine.alive and engine.attention_in_flight == 0
     finally:
         engine.close()
-    with torch.inference_mode():
-        assert (maps == attention_maps(ckpt.model, ids, [0, 1], [1, 3])).all()
+    with torch.inference_mode():  # (another process, maybe other threads: the last bits may differ)
+        assert np.allclose(maps, attention_maps(ckpt.model, ids, [0, 1], [1, 3]), atol=1e-6)
     assert isinstance(done, StreamDone) and tokens == reference_ids(ckpt, "To be, or not", 6, temperature=0.0)
 
 
