@@ -30,6 +30,7 @@ import torch
 from model import Checkpoint
 
 from . import worker
+from .core import Generation
 from .front import EngineFront, ModelCall
 from .outputs import FinishRecord
 from .scheduler import EngineClosed
@@ -79,7 +80,7 @@ class EngineProcess(EngineFront):
         self.cache_bytes: int = info["cache_bytes"]  # the KV cache in the engine process
         self.cuda_graphs: bool = info["cuda_graphs"]
         self.counters = Counters(0.0, 0, 0)
-        self._generations: dict[int, object] = {}  # by number: sent to the engine process, not finished
+        self._generations: dict[int, Generation] = {}  # by number: sent to the engine process, not finished
         self._calls: dict[int, ModelCall] = {}
         self._call_numbers = itertools.count(1)
         self._reader = threading.Thread(target=self._read, name="attnlens-engine-reader", daemon=True)
