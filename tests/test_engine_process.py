@@ -117,6 +117,28 @@ def test_model_calls_travel_by_pickle_and_one_that_cannot_fails_alone(ckpt, tiny
     assert isinstance(done, StreamDone) and tokens == reference_ids(ckpt, "To be, or not", 6, temperature=0.0)
 
 
+def test_a_stop_string_ends_the_generation_in_the_engine_process_at_its_next_step(ckpt, tiny_checkpoint):
+    """The server finds the stop string and tells the engine process to stop: the generation
+    ends a step or two later (the rows it already had in flight), not after all 60 tokens."""
+    ref = reference_ids(ckpt, "To be", 60, temperature=0.0)
+    tok = ckpt.tokenizer
+    at = next(i for i in range(3, 60) if tok.decode(ref[i : i + 1]).strip())  # a token with visible text
+    stop = tok.decode(ref[at : at + 1]).strip()
+    first = next(i for i in range(60) if stop in tok.decode(ref[: i + 1]))  # where the text first holds it
+    engine = engine_process(ckpt, tiny_checkpoint, max_concurrent=1, max_queue=0)
+
+    async def main():
+        return await drain(engine.submit(GenerationParams(tok.encode("To be"), 60, GREEDY, stop=[stop])))
+
+    try:
+        tokens, done = run_async(main())
+        assert engine.in_flight == 0
+    finally:
+        engine.close()
+    assert isinstance(done, StreamDone) and done.finish_reason == "stop"
+    assert done.usage.completion_tokens <= first + 3 < 60
+
+
 def test_close_ends_every_generation_and_the_engine_process(ckpt, tiny_checkpoint):
     engine = engine_process(ckpt, tiny_checkpoint, max_concurrent=1, max_queue=1)
     ids = ckpt.tokenizer.encode("To be")
