@@ -180,3 +180,28 @@ def test_readyz_says_when_the_engine_process_has_stopped(tiny_checkpoint):
         assert r.status_code == 503 and r.json()["detail"] == "the engine has stopped"
         r = c.post("/generate", json={"prompt": "To be", "max_new_tokens": 2})
         assert r.status_code == 503 and "engine process stopped" in r.json()["detail"]
+
+
+def test_a_hand_over_the_server_cannot_take_ends_everything_with_an_error(ckpt, tiny_checkpoint, monkeypatch):
+    """A bug in reading the engine process's records stops the engine process and ends every
+    request with an error: nothing waits for records that nobody reads any more."""
+    import app.engine.process as process
+
+    def broken(item, generation):
+        raise ValueError("a record the server cannot read")
+
+    monkeypatch.setattr(process, "decode_record", broken)
+    engine = engine_process(ckpt, tiny_checkpoint, max_concurrent=1, max_queue=1)
+    ids = ckpt.tokenizer.encode("To be")
+
+    async def main():
+        generations = engine.submit_all([GenerationParams(ids, 20, GREEDY), GenerationParams(ids, 5, GREEDY)])
+        return await asyncio.wait_for(asyncio.gather(*(drain(g) for g in generations)), 10)
+
+    try:
+        results = run_async(main())
+        assert engine.process.wait(10) is not None and not engine.alive
+    finally:
+        engine.close()
+    for tokens, last in results:
+        assert isinstance(last, StreamError) and "engine process stopped" in last.message

@@ -172,16 +172,21 @@ class EngineProcess(EngineFront):
 
     # --- from the engine process (the reader thread) -------------------------
     def _read(self) -> None:
-        while True:
-            try:
-                message = receive(self._records)
-            except (EOFError, OSError):
-                break
-            if message[0] == "step":
-                self._on_step(message[1], message[2])
-            elif message[0] == "result":
-                self._on_result(*message[1:])
-        self._engine_gone()
+        try:
+            while True:
+                try:
+                    message = receive(self._records)
+                except (EOFError, OSError):
+                    break
+                if message[0] == "step":
+                    self._on_step(message[1], message[2])
+                elif message[0] == "result":
+                    self._on_result(*message[1:])
+        except Exception:  # a bug here must not leave requests waiting for records nobody reads
+            log.exception("cannot take the engine process's hand-over; stopping the engine process")
+            self.process.kill()
+        finally:
+            self._engine_gone()
 
     def _on_step(self, counters: Counters, items: list[tuple]) -> None:
         records, finished = [], False
