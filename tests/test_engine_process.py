@@ -21,7 +21,7 @@ import torch
 from app.attention_codec import attention_maps
 from app.engine import EngineClosed, EngineProcess, GenerationCancelled, GenerationParams, QueueFull
 from app.schemas import StreamDone, StreamError
-from helpers import drain, reference_ids, run_async
+from helpers import drain, make_tiny_checkpoint, reference_ids, run_async
 from model import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -117,26 +117,34 @@ def test_model_calls_travel_by_pickle_and_one_that_cannot_fails_alone(ckpt, tiny
     assert isinstance(done, StreamDone) and tokens == reference_ids(ckpt, "To be, or not", 6, temperature=0.0)
 
 
-def test_a_stop_string_ends_the_generation_in_the_engine_process_at_its_next_step(ckpt, tiny_checkpoint):
-    """The server finds the stop string and tells the engine process to stop: the generation
-    ends a step or two later (the rows it already had in flight), not after all 60 tokens."""
-    ref = reference_ids(ckpt, "To be", 60, temperature=0.0)
-    tok = ckpt.tokenizer
-    at = next(i for i in range(3, 60) if tok.decode(ref[i : i + 1]).strip())  # a token with visible text
+def test_a_stop_string_ends_the_generation_in_the_engine_process(tmp_path):
+    """The server finds the stop string and tells the engine process, which runs ahead of the
+    server, to stop: it stops long before the budget (a model slow enough that ~250 steps take
+    a good fraction of a second), and the answer counts only the tokens up to the stop."""
+    from model import load_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "slower", d_model=256, n_layers=8, d_ff=1024, context_length=256)
+    ck = load_checkpoint(path)
+    tok, budget = ck.tokenizer, 250
+    ref = reference_ids(ck, "To be", budget, temperature=0.0)
+    at = next(i for i in range(3, budget) if tok.decode(ref[i : i + 1]).strip())  # a token with visible text
     stop = tok.decode(ref[at : at + 1]).strip()
-    first = next(i for i in range(60) if stop in tok.decode(ref[: i + 1]))  # where the text first holds it
-    engine = engine_process(ckpt, tiny_checkpoint, max_concurrent=1, max_queue=0)
+    first = next(i for i in range(budget) if stop in tok.decode(ref[: i + 1]))  # where the text first holds it
+    assert first < 20 and len(ref) == budget
+    engine = engine_process(ck, path, max_concurrent=1, max_queue=0)
 
     async def main():
-        return await drain(engine.submit(GenerationParams(tok.encode("To be"), 60, GREEDY, stop=[stop])))
+        g = engine.submit(GenerationParams(tok.encode("To be"), budget, GREEDY, stop=[stop]))
+        return g, await drain(g)
 
     try:
-        tokens, done = run_async(main())
+        g, (tokens, done) = run_async(main())
         assert engine.in_flight == 0
     finally:
         engine.close()
     assert isinstance(done, StreamDone) and done.finish_reason == "stop"
-    assert done.usage.completion_tokens <= first + 3 < 60
+    assert done.usage.completion_tokens == first + 1 and tokens == ref[: len(tokens)]
+    assert g.produced < budget  # the engine process's own count: it stopped when told
 
 
 def test_close_ends_every_generation_and_the_engine_process(ckpt, tiny_checkpoint):

@@ -111,7 +111,7 @@ class GenerationOutput:
     text: TextStream = field(init=False)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     prompt_scores: list[dict] | None = None  # OpenAI echo: each prompt token with its logprob
-    seen: int = 0  # generated tokens processed (the EOS included)
+    seen: int = 0  # generated tokens processed (the EOS included), none after a stop string
     eos_token: GeneratedTokenOut | None = None  # a final EOS (no text, but scored: /v1 logprobs list it)
     closed: bool = False
     backlog_limit: int = 0  # estimated bytes of events a client may leave unread (0: no limit)
@@ -172,9 +172,9 @@ class GenerationOutput:
         return [Alternative(id=i, text=tok.display_text(i), logprob=lp) for i, lp in zip(ids, logprobs)]
 
     def _token(self, token: GeneratedToken) -> None:
-        self.seen += 1
         if self.text.stopped or self.overflowed:
-            return  # after a stop string (or an overflow): the core stops at its next step
+            return  # after a stop string (or an overflow): the core stops when told; these do not count
+        self.seen += 1
         if token.id == self.tokenizer.eos_id:  # the end: no text, but its score is kept
             self.eos_token = GeneratedTokenOut(id=token.id, text=self.tokenizer.display_text(token.id),
                                                logprob=token.logprob,
