@@ -39,7 +39,26 @@ from .wire import Counters, decode_record, receive, send
 log = logging.getLogger("attnlens.engine")
 
 
+def _spawn(spec: worker.EngineSpec) -> tuple[subprocess.Popen, Connection, Connection]:
+    """Start `python -m app.engine` with two inherited pipes and send it its spec: a fresh
+    interpreter (never a fork of one that holds threads or CUDA) that imports this package and
+    nothing of the server's __main__. Returns the process, our command end, our record end."""
+    their_commands, commands = os.pipe()
+    records, their_records = os.pipe()
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    process = subprocess.Popen([sys.executable, "-m", "app.engine", str(their_commands), str(their_records)],
+                               pass_fds=(their_commands, their_records), env=env)
+    os.close(their_commands)
+    os.close(their_records)
+    commands_end = Connection(commands, readable=False)
+    send(commands_end, ("spec", spec))
+    return process, commands_end, Connection(records, writable=False)
+
+
 class EngineProcess(EngineFront):
+    """The front of one engine process (the module docstring): the same interface as Engine."""
+
     def __init__(self, checkpoint: Checkpoint, *, model_dir: Path | None = None, device: str = "auto",
                  dtype: str = "auto", max_concurrent: int = 32, max_queue: int = 64,
                  max_attention_concurrent: int = 4, cuda_graphs: bool = True,
@@ -55,19 +74,7 @@ class EngineProcess(EngineFront):
         spec = worker.EngineSpec(Path(model_dir), device, dtype, dict(
             max_concurrent=max_concurrent, max_queue=max_concurrent, max_attention_concurrent=max_attention_concurrent,
             cuda_graphs=cuda_graphs, overlap_outputs=overlap_outputs), log_level)
-        # a fresh interpreter (never a fork of one that holds threads or CUDA), which imports this
-        # package and nothing of the server's __main__; it reads and writes two inherited pipes
-        their_commands, commands = os.pipe()
-        records, their_records = os.pipe()
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-        self.process = subprocess.Popen([sys.executable, "-m", "app.engine", str(their_commands),
-                                         str(their_records)], pass_fds=(their_commands, their_records), env=env)
-        os.close(their_commands)
-        os.close(their_records)
-        self._commands = Connection(commands, readable=False)
-        self._records = Connection(records, writable=False)
-        send(self._commands, ("spec", spec))
+        self.process, self._commands, self._records = _spawn(spec)
         self._send_lock = threading.Lock()
         self._closing = False
         try:
