@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from model import Checkpoint
 
-from .outputs import FinishRecord, Record, hand_over
+from .outputs import FinishRecord, Record, call_soon, hand_over
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -43,13 +43,6 @@ class ModelCall:
                     self.future.set_result(result)
 
         call_soon(self.loop, apply)
-
-
-def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop is closed: nobody is listening any more
-        pass
 
 
 class EngineFront:

@@ -76,16 +76,21 @@ def dispatch(records: list[Record]) -> None:
         record.generation.output.handle(record)
 
 
+def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """From any thread: run fn(*args) on `loop`, unless the loop is closed (nobody listens)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed
+        pass
+
+
 def hand_over(records: list[Record]) -> None:
     """From any thread: hand records to the output stage, one call per event loop."""
     by_loop: dict[asyncio.AbstractEventLoop, list[Record]] = {}
     for r in records:
         by_loop.setdefault(r.generation.loop, []).append(r)
     for loop, rs in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(dispatch, rs)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        call_soon(loop, dispatch, rs)
 
 
 def event_bytes(token: GeneratedToken) -> int:
