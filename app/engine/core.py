@@ -45,7 +45,6 @@ from model.decoding import RowSampler, decode_step, make_generator
 
 from .front import EngineFront
 from .outputs import FinishRecord, GenerationOutput, PromptRecord, Record, TokenRecord
-from .scheduler import EngineClosed
 
 log = logging.getLogger("attnlens.engine")
 
@@ -403,13 +402,5 @@ class Engine(EngineFront):
         records.append(FinishRecord(g, reason, g.error_message))
 
     def _shut_down(self) -> None:
-        with self._lock:
-            gens = list(self.scheduler.generations.waiting) + list(self.scheduler.generations.running)
-            calls = list(self.scheduler.calls.waiting) + list(self.scheduler.calls.running)
-            self.scheduler.generations.waiting.clear()
-            self.scheduler.generations.running.clear()
-            self.scheduler.calls.waiting.clear()
-            self.scheduler.calls.running.clear()
-        self._deliver([FinishRecord(g, "error", "the server is shutting down") for g in gens])
-        for c in calls:
-            c.settle(error=EngineClosed("the server is shutting down"))
+        self._deliver([])  # held records first
+        self._end_everything("the server is shutting down")

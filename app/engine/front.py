@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from model import Checkpoint
 
 from .outputs import FinishRecord, Record, call_soon, hand_over
-from .scheduler import Scheduler
+from .scheduler import EngineClosed, Scheduler
 
 if TYPE_CHECKING:
     from .core import Generation
@@ -121,6 +121,19 @@ class EngineFront:
             self._emit([FinishRecord(g, "cancelled")])
         else:
             self._cancel_running(g)
+
+    def _end_everything(self, message: str) -> None:
+        """Close admission (EngineClosed with `message`); every generation and model call still
+        held, waiting or running, ends with `message`."""
+        with self._lock:
+            self.scheduler.closed, self.scheduler.closed_reason = True, message
+            generations, calls = self.scheduler.take_everything()
+        now = time.perf_counter()
+        for g in generations:
+            g.t_end = now
+        self._emit([FinishRecord(g, "error", message) for g in generations])
+        for work in calls:
+            work.settle(error=EngineClosed(message))
 
     # --- what a core provides ----------------------------------------------
     def _admitted(self) -> None:

@@ -33,7 +33,6 @@ from . import worker
 from .core import Generation
 from .front import EngineFront, ModelCall
 from .outputs import FinishRecord
-from .scheduler import EngineClosed
 from .wire import Counters, decode_record, receive, send
 
 log = logging.getLogger("attnlens.engine")
@@ -238,20 +237,7 @@ class EngineProcess(EngineFront):
             message = "the engine process stopped; see the server log"
             log.error("the engine process for %s exited (exit code %s); generation stops here",
                       self.checkpoint.path, code)
-        with self._lock:
-            self.scheduler.closed, self.scheduler.closed_reason = True, message
-            line = self.scheduler.generations
-            generations = list(self._generations.values()) + list(line.waiting)
-            calls = list(self._calls.values()) + list(self.scheduler.calls.waiting)
+        with self._lock:  # what was sent is in the scheduler's running lines too
             self._generations.clear()
             self._calls.clear()
-            line.waiting.clear()
-            line.running.clear()
-            self.scheduler.calls.waiting.clear()
-            self.scheduler.calls.running.clear()
-        now = time.perf_counter()
-        for g in generations:
-            g.t_end = now
-        self._emit([FinishRecord(g, "error", message) for g in generations])
-        for work in calls:
-            work.settle(error=EngineClosed(message))
+        self._end_everything(message)

@@ -175,6 +175,15 @@ class Scheduler:
                 int(min(RETRY_AFTER_MAX_S, max(1, wait))))
         line.waiting.append(item)
 
+    def take_everything(self) -> tuple[list, list]:
+        """Empty both lines (the engine is stopping): every generation and model call, waiting or running."""
+        taken = []
+        for line in (self.generations, self.calls):
+            taken.append([*line.waiting, *line.running])
+            line.waiting.clear()
+            line.running.clear()
+        return taken[0], taken[1]
+
     def call_finished(self, item, seconds: float) -> None:
         self.calls.running.remove(item)
         self.call_seconds = seconds if self.call_seconds == 0 else 0.8 * self.call_seconds + 0.2 * seconds
