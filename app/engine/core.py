@@ -43,7 +43,7 @@ from model import Checkpoint, SamplingParams
 from model.cuda_graphs import GraphedDecoder
 from model.decoding import RowSampler, decode_step, make_generator
 
-from .front import EngineFront
+from .front import MODEL_CALL_FAILED, EngineFront
 from .outputs import FinishRecord, GenerationOutput, PromptRecord, Record, TokenRecord
 
 log = logging.getLogger("attnlens.engine")
@@ -253,7 +253,7 @@ class Engine(EngineFront):
         except Exception:  # the call's failure is its own
             self.errors += 1
             log.exception("model call failed")
-            work.settle(error=RuntimeError("internal error in a model call; see the server log"))
+            work.settle(error=RuntimeError(MODEL_CALL_FAILED))
         finally:
             with self._lock:
                 self.scheduler.call_finished(work, time.perf_counter() - t0)

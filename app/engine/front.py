@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from .core import Generation
 
 
+# What a model call's caller is told when it fails (the details stay in the server's log)
+MODEL_CALL_FAILED = "internal error in a model call; see the server log"
+
+
 class ModelCall:
     """Run fn(model) once on the model's side (e.g. one attention forward). In an engine
     process fn travels by pickle: a module-level function or a functools.partial of one."""

@@ -31,7 +31,7 @@ from model import Checkpoint
 
 from . import worker
 from .core import Generation
-from .front import EngineFront, ModelCall
+from .front import MODEL_CALL_FAILED, EngineFront, ModelCall
 from .outputs import FinishRecord
 from .wire import Counters, decode_record, receive, send
 
@@ -144,7 +144,7 @@ class EngineProcess(EngineFront):
                     del self._calls[number]
                     self.scheduler.call_finished(work, 0.0)
                     log.error("a model call cannot be sent to the engine process: %s", e)
-                    work.settle(error=RuntimeError("internal error in a model call; see the server log"))
+                    work.settle(error=RuntimeError(MODEL_CALL_FAILED))
         except OSError:  # the engine process is gone: the reader ends everything it held
             pass
 

@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from .core import Engine, Generation
+from .front import MODEL_CALL_FAILED
 from .outputs import FinishRecord, Record
 from .wire import Counters, dumps, encode_records, receive, send
 
@@ -75,7 +76,7 @@ class _PipedCall:
         except Exception as e:
             logging.getLogger("attnlens.engine").error("a model call's answer does not pickle: %s", e)
             data = dumps(("result", self.number, False,
-                          RuntimeError("internal error in a model call; see the server log")))
+                          RuntimeError(MODEL_CALL_FAILED)))
         self.engine.send_bytes(data)
 
 
