@@ -17,12 +17,14 @@ STATIC_DIR = REPO_ROOT / "static"
 def default_switch_interval_ms(device_type: str) -> float:
     """The GIL switch interval the server sets unless SWITCH_INTERVAL_MS says otherwise.
 
-    CUDA: 0.2 ms. With Python's 5 ms the model thread can wait out the event loop's whole turn
-    at each torch call while the device idles; on an H100, 32 streams over HTTP gave 22.1k
+    CUDA: 0.2 ms. With the engine on a thread of the server (ENGINE_PROCESS=false) and Python's
+    5 ms, the model thread can wait out the event loop's whole turn at each torch call while the
+    device idles; on an H100, 32 streams over HTTP gave 22.1k
     against 16.9k tok/s (medians of three alternating runs, bench/README.md). CPU: Python's
     5 ms. There the model's kernels are the work itself, and two runs on the 2-core machine
     disagreed: one stream 487 against 441 tok/s, 16 streams 1993 against 2002, then 469
-    against 462 and 1794 against 2077.
+    against 462 and 1794 against 2077. With the engine in its own process (the default) an H100
+    showed no difference between 0.2, 1 and 5 ms beyond the machine's spread (bench/README.md).
     """
     return 0.2 if device_type == "cuda" else 5.0
 
@@ -57,8 +59,9 @@ class Settings(BaseSettings):
     # the model never waits for the event loop's turn at Python's GIL (app/engine/process.py);
     # false: on a thread of the server's process
     engine_process: bool = True
-    # How long one thread may hold Python's GIL while another waits for it; None = by device
-    # (`default_switch_interval_ms`). The model thread and the event loop share one interpreter.
+    # How long one thread may hold Python's GIL while another waits for it, in the server's process
+    # (the event loop, the engine's reader thread; with ENGINE_PROCESS=false the model thread too);
+    # None = by device (`default_switch_interval_ms`)
     switch_interval_ms: float | None = Field(None, gt=0, le=100)
     # Comma-separated list ("*" for any origin); empty = no CORS headers.
     cors_origins: Annotated[list[str], NoDecode] = []
