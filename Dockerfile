@@ -17,7 +17,8 @@ ARG TORCH_VERSION=2.13.0
 RUN pip install "torch==${TORCH_VERSION}"
 
 # 2. the project, installed from its pyproject exactly as CI does (`pip install .`).
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
+COPY attnlens ./attnlens
 COPY model ./model
 COPY app ./app
 RUN pip install .

@@ -15,22 +15,22 @@ DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "default"
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from model.evaluation.info import describe
+    from attnlens.model.evaluation.info import describe
 
     print(describe(args.model))
     return 0
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from model.checkpoint import load_config
+    from attnlens.model.checkpoint import load_config
 
     if load_config(args.model).family == "encoder":
-        from model.interop.hf_bert import export_bert
+        from attnlens.model.interop.hf_bert import export_bert
 
         out = export_bert(args.model, args.out)
         print(f"wrote a transformers BertForMaskedLM directory to {out}")
         return 0
-    from model.interop.hf import export_hf
+    from attnlens.model.interop.hf import export_hf
 
     out = export_hf(args.model, args.out)
     print(f"wrote a transformers GPT-2 directory to {out}")
@@ -43,11 +43,11 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     config = Path(args.src) / "config.json"
     model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type") if config.is_file() else None
     if model_type == "bert":
-        from model.interop.hf_bert import import_bert
+        from attnlens.model.interop.hf_bert import import_bert
 
         out = import_bert(args.src, args.out)
     else:
-        from model.interop.hf import import_hf
+        from attnlens.model.interop.hf import import_hf
 
         out = import_hf(args.src, args.out)
     print(f"wrote an attnlens checkpoint to {out}")
@@ -57,7 +57,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 def cmd_encoder_report(args: argparse.Namespace) -> int:
     import json
 
-    from model.evaluation.encoder import refresh_report
+    from attnlens.model.evaluation.encoder import refresh_report
 
     report = refresh_report(args.model, args.data)
     keys = ("held_out_mlm", "held_out_genre", "bow_baseline", "majority_baseline")
@@ -66,7 +66,7 @@ def cmd_encoder_report(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
-    from model.data.shakespeare import prepare_data
+    from attnlens.model.data.shakespeare import prepare_data
 
     manifest = prepare_data(args.out, source=args.source)
     n_train = sum(1 for w in manifest["works"] if w["split"] == "train")
@@ -76,14 +76,14 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from model.training.train import train_from_file
+    from attnlens.model.training.train import train_from_file
 
     train_from_file(args.config, args.out, resume=args.resume, overrides=args.set or [])
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from app.cli_generate import generate_to_terminal
+    from attnlens.app.cli_generate import generate_to_terminal
 
     return generate_to_terminal(args)
 
@@ -93,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # weights, the KV cache) go on 2 MB pages, so a decode step that streams them all takes
     # fewer TLB misses (bench/README.md, "Huge pages for large tensors"). A value already set wins.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    from app.server import serve
+    from attnlens.app.server import serve
 
     serve(model=args.model, models=args.models, host=args.host, port=args.port)
     return 0
@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # one clear line for the errors we raise on purpose
-        from model.checkpoint import CheckpointError
-        from model.config import ConfigError
+        from attnlens.model.checkpoint import CheckpointError
+        from attnlens.model.config import ConfigError
 
         if isinstance(e, (CheckpointError, ConfigError, FileNotFoundError, ValueError)):
             print(f"attnlens {args.command}: error: {e}", file=sys.stderr)

@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from model.checkpoint import load_checkpoint
-from model.decoding import SamplingParams, generate_tokens
+from attnlens.model.checkpoint import load_checkpoint
+from attnlens.model.decoding import SamplingParams, generate_tokens
 
 
 def pick_device(pref: str) -> str:

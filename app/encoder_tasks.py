@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model import Checkpoint
-from model.tokenizer import MASK_TOKEN
+from attnlens.model import Checkpoint
+from attnlens.model.tokenizer import MASK_TOKEN
 
 MASK_IN_TEXT = re.compile(r"\s*" + re.escape(MASK_TOKEN))
 

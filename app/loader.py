@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from model import Checkpoint, load_checkpoint
+from attnlens.model import Checkpoint, load_checkpoint
 
 log = logging.getLogger("attnlens.loader")
 

@@ -25,7 +25,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic.json_schema import models_json_schema
 from starlette.middleware.gzip import GZipMiddleware
 
-from model import Checkpoint, SamplingParams
+from attnlens.model import Checkpoint, SamplingParams
 
 from .answers import AnswerBudget
 from .attention_codec import attention_maps

@@ -13,7 +13,7 @@ import functools
 
 from starlette.concurrency import run_in_threadpool
 
-from model.tokenizer import Tokenizer
+from attnlens.model.tokenizer import Tokenizer
 
 from .errors import ApiError, field_error
 

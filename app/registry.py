@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from model import Checkpoint
+from attnlens.model import Checkpoint
 
 from .engine import QueueFull
 from .errors import ApiError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from model import Checkpoint
+from attnlens.model import Checkpoint
 
 from .answers import AnswerBudget
 from .engine import EngineFront

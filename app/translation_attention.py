@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model.families.encoder_decoder import attention_groups, greedy_translate_ids
+from attnlens.model.families.encoder_decoder import attention_groups, greedy_translate_ids
 
 from .attention_codec import encode
 

@@ -39,10 +39,10 @@ sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 from bench_model import random_checkpoint  # noqa: E402
 
-from model.checkpoint import load_checkpoint  # noqa: E402
-from model.cuda_graphs import GraphedDecoder  # noqa: E402
-from model.decoding import RowSampler, SamplingParams, decode_step, generate_tokens  # noqa: E402
-from model.interop.hf import export_hf  # noqa: E402
+from attnlens.model.checkpoint import load_checkpoint  # noqa: E402
+from attnlens.model.cuda_graphs import GraphedDecoder  # noqa: E402
+from attnlens.model.decoding import RowSampler, SamplingParams, decode_step, generate_tokens  # noqa: E402
+from attnlens.model.interop.hf import export_hf  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ANCHOR_SHAPE = dict(n_layers=6, n_heads=6, d_model=384, d_ff=1536, context_length=1024)
@@ -153,11 +153,11 @@ def engine_levels(model_dir: Path, dtype: torch.dtype, levels: list[int], n: int
                   sampling: dict | None = None) -> list[tuple]:
     """The engine in-process (no HTTP): (clients, tokens, aggregate tok/s) per level, median of
     reps; greedy, or every request sampled with `sampling` (its own seed each)."""
-    from app.engine import Engine, GenerationParams
-    from app.schemas import StreamToken
+    from attnlens.app.engine import Engine, GenerationParams
+    from attnlens.app.schemas import StreamToken
     from bench_service import PROMPTS
 
-    from app.settings import default_switch_interval_ms
+    from attnlens.app.settings import default_switch_interval_ms
 
     sys.setswitchinterval(default_switch_interval_ms(DEVICE) / 1000)  # as the server does
     ckpt = load_checkpoint(model_dir, device=DEVICE, dtype=dtype)

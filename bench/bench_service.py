@@ -1,6 +1,6 @@
 """Service benchmark: the real server over HTTP, 1 / 4 / 16 / 32 concurrent streaming clients.
 
-Starts `python -m app.cli serve` on a free loopback port (one torch thread, the default
+Starts `python -m attnlens.app.cli serve` on a free loopback port (one torch thread, the default
 model unless --model), then for each concurrency level sends that many streaming greedy
 `POST /generate` requests at once (`max_new_tokens` 128 by default, different prompts) and
 prints, per level: aggregate tok/s (all tokens / wall time of the level), per-stream tok/s
@@ -63,7 +63,7 @@ def start_server(model: Path, port: int, max_concurrent: int, log_path: Path, *,
            "ATTNLENS_MAX_QUEUE": str(max_concurrent), "ATTNLENS_LOG_LEVEL": "warning",
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "attnlens.app.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
                              "--port", str(port)], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -166,8 +166,8 @@ def in_process_peers(model_dir: Path, new_tokens: int) -> dict[str, Callable[[],
     import transformers
     from transformers import GPT2LMHeadModel
 
-    from model import SamplingParams, generate_tokens, load_checkpoint
-    from model.interop.hf import export_hf
+    from attnlens.model import SamplingParams, generate_tokens, load_checkpoint
+    from attnlens.model.interop.hf import export_hf
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
@@ -203,8 +203,8 @@ def batch_scaling(model_dir: Path, sizes: list[int], steps: int = 40) -> list[tu
     different lengths, one thread; (B, ms per step, tokens per CPU-second). Sizes MAX_CONCURRENT."""
     import torch
 
-    from model import SamplingParams, load_checkpoint
-    from model.decoding import RowSampler, decode_step
+    from attnlens.model import SamplingParams, load_checkpoint
+    from attnlens.model.decoding import RowSampler, decode_step
 
     torch.set_num_threads(1)
     model = load_checkpoint(model_dir).model

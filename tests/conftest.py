@@ -33,7 +33,7 @@ def default_checkpoint() -> Path:
 @pytest.fixture(scope="session")
 def ckpt(tiny_checkpoint):
     """The tiny checkpoint, loaded (CPU, float32)."""
-    from model import load_checkpoint
+    from attnlens.model import load_checkpoint
 
     return load_checkpoint(tiny_checkpoint)
 
@@ -43,8 +43,8 @@ def client(tiny_checkpoint):
     """The app on the tiny checkpoint, started (lifespan) in a TestClient."""
     from fastapi.testclient import TestClient
 
-    from app.main import create_app
-    from app.settings import Settings
+    from attnlens.app.main import create_app
+    from attnlens.app.settings import Settings
     from helpers import MAX_NEW, MAX_PROMPT
 
     settings = Settings(model=tiny_checkpoint, device="cpu", max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW,

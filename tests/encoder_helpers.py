@@ -17,8 +17,8 @@ TINY_TEXT = (
 
 def make_tiny_encoder(path: Path, *, seed: int = 0, **overrides) -> Path:
     """A 2-layer, 4-head BERT-shaped encoder with a genre head, random weights, saved to `path`."""
-    from model import ModelConfig, Tokenizer, save_checkpoint
-    from model.families.encoder import Encoder
+    from attnlens.model import ModelConfig, Tokenizer, save_checkpoint
+    from attnlens.model.families.encoder import Encoder
 
     tok = Tokenizer.train([TINY_TEXT] * 4, vocab_size=300, encoder_tokens=True)
     fields = dict(family="encoder", vocab_size=tok.vocab_size, context_length=64, d_model=32, n_layers=2,

@@ -10,7 +10,7 @@ from typing import Iterable, Iterator
 import pytest
 import torch
 
-from model import SamplingParams, generate_tokens
+from attnlens.model import SamplingParams, generate_tokens
 
 # Device parameters for tests that run on the CPU and, where there is one, on a CUDA device.
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -31,7 +31,7 @@ TINY_TEXT = (
 
 def make_tiny_checkpoint(path: Path, *, seed: int = 0, **overrides) -> Path:
     """Write a small random checkpoint (byte-level BPE on TINY_TEXT) to `path`."""
-    from model import ModelConfig, Tokenizer, Transformer, save_checkpoint
+    from attnlens.model import ModelConfig, Tokenizer, Transformer, save_checkpoint
 
     tok = Tokenizer.train([TINY_TEXT] * 4, vocab_size=300)
     fields = dict(
@@ -121,7 +121,7 @@ def run_async(coroutine):
 
 async def drain(generation):
     """(token ids, last event) of an engine generation; last is a StreamDone or StreamError."""
-    from app.schemas import StreamToken
+    from attnlens.app.schemas import StreamToken
 
     tokens, last = [], None
     async for event in generation.events():

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from model.config import ModelConfig
-from model.tokenizer import Tokenizer
-from model.weight_layout import store_linear_weights_transposed
-from model.families.decoder import Transformer
+from attnlens.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from attnlens.model.config import ModelConfig
+from attnlens.model.tokenizer import Tokenizer
+from attnlens.model.weight_layout import store_linear_weights_transposed
+from attnlens.model.families.decoder import Transformer
 
 
 @pytest.fixture()

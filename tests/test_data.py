@@ -12,7 +12,7 @@ import tarfile
 
 import pytest
 
-from model.data.shakespeare import VAL_WORKS, clean_text, load_split, prepare_data
+from attnlens.model.data.shakespeare import VAL_WORKS, clean_text, load_split, prepare_data
 from helpers import REPO_ROOT
 
 DATA = REPO_ROOT / "data" / "shakespeare"

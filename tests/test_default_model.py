@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from model import SamplingParams, generate_tokens, load_checkpoint
+from attnlens.model import SamplingParams, generate_tokens, load_checkpoint
 
 PROMPT = "ROMEO.\nBut soft, what light"
 # Greedy (temperature 0) continuation of PROMPT, 24 tokens, on the CPU in float32.

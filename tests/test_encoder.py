@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from model import ModelConfig, load_checkpoint, save_checkpoint
-from model.config import ConfigError
-from model.families.encoder import Encoder, padding_mask
-from model.tokenizer import Tokenizer
+from attnlens.model import ModelConfig, load_checkpoint, save_checkpoint
+from attnlens.model.config import ConfigError
+from attnlens.model.families.encoder import Encoder, padding_mask
+from attnlens.model.tokenizer import Tokenizer
 from encoder_helpers import make_tiny_encoder
 from helpers import copy_attention_into_torch
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from model import ModelConfig, load_checkpoint, save_checkpoint
-from model.families.encoder_decoder import EncoderDecoder, EncoderDecoderOutput, greedy_translate_ids
-from model.kv_cache import ContextLengthError
+from attnlens.model import ModelConfig, load_checkpoint, save_checkpoint
+from attnlens.model.families.encoder_decoder import EncoderDecoder, EncoderDecoderOutput, greedy_translate_ids
+from attnlens.model.kv_cache import ContextLengthError
 from helpers import copy_attention_into_torch
 
 C, H, F_, L, V = 32, 4, 64, 2, 53
@@ -228,7 +228,7 @@ def test_a_prompt_on_an_empty_row_is_the_source(model):
 
 def test_generate_tokens_translates_the_prompt(model):
     """model.decoding.generate_tokens (the decoder's) works unchanged: the prompt is the source."""
-    from model.decoding import SamplingParams, generate_tokens
+    from attnlens.model.decoding import SamplingParams, generate_tokens
 
     src = [7, 8, 9, 10, 11]
     want = greedy_translate_ids(model, [src], 0, -1, max_new_tokens=6)[0]
@@ -255,7 +255,7 @@ def test_source_too_long_is_a_context_length_error(model):
 
 
 def test_checkpoint_round_trip_builds_the_family(tmp_path, model):
-    from model.tokenizer import Tokenizer
+    from attnlens.model.tokenizer import Tokenizer
 
     tok = Tokenizer.train(["one two three", "un deux trois"] * 3, 300, encoder_tokens=True)
     cfg = s2s_config(vocab_size=max(V, tok.vocab_size))
@@ -270,7 +270,7 @@ def test_checkpoint_round_trip_builds_the_family(tmp_path, model):
 
 
 def test_attention_groups_of_one_pair(model):
-    from model.families.encoder_decoder import attention_groups
+    from attnlens.model.families.encoder_decoder import attention_groups
 
     enc, dec, cross = attention_groups(model, [5, 6, 7, 8], [0, 9, 10])
     assert enc.shape == (L, H, 4, 4) and dec.shape == (L, H, 3, 3) and cross.shape == (L, H, 3, 4)
@@ -283,7 +283,7 @@ def test_attention_groups_of_one_pair(model):
 def test_cross_keys_values_are_computed_once_per_request(model, monkeypatch):
     """Decoding steps reuse the cached cross K/V: neither the encoder nor the memory
     projection runs after the first call."""
-    from model.parts import MultiHeadAttention
+    from attnlens.model.parts import MultiHeadAttention
 
     calls = {"memory": 0, "encode": 0}
     project = MultiHeadAttention.project_memory

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from model import load_checkpoint
-from model.evaluation.encoder import (
+from attnlens.model import load_checkpoint
+from attnlens.model.evaluation.encoder import (
     SAMPLE_EVERY,
     bow_baseline,
     build_split,
@@ -16,7 +16,7 @@ from model.evaluation.encoder import (
     majority_baseline,
     mlm_metrics,
 )
-from model.data.genres import GENRES
+from attnlens.model.data.genres import GENRES
 
 from conftest import REPO_ROOT
 
@@ -83,7 +83,7 @@ def test_baselines_recomputed_match_the_report(ckpt, split):
 
 
 def test_fills_an_obvious_mask(ckpt):
-    from app.encoder_tasks import fill_mask
+    from attnlens.app.encoder_tasks import fill_mask
 
     masks = fill_mask(ckpt, "O Romeo, Romeo! wherefore art thou [MASK]?", top_k=5, max_masks=4)
     assert len(masks) == 1 and len(masks[0]) == 5
@@ -96,8 +96,8 @@ def test_refresh_report_keeps_a_recorded_baseline_it_cannot_recompute(tmp_path, 
     import json
     from types import SimpleNamespace
 
-    import model.checkpoint
-    import model.evaluation.encoder as encoder_eval
+    import attnlens.model.checkpoint as checkpoint_module
+    import attnlens.model.evaluation.encoder as encoder_eval
 
     old = {"steps": 7, "held_out_mlm": {"mlm_accuracy": 0.1},
            "bow_baseline": {"accuracy": 0.7}, "majority_baseline": {"accuracy": 0.5}}
@@ -106,12 +106,12 @@ def test_refresh_report_keeps_a_recorded_baseline_it_cannot_recompute(tmp_path, 
            "majority_baseline": {"accuracy": 0.5}}
     fake = SimpleNamespace(report=old, model=None, tokenizer=None,
                            config=SimpleNamespace(context_length=8))
-    monkeypatch.setattr(model.checkpoint, "load_checkpoint", lambda d: fake)
+    monkeypatch.setattr(checkpoint_module, "load_checkpoint", lambda d: fake)
     monkeypatch.setattr(encoder_eval, "build_split", lambda *a, **k: None)
     monkeypatch.setattr(encoder_eval, "encoder_report", lambda m, s: new)
 
     written = encoder_eval.refresh_report(tmp_path, tmp_path)
-    on_disk = json.loads((tmp_path / model.checkpoint.REPORT_FILE).read_text())
+    on_disk = json.loads((tmp_path / checkpoint_module.REPORT_FILE).read_text())
     for report in (written, on_disk):
         assert report["bow_baseline"] == {"accuracy": 0.7}  # kept, not the error
         assert report["held_out_mlm"] == {"mlm_accuracy": 0.2} and report["steps"] == 7

@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.data.shakespeare import VAL_WORKS, prepare_data
-from model.data.genres import EXCLUDED, FOLIO_GENRE, GENRES
-from model.data.mlm import IGNORE, mask_tokens
-from model.data.passages import load_works
-from model.tokenizer import Tokenizer
-from model.training.train import load_run_config, train
+from attnlens.model.data.shakespeare import VAL_WORKS, prepare_data
+from attnlens.model.data.genres import EXCLUDED, FOLIO_GENRE, GENRES
+from attnlens.model.data.mlm import IGNORE, mask_tokens
+from attnlens.model.data.passages import load_works
+from attnlens.model.tokenizer import Tokenizer
+from attnlens.model.training.train import load_run_config, train
 from helpers import REPO_ROOT
 
 
@@ -163,7 +163,7 @@ def test_two_process_ddp_trains_the_encoder(tmp_path, genre_corpus):
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "app.cli", "train", "--config", str(cfg), "--out", str(out), "--set", "train.bow_baseline=false"]
+           "-m", "attnlens.app.cli", "train", "--config", str(cfg), "--out", str(out), "--set", "train.bow_baseline=false"]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((out / "train_report.json").read_text())

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from app.engine import Engine, EngineProcess, GenerationCancelled, GenerationParams, QueueFull, RequestTooLarge
-from app.engine.scheduler import DrainRate, Scheduler
-from app.main import create_app
-from app.schemas import StreamDone, StreamError, StreamToken
-from app.settings import Settings
+from attnlens.app.engine import Engine, EngineProcess, GenerationCancelled, GenerationParams, QueueFull, RequestTooLarge
+from attnlens.app.engine.scheduler import DrainRate, Scheduler
+from attnlens.app.main import create_app
+from attnlens.app.schemas import StreamDone, StreamError, StreamToken
+from attnlens.app.settings import Settings
 from helpers import DEVICES, drain, reference_ids, reference_tokens, run_async
-from model import SamplingParams, load_checkpoint
+from attnlens.model import SamplingParams, load_checkpoint
 
 @pytest.fixture(scope="module", params=DEVICES)
 def ckpt(request, tiny_checkpoint):
@@ -503,7 +503,7 @@ def test_per_step_attention_comes_from_the_batched_forward(ckpt):
 def test_a_generation_ending_on_eos_keeps_the_eos_score(tmp_path):
     """EOS is not text, but it is a generated token: its log-probability is kept for /v1 logprobs."""
     from helpers import make_tiny_checkpoint
-    from model import generate_tokens, load_checkpoint, save_checkpoint
+    from attnlens.model import generate_tokens, load_checkpoint, save_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "eos", tie_embeddings=False, seed=3)
     ck = load_checkpoint(path)
@@ -545,7 +545,7 @@ def test_a_random_mix_of_requests_and_cancellations_keeps_every_answer_right(ckp
     over after it, or while the next step runs; with the engine on a thread or in its own process."""
     import random
 
-    from app.engine.textstream import TextStream
+    from attnlens.app.engine.textstream import TextStream
 
     tok = ckpt.tokenizer
     rng = random.Random(7)

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from app.attention_codec import attention_maps
-from app.engine import EngineClosed, EngineProcess, GenerationCancelled, GenerationParams, QueueFull
-from app.schemas import StreamDone, StreamError
+from attnlens.app.attention_codec import attention_maps
+from attnlens.app.engine import EngineClosed, EngineProcess, GenerationCancelled, GenerationParams, QueueFull
+from attnlens.app.schemas import StreamDone, StreamError
 from helpers import drain, make_tiny_checkpoint, reference_ids, run_async
-from model import SamplingParams
+from attnlens.model import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -121,7 +121,7 @@ def test_a_stop_string_ends_the_generation_in_the_engine_process(tmp_path):
     """The server finds the stop string and tells the engine process, which runs ahead of the
     server, to stop: it stops long before the budget (a model slow enough that ~250 steps take
     a good fraction of a second), and the answer counts only the tokens up to the stop."""
-    from model import load_checkpoint
+    from attnlens.model import load_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "slower", d_model=256, n_layers=8, d_ff=1024, context_length=256)
     ck = load_checkpoint(path)
@@ -173,8 +173,8 @@ def test_a_model_that_cannot_load_fails_start_up_with_the_reason(ckpt, tmp_path)
 def test_readyz_says_when_the_engine_process_has_stopped(tiny_checkpoint):
     from fastapi.testclient import TestClient
 
-    from app.main import create_app
-    from app.settings import Settings
+    from attnlens.app.main import create_app
+    from attnlens.app.settings import Settings
 
     with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False))) as c:
         engine = c.app.state.attnlens.engine
@@ -193,7 +193,7 @@ def test_readyz_says_when_the_engine_process_has_stopped(tiny_checkpoint):
 def test_a_hand_over_the_server_cannot_take_ends_everything_with_an_error(ckpt, tiny_checkpoint, monkeypatch):
     """A bug in reading the engine process's records stops the engine process and ends every
     request with an error: nothing waits for records that nobody reads any more."""
-    import app.engine.process as process
+    import attnlens.app.engine.process as process
 
     def broken(item, generation):
         raise ValueError("a record the server cannot read")

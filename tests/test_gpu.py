@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import SamplingParams, generate_tokens, load_checkpoint
+from attnlens.model import SamplingParams, generate_tokens, load_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,8 +68,8 @@ def test_bf16_autocast_training_step_lowers_the_loss(tiny_checkpoint):
 def test_service_picks_cuda_and_bf16_on_auto(tiny_checkpoint):
     from fastapi.testclient import TestClient
 
-    from app.main import create_app
-    from app.settings import Settings
+    from attnlens.app.main import create_app
+    from attnlens.app.settings import Settings
 
     with TestClient(create_app(Settings(model=tiny_checkpoint, device="auto", dtype="auto"))) as client:
         info = client.get("/model").json()
@@ -81,8 +81,8 @@ def test_service_picks_cuda_and_bf16_on_auto(tiny_checkpoint):
 def test_cuda_graph_decode_equals_the_eager_step(pair):
     """The captured decode step (two CUDA graphs per batch bucket: plain and with attention)
     gives the eager step's logits, tokens and attention rows."""
-    from model.cuda_graphs import GraphedDecoder
-    from model.decoding import RowSampler, decode_step
+    from attnlens.model.cuda_graphs import GraphedDecoder
+    from attnlens.model.decoding import RowSampler, decode_step
 
     _, gpu = pair
     model = gpu.model
@@ -111,8 +111,8 @@ def test_cuda_graph_decode_equals_the_eager_step(pair):
 def test_engine_on_cuda_with_graphs_matches_generate_tokens(tiny_checkpoint):
     import asyncio
 
-    from app.engine import Engine, GenerationParams
-    from app.schemas import StreamToken
+    from attnlens.app.engine import Engine, GenerationParams
+    from attnlens.app.schemas import StreamToken
     from helpers import run_async
 
     ckpt = load_checkpoint(tiny_checkpoint, device="cuda")
@@ -146,8 +146,8 @@ def test_every_bundled_family_serves_on_cuda_as_on_the_cpu(default_checkpoint):
     same top fill-mask token and genre, the same first greedy tokens."""
     from fastapi.testclient import TestClient
 
-    from app.main import create_app
-    from app.settings import Settings
+    from attnlens.app.main import create_app
+    from attnlens.app.settings import Settings
 
     requests = [
         ("/generate", {"model": "translator", "prompt": "Wednesday, March 3, 2021", "temperature": 0,
@@ -209,7 +209,7 @@ def test_eager_attention_on_cuda_runs_without_cudnn_and_its_plan_per_shape(pair,
 def test_the_captured_decode_step_may_use_cudnn_its_shapes_never_change(pair, sdpa_calls):
     """A CUDA graph's step has fixed shapes: cuDNN's plan is built once, at capture, so there
     every backend may run (cuDNN's masked decode is the fastest on an H100, bench/README.md)."""
-    from model.cuda_graphs import GraphedDecoder
+    from attnlens.model.cuda_graphs import GraphedDecoder
 
     _, gpu = pair
     GraphedDecoder(gpu.model, gpu.model.new_kv_cache(2), buckets=(1, 2))
@@ -225,8 +225,8 @@ def test_serving_on_cuda_sets_a_short_gil_switch_interval(tiny_checkpoint):
 
     from fastapi.testclient import TestClient
 
-    from app.main import create_app
-    from app.settings import Settings
+    from attnlens.app.main import create_app
+    from attnlens.app.settings import Settings
 
     before = sys.getswitchinterval()
     try:

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from model.decoding import SamplingParams, generate_tokens
-from model.interop.hf import export_hf, import_hf
-from model.tokenizer import EOS_TOKEN, Tokenizer
+from attnlens.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from attnlens.model.decoding import SamplingParams, generate_tokens
+from attnlens.model.interop.hf import export_hf, import_hf
+from attnlens.model.tokenizer import EOS_TOKEN, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast  # noqa: E402
@@ -289,7 +289,7 @@ def test_import_refuses_an_untied_head_in_the_weights(gpt2_src, tmp_path):
 
 
 def test_cli_export_import_and_info(ours, tmp_path, capsys):
-    from app.cli import main
+    from attnlens.app.cli import main
 
     assert main(["export-hf", "--model", str(ours), "--out", str(tmp_path / "hf")]) == 0
     assert main(["import-hf", "--src", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
@@ -300,7 +300,7 @@ def test_cli_export_import_and_info(ours, tmp_path, capsys):
 
 
 def test_cli_export_refusal_is_one_clear_line(tmp_path, capsys):
-    from app.cli import main
+    from attnlens.app.cli import main
 
     src = make_tiny_checkpoint(tmp_path / "relu", activation="relu")
     assert main(["export-hf", "--model", str(src), "--out", str(tmp_path / "hf")]) == 2

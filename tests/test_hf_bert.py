@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from model.interop.hf_bert import export_bert, import_bert
+from attnlens.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from attnlens.model.interop.hf_bert import export_bert, import_bert
 
 transformers = pytest.importorskip("transformers")
 from transformers import BertConfig, BertForMaskedLM  # noqa: E402

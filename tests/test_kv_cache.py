@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from model import ContextLengthError, ModelConfig
-from model.decoding import RowSampler, SamplingParams, decode_step, make_generator
-from model.parts import MultiHeadAttention
+from attnlens.model import ContextLengthError, ModelConfig
+from attnlens.model.decoding import RowSampler, SamplingParams, decode_step, make_generator
+from attnlens.model.parts import MultiHeadAttention
 from test_model import SMALL, make_model
 from helpers import copy_attention_into_torch
 
@@ -205,7 +205,7 @@ def test_graphed_decoder_pads_a_batch_to_its_bucket_like_the_plain_step():
     """The CUDA-graph decoder's padded bucket path (run eagerly here, without CUDA): 3 rows in the
     bucket of 4 decode exactly as the plain step does (the steps where a row streams its
     attention too: the same rows), and the free 4th row stays free."""
-    from model.cuda_graphs import GraphedDecoder
+    from attnlens.model.cuda_graphs import GraphedDecoder
 
     model = make_model(seed=39)
     prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]

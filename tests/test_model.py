@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.config import ConfigError, ModelConfig
-from model.decoding import SamplingParams, filter_logits, generate_tokens
-from model.parts import MultiHeadAttention
-from model.families.decoder import (
+from attnlens.model.config import ConfigError, ModelConfig
+from attnlens.model.decoding import SamplingParams, filter_logits, generate_tokens
+from attnlens.model.parts import MultiHeadAttention
+from attnlens.model.families.decoder import (
     ContextLengthError,
     Transformer,
     sinusoidal_table,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from live_server import live_server
-from model import SamplingParams, generate_tokens, load_checkpoint
+from attnlens.model import SamplingParams, generate_tokens, load_checkpoint
 
 pytestmark = pytest.mark.slow
 SEED = 1234

@@ -12,10 +12,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from app.main import create_app
-from app.settings import Settings
+from attnlens.app.main import create_app
+from attnlens.app.settings import Settings
 from conftest import REPO_ROOT, make_tiny_checkpoint
-from model import load_checkpoint, save_checkpoint
+from attnlens.model import load_checkpoint, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_generated_eos_has_its_logprobs_entry_when_streamed(eos_client):
 # --- bos/eos: the checkpoint's tokenizer and the export both name the end-of-text token -----
 def test_checkpoint_and_export_tokenizers_name_eos(tiny_checkpoint, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from model.interop.hf import export_hf
+    from attnlens.model.interop.hf import export_hf
 
     tok = load_checkpoint(tiny_checkpoint).tokenizer
     for directory in (tiny_checkpoint, export_hf(tiny_checkpoint, tmp_path / "hf"),

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers import DEVICES
-from model.decoding import SamplingParams, filter_logits
-from model.sampling import draw_uniforms, sample_batch
+from attnlens.model.decoding import SamplingParams, filter_logits
+from attnlens.model.sampling import draw_uniforms, sample_batch
 
 CASES = [dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=1.3, top_p=0.8),
          dict(temperature=0.9, top_k=8, top_p=0.6)]
@@ -69,7 +69,7 @@ def test_sample_rows_draws_its_sampled_rows_from_their_own_generators():
     """sample_rows: greedy rows take the argmax, each sampled row the token its generator's next
     number falls on (drawn here again from an identically seeded generator), and every row's
     log-probability is that of its token under the model's own softmax."""
-    from model.decoding import RowSampler, make_generator, sample_rows
+    from attnlens.model.decoding import RowSampler, make_generator, sample_rows
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(10, 40, generator=g)

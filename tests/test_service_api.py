@@ -13,10 +13,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from app.attention_codec import decode
-from app.main import create_app
-from app.settings import Settings
-from model import SamplingParams, generate_tokens, load_checkpoint
+from attnlens.app.attention_codec import decode
+from attnlens.app.main import create_app
+from attnlens.app.settings import Settings
+from attnlens.model import SamplingParams, generate_tokens, load_checkpoint
 
 from helpers import MAX_NEW, MAX_PROMPT, make_tiny_checkpoint, parse_sse, reference_tokens as reference
 
@@ -207,7 +207,7 @@ def test_stop_string_as_plain_string(client):
 @pytest.fixture(scope="module")
 def eos_checkpoint(tmp_path_factory):
     """A model whose next token is EOS with probability about 1/2 at every step."""
-    from model import save_checkpoint
+    from attnlens.model import save_checkpoint
 
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("eos") / "eos", tie_embeddings=False, seed=3)
     ck = load_checkpoint(path)
@@ -511,14 +511,14 @@ def test_model_reports_the_training_summary(tmp_path):
 def test_serve_asks_for_huge_pages_unless_told_otherwise(monkeypatch, preset, expected):
     """`attnlens serve` sets PyTorch's THP_MEM_ALLOC_ENABLE=1 (large CPU tensors on 2 MB pages)
     before the server starts; a value the operator set is left alone."""
-    import app.server
-    from app import cli
+    import attnlens.app.server as server_module
+    from attnlens.app import cli
 
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", preset or "")  # recorded: whatever serve sets is undone after
     if preset is None:
         monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
     seen = {}
-    monkeypatch.setattr(app.server, "serve", lambda **kw: seen.setdefault("env", os.environ.get("THP_MEM_ALLOC_ENABLE")))
+    monkeypatch.setattr(server_module, "serve", lambda **kw: seen.setdefault("env", os.environ.get("THP_MEM_ALLOC_ENABLE")))
     assert cli.main(["serve", "--port", "1"]) == 0
     assert seen["env"] == expected
 

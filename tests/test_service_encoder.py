@@ -12,10 +12,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from app.attention_codec import decode
-from app.main import create_app
-from app.settings import Settings
-from model import load_checkpoint
+from attnlens.app.attention_codec import decode
+from attnlens.app.main import create_app
+from attnlens.app.settings import Settings
+from attnlens.model import load_checkpoint
 from encoder_helpers import make_tiny_encoder
 from live_server import live_server
 

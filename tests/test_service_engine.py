@@ -9,12 +9,12 @@ import threading
 import numpy as np
 import pytest
 
-from app.attention_codec import decode, encode
-from app.engine import Engine, GenerationParams, QueueFull
-from app.engine.textstream import TextStream
-from app.schemas import StreamDone, StreamError
+from attnlens.app.attention_codec import decode, encode
+from attnlens.app.engine import Engine, GenerationParams, QueueFull
+from attnlens.app.engine.textstream import TextStream
+from attnlens.app.schemas import StreamDone, StreamError
 from helpers import drain, reference_ids, run_async
-from model import SamplingParams
+from attnlens.model import SamplingParams
 
 
 # --- stop strings --------------------------------------------------------------

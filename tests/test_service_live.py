@@ -35,7 +35,7 @@ def never_eos_checkpoint(path):
     """The tiny random model, edited so that EOS is never sampled: long generations then
     really run until cancelled. With the final LayerNorm's weight all ones, the normalised
     features sum to zero, so an EOS row of -5 * ones scores exactly -5 * sum(ln_f.bias)."""
-    from model import load_checkpoint, save_checkpoint
+    from attnlens.model import load_checkpoint, save_checkpoint
 
     make_tiny_checkpoint(path, context_length=CONTEXT, tie_embeddings=False)
     ck = load_checkpoint(path)
@@ -317,7 +317,7 @@ def test_non_streaming_request_is_cancelled_when_its_client_leaves(http, server)
 def test_unloadable_model_exits_non_zero_with_a_clear_message(tmp_path):
     bad = tmp_path / "no-model-here"
     proc = subprocess.run(
-        [sys.executable, "-m", "app.cli", "serve", "--model", str(bad), "--port", str(free_port())],
+        [sys.executable, "-m", "attnlens.app.cli", "serve", "--model", str(bad), "--port", str(free_port())],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "ATTNLENS_DEVICE": "cpu", "OMP_NUM_THREADS": "1"},
     )

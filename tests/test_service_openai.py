@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from model import SamplingParams, generate_tokens
+from attnlens.model import SamplingParams, generate_tokens
 from helpers import MAX_NEW, data_chunks, reference_ids as ref_ids
 
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from app.main import create_app
-from app.settings import Settings
+from attnlens.app.main import create_app
+from attnlens.app.settings import Settings
 from helpers import run_async
-from model import SamplingParams
-from model.decoding import filter_logits
+from attnlens.model import SamplingParams
+from attnlens.model.decoding import filter_logits
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_ints_still_count_as_floats(client):
 
 # --- defect 8: packing "tril" applies to json too ------------------------------------------
 def test_attention_json_tril_is_applied(client):
-    from app.attention_codec import decode
+    from attnlens.app.attention_codec import decode
 
     full = client.post("/attention", json={"text": "To be, or not", "format": "json"}).json()
     tril = client.post("/attention", json={"text": "To be, or not", "format": "json", "packing": "tril"}).json()
@@ -110,7 +110,7 @@ def test_attention_json_tril_is_applied(client):
 
 # --- defect 8: a long prompt is refused by its bytes, before tokenising --------------------
 def test_huge_prompt_refused_without_tokenising(client, monkeypatch):
-    from model.tokenizer import Tokenizer
+    from attnlens.model.tokenizer import Tokenizer
 
     def boom(self, text):
         raise AssertionError("tokenised a prompt its byte length already rules out")
@@ -137,7 +137,7 @@ def test_model_info_has_no_absolute_path(client, tiny_checkpoint):
 
 # --- defect 8: a 500 carries no internal exception text ----------------------------------------
 def test_500_body_has_no_exception_text(tiny_checkpoint, monkeypatch):
-    import app.routers.attention as attention_router
+    import attnlens.app.routers.attention as attention_router
 
     def broken(*args, **kwargs):
         raise ValueError("secret /srv/internal/path detail")
@@ -189,8 +189,8 @@ def test_no_redirect_to_the_sent_host(tiny_checkpoint, path):
 def test_answer_budget_waits_then_429_and_refuses_what_never_fits():
     import asyncio
 
-    from app.answers import AnswerBudget
-    from app.errors import ApiError
+    from attnlens.app.answers import AnswerBudget
+    from attnlens.app.errors import ApiError
 
     async def scenario():
         budget = AnswerBudget(100, wait_s=0.3)

@@ -224,7 +224,7 @@ def test_bad_checkpoint_one_line_and_exit_3(tmp_path, tiny_checkpoint, make_bad)
         shutil.copytree(tiny_checkpoint, bad)
         (bad / "model.safetensors").write_bytes(b"not safetensors at all")
     proc = subprocess.run(
-        [sys.executable, "-m", "app.cli", "serve", "--model", str(bad), "--port", str(free_port())],
+        [sys.executable, "-m", "attnlens.app.cli", "serve", "--model", str(bad), "--port", str(free_port())],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "ATTNLENS_DEVICE": "cpu", "ATTNLENS_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"},
     )

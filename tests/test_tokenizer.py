@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from model.tokenizer import EOS_TOKEN, Tokenizer, byte_to_unicode, bytes_for_display, unicode_to_byte
+from attnlens.model.tokenizer import EOS_TOKEN, Tokenizer, byte_to_unicode, bytes_for_display, unicode_to_byte
 
 TRICKY = [
     "Café naïve résumé",  # precomposed accents

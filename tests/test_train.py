@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.data.shakespeare import VAL_WORKS, load_split, prepare_data
-from model.training.train import evaluate, load_run_config, token_byte_lengths, train, encode_corpus
-from model.tokenizer import Tokenizer
+from attnlens.model.data.shakespeare import VAL_WORKS, load_split, prepare_data
+from attnlens.model.training.train import evaluate, load_run_config, token_byte_lengths, train, encode_corpus
+from attnlens.model.tokenizer import Tokenizer
 from helpers import REPO_ROOT
 
 
@@ -81,7 +81,7 @@ def test_tiny_run_lowers_held_out_loss_and_writes_everything(tmp_path, small_cor
     tok = Tokenizer.from_file(out / "tokenizer.json")
     stream = encode_corpus(tok, load_split(small_corpus, "val"))
     torch.manual_seed(run.train.seed)
-    from model.families.decoder import Transformer
+    from attnlens.model.families.decoder import Transformer
 
     untrained = Transformer(run.model)
     before = evaluate(untrained, stream, token_byte_lengths(tok, run.model.vocab_size), 32, "cpu")
@@ -133,7 +133,7 @@ def test_overrides_and_bad_configs(tmp_path, small_corpus):
 def test_ctrl_c_saves_a_checkpoint(tmp_path, small_corpus):
     cfg = write_config(tmp_path, small_corpus, steps=100000)
     out = tmp_path / "interrupted"
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "train", "--config", str(cfg), "--out", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "attnlens.app.cli", "train", "--config", str(cfg), "--out", str(out)],
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while not (out / "metrics.jsonl").is_file() or "train_loss" not in (out / "metrics.jsonl").read_text():
@@ -153,7 +153,7 @@ def test_two_process_ddp_over_gloo_writes_one_checkpoint(tmp_path, small_corpus)
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "app.cli", "train", "--config", str(cfg), "--out", str(out)]
+           "-m", "attnlens.app.cli", "train", "--config", str(cfg), "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((out / "train_report.json").read_text())
@@ -164,7 +164,7 @@ def test_two_process_ddp_over_gloo_writes_one_checkpoint(tmp_path, small_corpus)
 
 
 def test_generate_cli_streams_and_is_seeded(tiny_checkpoint):
-    from app.cli_generate import generate_to_terminal
+    from attnlens.app.cli_generate import generate_to_terminal
 
     def run(seed):
         buf = io.StringIO()

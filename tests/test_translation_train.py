@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model import load_checkpoint
-from model.families.encoder_decoder import EncoderDecoder
-from model.training.train import load_run_config, train
+from attnlens.model import load_checkpoint
+from attnlens.model.families.encoder_decoder import EncoderDecoder
+from attnlens.model.training.train import load_run_config, train
 from translator_helpers import small_translation_tokenizer
 from helpers import REPO_ROOT
 
@@ -95,7 +95,7 @@ def test_two_process_ddp_translator_run_over_gloo(tmp_path):
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "app.cli", "train", "--config", str(cfg), "--out", str(out), "--set", "train.max_steps=4",
+           "-m", "attnlens.app.cli", "train", "--config", str(cfg), "--out", str(out), "--set", "train.max_steps=4",
            "--set", "train.eval_pairs=4"]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

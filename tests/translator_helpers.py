@@ -12,22 +12,22 @@ import torch
 @functools.lru_cache(maxsize=1)
 def small_translation_tokenizer_json() -> str:
     """The translator's tokenizer trained on a sparse corpus (fast; same alphabet and words)."""
-    from model.data.translation import tokenizer_corpus
-    from model.tokenizer import Tokenizer
+    from attnlens.model.data.translation import tokenizer_corpus
+    from attnlens.model.tokenizer import Tokenizer
 
     return Tokenizer.train(tokenizer_corpus(step=97), 600, encoder_tokens=True).to_str()
 
 
 def small_translation_tokenizer():
-    from model.tokenizer import Tokenizer
+    from attnlens.model.tokenizer import Tokenizer
 
     return Tokenizer.from_str(small_translation_tokenizer_json())
 
 
 def make_tiny_translator(path: Path, *, seed: int = 0, **overrides) -> Path:
     """A 2+2-layer, 4-head encoder-decoder with random weights, saved to `path`."""
-    from model import ModelConfig, save_checkpoint
-    from model.families.encoder_decoder import EncoderDecoder
+    from attnlens.model import ModelConfig, save_checkpoint
+    from attnlens.model.families.encoder_decoder import EncoderDecoder
 
     tok = small_translation_tokenizer()
     fields = dict(family="encoder-decoder", vocab_size=tok.vocab_size, context_length=48, d_model=32,

@@ -39,9 +39,9 @@ from typing import Callable
 
 import torch
 
-from model import Checkpoint, SamplingParams
-from model.cuda_graphs import GraphedDecoder
-from model.decoding import RowSampler, decode_step, make_generator
+from attnlens.model import Checkpoint, SamplingParams
+from attnlens.model.cuda_graphs import GraphedDecoder
+from attnlens.model.decoding import RowSampler, decode_step, make_generator
 
 from .front import MODEL_CALL_FAILED, EngineFront
 from .outputs import FinishRecord, GenerationOutput, PromptRecord, Record, TokenRecord

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from model import Checkpoint
+from attnlens.model import Checkpoint
 
 from .outputs import FinishRecord, Record, call_soon, hand_over
 from .scheduler import EngineClosed, Scheduler

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Union
 import numpy as np
 import torch
 
-from model.decoding import GeneratedToken
+from attnlens.model.decoding import GeneratedToken
 
 from ..schemas import (Alternative, GeneratedTokenOut, StreamDone, StreamError, StreamToken, Timings, TokenText,
                        Usage)

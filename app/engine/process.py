@@ -27,7 +27,8 @@ from typing import Callable
 
 import torch
 
-from model import Checkpoint
+import attnlens
+from attnlens.model import Checkpoint
 
 from . import worker
 from .core import Generation
@@ -39,14 +40,14 @@ log = logging.getLogger("attnlens.engine")
 
 
 def _spawn(spec: worker.EngineSpec) -> tuple[subprocess.Popen, Connection, Connection]:
-    """Start `python -m app.engine` with two inherited pipes and send it its spec: a fresh
+    """Start `python -m attnlens.app.engine` with two inherited pipes and send it its spec: a fresh
     interpreter (never a fork of one that holds threads or CUDA) that imports this package and
     nothing of the server's __main__. Returns the process, our command end, our record end."""
     their_commands, commands = os.pipe()
     records, their_records = os.pipe()
-    package_root = str(Path(__file__).resolve().parents[2])
+    package_root = str(Path(attnlens.__file__).resolve().parents[1])  # the folder holding the attnlens package
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    process = subprocess.Popen([sys.executable, "-m", "app.engine", str(their_commands), str(their_records)],
+    process = subprocess.Popen([sys.executable, "-m", "attnlens.app.engine", str(their_commands), str(their_records)],
                                pass_fds=(their_commands, their_records), env=env)
     os.close(their_commands)
     os.close(their_records)

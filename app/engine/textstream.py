@@ -16,7 +16,7 @@ import codecs
 from dataclasses import dataclass
 from typing import Any
 
-from model.tokenizer import Tokenizer, bytes_for_display
+from attnlens.model.tokenizer import Tokenizer, bytes_for_display
 
 
 @dataclass

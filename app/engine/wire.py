@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from model.decoding import GeneratedToken
+from attnlens.model.decoding import GeneratedToken
 
 from .outputs import FinishRecord, PromptRecord, Record, TokenRecord
 

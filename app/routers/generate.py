@@ -7,7 +7,7 @@ import logging
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
-from model import SamplingParams
+from attnlens.model import SamplingParams
 
 from ..answers import off_loop
 from ..deps import get_state

@@ -19,7 +19,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from model import SamplingParams
+from attnlens.model import SamplingParams
 
 from ..deps import get_engine, get_state
 from ..engine import EngineFront, Generation, GenerationParams

@@ -1,4 +1,4 @@
-"""`python -m model.evaluation.translation CHECKPOINT`: greedy exact match of a translator on EVERY
+"""`python -m attnlens.model.evaluation.translation CHECKPOINT`: greedy exact match of a translator on EVERY
 held-out pair (not a sample), written into its train_report.json as "held_out_all".
 
 Slow (it formats all 219,147 dates and 1,000,000 numbers to find the held-out ones, then

@@ -92,7 +92,7 @@ def long_server(long_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="session")
 def long_text(long_checkpoint):
     """A text of `n` tokens (at most 256) for the long-context model."""
-    from model import load_checkpoint
+    from attnlens.model import load_checkpoint
 
     tok = load_checkpoint(long_checkpoint).tokenizer
 

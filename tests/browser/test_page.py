@@ -83,7 +83,7 @@ def test_generate_streams_tokens_into_the_page(page, default_server):
 def test_generation_ending_in_a_partial_character_is_analysed_by_its_ids(page, server, tiny_checkpoint):
     """A generation can stop inside a UTF-8 character: its text then ends in U+FFFD, which
     re-tokenises differently. The page must analyse the generated ids, not the text."""
-    from model import load_checkpoint
+    from attnlens.model import load_checkpoint
 
     tok = load_checkpoint(tiny_checkpoint).tokenizer
     prompt = "Café "
