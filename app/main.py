@@ -2,8 +2,9 @@
 
 Start-up (lifespan): load every checkpoint Settings.model_dirs() names (ATTNLENS_MODELS, by
 default every bundled one; ATTNLENS_MODEL is the default model) onto ATTNLENS_DEVICE in
-ATTNLENS_DTYPE, start an engine per decoder (an EncoderRunner per encoder), warm each up
-through the same path requests take, then report ready on /readyz.
+ATTNLENS_DTYPE, start a generation engine per model whose family generates (a ModelRunner for
+the others: the family's declaration says which), warm each up through the same paths requests
+take, then report ready on /readyz.
 
 If the checkpoint cannot be loaded, start-up fails: `attnlens serve` loads it before it
 starts the server, prints one line saying which directory and why ("attnlens: cannot load
@@ -28,16 +29,16 @@ from starlette.middleware.gzip import GZipMiddleware
 from attnlens.model import Checkpoint, SamplingParams
 
 from .answers import AnswerBudget
-from .attention_codec import attention_maps
+from .attention_analysis import analyse_attention
 from .auth import ApiKeyMiddleware, is_open
-from .translation_attention import translation_maps
 from .body_limit import BodyLimitMiddleware
 from .engine import Engine, EngineFront, EngineProcess, GenerationParams
 from .errors import install_error_handlers, scope_error_response
 from .loader import load_for_serving
+from .memory import cache_row_bytes, cache_rows
 from .metrics import Metrics, MetricsMiddleware
 from .encoder_tasks import classify_or_fill_warm_up
-from .registry import ENGINE_FAMILIES, EncoderRunner, ModelRegistry, ServedModel, model_name, tasks_of
+from .registry import CLASSIFY, FILL_MASK, ModelRegistry, ModelRunner, ServedModel, model_name, tasks_of
 from .routers import attention, encoder, generate, openai, ops, ui
 from .schemas import StreamDone, StreamError, StreamToken
 from .settings import Settings, default_switch_interval_ms
@@ -46,18 +47,19 @@ from .state import AppState
 log = logging.getLogger("attnlens.app")
 
 
-async def warm_up(engine: EngineFront) -> None:
-    """One short generation and one attention pass, through the engine like any request."""
-    ids = engine.tokenizer.encode("The") or [0]
-    params = GenerationParams(prompt_ids=ids, max_new_tokens=2, sampling=SamplingParams(temperature=0.0),
-                              n_logprobs=1, return_attention=True)
-    async for event in engine.submit(params).events():
-        if isinstance(event, StreamError):
-            raise RuntimeError(f"warm-up generation failed: {event.message}")
-    if engine.config.family == "encoder-decoder":  # the prompt is a source; the target its translation
-        await engine.call(partial(translation_maps, source_ids=ids, target_ids=None, layers=[0], heads=[0]))
-    else:
-        await engine.call(partial(attention_maps, ids=ids, layers=[0], heads=[0]))
+async def warm_up(served: ServedModel) -> None:
+    """Through the paths requests take: a short generation (a family that generates), one attention
+    analysis (every family), and the encoder tasks the model answers."""
+    ids = served.checkpoint.tokenizer.encode("The") or [0]
+    if served.generates:
+        params = GenerationParams(prompt_ids=ids, max_new_tokens=2, sampling=SamplingParams(temperature=0.0),
+                                  n_logprobs=1, return_attention=True)
+        async for event in served.runner.submit(params).events():
+            if isinstance(event, StreamError):
+                raise RuntimeError(f"warm-up generation failed: {event.message}")
+    await served.call_model(partial(analyse_attention, ids=ids, layers=[0], heads=[0]))
+    if FILL_MASK in served.tasks or CLASSIFY in served.tasks:
+        await served.runner.call(classify_or_fill_warm_up)
 
 
 @asynccontextmanager
@@ -77,8 +79,10 @@ async def lifespan(app: FastAPI):
                 state.status = "failed"
                 log.error("cannot load the model from %s: %s", model_dir, e)
                 raise RuntimeError(f"cannot load the model from {model_dir}: {e}") from None
-            if ckpt.config.family in ENGINE_FAMILIES:
-                limits = dict(max_concurrent=s.max_concurrent, max_queue=s.max_queue,
+            served = ServedModel(model_name(model_dir), ckpt.path, ckpt, tasks=tasks_of(ckpt))
+            if served.generates:
+                rows = cache_rows(served.name, cache_row_bytes(ckpt.model), s.max_concurrent, s.kv_cache_bytes)
+                limits = dict(max_concurrent=rows, max_queue=s.max_queue,
                               max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs,
                               max_stream_backlog_bytes=s.max_stream_backlog_bytes)
                 if s.engine_process and ckpt.path is not None:
@@ -88,33 +92,29 @@ async def lifespan(app: FastAPI):
                     runner = Engine(ckpt, **limits)
                 engines.append(runner)
             else:
-                runner = EncoderRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)
-            registry.add(ServedModel(model_name(model_dir), ckpt.path, ckpt, runner, tasks_of(ckpt)))
+                runner = ModelRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)
+            served.runner = runner
+            registry.add(served)
         if s.max_prompt_tokens is None:  # the default follows the models (each checks its own context too)
             longest = max(m.checkpoint.config.context_length for m in registry.models.values())
             s = state.settings = s.model_copy(update={"max_prompt_tokens": longest})
         default = registry.get(None)
-        engine = default.runner if isinstance(default.runner, EngineFront) else (engines[0] if engines else None)
-        state.checkpoint, state.engine, state.registry = default.checkpoint, engine, registry
+        state.registry = registry
         device = next(default.checkpoint.model.parameters()).device
         interval = s.switch_interval_ms or default_switch_interval_ms(device.type)
         sys.setswitchinterval(interval / 1000)  # process-wide: see Settings.switch_interval_ms
-        if engine is not None:
-            state.metrics.bind_engine(engine)
+        state.metrics.bind_engines({m.name: m.runner for m in registry.models.values() if m.generates})
         if s.warmup:
             state.status = "warming up"
             for served in registry.models.values():
-                if isinstance(served.runner, EngineFront):
-                    await warm_up(served.runner)
-                else:
-                    await served.runner.call(lambda ckpt: classify_or_fill_warm_up(ckpt))
+                await warm_up(served)
         state.ready, state.status = True, "ready"
         for served in registry.models.values():
-            cfg = served.checkpoint.config
-            log.info("ready: %s, %s (%d layers x %d heads, context %d, %s params; %s)%s",
-                     served.name, cfg.family, cfg.n_layers, cfg.n_heads, cfg.context_length,
-                     f"{served.checkpoint.model.num_parameters():,}", ", ".join(served.tasks),
-                     " [default]" if served.name == registry.default else "")
+            cfg, memory = served.checkpoint.config, served.memory()
+            log.info("ready: %s, %s (%d layers x %d heads, context %d, %s params, weights %.0f MB; %s)%s",
+                     served.name, served.family.name, cfg.n_layers, cfg.n_heads, cfg.context_length,
+                     f"{served.checkpoint.model.num_parameters():,}", memory["weights_bytes"] / 2**20,
+                     ", ".join(served.tasks), " [default]" if served.name == registry.default else "")
         for engine in engines:
             log.info("engine for %s on %s as %s%s; KV cache %d rows, %.0f MB", engine.checkpoint.path,
                      engine.device, str(engine.dtype).removeprefix("torch."),

@@ -35,12 +35,14 @@ class Metrics:
         self.attention_in_flight = Gauge("attnlens_attention_in_flight",
                                          "Attention requests running or waiting for the model", registry=r)
 
-    def bind_engine(self, engine) -> None:
-        self.queue_depth.set_function(lambda: engine.waiting)
-        self.in_flight.set_function(lambda: engine.in_flight)
-        self.engine_errors.set_function(lambda: engine.errors)
-        self.engine_cancelled.set_function(lambda: engine.cancelled)
-        self.attention_in_flight.set_function(lambda: engine.attention_in_flight)
+    def bind_engines(self, engines: dict) -> None:
+        """The gauges read every generating model's engine (name -> engine), summed."""
+        total = lambda attr: lambda: sum(getattr(e, attr) for e in engines.values())
+        self.queue_depth.set_function(total("waiting"))
+        self.in_flight.set_function(total("in_flight"))
+        self.engine_errors.set_function(total("errors"))
+        self.engine_cancelled.set_function(total("cancelled"))
+        self.attention_in_flight.set_function(total("attention_in_flight"))
 
     def observe_generation(self, done) -> None:
         """Record a finished generation from its StreamDone event."""

@@ -193,9 +193,9 @@ class TranslationAttention(BaseModel):
 
 class AttentionResponse(BaseModel):
     model: str
-    family: Literal["decoder", "encoder", "encoder-decoder"] = "decoder"
-    direction: Literal["causal", "bidirectional", "encoder-decoder"] = Field(
-        "causal", description="causal: position i sees positions <= i (zero above the diagonal); "
+    family: str = Field("decoder", description="the model's family (GET /models describes its attention groups)")
+    direction: str = Field(
+        "causal", description="the family's attention kind. causal: position i sees positions <= i (zero above the diagonal); "
         "bidirectional: every position sees every other (an encoder; full T x T maps); encoder-decoder: "
         "the top-level maps are the encoder's over the source, `translation` has the decoder's and the cross maps")
     tokens: list[TokenText] = Field(description="the analysed positions; an encoder's text is framed "
@@ -226,6 +226,7 @@ class Readiness(BaseModel):
     ready: bool
     status: str
     detail: str | None = None
+    models: dict[str, str] | None = Field(None, description="each loaded model's state: ready, or why not")
 
 
 class ModelInfo(BaseModel):

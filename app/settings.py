@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(512, ge=1)
     # generations decoded together in one batch (= KV cache rows); see bench/README.md
     max_concurrent: int = Field(32, ge=1)
+    # Bytes for each generating model's KV cache (a row holds a whole context's keys and values,
+    # app/memory.py): the rows are MAX_CONCURRENT or as many as this holds, whichever is fewer.
+    # None: MAX_CONCURRENT rows, whatever they take
+    kv_cache_bytes: int | None = Field(None, ge=1)
     max_queue: int = Field(64, ge=0)  # generations waiting for a slot
     max_attention_concurrent: int = Field(4, ge=1)  # /attention forwards running or waiting
     # Per generation: estimated bytes of events (attention rows above all) its client may leave

@@ -1,4 +1,4 @@
-"""What the app holds between requests: settings, metrics, and (once loaded) the engine."""
+"""What the app holds between requests: settings, metrics, and (once loaded) the models."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from attnlens.model import Checkpoint
 
 from .answers import AnswerBudget
-from .engine import EngineFront
 from .metrics import Metrics
 from .registry import ModelRegistry
 from .settings import Settings
@@ -18,9 +17,7 @@ class AppState:
     settings: Settings
     metrics: Metrics
     answers: AnswerBudget
-    checkpoint: Checkpoint | None = None
-    engine: EngineFront | None = None  # the default model's engine
-    registry: ModelRegistry | None = None  # every loaded model by name
+    registry: ModelRegistry | None = None  # every loaded model by name, with its engine or runner
     ready: bool = False
     status: str = "starting"
     preloaded: dict[str, Checkpoint] = field(default_factory=dict)  # model dir -> loaded before start-up

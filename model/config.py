@@ -12,13 +12,13 @@ class ConfigError(ValueError):
     """A configuration that cannot describe a working model."""
 
 
-FAMILIES = ("decoder", "encoder", "encoder-decoder")
 POOLINGS = ("mean", "cls")
 
 
 @dataclass
 class ModelConfig:
-    # Which stack of the shared parts this is. Old checkpoints have no field: decoders.
+    # Which stack of the shared parts this is (a declared family: model/families). Old checkpoints
+    # have no field: decoders.
     family: str = "decoder"  # "decoder" | "encoder" | "encoder-decoder"
     vocab_size: int = 4096
     context_length: int = 256
@@ -68,8 +68,10 @@ class ModelConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        from .families import FAMILIES  # the declared families (model/families/__init__.py)
+
         if self.family not in FAMILIES:
-            raise ConfigError(f"family must be one of {FAMILIES}, got {self.family!r}")
+            raise ConfigError(f"family must be one of {tuple(FAMILIES)}, got {self.family!r}")
         if self.pooling not in POOLINGS:
             raise ConfigError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if not isinstance(self.labels, list) or not all(isinstance(x, str) and x for x in self.labels):

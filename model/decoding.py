@@ -11,9 +11,10 @@ import torch
 from .kv_cache import KVCache
 from .sampling import draw_uniforms, sample_batch
 
+from .families.contract import GenerativeModel, family_of
+
 if TYPE_CHECKING:
     from .cuda_graphs import GraphedDecoder
-from .families.decoder import ModelOutput, Transformer
 
 
 @dataclass
@@ -38,9 +39,11 @@ class GeneratedToken:
     logprob: float  # under the model's own distribution (temperature 1, no filtering)
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
-    # attention of the position that produced this token: per layer (H, positions so far)
+    # The attention rows of the position that produced this token, from the family's step groups
+    # (GenerationSpec.step_groups): its self-attention, per layer (H, positions so far), and, for
+    # a family whose step reads another sequence (a cross group), that row, per layer (H, source
+    # positions)
     attention: list[torch.Tensor] | None = None
-    # encoder-decoder only: that position's cross-attention, per layer (H, source positions)
     cross_attention: list[torch.Tensor] | None = None
 
 
@@ -119,11 +122,11 @@ def sample_rows(logits: torch.Tensor, samplers: list[RowSampler]) -> list[Genera
 @dataclass
 class StepOutput:
     tokens: list[GeneratedToken]  # one per row, in row order
-    output: ModelOutput  # the forward's logits (for prompt scoring) and attentions
+    output: tuple  # the family's forward output: logits (for prompt scoring) and attentions
 
 
 def decode_step(
-    model: Transformer,
+    model: GenerativeModel,
     cache: KVCache,
     inputs: torch.Tensor,
     samplers: list[RowSampler],
@@ -154,7 +157,7 @@ def decode_step(
     if (graphs is not None and inputs.shape[1] == 1 and n_new is None
             and cache.row_slice(rows, inputs.shape[0]).start == 0):
         step, tokens = graphs.decode(inputs, samplers, while_running)
-        out = ModelOutput(step.logits, step.attentions)  # attentions (B, H, 1, P): zeros past each row
+        out = family_of(model).output(step.logits, step.attentions)  # attentions (B, H, 1, P): zeros past each row
     else:
         inputs = inputs.to(model.tok_emb.weight.device)  # ids may come from the host (a no-op when already there)
         valid = torch.tensor(n_new) if n_new is not None else None
@@ -168,24 +171,26 @@ def decode_step(
             last = out.logits[torch.arange(len(n_new)), valid - 1]  # each row's last real position
         tokens = sample_rows(last, samplers)
     if want_attention:
-        first = cache.row_slice(rows, inputs.shape[0]).start
-        for b, (s, tok) in enumerate(zip(samplers, tokens)):
+        rows = cache.row_slice(rows, inputs.shape[0])
+        # each row's newest query (an encoder-decoder's prefill has one query: the decoder's start
+        # token; its prompt was the source)
+        queries = [-1 if n_new is None or out.attentions[0].shape[2] == 1 else n - 1
+                   for n in (n_new or [0] * inputs.shape[0])]
+        family = family_of(model)
+        for tok, s, maps in zip(tokens, samplers, model.step_attention(out, cache, rows, queries)):
             if s.return_attention:
-                n = int(cache.lengths[first + b])  # positions this row has, the newest included
-                # the query of that newest position (an encoder-decoder's prefill has one query:
-                # the decoder's start token; its prompt was the source)
-                q = -1 if n_new is None or out.attentions[0].shape[2] == 1 else n_new[b] - 1
-                tok.attention = [a[b, :, q, :n].float().cpu() for a in out.attentions]  # (H, n) per layer
-                cross = getattr(out, "cross_attentions", None)
-                if cross is not None:  # encoder-decoder: this step's row over the row's own source
-                    m = int(cache.source_lengths[first + b])
-                    tok.cross_attention = [c[b, :, -1, :m].float().cpu() for c in cross]  # (H, m) per layer
+                for name in family.generation.step_groups:
+                    host = [m.float().cpu() for m in maps[name]]  # per layer (H, keys of this row)
+                    if family.group(name).is_cross:
+                        tok.cross_attention = host
+                    else:
+                        tok.attention = host
     return StepOutput(tokens, out)
 
 
 @torch.inference_mode()
 def generate_tokens(
-    model: Transformer,
+    model: GenerativeModel,
     prompt_ids: list[int],
     max_new_tokens: int,
     params: SamplingParams | None = None,

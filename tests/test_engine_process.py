@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnlens.app.attention_codec import attention_maps
+from attnlens.app.attention_analysis import attention_maps
 from attnlens.app.engine import EngineClosed, EngineProcess, GenerationCancelled, GenerationParams, QueueFull
 from attnlens.app.schemas import StreamDone, StreamError
 from helpers import drain, make_tiny_checkpoint, reference_ids, run_async
@@ -177,7 +177,7 @@ def test_readyz_says_when_the_engine_process_has_stopped(tiny_checkpoint):
     from attnlens.app.settings import Settings
 
     with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False))) as c:
-        engine = c.app.state.attnlens.engine
+        engine = c.app.state.attnlens.registry.get(None).runner
         assert isinstance(engine, EngineProcess) and c.get("/readyz").status_code == 200
         os.kill(engine.process.pid, signal.SIGKILL)
         for _ in range(200):
@@ -185,7 +185,8 @@ def test_readyz_says_when_the_engine_process_has_stopped(tiny_checkpoint):
                 break
             time.sleep(0.01)
         r = c.get("/readyz")
-        assert r.status_code == 503 and r.json()["detail"] == "the engine has stopped"
+        assert r.status_code == 503 and r.json()["models"] == {"tiny": "the engine has stopped"}
+        assert r.json()["detail"] == "tiny: the engine has stopped"
         r = c.post("/generate", json={"prompt": "To be", "max_new_tokens": 2})
         assert r.status_code == 503 and "engine process stopped" in r.json()["detail"]
 

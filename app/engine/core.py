@@ -41,6 +41,7 @@ import torch
 
 from attnlens.model import Checkpoint, SamplingParams
 from attnlens.model.cuda_graphs import GraphedDecoder
+from attnlens.model.families.contract import FixedShapeDecoder
 from attnlens.model.decoding import RowSampler, decode_step, make_generator
 
 from .front import MODEL_CALL_FAILED, EngineFront
@@ -140,9 +141,10 @@ class Engine(EngineFront):
         self.dtype = self.model.tok_emb.weight.dtype
         self.cache = self.model.new_kv_cache(max_concurrent)  # one row per slot, reused
         # on CUDA: the decode step captured once per batch-size bucket, replayed every step (for
-        # the families with a fixed-shape step, `decode_fixed`; the others decode eagerly)
+        # the families whose module offers a fixed-shape step, FixedShapeDecoder; the others decode
+        # eagerly)
         self.graphs: GraphedDecoder | None = None
-        if cuda_graphs and self.device.type == "cuda" and hasattr(self.model, "decode_fixed"):
+        if cuda_graphs and self.device.type == "cuda" and isinstance(self.model, FixedShapeDecoder):
             try:
                 self.graphs = GraphedDecoder(self.model, self.cache)
             except Exception:  # the eager step always works: use it

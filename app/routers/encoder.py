@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter
 
-from fastapi import APIRouter, Depends, Request
-
+from ..deps import RegistryDep
 from ..encoder_schemas import (
     ClassifyRequest,
     ClassifyResponse,
@@ -16,33 +15,21 @@ from ..encoder_schemas import (
 )
 from ..encoder_tasks import TaskInputError, classify, fill_mask
 from ..errors import ApiError
-from ..registry import ATTENTION_KIND, CLASSIFY, FILL_MASK, ModelRegistry, ServedModel
+from ..registry import CLASSIFY, FILL_MASK, ServedModel
 
 router = APIRouter(tags=["models", "encoder"])
 
 MAX_MASKS = 32  # [MASK]s in one /fill-mask text (each is one row of top-k work)
 
 
-def get_registry(request: Request) -> ModelRegistry:
-    state = request.app.state.attnlens
-    registry = getattr(state, "registry", None)
-    if not state.ready or registry is None:
-        raise ApiError(503, f"the models are not ready ({state.status})", code="not_ready",
-                       headers={"Retry-After": "5"})
-    return registry
-
-
-RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]
-
-
 def summary(served: ServedModel, default: str) -> ModelSummary:
-    cfg = served.checkpoint.config
+    cfg, family = served.checkpoint.config, served.family
     return ModelSummary(
-        name=served.name, family=cfg.family, default=served.name == default, n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads, d_model=cfg.d_model, context_length=cfg.context_length,
-        vocab_size=cfg.vocab_size, parameters=served.checkpoint.model.num_parameters(),
-        tasks=served.tasks, attention=ATTENTION_KIND[cfg.family],
-        labels=served.labels, pooling=cfg.pooling if cfg.family == "encoder" and cfg.labels else None,
+        name=served.name, family=family.name, family_info=family.describe(), default=served.name == default,
+        n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=cfg.d_model, context_length=cfg.context_length,
+        vocab_size=cfg.vocab_size, parameters=served.checkpoint.model.num_parameters(), memory=served.memory(),
+        tasks=served.tasks, attention=family.attention_kind,
+        labels=served.labels, pooling=cfg.pooling if CLASSIFY in served.tasks else None,
     )
 
 

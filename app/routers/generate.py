@@ -56,7 +56,7 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     prompt_ids = await tokenize_text(tok, body.prompt, settings.max_prompt_tokens, field="prompt",
                                      limit_name="ATTNLENS_MAX_PROMPT_TOKENS")
     check_lengths(engine.config.context_length, settings, prompt_ids, body.max_new_tokens,
-                  family=engine.config.family)
+                  served.family.generation)
     params = GenerationParams(
         prompt_ids=prompt_ids,
         max_new_tokens=body.max_new_tokens,
@@ -92,6 +92,8 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     async with cancel_on_disconnect(request, [generation]):
         out = await collect(generation, metrics)
     done = out.done
+    generation = served.family.generation
+    streams_cross = any(served.family.group(g).is_cross for g in generation.step_groups)
 
     def answer() -> bytes:  # on a worker thread: with attention it can be megabytes of floats
         return GenerateResponse(
@@ -105,7 +107,7 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
             timings=done.timings,
             attention=[t.attention for t in out.tokens] if body.return_attention else None,
             cross_attention=([t.cross_attention for t in out.tokens]
-                             if body.return_attention and engine.config.family == "encoder-decoder" else None),
+                             if body.return_attention and streams_cross else None),
         ).model_dump_json().encode()
 
     return Response(await off_loop(answer), media_type="application/json")

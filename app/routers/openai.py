@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from attnlens.model import SamplingParams
 
-from ..deps import get_engine, get_state
+from ..deps import RegistryDep, get_state
 from ..engine import EngineFront, Generation, GenerationParams
 from ..errors import ApiError, public_message
 from ..request_limits import check_lengths, check_new_token_limit
@@ -139,12 +139,13 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
     prompts_ids = await _prompt_ids(body, tok, settings.max_prompt_tokens)
     # the text each prompt echoes: as sent, or the ids' text
     prompts = [p if isinstance(p, str) else tok.decode(p) for p in body.prompts]
+    generation = served.family.generation
     for ids in prompts_ids:
-        check_lengths(engine.config.context_length, settings, ids, body.max_tokens, max_field="max_tokens",
-                      family=engine.config.family)
-    if engine.config.family == "encoder-decoder" and body.echo and body.logprobs is not None:
-        raise ApiError(400, "echo with logprobs scores the prompt's tokens, but an encoder-decoder's prompt is "
-                            "its source, which it reads rather than predicts: leave out echo or logprobs",
+        check_lengths(engine.config.context_length, settings, ids, body.max_tokens, generation,
+                      max_field="max_tokens")
+    if not generation.scores_prompt and body.echo and body.logprobs is not None:
+        raise ApiError(400, f"echo with logprobs scores the prompt's tokens, but {served.describe()} reads its "
+                            f"prompt as a source rather than predicting it: leave out echo or logprobs",
                        param="echo", code="unsupported")
     # all choices or none: a 429 never leaves part of them running; more than can ever fit is a 400
     generations = engine.submit_all(_generation_params(body, prompts_ids), param="n" if body.n > 1 else "prompt")
@@ -234,10 +235,10 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
 
 
 @router.get("/models", response_model=ModelList)
-async def models(engine: EngineFront = Depends(get_engine), state: AppState = Depends(get_state)):
+async def models(registry: RegistryDep):
     """The models that generate (decoders); GET /models lists every loaded model."""
     data = []
-    for served in state.registry.models.values():
+    for served in registry.models.values():
         if COMPLETIONS not in served.tasks:
             continue
         path = served.path

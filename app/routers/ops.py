@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from ..deps import get_engine, get_state
-from ..engine import EngineFront
+from ..deps import RegistryDep, StateDep
 from ..metrics import CONTENT_TYPE_LATEST
-from ..registry import lookup
+from ..registry import ServedModel
 from ..schemas import Health, ModelInfo, Readiness
-from ..state import AppState
 
 router = APIRouter(tags=["operations"])
 
@@ -24,15 +22,25 @@ async def healthz():
     return {"status": "ok"}
 
 
+def model_state(served: ServedModel) -> str:
+    """ready, or why not (a generating model's engine, in a thread or a process of its own, has stopped)."""
+    if served.generates and not served.runner.alive:
+        return "the engine has stopped"
+    return "ready"
+
+
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-async def readyz(state: AppState = Depends(get_state)):
-    """200 once the model is loaded and warmed up and its engine runs (thread or process); else 503."""
-    engine = state.engine
-    if state.ready and engine is not None and engine.alive:
-        return {"ready": True, "status": "ready"}
-    detail = "the engine has stopped" if state.ready and engine is not None else None
-    return JSONResponse({"ready": False, "status": state.status if detail is None else "failed",
-                         "detail": detail}, status_code=503)
+async def readyz(state: StateDep):
+    """200 once every model is loaded and warmed up and every engine runs; else 503, naming the models
+    that are not ready."""
+    if not state.ready or state.registry is None:
+        return JSONResponse({"ready": False, "status": state.status}, status_code=503)
+    models = {name: model_state(m) for name, m in state.registry.models.items()}
+    down = [f"{name}: {s}" for name, s in models.items() if s != "ready"]
+    if not down:
+        return {"ready": True, "status": "ready", "models": models}
+    return JSONResponse({"ready": False, "status": "failed", "detail": "; ".join(down), "models": models},
+                        status_code=503)
 
 
 def training_summary(report: dict | None) -> dict | None:
@@ -47,14 +55,10 @@ def training_summary(report: dict | None) -> dict | None:
 
 
 @router.get("/model", response_model=ModelInfo, responses={404: {"description": "unknown model"}})
-async def model_info(engine: EngineFront = Depends(get_engine), state: AppState = Depends(get_state),
-                     model: str | None = None):
+async def model_info(registry: RegistryDep, state: StateDep, model: str | None = None):
     """The default model, or the loaded model named by `?model=` (GET /models lists them)."""
-    ckpt, s = engine.checkpoint, state.settings
-    name = state.model_name
-    if model is not None:
-        served = lookup(state, model, None)
-        ckpt, name = served.checkpoint, served.name
+    served = registry.get(model)
+    ckpt, name, s = served.checkpoint, served.name, state.settings
     cfg, weights = ckpt.config, ckpt.model.tok_emb.weight
     return {
         "name": name,
@@ -76,5 +80,5 @@ async def model_info(engine: EngineFront = Depends(get_engine), state: AppState 
 
 
 @router.get("/metrics", response_class=Response)
-async def metrics(state: AppState = Depends(get_state)):
+async def metrics(state: StateDep):
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

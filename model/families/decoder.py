@@ -5,8 +5,11 @@ Shapes: B = batch, T = new tokens in this call, S = all positions the queries ma
 
     ids (B, T) -> token embedding (+ positions) -> n_layers x Block(causal) -> final norm -> LM head
 
-`forward` always returns a ModelOutput(logits, attentions); attentions is None unless
+`forward` always returns a DecoderOutput(logits, attentions); attentions is None unless
 return_attention=True, then one (B, H, T, S) tensor per layer.
+
+The family's declaration (`FAMILY`, model/families/contract.py): it generates, continuing a
+prompt in one context; it has one attention group, "self" (causal, tokens over tokens).
 """
 
 from __future__ import annotations
@@ -20,19 +23,36 @@ import torch.nn as nn
 from ..config import ModelConfig
 from ..kv_cache import ContextLengthError, KVCache
 from ..parts import Block, Embeddings, KVUpdate, sinusoidal_table
+from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec
 
-__all__ = ["ContextLengthError", "KVCache", "ModelOutput", "Transformer", "sinusoidal_table"]
+__all__ = ["FAMILY", "ContextLengthError", "DecoderOutput", "KVCache", "Transformer", "sinusoidal_table"]
 
 
-class ModelOutput(NamedTuple):
-    """What every forward returns: (B, T, V) logits ((B, 1, V) with last_only) and, with
+class DecoderOutput(NamedTuple):
+    """What the decoder's forward returns: (B, T, V) logits ((B, 1, V) with last_only) and, with
     return_attention, one (B, H, T, S) probability tensor per layer (else None)."""
 
     logits: torch.Tensor
     attentions: list[torch.Tensor] | None = None
 
 
+FAMILY = Family(
+    name="decoder",
+    description="a decoder-only language model (GPT): causal self-attention and an LM head",
+    tasks=(TaskSpec("generate"), TaskSpec("completions"), TaskSpec("chat", needs="chat_template"),
+           TaskSpec("attention")),
+    groups=(AttentionGroup("self", "tokens", "tokens", causal=True,
+                           description="causal self-attention: each token over itself and the tokens before it"),),
+    attention_kind="causal",
+    output=DecoderOutput,
+    generation=GenerationSpec(prompt="prefix", step_groups=("self",)),
+    features=("chat_template",),
+)
+
+
 class Transformer(Embeddings, nn.Module):
+    family = FAMILY
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         config.validate()
@@ -77,7 +97,7 @@ class Transformer(Embeddings, nn.Module):
         rows: slice | None = None,
         last_only: bool = False,
         valid: torch.Tensor | None = None,
-    ) -> ModelOutput:
+    ) -> DecoderOutput:
         """Logits (B, T, V) for token ids (B, T); (B, 1, V) with last_only.
 
         With a kv_cache, `ids` are the tokens after the cached ones of the cache rows `rows`
@@ -110,10 +130,10 @@ class Transformer(Embeddings, nn.Module):
             else:  # each row's last real position: (B, T, C) -> (B, 1, C)
                 x = x[torch.arange(B, device=x.device), valid.to(x.device) - 1][:, None, :]
         x = self.ln_f(x)
-        return ModelOutput(self.lm_head(x), attentions)  # (B, T, V)
+        return DecoderOutput(self.lm_head(x), attentions)  # (B, T, V)
 
     def decode_fixed(self, ids: torch.Tensor, kv_cache: KVCache, lengths: torch.Tensor, *,
-                     return_attention: bool = False) -> ModelOutput:
+                     return_attention: bool = False) -> DecoderOutput:
         """One decode step for cache rows 0 .. B-1 with shapes that never change, for CUDA graphs.
 
         ids (B, 1) and lengths (B,) (each row's filled positions) are tensors on the model's
@@ -129,7 +149,7 @@ class Transformer(Embeddings, nn.Module):
         mask = (keys[None, :] <= lengths[:, None])[:, None, None, :]  # (B, P) -> (B, 1, 1, P)
         rows = torch.arange(B, device=ids.device)
         x, attentions = self.run_blocks(x, mask, lambda i: kv_cache.fixed_update(i, rows, lengths), return_attention)
-        return ModelOutput(self.lm_head(self.ln_f(x)), attentions)  # (B, 1, V)
+        return DecoderOutput(self.lm_head(self.ln_f(x)), attentions)  # (B, 1, V)
 
     def run_blocks(self, x: torch.Tensor, mask: torch.Tensor | None, kv_update: Callable[[int], KVUpdate] | None,
                    return_attention: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -143,3 +163,23 @@ class Transformer(Embeddings, nn.Module):
             if return_attention:
                 attentions.append(out.self_attention)
         return x, attentions
+
+    # --- the family contract (model/families/contract.py) --------------------------------
+    @torch.inference_mode()
+    def analyse(self, ids: list[int], target_ids: list[int] | None = None) -> AttentionAnalysis:
+        """Every layer's and head's map of one sequence: {"self": (L, H, T, T)}."""
+        if target_ids is not None:
+            raise ValueError("a decoder analyses one sequence: it takes no target")
+        inputs = torch.tensor([ids], dtype=torch.long, device=self.tok_emb.weight.device)
+        attentions = self(inputs, return_attention=True, last_only=True).attentions
+        return AttentionAnalysis({"tokens": list(ids)}, {"self": torch.stack([a[0] for a in attentions])})
+
+    def step_attention(self, output: DecoderOutput, cache: KVCache, rows: slice,
+                       queries: list[int]) -> list[dict[str, list[torch.Tensor]]]:
+        """Per row b of `rows`: {"self": per layer (H, n_b)}, query queries[b] over the n_b
+        positions the row holds (never the padding of longer rows)."""
+        out = []
+        for b, q in enumerate(queries):
+            n = int(cache.lengths[rows.start + b])
+            out.append({"self": [a[b, :, q, :n] for a in output.attentions]})
+        return out
