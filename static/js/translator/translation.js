@@ -68,6 +68,12 @@ export function translationFor(text, name = "") {
   return cache.get(key);
 }
 
+/** Keep an /attention answer already in hand as the maps of `text` by model `name` (the
+ * notebook views embed theirs: inline.js), so the views above never fetch it. */
+export function keepTranslation(text, name, resp) {
+  cache.set(`${name}\n${text}`, Promise.resolve(new TranslationSet(resp)));
+}
+
 export const isTranslator = (meta) => meta?.architecture?.family === "encoder-decoder";
 
 export function describeAvg(avg, layer, head) {
