@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from .answers import Attention, Classification, FillMask
+from .answers import Attention, Classification, FillMask, Generation
 from .codec import encode
 from .resources import checkpoints_dir, static_dir
 
 # State keys of the page (state/schema.js) that say what is shown rather than what is analysed
-NOT_OPTIONS = {"model", "prompt", "source", "ids", "plen", "view", "step", "diff", "promptB", "fillk"}
+NOT_OPTIONS = {"model", "prompt", "source", "ids", "plen", "view", "diff", "promptB", "fillk"}
 
 
 @functools.lru_cache(maxsize=4)
@@ -53,10 +53,11 @@ def page_views(root: Path | None = None) -> dict[str, dict]:
     return views
 
 
-def inline_views(family: str, root: Path | None = None) -> list[str]:
-    """The views an answer of this family can show inline (as inline.js's inlineViews)."""
+def inline_views(family: str, source: str = "analysis", root: Path | None = None) -> list[str]:
+    """The views that show an answer of this family inline (as inline.js's inlineViews): the
+    analysis views for an Attention, the generation views for a Generation."""
     return [v for v, d in page_views(root).items()
-            if d["source"] == "analysis" and (d["families"] is None or family in d["families"])]
+            if d["source"] == source and (d["families"] is None or family in d["families"])]
 
 
 def view_options(root: Path | None = None) -> set[str]:
@@ -120,25 +121,43 @@ class InlineView:
         return f"<attnlens view: {self.title}>"
 
 
+def _generation(gen: Generation) -> tuple[dict, dict]:
+    """The model's shape and a generation's tokens with each step's attention row ([layer][head][key];
+    an encoder-decoder's cross-attention row over the source), as the page's GenerationRecord holds them."""
+    if not gen.tokens or any(t.attention is None for t in gen.tokens):
+        raise ValueError("this generation holds no attention: generate with return_attention=True")
+    cross = gen.tokens[0].cross_attention is not None
+    rows = [np.round(t.cross_attention if cross else t.attention, 5).tolist() for t in gen.tokens]
+    L, H = gen.tokens[0].attention.shape[:2]
+    tokens = [{"id": t.id, "text": t.text, "logprob": t.logprob, "delta": t.delta if t.delta is not None else t.text,
+               "top_logprobs": [a.__dict__ for a in t.top_logprobs]} for t in gen.tokens]
+    model = {"name": gen.model, "family": "encoder-decoder" if cross else "decoder", "n_layers": int(L),
+             "n_heads": int(H)}
+    data = {"prompt_tokens": [{"id": t.id, "text": t.text} for t in gen.prompt_tokens], "tokens": tokens, "rows": rows}
+    return model, data
+
+
 def _check_index(name: str, value: int | None, held: list[int]) -> int | None:
     if value is not None and value not in held:
         raise ValueError(f"{name} {value} is not in this answer: it holds {name}s {held}")
     return value
 
 
-def show(answer: Attention | FillMask | Classification | None = None, view: str | None = None, *,
+def show(answer: Attention | Generation | FillMask | Classification | None = None, view: str | None = None, *,
          layer: int | None = None, head: int | None = None, text: str | None = None,
          model: str | Path | None = None, theme: str | None = None, height: int | None = None,
          **options: Any) -> InlineView:
     """A view of `answer` that Jupyter draws inline, with no server and no network.
 
-    answer: an Attention (attnlens.Client.attention), a FillMask or a Classification. Or give
-    `text` (and `model`, a checkpoint directory, default checkpoints/default) instead: the
-    attention is then computed in this process (attnlens.local; needs attnlens[model]).
+    answer: an Attention (attnlens.Client.attention), a Generation made with
+    return_attention=True (its "gen" view: what each step attended to), a FillMask or a
+    Classification. Or give `text` (and `model`, a checkpoint directory, default
+    checkpoints/default) instead: the attention is then computed in this process
+    (attnlens.local; needs attnlens[model]).
     view: one of the page's views for this family ("head", "model", "aggregate", "diff",
     "lines"; a translator's also "cross", "align", "decoder"; default "head", a translator's
     "cross"). layer / head: model indices the answer holds. options: the page's display
-    settings (cmap, scale, sink, pin, zoom, op, layers, heads, xavg, layerB, headB).
+    settings (cmap, scale, sink, pin, zoom, op, layers, heads, xavg, layerB, headB, step).
     theme: "light" or "dark" (default: the system's)."""
     if answer is None:
         if text is None:
@@ -158,18 +177,30 @@ def show(answer: Attention | FillMask | Classification | None = None, view: str 
         spec = {"kind": "classify", "model": answer.model, "text": answer.text,
                 "labels": [l.__dict__ for l in answer.labels], "theme": theme}
         return InlineView(spec, f"{answer.model}: classify", height or 120 + 26 * len(answer.labels))
-    if not isinstance(answer, Attention):
-        raise TypeError(f"show() draws an Attention, FillMask or Classification answer, not {type(answer).__name__}")
-    views = inline_views(answer.family)
-    view = view or ("cross" if answer.family == "encoder-decoder" else "head")
+    if isinstance(answer, Generation):
+        shape, generation = _generation(answer)
+        kind, family, source = "generation", shape["family"], "generation"
+        layers, heads = list(range(shape["n_layers"])), list(range(shape["n_heads"]))
+        payload = {"generation": generation, "text": answer.text}
+    elif isinstance(answer, Attention):
+        shape = {"name": answer.model, "family": answer.family, "n_layers": answer.n_layers, "n_heads": answer.n_heads}
+        kind, family, source = "attention", answer.family, "analysis"
+        layers, heads = answer.layers, answer.heads
+        payload = {"answer": _wire(answer), "text": answer.text or ""}
+    else:
+        raise TypeError(f"show() draws an Attention, Generation, FillMask or Classification answer, not "
+                        f"{type(answer).__name__}")
+    views = inline_views(family, source)
+    view = view or ("gen" if kind == "generation" else "cross" if family == "encoder-decoder" else "head")
     if view not in views:
-        raise ValueError(f"view {view!r} is not one a {answer.family}'s answer has here; choose from {views}")
+        what = "attention answer" if kind == "attention" else kind
+        raise ValueError(f"view {view!r} is not one a {family}'s {what} has here; choose from {views}")
     unknown = set(options) - view_options()
     if unknown:
         raise TypeError(f"unknown option(s) {sorted(unknown)}; the views take {sorted(view_options())}")
-    state = {k: v for k, v in {"layer": _check_index("layer", layer, answer.layers),
-                               "head": _check_index("head", head, answer.heads), **options}.items() if v is not None}
-    spec = {"kind": "attention", "view": view, "state": state, "text": answer.text or "", "answer": _wire(answer),
-            "theme": theme}
+    state = {k: v for k, v in {"layer": _check_index("layer", layer, layers),
+                               "head": _check_index("head", head, heads), **options}.items() if v is not None}
+    spec = {"kind": kind, "model": shape, "view": view, "state": state,
+            "theme": theme, **payload}
     title = f"{answer.model}: {view} view" + (f", layer {layer} head {head}" if layer is not None and head is not None else "")
     return InlineView(spec, title, height or 560)

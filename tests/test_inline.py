@@ -29,6 +29,27 @@ def answers():
     return {name: local.attention(text, CKPT / name) for name, text in TEXTS.items()}
 
 
+def generation_of(answer: attnlens.Attention, prompt: int) -> attnlens.Generation:
+    """A generation as the server would report it with return_attention, made from an analysis of
+    the same tokens (as the page rebuilds one from a link): step s's row is the attention of the
+    position that produced token s (a translator's: its decoder step's cross-attention row)."""
+    from attnlens.answers import GeneratedToken, Timings, Usage
+
+    if answer.family == "encoder-decoder":
+        prompt_tokens, generated = answer.tokens, answer.target_tokens[1:]
+        rows = [answer.cross.maps[:, :, s, :] for s in range(len(generated))]
+        attention = [answer.decoder.maps[:, :, s, : s + 1] for s in range(len(generated))]
+    else:
+        prompt_tokens, generated = answer.tokens[:prompt], answer.tokens[prompt:]
+        rows = attention = [answer.maps[:, :, prompt + s - 1, : prompt + s] for s in range(len(generated))]
+    cross = answer.family == "encoder-decoder"
+    tokens = [GeneratedToken(t.id, t.text, -0.5, [], s, t.text, attention[s], rows[s] if cross else None)
+              for s, t in enumerate(generated)]
+    n = len(tokens)
+    return attnlens.Generation("gen-1", answer.model, "".join(t.text for t in generated), prompt_tokens, tokens,
+                               "length", Usage(len(prompt_tokens), n, len(prompt_tokens) + n), Timings(0, 0, 0, 0, 0))
+
+
 def module_source(data_url: str) -> str:
     return base64.b64decode(data_url.removeprefix("data:text/javascript;base64,")).decode()
 
@@ -60,12 +81,14 @@ def test_the_views_are_the_registrys_analysis_views():
     assert inline_views("encoder") == ["head", "model", "aggregate", "diff", "lines"]
     assert inline_views("encoder-decoder") == ["head", "model", "aggregate", "diff", "lines", "cross", "align",
                                                "decoder"]
+    assert inline_views("decoder", "generation") == inline_views("encoder-decoder", "generation") == ["gen"]
+    assert inline_views("encoder", "generation") == []
 
 
 # --- show() ---------------------------------------------------------------------------------------
 def test_show_checks_what_it_is_asked(answers):
     a = answers["default"]
-    with pytest.raises(ValueError, match="'cross' is not one a decoder's answer has"):
+    with pytest.raises(ValueError, match="'cross' is not one a decoder's attention answer has"):
         attnlens.show(a, view="cross")
     with pytest.raises(ValueError, match="'gen'"):
         attnlens.show(a, view="gen")
@@ -78,6 +101,14 @@ def test_show_checks_what_it_is_asked(answers):
         attnlens.show(a, text="To be")
     with pytest.raises(TypeError, match="draws an Attention"):
         attnlens.show({"tokens": []})
+    gen = generation_of(a, 4)
+    with pytest.raises(ValueError, match="'head' is not one a decoder's generation has here"):
+        attnlens.show(gen, view="head")
+    bare = attnlens.Generation(gen.id, gen.model, gen.text, gen.prompt_tokens,
+                               [attnlens.GeneratedToken(t.id, t.text, t.logprob) for t in gen.tokens],
+                               gen.finish_reason, gen.usage, gen.timings)
+    with pytest.raises(ValueError, match="return_attention=True"):
+        attnlens.show(bare)
 
 
 def test_repr_html_is_an_iframe_that_holds_everything(answers):
@@ -118,6 +149,8 @@ def no_request_left(visit: Visit, page_url: str) -> None:
 def test_every_view_draws_offline(tmp_path, answers, family):
     a = answers[family]
     views = [attnlens.show(a, view=v, layer=a.layers[-1], head=a.heads[-1]) for v in inline_views(a.family)]
+    if family != "encoder":  # what each generated token attended to
+        views.append(attnlens.show(generation_of(a, 4), layer=1, head=2, step=2))
     if family == "encoder":
         from attnlens.answers import Classification, FillMask, FillMaskCandidate, LabelScore
 
@@ -136,7 +169,7 @@ def test_every_view_draws_offline(tmp_path, answers, family):
             wait_drawn(frame)
             state = frame_state(frame)
             assert_drawn(state, view.title)
-            if view.spec["kind"] == "attention":
+            if view.spec["kind"] in ("attention", "generation"):
                 assert state["rendered"].startswith(f"{view.spec['view']}:"), state["rendered"]
                 assert state["canvases"], view.title  # something was drawn on a canvas
             else:

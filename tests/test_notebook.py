@@ -20,7 +20,7 @@ nbconvert = pytest.importorskip("nbconvert")
 pytestmark = pytest.mark.slow
 
 NOTEBOOK = REPO_ROOT / "examples" / "attnlens_notebook.ipynb"
-VIEWS = 8  # attnlens.show outputs: model, head, lines; fill-mask, encoder head; cross, align; the local head
+VIEWS = 9  # attnlens.show outputs: model, head, lines, generation; fill-mask, encoder head; cross, align; the local head
 BERTVIZ = 3  # head_view, model_view (a subset), the translator's head_view
 # What nbconvert's page template (require.js, MathJax) and bertviz's outputs (require.js, then d3 and
 # jQuery) load from their CDN: none of it is attnlens', and none of it can load with the network off.

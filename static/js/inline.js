@@ -13,6 +13,7 @@ import { viewParams, constrainState } from "./views/params.js";
 import { defaults } from "./state/schema.js";
 import { AttentionSet } from "./attention.js";
 import { decodeAttention } from "./api.js";
+import { GenerationRecord } from "./generation.js";
 import { keepTranslation } from "./translator/translation.js";
 import { drawLegend } from "./paint.js";
 import { showError } from "./messages.js";
@@ -29,11 +30,15 @@ const STYLE = `
   .inline-view .messages { padding: 0 12px; margin-top: 8px; }
   .inline-view .enc-results { padding: 10px 14px 14px; max-width: 560px; }
   .inline-view [hidden] { display: none !important; }
+  /* the iframe is as tall as its document: nothing in it may be sized by the viewport (vh), or the
+     two would chase each other; long pictures scroll inside these boxes instead */
+  .inline-view .line-scroller, .inline-view .gen-heat { max-height: 720px; }
+  .inline-view .view-host { max-height: none; }
 `;
 
-/** The views an answer of this family can show here: the page's analysis views (a generation's
- * view needs a generation, and comparing two prompts needs a server). */
-export const inlineViews = (family) => VIEWS.filter((v) => v.source === "analysis" && viewFits(v, family));
+/** The views that can show an answer of this family here: the page's analysis views for an
+ * /attention answer, its generation view for a generation (comparing two prompts needs a server). */
+export const inlineViews = (family, source = "analysis") => VIEWS.filter((v) => v.source === source && viewFits(v, family));
 
 function el(tag, attrs = {}, html = "") {
   const e = document.createElement(tag);
@@ -71,27 +76,32 @@ function embeddedFetch(answer) {
 
 const same = (a, b) => (Array.isArray(a) && Array.isArray(b) ? a.length === b.length && a.every((x, i) => x === b[i]) : a === b);
 
-/** One attention view with its own small state: the page's keys, constrained as the page does. */
-class InlineAttention {
+/** One view with its own small state (the page's keys, constrained as the page does), drawn
+ * from an embedded /attention answer (`spec.answer`) or generation (`spec.generation`). */
+class InlineView {
   constructor(root, spec) {
     this.spec = spec;
-    const a = spec.answer;
-    const family = a.family ?? "decoder";
+    const { name, family, n_layers, n_heads } = spec.model;
     this.meta = {
-      name: a.model,
-      n_layers: a.n_layers,
-      n_heads: a.n_heads,
+      name,
+      n_layers,
+      n_heads,
       family,
       attention: { decoder: "causal", encoder: "bidirectional" }[family] ?? family,
-      architecture: { family, n_layers: a.n_layers, n_heads: a.n_heads },
+      architecture: { family, n_layers, n_heads },
       tasks: [],
       labels: null,
       pooling: null,
     };
-    this.views = inlineViews(family);
+    this.views = inlineViews(family, spec.generation ? "generation" : "analysis");
     this.viewIds = this.views.map((v) => v.id);
-    this.att = new AttentionSet(spec.text ?? "", this.meta, { fetch: embeddedFetch(a) });
-    if (a.translation) keepTranslation(this.att.text, this.meta.name, a);
+    const a = spec.answer;
+    this.att = a ? new AttentionSet(spec.text ?? "", this.meta, { fetch: embeddedFetch(a) }) : null;
+    if (a?.translation) keepTranslation(this.att.text, this.meta.name, a);
+    const g = spec.generation;
+    this.gen = g ? new GenerationRecord({ promptTokens: g.prompt_tokens, tokens: g.tokens, rows: g.rows, done: true }) : null;
+    this.layers = a ? a.layers : [...Array(n_layers).keys()];
+    this.heads = a ? a.heads : [...Array(n_heads).keys()];
     this.seq = 0;
     this.current = null;
     this.build(root);
@@ -111,11 +121,10 @@ class InlineAttention {
   }
 
   build(root) {
-    const a = this.spec.answer;
     const box = el("div", { class: "inline-view" });
     const bar = el("div", { class: "toolbar", role: "group", "aria-label": "Display options" });
-    const T = a.tokens.length;
-    bar.append(el("span", { class: "inline-title" }, escapeHTML(`${a.model} · ${this.meta.family} · ${T} tokens`)));
+    const what = this.att ? `${this.spec.answer.tokens.length} tokens` : `${this.gen.tokens.length} generated tokens`;
+    bar.append(el("span", { class: "inline-title" }, escapeHTML(`${this.meta.name} · ${this.meta.family} · ${what}`)));
     const select = (key, label, options) => {
       const s = el("select", { "data-key": key, "aria-label": label });
       for (const [value, text] of options) s.append(new Option(text, value));
@@ -127,8 +136,8 @@ class InlineAttention {
     };
     this.selects = {
       view: select("view", "View", this.views.map((v) => [v.id, v.label])),
-      layer: select("layer", "Layer", a.layers.map((l) => [l, l])),
-      head: select("head", "Head", a.heads.map((h) => [h, h])),
+      layer: select("layer", "Layer", this.layers.map((l) => [l, l])),
+      head: select("head", "Head", this.heads.map((h) => [h, h])),
     };
     const frame = el("div", { class: "view-frame" });
     const legendRow = el("div", { class: "legend-row" });
@@ -150,10 +159,10 @@ class InlineAttention {
   }
 
   async start() {
-    const a = this.spec.answer;
-    await this.att.ensure([...Array(a.n_layers).keys()]); // every layer at once: nothing is fetched later
-    const first = { layer: a.layers[0], head: a.heads[0] };
-    const state = { ...defaults(), ...first, ...this.spec.state, view: this.spec.view, meta: this.meta, att: this.att, prompt: this.att.text, diff: "heads" };
+    if (this.att) await this.att.ensure([...Array(this.meta.n_layers).keys()]); // every layer now: nothing is fetched later
+    const first = { layer: this.layers[0], head: this.heads[0], step: this.gen ? this.gen.tokens.length - 1 : 0 };
+    const state = { ...defaults(), ...first, ...this.spec.state, view: this.spec.view, meta: this.meta, att: this.att, gen: this.gen,
+      prompt: this.att?.text ?? this.spec.text ?? "", diff: "heads" };
     this.state = constrainState(state, this.meta, this.viewIds);
     await this.render(null);
   }
@@ -217,9 +226,11 @@ function renderClassify(root, spec) {
 }
 
 /**
- * Draw `spec` into `root`: {kind: "attention", answer (an /attention answer, any format),
- * text, view, state (page state keys: layer, head, cmap, scale, sink, …), theme?} or
- * {kind: "fill-mask", model, text, masks} or {kind: "classify", model, text, labels}.
+ * Draw `spec` into `root`: {kind: "attention", model: {name, family, n_layers, n_heads},
+ * answer (an /attention answer, any format), text, view, state (page state keys: layer, head,
+ * cmap, scale, sink, …), theme?}; {kind: "generation", model, generation: {prompt_tokens,
+ * tokens, rows: [step][layer][head][key]}, view, state}; {kind: "fill-mask", model, text,
+ * masks}; {kind: "classify", model, text, labels}.
  * window.__attnlens says how it went (renders, drawn, errors), as on the page.
  */
 export async function mountInline(root, spec) {
@@ -230,8 +241,8 @@ export async function mountInline(root, spec) {
   try {
     if (spec.kind === "fill-mask") renderFillMask(root, spec);
     else if (spec.kind === "classify") renderClassify(root, spec);
-    else await new InlineAttention(root, spec).start();
-    if (spec.kind !== "attention") window.__attnlens.drawn = true;
+    else await new InlineView(root, spec).start();
+    if (spec.kind === "fill-mask" || spec.kind === "classify") window.__attnlens.drawn = true;
   } catch (err) {
     console.error("attnlens:", err);
     if (!document.getElementById("messages")) root.append(el("div", { id: "messages", class: "messages", role: "alert" }));
