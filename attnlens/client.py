@@ -76,9 +76,6 @@ class SSEParser:
             self.data.append(line[len("data:"):].removeprefix(" "))
         return None
 
-    def end(self) -> tuple[str | None, str] | None:
-        return self.feed("")
-
 
 class _Endpoints:
     """The API's routes, each once; subclasses say how a _Call is sent (`_drive`)."""

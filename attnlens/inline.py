@@ -32,24 +32,36 @@ from .resources import checkpoints_dir, static_dir
 NOT_OPTIONS = {"model", "prompt", "source", "ids", "plen", "view", "diff", "promptB", "fillk"}
 
 
-@functools.lru_cache(maxsize=4)
-def _read(path: str) -> str:
+@functools.lru_cache(maxsize=8)
+def _read_once(path: str, mtime_ns: int) -> str:
     return Path(path).read_text(encoding="utf-8")
+
+
+def _read(path: Path) -> str:
+    """A page file's text, read again only when it changes."""
+    return _read_once(str(path), path.stat().st_mtime_ns)
+
+
+def _field(entry: str, name: str) -> str | None:
+    m = re.search(rf'\b{name}:\s*"([^"]*)"', entry)
+    return m.group(1) if m else None
 
 
 def page_views(root: Path | None = None) -> dict[str, dict]:
     """The page's views from its registry (static/js/views/registry.js): id -> {label, source,
     families (None: every family)}. The one list of views; inline.js draws the "analysis" ones."""
-    text = _read(str((root or static_dir()) / "js" / "views" / "registry.js"))
-    block = text[text.index("export const VIEWS"):text.index("];", text.index("export const VIEWS"))]
+    text = _read((root or static_dir()) / "js" / "views" / "registry.js")
+    start = text.index("export const VIEWS")
+    block = text[start:text.index("];", start)]
+    entries = re.split(r"(?=\bid:\s*\")", block)[1:]  # one piece per view, however it is laid out
     views = {}
-    for line in block.splitlines():
-        m = re.search(r'\{\s*id:\s*"([\w-]+)",\s*label:\s*"([^"]*)",\s*source:\s*"(\w+)"', line)
-        if not m:
-            continue
-        fam = re.search(r"families:\s*\[([^\]]*)\]", line)
-        families = re.findall(r'"([\w-]+)"', fam.group(1)) if fam else None
-        views[m.group(1)] = {"label": m.group(2), "source": m.group(3), "families": families}
+    for entry in entries:
+        families = re.search(r"\bfamilies:\s*\[([^\]]*)\]", entry)
+        views[_field(entry, "id")] = {
+            "label": _field(entry, "label") or _field(entry, "id"),
+            "source": _field(entry, "source") or "analysis",
+            "families": re.findall(r'"([\w-]+)"', families.group(1)) if families else None,
+        }
     return views
 
 
@@ -63,7 +75,7 @@ def inline_views(family: str, source: str = "analysis", root: Path | None = None
 def view_options(root: Path | None = None) -> set[str]:
     """The page's display settings a view takes as keyword arguments (state/schema.js's URL keys:
     cmap, scale, sink, pin, zoom, op, layers, heads, xavg, layerB, headB, ...)."""
-    text = _read(str((root or static_dir()) / "js" / "state" / "schema.js"))
+    text = _read((root or static_dir()) / "js" / "state" / "schema.js")
     keys = re.findall(r'\{\s*key:\s*"(\w+)"[^}]*\burl:\s*true', text)
     return set(keys) - NOT_OPTIONS
 

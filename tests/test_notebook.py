@@ -33,9 +33,14 @@ def executed(bundled_server, tmp_path_factory):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     before = os.environ.get("ATTNLENS_URL")
     os.environ["ATTNLENS_URL"] = bundled_server.url  # the kernel inherits it: the notebook uses this server
+    # the kernel of this very Python (ipykernel's own spec): no kernelspec installed elsewhere on
+    # the machine can run the notebook with another interpreter
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[]))
     try:
-        nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                                resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+        nbclient.NotebookClient(nb, km=km, timeout=300, resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
     finally:
         if before is None:
             os.environ.pop("ATTNLENS_URL")
