@@ -6,7 +6,7 @@
 //
 // The views read the same params object as on the page (views/params.js); their attention comes
 // from an AttentionSet whose fetch reads the embedded answer, and a translator's three groups are
-// kept in translation.js's cache before any view asks for them.
+// kept by translation.js before any view asks for them.
 
 import { VIEWS, viewFits } from "./views/registry.js";
 import { viewParams, constrainState } from "./views/params.js";
@@ -97,7 +97,7 @@ class InlineView {
     this.viewIds = this.views.map((v) => v.id);
     const a = spec.answer;
     this.att = a ? new AttentionSet(spec.text ?? "", this.meta, { fetch: embeddedFetch(a) }) : null;
-    if (a?.translation) keepTranslation(this.att.text, this.meta.name, a);
+    if (a?.translation) keepTranslation(a);
     const g = spec.generation;
     this.gen = g ? new GenerationRecord({ promptTokens: g.prompt_tokens, tokens: g.tokens, rows: g.rows, done: true }) : null;
     this.layers = a ? a.layers : [...Array(n_layers).keys()];
