@@ -36,9 +36,9 @@ def _tokens(items: list[dict]) -> list[Token]:
 class AttentionGroup:
     """One group of maps: `maps` [layers][heads][rows][cols]; rows attend to columns.
 
-    A decoder has one group ("decoder"), an encoder one ("encoder"), an encoder-decoder three:
-    "encoder" (source over source), "decoder" (target over target, causal) and "cross" (target
-    rows over source columns)."""
+    Named as the families declare them (model/families): a decoder's and an encoder's one group is
+    "self"; an encoder-decoder has three: "encoder" (source over source), "decoder" (target over
+    target, causal) and "cross" (target rows over source columns)."""
 
     name: str
     maps: np.ndarray  # (L', H', rows, cols) float32
@@ -51,8 +51,9 @@ class AttentionGroup:
 class Attention:
     """An /attention answer. `maps` is [layers][heads][query][key] for the held `layers` and
     `heads` (model indices: maps[i, j] is layer layers[i], head heads[j]); `head(l, h)` takes
-    model indices. An encoder-decoder's `maps` are its encoder's over the source (as on the wire);
-    `groups` has all three by name, with `target_tokens` the decoder's rows."""
+    model indices. `groups` has the maps by their declared name: a decoder's or an encoder's
+    "self" (the same as `maps`); an encoder-decoder's "encoder" (its `maps`, over the source, as
+    on the wire), "decoder" and "cross", with `target_tokens` the decoder's rows."""
 
     model: str
     family: Literal["decoder", "encoder", "encoder-decoder"]
@@ -98,8 +99,7 @@ class Attention:
                 "cross": AttentionGroup("cross", np.asarray(cross, dtype=np.float32), target_tokens, tokens, False),
             }
         else:
-            name = "encoder" if family == "encoder" else "decoder"
-            groups = {name: AttentionGroup(name, maps, tokens, tokens, direction == "causal")}
+            groups = {"self": AttentionGroup("self", maps, tokens, tokens, direction == "causal")}
         return cls(model, family, direction, tokens, n_layers, n_heads, list(layers), list(heads), format, maps,
                    groups, text, target_tokens, generated)
 
@@ -268,6 +268,7 @@ class ModelSummary:
     attention: str  # causal | bidirectional | encoder-decoder
     labels: list[str] | None = None
     pooling: str | None = None
+    family_info: dict | None = None  # the family's declaration (its attention groups and axes), when the server gives it
 
     @classmethod
     def from_json(cls, d: dict) -> ModelSummary:

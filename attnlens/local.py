@@ -37,6 +37,34 @@ def _indices(name: str, requested, n: int) -> list[int]:
     return out
 
 
+def _analyse(ckpt, ids: list[int], layers: list[int], heads: list[int], target_ids: list[int] | None):
+    """The family's groups of maps for `ids` (and a target): {group: (L', H', Q, K)}, the tokens
+    along each axis, whether the target is the model's own, by the server's own functions."""
+    try:  # the family contract (model/families/contract.py): every family analysed by one call
+        from attnlens.app.attention_analysis import analyse_attention
+    except ImportError:  # before the contract: a function per family
+        return _analyse_per_family(ckpt, ids, layers, heads, target_ids)
+    analysis = analyse_attention(ckpt.model, ids, layers, heads, target_ids)
+    return analysis.maps, analysis.tokens, analysis.generated_target
+
+
+def _analyse_per_family(ckpt, ids, layers, heads, target_ids):
+    family = ckpt.config.family
+    if family == "encoder-decoder":
+        from attnlens.app.translation_attention import translation_maps
+
+        m = translation_maps(ckpt.model, ids, target_ids, layers, heads)
+        return ({"encoder": m.encoder, "decoder": m.decoder, "cross": m.cross},
+                {"source": ids, "target": m.decoder_ids}, m.generated)
+    if family == "encoder":
+        from attnlens.app.encoder_tasks import encoder_attention_maps
+
+        return {"self": encoder_attention_maps(ckpt.model, ids, layers, heads)}, {"tokens": ids}, False
+    from attnlens.app.attention_codec import attention_maps
+
+    return {"self": attention_maps(ckpt.model, ids, layers, heads)}, {"tokens": ids}, False
+
+
 def attention(text: str, model: str | Path = "checkpoints/default", *, layers=None, heads=None,
               target: str | None = None, device: str = "cpu") -> Attention:
     """Every attention map of `text` by the checkpoint in directory `model` (or the `layers` /
@@ -44,36 +72,36 @@ def attention(text: str, model: str | Path = "checkpoints/default", *, layers=No
     [CLS] text [SEP]; an encoder-decoder translates it greedily unless `target` is given."""
     import torch
 
-    from attnlens.app.attention_codec import attention_maps
-    from attnlens.app.encoder_tasks import encoder_attention_maps, framed_ids
-    from attnlens.app.translation_attention import translation_maps
+    from attnlens.app.encoder_tasks import framed_ids
 
     path = Path(model).expanduser().resolve()
     ckpt = load(str(path), device)
     cfg, tok = ckpt.config, ckpt.tokenizer
     layers = _indices("layers", layers, cfg.n_layers)
     heads = _indices("heads", heads, cfg.n_heads)
-    if target is not None and cfg.family != "encoder-decoder":
+    translator = cfg.family == "encoder-decoder"
+    if target is not None and not translator:
         raise ValueError(f"only an encoder-decoder takes a target; {path.name} is a {cfg.family}")
     ids = framed_ids(ckpt, text) if cfg.family == "encoder" else tok.encode(text)
     if not ids:
         raise ValueError("text encodes to no tokens")
     if len(ids) > cfg.context_length:
         raise ValueError(f"text has {len(ids)} tokens, more than the model's context length of {cfg.context_length}")
-    tokens = [Token(i, tok.display_text(i)) for i in ids]
-    common = dict(model=path.name, family=cfg.family, tokens=tokens, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                  layers=layers, heads=heads, format="float32", text=text)
+    target_ids = None if target is None else tok.encode(target)
+    if target_ids is not None and len(target_ids) + 1 > cfg.context_length:
+        raise ValueError(f"target has {len(target_ids)} tokens; with the decoder's start token that is more than "
+                         f"the model's context length of {cfg.context_length}")
     with torch.inference_mode():
-        if cfg.family == "encoder-decoder":
-            target_ids = None if target is None else tok.encode(target)
-            if target_ids is not None and len(target_ids) + 1 > cfg.context_length:
-                raise ValueError(f"target has {len(target_ids)} tokens; with the decoder's start token that is more "
-                                 f"than the model's context length of {cfg.context_length}")
-            maps = translation_maps(ckpt.model, ids, target_ids, layers, heads)
-            return Attention.from_arrays(
-                **common, direction="encoder-decoder", maps=maps.encoder, decoder=maps.decoder, cross=maps.cross,
-                target_tokens=[Token(i, tok.display_text(i)) for i in maps.decoder_ids], generated=maps.generated)
-        if cfg.family == "encoder":
-            return Attention.from_arrays(**common, direction="bidirectional",
-                                         maps=encoder_attention_maps(ckpt.model, ids, layers, heads))
-        return Attention.from_arrays(**common, direction="causal", maps=attention_maps(ckpt.model, ids, layers, heads))
+        maps, axes, generated = _analyse(ckpt, ids, layers, heads, target_ids)
+
+    def as_tokens(ids: list[int]) -> list[Token]:
+        return [Token(i, tok.display_text(i)) for i in ids]
+
+    direction = {"decoder": "causal", "encoder": "bidirectional"}.get(cfg.family, cfg.family)
+    common = dict(model=path.name, family=cfg.family, direction=direction, n_layers=cfg.n_layers,
+                  n_heads=cfg.n_heads, layers=layers, heads=heads, format="float32", text=text)
+    if translator:
+        return Attention.from_arrays(**common, tokens=as_tokens(axes["source"]), maps=maps["encoder"],
+                                     decoder=maps["decoder"], cross=maps["cross"],
+                                     target_tokens=as_tokens(axes["target"]), generated=generated)
+    return Attention.from_arrays(**common, tokens=as_tokens(axes["tokens"]), maps=maps["self"])
