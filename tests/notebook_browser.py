@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,10 +68,8 @@ class Visit:
 
 @contextlib.contextmanager
 def offline_browser():
-    """A Chromium context with the network off: every request but file:// is recorded and aborted."""
-    reason = skip_reason()
-    if reason:
-        pytest.skip(reason)
+    """A Chromium context with the network off (open_offline records and aborts every request
+    but the page's own file)."""
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
@@ -79,6 +78,30 @@ def offline_browser():
             yield context
         finally:
             browser.close()
+
+
+def in_browser(work):
+    """work(context) with an offline Chromium context, on a thread of its own: the browser tests'
+    session-long Playwright keeps an event loop running on this thread, and Playwright's sync API
+    refuses a thread that has one. What work raises (a failed assert) is raised here."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    result: dict = {}
+
+    def target():
+        try:
+            with offline_browser() as context:
+                result["value"] = work(context)
+        except BaseException as e:  # re-raised in the test's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=target, name="notebook-browser")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
 
 
 def open_offline(context, path: Path, visit: Visit):

@@ -4,7 +4,6 @@ streams, and the server's errors as exceptions carrying its param, code and Retr
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -15,6 +14,7 @@ import attnlens
 from attnlens import local
 from attnlens.codec import PRECISION
 from conftest import REPO_ROOT
+from helpers import run_async
 
 pytestmark = pytest.mark.slow  # one server on three models, shared by the session
 
@@ -231,7 +231,7 @@ def test_the_async_client_gives_the_same_answers(client, bundled_server):
                 await ac.classify("x", model="nope")
             return answer, models, tokens
 
-    answer, models, tokens = asyncio.run(run())
+    answer, models, tokens = run_async(run())  # on its own thread (a browser test may hold this one's loop)
     sync = client.attention(TEXTS["translator"], model="translator", format="u8")
     for name in ("encoder", "decoder", "cross"):
         np.testing.assert_array_equal(answer.groups[name].maps, sync.groups[name].maps)

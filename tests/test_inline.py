@@ -16,7 +16,7 @@ from attnlens.bundle import SPECIFIER, bundle, module_graph
 from attnlens.inline import inline_views, page_views
 from attnlens.resources import static_dir
 from conftest import REPO_ROOT
-from notebook_browser import Visit, assert_drawn, frame_state, needs_chromium, offline_browser, open_offline, \
+from notebook_browser import Visit, assert_drawn, frame_state, in_browser, needs_chromium, open_offline, \
     view_frames, wait_drawn
 
 CKPT = REPO_ROOT / "checkpoints"
@@ -161,7 +161,8 @@ def test_every_view_draws_offline(tmp_path, answers, family):
                                                                          LabelScore("comedy", 0.1)])))
     path = write_page(tmp_path, family, views)
     visit = Visit()
-    with offline_browser() as context:
+
+    def work(context):
         page = open_offline(context, path, visit)
         frames = view_frames(page)
         assert len(frames) == len(views)
@@ -177,8 +178,9 @@ def test_every_view_draws_offline(tmp_path, answers, family):
             height = frame.frame_element().evaluate("e => e.getBoundingClientRect().height")
             content = frame.evaluate("() => document.documentElement.getBoundingClientRect().height")
             assert abs(height - content) <= 4, (view.title, height, content)  # the iframe fits its view
-        no_request_left(visit, path.as_uri())
 
+    in_browser(work)
+    no_request_left(visit, path.as_uri())
 
 
 @pytest.mark.browser
@@ -187,7 +189,8 @@ def test_two_views_in_one_page_keep_their_own_state_and_follow_clicks(tmp_path, 
     a = answers["default"]
     path = write_page(tmp_path, "two", [attnlens.show(a, view="model"), attnlens.show(a, view="head", layer=0, head=0)])
     visit = Visit()
-    with offline_browser() as context:
+
+    def work(context):
         page = open_offline(context, path, visit)
         model, head = view_frames(page)
         for f in (model, head):
@@ -204,4 +207,6 @@ def test_two_views_in_one_page_keep_their_own_state_and_follow_clicks(tmp_path, 
         assert_drawn(state, "model -> head")
         assert "Layer 3 · head 5" in state["caption"]
         assert frame_state(head)["rendered"].startswith("head:2:0:")
-        no_request_left(visit, path.as_uri())
+
+    in_browser(work)
+    no_request_left(visit, path.as_uri())

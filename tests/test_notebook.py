@@ -10,7 +10,7 @@ import re
 import pytest
 
 from conftest import REPO_ROOT
-from notebook_browser import Visit, assert_drawn, frame_state, needs_chromium, offline_browser, open_offline, \
+from notebook_browser import Visit, assert_drawn, frame_state, in_browser, needs_chromium, open_offline, \
     view_frames, wait_drawn
 
 nbformat = pytest.importorskip("nbformat")
@@ -77,7 +77,8 @@ def test_the_notebook_runs_and_shows_every_view(executed):
 def test_the_exported_notebook_draws_every_view_offline(executed):
     _, path = executed
     visit = Visit()
-    with offline_browser() as context:
+
+    def work(context):
         page = open_offline(context, path, visit)
         frames = view_frames(page)
         assert len(frames) == VIEWS
@@ -87,13 +88,15 @@ def test_the_exported_notebook_draws_every_view_offline(executed):
             assert_drawn(state, f"view {i}")
             assert state["canvases"] or state["probRows"], f"view {i} drew nothing"
         page.wait_for_load_state("load")
-        # attnlens' views (each frame's own errors were checked above): no request, no console error
-        assert [r for r in visit.requests if r[1] == "about:srcdoc"] == []
-        assert [e for e in visit.console_errors if e[1] == "about:srcdoc" or e[1].startswith("data:")] == []
-        # everything that tried to leave the page is nbconvert's template's or bertviz's, from their CDN
-        page_url = path.as_uri()
-        leaving = [u for u, _ in visit.requests if u != page_url]
-        assert leaving and all(THIRD_PARTY.match(u) for u in leaving), leaving
-        assert all(THIRD_PARTY.match(src) and "ERR_" in text for text, src in visit.console_errors), visit.console_errors
-        # and bertviz's scripts fail only for want of require.js (its loader, from the CDN)
-        assert visit.page_errors == ["require is not defined"] * BERTVIZ, visit.page_errors
+
+    in_browser(work)
+    # attnlens' views (each frame's own errors were checked above): no request, no console error
+    assert [r for r in visit.requests if r[1] == "about:srcdoc"] == []
+    assert [e for e in visit.console_errors if e[1] == "about:srcdoc" or e[1].startswith("data:")] == []
+    # everything that tried to leave the page is nbconvert's template's or bertviz's, from their CDN
+    page_url = path.as_uri()
+    leaving = [u for u, _ in visit.requests if u != page_url]
+    assert leaving and all(THIRD_PARTY.match(u) for u in leaving), leaving
+    assert all(THIRD_PARTY.match(src) and "ERR_" in text for text, src in visit.console_errors), visit.console_errors
+    # and bertviz's scripts fail only for want of require.js (its loader, from the CDN)
+    assert visit.page_errors == ["require is not defined"] * BERTVIZ, visit.page_errors
