@@ -10,8 +10,9 @@ import os
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "default"
+from attnlens.resources import checkout_path
+
+DEFAULT_MODEL = checkout_path("checkpoints", "default")  # the checkout's; from a wheel, the working directory's
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -120,12 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("encoder-report", help="recompute an encoder checkpoint's held-out figures "
                                               "(MLM, genre, bag-of-words and majority baselines) into its train_report.json")
-    s.add_argument("--model", default=str(REPO_ROOT / "checkpoints" / "encoder"), help="encoder checkpoint directory")
-    s.add_argument("--data", default=str(REPO_ROOT / "data" / "shakespeare"), help="prepared corpus")
+    s.add_argument("--model", default=str(checkout_path("checkpoints", "encoder")), help="encoder checkpoint directory")
+    s.add_argument("--data", default=str(checkout_path("data", "shakespeare")), help="prepared corpus")
     s.set_defaults(func=cmd_encoder_report)
 
     s = sub.add_parser("prepare-data", help="build the Shakespeare corpus (train/val split by work)")
-    s.add_argument("--out", default=str(REPO_ROOT / "data" / "shakespeare"))
+    s.add_argument("--out", default=str(checkout_path("data", "shakespeare")))
     s.add_argument(
         "--source",
         default=None,
@@ -164,12 +165,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Which extra (pyproject.toml) brings a module the base install (client, notebook views) lacks
+EXTRA_OF_MODULE = {
+    **dict.fromkeys(("torch", "tokenizers", "safetensors"), "model"),
+    **dict.fromkeys(("fastapi", "starlette", "uvicorn", "pydantic", "pydantic_settings", "prometheus_client",
+                     "orjson"), "server"),
+    **dict.fromkeys(("tqdm", "matplotlib", "babel", "num2words"), "train"),
+}
+COMMAND_EXTRA = {"serve": "server", "train": "train", "prepare-data": "train"}  # each includes attnlens[model]
+
+
+def missing_module_message(command: str, error: ModuleNotFoundError) -> str:
+    """One line for a command whose dependencies are not installed, naming what to install."""
+    module = (error.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(module)
+    if extra is not None:  # the whole extra the command needs, not one module at a time
+        extra = COMMAND_EXTRA.get(command, extra)
+    fix = f"pip install 'attnlens[{extra}]'" if extra else f"pip install {module}"
+    return f"attnlens {command}: error: the module {module!r} is not installed: {fix}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] == "attnlens":
+            raise
+        print(missing_module_message(args.command, e), file=sys.stderr)
+        return 2
     except Exception as e:  # one clear line for the errors we raise on purpose
         from attnlens.model.checkpoint import CheckpointError
         from attnlens.model.config import ConfigError

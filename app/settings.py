@@ -8,10 +8,13 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINTS_DIR = REPO_ROOT / "checkpoints"
+from attnlens.resources import checkpoints_dir, static_dir
+
+# In a checkout: its checkpoints/ and static/. In a wheel: the page is package data
+# (attnlens/static) and checkpoints/ is the working directory's (attnlens/resources.py).
+CHECKPOINTS_DIR = checkpoints_dir()
 DEFAULT_MODEL_DIR = CHECKPOINTS_DIR / "default"
-STATIC_DIR = REPO_ROOT / "static"
+STATIC_DIR = static_dir()
 
 
 def default_switch_interval_ms(device_type: str) -> float:

@@ -12,9 +12,12 @@ export const JSON_MAX_TOKENS = 64;
  * `ensure(layers)` fetches what is missing (in one request); `head(l, h)` is a T×T view.
  * With `ids` (token ids) the server analyses exactly those tokens and `text` is only a label:
  * used for prompt + generated tokens, whose text may not re-tokenise to the same ids.
+ * `fetch` answers like api.js's fetchAttention (the notebook views pass one that reads the
+ * answer embedded in their document: inline.js).
  */
 export class AttentionSet {
-  constructor(text, meta, { format = "auto", ids = null } = {}) {
+  constructor(text, meta, { format = "auto", ids = null, fetch = fetchAttention } = {}) {
+    this.fetch = fetch;
     this.text = text;
     this.ids = ids && ids.length ? ids.slice() : null;
     this.meta = meta; // {n_layers, n_heads, ...} from /model
@@ -55,7 +58,7 @@ export class AttentionSet {
       const known = this.T || (this.ids ? this.ids.length : null);
       const format = this.chooseFormat(known || (bytes <= JSON_MAX_TOKENS ? bytes : null));
       this.lastFormat = format;
-      const p = fetchAttention(this.ids ?? this.text, { layers: missing, format, packing: this.packing, signal }).then((res) => {
+      const p = this.fetch(this.ids ?? this.text, { layers: missing, format, packing: this.packing, signal }).then((res) => {
         if (!this.tokens) {
           this.tokens = res.tokens;
           this.T = res.T;

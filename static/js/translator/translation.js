@@ -54,8 +54,18 @@ export class TranslationSet {
   }
 }
 
+// A document that embeds its answer (a notebook view, inline.js) keeps it here: it has one
+// source and one target, and every view of it reads those without a request.
+let kept = null;
+
+/** Keep an /attention answer already in hand as the one translation this document shows. */
+export function keepTranslation(resp) {
+  kept = Promise.resolve(new TranslationSet(resp));
+}
+
 /** The translation maps of `text` by model `name` (one request each, every layer and head, JSON). */
 export function translationFor(text, name = "") {
+  if (kept) return kept;
   const key = `${name}\n${text}`;
   if (!cache.has(key)) {
     const p = postJSON("/attention", { text, format: "json" }).then((resp) => {
