@@ -5,11 +5,12 @@ out by the declaration (model/families/contract.py).
                         `analyse`, then the asked layers and heads of every group, as numpy
     answer_fields       on a worker thread: the answer's fields, encoded as asked
 
-The answer's layout: the family's primary group (its first) at the top level, over the tokens of
-that group's query axis (`tokens`); a family that reads a target (an encoder-decoder) has its
-other groups under `translation`, with the target's tokens (the decoder's start token first) and
-whether the target is the model's own greedy output. Packing "tril" applies to causal groups;
-every other group is sent full.
+The answer's layout: `groups` lists the family's attention groups as it declares them (name,
+query axis, key axis, causal), the primary one first. The primary group's maps are at the top
+level, over the tokens of its query axis (`tokens`); a family that reads a target (an
+encoder-decoder) has its other groups under `translation` by name, with the target's tokens (the
+decoder's start token first) and whether the target is the model's own greedy output. Packing
+"tril" applies to causal groups; every other group is sent full.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def answer_fields(family: Family, analysis: AnalysisMaps, tokenizer, fmt: str, p
     """The answer's attention fields for this family's groups (see the module docstring)."""
     token_list = lambda ids: [{"id": i, "text": tokenizer.display_text(i)} for i in ids]
     primary = family.primary
-    fields = {"tokens": token_list(analysis.tokens[primary.queries]),
+    fields = {"groups": [{"name": g.name, "queries": g.queries, "keys": g.keys, "causal": g.causal}
+                         for g in family.groups],
+              "tokens": token_list(analysis.tokens[primary.queries]),
               **encode(analysis.maps[primary.name], fmt, packing_of(family, primary.name, packing))}
     if family.takes_target:
         fields["translation"] = {

@@ -191,9 +191,21 @@ class TranslationAttention(BaseModel):
     cross: AttentionGroup = Field(description="cross-attention, [L][H][T][S]: target rows over source columns")
 
 
+class AttentionGroupAxes(BaseModel):
+    """One of the family's attention groups as it declares it (GET /models has the full declaration)."""
+
+    name: str
+    queries: str = Field(description="the axis the rows run over: tokens, source or target")
+    keys: str = Field(description="the axis the columns run over")
+    causal: bool
+
+
 class AttentionResponse(BaseModel):
     model: str
     family: str = Field("decoder", description="the model's family (GET /models describes its attention groups)")
+    groups: list[AttentionGroupAxes] = Field(default_factory=list, description=(
+        "the family's attention groups, the primary one (the top-level maps) first; the others are "
+        "under `translation` by name"))
     direction: str = Field(
         "causal", description="the family's attention kind. causal: position i sees positions <= i (zero above the diagonal); "
         "bidirectional: every position sees every other (an encoder; full T x T maps); encoder-decoder: "

@@ -36,28 +36,45 @@ def _tokens(items: list[dict]) -> list[Token]:
 class AttentionGroup:
     """One group of maps: `maps` [layers][heads][rows][cols]; rows attend to columns.
 
-    Named as the families declare them (model/families): a decoder's and an encoder's one group is
-    "self"; an encoder-decoder has three: "encoder" (source over source), "decoder" (target over
-    target, causal) and "cross" (target rows over source columns)."""
+    Named as the model's family declares them (the answer's `groups`, GET /models' family_info):
+    a decoder's and an encoder's one group is "self"; an encoder-decoder has three: "encoder"
+    (source over source), "decoder" (target over target, causal) and "cross" (target rows over
+    source columns). `queries` / `keys` are the axes the rows and columns run over."""
 
     name: str
     maps: np.ndarray  # (L', H', rows, cols) float32
     rows: list[Token]
     cols: list[Token]
-    causal: bool  # zero above the diagonal (a decoder's self-attention)
+    causal: bool  # zero above the diagonal
+    queries: str = "tokens"  # the rows' axis: tokens | source | target
+    keys: str = "tokens"  # the columns' axis
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A declared attention group: its name, axes and causality (an answer's `groups` entry)."""
+
+    name: str
+    queries: str
+    keys: str
+    causal: bool
+
+    @classmethod
+    def from_json(cls, d: dict) -> GroupSpec:
+        return cls(d["name"], d["queries"], d["keys"], bool(d["causal"]))
 
 
 @dataclass(frozen=True, eq=False)
 class Attention:
     """An /attention answer. `maps` is [layers][heads][query][key] for the held `layers` and
     `heads` (model indices: maps[i, j] is layer layers[i], head heads[j]); `head(l, h)` takes
-    model indices. `groups` has the maps by their declared name: a decoder's or an encoder's
-    "self" (the same as `maps`); an encoder-decoder's "encoder" (its `maps`, over the source, as
-    on the wire), "decoder" and "cross", with `target_tokens` the decoder's rows."""
+    model indices. `groups` has the maps by their declared name, the primary one (`maps`, over
+    `tokens`) first: a decoder's or an encoder's "self"; an encoder-decoder's "encoder" (over the
+    source), "decoder" and "cross", with `target_tokens` the decoder's rows."""
 
     model: str
-    family: Literal["decoder", "encoder", "encoder-decoder"]
-    direction: str  # causal | bidirectional | encoder-decoder
+    family: str  # the family's name (decoder, encoder, encoder-decoder, ...)
+    direction: str  # the family's attention kind: causal | bidirectional | encoder-decoder
     tokens: list[Token]
     n_layers: int
     n_heads: int
@@ -72,36 +89,33 @@ class Attention:
 
     @classmethod
     def from_json(cls, body: dict, *, text: str | None = None) -> Attention:
-        """From an /attention answer in any format and packing."""
-        translation = body.get("translation")
+        """From an /attention answer in any format and packing: its `groups` say what it holds."""
+        specs = [GroupSpec.from_json(g) for g in body["groups"]]
+        translation = body.get("translation") or {}
         return cls.from_arrays(
-            model=body["model"], family=body.get("family", "decoder"), direction=body.get("direction", "causal"),
+            model=body["model"], family=body["family"], direction=body["direction"],
             tokens=_tokens(body["tokens"]), n_layers=body["n_layers"], n_heads=body["n_heads"],
-            layers=list(body["layers"]), heads=list(body["heads"]), format=body["format"], maps=decode(body), text=text,
-            target_tokens=None if translation is None else _tokens(translation["target_tokens"]),
-            decoder=None if translation is None else decode(translation["decoder"]),
-            cross=None if translation is None else decode(translation["cross"]),
-            generated=None if translation is None else bool(translation.get("generated")))
+            layers=list(body["layers"]), heads=list(body["heads"]), format=body["format"], text=text,
+            specs=specs, maps={specs[0].name: decode(body), **{s.name: decode(translation[s.name]) for s in specs[1:]}},
+            target_tokens=_tokens(translation["target_tokens"]) if "target_tokens" in translation else None,
+            generated=bool(translation["generated"]) if "generated" in translation else None)
 
     @classmethod
     def from_arrays(cls, *, model: str, family: str, direction: str, tokens: list[Token], n_layers: int,
-                    n_heads: int, layers: list[int], heads: list[int], format: str, maps: np.ndarray,
-                    text: str | None = None, target_tokens: list[Token] | None = None,
-                    decoder: np.ndarray | None = None, cross: np.ndarray | None = None,
+                    n_heads: int, layers: list[int], heads: list[int], format: str, specs: list[GroupSpec],
+                    maps: dict[str, np.ndarray], text: str | None = None, target_tokens: list[Token] | None = None,
                     generated: bool | None = None) -> Attention:
-        """From maps in hand (an encoder-decoder's: encoder `maps`, `decoder`, `cross`), naming the groups."""
-        maps = np.asarray(maps, dtype=np.float32)
-        if family == "encoder-decoder":
-            groups = {
-                "encoder": AttentionGroup("encoder", maps, tokens, tokens, False),
-                "decoder": AttentionGroup("decoder", np.asarray(decoder, dtype=np.float32), target_tokens,
-                                          target_tokens, True),
-                "cross": AttentionGroup("cross", np.asarray(cross, dtype=np.float32), target_tokens, tokens, False),
-            }
-        else:
-            groups = {"self": AttentionGroup("self", maps, tokens, tokens, direction == "causal")}
-        return cls(model, family, direction, tokens, n_layers, n_heads, list(layers), list(heads), format, maps,
-                   groups, text, target_tokens, generated)
+        """From maps in hand, group by group (`specs`, the primary first, over `tokens`; a group
+        over the target axis has `target_tokens` as its rows or columns)."""
+        along = {"tokens": tokens, "source": tokens, "target": target_tokens}
+        groups = {s.name: AttentionGroup(s.name, np.asarray(maps[s.name], dtype=np.float32), along[s.queries],
+                                         along[s.keys], s.causal, s.queries, s.keys) for s in specs}
+        return cls(model, family, direction, tokens, n_layers, n_heads, list(layers), list(heads), format,
+                   groups[specs[0].name].maps, groups, text, target_tokens, generated)
+
+    def axes(self) -> set[str]:
+        """Every axis the answer's groups run over."""
+        return {a for g in self.groups.values() for a in (g.queries, g.keys)}
 
     @property
     def T(self) -> int:

@@ -38,11 +38,12 @@ def bertviz_arguments(answer: Attention, view: str = "head") -> dict[str, Any]:
     """The keyword arguments of bertviz.head_view (view="head") or model_view (view="model")."""
     if view not in VIEWS:
         raise ValueError(f"view must be one of {VIEWS} (bertviz's head_view and model_view), not {view!r}")
-    if answer.family == "encoder-decoder":
+    if "target" in answer.axes():  # bertviz's encoder-decoder arguments, found by the groups' axes
+        by_axes = {(g.queries, g.keys): g for g in answer.groups.values()}
         args: dict[str, Any] = {
-            "encoder_attention": _per_layer(answer, answer.encoder),
-            "decoder_attention": _per_layer(answer, answer.decoder),
-            "cross_attention": _per_layer(answer, answer.cross),
+            "encoder_attention": _per_layer(answer, by_axes["source", "source"]),
+            "decoder_attention": _per_layer(answer, by_axes["target", "target"]),
+            "cross_attention": _per_layer(answer, by_axes["target", "source"]),
             "encoder_tokens": _texts(answer.tokens),
             "decoder_tokens": _texts(answer.target_tokens),
         }

@@ -81,14 +81,14 @@ class _Endpoints:
     """The API's routes, each once; subclasses say how a _Call is sent (`_drive`)."""
 
     def __init__(self) -> None:
-        self._families: dict[str | None, str] = {}  # model name (None: the default) -> family, from /models
+        self._families: dict[str | None, dict] = {}  # model name (None: the default) -> its family_info, from /models
 
     # --- what every route is ------------------------------------------------------------------
     def _models(self) -> Endpoint:
         body = yield _Call("GET", "/models")
         models = [ModelSummary.from_json(m) for m in body["models"]]
-        self._families = {m.name: m.family for m in models}
-        self._families[None] = self._families.get(body["default"], "decoder")
+        self._families = {m.name: m.family_info for m in models}
+        self._families[None] = self._families.get(body["default"])
         return models
 
     def _family(self, model: str | None) -> Endpoint:
@@ -98,9 +98,9 @@ class _Endpoints:
 
     def _attention(self, text: str | None, ids: list[int] | None, model: str | None, layers, heads, format: str,
                    packing: str | None, target: str | None, target_ids: list[int] | None) -> Endpoint:
-        if packing is None:  # the smaller packing the model allows: tril for causal maps, full for an encoder's
+        if packing is None:  # the smaller packing the model allows: tril where its family has causal maps
             family = yield from self._family(model)
-            packing = "full" if family in ("encoder", None) else "tril"
+            packing = "tril" if family and any(g["causal"] for g in family["groups"]) else "full"
         body = _given(model=model, text=text, ids=None if ids is None else list(ids),
                       layers=None if layers is None else list(layers), heads=None if heads is None else list(heads),
                       format=format, packing=packing, target=target,

@@ -82,24 +82,21 @@ def view_options(root: Path | None = None) -> set[str]:
 
 def _wire(answer: Attention) -> dict:
     """The answer as /attention sends it, in f16 (causal maps lower-triangle only): what the
-    embedded document decodes with the page's own decoder."""
-    def group(maps: np.ndarray, causal: bool) -> dict:
-        return encode(maps, "f16", "tril" if causal else "full")
+    embedded document decodes with the page's own decoder. Its groups as declared: the primary
+    at the top level, the others (over a target) under `translation`."""
+    def group(g) -> dict:
+        return encode(g.maps, "f16", "tril" if g.causal else "full")
 
-    tokens = [{"id": t.id, "text": t.text} for t in answer.tokens]
-    out = {"model": answer.model, "family": answer.family, "direction": answer.direction, "tokens": tokens,
-           "n_layers": answer.n_layers, "n_heads": answer.n_heads, "layers": answer.layers, "heads": answer.heads,
-           "format": "f16"}
-    if answer.family == "encoder-decoder":
-        out.update(group(answer.encoder.maps, False))
-        out["translation"] = {
-            "target_tokens": [{"id": t.id, "text": t.text} for t in answer.target_tokens],
-            "generated": bool(answer.generated),
-            "decoder": group(answer.decoder.maps, True),
-            "cross": group(answer.cross.maps, False),
-        }
-    else:
-        out.update(group(answer.maps, answer.direction == "causal"))
+    as_list = lambda tokens: [{"id": t.id, "text": t.text} for t in tokens]
+    primary, *others = answer.groups.values()
+    out = {"model": answer.model, "family": answer.family, "direction": answer.direction,
+           "groups": [{"name": g.name, "queries": g.queries, "keys": g.keys, "causal": g.causal}
+                      for g in answer.groups.values()],
+           "tokens": as_list(answer.tokens), "n_layers": answer.n_layers, "n_heads": answer.n_heads,
+           "layers": answer.layers, "heads": answer.heads, "format": "f16", **group(primary)}
+    if others:
+        out["translation"] = {"target_tokens": as_list(answer.target_tokens), "generated": bool(answer.generated),
+                              **{g.name: group(g) for g in others}}
     return out
 
 

@@ -4,8 +4,9 @@
     attnlens.show(text="To be, or not to be", model="checkpoints/default")      # the same, drawn
 
 The answer is the one /attention gives for the same checkpoint and text (the same functions
-compute it: attnlens.app.attention_codec, encoder_tasks, translation_attention), as an
-attnlens.Attention with exact float32 maps. Needs attnlens[model] (torch, tokenizers,
+compute it: the family's analyse() through attnlens.app.attention_analysis, and the encoder's
+framing), laid out by the model's family declaration, as an attnlens.Attention with exact
+float32 maps. Needs attnlens[model] (torch, tokenizers,
 safetensors); checkpoints are loaded once per process (on the CPU unless told otherwise).
 """
 
@@ -37,34 +38,6 @@ def _indices(name: str, requested, n: int) -> list[int]:
     return out
 
 
-def _analyse(ckpt, ids: list[int], layers: list[int], heads: list[int], target_ids: list[int] | None):
-    """The family's groups of maps for `ids` (and a target): {group: (L', H', Q, K)}, the tokens
-    along each axis, whether the target is the model's own, by the server's own functions."""
-    try:  # the family contract (model/families/contract.py): every family analysed by one call
-        from attnlens.app.attention_analysis import analyse_attention
-    except ImportError:  # before the contract: a function per family
-        return _analyse_per_family(ckpt, ids, layers, heads, target_ids)
-    analysis = analyse_attention(ckpt.model, ids, layers, heads, target_ids)
-    return analysis.maps, analysis.tokens, analysis.generated_target
-
-
-def _analyse_per_family(ckpt, ids, layers, heads, target_ids):
-    family = ckpt.config.family
-    if family == "encoder-decoder":
-        from attnlens.app.translation_attention import translation_maps
-
-        m = translation_maps(ckpt.model, ids, target_ids, layers, heads)
-        return ({"encoder": m.encoder, "decoder": m.decoder, "cross": m.cross},
-                {"source": ids, "target": m.decoder_ids}, m.generated)
-    if family == "encoder":
-        from attnlens.app.encoder_tasks import encoder_attention_maps
-
-        return {"self": encoder_attention_maps(ckpt.model, ids, layers, heads)}, {"tokens": ids}, False
-    from attnlens.app.attention_codec import attention_maps
-
-    return {"self": attention_maps(ckpt.model, ids, layers, heads)}, {"tokens": ids}, False
-
-
 def attention(text: str, model: str | Path = "checkpoints/default", *, layers=None, heads=None,
               target: str | None = None, device: str = "cpu") -> Attention:
     """Every attention map of `text` by the checkpoint in directory `model` (or the `layers` /
@@ -72,17 +45,20 @@ def attention(text: str, model: str | Path = "checkpoints/default", *, layers=No
     [CLS] text [SEP]; an encoder-decoder translates it greedily unless `target` is given."""
     import torch
 
+    from attnlens.app.attention_analysis import analyse_attention
     from attnlens.app.encoder_tasks import framed_ids
+    from attnlens.model import family_of
+
+    from .answers import GroupSpec
 
     path = Path(model).expanduser().resolve()
     ckpt = load(str(path), device)
-    cfg, tok = ckpt.config, ckpt.tokenizer
+    cfg, tok, family = ckpt.config, ckpt.tokenizer, family_of(ckpt.model)
     layers = _indices("layers", layers, cfg.n_layers)
     heads = _indices("heads", heads, cfg.n_heads)
-    translator = cfg.family == "encoder-decoder"
-    if target is not None and not translator:
-        raise ValueError(f"only an encoder-decoder takes a target; {path.name} is a {cfg.family}")
-    ids = framed_ids(ckpt, text) if cfg.family == "encoder" else tok.encode(text)
+    if target is not None and not family.takes_target:
+        raise ValueError(f"only an encoder-decoder takes a target; {path.name} is a {family.name}")
+    ids = framed_ids(ckpt, text) if family.framing == "cls_sep" else tok.encode(text)
     if not ids:
         raise ValueError("text encodes to no tokens")
     if len(ids) > cfg.context_length:
@@ -92,16 +68,16 @@ def attention(text: str, model: str | Path = "checkpoints/default", *, layers=No
         raise ValueError(f"target has {len(target_ids)} tokens; with the decoder's start token that is more than "
                          f"the model's context length of {cfg.context_length}")
     with torch.inference_mode():
-        maps, axes, generated = _analyse(ckpt, ids, layers, heads, target_ids)
+        analysis = analyse_attention(ckpt.model, ids, layers, heads, target_ids)
+    maps, axes = analysis.maps, analysis.tokens
 
     def as_tokens(ids: list[int]) -> list[Token]:
         return [Token(i, tok.display_text(i)) for i in ids]
 
-    direction = {"decoder": "causal", "encoder": "bidirectional"}.get(cfg.family, cfg.family)
-    common = dict(model=path.name, family=cfg.family, direction=direction, n_layers=cfg.n_layers,
-                  n_heads=cfg.n_heads, layers=layers, heads=heads, format="float32", text=text)
-    if translator:
-        return Attention.from_arrays(**common, tokens=as_tokens(axes["source"]), maps=maps["encoder"],
-                                     decoder=maps["decoder"], cross=maps["cross"],
-                                     target_tokens=as_tokens(axes["target"]), generated=generated)
-    return Attention.from_arrays(**common, tokens=as_tokens(axes["tokens"]), maps=maps["self"])
+    specs = [GroupSpec(g.name, g.queries, g.keys, g.causal) for g in family.groups]
+    return Attention.from_arrays(
+        model=path.name, family=family.name, direction=family.attention_kind, n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads, layers=layers, heads=heads, format="float32", text=text, specs=specs, maps=maps,
+        tokens=as_tokens(axes[family.primary.queries]),
+        target_tokens=as_tokens(axes["target"]) if family.takes_target else None,
+        generated=analysis.generated_target if family.takes_target else None)
