@@ -66,6 +66,10 @@ class SpecialTokens:
         return self != SpecialTokens()
 
 
+# the special tokens attnlens' own checkpoints name in tokenizer_config.json: its default
+ATTNLENS_DEFAULTS = SpecialTokens(bos=EOS_TOKEN, eos=EOS_TOKEN, unk=EOS_TOKEN)
+
+
 def _token_name(value: Any) -> str | None:
     """A special token in tokenizer_config.json: a string, or an AddedToken's {"content": ...}."""
     if isinstance(value, dict):
@@ -118,8 +122,11 @@ def read_special_tokens(directory: str | Path, model_config: dict | None = None)
         template = jinja.read_text(encoding="utf-8")
     add_bos = config.get("add_bos_token")
     stop = _ids(generation.get("eos_token_id")) + _ids((model_config or {}).get("eos_token_id"))
-    return SpecialTokens(**names, add_bos=add_bos if isinstance(add_bos, bool) else None,
-                         stop_ids=tuple(dict.fromkeys(stop)), chat_template=template if isinstance(template, str) else None)
+    special = SpecialTokens(**names, add_bos=add_bos if isinstance(add_bos, bool) else None,
+                            stop_ids=tuple(dict.fromkeys(stop)),
+                            chat_template=template if isinstance(template, str) else None)
+    # what attnlens writes for its own tokenizers (Tokenizer.transformers_files) means its default
+    return SpecialTokens() if special == ATTNLENS_DEFAULTS else special
 
 
 def _decoder_types(decoder) -> list[str]:
@@ -208,9 +215,11 @@ class Tokenizer:
         self._token_bytes: dict[int, bytes] = {}
         self._display: dict[int, str] = {}
         st = self.special_tokens
-        # the end of a text: the named EOS, else attnlens' own <|endoftext|> (None if neither)
+        # the end of a text: the named EOS, else attnlens' own <|endoftext|> (None if neither); BOS
+        # likewise (attnlens' tokenizers, like GPT-2's, call <|endoftext|> both)
         self.eos_id = backend.token_to_id(st.eos) if st.eos else backend.token_to_id(EOS_TOKEN)
-        self.bos_id = backend.token_to_id(st.bos) if st.bos else None
+        self.bos_id = backend.token_to_id(st.bos) if st.bos else (
+            None if st.carried else backend.token_to_id(EOS_TOKEN))
         # None when this tokenizer has no such token (a decoder's tokenizer)
         self.pad_id = backend.token_to_id(PAD_TOKEN)
         self.cls_id = backend.token_to_id(CLS_TOKEN)
@@ -234,13 +243,13 @@ class Tokenizer:
 
     @property
     def bos_token(self) -> str | None:
-        return self.special_tokens.bos
+        return self.backend.id_to_token(self.bos_id) if self.bos_id is not None else None
 
     @property
     def eos_token(self) -> str | None:
-        return self.special_tokens.eos or (EOS_TOKEN if self.eos_id is not None else None)
+        return self.backend.id_to_token(self.eos_id) if self.eos_id is not None else None
 
-    @property
+    @functools.cached_property
     def add_bos(self) -> bool:
         """Whether a prompt starts with BOS (tokenizer_config.json's add_bos_token; else whether the
         tokenizer.json's post-processor puts BOS first, as transformers' tokenizer(text) would)."""
