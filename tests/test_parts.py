@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from attnlens.model.config import ConfigError, ModelConfig
 from attnlens.model.families.decoder import Transformer
+from attnlens.model.kv_cache import bytes_per_row
 from attnlens.model.parts import (
     Block,
     FeedForward,
@@ -239,6 +240,9 @@ def test_the_kv_cache_holds_the_key_value_heads():
     model = Transformer(ModelConfig(**{**SMALL, **LLAMA_PARTS, "n_kv_heads": 1, "head_dim": 16}))
     cache = model.new_kv_cache(3)
     assert cache.keys[0].shape == (3, 1, 40, 16)  # (rows, K, P, D): a quarter of multi-head's
+    held = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
+    assert bytes_per_row(2, 1, 40, 16, torch.float32) * 3 == held == 2 * 2 * 3 * 40 * 16 * 4
+    assert bytes_per_row(2, 1, 40, 16, torch.bfloat16) * 2 == bytes_per_row(2, 1, 40, 16, torch.float32)
     assert model.blocks[0].attn.qkv.weight.shape == ((4 + 2) * 16, 32)
     assert model.blocks[0].attn.proj.weight.shape == (32, 4 * 16)
 
