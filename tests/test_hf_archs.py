@@ -389,3 +389,29 @@ def test_cli_imports_and_exports_a_llama(llama_src, tmp_path, capsys):
     assert main(["import-hf", "--src", str(bad), "--out", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err
     assert "attnlens import-hf: error:" in err and "'PhiForCausalLM'" in err and "supported:" in err
+
+
+def test_cli_generate_starts_a_llama_prompt_with_bos_and_stops_at_any_end_id(llama_src, tmp_path):
+    """`attnlens generate` on an imported Llama 3 feeds <|begin_of_text|> first, as transformers'
+    tokenizer(text) does, and stops at <|eot_id|> (generation_config.json) as at EOS."""
+    import io
+    from argparse import Namespace
+
+    from attnlens.app.cli_generate import generate_to_terminal
+
+    out, _ = import_checkpoint(llama_src, tmp_path / "ours")
+    ckpt = load_checkpoint(out)
+    tok = ckpt.tokenizer
+    ids = tok.encode_prompt("To be")
+    assert ids[0] == tok.bos_id == tok.backend.token_to_id("<|begin_of_text|>") and ids[1:] == tok.encode("To be")
+    want = []
+    for t in generate_tokens(ckpt.model, ids, 20, SamplingParams(temperature=0)):
+        if t.id in tok.eos_ids:
+            break
+        want.append(t.id)
+    buf = io.StringIO()
+    args = Namespace(model=str(out), prompt="To be", max_new_tokens=20, temperature=0.0, top_k=None, top_p=1.0,
+                     seed=None, device="cpu")
+    assert generate_to_terminal(args, out=buf) == 0
+    assert buf.getvalue() == "To be" + tok.decode_bytes(want).decode("utf-8", errors="replace") + "\n"
+    assert tok.backend.token_to_id("<|eot_id|>") in tok.eos_ids and len(tok.eos_ids) == 2
