@@ -249,6 +249,15 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self.backend.id_to_token(self.eos_id) if self.eos_id is not None else None
 
+    @property
+    def template_tokens(self) -> dict[str, str]:
+        """The special tokens by the names a chat template uses: bos_token, eos_token (and pad_token,
+        unk_token when named), as transformers' apply_chat_template passes them."""
+        st = self.special_tokens
+        unk = st.unk if st.carried else self.eos_token  # attnlens' own: <|endoftext|> is unk too
+        names = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": st.pad, "unk_token": unk}
+        return {k: v for k, v in names.items() if v is not None}
+
     @functools.cached_property
     def add_bos(self) -> bool:
         """Whether a prompt starts with BOS (tokenizer_config.json's add_bos_token; else whether the

@@ -261,6 +261,8 @@ def test_special_tokens_chat_template_and_stop_ids_are_carried(arch):
     tok, case = arch.ckpt.tokenizer, arch.case
     assert tok.chat_template == case.tokenizer_config.get("chat_template")
     assert tok.bos_token == case.tokenizer_config.get("bos_token")
+    named = {k: v for k, v in case.tokenizer_config.items() if k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    assert tok.template_tokens == named  # what a chat template reads, as transformers passes them
     stops = {tok.backend.token_to_id(t) for t in case.generation_eos} | {tok.eos_id}
     assert tok.eos_ids == stops
     saved = json.loads((arch.ours / "tokenizer_config.json").read_text())
