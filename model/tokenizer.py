@@ -309,18 +309,15 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, directory: str | Path, model_config: dict | None = None) -> "Tokenizer":
-        """tokenizer.json of a directory with its special tokens (read_special_tokens); a bos or
-        eos that only the model's config.json names, by id, is looked up in the vocabulary."""
+        """tokenizer.json of a directory with its special tokens (read_special_tokens). An EOS that
+        only the model's config.json gives, by id, is looked up in the vocabulary (so generation
+        still stops there); BOS is only ever what the tokenizer's files name, as for transformers."""
         d = Path(directory)
         special = read_special_tokens(d, model_config)
         backend = HFTokenizer.from_file(str(d / "tokenizer.json"))
-        names = {}
-        for key in ("bos", "eos"):
-            ids = _ids((model_config or {}).get(f"{key}_token_id"))
-            if getattr(special, key) is None and ids:
-                names[key] = backend.id_to_token(ids[0])
-        if names:
-            special = replace(special, **{k: v for k, v in names.items() if v is not None})
+        eos_ids = _ids((model_config or {}).get("eos_token_id"))
+        if special.eos is None and eos_ids and backend.id_to_token(eos_ids[0]) is not None:
+            special = replace(special, eos=backend.id_to_token(eos_ids[0]))
         return cls(backend, special)
 
     @classmethod
