@@ -24,9 +24,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def cache_row_bytes(model) -> int:
-    """Bytes of one row of the model's KV cache (measured on a one-row cache of its own making)."""
-    cache = model.new_kv_cache(1)
-    return sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
+    """Bytes of one row of the model's KV cache, as its family computes them (a row of a long-context
+    model can be gigabytes: it is never allocated to be measured)."""
+    return model.kv_cache_row_bytes()
 
 
 def cache_rows(name: str, row_bytes: int, max_concurrent: int, budget: int | None) -> int:

@@ -136,8 +136,6 @@ class ModelConfig:
             raise ConfigError(f"labels must be a list of non-empty strings, got {self.labels!r}")
         if len(set(self.labels)) != len(self.labels):
             raise ConfigError(f"labels must be distinct, got {self.labels!r}")
-        if self.labels and self.family != "encoder":
-            raise ConfigError("only an encoder has a classification head (labels)")
         if not isinstance(self.decoder_start_id, int) or not 0 <= self.decoder_start_id < self.vocab_size:
             raise ConfigError(f"decoder_start_id must be a token id below vocab_size, got {self.decoder_start_id!r}")
         if not self.layer_norm_eps > 0:
@@ -184,21 +182,27 @@ class ModelConfig:
         if self.positional != "rotary":
             raise ConfigError("rope_scaling scales rotary positions: it needs positional='rotary'")
 
+    def parts_used(self) -> set[str]:
+        """The optional parts this config asks its family's module to build (Family.builds)."""
+        used = {
+            "rotary": self.positional == "rotary",
+            "sliding_window": self.sliding_window is not None,
+            "rmsnorm": self.norm_type != "layernorm",
+            "grouped_query": self.kv_heads != self.n_heads,
+            "parallel_residual": self.parallel_residual,
+            "classifier": bool(self.labels),
+        }
+        return {name for name, on in used.items() if on}
+
     def _validate_family_parts(self) -> None:
-        """Rotary positions, a sliding window and grouped-query attention reach the attention
-        through the decoder family's cache and positions; the others do not build them (yet)."""
-        if self.family == "decoder":
-            return
-        if self.positional == "rotary":
-            raise ConfigError(f"positional='rotary' is built by the decoder family only, not {self.family!r}")
-        if self.sliding_window is not None:
-            raise ConfigError(f"sliding_window is built by the decoder family only, not {self.family!r}")
-        if self.norm_type != "layernorm":  # the encoders' own norms (embedding, heads, stacks) are LayerNorms
-            raise ConfigError(f"norm_type={self.norm_type!r} is built by the decoder family only, not {self.family!r}")
-        if self.family == "encoder-decoder" and self.kv_heads != self.n_heads:
-            raise ConfigError("n_kv_heads (grouped-query attention) is not built by the encoder-decoder family")
-        if self.family == "encoder-decoder" and self.parallel_residual:
-            raise ConfigError("parallel_residual is not built for blocks with cross-attention (encoder-decoder)")
+        """Each family declares the optional parts its module builds (Family.builds): a config
+        that asks its family for another is refused, naming it."""
+        from .families import FAMILIES
+
+        missing = sorted(self.parts_used() - set(FAMILIES[self.family].builds))
+        if missing:
+            raise ConfigError(f"the {self.family} family does not build {', '.join(missing)} "
+                              f"(it builds: {', '.join(sorted(FAMILIES[self.family].builds)) or 'none of them'})")
 
     # --- (de)serialisation -------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

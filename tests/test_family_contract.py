@@ -148,3 +148,28 @@ def test_a_fourth_family_is_served_from_its_declaration_alone(lookback_checkpoin
         assert r.status_code == 200 and len(r.json()["attention"]) == 3 and r.json()["cross_attention"] is None
         r = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_task"  # not among its tasks
+
+
+PART_CONFIGS = {  # a config that asks for each optional part
+    "rotary": dict(positional="rotary"), "sliding_window": dict(positional="rotary", sliding_window=3),
+    "rmsnorm": dict(norm_type="rmsnorm"), "grouped_query": dict(n_kv_heads=1),
+    "parallel_residual": dict(parallel_residual=True), "classifier": dict(labels=["a", "b"]),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("part", list(PART_CONFIGS))
+def test_a_family_builds_exactly_the_optional_parts_it_declares(name, part):
+    from attnlens.model import ConfigError
+
+    fields = {**SMALL, **PART_CONFIGS[part], "family": name}
+    if part not in FAMILIES[name].builds:
+        with pytest.raises(ConfigError, match=f"the {name} family does not build .*{part}"):
+            ModelConfig(**fields)
+        return
+    config = ModelConfig(**fields)
+    assert part in config.parts_used()
+    torch.manual_seed(0)
+    model = FAMILY_CLASSES[name](config).eval()
+    analysis = model.analyse([5, 6, 7, 8, 9], [1, 2] if FAMILIES[name].takes_target else None)
+    assert all(bool(torch.isfinite(m).all()) for m in analysis.maps.values())

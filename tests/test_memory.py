@@ -16,6 +16,17 @@ def one_row(ckpt) -> int:
     return 2 * c.n_layers * c.n_heads * c.context_length * c.d_head * 4
 
 
+@pytest.mark.parametrize("family", ["decoder", "encoder-decoder"])
+def test_a_rows_bytes_are_those_of_a_real_row(family):
+    from attnlens.model import ModelConfig
+    from attnlens.model.families import FAMILY_CLASSES
+
+    model = FAMILY_CLASSES[family](ModelConfig(family=family, vocab_size=50, context_length=24, d_model=32,
+                                               n_layers=3, n_heads=4, d_ff=16))
+    cache = model.new_kv_cache(1)
+    assert cache_row_bytes(model) == sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
+
+
 def test_models_say_what_each_model_holds(tiny_checkpoint, ckpt):
     assert cache_row_bytes(ckpt.model) == one_row(ckpt)
     with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", max_concurrent=5))) as c:

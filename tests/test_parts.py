@@ -382,9 +382,11 @@ def test_a_sliding_window_model_forgets_what_is_out_of_its_window():
     ({"parallel_residual": True, "norm": "post"}, "parallel_residual .* needs norm='pre'"),
     ({"sliding_window": 0}, "sliding_window must be a positive integer"),
     ({"qkv_bias": "yes"}, "qkv_bias must be true, false or null"),
-    ({"family": "encoder", "positional": "rotary"}, "rotary' is built by the decoder family only"),
-    ({"family": "encoder-decoder", "n_kv_heads": 2}, "not built by the encoder-decoder family"),
-    ({"family": "encoder", "norm_type": "rmsnorm"}, "built by the decoder family only"),
+    ({"family": "encoder", "positional": "rotary"}, "the encoder family does not build rotary"),
+    ({"family": "encoder-decoder", "n_kv_heads": 2}, "the encoder-decoder family does not build grouped_query"),
+    ({"family": "encoder", "norm_type": "rmsnorm"}, "the encoder family does not build rmsnorm"),
+    ({"family": "encoder-decoder", "parallel_residual": True}, "does not build parallel_residual"),
+    ({"family": "decoder", "labels": ["a", "b"]}, "the decoder family does not build classifier"),
 ])
 def test_invalid_part_choices_raise_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -13,7 +13,7 @@ and their axes, how it generates, what its forward returns); none of them tests 
 What a family's module offers, as Protocols (vLLM's model interfaces, interfaces_base.py):
 
     AnalysableModel   analyse(ids, target_ids) -> AttentionAnalysis: every group's maps in one call
-    GenerativeModel   new_kv_cache(rows); forward(ids, kv_cache=, rows=, ...) -> output with .logits;
+    GenerativeModel   new_kv_cache(rows), kv_cache_row_bytes(); forward(ids, kv_cache=, rows=, ...) -> output;
                       step_attention(output, cache, rows, queries) -> each row's step maps by group
     FixedShapeDecoder decode_fixed(ids, cache, lengths): a decode step of fixed shapes (CUDA graphs)
 
@@ -86,6 +86,9 @@ class Family:
     # how a text becomes the ids analysed: "plain" (its tokens), "cls_sep" ([CLS] tokens [SEP], as BERT)
     framing: Literal["plain", "cls_sep"] = "plain"
     features: tuple[str, ...] = field(default=())  # what its checkpoints can have: labels, chat_template
+    # the optional parts its module builds when a config asks (ModelConfig.parts_used): rotary,
+    # sliding_window, rmsnorm, grouped_query, parallel_residual, classifier
+    builds: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         names = [g.name for g in self.groups]
@@ -166,6 +169,10 @@ class GenerativeModel(Protocol):
     family: ClassVar[Family]
 
     def new_kv_cache(self, n_rows: int = 1): ...
+
+    def kv_cache_row_bytes(self) -> int:
+        """The bytes one row of new_kv_cache holds (computed, not allocated)."""
+        ...
 
     def forward(self, ids: torch.Tensor, *, kv_cache=None, rows: slice | None = None, return_attention: bool = False,
                 last_only: bool = False, valid: torch.Tensor | None = None): ...

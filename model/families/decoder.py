@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ModelConfig
-from ..kv_cache import ContextLengthError, KVCache
+from ..kv_cache import ContextLengthError, KVCache, bytes_per_row
 from ..parts import Block, Embeddings, KVUpdate, RotaryAngles, make_norm, sinusoidal_table, sliding_window_mask
 from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec
 
@@ -52,6 +52,7 @@ FAMILY = Family(
     output=DecoderOutput,
     generation=GenerationSpec(prompt="prefix", step_groups=("self",)),
     features=("chat_template",),
+    builds=("rotary", "sliding_window", "rmsnorm", "grouped_query", "parallel_residual"),
 )
 
 
@@ -89,6 +90,11 @@ class Transformer(Embeddings, nn.Module):
         key/value heads (n_kv_heads: fewer than the query heads with grouped-query attention)."""
         c, p = self.config, self.tok_emb.weight
         return KVCache(c.n_layers, n_rows, c.kv_heads, c.context_length, c.d_head, device=p.device, dtype=p.dtype)
+
+    def kv_cache_row_bytes(self) -> int:
+        """What one row of new_kv_cache takes, without allocating it."""
+        c = self.config
+        return bytes_per_row(c.n_layers, c.kv_heads, c.context_length, c.d_head, self.tok_emb.weight.dtype)
 
     def forward(
         self,

@@ -55,6 +55,7 @@ FAMILY = Family(
     output=EncoderOutput,
     framing="cls_sep",
     features=("labels",),
+    builds=("classifier", "grouped_query", "parallel_residual"),
 )
 
 

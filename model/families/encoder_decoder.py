@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ModelConfig
-from ..kv_cache import ContextLengthError, KVCache, move_row
+from ..kv_cache import ContextLengthError, KVCache, bytes_per_row, move_row
 from ..parts import Block, Embeddings
 from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec
 from .decoder import Transformer
@@ -178,6 +178,12 @@ class EncoderDecoder(Embeddings, nn.Module):
         c, p = self.config, self.tok_emb.weight
         return TranslationCache(c.n_layers, n_rows, c.n_heads, c.context_length, c.d_head,
                                 device=p.device, dtype=p.dtype)
+
+    def kv_cache_row_bytes(self) -> int:
+        """What one row of new_kv_cache takes, without allocating it: the decoder's keys and values,
+        and as much again for the cross-attention keys and values of the row's source."""
+        c = self.config
+        return 2 * bytes_per_row(c.n_layers, c.n_heads, c.context_length, c.d_head, self.tok_emb.weight.dtype)
 
     def check_length(self, n: int, what: str) -> None:
         if n > self.config.context_length:
