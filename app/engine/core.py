@@ -370,7 +370,7 @@ class Engine(EngineFront):
             g.t_first = time.perf_counter()
         g.last_token = token.id
         records.append(TokenRecord(g, token))
-        if token.id == self.tokenizer.eos_id:
+        if token.id in self.tokenizer.eos_ids:  # EOS, or another end the checkpoint names (Llama 3's <|eot_id|>)
             g.finish_reason = "eos"
         elif g.produced >= g.params.max_new_tokens or length >= self.cache.capacity:
             g.finish_reason = "length"

@@ -180,7 +180,7 @@ class GenerationOutput:
         if self.text.stopped or self.overflowed:
             return  # after a stop string (or an overflow): the core stops when told; these do not count
         self.seen += 1
-        if token.id == self.tokenizer.eos_id:  # the end: no text, but its score is kept
+        if token.id in self.tokenizer.eos_ids:  # the end: no text, but its score is kept
             self.eos_token = GeneratedTokenOut(id=token.id, text=self.tokenizer.display_text(token.id),
                                                logprob=token.logprob,
                                                top_logprobs=self._alternatives(token.top_ids, token.top_logprobs))
