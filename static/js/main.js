@@ -24,7 +24,7 @@ import { translationFor } from "./translator/translation.js";
 const $ = (sel) => document.querySelector(sel);
 
 const store = createStore(readURL());
-window.__attnlens = { perf: {}, renders: 0, errors: [], store, views: VIEWS, urlKeys: URL_KEYS.map((k) => k.key), current: () => current?.view ?? null };
+window.__attnlens = { perf: {}, renders: 0, errors: [], store, views: VIEWS, urlKeys: URL_KEYS.map((k) => k.key), current: () => current?.view ?? null, pendingTokens: () => 0 };
 
 // keys whose change means a view must draw again, by what the view draws from
 const SHOWN = ["view", "layer", "head", "pin", "sink", "cmap", "dcmap", "scale", "zoom", "op", "layers", "heads", "diff", "layerB", "headB", "promptB", "meta", "xavg"];
@@ -235,6 +235,7 @@ async function generate() {
     const follow = s.step >= s.gen.tokens.length - 1; // the view follows the newest token unless moved back
     store.set({ gen: s.gen.with({ tokens: tokens.slice(), rows: body.return_attention ? rows.slice() : null }), step: follow ? tokens.length - 1 : s.step });
   });
+  window.__attnlens.pendingTokens = () => tokens.length - shown; // received, not drawn yet (for tests)
   const { done, stopped, error } = await streamGeneration(body, {
     signal: controller.signal,
     onToken(t) {
@@ -243,7 +244,9 @@ async function generate() {
       tokens.push(t);
       // an encoder-decoder's step reads its source: the Generation view shows that step's
       // cross-attention row over the prompt (= source) tokens
-      if (t.attention) rows.push(t.cross_attention ?? t.attention);
+      if (t.attention) rows.push((t.cross_attention ?? t.attention).map((layer) => layer.map((row) => Float32Array.from(row))));
+      delete t.attention; // kept once, compact: a long stream's rows are megabytes of numbers
+      delete t.cross_attention;
       frame.request();
     },
   });

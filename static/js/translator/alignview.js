@@ -68,6 +68,7 @@ export class AlignView {
     const wr = Math.max(ctx2.measureText(SOURCE_HEADING).width + 8, ...set.source.map((t, i) => ctx2.measureText(label(t, i)).width)) + 12;
     const gap = Math.max(120, Math.min(260, (this.host?.clientWidth || 800) - wl - wr - 8)); // fits a phone
     const width = wl + gap + wr;
+    this.geo = { wl, gap, wr, width, source: wl + gap + 4, target: 4 }; // where the two headings start
     const height = (Math.max(set.T, set.S) + 1) * ROW + 8;
     const dpr = window.devicePixelRatio || 1;
     c.width = width * dpr;
