@@ -61,7 +61,7 @@ def full_context_text(default_checkpoint):
 
 
 def test_each_view_at_full_context_reports_click_to_drawn(browser, default_server, full_context_text):
-    context = browser.new_context(viewport=DESKTOP, color_scheme="light", device_scale_factor=2)
+    context = browser.new_context(viewport=DESKTOP, color_scheme="light")
     pg = context.new_page()
     figures = []
     try:

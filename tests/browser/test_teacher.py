@@ -247,7 +247,7 @@ def test_stop_ends_the_stream_within_one_step(page, bundled_server):
     page.evaluate("""() => {
         window.__atPress = null; window.__drawnAfter = 0;
         document.querySelector('#stop-btn').addEventListener('click', () => {
-            window.__atPress = document.querySelectorAll('#output .tok.gen').length + window.__attnlens.pendingTokens();
+            window.__atPress = document.querySelectorAll('#output .tok.gen').length + (window.__attnlens.pendingTokens?.() ?? 0);
         }, true);
     }""")
     page.click("#generate")
