@@ -92,10 +92,8 @@ export function modelControls(store, meta) {
   for (const id of ["head", "headB"]) fillSelect($("#" + id), meta.n_heads, "H");
   toggleSet($("#agg-layers"), meta.n_layers, "L", "layers", store);
   toggleSet($("#agg-heads"), meta.n_heads, "H", "heads", store);
-  const maxNew = Math.max(1, Math.min(meta.max_new_tokens, meta.context_length - 1));
-  const input = $("#max_new_tokens");
-  input.max = String(maxNew);
-  if (+input.value > maxNew) input.value = String(Math.max(1, Math.floor(maxNew / 2)));
+  // the value itself is kept in range by the store's constraint (views/params.js)
+  $("#max_new_tokens").max = String(Math.max(1, Math.min(meta.max_new_tokens, meta.context_length - 1)));
 }
 
 /** Make every control show the state. */

@@ -33,8 +33,10 @@ function fillPicker(list) {
   if (!select || select.options.length) return;
   select.dataset.default = list.default; // the default model's option stands for "" (whatever the server's default is)
   for (const m of list.models) {
-    const label = `${m.name} (${m.family}${m.labels ? ": " + m.labels.join("/") : ""})`;
-    select.append(new Option(label, m.name === list.default ? "" : m.name));
+    // short enough to show whole in the top bar; the labels a classifier has are in its title
+    const option = new Option(`${m.name} · ${m.family}`, m.name === list.default ? "" : m.name);
+    option.title = `${m.name}: ${m.family}${m.labels?.length ? ` (labels: ${m.labels.join(", ")})` : ""}`;
+    select.append(option);
   }
   select.closest("[data-ctl='model']").hidden = list.models.length < 2;
 }

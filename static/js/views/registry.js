@@ -2,7 +2,8 @@
 // mount(host) / render(params, changed) -> drawn? / unmount() (and optionally exportPicture()
 // and exportData()), and add a line here. `source` says what it draws from ("analysis": the
 // analysed sequence, "generation": a generation); `controls` lists the toolbar controls it
-// uses (data-ctl names in index.html); a panel of options for it is an element with
+// uses (data-ctl names in index.html); `keys` (optional) the state keys of its own it redraws on
+// (declared in state/schema.js, read from the params object); a panel of options for it is an element with
 // data-view="<id>" inside #view-options, its inputs bound to state keys by data-key.
 // `families` (optional) lists the model families a view applies to (its tab hides for others).
 // PANELS are the same idea for the side panels a family has (an encoder's fill-mask and
@@ -26,7 +27,7 @@ export const VIEWS = [
   { id: "model", label: "Model", source: "analysis", controls: ["sink", "cmap", "scale"], View: ModelView },
   { id: "aggregate", label: "Aggregate", source: "analysis", controls: ["sink", "cmap", "scale", "zoom"], View: AggregateView },
   { id: "diff", label: "Difference", source: "analysis", controls: ["layer", "head", "sink", "dcmap", "scale", "zoom"], View: DiffView },
-  { id: "lines", label: "Lines", source: "analysis", controls: ["layer", "head", "sink"], View: LineView },
+  { id: "lines", label: "Lines", source: "analysis", controls: ["layer", "head", "sink"], keys: ["lheads"], View: LineView },
   { id: "gen", label: "Generation", source: "generation", families: ["decoder", "encoder-decoder"], controls: ["layer", "head", "sink", "cmap", "scale", "zoom"], View: GenView, title: "What each generated token attended to, step by step" },
   // encoder-decoder only (`families`: the tabs show only for those models; the views above
   // show the encoder's self-attention over the source for them)
