@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from attnlens import Attention, Token
+from attnlens.answers import GroupSpec
 
 bertviz = pytest.importorskip("bertviz")
 
@@ -34,7 +35,8 @@ def decoder_answer(layers, heads, n_layers=4, n_heads=3, T=5, seed=0) -> Attenti
     tokens = [Token(i, t) for i, t in enumerate(["To", " be", ",", " or", " not"][:T])]
     return Attention.from_arrays(model="m", family="decoder", direction="causal", tokens=tokens, n_layers=n_layers,
                                  n_heads=n_heads, layers=layers, heads=heads, format="json",
-                                 maps=stochastic((len(layers), len(heads), T, T), rng, causal=True))
+                                 specs=[GroupSpec("self", "tokens", "tokens", True)],
+                                 maps={"self": stochastic((len(layers), len(heads), T, T), rng, causal=True)})
 
 
 def test_a_full_answer_renders_in_head_view_and_model_view():
@@ -74,8 +76,12 @@ def test_the_translator_gives_bertviz_its_three_groups():
     target = [Token(0, "<|endoftext|>"), Token(5, "quatre"), Token(6, "-vingt"), Token(7, "-dix-sept")]
     a = Attention.from_arrays(model="translator", family="encoder-decoder", direction="encoder-decoder",
                               tokens=source, n_layers=3, n_heads=4, layers=[2], heads=[1, 3], format="f16",
-                              maps=stochastic((1, 2, S, S), rng), decoder=stochastic((1, 2, T, T), rng, causal=True),
-                              cross=stochastic((1, 2, T, S), rng), target_tokens=target, generated=True)
+                              specs=[GroupSpec("encoder", "source", "source", False),
+                                     GroupSpec("decoder", "target", "target", True),
+                                     GroupSpec("cross", "target", "source", False)],
+                              maps={"encoder": stochastic((1, 2, S, S), rng),
+                                    "decoder": stochastic((1, 2, T, T), rng, causal=True),
+                                    "cross": stochastic((1, 2, T, S), rng)}, target_tokens=target, generated=True)
     params = rendered_params(bertviz.head_view(**a.to_bertviz(), html_action="return"))
     groups = {d["name"]: d for d in params["attention"]}
     assert list(groups) == ["Encoder", "Decoder", "Cross"] and params["include_layers"] == [2]
