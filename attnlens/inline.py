@@ -49,27 +49,61 @@ def _field(entry: str, name: str) -> str | None:
 
 def page_views(root: Path | None = None) -> dict[str, dict]:
     """The page's views from its registry (static/js/views/registry.js): id -> {label, source,
-    families (None: every family)}. The one list of views; inline.js draws the "analysis" ones."""
+    needs (the capabilities a model must have: static/js/family.js)}. The one list of views;
+    inline.js draws the "analysis" ones."""
     text = _read((root or static_dir()) / "js" / "views" / "registry.js")
     start = text.index("export const VIEWS")
     block = text[start:text.index("];", start)]
     entries = re.split(r"(?=\bid:\s*\")", block)[1:]  # one piece per view, however it is laid out
     views = {}
     for entry in entries:
-        families = re.search(r"\bfamilies:\s*\[([^\]]*)\]", entry)
+        needs = re.search(r"\bneeds:\s*\[([^\]]*)\]", entry)
         views[_field(entry, "id")] = {
             "label": _field(entry, "label") or _field(entry, "id"),
             "source": _field(entry, "source") or "analysis",
-            "families": re.findall(r'"([\w-]+)"', families.group(1)) if families else None,
+            "needs": re.findall(r'"([\w-]+)"', needs.group(1)) if needs else [],
         }
     return views
 
 
-def inline_views(family: str, source: str = "analysis", root: Path | None = None) -> list[str]:
-    """The views that show an answer of this family inline (as inline.js's inlineViews): the
-    analysis views for an Attention, the generation views for a Generation."""
-    return [v for v, d in page_views(root).items()
-            if d["source"] == source and (d["families"] is None or family in d["families"])]
+def family_info(answer: Attention | Generation) -> dict:
+    """The family declaration the embedded document reads (as GET /models' family_info): an
+    Attention's from the groups it holds; a Generation's from whether its steps read a source."""
+    if isinstance(answer, Attention):
+        groups = [{"name": g.name, "queries": g.queries, "keys": g.keys, "causal": g.causal,
+                   "cross": g.queries != g.keys, "description": ""} for g in answer.groups.values()]
+        axes = sorted({a for g in answer.groups.values() for a in (g.queries, g.keys)})
+        return {"groups": groups, "axes": axes, "generation": None}
+    if answer.tokens and answer.tokens[0].cross_attention is not None:  # its steps read the prompt as a source
+        return {"groups": [{"name": "decoder", "queries": "target", "keys": "target", "causal": True, "cross": False},
+                           {"name": "cross", "queries": "target", "keys": "source", "causal": False, "cross": True}],
+                "axes": ["source", "target"], "generation": {"prompt": "source", "step_groups": ["decoder", "cross"]}}
+    return {"groups": [{"name": "self", "queries": "tokens", "keys": "tokens", "causal": True, "cross": False}],
+            "axes": ["tokens"], "generation": {"prompt": "prefix", "step_groups": ["self"]}}
+
+
+def capabilities(info: dict) -> set[str]:
+    """What static/js/family.js reads from a declaration (the views' `needs`), in Python."""
+    caps, cross = set(), {g["name"] for g in info["groups"] if g["cross"]}
+    if info["generation"]:
+        caps.add("generation")
+        if info["generation"]["prompt"] == "source":
+            caps.add("prompt-source")
+        if cross & set(info["generation"]["step_groups"]):
+            caps.add("step-cross")
+    if "target" in info["axes"]:
+        caps.add("target")
+    if cross:
+        caps.add("cross")
+    return caps
+
+
+def inline_views(answer: Attention | Generation, root: Path | None = None) -> list[str]:
+    """The views that show this answer inline (as inline.js's inlineViews): the analysis views for
+    an Attention, the generation views for a Generation, each where its `needs` are met."""
+    source = "generation" if isinstance(answer, Generation) else "analysis"
+    caps = capabilities(family_info(answer))
+    return [v for v, d in page_views(root).items() if d["source"] == source and set(d["needs"]) <= caps]
 
 
 def view_options(root: Path | None = None) -> set[str]:
@@ -140,7 +174,7 @@ def _generation(gen: Generation) -> tuple[dict, dict]:
     L, H = gen.tokens[0].attention.shape[:2]
     tokens = [{"id": t.id, "text": t.text, "logprob": t.logprob, "delta": t.delta if t.delta is not None else t.text,
                "top_logprobs": [a.__dict__ for a in t.top_logprobs]} for t in gen.tokens]
-    model = {"name": gen.model, "family": "encoder-decoder" if cross else "decoder", "n_layers": int(L),
+    model = {"name": gen.model, "family": gen.model, "family_info": family_info(gen), "n_layers": int(L),
              "n_heads": int(H)}
     data = {"prompt_tokens": [{"id": t.id, "text": t.text} for t in gen.prompt_tokens], "tokens": tokens, "rows": rows}
     return model, data
@@ -188,22 +222,24 @@ def show(answer: Attention | Generation | FillMask | Classification | None = Non
         return InlineView(spec, f"{answer.model}: classify", height or 120 + 26 * len(answer.labels))
     if isinstance(answer, Generation):
         shape, generation = _generation(answer)
-        kind, family, source = "generation", shape["family"], "generation"
+        kind = "generation"
         layers, heads = list(range(shape["n_layers"])), list(range(shape["n_heads"]))
         payload = {"generation": generation, "text": answer.text}
     elif isinstance(answer, Attention):
-        shape = {"name": answer.model, "family": answer.family, "n_layers": answer.n_layers, "n_heads": answer.n_heads}
-        kind, family, source = "attention", answer.family, "analysis"
+        shape = {"name": answer.model, "family": answer.family, "family_info": family_info(answer),
+                 "attention": answer.direction, "n_layers": answer.n_layers, "n_heads": answer.n_heads}
+        kind = "attention"
         layers, heads = answer.layers, answer.heads
         payload = {"answer": _wire(answer), "text": answer.text or ""}
     else:
         raise TypeError(f"show() draws an Attention, Generation, FillMask or Classification answer, not "
                         f"{type(answer).__name__}")
-    views = inline_views(family, source)
-    view = view or ("gen" if kind == "generation" else "cross" if family == "encoder-decoder" else "head")
+    views = inline_views(answer)
+    # the first view: a generation's steps; an answer with a cross group, its cross-attention
+    view = view or ("gen" if kind == "generation" else "cross" if "cross" in views else "head")
     if view not in views:
         what = "attention answer" if kind == "attention" else kind
-        raise ValueError(f"view {view!r} is not one a {family}'s {what} has here; choose from {views}")
+        raise ValueError(f"view {view!r} is not one this {what} has here; choose from {views}")
     unknown = set(options) - view_options()
     if unknown:
         raise TypeError(f"unknown option(s) {sorted(unknown)}; the views take {sorted(view_options())}")

@@ -35,14 +35,14 @@ def generation_of(answer: attnlens.Attention, prompt: int) -> attnlens.Generatio
     position that produced token s (a translator's: its decoder step's cross-attention row)."""
     from attnlens.answers import GeneratedToken, Timings, Usage
 
-    if answer.family == "encoder-decoder":
+    cross = "target" in answer.axes()  # its steps read the prompt as a source (a translator)
+    if cross:
         prompt_tokens, generated = answer.tokens, answer.target_tokens[1:]
         rows = [answer.cross.maps[:, :, s, :] for s in range(len(generated))]
         attention = [answer.decoder.maps[:, :, s, : s + 1] for s in range(len(generated))]
     else:
         prompt_tokens, generated = answer.tokens[:prompt], answer.tokens[prompt:]
         rows = attention = [answer.maps[:, :, prompt + s - 1, : prompt + s] for s in range(len(generated))]
-    cross = answer.family == "encoder-decoder"
     tokens = [GeneratedToken(t.id, t.text, -0.5, [], s, t.text, attention[s], rows[s] if cross else None)
               for s, t in enumerate(generated)]
     n = len(tokens)
@@ -74,21 +74,22 @@ def test_the_bundle_is_the_pages_own_modules_linked_by_an_import_map():
         assert re.sub(r'"attnlens/[^"]+"', '""', source) == re.sub(r'"\.{1,2}/[^"]+"', '""', original)
 
 
-def test_the_views_are_the_registrys_analysis_views():
+def test_the_views_are_the_registrys_analysis_views(answers):
     views = page_views()
     assert {"head", "model", "lines", "cross", "gen"} <= set(views)
-    assert inline_views("decoder") == ["head", "model", "aggregate", "diff", "lines"]
-    assert inline_views("encoder") == ["head", "model", "aggregate", "diff", "lines"]
-    assert inline_views("encoder-decoder") == ["head", "model", "aggregate", "diff", "lines", "cross", "align",
-                                               "decoder"]
-    assert inline_views("decoder", "generation") == inline_views("encoder-decoder", "generation") == ["gen"]
-    assert inline_views("encoder", "generation") == []
+    assert views["cross"]["needs"] == ["cross"] and views["gen"]["needs"] == ["generation"]
+    assert inline_views(answers["default"]) == ["head", "model", "aggregate", "diff", "lines"]
+    assert inline_views(answers["encoder"]) == ["head", "model", "aggregate", "diff", "lines"]
+    assert inline_views(answers["translator"]) == ["head", "model", "aggregate", "diff", "lines", "cross", "align",
+                                                   "decoder"]
+    assert inline_views(generation_of(answers["default"], 4)) == ["gen"]
+    assert inline_views(generation_of(answers["translator"], 4)) == ["gen"]
 
 
 # --- show() ---------------------------------------------------------------------------------------
 def test_show_checks_what_it_is_asked(answers):
     a = answers["default"]
-    with pytest.raises(ValueError, match="'cross' is not one a decoder's attention answer has"):
+    with pytest.raises(ValueError, match="'cross' is not one this attention answer has"):
         attnlens.show(a, view="cross")
     with pytest.raises(ValueError, match="'gen'"):
         attnlens.show(a, view="gen")
@@ -102,7 +103,7 @@ def test_show_checks_what_it_is_asked(answers):
     with pytest.raises(TypeError, match="draws an Attention"):
         attnlens.show({"tokens": []})
     gen = generation_of(a, 4)
-    with pytest.raises(ValueError, match="'head' is not one a decoder's generation has here"):
+    with pytest.raises(ValueError, match="'head' is not one this generation has here"):
         attnlens.show(gen, view="head")
     bare = attnlens.Generation(gen.id, gen.model, gen.text, gen.prompt_tokens,
                                [attnlens.GeneratedToken(t.id, t.text, t.logprob) for t in gen.tokens],
@@ -148,7 +149,7 @@ def no_request_left(visit: Visit, page_url: str) -> None:
 @pytest.mark.parametrize("family", ["default", "encoder", "translator"])
 def test_every_view_draws_offline(tmp_path, answers, family):
     a = answers[family]
-    views = [attnlens.show(a, view=v, layer=a.layers[-1], head=a.heads[-1]) for v in inline_views(a.family)]
+    views = [attnlens.show(a, view=v, layer=a.layers[-1], head=a.heads[-1]) for v in inline_views(a)]
     if family != "encoder":  # what each generated token attended to
         views.append(attnlens.show(generation_of(a, 4), layer=1, head=2, step=2))
     if family == "encoder":

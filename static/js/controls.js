@@ -124,9 +124,9 @@ export function syncControls(s) {
   }
   const view = viewById(s.view);
   for (const g of $$(".opt-group")) g.classList.toggle("active", g.dataset.view.split(" ").includes(s.view)); // a group may serve several views
-  const family = s.meta?.family ?? "decoder";
+  const caps = s.meta?.capabilities ?? new Set();
   for (const ctl of $$(".toolbar [data-ctl]")) {
-    const fits = !ctl.dataset.families || ctl.dataset.families.split(" ").includes(family); // e.g. the encoder's pooled button
+    const fits = !ctl.dataset.needs || ctl.dataset.needs.split(" ").every((n) => caps.has(n)); // e.g. the classifier's pooled rows
     ctl.hidden = !view.controls.includes(ctl.dataset.ctl) || !fits;
   }
 }

@@ -9,6 +9,7 @@
 // kept by translation.js before any view asks for them.
 
 import { VIEWS, viewFits } from "./views/registry.js";
+import { capabilities } from "./family.js";
 import { viewParams, constrainState } from "./views/params.js";
 import { defaults } from "./state/schema.js";
 import { AttentionSet } from "./attention.js";
@@ -36,9 +37,10 @@ const STYLE = `
   .inline-view .view-host { max-height: none; }
 `;
 
-/** The views that can show an answer of this family here: the page's analysis views for an
- * /attention answer, its generation view for a generation (comparing two prompts needs a server). */
-export const inlineViews = (family, source = "analysis") => VIEWS.filter((v) => v.source === source && viewFits(v, family));
+/** The views that can show an answer of this model here (its description, with capabilities): the
+ * page's analysis views for an /attention answer, its generation view for a generation (comparing
+ * two prompts needs a server). */
+export const inlineViews = (meta, source = "analysis") => VIEWS.filter((v) => v.source === source && viewFits(v, meta));
 
 function el(tag, attrs = {}, html = "") {
   const e = document.createElement(tag);
@@ -81,19 +83,21 @@ const same = (a, b) => (Array.isArray(a) && Array.isArray(b) ? a.length === b.le
 class InlineView {
   constructor(root, spec) {
     this.spec = spec;
-    const { name, family, n_layers, n_heads } = spec.model;
+    const { name, family, family_info, attention, n_layers, n_heads } = spec.model;
     this.meta = {
       name,
       n_layers,
       n_heads,
       family,
-      attention: { decoder: "causal", encoder: "bidirectional" }[family] ?? family,
+      family_info,
+      capabilities: capabilities(family_info, []),
+      attention,
       architecture: { family, n_layers, n_heads },
       tasks: [],
       labels: null,
       pooling: null,
     };
-    this.views = inlineViews(family, spec.generation ? "generation" : "analysis");
+    this.views = inlineViews(this.meta, spec.generation ? "generation" : "analysis");
     this.viewIds = this.views.map((v) => v.id);
     const a = spec.answer;
     this.att = a ? new AttentionSet(spec.text ?? "", this.meta, { fetch: embeddedFetch(a) }) : null;

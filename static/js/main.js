@@ -128,7 +128,7 @@ function scheduleRender(changed) {
 // ---------------------------------------------------------------------------------------
 // Analysis and generation
 // ---------------------------------------------------------------------------------------
-const translates = () => store.get("meta")?.family === "encoder-decoder";
+const translates = () => !!store.get("meta")?.capabilities?.has("target"); // its analysis has a target: a translator
 
 /** What the analysis label says: tokens, and for an encoder-decoder the target its views read. */
 function analysedLabel(set, note = "") {

@@ -89,7 +89,8 @@ export function translationFor(att, name = "") {
   return cache.get(key);
 }
 
-export const isTranslator = (meta) => meta?.architecture?.family === "encoder-decoder";
+/** Whether a model (its description) analyses a target: its family declares a target axis. */
+export const isTranslator = (meta) => !!meta?.capabilities?.has("target");
 
 export function describeAvg(avg, layer, head) {
   if (avg === "layer") return `layer ${layer}, mean of its heads`;

@@ -114,8 +114,9 @@ export class GenView {
       if (!isCurrent()) return false;
     }
     const att = gen.attentionAt(step); // [L][H][S]
-    // an encoder-decoder's rows are cross-attention over the source (the prompt), not earlier tokens
-    const cross = params.model.family === "encoder-decoder";
+    // a family whose steps read another sequence (an encoder-decoder): its rows are cross-attention
+    // over the source (the prompt), not earlier tokens
+    const cross = params.model.capabilities.has("step-cross");
     const L = att.length;
     const H = att[0].length;
     const S = att[0][0].length;

@@ -1,6 +1,7 @@
 // The one object a view reads: built from the store's state, checked once here, so views
 // never see the store, the page or an out-of-range index.
 
+import { capabilities, primaryGroup } from "../family.js";
 import { SEQUENTIAL, DIVERGING } from "../colormap.js";
 import { SCALES } from "../scales.js";
 import { OPS } from "./aggregateview.js";
@@ -63,6 +64,7 @@ export function viewParams(s) {
     model: Object.freeze({
       name: meta.name, n_layers: meta.n_layers, n_heads: meta.n_heads, context_length: meta.context_length,
       family: meta.family ?? "decoder", attention: meta.attention ?? "causal", tasks: meta.tasks ?? [], labels: meta.labels ?? null, pooling: meta.pooling ?? null,
+      capabilities: meta.capabilities ?? capabilities(meta.family_info, meta.tasks),
     }),
     text: att ? att.text : s.prompt,
     tokens: att?.tokens ?? [],
@@ -83,8 +85,9 @@ export function viewParams(s) {
     }),
     settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom, fillk: s.fillk, xavg: s.xavg }),
     axes: Object.freeze({ rows: "query", cols: "key" }),
-    // what the shared views' maps are: an encoder-decoder's are its encoder's, over the source
-    scope: (meta.family ?? "decoder") === "encoder-decoder" ? "the encoder's self-attention over the source" : "",
+    // what the shared views' maps are when the family has other groups too: its primary group's
+    // (an encoder-decoder's encoder, over the source)
+    scope: (meta.family_info?.groups?.length ?? 1) > 1 ? primaryGroup(meta.family_info).description : "",
     live: s.streaming,
   });
 }
