@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 # attnlens.model, never pay for httpx or the client.
 _EXPORTS = {
     "answers": ("Attention", "AttentionGroup", "Classification", "FillMask", "FillMaskCandidate", "GeneratedToken",
-                "Generation", "LabelScore", "ModelSummary", "StreamDone", "Token"),
+                "Generation", "GroupSpec", "LabelScore", "ModelSummary", "StreamDone", "Token"),
     "client": ("AsyncClient", "Client", "TokenStream"),
     "errors": ("APIConnectionError", "APIError", "AttnlensError", "AuthenticationError", "BadRequestError",
                "InternalServerError", "NotFoundError", "PayloadTooLargeError", "RateLimitError", "RequestTimeoutError",

@@ -121,7 +121,8 @@ sys.modules["torch"] = None
 import numpy as np, attnlens
 a = attnlens.Attention.from_arrays(model="m", family="decoder", direction="causal",
     tokens=[attnlens.Token(0, "a"), attnlens.Token(1, "b")], n_layers=1, n_heads=1, layers=[0], heads=[0],
-    format="json", maps=np.array([[[[1, 0], [0.5, 0.5]]]], dtype=np.float32))
+    format="json", specs=[attnlens.GroupSpec("attention", "tokens", "tokens", True)],
+    maps={"attention": np.array([[[[1, 0], [0.5, 0.5]]]], dtype=np.float32)})
 html = attnlens.show(a).html()
 print(len(html), "attnlens/views/headview.js" in html)
 """, tmp_path)
