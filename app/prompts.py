@@ -3,8 +3,11 @@
 Text is tokenised on a worker thread, and only after a byte-length check: byte-level BPE
 tokens are at most `longest_token_bytes` bytes each, so a text of more than
 `limit * longest_token_bytes` bytes has more than `limit` tokens whatever it says. Such a
-text is refused at once, without tokenising a megabyte on the event loop. Token ids are
-checked against the vocabulary, naming the first bad one and where it is.
+text is refused at once, without tokenising a megabyte at all. The worker thread calls the
+tokenizers library's batch encoder, which lets go of Python's GIL while it works (its
+one-text `encode` holds it throughout, and so would stall the event loop as surely as
+running on it). Token ids are counted first, then checked against the vocabulary, naming
+the first bad one and where it is.
 """
 
 from __future__ import annotations
@@ -40,11 +43,24 @@ def check_text_bytes(tokenizer: Tokenizer, text: str, limit: int, *, field: str,
 async def tokenize_text(tokenizer: Tokenizer, text: str, limit: int, *, field: str, limit_name: str) -> list[int]:
     """Token ids of `text`, tokenised on a worker thread once check_text_bytes lets it through."""
     check_text_bytes(tokenizer, text, limit, field=field, limit_name=limit_name)
-    return await run_in_threadpool(tokenizer.encode, text)
+    return (await tokenize_texts(tokenizer, [text]))[0]
 
 
-def check_token_ids(tokenizer: Tokenizer, ids: list[int], *, field: str) -> list[int]:
-    """`ids` if every one is in the vocabulary, else a 422 naming the first that is not."""
+async def tokenize_texts(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text (already checked by their bytes), on a worker thread with the GIL
+    let go while the tokenizer works."""
+    if not texts:
+        return []
+    return await run_in_threadpool(tokenizer.encode_batch, texts)
+
+
+def check_token_ids(tokenizer: Tokenizer, ids: list[int], *, field: str, limit: int | None = None,
+                    limit_name: str = "ATTNLENS_MAX_PROMPT_TOKENS") -> list[int]:
+    """`ids` if every one is in the vocabulary, else a 422 naming the first that is not; with
+    `limit`, more than `limit` ids are a 400 before any is looked at."""
+    if limit is not None and len(ids) > limit:
+        raise ApiError(400, f"{field} has {len(ids)} tokens, more than the limit of {limit} ({limit_name})",
+                       param=field, code="prompt_too_long")
     vocab = tokenizer.vocab_size
     for pos, i in enumerate(ids):
         if not 0 <= i < vocab:

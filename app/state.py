@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from attnlens.model import Checkpoint
 
@@ -21,6 +22,7 @@ class AppState:
     checkpoint: Checkpoint | None = None
     engine: EngineFront | None = None  # the default model's engine
     registry: ModelRegistry | None = None  # every loaded model by name
+    supervision: Any = None  # the engines' supervisors (engine/supervisor.py), once started
     ready: bool = False
     status: str = "starting"
     preloaded: dict[str, Checkpoint] = field(default_factory=dict)  # model dir -> loaded before start-up

@@ -52,7 +52,7 @@ async def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[i
     return ids
 
 
-def _target_ids(body: AttentionRequest, tok, context_length: int) -> list[int] | None:
+async def _target_ids(body: AttentionRequest, tok, context_length: int) -> list[int] | None:
     """An encoder-decoder's target: `target` tokenised or `target_ids` as they are, or None
     (then the model's greedy translation). The decoder reads start + target: context - 1 at most."""
     if body.target is not None and body.target_ids is not None:
@@ -65,8 +65,9 @@ def _target_ids(body: AttentionRequest, tok, context_length: int) -> list[int] |
             if not 0 <= i < tok.vocab_size:
                 raise field_error("target_ids", f"token id {i} (at position {pos}) is not in the vocabulary: "
                                                 f"ids run 0..{tok.vocab_size - 1}", "out_of_range")
-    else:
-        field, ids = "target", tok.encode(body.target)
+    else:  # checked by its bytes, then tokenised off the event loop (as `text` is)
+        field, ids = "target", await tokenize_text(tok, body.target, context_length - 1, field="target",
+                                                   limit_name="the model's context length")
         if not ids:
             raise ApiError(400, "target encodes to no tokens", param="target", code="empty_text")
     if len(ids) + 1 > context_length:
@@ -150,7 +151,7 @@ async def _translation_answer(body: AttentionRequest, state: AppState, served, i
     """An encoder-decoder's answer: the encoder's maps over the source at the top level, the
     decoder's and the cross maps under `translation` (app/translation_attention.py)."""
     cfg, tok = served.checkpoint.config, served.checkpoint.tokenizer
-    target = _target_ids(body, tok, cfg.context_length)
+    target = await _target_ids(body, tok, cfg.context_length)
     S, L, H = len(ids), len(layers), len(heads)
     T = cfg.context_length if target is None else len(target) + 1  # the greedy translation's at most
     size = (encoded_bytes([L, H, S, S], body.format, "full") + encoded_bytes([L, H, T, T], body.format, body.packing)

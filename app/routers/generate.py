@@ -16,7 +16,7 @@ from ..errors import public_message
 from ..prompts import tokenize_text
 from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
-from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, sse
+from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, note_unfinished, sse
 from ..registry import GENERATE, lookup
 from ..state import AppState
 
@@ -69,13 +69,17 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     metrics = state.metrics
 
     if body.stream:
+        ended = []  # the done or error event, once sent
+
         def encode(event) -> str:
             if isinstance(event, StreamToken):
                 return sse("token", event)
+            ended.append(event)
             if isinstance(event, StreamDone):
                 metrics.observe_generation(event)
                 return sse("done", event)
-            return sse("error", StreamError(message=public_message(event.message)))
+            note_unfinished(metrics, "error")
+            return sse("error", event.model_copy(update={"message": public_message(event.message)}))
 
         async def events():
             try:
@@ -83,8 +87,12 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
                     yield "".join(encode(event) for event in batch)
             except Exception:  # anything on our side mid-stream: log it, tell the client
                 log.exception("stream failed")
-                yield sse("error", StreamError(message="internal error (see the server log)"))
+                ended.append(None)
+                note_unfinished(metrics, "error")
+                yield sse("error", StreamError(message="internal error (see the server log)", code="internal_error"))
             finally:
+                if not ended:
+                    note_unfinished(metrics, "cancelled")  # its client went away before the end
                 generation.cancel()  # client gone (the stream was cancelled) or finished: free the slot
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)

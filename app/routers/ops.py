@@ -24,15 +24,30 @@ async def healthz():
     return {"status": "ok"}
 
 
+def model_states(registry) -> dict[str, dict]:
+    """Each model's engine state, restarts and (when it does not run) why: /readyz and /models say it."""
+    out = {}
+    for name, served in registry.models.items():
+        sup = served.supervisor
+        out[name] = {"state": served.state, "restarts": sup.restarts if sup is not None else 0,
+                     "detail": sup.detail if sup is not None else None}
+    return out
+
+
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
 async def readyz(state: AppState = Depends(get_state)):
-    """200 once the model is loaded and warmed up and its engine runs (thread or process); else 503."""
-    engine = state.engine
-    if state.ready and engine is not None and engine.alive:
-        return {"ready": True, "status": "ready"}
-    detail = "the engine has stopped" if state.ready and engine is not None else None
-    return JSONResponse({"ready": False, "status": state.status if detail is None else "failed",
-                         "detail": detail}, status_code=503)
+    """200 once every model is loaded and warmed up and every engine runs (thread or process);
+    else 503, with each model's state (a restarting or failed engine says why)."""
+    registry = state.registry
+    if not state.ready or registry is None:
+        return JSONResponse({"ready": False, "status": state.status, "detail": None}, status_code=503)
+    models = model_states(registry)
+    down = {name: m for name, m in models.items() if m["state"] != "running"}
+    if not down:
+        return {"ready": True, "status": "ready", "models": models}
+    status = "failed" if any(m["state"] == "failed" for m in down.values()) else "restarting"
+    detail = "; ".join(f"model {name!r}: {m['detail'] or m['state']}" for name, m in down.items())
+    return JSONResponse({"ready": False, "status": status, "detail": detail, "models": models}, status_code=503)
 
 
 def training_summary(report: dict | None) -> dict | None:
