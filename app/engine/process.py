@@ -183,16 +183,11 @@ class EngineProcess(EngineFront):
         return info
 
     def restart(self) -> None:
-        """Start a new engine process for this front (after the last one died). Blocks."""
+        """Start a new engine process for this front (after the last one died; the state stays
+        "restarting" until it runs). Blocks: call it off the event loop."""
         if self.state == "running" or self._closing:
             return
-        self.state = "starting"
-        try:
-            self._start()
-        except BaseException:
-            if not self._closing:
-                self.state = "restarting"
-            raise
+        self._start()
 
     def kill(self, reason: str) -> None:
         """Kill the engine process (SIGKILL works on a stopped one too); the reader then sees it die."""

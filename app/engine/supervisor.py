@@ -111,22 +111,20 @@ class EngineSupervisor:
                 engine.kill(f"no progress for {stalled:.0f} s while holding work (ATTNLENS_ENGINE_STALL_S)")
             return
         # restarting: the engine process is gone (or the last attempt to start one failed)
-        if self._attempt is not None:
-            return
         if self.down_since is None:
             self.down_since = now
-        if self.next_attempt is None:
+        if self._attempt is None and self.next_attempt is None:
             self._died(now)
             if engine.state == "failed":
                 return
-        if now - self.down_since > self.policy.wait_s:
+        if now - self.down_since > self.policy.wait_s:  # requests have waited long enough
             if not self.refusing:
                 self.refusing = True
                 engine.refuse_while_down(f"the engine of model {self.name!r} is restarting "
                                          f"({engine.detail}); retry later", self.retry_after())
             else:
                 engine.scheduler.closed_retry_after = self.retry_after()
-        if now >= self.next_attempt:
+        if self._attempt is None and now >= self.next_attempt:
             self._attempt = asyncio.ensure_future(asyncio.to_thread(engine.restart))
             self._attempt.add_done_callback(self._attempt_done)
 
