@@ -104,13 +104,18 @@ class Choice:
                 "finish_reason": FINISH[finish_reason]}
 
 
+def _not_found(state: AppState, name: str) -> ApiError:
+    """OpenAI's 404 for a model: it names only the models GET /v1/models lists."""
+    listed = [m.name for m in state.registry.models.values() if COMPLETIONS in m.tasks]
+    return ApiError(404, f"the model {name!r} does not exist; the models here are: {', '.join(listed)} "
+                         f"(GET /v1/models)", param="model", code="model_not_found")
+
+
 def _lookup(state: AppState, name: str | None) -> ServedModel:
-    """The model a /v1 request names: a 404 for a name /v1/models does not list (naming only those)."""
-    registry = state.registry
-    if name is not None and registry is not None and state.ready and name not in registry.models:
-        listed = [m.name for m in registry.models.values() if COMPLETIONS in m.tasks]
-        raise ApiError(404, f"the model {name!r} does not exist; the models here are: {', '.join(listed)} "
-                            f"(GET /v1/models)", param="model", code="model_not_found")
+    """The model a /v1 request names: a 404 for a name no loaded model has (naming the /v1
+    models); a loaded model that cannot complete is a 400 that says what it can do."""
+    if name is not None and state.ready and state.registry is not None and name not in state.registry.models:
+        raise _not_found(state, name)
     return lookup(state, name, COMPLETIONS)
 
 
@@ -321,4 +326,8 @@ async def models(state: AppState = Depends(get_state)):
 @router.get("/models/{model}", response_model=ModelCard, responses=ERRORS)
 async def model_card(model: str, state: AppState = Depends(get_state)):
     """One model of GET /v1/models (OpenAI's models.retrieve); a model /v1 cannot use is a 404."""
-    return _card(_lookup(state, model))
+    lookup(state, None, None)  # 503 until the models are ready
+    served = state.registry.models.get(model)
+    if served is None or COMPLETIONS not in served.tasks:
+        raise _not_found(state, model)
+    return _card(served)
