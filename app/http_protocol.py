@@ -46,11 +46,41 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
 
     def data_received(self, data: bytes) -> None:
-        """Count the bytes of a request's head; one that is still unfinished past the limit ends here."""
+        """Count the bytes of a request's head: one still unfinished past the limit ends here (before
+        the parser holds more of it); a finished one is measured exactly by on_url / on_header."""
         if self._in_headers:
             self._header_bytes += len(data)
         super().data_received(data)
-        if self._in_headers and self._header_bytes > self.max_header_bytes and not self.transport.is_closing():
+        if self._in_headers and self._header_bytes > self.max_header_bytes:
+            self._refuse_large_head()
+
+    def on_message_begin(self) -> None:
+        self._request_begun = True
+        self._head_size = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def _count_head(self, n: int) -> None:
+        self._head_size = getattr(self, "_head_size", 0) + n
+        if self._head_size > self.max_header_bytes:
+            self._head_too_large = True
+            raise ValueError("request headers too large")  # the parser stops; uvicorn calls send_400_response
+
+    def send_400_response(self, msg: str) -> None:
+        if getattr(self, "_head_too_large", False):
+            self._refuse_large_head()
+        else:
+            super().send_400_response(msg)
+
+    def _refuse_large_head(self) -> None:
+        if not self.transport.is_closing():
             self._disarm_header_timer()
             self.transport.write(TOO_LARGE_RESPONSE)
             self.transport.close()
@@ -67,10 +97,6 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         if self._request_begun:
             self.transport.write(TIMEOUT_RESPONSE)
         self.transport.close()
-
-    def on_message_begin(self) -> None:
-        self._request_begun = True
-        super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()

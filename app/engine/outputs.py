@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 # ATTNLENS_MAX_STREAM_BACKLOG_BYTES.
 EVENT_BYTES = 512
 FLOAT_BYTES = 32
-BATCH_BYTES = 4_000_000  # at most this much (estimated) is built into events for one write
+BATCH_BYTES = 1_000_000  # at most this much (estimated) is built into events for one write
 
 
 class GenerationCancelled(Exception):
