@@ -11,10 +11,16 @@ saying why; its generation stops at the next step. The others go on.
 A stream's events leave the count when its client takes them, when it is cancelled (its
 client went away while it ran), and when its output is freed (its client went away after the
 end: the route lets go of the generation, and its output has no reference cycle to wait for).
+
+Freed memory goes back to the allocator, which keeps it for later unless told otherwise: when
+every stream's backlog is gone after more than TRIM_AFTER_BYTES (estimated) were held, glibc's
+malloc_trim gives the free pages back to the system, so the server's RSS comes back down.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import threading
 import weakref
@@ -24,6 +30,19 @@ if TYPE_CHECKING:
     from .outputs import GenerationOutput
 
 log = logging.getLogger("attnlens.engine")
+
+TRIM_AFTER_BYTES = 16_000_000
+
+
+def _malloc_trim():
+    """glibc's malloc_trim(0), or None where there is none (musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+MALLOC_TRIM = _malloc_trim()
 
 
 class Held:
@@ -44,6 +63,7 @@ class StreamBudget:
         self.in_use = 0
         self.shed = 0  # streams ended to keep within the limit
         self._lock = threading.Lock()  # a finaliser may run on whichever thread collects garbage
+        self.high_water = 0  # the most held since the backlogs were last all gone
         self._outputs: weakref.WeakSet[GenerationOutput] = weakref.WeakSet()
 
     def join(self, output: "GenerationOutput") -> None:
@@ -55,6 +75,18 @@ class StreamBudget:
     def add(self, n: int) -> None:
         with self._lock:
             self.in_use += n
+            self.high_water = max(self.high_water, self.in_use)
+        if n < 0:
+            self._maybe_trim()
+
+    def _maybe_trim(self) -> None:
+        """Every backlog is gone after a large one: give the free memory back to the system."""
+        with self._lock:
+            if self.in_use > 0 or self.high_water < TRIM_AFTER_BYTES:
+                return
+            self.high_water = 0
+        if MALLOC_TRIM is not None:
+            MALLOC_TRIM(0)
 
     def over(self) -> bool:
         return self.in_use > self.limit
@@ -76,3 +108,4 @@ class StreamBudget:
         with self._lock:
             self.in_use -= held.bytes
             held.bytes = 0
+        self._maybe_trim()
