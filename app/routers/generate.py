@@ -38,12 +38,16 @@ ERRORS = {
     "/generate",
     response_model=GenerateResponse,
     responses={**ERRORS, 200: {"content": {"text/event-stream": {"schema": {
+                                   # each event, as OpenAPI before 3.2 describes a stream's events
                                    "description": "each `event: token` carries a StreamToken, the last "
                                                   "`event: done` a StreamDone (or `event: error` a "
                                                   "StreamError)",
-                                   "oneOf": [{"$ref": "#/components/schemas/StreamToken"},
-                                             {"$ref": "#/components/schemas/StreamDone"},
-                                             {"$ref": "#/components/schemas/StreamError"}]}}},
+                                   "type": "object", "required": ["event", "data"],
+                                   "oneOf": [{"properties": {"event": {"const": name}, "data": {
+                                       "contentMediaType": "application/json",
+                                       "contentSchema": {"$ref": f"#/components/schemas/{model}"}}}}
+                                       for name, model in (("token", "StreamToken"), ("done", "StreamDone"),
+                                                           ("error", "StreamError"))]}}},
                                "description": "JSON, or with stream=true a stream of `token` events, "
                                               "then one `done` (or `error`) event"}},
 )

@@ -191,7 +191,15 @@ def _logprob_per_token(out, generation: Generation) -> float:
     return sum(lps) / len(lps) if lps else float("-inf")
 
 
-@router.post("/completions", response_model=Completion, response_model_exclude_none=False, responses=ERRORS)
+STREAM = {"description": "a Completion, or with stream=true OpenAI's stream: `data:` events each holding a JSON "
+                         "chunk (a Completion whose choices carry the new text), or an `error` object, then "
+                         "`data: [DONE]`",
+          "content": {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
+              "data": {"type": "string", "description": "a JSON Completion chunk, an error object, or [DONE]"}}}}}}
+
+
+@router.post("/completions", response_model=Completion, response_model_exclude_none=False,
+             responses={**ERRORS, 200: STREAM})
 async def completions(body: CompletionRequest, request: Request, state: AppState = Depends(get_state)):
     served = _lookup(state, body.model)
     engine: EngineFront = served.runner
