@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
-from .schemas import Strict, Text
+from .schemas import ModelName, Strict, Text
+
 
 class AttentionGroupInfo(BaseModel):
     name: str = Field(description="the group's key in answers, e.g. self, encoder, decoder, cross")
@@ -59,6 +62,11 @@ class ModelSummary(BaseModel):
         "encoder-decoder (bidirectional encoder, causal decoder, and cross-attention from the target to the source)")
     labels: list[str] | None = Field(None, description="a classifier's labels, in the head's order")
     pooling: str | None = Field(None, description="how the classification head pools the positions")
+    state: Literal["starting", "running", "restarting", "failed", "stopped"] = Field(
+        "running", description="its engine's state: a model that is not running answers 503 for now "
+                               "(restarting) or for good (failed)")
+    restarts: int = Field(0, description="engine processes started again after one stopped")
+    detail: str | None = Field(None, description="why it is not running, when it is not")
 
 
 class ModelsResponse(BaseModel):
@@ -68,16 +76,19 @@ class ModelsResponse(BaseModel):
 
 # --- /fill-mask --------------------------------------------------------------
 class FillMaskRequest(Strict):
-    model: Text | None = Field(None, description="a name from GET /models; default: the default model")
+    model: ModelName | None = Field(None, description="a name from GET /models; default: the default model, or "
+                                                      "the one loaded model that can fill masks")
     text: Text = Field(min_length=1, description="text with one or more [MASK]")
     top_k: int = Field(5, ge=1, le=100, description="candidates per mask")
 
 
 class FillMaskCandidate(BaseModel):
-    score: float = Field(description="probability of this token at the mask")
+    score: float = Field(description="probability of this token at the mask (softmax over the whole vocabulary, "
+                                     "as Hugging Face's pipeline gives it; special tokens are never candidates)")
     token: int = Field(description="token id")
     token_str: str = Field(description="the token's text as it would appear in place (leading space included)")
-    sequence: str = Field(description="the input text with this candidate in place of its [MASK]")
+    sequence: str = Field(description="the input text with this candidate in place of its [MASK], decoded by the "
+                                      "tokenizer as Hugging Face's fill-mask pipeline does")
 
 
 class FillMaskResponse(BaseModel):
@@ -87,7 +98,8 @@ class FillMaskResponse(BaseModel):
 
 # --- /classify ---------------------------------------------------------------
 class ClassifyRequest(Strict):
-    model: Text | None = Field(None, description="a name from GET /models; default: the default model")
+    model: ModelName | None = Field(None, description="a name from GET /models; default: the default model, or "
+                                                      "the one loaded model that can classify")
     text: Text = Field(min_length=1, description="the passage to classify")
 
 

@@ -27,12 +27,16 @@ from pydantic.json_schema import models_json_schema
 from starlette.middleware.gzip import GZipMiddleware
 
 from attnlens.model import Checkpoint, SamplingParams
+from attnlens.model.families import family_of
 
 from .answers import AnswerBudget
 from .attention_analysis import analyse_attention
-from .auth import ApiKeyMiddleware, is_open
+from .auth import ApiKeyMiddleware, document_bearer
 from .body_limit import BodyLimitMiddleware
 from .engine import Engine, EngineFront, EngineProcess, GenerationParams
+from .engine.stream_budget import StreamBudget
+from .engine.supervisor import EngineSupervisor, RestartPolicy, Supervision
+from .docs import install_docs
 from .errors import install_error_handlers, scope_error_response
 from .loader import load_for_serving
 from .memory import cache_row_bytes, cache_rows
@@ -62,6 +66,28 @@ async def warm_up(served: ServedModel) -> None:
         await served.runner.call(classify_or_fill_warm_up)
 
 
+async def start_runner(s: Settings, ckpt: Checkpoint, name: str):
+    """The runner of one loaded model: an engine (in its own process, or on a thread) for a
+    family that generates, with as many KV-cache rows as ATTNLENS_KV_CACHE_BYTES allows; a
+    ModelRunner (worker threads) for one that does not."""
+    if family_of(ckpt.model).generation is None:
+        return ModelRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)
+    rows = cache_rows(name, cache_row_bytes(ckpt.model), s.max_concurrent, s.kv_cache_bytes)
+    limits = dict(max_concurrent=rows, max_queue=s.max_queue,
+                  max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs,
+                  max_stream_backlog_bytes=s.max_stream_backlog_bytes)
+    if s.engine_process and ckpt.path is not None:
+        return await asyncio.to_thread(EngineProcess, ckpt, device=s.device, dtype=s.dtype, log_level=s.log_level,
+                                       start_timeout_s=s.engine_start_timeout_s, **limits)
+    return Engine(ckpt, **limits)
+
+
+def restart_policy(s: Settings) -> RestartPolicy:
+    return RestartPolicy(max_restarts=s.engine_max_restarts, window_s=s.engine_restart_window_s,
+                         backoff_s=s.engine_restart_backoff_s, backoff_max_s=s.engine_restart_backoff_max_s,
+                         wait_s=s.engine_restart_wait_s, stall_s=s.engine_stall_s)
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     state: AppState = app.state.attnlens
@@ -69,7 +95,10 @@ async def lifespan(app: FastAPI):
     state.status = "loading"
     registry = ModelRegistry(default=model_name(s.model))
     engines: list[EngineFront] = []
+    supervision: Supervision | None = None
+    budget = StreamBudget(s.max_stream_backlog_total_bytes)  # every stream's unread events, all models
     try:
+        loaded = []
         for model_dir in s.model_dirs():
             ckpt = state.preloaded.pop(str(model_dir), None)  # `attnlens serve` loads them first
             try:
@@ -79,22 +108,21 @@ async def lifespan(app: FastAPI):
                 state.status = "failed"
                 log.error("cannot load the model from %s: %s", model_dir, e)
                 raise RuntimeError(f"cannot load the model from {model_dir}: {e}") from None
-            served = ServedModel(model_name(model_dir), ckpt.path, ckpt, tasks=tasks_of(ckpt))
-            if served.generates:
-                rows = cache_rows(served.name, cache_row_bytes(ckpt.model), s.max_concurrent, s.kv_cache_bytes)
-                limits = dict(max_concurrent=rows, max_queue=s.max_queue,
-                              max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs,
-                              max_stream_backlog_bytes=s.max_stream_backlog_bytes)
-                if s.engine_process and ckpt.path is not None:
-                    runner = await asyncio.to_thread(EngineProcess, ckpt, device=s.device, dtype=s.dtype,
-                                                     log_level=s.log_level, **limits)
-                else:
-                    runner = Engine(ckpt, **limits)
-                engines.append(runner)
-            else:
-                runner = ModelRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)
-            served.runner = runner
-            registry.add(served)
+            loaded.append((model_dir, ckpt))
+        # every engine process starts at once: each loads its model while the others load theirs
+        runners = await asyncio.gather(*(start_runner(s, ckpt, model_name(d)) for d, ckpt in loaded), return_exceptions=True)
+        engines.extend(r for r in runners if isinstance(r, EngineFront))
+        for r in runners:
+            if isinstance(r, BaseException):
+                raise r
+        policy = restart_policy(s)
+        for (model_dir, ckpt), runner in zip(loaded, runners):
+            name = model_name(model_dir)
+            supervisor = None
+            if isinstance(runner, EngineFront):
+                runner.stream_budget = budget
+                supervisor = EngineSupervisor(name, runner, policy)
+            registry.add(ServedModel(name, ckpt.path, ckpt, runner, tasks_of(ckpt), supervisor=supervisor))
         if s.max_prompt_tokens is None:  # the default follows the models (each checks its own context too)
             longest = max(m.checkpoint.config.context_length for m in registry.models.values())
             s = state.settings = s.model_copy(update={"max_prompt_tokens": longest})
@@ -106,8 +134,11 @@ async def lifespan(app: FastAPI):
         state.metrics.bind_engines({m.name: m.runner for m in registry.models.values() if m.generates})
         if s.warmup:
             state.status = "warming up"
-            for served in registry.models.values():
-                await warm_up(served)
+            await asyncio.gather(*(warm_up(served) for served in registry.models.values()))
+        supervision = state.supervision = Supervision(m.supervisor for m in registry.models.values()
+                                                      if m.supervisor is not None)
+        state.metrics.registry.register(supervision)  # each model's engine state and restarts on /metrics
+        supervision.start()
         state.ready, state.status = True, "ready"
         for served in registry.models.values():
             cfg, memory = served.checkpoint.config, served.memory()
@@ -123,8 +154,10 @@ async def lifespan(app: FastAPI):
         yield
     finally:
         state.ready, state.status = False, "stopped"
-        for engine in engines:
-            await asyncio.to_thread(engine.close)
+        if supervision is not None:
+            await supervision.stop()  # no restarts while the engines close
+            state.metrics.registry.unregister(supervision)
+        await asyncio.gather(*(asyncio.to_thread(engine.close) for engine in engines))
 
 
 def add_stream_schemas(app: FastAPI) -> None:
@@ -146,25 +179,6 @@ def add_stream_schemas(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def add_bearer_scheme(app: FastAPI) -> None:
-    """With an API key set, the OpenAPI description says which operations need it (so /docs'
-    Authorize button and generated clients send it)."""
-    default = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = default()
-            schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
-            schemes["bearer"] = {"type": "http", "scheme": "bearer", "description": "ATTNLENS_API_KEY"}
-            for path, operations in schema.get("paths", {}).items():
-                if not is_open(path):
-                    for operation in operations.values():
-                        operation["security"] = [{"bearer": []}]
-        return app.openapi_schema
-
-    app.openapi = openapi
-
-
 def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint] | None = None) -> FastAPI:
     """The app for `settings`; `preloaded` (str(model dir) -> Checkpoint) are served instead of
     loading those directories at start-up (`attnlens serve` loads them first, to fail with one
@@ -178,11 +192,13 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
         # no redirect from /path/ to /path (or /static to /static/): Starlette builds its absolute
         # URL from the Host header the client sent, so anyone could make us point elsewhere
         redirect_slashes=False,
+        docs_url=None, redoc_url=None,  # served from local assets instead of a CDN (docs.py)
     )
     app.state.attnlens = AppState(settings=settings, metrics=Metrics(),
                                   answers=AnswerBudget(settings.max_answer_bytes, settings.answer_wait_s),
                                   preloaded=dict(preloaded or {}))
     install_error_handlers(app)
+    install_docs(app)
     for module in (generate, attention, encoder, openai, ops, ui):
         app.include_router(module.router)
     add_stream_schemas(app)
@@ -195,7 +211,7 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_response=scope_error_response,
                        timeout_s=settings.body_timeout_s)
     if settings.api_key is not None and settings.api_key.get_secret_value():
-        add_bearer_scheme(app)
+        document_bearer(app)
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(),
                            error_response=scope_error_response)
     if settings.cors_origins:

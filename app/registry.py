@@ -74,6 +74,12 @@ class ServedModel:
     checkpoint: Checkpoint
     runner: Any = None  # a generation engine (EngineFront) when the family generates, else a ModelRunner
     tasks: list[str] = field(default_factory=list)
+    supervisor: Any = None  # the engine's EngineSupervisor (engine/supervisor.py), for a model with an engine
+
+    @property
+    def state(self) -> str:
+        """starting | running | restarting | failed | stopped (an encoder's runner always runs)."""
+        return self.supervisor.state if self.supervisor is not None else "running"
 
     @property
     def family(self) -> Family:
@@ -122,8 +128,13 @@ class ModelRegistry:
         return list(self.models)
 
     def get(self, name: str | None, task: str | None = None, *, param: str = "model") -> ServedModel:
-        """The model `name` (default: the default model), checked to answer `task`."""
-        served = self.models.get(name or self.default)
+        """The model `name` (default: the default model, or for a task it cannot do, the one
+        loaded model that can), checked to answer `task`."""
+        if name is None and task is not None and task not in self.models[self.default].tasks:
+            able = [m for m in self.models.values() if task in m.tasks]
+            if len(able) == 1:
+                return able[0]
+        served = self.models.get(self.default if name is None else name)
         if served is None:
             raise ApiError(404, f"unknown model {name!r}; the loaded models are: {', '.join(self.names)} "
                                 f"(GET /models describes them)", param=param, code="model_not_found")

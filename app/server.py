@@ -33,7 +33,7 @@ def serve(model: str | None = None, host: str | None = None, port: int | None = 
             sys.exit(STARTUP_FAILED)
     config = uvicorn.Config(create_app(settings, preloaded), host=settings.host, port=settings.port,
                             log_level=settings.log_level, lifespan="on", timeout_graceful_shutdown=5,
-                            http=protocol_with_header_timeout(settings.header_timeout_s),
+                            http=protocol_with_header_timeout(settings.header_timeout_s, settings.max_header_bytes),
                             timeout_keep_alive=settings.keep_alive_s)
     server = uvicorn.Server(config)
     server.run()

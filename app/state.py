@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from attnlens.model import Checkpoint
 
@@ -18,6 +19,7 @@ class AppState:
     metrics: Metrics
     answers: AnswerBudget
     registry: ModelRegistry | None = None  # every loaded model by name, with its engine or runner
+    supervision: Any = None  # the engines' supervisors (engine/supervisor.py), once started
     ready: bool = False
     status: str = "starting"
     preloaded: dict[str, Checkpoint] = field(default_factory=dict)  # model dir -> loaded before start-up

@@ -51,7 +51,8 @@ def maps_and_greedy(src, case, ids: list[int], n: int):
 def test_a_served_llama_answers_attention_generate_and_completions(llama, http):
     src, ours = llama
     ckpt = load_checkpoint(ours)
-    ids = ckpt.tokenizer.encode(PROMPT)
+    ids = ckpt.tokenizer.encode_prompt(PROMPT)  # BOS first, as transformers' tokenizer(PROMPT) gives them
+    assert ids == transformers.AutoTokenizer.from_pretrained(src)(PROMPT)["input_ids"]
     want_maps, want_ids = maps_and_greedy(src, CASES["llama3"], ids, 10)
     info = http.get("/model").json()
     assert info["architecture"]["n_kv_heads"] == 2 and info["context_length"] == 64
@@ -59,7 +60,7 @@ def test_a_served_llama_answers_attention_generate_and_completions(llama, http):
     d = http.post("/attention", json={"text": PROMPT, "format": "json"}).json()
     assert d["shape"] == [2, 4, len(ids), len(ids)]  # one map per query head (2 key/value heads)
     assert [t["id"] for t in d["tokens"]] == ids
-    assert "".join(t["text"] for t in d["tokens"]) == PROMPT  # spaces shown as spaces, not Ġ
+    assert "".join(t["text"] for t in d["tokens"][1:]) == PROMPT  # spaces shown as spaces, not Ġ
     torch.testing.assert_close(torch.tensor(d["attention"]), want_maps, atol=2e-6, rtol=0)
 
     g = http.post("/generate", json={"prompt": PROMPT, "max_new_tokens": 10, "temperature": 0, "logprobs": 1}).json()
@@ -87,15 +88,16 @@ def test_a_mistral_with_its_window_and_sentencepiece_tokens_is_served(tmp_path):
     ours, _ = import_checkpoint(src, tmp_path / "mistral")
     ckpt = load_checkpoint(ours)
     text = "Whether 'tis nobler in the mind to suffer the slings"
-    ids = ckpt.tokenizer.encode(text)
-    assert len(ids) > 12
+    ids = ckpt.tokenizer.encode_prompt(text)  # <s> first, as transformers' tokenizer(text) gives them
+    assert ids == transformers.AutoTokenizer.from_pretrained(src)(text)["input_ids"] and len(ids) > 12
     want_maps, _ = maps_and_greedy(src, CASES["mistral"], ids, 1)
     with TestClient(create_app(Settings(model=ours, device="cpu", warmup=False))) as client:
-        d = client.post("/attention", json={"ids": ids, "format": "json"}).json()
+        d = client.post("/attention", json={"text": text, "format": "json"}).json()
+        assert [t["id"] for t in d["tokens"]] == ids
         torch.testing.assert_close(torch.tensor(d["attention"]), want_maps, atol=2e-6, rtol=0)
         assert (torch.tensor(d["attention"])[:, :, -1, :len(ids) - 8] == 0).all()
         tokens = [t["text"] for t in d["tokens"]]
-        assert "".join(tokens) == " " + text and tokens[0].startswith(" ")  # "▁" shown as a space
+        assert "".join(tokens[1:]) == " " + text and tokens[1].startswith(" ")  # "▁" shown as a space
         g = client.post("/generate", json={"prompt": text, "max_new_tokens": 12, "temperature": 0}).json()
     ref = [t.id for t in generate_tokens(ckpt.model, ids, 12, SamplingParams(temperature=0))]
     ref = ref[:next((i for i, t in enumerate(ref) if t in ckpt.tokenizer.eos_ids), len(ref))]

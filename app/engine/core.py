@@ -140,6 +140,9 @@ class Engine(EngineFront):
         self.device = self.model.tok_emb.weight.device
         self.dtype = self.model.tok_emb.weight.dtype
         self.cache = self.model.new_kv_cache(max_concurrent)  # one row per slot, reused
+        # a vocabulary padded past the tokenizer's last id (Qwen2): those ids are never sampled
+        vocab = checkpoint.tokenizer.vocab_size
+        self.vocab_limit = vocab if vocab < checkpoint.config.vocab_size else None
         # on CUDA: the decode step captured once per batch-size bucket, replayed every step (for
         # the families whose module offers a fixed-shape step, FixedShapeDecoder; the others decode
         # eagerly)
@@ -285,7 +288,7 @@ class Engine(EngineFront):
             self.cache.free(first + i)
             g.t_start = time.perf_counter()
             g.sampler = RowSampler(p.sampling, make_generator(p.sampling.seed), p.n_logprobs,
-                                   p.return_attention)
+                                   p.return_attention, vocab_limit=self.vocab_limit)
             self._decoding.append(g)  # owns row first + i from now on
         lengths = [len(g.params.prompt_ids) for g in batch]
         T = max(lengths)

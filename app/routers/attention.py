@@ -46,7 +46,7 @@ async def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[i
     else:
         field = "text"
         ids = await tokenize_text(tok, body.text, context_length, field="text",
-                                  limit_name="the model's context length")
+                                  limit_name="the model's context length", prompt=True)
         if not ids:
             raise ApiError(400, "text encodes to no tokens", param="text", code="empty_text")
     if len(ids) > context_length:
@@ -55,7 +55,7 @@ async def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[i
     return ids
 
 
-def _target_ids(body: AttentionRequest, served: ServedModel) -> list[int] | None:
+async def _target_ids(body: AttentionRequest, served: ServedModel) -> list[int] | None:
     """The target of a family that reads one (an encoder-decoder): `target` tokenised or `target_ids`
     as they are, or None (then the model's greedy output). The decoder reads start + target:
     context - 1 at most. Any other family refuses a target."""
@@ -74,8 +74,9 @@ def _target_ids(body: AttentionRequest, served: ServedModel) -> list[int] | None
             if not 0 <= i < tok.vocab_size:
                 raise field_error("target_ids", f"token id {i} (at position {pos}) is not in the vocabulary: "
                                                 f"ids run 0..{tok.vocab_size - 1}", "out_of_range")
-    else:
-        field, ids = "target", tok.encode(body.target)
+    else:  # checked by its bytes, then tokenised off the event loop (as `text` is)
+        field, ids = "target", await tokenize_text(tok, body.target, context_length - 1, field="target",
+                                                   limit_name="the model's context length")
         if not ids:
             raise ApiError(400, "target encodes to no tokens", param="target", code="empty_text")
     if len(ids) + 1 > context_length:
@@ -111,7 +112,7 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
                                      f"{family.attention_kind} (full maps): use packing='full'", "unsupported")
     layers = _indices("layers", body.layers, cfg.n_layers)
     heads = _indices("heads", body.heads, cfg.n_heads)
-    target = _target_ids(body, served)
+    target = await _target_ids(body, served)
     if family.framing == "cls_sep" and body.text is not None and body.ids is None:
         check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
         try:

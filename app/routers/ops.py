@@ -22,25 +22,30 @@ async def healthz():
     return {"status": "ok"}
 
 
-def model_state(served: ServedModel) -> str:
-    """ready, or why not (a generating model's engine, in a thread or a process of its own, has stopped)."""
-    if served.generates and not served.runner.alive:
-        return "the engine has stopped"
-    return "ready"
+def model_states(registry) -> dict[str, dict]:
+    """Each model's engine state, restarts and (when it does not run) why: /readyz and /models say it."""
+    out = {}
+    for name, served in registry.models.items():
+        sup = served.supervisor
+        out[name] = {"state": served.state, "restarts": sup.restarts if sup is not None else 0,
+                     "detail": sup.detail if sup is not None else None}
+    return out
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
 async def readyz(state: StateDep):
-    """200 once every model is loaded and warmed up and every engine runs; else 503, naming the models
-    that are not ready."""
-    if not state.ready or state.registry is None:
-        return JSONResponse({"ready": False, "status": state.status}, status_code=503)
-    models = {name: model_state(m) for name, m in state.registry.models.items()}
-    down = [f"{name}: {s}" for name, s in models.items() if s != "ready"]
+    """200 once every model is loaded and warmed up and every engine runs (thread or process);
+    else 503, with each model's state (a restarting or failed engine says why)."""
+    registry = state.registry
+    if not state.ready or registry is None:
+        return JSONResponse({"ready": False, "status": state.status, "detail": None}, status_code=503)
+    models = model_states(registry)
+    down = {name: m for name, m in models.items() if m["state"] != "running"}
     if not down:
         return {"ready": True, "status": "ready", "models": models}
-    return JSONResponse({"ready": False, "status": "failed", "detail": "; ".join(down), "models": models},
-                        status_code=503)
+    status = "failed" if any(m["state"] == "failed" for m in down.values()) else "restarting"
+    detail = "; ".join(f"model {name!r}: {m['detail'] or m['state']}" for name, m in down.items())
+    return JSONResponse({"ready": False, "status": status, "detail": detail, "models": models}, status_code=503)
 
 
 def training_summary(report: dict | None) -> dict | None:
