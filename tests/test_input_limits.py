@@ -211,33 +211,38 @@ def test_docs_render_with_no_network(tiny_checkpoint, tmp_path):
     if not Path("/usr/bin/chromium").exists():
         pytest.skip("no /usr/bin/chromium")
     playwright = pytest.importorskip("playwright.sync_api")
-    from helpers import run_async  # noqa: F401  (the browser runs on this thread)
+    from concurrent.futures import ThreadPoolExecutor
     from live_server import live_server
 
     with live_server(tiny_checkpoint, tmp_path, env={"ATTNLENS_LOG_LEVEL": "warning"}) as srv:
-        with playwright.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
-                "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync"])
-            try:
-                page = browser.new_page()
-                outside = []
+        def browse() -> None:
+            with playwright.sync_playwright() as p:
+                browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
+                    "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                    "--disable-component-update", "--disable-sync"])
+                try:
+                    page = browser.new_page()
+                    outside = []
 
-                def only_here(route):
-                    if route.request.url.startswith(srv.base_url):
-                        return route.continue_()
-                    if route.request.resource_type != "image":  # (ReDoc's "by Redocly" logo is one)
-                        outside.append(route.request.url)
-                    return route.abort()
+                    def only_here(route):
+                        if route.request.url.startswith(srv.base_url):
+                            return route.continue_()
+                        if route.request.resource_type != "image":  # (ReDoc's "by Redocly" logo is one)
+                            outside.append(route.request.url)
+                        return route.abort()
 
-                page.route("**/*", only_here)
-                page.goto(srv.base_url + "/docs")
-                page.wait_for_selector("[data-path='/v1/completions']", timeout=30000)  # Swagger UI's operation
-                page.goto(srv.base_url + "/redoc")
-                page.wait_for_selector("[data-section-id='tag/openai']", state="attached", timeout=30000)
-                assert not outside, outside
-            finally:
-                browser.close()
+                    page.route("**/*", only_here)
+                    page.goto(srv.base_url + "/docs")
+                    page.wait_for_selector("[data-path='/v1/completions']", timeout=30000)  # Swagger UI's operation
+                    page.goto(srv.base_url + "/redoc")
+                    page.wait_for_selector("[data-section-id='tag/openai']", state="attached", timeout=30000)
+                    assert not outside, outside
+                finally:
+                    browser.close()
+
+        # on a thread of its own: Playwright's sync API refuses a thread where an asyncio loop runs
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(browse).result()
 
 
 def test_openapi_stays_json_serialisable(client):
