@@ -41,6 +41,7 @@ from .registry import ENGINE_FAMILIES, EncoderRunner, ModelRegistry, ServedModel
 from .routers import attention, encoder, generate, openai, ops, ui
 from .schemas import StreamDone, StreamError, StreamToken
 from .settings import Settings, default_switch_interval_ms
+from .shutdown import DrainMiddleware
 from .state import AppState
 
 log = logging.getLogger("attnlens.app")
@@ -198,6 +199,7 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
         add_bearer_scheme(app)
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(),
                            error_response=scope_error_response)
+    app.add_middleware(DrainMiddleware, drain=app.state.attnlens.drain)  # graceful shutdown (app/shutdown.py)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["Retry-After"])

@@ -4,6 +4,7 @@ generation must produce, and waiting on an engine's generations."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -130,6 +131,30 @@ async def drain(generation):
         else:
             last = event
     return tokens, last
+
+
+class HeldModel:
+    """The real model, but from its `hold_at`-th forward on each one waits until `release` is set
+    or `give_up()` says so (e.g. once the engine is closing)."""
+
+    def __init__(self, model, hold_at: int, give_up=lambda: False):
+        self._model = model
+        self.hold_at = hold_at
+        self.give_up = give_up
+        self.calls = 0
+        self.held = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, ids, **kw):
+        self.calls += 1
+        if self.calls >= self.hold_at:
+            self.held.set()
+            while not self.release.wait(0.01) and not self.give_up():
+                pass
+        return self._model(ids, **kw)
 
 
 @torch.no_grad()
