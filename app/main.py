@@ -100,8 +100,7 @@ async def lifespan(app: FastAPI):
         device = next(default.checkpoint.model.parameters()).device
         interval = s.switch_interval_ms or default_switch_interval_ms(device.type)
         sys.setswitchinterval(interval / 1000)  # process-wide: see Settings.switch_interval_ms
-        if engine is not None:
-            state.metrics.bind_engine(engine)
+        state.metrics.bind_registry(registry)  # every loaded model's gauges, each labelled with its name
         if s.warmup:
             state.status = "warming up"
             for served in registry.models.values():
@@ -180,7 +179,7 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
         # URL from the Host header the client sent, so anyone could make us point elsewhere
         redirect_slashes=False,
     )
-    app.state.attnlens = AppState(settings=settings, metrics=Metrics(),
+    app.state.attnlens = AppState(settings=settings, metrics=Metrics(default_model=model_name(settings.model)),
                                   answers=AnswerBudget(settings.max_answer_bytes, settings.answer_wait_s),
                                   preloaded=dict(preloaded or {}))
     install_error_handlers(app)

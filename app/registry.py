@@ -18,6 +18,7 @@ from attnlens.model import Checkpoint
 
 from .engine import QueueFull
 from .errors import ApiError
+from .metrics import note_request_model
 
 # Endpoint names, as /models lists them and as error messages name them.
 GENERATE, COMPLETIONS, ATTENTION, FILL_MASK, CLASSIFY = "generate", "completions", "attention", "fill-mask", "classify"
@@ -101,6 +102,7 @@ class ModelRegistry:
         if served is None:
             raise ApiError(404, f"unknown model {name!r}; the loaded models are: {', '.join(self.names)} "
                                 f"(GET /models describes them)", param=param, code="model_not_found")
+        note_request_model(served.name)  # /metrics labels what this request counts with its model
         if task is not None and task not in served.tasks:
             can = ", ".join(f"{t} ({TASK_ENDPOINTS[t]})" for t in served.tasks)
             others = [m.name for m in self.models.values() if task in m.tasks]
