@@ -50,6 +50,22 @@ def make_tiny_checkpoint(path: Path, *, seed: int = 0, **overrides) -> Path:
     return path
 
 
+
+def never_eos_checkpoint(path: Path, *, context_length: int) -> Path:
+    """The tiny random model, edited so that EOS is never sampled: long generations then
+    really run until cancelled. With the final LayerNorm's weight all ones, the normalised
+    features sum to zero, so an EOS row of -5 * ones scores exactly -5 * sum(ln_f.bias)."""
+    from attnlens.model import load_checkpoint, save_checkpoint
+
+    make_tiny_checkpoint(path, context_length=context_length, tie_embeddings=False)
+    ck = load_checkpoint(path)
+    with torch.no_grad():
+        ck.model.ln_f.weight.fill_(1.0)
+        ck.model.ln_f.bias.fill_(0.1)
+        ck.model.lm_head.weight[ck.tokenizer.eos_id].fill_(-5.0)  # logit -16 at every position
+    save_checkpoint(path, ck.model, ck.tokenizer)
+    return path
+
 MAX_PROMPT = 40  # the `client` fixture's ATTNLENS_MAX_PROMPT_TOKENS
 MAX_NEW = 60  # the `client` fixture's ATTNLENS_MAX_NEW_TOKENS
 

@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from helpers import REPO_ROOT, make_tiny_checkpoint, run_async, sse_events
+from helpers import REPO_ROOT, never_eos_checkpoint, run_async, sse_events
 from live_server import free_port, live_server
 
 pytestmark = pytest.mark.slow
@@ -31,25 +31,9 @@ CONCURRENT, QUEUE = 4, 12
 CONTEXT, LONG = 2048, 2000
 
 
-def never_eos_checkpoint(path):
-    """The tiny random model, edited so that EOS is never sampled: long generations then
-    really run until cancelled. With the final LayerNorm's weight all ones, the normalised
-    features sum to zero, so an EOS row of -5 * ones scores exactly -5 * sum(ln_f.bias)."""
-    from attnlens.model import load_checkpoint, save_checkpoint
-
-    make_tiny_checkpoint(path, context_length=CONTEXT, tie_embeddings=False)
-    ck = load_checkpoint(path)
-    with torch.no_grad():
-        ck.model.ln_f.weight.fill_(1.0)
-        ck.model.ln_f.bias.fill_(0.1)
-        ck.model.lm_head.weight[ck.tokenizer.eos_id].fill_(-5.0)  # logit -16 at every position
-    save_checkpoint(path, ck.model, ck.tokenizer)
-    return path
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    ckpt = never_eos_checkpoint(tmp_path_factory.mktemp("live") / "tiny2k")
+    ckpt = never_eos_checkpoint(tmp_path_factory.mktemp("live") / "tiny2k", context_length=CONTEXT)
     env = {"ATTNLENS_MAX_CONCURRENT": str(CONCURRENT), "ATTNLENS_MAX_QUEUE": str(QUEUE),
            "ATTNLENS_MAX_NEW_TOKENS": str(LONG), "OMP_NUM_THREADS": "1", "ATTNLENS_LOG_LEVEL": "warning"}
     with live_server(ckpt, tmp_path_factory.mktemp("live-logs"), env=env) as s:
