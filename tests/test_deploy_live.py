@@ -181,11 +181,13 @@ def engine_processes(replicas) -> list[int]:
 
 
 def test_a_stream_arrives_token_by_token_not_buffered(replicas):
-    """The second token event of a short stream (its whole answer, some 3 kB, would fit nginx's
-    response buffers) reaches the client while its generation still runs: the moment it
+    """The second token event of a short stream (its whole answer, some 3 kB, would fit one of
+    nginx's buffers) reaches the client while its generation still runs: the moment it
     arrives, the test freezes both replicas' engine processes (SIGSTOP), and the replica still
-    holds the generation, 18 tokens from its end. Behind a buffering proxy the second event
-    would come only with the last one."""
+    holds the generation, 18 tokens from its end. So nothing between the model and the client
+    (the server's writer, its compression, nginx) holds events back until the answer ends.
+    (nginx 1.22 passes on what it has whenever its replica pauses, even with proxy_buffering on;
+    what `proxy_buffering off` changes is the next test's.)"""
 
     async def scenario():
         engines = engine_processes(replicas)
@@ -313,6 +315,7 @@ def test_a_sigtermed_replica_drains_without_cutting_a_stream(replicas):
             streams = [await open_stream(client, max_new_tokens=300, prompt=f"Or not {k}") for k in range(4)]
             held = await asyncio.to_thread(replicas.held, 0)
             assert held >= 1
+            engine = children(replicas.servers[0].process.pid)
             replicas.servers[0].process.send_signal(signal.SIGTERM)
             for _ in range(100):  # the signal is handled between two steps of its event loop
                 ready = await client.get(replicas.servers[0].base_url + "/readyz")
@@ -328,5 +331,6 @@ def test_a_sigtermed_replica_drains_without_cutting_a_stream(replicas):
         process = replicas.servers[0].process
         assert await asyncio.to_thread(process.wait, 60) == 0, replicas.servers[0].log()[-3000:]
         assert "drained: no request is running" in replicas.servers[0].log()
+        assert engine and not any(Path(f"/proc/{pid}").exists() for pid in engine)  # closed, after the drain
 
     run_async(scenario())

@@ -42,7 +42,7 @@ def three_models(tmp_path_factory):
     second = make_tiny_checkpoint(root / "second", seed=1)
     words = make_tiny_encoder(root / "words")
     settings = Settings(model=first, models=[first, second, words], device="cpu", warmup=False,
-                        engine_process=False)
+                        engine_process=False, max_concurrent=2, max_queue=1)
     with TestClient(create_app(settings)) as c:
         yield c
 
@@ -87,7 +87,8 @@ def test_an_encoder_request_and_a_refusal_carry_their_model(three_models):
 
 def test_the_load_gauge_is_running_plus_waiting_per_model(three_models):
     """attnlens_generations_running_or_waiting (the autoscaler's metric) is what the engine of that
-    model holds, running or waiting, at the scrape; the other engine's stays 0."""
+    model holds, running or waiting, at the scrape; the other engine's stays 0. A request refused
+    by the full engine is counted for its model."""
     c = three_models
     engine = c.app.state.attnlens.registry.get("second").runner
     real = engine.model
@@ -95,7 +96,7 @@ def test_the_load_gauge_is_running_plus_waiting_per_model(three_models):
     ids = engine.tokenizer.encode("To be")
 
     async def submit():
-        return engine.submit_all([GenerationParams(ids, 3) for _ in range(5)])
+        return engine.submit_all([GenerationParams(ids, 3) for _ in range(3)])  # 2 slots, 1 place in line
 
     async def finish(generations):
         return [await drain(g) for g in generations]
@@ -106,9 +107,14 @@ def test_the_load_gauge_is_running_plus_waiting_per_model(three_models):
         text = c.get("/metrics").text
         running = value(text, "attnlens_requests_in_flight", model="second")
         waiting = value(text, "attnlens_queue_depth", model="second")
-        assert running >= 1 and running + waiting == 5
-        assert value(text, "attnlens_generations_running_or_waiting", model="second") == 5
+        assert running >= 1 and running + waiting == 3
+        assert value(text, "attnlens_generations_running_or_waiting", model="second") == 3
         assert value(text, "attnlens_generations_running_or_waiting", model="first") == 0
+        full = c.post("/generate", json={"prompt": "To be", "max_new_tokens": 2, "model": "second"})
+        assert full.status_code == 429
+        text = c.get("/metrics").text
+        assert value(text, "attnlens_rejected_total", model="second", reason="queue_full") == 1
+        assert not [ls for n, ls, _ in samples(text) if n == "attnlens_rejected_total" and ls["model"] != "second"]
     finally:
         held.release.set()
     assert all(last.finish_reason == "length" for _, last in c.portal.call(finish, generations))
