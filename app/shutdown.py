@@ -7,8 +7,9 @@
   another replica (deploy/nginx: `proxy_next_upstream ... http_503 non_idempotent`);
 - the requests already running, streams included, go on to their end.
 Once none is left, or ATTNLENS_SHUTDOWN_GRACE_S later (or at a second SIGTERM), the server stops
-listening and exits, and its lifespan closes the engines. Generations still running when the grace period ends get an
-`error` event ("the server is shutting down"): their streams end in the protocol, not cut.
+listening and exits, and its lifespan closes the engines. Generations still running when the
+grace period ends get an `error` event ("the server is shutting down"): their streams end in
+the protocol, not cut.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ log = logging.getLogger("attnlens.shutdown")
 OPEN_WHILE_DRAINING = frozenset({"/healthz", "/metrics"})
 # After the grace period: how long the generations just ended get to send their error event
 END_WAIT_S = 10.0
-SHUTTING_DOWN = "the server is shutting down: send the request again, another replica takes it"
+SHUTTING_DOWN = "the server is shutting down: send the request again (another replica, or this one once back, takes it)"
 
 
 class Drain:
