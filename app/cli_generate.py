@@ -21,7 +21,7 @@ def pick_device(pref: str) -> str:
 def generate_to_terminal(args: argparse.Namespace, out=None) -> int:
     out = out or sys.stdout
     ckpt = load_checkpoint(args.model, device=pick_device(args.device))
-    ids = ckpt.tokenizer.encode(args.prompt)
+    ids = ckpt.tokenizer.encode_prompt(args.prompt)  # BOS first where the tokenizer says so (Llama, Mistral)
     if not ids:
         raise ValueError("the prompt is empty")
     if len(ids) >= ckpt.config.context_length:
@@ -34,7 +34,7 @@ def generate_to_terminal(args: argparse.Namespace, out=None) -> int:
     out.write(args.prompt)
     out.flush()
     for token in generate_tokens(ckpt.model, ids, args.max_new_tokens, params):
-        if token.id == ckpt.tokenizer.eos_id:
+        if token.id in ckpt.tokenizer.eos_ids:  # EOS, or another id that ends a generation (<|eot_id|>)
             break
         out.write(decoder.decode(ckpt.tokenizer.token_bytes(token.id)))
         out.flush()

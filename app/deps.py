@@ -1,12 +1,15 @@
-"""FastAPI dependencies: the shared state, reached through the request."""
+"""FastAPI dependencies: the shared state and the model registry, reached through the request
+(the full-stack template's `Annotated` aliases: `StateDep`, `RegistryDep`)."""
 
 from __future__ import annotations
 
-from fastapi import Request
+from typing import Annotated
 
-from .engine import EngineFront
+from fastapi import Depends, Request
+
 from .errors import ApiError
 from .metrics import Metrics
+from .registry import ModelRegistry
 from .settings import Settings
 from .state import AppState
 
@@ -23,9 +26,15 @@ def get_metrics(request: Request) -> Metrics:
     return get_state(request).metrics
 
 
-def get_engine(request: Request) -> EngineFront:
+def get_registry(request: Request) -> ModelRegistry:
+    """Every loaded model; 503 until start-up is done."""
     state = get_state(request)
-    if not state.ready or state.engine is None:
-        raise ApiError(503, f"the model is not ready ({state.status})", code="not_ready",
+    if not state.ready or state.registry is None:
+        raise ApiError(503, f"the models are not ready ({state.status})", code="not_ready",
                        headers={"Retry-After": "5"})
-    return state.engine
+    return state.registry
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]

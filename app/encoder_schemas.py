@@ -7,14 +7,47 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from .schemas import Strict, Text
+from .schemas import ModelName, Strict, Text
 
-Family = Literal["decoder", "encoder", "encoder-decoder"]
+
+class AttentionGroupInfo(BaseModel):
+    name: str = Field(description="the group's key in answers, e.g. self, encoder, decoder, cross")
+    queries: str = Field(description="the axis its rows run over: tokens, source or target")
+    keys: str = Field(description="the axis its columns run over")
+    causal: bool = Field(description="zero above the diagonal")
+    cross: bool = Field(description="rows read another sequence than their own (queries != keys)")
+    description: str
+
+
+class GenerationInfo(BaseModel):
+    prompt: str = Field(description="prefix: the output continues the prompt in one context; source: the "
+                                    "prompt is read by an encoder and the output has a context of its own")
+    step_groups: list[str] = Field(description="the groups each generated token's attention rows come from")
+
+
+class FamilyInfo(BaseModel):
+    """A family's declaration (model/families/contract.py): what the page and clients read."""
+
+    name: str
+    description: str
+    attention_kind: str
+    framing: str = Field(description="how a text is framed for analysis: plain, or cls_sep ([CLS] text [SEP])")
+    axes: list[str]
+    groups: list[AttentionGroupInfo] = Field(description="the attention groups, the primary one first")
+    generation: GenerationInfo | None = Field(description="null when the family does not generate")
+
+
+class ModelMemory(BaseModel):
+    weights_bytes: int = Field(description="the model's parameters and buffers")
+    kv_cache_bytes: int = Field(description="its generation engine's KV cache (0 for a model that does not generate)")
+    kv_cache_rows: int = Field(description="generations its engine decodes at once: ATTNLENS_MAX_CONCURRENT, or "
+                                           "fewer when ATTNLENS_KV_CACHE_BYTES holds fewer rows")
 
 
 class ModelSummary(BaseModel):
     name: str = Field(description="the value to pass as a request's `model`")
-    family: Family
+    family: str = Field(description="the family's name; `family_info` is its declaration")
+    family_info: FamilyInfo
     default: bool = Field(description="used when a request names no model")
     n_layers: int
     n_heads: int
@@ -22,12 +55,18 @@ class ModelSummary(BaseModel):
     context_length: int
     vocab_size: int
     parameters: int
+    memory: ModelMemory
     tasks: list[str] = Field(description="the endpoints this model answers, e.g. generate, fill-mask, classify, attention")
-    attention: Literal["causal", "bidirectional", "encoder-decoder"] = Field(
-        description="causal (a decoder), bidirectional (an encoder), or encoder-decoder (bidirectional "
-        "encoder, causal decoder, and cross-attention from the target to the source)")
+    attention: str = Field(
+        description="the family's attention kind: causal (a decoder), bidirectional (an encoder), or "
+        "encoder-decoder (bidirectional encoder, causal decoder, and cross-attention from the target to the source)")
     labels: list[str] | None = Field(None, description="a classifier's labels, in the head's order")
     pooling: str | None = Field(None, description="how the classification head pools the positions")
+    state: Literal["starting", "running", "restarting", "failed", "stopped"] = Field(
+        "running", description="its engine's state: a model that is not running answers 503 for now "
+                               "(restarting) or for good (failed)")
+    restarts: int = Field(0, description="engine processes started again after one stopped")
+    detail: str | None = Field(None, description="why it is not running, when it is not")
 
 
 class ModelsResponse(BaseModel):
@@ -37,16 +76,19 @@ class ModelsResponse(BaseModel):
 
 # --- /fill-mask --------------------------------------------------------------
 class FillMaskRequest(Strict):
-    model: Text | None = Field(None, description="a name from GET /models; default: the default model")
+    model: ModelName | None = Field(None, description="a name from GET /models; default: the default model, or "
+                                                      "the one loaded model that can fill masks")
     text: Text = Field(min_length=1, description="text with one or more [MASK]")
     top_k: int = Field(5, ge=1, le=100, description="candidates per mask")
 
 
 class FillMaskCandidate(BaseModel):
-    score: float = Field(description="probability of this token at the mask")
+    score: float = Field(description="probability of this token at the mask (softmax over the whole vocabulary, "
+                                     "as Hugging Face's pipeline gives it; special tokens are never candidates)")
     token: int = Field(description="token id")
     token_str: str = Field(description="the token's text as it would appear in place (leading space included)")
-    sequence: str = Field(description="the input text with this candidate in place of its [MASK]")
+    sequence: str = Field(description="the input text with this candidate in place of its [MASK], decoded by the "
+                                      "tokenizer as Hugging Face's fill-mask pipeline does")
 
 
 class FillMaskResponse(BaseModel):
@@ -56,7 +98,8 @@ class FillMaskResponse(BaseModel):
 
 # --- /classify ---------------------------------------------------------------
 class ClassifyRequest(Strict):
-    model: Text | None = Field(None, description="a name from GET /models; default: the default model")
+    model: ModelName | None = Field(None, description="a name from GET /models; default: the default model, or "
+                                                      "the one loaded model that can classify")
     text: Text = Field(min_length=1, description="the passage to classify")
 
 

@@ -47,8 +47,38 @@ class Candidate:
     sequence: str
 
 
+def never_candidates(tok) -> list[int]:
+    """Tokens never offered to fill a mask: every special token ([CLS], [SEP], [PAD], [MASK],
+    an imported tokenizer's [UNK], the end-of-text token)."""
+    added = tok.backend.get_added_tokens_decoder() if hasattr(tok.backend, "get_added_tokens_decoder") else {}
+    return sorted(set(tok.special_ids) | {i for i, t in added.items() if getattr(t, "special", False)})
+
+
+def filled_sequence(tok, text: str, span: tuple[int, int], token_str: str, ids: list[int], position: int,
+                    candidate: int, single: bool) -> str:
+    """The text with `candidate` in place of the mask at `position` (of `ids`, framed).
+
+    As Hugging Face's pipeline builds it: the filled ids decoded by the tokenizer, so a
+    WordPiece tokenizer's rules apply (a word token gets its space, a `##` piece joins the word
+    before it). With one mask the special tokens are left out; with several, the other masks
+    stay (the framing [CLS] / [SEP] never shows). Byte-level BPE decodes to exactly the text:
+    there the candidate's bytes are put in place of the mask (with the whitespace it took),
+    and every other mask stays as it was written."""
+    if tok.byte_level:
+        return text[: span[0]] + token_str + text[span[1]:]
+    filled = list(ids)
+    filled[position] = candidate
+    if single:
+        return tok.backend.decode(filled, skip_special_tokens=True)
+    framing = {tok.cls_id, tok.sep_id, tok.pad_id}
+    return tok.backend.decode([i for i in filled if i not in framing], skip_special_tokens=False)
+
+
 @torch.no_grad()
 def fill_mask(ckpt: Checkpoint, text: str, top_k: int, max_masks: int) -> list[list[Candidate]]:
+    """Each [MASK]'s top_k candidates, as Hugging Face's fill-mask pipeline gives them: the score
+    is the softmax over the whole vocabulary; special tokens are never candidates (the pipeline
+    offers them; here they are skipped, the others keep their scores)."""
     tok, model = ckpt.tokenizer, ckpt.model
     ids = framed_ids(ckpt, text)
     positions = [i for i, t in enumerate(ids) if t == tok.mask_id]
@@ -62,17 +92,19 @@ def fill_mask(ckpt: Checkpoint, text: str, top_k: int, max_masks: int) -> list[l
     assert len(spans) == len(positions), (spans, positions)
     device = model.tok_emb.weight.device
     logits = model(torch.tensor([ids], device=device), task="mlm").logits[0, positions].float()  # (M, V)
-    logits = logits[:, : tok.vocab_size]
-    logits[:, sorted(tok.special_ids)] = float("-inf")  # a special token is never an answer
-    probs = torch.softmax(logits, dim=-1)
-    k = min(top_k, tok.vocab_size - len(tok.special_ids))
-    top = torch.topk(probs, k, dim=-1)
+    probs = torch.softmax(logits[:, : tok.vocab_size], dim=-1)  # over the vocabulary, as the pipeline
+    never = never_candidates(tok)
+    ranked = probs.clone()
+    ranked[:, never] = -1.0  # a special token is never an answer
+    k = min(top_k, tok.vocab_size - len(never))
+    top = torch.topk(ranked, k, dim=-1)
     out = []
-    for (start, end), scores, cands in zip(spans, top.values.tolist(), top.indices.tolist()):
+    for span, position, scores, cands in zip(spans, positions, top.values.tolist(), top.indices.tolist()):
         row = []
         for score, cand in zip(scores, cands):
             token_str = tok.decode([cand])
-            row.append(Candidate(score, cand, token_str, text[:start] + token_str + text[end:]))
+            row.append(Candidate(score, cand, token_str, filled_sequence(tok, text, span, token_str, ids, position,
+                                                                         cand, len(positions) == 1)))
         out.append(row)
     return out
 

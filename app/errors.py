@@ -86,6 +86,19 @@ def scope_error_response(scope, status: int, message: str, headers: dict[str, st
     return error_response(scope.get("path", ""), status, message, code=code, headers=headers)
 
 
+def body_parse_error(cause: BaseException | None) -> tuple[str, str]:
+    """(message, code) for a JSON body FastAPI could not parse (its generic 400 says nothing of why)."""
+    if isinstance(cause, RecursionError):
+        return "the JSON body is nested too deeply to be read", "json_too_deep"
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the body is not valid UTF-8 (byte {cause.start}: {cause.reason}); JSON must be sent as UTF-8",
+                "invalid_utf8")
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return ("a number in the JSON body has more digits than can be read (at most 4300); no field here takes "
+                "such a number", "number_too_large")
+    return "the body is not JSON that can be read", "invalid_json"
+
+
 def _loc_name(loc) -> str:
     """`prompt.2` from pydantic's loc, without the union members' tags (`list[int]`, `str`, ...)."""
     parts = [str(p) for p in loc if p not in ("body", "query", "path")
@@ -126,6 +139,9 @@ def install_error_handlers(app: FastAPI) -> None:
             log.error("error %s on %s: %s", ref, request.url.path, exc.detail)
             return error_response(request.url.path, exc.status_code, f"internal error (reference {ref} in the "
                                   f"server log)", code=getattr(exc, "code", None) or "internal_error")
+        if exc.status_code == 400 and not isinstance(exc, ApiError) and exc.__cause__ is not None:
+            message, code = body_parse_error(exc.__cause__)  # FastAPI could not parse the body
+            return error_response(request.url.path, 400, message, param="body", code=code)
         return error_response(request.url.path, exc.status_code, str(exc.detail),
                               param=getattr(exc, "param", None), code=getattr(exc, "code", None),
                               headers=getattr(exc, "headers", None))
@@ -143,7 +159,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineClosed)
     async def engine_closed(request: Request, exc: EngineClosed):
-        return error_response(request.url.path, 503, str(exc), code="shutting_down")
+        """Shutting down, or the model's engine is restarting (Retry-After) or failed: a 503 saying which."""
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+        return error_response(request.url.path, 503, str(exc), code=exc.code, headers=headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):

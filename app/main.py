@@ -2,8 +2,9 @@
 
 Start-up (lifespan): load every checkpoint Settings.model_dirs() names (ATTNLENS_MODELS, by
 default every bundled one; ATTNLENS_MODEL is the default model) onto ATTNLENS_DEVICE in
-ATTNLENS_DTYPE, start an engine per decoder (an EncoderRunner per encoder), warm each up
-through the same path requests take, then report ready on /readyz.
+ATTNLENS_DTYPE, start a generation engine per model whose family generates (a ModelRunner for
+the others: the family's declaration says which), warm each up through the same paths requests
+take, then report ready on /readyz.
 
 If the checkpoint cannot be loaded, start-up fails: `attnlens serve` loads it before it
 starts the server, prints one line saying which directory and why ("attnlens: cannot load
@@ -26,18 +27,22 @@ from pydantic.json_schema import models_json_schema
 from starlette.middleware.gzip import GZipMiddleware
 
 from attnlens.model import Checkpoint, SamplingParams
+from attnlens.model.families import family_of
 
 from .answers import AnswerBudget
-from .attention_codec import attention_maps
-from .auth import ApiKeyMiddleware, is_open
-from .translation_attention import translation_maps
+from .attention_analysis import analyse_attention
+from .auth import ApiKeyMiddleware, document_bearer
 from .body_limit import BodyLimitMiddleware
 from .engine import Engine, EngineFront, EngineProcess, GenerationParams
+from .engine.stream_budget import StreamBudget
+from .engine.supervisor import EngineSupervisor, RestartPolicy, Supervision
+from .docs import install_docs
 from .errors import install_error_handlers, scope_error_response
 from .loader import load_for_serving
+from .memory import cache_row_bytes, cache_rows
 from .metrics import Metrics, MetricsMiddleware
 from .encoder_tasks import classify_or_fill_warm_up
-from .registry import ENGINE_FAMILIES, EncoderRunner, ModelRegistry, ServedModel, model_name, tasks_of
+from .registry import CLASSIFY, FILL_MASK, ModelRegistry, ModelRunner, ServedModel, model_name, tasks_of
 from .routers import attention, encoder, generate, openai, ops, ui
 from .schemas import StreamDone, StreamError, StreamToken
 from .settings import Settings, default_switch_interval_ms
@@ -47,18 +52,41 @@ from .state import AppState
 log = logging.getLogger("attnlens.app")
 
 
-async def warm_up(engine: EngineFront) -> None:
-    """One short generation and one attention pass, through the engine like any request."""
-    ids = engine.tokenizer.encode("The") or [0]
-    params = GenerationParams(prompt_ids=ids, max_new_tokens=2, sampling=SamplingParams(temperature=0.0),
-                              n_logprobs=1, return_attention=True)
-    async for event in engine.submit(params).events():
-        if isinstance(event, StreamError):
-            raise RuntimeError(f"warm-up generation failed: {event.message}")
-    if engine.config.family == "encoder-decoder":  # the prompt is a source; the target its translation
-        await engine.call(partial(translation_maps, source_ids=ids, target_ids=None, layers=[0], heads=[0]))
-    else:
-        await engine.call(partial(attention_maps, ids=ids, layers=[0], heads=[0]))
+async def warm_up(served: ServedModel) -> None:
+    """Through the paths requests take: a short generation (a family that generates), one attention
+    analysis (every family), and the encoder tasks the model answers."""
+    ids = served.checkpoint.tokenizer.encode("The") or [0]
+    if served.generates:
+        params = GenerationParams(prompt_ids=ids, max_new_tokens=2, sampling=SamplingParams(temperature=0.0),
+                                  n_logprobs=1, return_attention=True)
+        async for event in served.runner.submit(params).events():
+            if isinstance(event, StreamError):
+                raise RuntimeError(f"warm-up generation failed: {event.message}")
+    await served.call_model(partial(analyse_attention, ids=ids, layers=[0], heads=[0]))
+    if FILL_MASK in served.tasks or CLASSIFY in served.tasks:
+        await served.runner.call(classify_or_fill_warm_up)
+
+
+async def start_runner(s: Settings, ckpt: Checkpoint, name: str):
+    """The runner of one loaded model: an engine (in its own process, or on a thread) for a
+    family that generates, with as many KV-cache rows as ATTNLENS_KV_CACHE_BYTES allows; a
+    ModelRunner (worker threads) for one that does not."""
+    if family_of(ckpt.model).generation is None:
+        return ModelRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)
+    rows = cache_rows(name, cache_row_bytes(ckpt.model), s.max_concurrent, s.kv_cache_bytes)
+    limits = dict(max_concurrent=rows, max_queue=s.max_queue,
+                  max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs,
+                  max_stream_backlog_bytes=s.max_stream_backlog_bytes)
+    if s.engine_process and ckpt.path is not None:
+        return await asyncio.to_thread(EngineProcess, ckpt, device=s.device, dtype=s.dtype, log_level=s.log_level,
+                                       start_timeout_s=s.engine_start_timeout_s, **limits)
+    return Engine(ckpt, **limits)
+
+
+def restart_policy(s: Settings) -> RestartPolicy:
+    return RestartPolicy(max_restarts=s.engine_max_restarts, window_s=s.engine_restart_window_s,
+                         backoff_s=s.engine_restart_backoff_s, backoff_max_s=s.engine_restart_backoff_max_s,
+                         wait_s=s.engine_restart_wait_s, stall_s=s.engine_stall_s)
 
 
 @asynccontextmanager
@@ -68,7 +96,10 @@ async def lifespan(app: FastAPI):
     state.status = "loading"
     registry = ModelRegistry(default=model_name(s.model))
     engines: list[EngineFront] = []
+    supervision: Supervision | None = None
+    budget = StreamBudget(s.max_stream_backlog_total_bytes)  # every stream's unread events, all models
     try:
+        loaded = []
         for model_dir in s.model_dirs():
             ckpt = state.preloaded.pop(str(model_dir), None)  # `attnlens serve` loads them first
             try:
@@ -78,43 +109,44 @@ async def lifespan(app: FastAPI):
                 state.status = "failed"
                 log.error("cannot load the model from %s: %s", model_dir, e)
                 raise RuntimeError(f"cannot load the model from {model_dir}: {e}") from None
-            if ckpt.config.family in ENGINE_FAMILIES:
-                limits = dict(max_concurrent=s.max_concurrent, max_queue=s.max_queue,
-                              max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs,
-                              max_stream_backlog_bytes=s.max_stream_backlog_bytes)
-                if s.engine_process and ckpt.path is not None:
-                    runner = await asyncio.to_thread(EngineProcess, ckpt, device=s.device, dtype=s.dtype,
-                                                     log_level=s.log_level, **limits)
-                else:
-                    runner = Engine(ckpt, **limits)
-                engines.append(runner)
-            else:
-                runner = EncoderRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)
-            registry.add(ServedModel(model_name(model_dir), ckpt.path, ckpt, runner, tasks_of(ckpt)))
+            loaded.append((model_dir, ckpt))
+        # every engine process starts at once: each loads its model while the others load theirs
+        runners = await asyncio.gather(*(start_runner(s, ckpt, model_name(d)) for d, ckpt in loaded), return_exceptions=True)
+        engines.extend(r for r in runners if isinstance(r, EngineFront))
+        for r in runners:
+            if isinstance(r, BaseException):
+                raise r
+        policy = restart_policy(s)
+        for (model_dir, ckpt), runner in zip(loaded, runners):
+            name = model_name(model_dir)
+            supervisor = None
+            if isinstance(runner, EngineFront):
+                runner.stream_budget = budget
+                supervisor = EngineSupervisor(name, runner, policy)
+            registry.add(ServedModel(name, ckpt.path, ckpt, runner, tasks_of(ckpt), supervisor=supervisor))
         if s.max_prompt_tokens is None:  # the default follows the models (each checks its own context too)
             longest = max(m.checkpoint.config.context_length for m in registry.models.values())
             s = state.settings = s.model_copy(update={"max_prompt_tokens": longest})
         default = registry.get(None)
-        engine = default.runner if isinstance(default.runner, EngineFront) else (engines[0] if engines else None)
-        state.checkpoint, state.engine, state.registry = default.checkpoint, engine, registry
+        state.registry = registry
         device = next(default.checkpoint.model.parameters()).device
         interval = s.switch_interval_ms or default_switch_interval_ms(device.type)
         sys.setswitchinterval(interval / 1000)  # process-wide: see Settings.switch_interval_ms
         state.metrics.bind_registry(registry)  # every loaded model's gauges, each labelled with its name
         if s.warmup:
             state.status = "warming up"
-            for served in registry.models.values():
-                if isinstance(served.runner, EngineFront):
-                    await warm_up(served.runner)
-                else:
-                    await served.runner.call(lambda ckpt: classify_or_fill_warm_up(ckpt))
+            await asyncio.gather(*(warm_up(served) for served in registry.models.values()))
+        supervision = state.supervision = Supervision(m.supervisor for m in registry.models.values()
+                                                      if m.supervisor is not None)
+        state.metrics.registry.register(supervision)  # each model's engine state and restarts on /metrics
+        supervision.start()
         state.ready, state.status = True, "ready"
         for served in registry.models.values():
-            cfg = served.checkpoint.config
-            log.info("ready: %s, %s (%d layers x %d heads, context %d, %s params; %s)%s",
-                     served.name, cfg.family, cfg.n_layers, cfg.n_heads, cfg.context_length,
-                     f"{served.checkpoint.model.num_parameters():,}", ", ".join(served.tasks),
-                     " [default]" if served.name == registry.default else "")
+            cfg, memory = served.checkpoint.config, served.memory()
+            log.info("ready: %s, %s (%d layers x %d heads, context %d, %s params, weights %.0f MB; %s)%s",
+                     served.name, served.family.name, cfg.n_layers, cfg.n_heads, cfg.context_length,
+                     f"{served.checkpoint.model.num_parameters():,}", memory["weights_bytes"] / 2**20,
+                     ", ".join(served.tasks), " [default]" if served.name == registry.default else "")
         for engine in engines:
             log.info("engine for %s on %s as %s%s; KV cache %d rows, %.0f MB", engine.checkpoint.path,
                      engine.device, str(engine.dtype).removeprefix("torch."),
@@ -123,8 +155,10 @@ async def lifespan(app: FastAPI):
         yield
     finally:
         state.ready, state.status = False, "stopped"
-        for engine in engines:
-            await asyncio.to_thread(engine.close)
+        if supervision is not None:
+            await supervision.stop()  # no restarts while the engines close
+            state.metrics.registry.unregister(supervision)
+        await asyncio.gather(*(asyncio.to_thread(engine.close) for engine in engines))
 
 
 def add_stream_schemas(app: FastAPI) -> None:
@@ -146,25 +180,6 @@ def add_stream_schemas(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def add_bearer_scheme(app: FastAPI) -> None:
-    """With an API key set, the OpenAPI description says which operations need it (so /docs'
-    Authorize button and generated clients send it)."""
-    default = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = default()
-            schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
-            schemes["bearer"] = {"type": "http", "scheme": "bearer", "description": "ATTNLENS_API_KEY"}
-            for path, operations in schema.get("paths", {}).items():
-                if not is_open(path):
-                    for operation in operations.values():
-                        operation["security"] = [{"bearer": []}]
-        return app.openapi_schema
-
-    app.openapi = openapi
-
-
 def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint] | None = None) -> FastAPI:
     """The app for `settings`; `preloaded` (str(model dir) -> Checkpoint) are served instead of
     loading those directories at start-up (`attnlens serve` loads them first, to fail with one
@@ -178,11 +193,13 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
         # no redirect from /path/ to /path (or /static to /static/): Starlette builds its absolute
         # URL from the Host header the client sent, so anyone could make us point elsewhere
         redirect_slashes=False,
+        docs_url=None, redoc_url=None,  # served from local assets instead of a CDN (docs.py)
     )
     app.state.attnlens = AppState(settings=settings, metrics=Metrics(default_model=model_name(settings.model)),
                                   answers=AnswerBudget(settings.max_answer_bytes, settings.answer_wait_s),
                                   preloaded=dict(preloaded or {}))
     install_error_handlers(app)
+    install_docs(app)
     for module in (generate, attention, encoder, openai, ops, ui):
         app.include_router(module.router)
     add_stream_schemas(app)
@@ -195,7 +212,7 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_response=scope_error_response,
                        timeout_s=settings.body_timeout_s)
     if settings.api_key is not None and settings.api_key.get_secret_value():
-        add_bearer_scheme(app)
+        document_bearer(app)
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(),
                            error_response=scope_error_response)
     app.add_middleware(DrainMiddleware, drain=app.state.attnlens.drain)  # graceful shutdown (app/shutdown.py)

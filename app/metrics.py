@@ -82,7 +82,7 @@ class LoadedModels:
         info = GaugeMetricFamily("attnlens_model_info", "Each loaded model (value 1): its family, and whether "
                                  "requests that name no model get it", labels=["model", "family", "default"])
         for m in served:
-            info.add_metric([m.name, m.family, str(m.name == registry.default).lower()], 1)
+            info.add_metric([m.name, m.family.name, str(m.name == registry.default).lower()], 1)
         yield info
         for name, doc, read in ENGINE_GAUGES:
             gauge = GaugeMetricFamily(name, doc, labels=["model"])
@@ -105,7 +105,8 @@ class Metrics:
                               "Time from admission to the first generated token",
                               ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.generated_tokens = Counter("attnlens_generated_tokens_total", "Tokens generated", ["model"], registry=r)
-        self.generations = Counter("attnlens_generations_total", "Generations run to their end, by finish reason",
+        self.generations = Counter("attnlens_generations_total", "Generations by how they ended: a finish "
+                                   "reason (length, stop, eos), or cancelled (the client went away) or error",
                                    ["model", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("attnlens_prompt_tokens_total", "Prompt tokens processed", ["model"],
                                      registry=r)
@@ -138,8 +139,13 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+CLIENT_CLOSED = 499  # nginx's status for an answer that began but did not reach its end
+
+
 class MetricsMiddleware:
-    """Count every HTTP request by model, route template and status, and time it to its last byte."""
+    """Count every HTTP request by model, route template and status, and time it to its last byte.
+    An answer that began but never sent its last byte (a stream whose client went away, an
+    /attention answer dropped for not being read) counts as 499, not as its 200."""
 
     def __init__(self, app, metrics: Metrics):
         self.app = app
@@ -151,18 +157,25 @@ class MetricsMiddleware:
         start = time.perf_counter()
         status = [500]
         token = _REQUEST_MODEL.set([None])
+        ended = [False]
 
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended[0] = True
             await send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)
+        except BaseException:
+            ended[0] = True  # an error: counted under the status it had (500 unless it began)
+            raise
         finally:
             model = self.metrics.request_model()
             _REQUEST_MODEL.reset(token)
             route = scope.get("route")
             label = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(model, label, scope["method"], str(status[0])).inc()
+            code = status[0] if ended[0] else CLIENT_CLOSED
+            self.metrics.requests.labels(model, label, scope["method"], str(code)).inc()
             self.metrics.latency.labels(model, label).observe(time.perf_counter() - start)

@@ -6,32 +6,57 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .schemas import Text
+from .schemas import ModelName, Stop, Text, count_stops, stop_list
 
 TokenIds = list[int]
 Prompt = Text | list[Text] | TokenIds | list[TokenIds]
+MAX_PROMPTS = 2048  # prompts in one request's list (the server's places bound it further, before tokenising)
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 
 class CompletionRequest(BaseModel):
-    # Clients send fields we do not use (user, presence_penalty, ...): accept and ignore them.
-    # Types are strict: "4" or true is no integer, "yes" no boolean.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # Every field of OpenAI's completions API is declared; one that changes the answer does what
+    # OpenAI's does, or is refused with a 400 naming it (suffix). Unknown fields are a 422, so a
+    # misspelt or unsupported option never goes unnoticed. Types are strict: "4" or true is no
+    # integer, "yes" no boolean.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: Text | None = Field(None, description="a model id from GET /v1/models (others: 404); "
-                                                 "default: the default model")
+    model: ModelName | None = Field(None, description="a model id from GET /v1/models (others: 404); "
+                                                      "default: the default model")
     prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of lists of "
-                                       "token ids (one choice set per prompt), as in OpenAI's API")
+                                       f"token ids (one choice set per prompt, at most {MAX_PROMPTS}), as in "
+                                       "OpenAI's API")
     max_tokens: int = Field(16, ge=0, description="0 with echo scores the prompt only")
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=1, description="extension (as vLLM)")
     n: int = Field(1, ge=1, le=16)
-    stop: Text | list[Text] | None = None
+    best_of: int | None = Field(None, ge=1, le=20, description="generate this many choices per prompt (at least n) "
+                                "and return the n with the highest log-probability per token; not with stream")
+    stop: Stop = None
     stream: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     seed: int | None = Field(None, ge=0, lt=2**63)
     echo: bool = False
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False, description=(
+        "subtracted from the logit of every token already generated in this choice (as vLLM and OpenAI)"))
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False, description=(
+        "times the number of times a token was generated in this choice, subtracted from its logit"))
+    logit_bias: dict[str, float] | None = Field(None, description=(
+        f"token id (as a string) -> a bias in [-100, 100] added to its logit at every step (at most "
+        f"{MAX_LOGIT_BIAS} tokens); log-probabilities stay the model's own"))
+    suffix: Text | None = Field(None, description="not supported (no model here fills in a middle): "
+                                                  "anything but null or \"\" is a 400")
+    user: Text | None = Field(None, description="accepted, not used")
     stream_options: dict[str, Any] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _count_prompts(cls, v):
+        # counted before each prompt is validated: a list of a hundred thousand is refused at once
+        if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request (got {len(v)})")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -48,14 +73,23 @@ class CompletionRequest(BaseModel):
             raise ValueError("prompt must not be empty")
         return v
 
-    @field_validator("stop")
+    _count_stops = field_validator("stop", mode="before")(count_stops)
+
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _stops(cls, v):
-        items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if any(s == "" for s in items):
-            raise ValueError("stop sequences must not be empty")
+    def _bias(cls, v):
+        if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased (got {len(v)})")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_values(cls, v):
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys are token ids written as strings, e.g. \"50256\"; got {key[:20]!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {key} is {bias}: biases run from -100 to 100")
         return v
 
     @property
@@ -68,7 +102,7 @@ class CompletionRequest(BaseModel):
 
     @property
     def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return stop_list(self.stop)
 
 
 class LogProbs(BaseModel):

@@ -1,10 +1,12 @@
-"""The models the service holds, by name: each with its family, the tasks it answers and,
-for a classifier, its labels. Routes ask the registry for a model *and* a task, so an
-unknown name or the wrong endpoint for a model is one clear 4xx in one place.
+"""The models the service holds, by name: each with its family's declaration (the contract in
+model/families/contract.py), the tasks it answers and, for a classifier, its labels. Routes ask
+the registry for a model *and* a task, so an unknown name or the wrong endpoint for a model is
+one clear 4xx in one place.
 
-Decoders are run by their generation engine; encoders by an `EncoderRunner`: one forward
-per request on a worker thread, at most `max_concurrent` at once per model and at most
-`max_queue` waiting (then 429), like the engine's admission limits.
+A family that generates (its declaration has a GenerationSpec) is run by a generation engine;
+the others by a `ModelRunner`: one forward per request on a worker thread, at most
+`max_concurrent` at once per model and at most `max_queue` waiting (then 429), like the
+engine's admission limits.
 """
 
 from __future__ import annotations
@@ -14,33 +16,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from attnlens.model import Checkpoint
+from attnlens.model import Checkpoint, Family, family_of
 
 from .engine import QueueFull
 from .errors import ApiError
 from .metrics import note_request_model
+from .memory import weight_bytes
 
-# Endpoint names, as /models lists them and as error messages name them.
-GENERATE, COMPLETIONS, ATTENTION, FILL_MASK, CLASSIFY = "generate", "completions", "attention", "fill-mask", "classify"
-TASK_ENDPOINTS = {GENERATE: "POST /generate", COMPLETIONS: "POST /v1/completions", ATTENTION: "POST /attention",
-                  FILL_MASK: "POST /fill-mask", CLASSIFY: "POST /classify"}
+# Task names (a family declares which it has), as /models lists them and error messages name them.
+GENERATE, COMPLETIONS, CHAT, ATTENTION = "generate", "completions", "chat", "attention"
+FILL_MASK, CLASSIFY = "fill-mask", "classify"
+TASK_ENDPOINTS = {GENERATE: "POST /generate", COMPLETIONS: "POST /v1/completions", CHAT: "POST /v1/chat/completions",
+                  ATTENTION: "POST /attention", FILL_MASK: "POST /fill-mask", CLASSIFY: "POST /classify"}
 
 
-# How each family is served: whether the batched generation engine runs it (prompt -> tokens;
-# for an encoder-decoder the prompt is the source) and what its attention maps are.
-ENGINE_FAMILIES = ("decoder", "encoder-decoder")
-ATTENTION_KIND = {"decoder": "causal", "encoder": "bidirectional", "encoder-decoder": "encoder-decoder"}
+def checkpoint_features(ckpt: Checkpoint) -> set[str]:
+    """What a checkpoint has that a family's tasks may need (TaskSpec.needs)."""
+    features = set()
+    if getattr(ckpt.config, "labels", None):
+        features.add("labels")
+    if getattr(ckpt.tokenizer, "chat_template", None):
+        features.add("chat_template")
+    return features
 
 
 def tasks_of(ckpt: Checkpoint) -> list[str]:
-    family = ckpt.config.family
-    if family == "encoder":
-        return [FILL_MASK, *([CLASSIFY] if ckpt.config.labels else []), ATTENTION]
-    return [GENERATE, COMPLETIONS, ATTENTION]
+    """The tasks this checkpoint answers: its family's, less those needing a feature it lacks."""
+    return family_of(ckpt.model).task_names(checkpoint_features(ckpt))
 
 
-class EncoderRunner:
-    """Runs one encoder's requests on worker threads, bounded like the engine."""
+class ModelRunner:
+    """Runs the requests of a model that does not generate on worker threads, bounded like the engine."""
 
     def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 2, max_queue: int = 32):
         self.checkpoint = checkpoint
@@ -67,19 +73,45 @@ class ServedModel:
     name: str
     path: Path | None
     checkpoint: Checkpoint
-    runner: Any = None  # the decoder's Engine, or an EncoderRunner
+    runner: Any = None  # a generation engine (EngineFront) when the family generates, else a ModelRunner
     tasks: list[str] = field(default_factory=list)
+    supervisor: Any = None  # the engine's EngineSupervisor (engine/supervisor.py), for a model with an engine
 
     @property
-    def family(self) -> str:
-        return self.checkpoint.config.family
+    def state(self) -> str:
+        """starting | running | restarting | failed | stopped (an encoder's runner always runs)."""
+        return self.supervisor.state if self.supervisor is not None else "running"
+
+    @property
+    def family(self) -> Family:
+        """The family's declaration (model/families/contract.py)."""
+        return family_of(self.checkpoint.model)
+
+    @property
+    def generates(self) -> bool:
+        return self.family.generation is not None
 
     @property
     def labels(self) -> list[str] | None:
         return list(self.checkpoint.config.labels) or None
 
+    def memory(self) -> dict[str, int]:
+        """What the model holds: its weights and, when it generates, its KV cache (rows x a context)."""
+        engine = self.runner if self.generates else None
+        return {"weights_bytes": weight_bytes(self.checkpoint.model),
+                "kv_cache_bytes": engine.cache_bytes if engine is not None else 0,
+                "kv_cache_rows": engine.max_concurrent if engine is not None else 0}
+
+    async def call_model(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(model) on the model's side: the engine's model-call line (fn travels by pickle to
+        an engine process: a module-level function or a functools.partial of one) or a worker thread."""
+        if self.generates:
+            return await self.runner.call(fn)
+        return await self.runner.call(lambda ckpt: fn(ckpt.model))
+
     def describe(self) -> str:
-        return f"model {self.name!r} (an {self.family})" if self.family[0] in "ae" else f"model {self.name!r} (a {self.family})"
+        name = self.family.name
+        return f"model {self.name!r} ({'an' if name[0] in 'aeiou' else 'a'} {name})"
 
 
 class ModelRegistry:
@@ -97,8 +129,13 @@ class ModelRegistry:
         return list(self.models)
 
     def get(self, name: str | None, task: str | None = None, *, param: str = "model") -> ServedModel:
-        """The model `name` (default: the default model), checked to answer `task`."""
-        served = self.models.get(name or self.default)
+        """The model `name` (default: the default model, or for a task it cannot do, the one
+        loaded model that can), checked to answer `task`."""
+        if name is None and task is not None and task not in self.models[self.default].tasks:
+            able = [m for m in self.models.values() if task in m.tasks]
+            if len(able) == 1:
+                return able[0]
+        served = self.models.get(self.default if name is None else name)
         if served is None:
             raise ApiError(404, f"unknown model {name!r}; the loaded models are: {', '.join(self.names)} "
                                 f"(GET /models describes them)", param=param, code="model_not_found")

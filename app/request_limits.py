@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from attnlens.model.families import GenerationSpec
+
 from .errors import ApiError, field_error
 from .settings import Settings
 
@@ -13,12 +15,12 @@ def check_new_token_limit(settings: Settings, value: int, field: str) -> None:
                           "less_than_equal")
 
 
-def check_lengths(context_length: int, settings: Settings, prompt_ids: list[int], max_new_tokens: int, *,
-                  prompt_field: str = "prompt", max_field: str = "max_new_tokens", family: str = "decoder") -> None:
-    """A clear 400 naming the numbers when a prompt cannot be served. An encoder-decoder's
-    prompt is its source and its output has a context of its own: the source must fit, and
-    the output stops at the context length (finish_reason "length") whatever max_new_tokens
-    asks for, as a translation ends at its EOS long before."""
+def check_lengths(context_length: int, settings: Settings, prompt_ids: list[int], max_new_tokens: int,
+                  generation: GenerationSpec, *, prompt_field: str = "prompt", max_field: str = "max_new_tokens") -> None:
+    """A clear 400 naming the numbers when a prompt cannot be served. A prompt the family reads as
+    a source (an encoder-decoder's; GenerationSpec.prompt) has an output with a context of its
+    own: the source must fit, and the output stops at the context length (finish_reason
+    "length") whatever max_new_tokens asks for, as a translation ends at its EOS long before."""
     n = len(prompt_ids)
     ctx = context_length
     if n == 0:
@@ -27,9 +29,9 @@ def check_lengths(context_length: int, settings: Settings, prompt_ids: list[int]
         raise ApiError(400, f"{prompt_field} has {n} tokens, more than the limit of "
                             f"{settings.max_prompt_tokens} (ATTNLENS_MAX_PROMPT_TOKENS)",
                        param=prompt_field, code="prompt_too_long")
-    if family == "encoder-decoder":
+    if generation.prompt == "source":
         if n > ctx:
-            raise ApiError(400, f"{prompt_field} has {n} tokens; this encoder-decoder reads a source of at most "
+            raise ApiError(400, f"{prompt_field} has {n} tokens; this model reads a source of at most "
                                 f"{ctx} tokens (its context length)", param=prompt_field, code="context_length_exceeded")
         return
     if n + max_new_tokens > ctx:

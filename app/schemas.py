@@ -28,34 +28,53 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, ser_json_inf_nan="constants")
 
 
+# --- fields every request shares ------------------------------------------------
+MODEL_FIELD = "a loaded model's name (GET /models); default: the default model (for a task only one loaded " \
+              "model can do, e.g. fill-mask, that model)"
+ModelName = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_utf8_text)]
+"""A `model` field: a loaded model's name; "" is no name (a 422), not the default model."""
+
+MAX_STOPS = 4  # stop strings per request, as OpenAI allows
+MAX_STOP_CHARS = 256  # characters in one stop string (matched on the text as it is generated)
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_utf8_text)]
+Stop = Annotated[StopText | list[StopText] | None, Field(
+    description=f"a stop string, or a list of at most {MAX_STOPS} (each 1..{MAX_STOP_CHARS} characters): "
+                      "generation ends where the text first holds one, which is left out of the answer")]
+
+
+def count_stops(value: Any) -> Any:
+    """Before the stop strings are validated one by one: at most MAX_STOPS of them (a list of a
+    hundred thousand is refused at once, not after checking each)."""
+    if isinstance(value, list) and len(value) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop strings (got {len(value)})")
+    return value
+
+
+def stop_list(value: str | list[str] | None) -> list[str]:
+    """The stop strings of a request's `stop` (one string, a list, or none) as a list."""
+    return [value] if isinstance(value, str) else list(value or [])
+
+
 # --- /generate ---------------------------------------------------------------
-MODEL_FIELD = "a loaded model's name (GET /models); default: the default model"
-
-
 class GenerateRequest(Strict):
-    model: Text | None = Field(None, description=MODEL_FIELD)
+    model: ModelName | None = Field(None, description=MODEL_FIELD)
     prompt: Text = Field(min_length=1, description="text to continue")
     max_new_tokens: int = Field(64, ge=1, description="1..ATTNLENS_MAX_NEW_TOKENS")
     temperature: float = Field(0.8, ge=0, allow_inf_nan=False, description="0 = greedy")
     top_k: int | None = Field(None, ge=1)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**63, description="same seed and parameters, same text")
-    stop: list[Text] = Field(default_factory=list, max_length=4, description="at most 4 stop strings")
+    stop: Stop = None
     logprobs: int = Field(0, ge=0, le=20, description="alternatives per token")
     stream: bool = False
     return_attention: bool = False
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _one_stop(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else ([] if v is None else v)
+    _count_stops = field_validator("stop", mode="before")(count_stops)
 
-    @field_validator("stop")
+    @field_validator("stop", mode="after")
     @classmethod
-    def _non_empty_stops(cls, v: list[str]) -> list[str]:
-        if any(s == "" for s in v):
-            raise ValueError("stop strings must not be empty")
-        return v
+    def _stops(cls, v):
+        return stop_list(v)  # always a list from here on
 
 
 class TokenText(BaseModel):
@@ -137,13 +156,16 @@ class StreamError(BaseModel):
     """`event: error` data when streaming: the generation failed on the server."""
 
     message: str
+    code: str | None = Field(None, description="why, e.g. engine_restarting (retry after `retry_after` s), "
+                             "engine_failed, stream_backlog_exceeded, generation_failed")
+    retry_after: int | None = Field(None, description="seconds after which the same request may succeed")
 
 
 # --- /attention --------------------------------------------------------------
 class AttentionRequest(Strict):
     """Give exactly one of `text` (tokenised here) or `ids` (used as they are)."""
 
-    model: Text | None = Field(None, description=MODEL_FIELD)
+    model: ModelName | None = Field(None, description=MODEL_FIELD)
     text: Text | None = Field(None, min_length=1, description="text to tokenise and analyse")
     ids: list[int] | None = Field(
         None, min_length=1,
@@ -161,7 +183,7 @@ class AttentionRequest(Strict):
         "is then a list of rows of growing length); causal (decoder) attention only",
     )
     # encoder-decoder only: `text` / `ids` are the source; the target is given or translated
-    target: str | None = Field(None, min_length=1, description="encoder-decoder only: the target text "
+    target: Text | None = Field(None, min_length=1, description="encoder-decoder only: the target text "
                                "(tokenised here); without target or target_ids, the model's greedy translation")
     target_ids: list[int] | None = Field(None, min_length=1, description="encoder-decoder only: the target's "
                                          "token ids as they are (without the decoder's start token)")
@@ -191,11 +213,23 @@ class TranslationAttention(BaseModel):
     cross: AttentionGroup = Field(description="cross-attention, [L][H][T][S]: target rows over source columns")
 
 
+class AttentionGroupAxes(BaseModel):
+    """One of the family's attention groups as it declares it (GET /models has the full declaration)."""
+
+    name: str
+    queries: str = Field(description="the axis the rows run over: tokens, source or target")
+    keys: str = Field(description="the axis the columns run over")
+    causal: bool
+
+
 class AttentionResponse(BaseModel):
     model: str
-    family: Literal["decoder", "encoder", "encoder-decoder"] = "decoder"
-    direction: Literal["causal", "bidirectional", "encoder-decoder"] = Field(
-        "causal", description="causal: position i sees positions <= i (zero above the diagonal); "
+    family: str = Field("decoder", description="the model's family (GET /models describes its attention groups)")
+    groups: list[AttentionGroupAxes] = Field(default_factory=list, description=(
+        "the family's attention groups, the primary one (the top-level maps) first; the others are "
+        "under `translation` by name"))
+    direction: str = Field(
+        "causal", description="the family's attention kind. causal: position i sees positions <= i (zero above the diagonal); "
         "bidirectional: every position sees every other (an encoder; full T x T maps); encoder-decoder: "
         "the top-level maps are the encoder's over the source, `translation` has the decoder's and the cross maps")
     tokens: list[TokenText] = Field(description="the analysed positions; an encoder's text is framed "
@@ -222,10 +256,19 @@ class Health(BaseModel):
     status: str
 
 
+class ModelState(BaseModel):
+    """How one model's engine is doing (app/engine/supervisor.py)."""
+
+    state: Literal["starting", "running", "restarting", "failed", "stopped"]
+    restarts: int = Field(0, description="engine processes started again after one stopped")
+    detail: str | None = Field(None, description="why it does not run, when it does not")
+
+
 class Readiness(BaseModel):
     ready: bool
     status: str
     detail: str | None = None
+    models: dict[str, ModelState] | None = Field(None, description="each model's state, by name")
 
 
 class ModelInfo(BaseModel):

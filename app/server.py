@@ -70,7 +70,7 @@ def build_server(app: FastAPI, settings: Settings) -> DrainingServer:
     """The server `attnlens serve` runs for `app` (tests start the same one in their event loop)."""
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5,
-                            http=protocol_with_header_timeout(settings.header_timeout_s),
+                            http=protocol_with_header_timeout(settings.header_timeout_s, settings.max_header_bytes),
                             timeout_keep_alive=settings.keep_alive_s)
     return DrainingServer(config, app.state.attnlens)
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from .engine import Generation, GenerationCancelled
 from .errors import ApiError
 from .metrics import Metrics
-from .schemas import StreamDone, StreamToken
+from .schemas import StreamDone, StreamError, StreamToken
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first": logged and counted, never sent
 
@@ -51,8 +51,28 @@ async def cancel_on_disconnect(request: Request, generations: list[Generation]):
             g.cancel()  # a no-op once finished; stops the work if we were interrupted
 
 
+# errors of the engine rather than of the request: a 503 (with Retry-After when known), not a 500
+UNAVAILABLE_CODES = ("engine_restarting", "engine_failed", "shutting_down")
+
+
+def error_status(error: StreamError) -> ApiError:
+    """The HTTP error for a generation that ended with `error` (a plain answer's status)."""
+    if error.code in UNAVAILABLE_CODES:
+        headers = {"Retry-After": str(error.retry_after)} if error.retry_after else None
+        return ApiError(503, error.message, code=error.code, headers=headers)
+    return ApiError(500, error.message, code=error.code or "generation_failed")
+
+
+def note_unfinished(metrics: Metrics, reason: str, n: int = 1) -> None:
+    """Count generations that ended without a `done` (reason "cancelled" or "error") in
+    attnlens_generations_total, beside the finish reasons of those that did."""
+    if n:
+        metrics.generations.labels(metrics.request_model(), reason).inc(n)
+
+
 async def collect(generation: Generation, metrics: Metrics) -> Outcome:
-    """Run a generation to its end; an engine error becomes a 500, a cancellation a 499."""
+    """Run a generation to its end; an engine error becomes a 500 (a 503 when the engine is
+    restarting or gone), a cancellation a 499."""
     out = Outcome()
     try:
         async for event in generation.events():
@@ -62,8 +82,10 @@ async def collect(generation: Generation, metrics: Metrics) -> Outcome:
                 out.done = event
                 metrics.observe_generation(event)
             else:
-                raise ApiError(500, event.message, code="generation_failed")
+                note_unfinished(metrics, "error")
+                raise error_status(event)
     except GenerationCancelled:
+        note_unfinished(metrics, "cancelled")
         raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed") from None
     return out
 

@@ -8,10 +8,13 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINTS_DIR = REPO_ROOT / "checkpoints"
+from attnlens.resources import checkpoints_dir, static_dir
+
+# In a checkout: its checkpoints/ and static/. In a wheel: the page is package data
+# (attnlens/static) and checkpoints/ is the working directory's (attnlens/resources.py).
+CHECKPOINTS_DIR = checkpoints_dir()
 DEFAULT_MODEL_DIR = CHECKPOINTS_DIR / "default"
-STATIC_DIR = REPO_ROOT / "static"
+STATIC_DIR = static_dir()
 
 
 def default_switch_interval_ms(device_type: str) -> float:
@@ -49,16 +52,36 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(512, ge=1)
     # generations decoded together in one batch (= KV cache rows); see bench/README.md
     max_concurrent: int = Field(32, ge=1)
+    # Bytes for each generating model's KV cache (a row holds a whole context's keys and values,
+    # app/memory.py): the rows are MAX_CONCURRENT or as many as this holds, whichever is fewer.
+    # None: MAX_CONCURRENT rows, whatever they take
+    kv_cache_bytes: int | None = Field(None, ge=1)
     max_queue: int = Field(64, ge=0)  # generations waiting for a slot
     max_attention_concurrent: int = Field(4, ge=1)  # /attention forwards running or waiting
     # Per generation: estimated bytes of events (attention rows above all) its client may leave
     # unread; past it the generation ends with an error event and frees its row
     max_stream_backlog_bytes: int = Field(64_000_000, ge=1)
+    # All streams together (every model): estimated bytes of events their clients have not read;
+    # past it the stream holding the most is ended and its unread events dropped (engine/stream_budget.py)
+    max_stream_backlog_total_bytes: int = Field(256_000_000, ge=1)
     cuda_graphs: bool = True  # on CUDA, replay the decode step from captured CUDA graphs
     # Run each generation engine (model, KV cache, batched decode) in a process of its own, so
     # the model never waits for the event loop's turn at Python's GIL (app/engine/process.py);
     # false: on a thread of the server's process
     engine_process: bool = True
+    # Supervision of the engine processes (app/engine/supervisor.py): one that dies is started
+    # again after a backoff (ENGINE_RESTART_BACKOFF_S, doubling up to ENGINE_RESTART_BACKOFF_MAX_S);
+    # more than ENGINE_MAX_RESTARTS deaths within ENGINE_RESTART_WINDOW_S and the model is given
+    # up (0: never restart). Requests wait for a restarting engine up to ENGINE_RESTART_WAIT_S,
+    # then get 503 with Retry-After. An engine process that holds work and sends nothing back for
+    # ENGINE_STALL_S is killed and restarted (the watchdog).
+    engine_max_restarts: int = Field(5, ge=0)
+    engine_restart_window_s: float = Field(300.0, gt=0)
+    engine_restart_backoff_s: float = Field(0.5, ge=0)
+    engine_restart_backoff_max_s: float = Field(30.0, ge=0)
+    engine_restart_wait_s: float = Field(10.0, ge=0)
+    engine_stall_s: float = Field(30.0, gt=0)
+    engine_start_timeout_s: float = Field(600.0, gt=0)  # loading the model in a (new) engine process
     # How long one thread may hold Python's GIL while another waits for it, in the server's process
     # (the event loop, the engine's reader thread; with ENGINE_PROCESS=false the model thread too);
     # None = by device (`default_switch_interval_ms`)
@@ -73,6 +96,7 @@ class Settings(BaseSettings):
     send_timeout_s: float = Field(30.0, gt=0)  # drop a client that takes < 1 MB of an answer in this long
     # Reading requests: the headers (from connect, or from the previous answer), then the body
     header_timeout_s: float = Field(10.0, gt=0)  # else 408 (if begun) and the connection is closed
+    max_header_bytes: int = Field(32_768, ge=1024)  # a request's line and headers together; else 431, closed
     body_timeout_s: float = Field(30.0, gt=0)  # else 408
     keep_alive_s: float = Field(5.0, gt=0)  # an idle keep-alive connection is closed after this
     gzip_level: int = Field(1, ge=1, le=9)  # answers over 1 KB; big ones are compressed off the event loop

@@ -1,13 +1,13 @@
-"""What the app holds between requests: settings, metrics, and (once loaded) the engine."""
+"""What the app holds between requests: settings, metrics, and (once loaded) the models."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from attnlens.model import Checkpoint
 
 from .answers import AnswerBudget
-from .engine import EngineFront
 from .metrics import Metrics
 from .registry import ModelRegistry
 from .settings import Settings
@@ -19,9 +19,8 @@ class AppState:
     settings: Settings
     metrics: Metrics
     answers: AnswerBudget
-    checkpoint: Checkpoint | None = None
-    engine: EngineFront | None = None  # the default model's engine
-    registry: ModelRegistry | None = None  # every loaded model by name
+    registry: ModelRegistry | None = None  # every loaded model by name, with its engine or runner
+    supervision: Any = None  # the engines' supervisors (engine/supervisor.py), once started
     ready: bool = False
     status: str = "starting"
     preloaded: dict[str, Checkpoint] = field(default_factory=dict)  # model dir -> loaded before start-up

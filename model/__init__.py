@@ -11,7 +11,7 @@ from .config import ConfigError, ModelConfig
 from .decoding import GeneratedToken, SamplingParams, generate_tokens
 from .tokenizer import Tokenizer
 from .kv_cache import ContextLengthError, KVCache
-from .families.decoder import ModelOutput, Transformer
+from .families import DecoderOutput, Family, Transformer, family_of
 
 __all__ = [
     "Checkpoint",
@@ -21,10 +21,12 @@ __all__ = [
     "GeneratedToken",
     "KVCache",
     "ModelConfig",
-    "ModelOutput",
+    "DecoderOutput",
+    "Family",
     "SamplingParams",
     "Tokenizer",
     "Transformer",
+    "family_of",
     "generate_tokens",
     "load_checkpoint",
     "save_checkpoint",

@@ -2,7 +2,9 @@
 
 tokenizer_config.json and special_tokens_map.json sit beside tokenizer.json so that
 `transformers.AutoTokenizer.from_pretrained(dir)` (as evaluation harnesses call it) reads
-the same tokenizer with bos/eos set; attnlens itself only reads tokenizer.json.
+the same tokenizer with bos/eos set. attnlens reads them too: an imported checkpoint's
+special tokens, add_bos_token and chat_template live there (and, when ids other than EOS end
+a generation, in generation_config.json), as in the transformers directory it came from.
 
 A loaded model is in eval mode; on the CPU its Linear weights are stored transposed
 (model/weight_layout.py: same names, shapes and values, faster one-token steps).
@@ -69,18 +71,36 @@ def save_checkpoint(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write a checkpoint directory. `dtype` (e.g. torch.float16) shrinks the weights file."""
+    return write_checkpoint(out_dir, model.config, model_state(model, dtype), tokenizer, report=report)
+
+
+def write_checkpoint(out_dir: str | Path, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer: Tokenizer,
+                     *, report: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint directory from tensors already named as `model_state` names them
+    (an import converts a transformers checkpoint without building the model)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.config.save(out / CONFIG_FILE)
+    config.save(out / CONFIG_FILE)
     tmp = out / (WEIGHTS_FILE + ".tmp")
-    save_file(model_state(model, dtype), str(tmp), metadata={"format": "pt", "producer": "attnlens"})
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
+              metadata={"format": "pt", "producer": "attnlens"})
     tmp.replace(out / WEIGHTS_FILE)  # never leave a half-written weights file behind
     tokenizer.save(out / TOKENIZER_FILE)
-    for name, data in tokenizer.transformers_files(model.config.context_length).items():
+    for name, data in tokenizer.transformers_files(config.context_length).items():
         (out / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     if report is not None:
         (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return out
+
+
+def state_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every tensor `model_state` stores for this config, from a model
+    built on the meta device (no memory, no initialisation: cheap for a model of any size)."""
+    with torch.device("meta"):
+        model = build_model(config)
+    tied = getattr(config, "tie_embeddings", False)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()
+            if not (name == "lm_head.weight" and tied)}
 
 
 def _require(path: Path) -> Path:
@@ -100,9 +120,12 @@ def load_config(ckpt_dir: str | Path) -> ModelConfig:
 
 
 def load_tokenizer(ckpt_dir: str | Path) -> Tokenizer:
+    """tokenizer.json with the special tokens and chat template of tokenizer_config.json."""
     path = _require(Path(ckpt_dir) / TOKENIZER_FILE)
     try:
-        return Tokenizer.from_file(path)
+        return Tokenizer.from_dir(Path(ckpt_dir))
+    except ValueError as e:  # a tokenizer_config.json / special_tokens_map.json that is not JSON
+        raise CheckpointError(str(e)) from e
     except Exception as e:  # the tokenizers library raises plain Exceptions
         raise CheckpointError(f"{path}: cannot be read as a tokenizer ({e})") from e
 

@@ -1,4 +1,12 @@
-"""The model's hyper-parameters: one dataclass that round-trips through JSON."""
+"""The model's hyper-parameters: one dataclass that round-trips through JSON.
+
+An architecture is a config choosing parts (model/parts): GPT-2 is the defaults; Llama is
+rotary positions, RMSNorm, a gated SiLU FFN (SwiGLU), no biases, grouped-query attention and
+an untied head; Qwen2 adds biases to q/k/v only; Mistral adds a sliding window; GPT-NeoX
+(Pythia) is partial rotary positions, LayerNorm and the parallel attention + FFN residual.
+Every field added since the first checkpoints has a default that means "as before", so their
+config.json files still load.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +20,18 @@ class ConfigError(ValueError):
     """A configuration that cannot describe a working model."""
 
 
-FAMILIES = ("decoder", "encoder", "encoder-decoder")
 POOLINGS = ("mean", "cls")
+# Rotary scalings by their transformers name (rope_type); each with the keys it needs.
+ROPE_SCALINGS = {
+    "linear": ("factor",),  # positions divided by factor (Chen et al. 2023)
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 @dataclass
 class ModelConfig:
-    # Which stack of the shared parts this is. Old checkpoints have no field: decoders.
+    # Which stack of the shared parts this is (a declared family: model/families). Old checkpoints
+    # have no field: decoders.
     family: str = "decoder"  # "decoder" | "encoder" | "encoder-decoder"
     vocab_size: int = 4096
     context_length: int = 256
@@ -27,61 +40,169 @@ class ModelConfig:
     n_heads: int = 4
     d_ff: int = 1024
     dropout: float = 0.0
-    positional: str = "learned"  # "learned" | "sinusoidal"
+    positional: str = "learned"  # "learned" | "sinusoidal" | "rotary" (applied to queries and keys)
     norm: str = "pre"  # "pre" (GPT-2) | "post" (Vaswani et al. 2017)
-    activation: str = "gelu"  # "gelu" (tanh approximation, as GPT-2) | "relu" | "gelu_exact" (erf, as BERT)
-    bias: bool = True
+    # "gelu" (tanh approximation, as GPT-2) | "relu" | "gelu_exact" (erf, as BERT) | "silu" (Llama's SwiGLU)
+    activation: str = "gelu"
+    bias: bool = True  # every linear layer and LayerNorm (unless qkv_bias / attn_out_bias / ffn_bias say otherwise)
     tie_embeddings: bool = True
     scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model)
-    layer_norm_eps: float = 1e-5
+    layer_norm_eps: float = 1e-5  # LayerNorm's or RMSNorm's epsilon
     # encoder only: the classification head's labels (none: no head) and how it pools
     labels: list[str] = field(default_factory=list)
     pooling: str = "mean"  # "mean" over non-padding positions | "cls" (the first position)
     # encoder-decoder only: the token the decoder starts every target with (the tokenizer's EOS)
     decoder_start_id: int = 0
+    # --- the parts of newer decoders (defaults: GPT-2's) ---------------------------------------
+    # key/value heads: None = n_heads (multi-head); fewer = grouped-query (Llama 2 70B, Llama 3,
+    # Mistral, Qwen2); 1 = multi-query. Query head h reads key/value head h // (n_heads / n_kv_heads).
+    n_kv_heads: int | None = None
+    head_dim: int | None = None  # None = d_model // n_heads; q/k/v project to n_heads * head_dim
+    norm_type: str = "layernorm"  # "layernorm" | "rmsnorm" (Llama, Qwen2, Mistral)
+    ffn: str = "plain"  # "plain": Linear, act, Linear | "gated": act(x W_gate) * (x W_up), then W_down
+    parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + ffn(ln2(x)), one residual sum
+    # biases of the linear layers: None = follow `bias` (Qwen2: q/k/v biased, o_proj not)
+    qkv_bias: bool | None = None
+    attn_out_bias: bool | None = None
+    ffn_bias: bool | None = None
+    # positional="rotary": the first int(head_dim * rotary_pct) dims of each query/key head are rotated
+    rotary_pct: float = 1.0  # GPT-NeoX (Pythia): 0.25
+    rope_theta: float = 10000.0  # the base of the rotary frequencies
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear" | "llama3", ...} (ROPE_SCALINGS)
+    sliding_window: int | None = None  # Mistral: a query sees only the last `sliding_window` positions
+    # the transformers class this model was imported from (e.g. "LlamaForCausalLM"): what it is
+    # called, and the architecture `export-hf` writes back by default; None for attnlens' own
+    architecture: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
 
     @property
     def d_head(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (what the KV cache stores per layer)."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def rotary_dims(self) -> int:
+        """Dims of each query/key head that rotary positions rotate (0 without them)."""
+        return int(self.d_head * self.rotary_pct) if self.positional == "rotary" else 0
+
+    def bias_of(self, layer: str) -> bool:
+        """Whether the linear layer "qkv", "attn_out" or "ffn" has a bias."""
+        own = {"qkv": self.qkv_bias, "attn_out": self.attn_out_bias, "ffn": self.ffn_bias}[layer]
+        return self.bias if own is None else own
 
     def validate(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.d_model % self.n_heads != 0:
+        for name in ("n_kv_heads", "head_dim", "sliding_window"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
+        if self.head_dim is None and self.d_model % self.n_heads != 0:
             raise ConfigError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
             )
+        if self.n_heads % self.kv_heads != 0:
+            raise ConfigError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.kv_heads}): "
+                              "each key/value head serves the same number of query heads")
         if self.positional == "sinusoidal" and self.d_model % 2 != 0:
             raise ConfigError(f"sinusoidal positions need an even d_model, got {self.d_model}")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
         choices = {
-            "positional": ("learned", "sinusoidal"),
+            "positional": ("learned", "sinusoidal", "rotary"),
             "norm": ("pre", "post"),
-            "activation": ("gelu", "relu", "gelu_exact"),
+            "activation": ("gelu", "relu", "gelu_exact", "silu"),
+            "norm_type": ("layernorm", "rmsnorm"),
+            "ffn": ("plain", "gated"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        from .families import FAMILIES  # the declared families (model/families/__init__.py)
+
         if self.family not in FAMILIES:
-            raise ConfigError(f"family must be one of {FAMILIES}, got {self.family!r}")
+            raise ConfigError(f"family must be one of {tuple(FAMILIES)}, got {self.family!r}")
         if self.pooling not in POOLINGS:
             raise ConfigError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if not isinstance(self.labels, list) or not all(isinstance(x, str) and x for x in self.labels):
             raise ConfigError(f"labels must be a list of non-empty strings, got {self.labels!r}")
         if len(set(self.labels)) != len(self.labels):
             raise ConfigError(f"labels must be distinct, got {self.labels!r}")
-        if self.labels and self.family != "encoder":
-            raise ConfigError("only an encoder has a classification head (labels)")
         if not isinstance(self.decoder_start_id, int) or not 0 <= self.decoder_start_id < self.vocab_size:
             raise ConfigError(f"decoder_start_id must be a token id below vocab_size, got {self.decoder_start_id!r}")
         if not self.layer_norm_eps > 0:
             raise ConfigError(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
+        for name in ("parallel_residual", "bias", "tie_embeddings", "scale_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("qkv_bias", "attn_out_bias", "ffn_bias"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true, false or null (= bias), got {getattr(self, name)!r}")
+        if self.parallel_residual and self.norm != "pre":
+            raise ConfigError("parallel_residual (GPT-NeoX) needs norm='pre': both sub-layers read the block's input")
+        self._validate_rotary()
+        self._validate_family_parts()
+        if self.architecture is not None and not (isinstance(self.architecture, str) and self.architecture):
+            raise ConfigError(f"architecture must be a non-empty string or null, got {self.architecture!r}")
+
+    def _validate_rotary(self) -> None:
+        if not isinstance(self.rotary_pct, (int, float)) or isinstance(self.rotary_pct, bool) \
+                or not 0.0 < self.rotary_pct <= 1.0:
+            raise ConfigError(f"rotary_pct must be in (0, 1], got {self.rotary_pct!r}")
+        if not isinstance(self.rope_theta, (int, float)) or isinstance(self.rope_theta, bool) or not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+        if self.positional == "rotary":
+            rot = self.rotary_dims
+            if rot < 2 or rot % 2:
+                raise ConfigError(f"rotary positions rotate pairs of dims: int(head_dim {self.d_head} x rotary_pct "
+                                  f"{self.rotary_pct}) = {rot} must be even and at least 2")
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        if not isinstance(scaling, dict):
+            raise ConfigError(f"rope_scaling must be an object or null, got {scaling!r}")
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ROPE_SCALINGS:
+            raise ConfigError(f"rope_scaling rope_type {kind!r} is not supported (supported: "
+                              f"{', '.join(ROPE_SCALINGS)})")
+        for key in ROPE_SCALINGS[kind]:
+            value = scaling.get(key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"rope_scaling ({kind}) needs a positive number {key!r}, got {value!r}")
+        if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+            raise ConfigError("rope_scaling (llama3) needs high_freq_factor > low_freq_factor")
+        if self.positional != "rotary":
+            raise ConfigError("rope_scaling scales rotary positions: it needs positional='rotary'")
+
+    def parts_used(self) -> set[str]:
+        """The optional parts this config asks its family's module to build (Family.builds)."""
+        used = {
+            "rotary": self.positional == "rotary",
+            "sliding_window": self.sliding_window is not None,
+            "rmsnorm": self.norm_type != "layernorm",
+            "grouped_query": self.kv_heads != self.n_heads,
+            "parallel_residual": self.parallel_residual,
+            "classifier": bool(self.labels),
+        }
+        return {name for name, on in used.items() if on}
+
+    def _validate_family_parts(self) -> None:
+        """Each family declares the optional parts its module builds (Family.builds): a config
+        that asks its family for another is refused, naming it."""
+        from .families import FAMILIES
+
+        missing = sorted(self.parts_used() - set(FAMILIES[self.family].builds))
+        if missing:
+            raise ConfigError(f"the {self.family} family does not build {', '.join(missing)} "
+                              f"(it builds: {', '.join(sorted(FAMILIES[self.family].builds)) or 'none of them'})")
 
     # --- (de)serialisation -------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -126,7 +247,7 @@ class ModelConfig:
             reasons.append("GPT-2 ties the LM head to the embedding (tie_embeddings=True)")
         if self.scale_embeddings:
             reasons.append("GPT-2 does not scale embeddings (scale_embeddings=False)")
-        return reasons
+        return reasons + self._classic_parts_reasons("GPT-2")
 
     def is_bert_shaped(self) -> list[str]:
         """Reasons this config cannot be expressed as a Hugging Face BERT (empty if it can)."""
@@ -143,4 +264,25 @@ class ModelConfig:
             reasons.append("BERT ties the MLM decoder to the embedding (tie_embeddings=True)")
         if self.scale_embeddings:
             reasons.append("BERT does not scale embeddings (scale_embeddings=False)")
+        if self.activation == "silu":
+            reasons.append("BERT's activations are GELU or ReLU, not SiLU")
+        return reasons + self._classic_parts_reasons("BERT")
+
+    def _classic_parts_reasons(self, name: str) -> list[str]:
+        """What GPT-2 and BERT share: none of the newer decoders' parts."""
+        reasons = []
+        if self.kv_heads != self.n_heads:
+            reasons.append(f"{name} has as many key/value heads as query heads (n_kv_heads={self.n_kv_heads})")
+        if self.head_dim is not None and self.head_dim * self.n_heads != self.d_model:
+            reasons.append(f"{name}'s heads split d_model (head_dim={self.head_dim})")
+        if self.norm_type != "layernorm":
+            reasons.append(f"{name} uses LayerNorm (norm_type='layernorm')")
+        if self.ffn != "plain":
+            reasons.append(f"{name}'s FFN is not gated (ffn='plain')")
+        if self.parallel_residual:
+            reasons.append(f"{name} adds attention and FFN in turn (parallel_residual=False)")
+        if any(getattr(self, n) not in (None, self.bias) for n in ("qkv_bias", "attn_out_bias", "ffn_bias")):
+            reasons.append(f"{name} has biases on every linear layer or none (qkv_bias, attn_out_bias, ffn_bias)")
+        if self.sliding_window is not None:
+            reasons.append(f"{name} attends to every earlier position (sliding_window=None)")
         return reasons

@@ -145,6 +145,6 @@ class GraphedDecoder:
         out = self.run(ids, attention=any(s.return_attention for s in samplers))
         if while_running is not None:
             while_running()
-        if all(s.params.temperature == 0 and s.n_logprobs == 0 for s in samplers):
+        if all(s.params.temperature == 0 and s.n_logprobs == 0 and not s.adjusts_logits for s in samplers):
             return out, [GeneratedToken(id=int(t), logprob=lp) for t, lp in out.greedy.tolist()]
         return out, sample_rows(out.logits[:, -1], samplers)

@@ -11,9 +11,10 @@ import torch
 from .kv_cache import KVCache
 from .sampling import draw_uniforms, sample_batch
 
+from .families.contract import GenerativeModel, family_of
+
 if TYPE_CHECKING:
     from .cuda_graphs import GraphedDecoder
-from .families.decoder import ModelOutput, Transformer
 
 
 @dataclass
@@ -22,6 +23,16 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float = 1.0
     seed: int | None = None
+    # OpenAI's (and vLLM's) logit adjustments, applied before temperature, top-k/p and greedy
+    # picks alike: logit_bias[t] is added to token t's logit; each token already generated in
+    # this row loses presence_penalty once and frequency_penalty per time it was generated
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -38,9 +49,11 @@ class GeneratedToken:
     logprob: float  # under the model's own distribution (temperature 1, no filtering)
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
-    # attention of the position that produced this token: per layer (H, positions so far)
+    # The attention rows of the position that produced this token, from the family's step groups
+    # (GenerationSpec.step_groups): its self-attention, per layer (H, positions so far), and, for
+    # a family whose step reads another sequence (a cross group), that row, per layer (H, source
+    # positions)
     attention: list[torch.Tensor] | None = None
-    # encoder-decoder only: that position's cross-attention, per layer (H, source positions)
     cross_attention: list[torch.Tensor] | None = None
 
 
@@ -75,30 +88,81 @@ def make_generator(seed: int | None) -> torch.Generator | None:
 
 @dataclass
 class RowSampler:
-    """How one cache row picks its next token: its parameters and its own random generator."""
+    """How one cache row picks its next token: its parameters and its own random generator
+    (and, for penalties, how often it has generated each token)."""
 
     params: SamplingParams
     generator: torch.Generator | None = None
     n_logprobs: int = 0  # alternatives to report
     return_attention: bool = False
+    counts: torch.Tensor | None = None  # (V,) times each token was generated (penalties only)
+    bias: torch.Tensor | None = None  # (V,) the dense logit_bias (made at the first step)
+    vocab_limit: int | None = None  # ids >= this have no token (a vocabulary padded past the tokenizer's)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.params.adjusts_logits
+
+
+def adjust_logits(logits: torch.Tensor, samplers: list[RowSampler]) -> torch.Tensor:
+    """(B, V) logits with each row's logit_bias added and its presence / frequency penalties
+    subtracted over the tokens that row has generated (vLLM's penalties); rows that ask for
+    none are left as they are. The counts of tokens generated so far live on each sampler."""
+    rows = [i for i, s in enumerate(samplers) if s.adjusts_logits]
+    if not rows:
+        return logits
+    B, V = logits.shape
+    for i in rows:
+        s = samplers[i]
+        if s.counts is None or s.counts.shape[0] != V or s.counts.device != logits.device:
+            s.counts = torch.zeros(V, dtype=torch.float32, device=logits.device)
+            bias = torch.zeros(V, dtype=torch.float32)
+            for token, value in (s.params.logit_bias or {}).items():
+                if 0 <= token < V:
+                    bias[token] = value
+            s.bias = bias.to(logits.device)
+    picked = [samplers[i] for i in rows]
+    counts = torch.stack([s.counts for s in picked])  # (R, V)
+    rules = torch.tensor([[s.params.frequency_penalty, s.params.presence_penalty] for s in picked],
+                         dtype=torch.float32).to(logits.device)  # (R, 2)
+    delta = torch.stack([s.bias for s in picked]) - rules[:, :1] * counts - rules[:, 1:] * (counts > 0)
+    out = logits.clone()
+    out[rows] += delta
+    return out
+
+
+def count_generated(samplers: list[RowSampler], ids: torch.Tensor) -> None:
+    """Each row that penalises repeats counts the token it just took (ids (B,), same device)."""
+    for i, s in enumerate(samplers):
+        if s.counts is not None:
+            s.counts[ids[i]] += 1
 
 
 def sample_rows(logits: torch.Tensor, samplers: list[RowSampler]) -> list[GeneratedToken]:
     """Pick one token per row of (B, V) logits, each row by its own sampler.
 
-    Greedy rows share one argmax; sampled rows are drawn together (model.sampling), each by
-    its own rules with one number from its own generator, so a seeded request draws the same
-    tokens whatever else is in the batch. Log-probabilities are under the model's own
-    distribution (temperature 1, no filtering).
+    Rows with a logit_bias or penalties get them first (adjust_logits). Greedy rows share one
+    argmax; sampled rows are drawn together (model.sampling), each by its own rules with one
+    number from its own generator, so a seeded request draws the same tokens whatever else is
+    in the batch. Log-probabilities are under the model's own distribution (temperature 1, no
+    filtering, no bias or penalty: vLLM's raw log-probabilities).
     """
     logits = logits.float()
-    ids = logits.argmax(dim=-1)  # (B,): the greedy choice of every row
+    limit = min((s.vocab_limit for s in samplers if s.vocab_limit is not None), default=None)
+    if limit is not None and limit < logits.shape[-1]:
+        # Qwen2's embedding has rows past its tokenizer's last id: never pick one, never count it
+        logits = logits.clone()
+        logits[:, limit:] = float("-inf")
+    scores = adjust_logits(logits, samplers)  # logit_bias and penalties, for the rows that ask
+    ids = scores.argmax(dim=-1)  # (B,): the greedy choice of every row
     sampled = [i for i, s in enumerate(samplers) if s.params.temperature != 0]
     if sampled:
         rows = [samplers[i] for i in sampled]
         ids = ids.clone()
         uniforms = draw_uniforms([s.generator for s in rows])  # one number per sampled row, from its generator
-        ids[sampled] = sample_batch(logits[sampled], [s.params for s in rows], uniforms)
+        ids[sampled] = sample_batch(scores[sampled], [s.params for s in rows], uniforms)
+    if scores is not logits:
+        count_generated(samplers, ids)
     # log p(token) under the model's own distribution; one fused log-softmax (cheaper than
     # logsumexp), one read back to the host for ids and log-probs together
     logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
@@ -119,11 +183,11 @@ def sample_rows(logits: torch.Tensor, samplers: list[RowSampler]) -> list[Genera
 @dataclass
 class StepOutput:
     tokens: list[GeneratedToken]  # one per row, in row order
-    output: ModelOutput  # the forward's logits (for prompt scoring) and attentions
+    output: tuple  # the family's forward output: logits (for prompt scoring) and attentions
 
 
 def decode_step(
-    model: Transformer,
+    model: GenerativeModel,
     cache: KVCache,
     inputs: torch.Tensor,
     samplers: list[RowSampler],
@@ -154,7 +218,7 @@ def decode_step(
     if (graphs is not None and inputs.shape[1] == 1 and n_new is None
             and cache.row_slice(rows, inputs.shape[0]).start == 0):
         step, tokens = graphs.decode(inputs, samplers, while_running)
-        out = ModelOutput(step.logits, step.attentions)  # attentions (B, H, 1, P): zeros past each row
+        out = family_of(model).output(step.logits, step.attentions)  # attentions (B, H, 1, P): zeros past each row
     else:
         inputs = inputs.to(model.tok_emb.weight.device)  # ids may come from the host (a no-op when already there)
         valid = torch.tensor(n_new) if n_new is not None else None
@@ -168,24 +232,26 @@ def decode_step(
             last = out.logits[torch.arange(len(n_new)), valid - 1]  # each row's last real position
         tokens = sample_rows(last, samplers)
     if want_attention:
-        first = cache.row_slice(rows, inputs.shape[0]).start
-        for b, (s, tok) in enumerate(zip(samplers, tokens)):
+        rows = cache.row_slice(rows, inputs.shape[0])
+        # each row's newest query (an encoder-decoder's prefill has one query: the decoder's start
+        # token; its prompt was the source)
+        queries = [-1 if n_new is None or out.attentions[0].shape[2] == 1 else n - 1
+                   for n in (n_new or [0] * inputs.shape[0])]
+        family = family_of(model)
+        for tok, s, maps in zip(tokens, samplers, model.step_attention(out, cache, rows, queries)):
             if s.return_attention:
-                n = int(cache.lengths[first + b])  # positions this row has, the newest included
-                # the query of that newest position (an encoder-decoder's prefill has one query:
-                # the decoder's start token; its prompt was the source)
-                q = -1 if n_new is None or out.attentions[0].shape[2] == 1 else n_new[b] - 1
-                tok.attention = [a[b, :, q, :n].float().cpu() for a in out.attentions]  # (H, n) per layer
-                cross = getattr(out, "cross_attentions", None)
-                if cross is not None:  # encoder-decoder: this step's row over the row's own source
-                    m = int(cache.source_lengths[first + b])
-                    tok.cross_attention = [c[b, :, -1, :m].float().cpu() for c in cross]  # (H, m) per layer
+                for name in family.generation.step_groups:
+                    host = [m.float().cpu() for m in maps[name]]  # per layer (H, keys of this row)
+                    if family.group(name).is_cross:
+                        tok.cross_attention = host
+                    else:
+                        tok.attention = host
     return StepOutput(tokens, out)
 
 
 @torch.inference_mode()
 def generate_tokens(
-    model: Transformer,
+    model: GenerativeModel,
     prompt_ids: list[int],
     max_new_tokens: int,
     params: SamplingParams | None = None,

@@ -1,13 +1,17 @@
 """The self-attention KV cache: one row per slot, each row with its own length.
 
-    keys[layer], values[layer]: (R, H, P, D)   R = rows (slots), P = capacity (context length)
+    keys[layer], values[layer]: (R, K, P, D)   R = rows (slots), K = key/value heads (n_kv_heads:
+                                                fewer than the query heads with grouped-query
+                                                attention), P = capacity (context length)
     lengths: (R,) int64 on the CPU              positions filled in each row
 
 A forward call works on a contiguous range of rows (`rows`, a slice; all rows by default):
 its new tokens go to positions lengths[row] .. lengths[row] + T - 1 of each row, so rows of
 different lengths decode together in one batch. Each row's positions and its attention mask
-(keys up to the query's own position, never another row's stale keys) come from its length.
-Freeing a row sets its length to 0; the memory is reused as it is, never reallocated.
+(keys up to the query's own position, never another row's stale keys) come from its length;
+so do its rotary angles and its sliding window (model/families/decoder.py). Keys are stored
+already rotated. Freeing a row sets its length to 0; the memory is reused as it is, never
+reallocated.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from .parts import KVUpdate
 
 
 def move_row(tensors: list[torch.Tensor], lengths: torch.Tensor, src: int, dst: int) -> None:
-    """Copy the first lengths[src] positions of row src into row dst in every (R, H, P, D)
+    """Copy the first lengths[src] positions of row src into row dst in every (R, K, P, D)
     tensor, and move the length with them (row src is left empty)."""
     n = int(lengths[src])
     for t in tensors:
@@ -44,16 +48,21 @@ class CacheWrite:
     positions: torch.Tensor | None  # (B, T) absolute position of each new token when lengths differ
     mask: torch.Tensor | None  # (B, 1, T, S) True = may attend; None when plain causality covers it
     n_keys: int  # S = max(starts) + T
-    slots: torch.Tensor | None = None  # (B*H*T,) where each new key goes in a layer's flat (R*H*P, D) view
+    slots: torch.Tensor | None = None  # (B*K*T,) where each new key goes in a layer's flat (R*K*P, D) view
 
     def layer(self, index: int) -> KVUpdate:
         return partial(self.cache.update, self, index)
 
 
+def bytes_per_row(n_layers: int, n_kv_heads: int, capacity: int, d_head: int, dtype: torch.dtype) -> int:
+    """Memory one cache row takes: keys and values of every layer, K heads x P positions x D."""
+    return 2 * n_layers * n_kv_heads * capacity * d_head * torch.empty((), dtype=dtype).element_size()
+
+
 class KVCache:
-    def __init__(self, n_layers: int, n_rows: int, n_heads: int, capacity: int, d_head: int, *,
+    def __init__(self, n_layers: int, n_rows: int, n_kv_heads: int, capacity: int, d_head: int, *,
                  device=None, dtype=None):
-        shape = (n_rows, n_heads, capacity, d_head)
+        shape = (n_rows, n_kv_heads, capacity, d_head)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.lengths = torch.zeros(n_rows, dtype=torch.long)
@@ -86,14 +95,14 @@ class KVCache:
         mask = torch.arange(S)[None, None, :] <= positions[:, :, None]  # (B, T, S)
         mask = mask[:, None].to(self.device)  # (B, T, S) -> (B, 1, T, S): the same for every head
         # one flat index for every layer's keys and values: (row, head, position) -> (row * H + head) * P + position
-        H, P = self.keys[0].shape[1], self.capacity
-        heads = (torch.arange(rows.start, rows.stop)[:, None] * H + torch.arange(H)[None, :]) * P  # (B, H)
-        slots = (heads[:, :, None] + positions[:, None, :]).reshape(-1)  # (B, H, T) -> (B*H*T,)
+        K, P = self.keys[0].shape[1], self.capacity  # K: the key/value heads the cache holds
+        heads = (torch.arange(rows.start, rows.stop)[:, None] * K + torch.arange(K)[None, :]) * P  # (B, K)
+        slots = (heads[:, :, None] + positions[:, None, :]).reshape(-1)  # (B, K, T) -> (B*K*T,)
         return CacheWrite(self, rows, -1, positions.to(self.device), mask, S, slots.to(self.device))
 
     def update(self, write: CacheWrite, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Store (B, H, T, D) keys/values at each row's positions; return (B, H, S, D) views."""
-        keys, values = self.keys[layer][write.rows], self.values[layer][write.rows]  # (B, H, P, D) views
+        """Store (B, K, T, D) keys/values at each row's positions; return (B, K, S, D) views."""
+        keys, values = self.keys[layer][write.rows], self.values[layer][write.rows]  # (B, K, P, D) views
         T = k.shape[2]
         if write.slots is None:  # every row starts at the same position: one slice
             start = write.start
@@ -106,13 +115,13 @@ class KVCache:
         return keys[:, :, :write.n_keys], values[:, :, :write.n_keys]
 
     def fixed_update(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor) -> KVUpdate:
-        """For Transformer.decode_fixed: store one new (B, H, 1, D) key/value per row at position
-        lengths[b] of row b (device tensors, no host sync); return all (B, H, P, D) keys/values."""
+        """For Transformer.decode_fixed: store one new (B, K, 1, D) key/value per row at position
+        lengths[b] of row b (device tensors, no host sync); return all (B, K, P, D) keys/values."""
 
         def update(k: torch.Tensor, v: torch.Tensor):
             B = k.shape[0]
-            keys, values = self.keys[layer][:B], self.values[layer][:B]  # (B, H, P, D) views
-            # advanced indices (rows, lengths) around a slice: the indexed shape is (B, H, D)
+            keys, values = self.keys[layer][:B], self.values[layer][:B]  # (B, K, P, D) views
+            # advanced indices (rows, lengths) around a slice: the indexed shape is (B, K, D)
             keys[rows, :, lengths] = k[:, :, 0]
             values[rows, :, lengths] = v[:, :, 0]
             return keys, values

@@ -51,3 +51,21 @@ def client(tiny_checkpoint):
                         cors_origins="http://viewer.example")
     with TestClient(create_app(settings)) as c:
         yield c
+
+
+BUNDLED = ("default", "encoder", "translator")
+
+
+@pytest.fixture(scope="session")
+def bundled_server(tmp_path_factory):
+    """A real `attnlens serve` (attnlens.Server) on the three bundled checkpoints: a decoder, an
+    encoder and an encoder-decoder, the models the client tests and the example notebook use."""
+    import attnlens
+
+    dirs = [REPO_ROOT / "checkpoints" / name for name in BUNDLED]
+    missing = [d for d in dirs if not (d / "model.safetensors").is_file()]
+    if missing:
+        pytest.skip(f"the bundled checkpoints are not all here: {', '.join(map(str, missing))}")
+    log = tmp_path_factory.mktemp("bundled-server") / "server.log"
+    with attnlens.Server(*dirs, log=log, env={"ATTNLENS_DEVICE": "cpu"}) as server:
+        yield server

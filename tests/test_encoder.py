@@ -145,7 +145,7 @@ def test_config_family_defaults_to_decoder_and_is_validated(tmp_path):
     assert ModelConfig.from_dict(old).family == "decoder"
     with pytest.raises(ConfigError, match="family"):
         ModelConfig(family="seq2seq")
-    with pytest.raises(ConfigError, match="classification head"):
+    with pytest.raises(ConfigError, match="does not build classifier"):
         ModelConfig(labels=["x"])
     with pytest.raises(ConfigError, match="pooling"):
         enc_config(pooling="max")

@@ -154,6 +154,11 @@ class RecordingModel:
             raise RuntimeError("poisoned input")
         return self._model(ids, **kw)
 
+    def analyse(self, ids, target_ids=None):  # an /attention call: held at the gate too
+        assert self.gate.wait(30)
+        self.calls.append((1, len(ids)))
+        return self._model.analyse(ids, target_ids)
+
 
 def test_one_forward_per_step_and_prefills_never_longer_than_one_full_prompt(ckpt):
     """Eight requests at once: three long prompts (each alone, a decode step between them)
@@ -367,7 +372,7 @@ def in_process(tiny_checkpoint, scenario, **settings):
 
 def test_429_contract_of_generate_and_v1_in_process(tiny_checkpoint):
     async def scenario(app, client):
-        engine = app.state.attnlens.engine
+        engine = app.state.attnlens.registry.get(None).runner
         rec = engine.model = RecordingModel(engine.model)
         clock = FakeClock()
         engine.scheduler.drain.clock = clock
@@ -406,7 +411,7 @@ def test_429_contract_of_generate_and_v1_in_process(tiny_checkpoint):
 
 def test_attention_bound_answers_429_when_full(tiny_checkpoint):
     async def scenario(app, client):
-        engine = app.state.attnlens.engine
+        engine = app.state.attnlens.registry.get(None).runner
         rec = engine.model = RecordingModel(engine.model)
         rec.gate.clear()
         first = asyncio.create_task(client.post("/attention", json={"text": "To be, or not"}))
@@ -437,7 +442,7 @@ def test_a_non_streamed_handler_ends_when_its_client_disconnects(tiny_checkpoint
     and the request is counted (status 499) in attnlens_http_requests_total."""
 
     async def scenario(app, client):
-        engine = app.state.attnlens.engine
+        engine = app.state.attnlens.registry.get(None).runner
         engine.model = RecordingModel(engine.model, delay=0.02)  # 60 tokens would take > 1 s
         import json as _json
 

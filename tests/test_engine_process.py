@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnlens.app.attention_codec import attention_maps
+from attnlens.app.attention_analysis import attention_maps
 from attnlens.app.engine import EngineClosed, EngineProcess, GenerationCancelled, GenerationParams, QueueFull
 from attnlens.app.schemas import StreamDone, StreamError
 from helpers import drain, make_tiny_checkpoint, reference_ids, run_async
@@ -171,23 +171,31 @@ def test_a_model_that_cannot_load_fails_start_up_with_the_reason(ckpt, tmp_path)
 
 
 def test_readyz_says_when_the_engine_process_has_stopped(tiny_checkpoint):
+    """With restarts turned off (ATTNLENS_ENGINE_MAX_RESTARTS=0) a dead engine process stays dead:
+    /readyz says so and why, and requests get a 503 that says the engine failed. (Restarts, the
+    default, are tested in test_engine_supervision.py.)"""
     from fastapi.testclient import TestClient
 
     from attnlens.app.main import create_app
     from attnlens.app.settings import Settings
 
-    with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False))) as c:
-        engine = c.app.state.attnlens.engine
+    settings = Settings(model=tiny_checkpoint, device="cpu", warmup=False, engine_max_restarts=0)
+    with TestClient(create_app(settings)) as c:
+        engine = c.app.state.attnlens.registry.get(None).runner
         assert isinstance(engine, EngineProcess) and c.get("/readyz").status_code == 200
         os.kill(engine.process.pid, signal.SIGKILL)
-        for _ in range(200):
-            if not engine.alive:
+        for _ in range(500):
+            if engine.state == "failed":
                 break
             time.sleep(0.01)
         r = c.get("/readyz")
-        assert r.status_code == 503 and r.json()["detail"] == "the engine has stopped"
+        assert r.status_code == 503 and r.json()["status"] == "failed"
+        detail = r.json()["detail"]
+        assert "engine process stopped" in detail and "ATTNLENS_ENGINE_MAX_RESTARTS=0" in detail, detail
+        assert r.json()["models"][tiny_checkpoint.name]["state"] == "failed"
         r = c.post("/generate", json={"prompt": "To be", "max_new_tokens": 2})
         assert r.status_code == 503 and "engine process stopped" in r.json()["detail"]
+        assert r.json()["code"] == "engine_failed"
 
 
 def test_a_hand_over_the_server_cannot_take_ends_everything_with_an_error(ckpt, tiny_checkpoint, monkeypatch):

@@ -1,6 +1,8 @@
 """Property-based fuzzing of the whole OpenAPI description (schemathesis) against a live
 server on the tiny model: valid and invalid requests for every operation; no answer may be
-a 5xx. Bounded: a fixed number of examples per operation and mode, loopback only.
+a 5xx, and every answer must match the schema and content type its OpenAPI description
+documents for its status. Bounded: a fixed number of examples per operation and mode,
+loopback only.
 
 (Driven through hypothesis directly: schemathesis' pytest plugin does not load under the
 pytest this suite uses.)"""
@@ -11,6 +13,7 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402  (schemathesis brings hypothesis)
+from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance  # noqa: E402
 
 from conftest import make_tiny_checkpoint  # noqa: E402
 from encoder_helpers import make_tiny_encoder  # noqa: E402
@@ -41,7 +44,7 @@ def operations(fuzz_server):
 
 
 POSTS = ["POST /generate", "POST /attention", "POST /v1/completions", "POST /fill-mask", "POST /classify"]
-GETS = ["GET /v1/models", "GET /models", "GET /model", "GET /healthz", "GET /readyz",
+GETS = ["GET /v1/models", "GET /v1/models/{model}", "GET /models", "GET /model", "GET /healthz", "GET /readyz",
         "GET /metrics"]  # no inputs: no invalid ones
 
 
@@ -58,10 +61,13 @@ def test_no_5xx(operations, fuzz_server, label, mode):
         assert response.status_code < 500, (
             f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}\n"
             f"body: {case.body!r}\nserver log tail:\n{fuzz_server.log()[-2000:]}")
+        # the answer is what the description documents for that status (schema, content type)
+        case.validate_response(response, checks=[response_schema_conformance, content_type_conformance])
 
     statuses: list[int] = []
     run()
     # the fuzzing reached the handlers, not just the validation (random text has no [MASK] and
     # the default model is the decoder, so /fill-mask and /classify rightly answer 400 there)
-    if mode == "positive" and label not in ("POST /fill-mask", "POST /classify"):
+    # (random model names are not loaded ones: GET /v1/models/{model} rightly answers 404)
+    if mode == "positive" and label not in ("POST /fill-mask", "POST /classify", "GET /v1/models/{model}"):
         assert any(200 <= code < 300 for code in statuses), statuses

@@ -234,3 +234,107 @@ def test_serving_on_cuda_sets_a_short_gil_switch_interval(tiny_checkpoint):
             assert sys.getswitchinterval() == pytest.approx(0.0002)
     finally:
         sys.setswitchinterval(before)
+
+
+# --- imported architectures (Llama 3, Llama 2, Qwen2, Mistral, Pythia) -----------------------------
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """name -> the architecture's small random checkpoint (tests/arch_helpers.py), imported once."""
+    pytest.importorskip("transformers")
+    from arch_helpers import CASES, write_hf_checkpoint
+
+    from attnlens.model.interop.convert import import_checkpoint
+
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            root = tmp_path_factory.mktemp(f"gpu-{name}")
+            src, _ = write_hf_checkpoint(CASES[name], root / "hf")
+            done[name] = import_checkpoint(src, root / "ours")[0]
+        return done[name]
+
+    return get
+
+
+ARCH_NAMES = ["llama3", "llama2", "qwen2", "mistral", "pythia"]
+
+
+@pytest.mark.parametrize("name", ARCH_NAMES)
+def test_each_architecture_on_cuda_matches_the_cpu_and_replays_its_decode_step(imported, name):
+    """fp32 on CUDA: logits and every map as on the CPU; the captured decode step (rotary angles
+    and Mistral's window from each row's length, GQA over the cache's key/value heads) gives the
+    eager step's logits, tokens and attention rows on rows of different lengths."""
+    from attnlens.model.cuda_graphs import GraphedDecoder
+    from attnlens.model.decoding import RowSampler, decode_step
+
+    cpu, gpu = load_checkpoint(imported(name)), load_checkpoint(imported(name), device="cuda")
+    ids = torch.randint(0, cpu.config.vocab_size, (2, 40))
+    ref, ref_att = cpu.model(ids, return_attention=True)
+    with torch.inference_mode():
+        out, att = gpu.model(ids.cuda(), return_attention=True)
+        fast = gpu.model(ids.cuda()).logits
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast.cpu(), ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(att, ref_att):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
+    model = gpu.model
+    plain, graphed = model.new_kv_cache(4), model.new_kv_cache(4)
+    decoder = GraphedDecoder(model, graphed)
+    assert decoder.capture and graphed.keys[0].shape[1] == gpu.config.kv_heads
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6], [7, 8, 9]]
+    samplers = [RowSampler(SamplingParams(temperature=0)) for _ in prompts]
+    with torch.inference_mode():
+        for cache in (plain, graphed):
+            for row, p in enumerate(prompts):
+                model(torch.tensor([p], device="cuda"), kv_cache=cache, rows=slice(row, row + 1))
+        last = torch.tensor([[10], [11], [12]], device="cuda")
+        for step in range(12):
+            samplers[0].return_attention = step % 3 == 1
+            a = decode_step(model, plain, last, samplers)
+            b = decode_step(model, graphed, last, samplers, graphs=decoder)
+            torch.testing.assert_close(b.output.logits, a.output.logits, rtol=1e-4, atol=1e-4)
+            assert [t.id for t in a.tokens] == [t.id for t in b.tokens]
+            for ra, rb in zip(a.tokens[0].attention or [], b.tokens[0].attention or []):
+                torch.testing.assert_close(rb, ra, rtol=0, atol=1e-5)
+            last = torch.tensor([[t.id] for t in a.tokens], device="cuda")
+
+
+@pytest.mark.parametrize("name", ARCH_NAMES)
+def test_each_architecture_decodes_in_bf16_on_cuda(imported, name):
+    """bf16 (the service's default on a GPU): the rotary frequencies stay float32, the logits stay
+    close to fp32's, and seeded sampling through the engine's CUDA graphs is reproducible."""
+    import asyncio
+
+    from attnlens.app.engine import Engine, GenerationParams
+    from attnlens.app.schemas import StreamToken
+    from helpers import run_async
+
+    ckpt = load_checkpoint(imported(name), device="cuda", dtype=torch.bfloat16)
+    fp32 = load_checkpoint(imported(name), device="cuda")
+    if ckpt.model.rotary is not None:
+        assert ckpt.model.rotary.inv_freq.dtype == torch.float32
+    ids = torch.randint(0, ckpt.config.vocab_size, (1, 32), device="cuda")
+    with torch.inference_mode():
+        want = fp32.model(ids).logits
+        diff = (ckpt.model(ids).logits.float() - want).abs().max().item()
+    assert diff < 0.05 * want.abs().max().item() + 0.05, diff
+    engine = Engine(ckpt, max_concurrent=4, max_queue=4)
+    assert engine.graphs is not None
+    params = SamplingParams(temperature=0.9, seed=3)
+
+    async def main():
+        gens = engine.submit_all([GenerationParams([1, 2, 3, 4], 16, params), GenerationParams([5, 6], 16, params)])
+
+        async def ids(g):
+            return [e.id for e in [e async for e in g.events()] if isinstance(e, StreamToken)]
+
+        return await asyncio.gather(*(ids(g) for g in gens))
+
+    try:
+        first, second = run_async(main()), run_async(main())
+    finally:
+        engine.close()
+    assert first == second and all(len(t) >= 1 for t in first)

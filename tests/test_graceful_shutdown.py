@@ -69,7 +69,7 @@ async def wait_for(condition, what: str, limit: int = 1500) -> None:
 def test_sigterm_refuses_new_requests_and_lets_a_running_stream_finish(tiny_checkpoint):
     async def scenario(app, server, task, base_url):
         state = app.state.attnlens
-        engine = state.engine
+        engine = state.registry.get(None).runner
         model = engine.model = HeldModel(engine.model, hold_at=3)  # two tokens out, then held
         async with httpx.AsyncClient(base_url=base_url, timeout=30) as client, \
                 httpx.AsyncClient(base_url=base_url, timeout=30) as other:
@@ -115,7 +115,7 @@ def test_sigterm_refuses_new_requests_and_lets_a_running_stream_finish(tiny_chec
 def test_a_stream_still_running_after_the_grace_period_ends_with_an_error_event(tiny_checkpoint):
     async def scenario(app, server, task, base_url):
         state = app.state.attnlens
-        engine = state.engine
+        engine = state.registry.get(None).runner
         # held until the engine closes: a generation longer than the grace period
         model = engine.model = HeldModel(engine.model, hold_at=3, give_up=lambda: engine.scheduler.closed)
         async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
@@ -126,7 +126,8 @@ def test_a_stream_still_running_after_the_grace_period_ends_with_an_error_event(
                 server.handle_exit(signal.SIGTERM, None)
                 rest = await read_events(lines)  # ends: the protocol's error event, not a cut connection
             assert first[-1][0] == "token"
-            assert rest[-1] == ("error", {"message": "the server is shutting down"}), rest[-3:]
+            assert rest[-1][0] == "error" and rest[-1][1]["message"] == "the server is shutting down", rest[-3:]
+            assert rest[-1][1]["code"] == "shutting_down"
             await asyncio.wait_for(task, 30)
         assert not engine.alive
 
@@ -145,7 +146,7 @@ def test_sigint_stops_at_once_and_a_second_sigterm_ends_the_grace_period(tiny_ch
     serve_in_process(tiny_checkpoint, scenario)
 
     async def twice(app, server, task, base_url):
-        engine = app.state.attnlens.engine
+        engine = app.state.attnlens.registry.get(None).runner
         model = engine.model = HeldModel(engine.model, hold_at=3, give_up=lambda: engine.scheduler.closed)
         async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
             async with client.stream("POST", "/generate", json=PROMPT) as stream:
@@ -156,7 +157,8 @@ def test_sigint_stops_at_once_and_a_second_sigterm_ends_the_grace_period(tiny_ch
                 await wait_for(lambda: app.state.attnlens.drain.draining, "draining")
                 server.handle_exit(signal.SIGTERM, None)  # the grace period is 60 s: this one does not wait for it
                 rest = await read_events(lines)
-            assert rest[-1] == ("error", {"message": "the server is shutting down"}), rest[-3:]
+            assert rest[-1][0] == "error" and rest[-1][1]["message"] == "the server is shutting down", rest[-3:]
+            assert rest[-1][1]["code"] == "shutting_down"
             await asyncio.wait_for(task, 30)
         assert not engine.alive
 

@@ -83,3 +83,21 @@ def test_sample_rows_draws_its_sampled_rows_from_their_own_generators():
     assert [t.id for t in tokens] == want
     lp = torch.log_softmax(logits, -1)
     assert [t.logprob for t in tokens] == pytest.approx([lp[i, t].item() for i, t in enumerate(want)], abs=1e-6)
+
+
+def test_ids_past_the_tokenizer_are_never_picked_and_take_no_probability():
+    """A vocabulary padded past its tokenizer's last id (Qwen2: 151936 rows, 151646 tokens):
+    those ids have no text, so the engine's samplers (vocab_limit) never choose them, greedy or
+    sampled, and the log-probabilities are over the real tokens alone."""
+    from attnlens.model.decoding import RowSampler, make_generator, sample_rows
+
+    logits = torch.zeros(2, 12)
+    logits[:, 10:] = 50.0  # the padding rows would win everything
+    logits[:, 3] = 1.0
+    greedy = RowSampler(SamplingParams(temperature=0.0), vocab_limit=10, n_logprobs=3)
+    sampled = RowSampler(SamplingParams(temperature=1.0, seed=1), make_generator(1), vocab_limit=10)
+    for _ in range(20):
+        a, b = sample_rows(logits.clone(), [greedy, sampled])
+        assert a.id == 3 and b.id < 10 and all(i < 10 for i in a.top_ids)
+    want = torch.log_softmax(logits[0, :10], dim=-1)[3].item()
+    assert abs(a.logprob - want) < 1e-6

@@ -43,12 +43,16 @@ def client(tiny_checkpoint, encoder_dir, bare_encoder_dir):
 
 
 def direct_mlm_probs(ckpt, text: str) -> tuple[list[int], torch.Tensor]:
+    """The framed ids and, per position, each token's probability (softmax over the whole
+    vocabulary, as Hugging Face's fill-mask pipeline scores); special tokens set to 0 after the
+    softmax, as they are never candidates."""
     tok = ckpt.tokenizer
     ids = [tok.cls_id, *tok.encode(text), tok.sep_id]
     with torch.no_grad():
         logits = ckpt.model(torch.tensor([ids])).logits[0]
-    logits[:, sorted(tok.special_ids)] = float("-inf")
-    return ids, torch.softmax(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    probs[:, sorted(tok.special_ids)] = 0.0
+    return ids, probs
 
 
 def test_models_lists_every_model_with_family_tasks_and_labels(client, tiny_checkpoint):

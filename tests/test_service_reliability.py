@@ -142,7 +142,7 @@ def test_500_body_has_no_exception_text(tiny_checkpoint, monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("secret /srv/internal/path detail")
 
-    monkeypatch.setattr(attention_router, "encode", broken)
+    monkeypatch.setattr(attention_router, "answer_fields", broken)
     with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False)),
                     raise_server_exceptions=False) as c:
         r = c.post("/attention", json={"text": "Hi"})
@@ -153,7 +153,7 @@ def test_500_body_has_no_exception_text(tiny_checkpoint, monkeypatch):
 def test_engine_error_text_stays_in_the_log(tiny_checkpoint):
     settings = Settings(model=tiny_checkpoint, device="cpu", warmup=False, engine_process=False)  # the model is wrapped here
     with TestClient(create_app(settings)) as c:
-        engine = c.app.state.attnlens.engine
+        engine = c.app.state.attnlens.registry.get(None).runner
         real_model = engine.model
 
         class Poisoned:  # the real model, except that its forward raises

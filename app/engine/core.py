@@ -41,6 +41,7 @@ import torch
 
 from attnlens.model import Checkpoint, SamplingParams
 from attnlens.model.cuda_graphs import GraphedDecoder
+from attnlens.model.families.contract import FixedShapeDecoder
 from attnlens.model.decoding import RowSampler, decode_step, make_generator
 
 from .front import MODEL_CALL_FAILED, EngineFront
@@ -139,10 +140,14 @@ class Engine(EngineFront):
         self.device = self.model.tok_emb.weight.device
         self.dtype = self.model.tok_emb.weight.dtype
         self.cache = self.model.new_kv_cache(max_concurrent)  # one row per slot, reused
+        # a vocabulary padded past the tokenizer's last id (Qwen2): those ids are never sampled
+        vocab = checkpoint.tokenizer.vocab_size
+        self.vocab_limit = vocab if vocab < checkpoint.config.vocab_size else None
         # on CUDA: the decode step captured once per batch-size bucket, replayed every step (for
-        # the families with a fixed-shape step, `decode_fixed`; the others decode eagerly)
+        # the families whose module offers a fixed-shape step, FixedShapeDecoder; the others decode
+        # eagerly)
         self.graphs: GraphedDecoder | None = None
-        if cuda_graphs and self.device.type == "cuda" and hasattr(self.model, "decode_fixed"):
+        if cuda_graphs and self.device.type == "cuda" and isinstance(self.model, FixedShapeDecoder):
             try:
                 self.graphs = GraphedDecoder(self.model, self.cache)
             except Exception:  # the eager step always works: use it
@@ -283,7 +288,7 @@ class Engine(EngineFront):
             self.cache.free(first + i)
             g.t_start = time.perf_counter()
             g.sampler = RowSampler(p.sampling, make_generator(p.sampling.seed), p.n_logprobs,
-                                   p.return_attention)
+                                   p.return_attention, vocab_limit=self.vocab_limit)
             self._decoding.append(g)  # owns row first + i from now on
         lengths = [len(g.params.prompt_ids) for g in batch]
         T = max(lengths)
@@ -368,7 +373,7 @@ class Engine(EngineFront):
             g.t_first = time.perf_counter()
         g.last_token = token.id
         records.append(TokenRecord(g, token))
-        if token.id == self.tokenizer.eos_id:
+        if token.id in self.tokenizer.eos_ids:  # EOS, or another end the checkpoint names (Llama 3's <|eot_id|>)
             g.finish_reason = "eos"
         elif g.produced >= g.params.max_new_tokens or length >= self.cache.capacity:
             g.finish_reason = "length"

@@ -18,6 +18,7 @@ from attnlens.model import Checkpoint
 
 from .outputs import FinishRecord, Record, call_soon, hand_over
 from .scheduler import EngineClosed, Scheduler
+from .stream_budget import StreamBudget
 
 if TYPE_CHECKING:
     from .core import Generation
@@ -63,6 +64,15 @@ class EngineFront:
         self.scheduler = Scheduler(max_concurrent, max_queue, max_attention_concurrent, clock=clock)
         self._lock = threading.Lock()
         self.waiting_cancelled = 0  # generations that left the line before they ran
+        # what every stream's unread events may hold between them, shared by all engines (main.py)
+        self.stream_budget: StreamBudget | None = None
+        # starting | running | restarting | failed | stopped (an EngineSupervisor reports it)
+        self.state = "running"
+        self.detail: str | None = None  # why it is not running, when it is not
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds the core has held work without a sign of progress (0: idle or progressing)."""
+        return 0.0
 
     # --- introspection (metrics) -------------------------------------------
     @property
@@ -89,6 +99,9 @@ class EngineFront:
         loop = asyncio.get_running_loop()
         generations = [Generation(loop, p, self.tokenizer, backlog_limit=self.max_stream_backlog_bytes)
                        for p in params]
+        if self.stream_budget is not None:
+            for g in generations:
+                self.stream_budget.join(g.output)
         self.admit(generations, param=param)
         return generations
 
@@ -126,18 +139,24 @@ class EngineFront:
         else:
             self._cancel_running(g)
 
-    def _end_everything(self, message: str) -> None:
-        """Close admission (EngineClosed with `message`); every generation and model call still
+    def _end_everything(self, message: str, kind: type[EngineClosed] = EngineClosed,
+                        retry_after: int | None = None) -> None:
+        """Close admission (`kind` with `message`); every generation and model call still
         held, waiting or running, ends with `message`."""
         with self._lock:
-            self.scheduler.closed, self.scheduler.closed_reason = True, message
+            self.scheduler.close(message, kind, retry_after)
             generations, calls = self.scheduler.take_everything()
+        self._end_with(generations, calls, kind(message, retry_after))
+
+    def _end_with(self, generations: list, calls: list, error: EngineClosed) -> None:
+        """These generations end with an error event saying `error` (its code too); these calls raise it."""
         now = time.perf_counter()
         for g in generations:
             g.t_end = now
-        self._emit([FinishRecord(g, "error", message) for g in generations])
+        self._emit([FinishRecord(g, "error", str(error), code=error.code, retry_after=error.retry_after)
+                    for g in generations])
         for work in calls:
-            work.settle(error=EngineClosed(message))
+            work.settle(error=error)
 
     # --- what a core provides ----------------------------------------------
     def _admitted(self) -> None:

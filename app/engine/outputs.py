@@ -9,12 +9,19 @@ StreamToken / StreamDone / StreamError events that the routes send as they are.
 When a stop string completes, the output stage asks the core to stop the generation; the
 core retires it at its next step and sends the final record, so a client that sees `done`
 also sees the generation's slot free again.
+
+A token's event is built when its client takes it, not when its record arrives: until then
+the queue holds the record's compact tensors (4 bytes a probability) rather than the event's
+Python floats (about 32 each), and the allocator gets that memory back as one block. What a
+stream's client leaves unread is bounded per stream (ATTNLENS_MAX_STREAM_BACKLOG_BYTES) and
+for all streams together (stream_budget.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Union
 
@@ -25,7 +32,8 @@ from attnlens.model.decoding import GeneratedToken
 
 from ..schemas import (Alternative, GeneratedTokenOut, StreamDone, StreamError, StreamToken, Timings, TokenText,
                        Usage)
-from .textstream import TextStream
+from .stream_budget import Held, StreamBudget
+from .textstream import Released, TextStream
 
 if TYPE_CHECKING:
     from .core import Generation
@@ -36,6 +44,7 @@ if TYPE_CHECKING:
 # ATTNLENS_MAX_STREAM_BACKLOG_BYTES.
 EVENT_BYTES = 512
 FLOAT_BYTES = 32
+BATCH_BYTES = 1_000_000  # at most this much (estimated) is built into events for one write
 
 
 class GenerationCancelled(Exception):
@@ -64,6 +73,8 @@ class FinishRecord:
     generation: "Generation"
     reason: str  # "length" | "eos" | "stop" | "cancelled" | "error"
     message: str = ""  # for "error"
+    code: str | None = None  # for "error": machine-readable, e.g. engine_restarting
+    retry_after: int | None = None  # for "error": seconds after which a retry may work
 
 
 Record = Union[TokenRecord, PromptRecord, FinishRecord]
@@ -106,7 +117,7 @@ def attention_lists(rows: list[torch.Tensor]) -> list[list[list[float]]]:
     return [np.round(r.numpy().astype(np.float64), 6).tolist() for r in rows]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: it is kept in a WeakSet (StreamBudget)
 class GenerationOutput:
     """One generation's output stage: its text stream, its events, its finished answer."""
 
@@ -120,11 +131,21 @@ class GenerationOutput:
     eos_token: GeneratedTokenOut | None = None  # a final EOS (no text, but scored: /v1 logprobs list it)
     closed: bool = False
     backlog_limit: int = 0  # estimated bytes of events a client may leave unread (0: no limit)
-    backlog: int = 0  # estimated bytes of the events queued and not yet taken
+    held: Held = field(default_factory=Held)  # estimated bytes of the events queued and not yet taken
     overflowed: bool = False  # the client fell behind by more than backlog_limit: the generation ends
+    budget: StreamBudget | None = None  # every stream's backlog together (StreamBudget.join)
+    shed: bool = False  # ended by the budget: its unread events were dropped
 
     def __post_init__(self) -> None:
         self.text = TextStream(self.tokenizer, self.stop)
+        # no reference cycle with its generation: once a route lets go of the generation, this
+        # output (and its unread events) is freed at once, not at the next cycle collection; it
+        # only reaches the generation while the engine holds that
+        self.generation = weakref.proxy(self.generation)
+
+    @property
+    def backlog(self) -> int:
+        return self.held.bytes
 
     # --- consumer side -------------------------------------------------------
     async def events(self) -> AsyncIterator[Event]:
@@ -138,9 +159,13 @@ class GenerationOutput:
         """The same events in order, each time every one already waiting: a stream writer that
         falls behind the engine (many streams, a fast device) sends them in one write."""
         while True:
-            batch = [self._take(await self.queue.get())]
-            while isinstance(batch[-1], StreamToken) and not self.queue.empty():
-                batch.append(self._take(self.queue.get_nowait()))
+            item = await self.queue.get()
+            size = item[1]
+            batch = [self._take(item)]
+            while isinstance(batch[-1], StreamToken) and not self.queue.empty() and size < BATCH_BYTES:
+                item = self.queue.get_nowait()
+                size += item[1]
+                batch.append(self._take(item))
             last = batch[-1]
             if isinstance(last, GenerationCancelled):
                 if len(batch) > 1:
@@ -152,12 +177,36 @@ class GenerationOutput:
 
     def _take(self, item: tuple[Any, int]):
         event, size = item
-        self.backlog -= size
-        return event
+        self._count(-size)
+        return self._event(event) if isinstance(event, Released) else event
 
     def _put(self, event, size: int = EVENT_BYTES) -> None:
+        """Queue an event (or a Released token, made into its event when taken)."""
         self.queue.put_nowait((event, size))
-        self.backlog += size
+        self._count(size)
+        if self.budget is not None and self.budget.over():
+            self.budget.shed_largest()
+
+    def _count(self, n: int) -> None:
+        self.held.bytes += n
+        if self.budget is not None:
+            self.budget.add(n)
+
+    def _drop_queued(self) -> None:
+        """Forget every event not taken yet (nobody will read them): their memory comes back now."""
+        while not self.queue.empty():
+            self._count(-self.queue.get_nowait()[1])
+
+    def shed_backlog(self, limit: int) -> None:
+        """Called by the budget: drop this stream's unread events and end it with an error."""
+        self.shed = True
+        self._drop_queued()
+        self.queue.put_nowait((StreamError(
+            message=f"the server holds more than {limit} bytes of stream events that clients have not read "
+                    "(ATTNLENS_MAX_STREAM_BACKLOG_TOTAL_BYTES), and this stream held the most: it was ended",
+            code="stream_backlog_exceeded"), 0))
+        if not self.closed:
+            self.generation.stop()
 
     # --- records -------------------------------------------------------------
     def handle(self, record: Record) -> None:
@@ -177,16 +226,18 @@ class GenerationOutput:
         return [Alternative(id=i, text=tok.display_text(i), logprob=lp) for i, lp in zip(ids, logprobs)]
 
     def _token(self, token: GeneratedToken) -> None:
-        if self.text.stopped or self.overflowed:
+        if self.text.stopped or self.overflowed or self.shed:
             return  # after a stop string (or an overflow): the core stops when told; these do not count
         self.seen += 1
-        if token.id == self.tokenizer.eos_id:  # the end: no text, but its score is kept
+        if token.id in self.tokenizer.eos_ids:  # the end: no text, but its score is kept
             self.eos_token = GeneratedTokenOut(id=token.id, text=self.tokenizer.display_text(token.id),
                                                logprob=token.logprob,
                                                top_logprobs=self._alternatives(token.top_ids, token.top_logprobs))
             return
         for r in self.text.push(self.seen - 1, token.id, token):
-            self._put(self._event(r), event_bytes(r.extra))
+            if self.shed:  # the budget ended this stream while it queued these
+                return
+            self._put(r, event_bytes(r.extra))
         if self.text.stopped:
             self.generation.stop()
         elif self.backlog_limit and self.backlog > self.backlog_limit:
@@ -220,19 +271,26 @@ class GenerationOutput:
 
     def _finish(self, record: FinishRecord) -> None:
         self.closed = True
-        if record.reason == "cancelled":
+        if self.shed:  # its error is queued already
+            return
+        if record.reason == "cancelled":  # its client went away: nobody reads what is queued
+            self._drop_queued()
             self._put(GenerationCancelled("the generation was cancelled"))
             return
         if record.reason == "error" or self.overflowed:
-            message = record.message if record.reason == "error" else (
-                f"the client left more than {self.backlog_limit} bytes of this stream unread "
-                "(ATTNLENS_MAX_STREAM_BACKLOG_BYTES); the generation was ended")
-            self._put(StreamError(message=message))
+            if record.reason == "error":
+                error = StreamError(message=record.message, code=record.code or "generation_failed",
+                                    retry_after=record.retry_after)
+            else:
+                error = StreamError(message=f"the client left more than {self.backlog_limit} bytes of this stream "
+                                            "unread (ATTNLENS_MAX_STREAM_BACKLOG_BYTES); the generation was ended",
+                                    code="stream_backlog_exceeded")
+            self._put(error)
             return
         reason = "stop" if self.text.stopped else record.reason
         if reason != "stop":
             for r in self.text.finish():
-                self._put(self._event(r), event_bytes(r.extra))
+                self._put(r, event_bytes(r.extra))
         self._put(self._done(reason))
 
     def _done(self, reason: str) -> StreamDone:

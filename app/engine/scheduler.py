@@ -45,7 +45,27 @@ class RequestTooLarge(Exception):
 
 
 class EngineClosed(Exception):
-    """The engine is shutting down."""
+    """The engine takes no work: the server is shutting down (or, subclasses, its engine is
+    being restarted or has failed). `code` is what the client's 503 says; `retry_after` (s),
+    when known, goes in its Retry-After header."""
+
+    code = "shutting_down"
+
+    def __init__(self, message: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineRestarting(EngineClosed):
+    """The engine process stopped and a new one is starting: come back in `retry_after` seconds."""
+
+    code = "engine_restarting"
+
+
+class EngineFailed(EngineClosed):
+    """The engine stopped and will not be restarted (restarts are off, or it kept failing)."""
+
+    code = "engine_failed"
 
 
 class DrainRate:
@@ -135,6 +155,18 @@ class Scheduler:
         self.call_seconds = 0.0  # moving average of one model call
         self.closed = False
         self.closed_reason = "the server is shutting down"  # what admission answers once closed
+        self.closed_as: type[EngineClosed] = EngineClosed  # ... and as which error
+        self.closed_retry_after: int | None = None
+
+    def close(self, reason: str, kind: type[EngineClosed] = EngineClosed, retry_after: int | None = None) -> None:
+        """Admission answers `kind(reason, retry_after)` until reopen()."""
+        self.closed, self.closed_reason, self.closed_as, self.closed_retry_after = True, reason, kind, retry_after
+
+    def reopen(self) -> None:
+        self.closed, self.closed_as, self.closed_retry_after = False, EngineClosed, None
+
+    def _refuse(self) -> EngineClosed:
+        return self.closed_as(self.closed_reason, self.closed_retry_after)
 
     def tokens_owed(self) -> int:
         return sum(max(0, g.params.max_new_tokens - g.produced) for g in self.generations.running)
@@ -148,7 +180,7 @@ class Scheduler:
     def admit_generations(self, items: list, *, param: str | None = None) -> None:
         """Queue all of `items` or none of them."""
         if self.closed:
-            raise EngineClosed(self.closed_reason)
+            raise self._refuse()
         line, n = self.generations, len(items)
         if n > line.capacity:
             raise RequestTooLarge(
@@ -165,7 +197,7 @@ class Scheduler:
 
     def admit_call(self, item) -> None:
         if self.closed:
-            raise EngineClosed(self.closed_reason)
+            raise self._refuse()
         line = self.calls
         if line.room() < 1:
             wait = math.ceil(max(self.call_seconds, 0.1) * (line.held + 1))
@@ -174,6 +206,22 @@ class Scheduler:
                 f"{line.capacity}, ATTNLENS_MAX_ATTENTION_CONCURRENT); retry later",
                 int(min(RETRY_AFTER_MAX_S, max(1, wait))))
         line.waiting.append(item)
+
+    def take_running(self) -> tuple[list, list]:
+        """Empty the running places of both lines (an engine process died with them): the waiting stay."""
+        taken = []
+        for line in (self.generations, self.calls):
+            taken.append(list(line.running))
+            line.running.clear()
+        return taken[0], taken[1]
+
+    def take_waiting(self) -> tuple[list, list]:
+        """Empty the waiting places of both lines."""
+        taken = []
+        for line in (self.generations, self.calls):
+            taken.append(list(line.waiting))
+            line.waiting.clear()
+        return taken[0], taken[1]
 
     def take_everything(self) -> tuple[list, list]:
         """Empty both lines (the engine is stopping): every generation and model call, waiting or running."""

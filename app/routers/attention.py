@@ -1,4 +1,8 @@
-"""POST /attention: every attention map of a text (or of given token ids), as JSON or packed f16 / u8."""
+"""POST /attention: every attention map of a text (or of given token ids), as JSON or packed f16 / u8.
+
+What the answer holds follows the model's family declaration (model/families/contract.py): its
+attention groups and their axes, how it frames a text, whether it reads a target (the layout is in
+app/attention_analysis.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +11,14 @@ from functools import partial
 from fastapi import APIRouter, Depends
 
 from ..answers import claimed_json, off_loop
-from ..attention_codec import attention_maps, encode, encoded_bytes
+from ..attention_analysis import analyse_attention, answer_bytes, answer_fields
 from ..deps import get_state
-from ..encoder_tasks import TaskInputError, encoder_attention_maps, framed_ids
+from ..encoder_tasks import TaskInputError, framed_ids
 from ..errors import ApiError, field_error
 from ..prompts import check_text_bytes, check_token_ids, tokenize_text
-from ..registry import ATTENTION, lookup
+from ..registry import ATTENTION, ServedModel, lookup
 from ..schemas import AttentionRequest, AttentionResponse
 from ..state import AppState
-from ..translation_attention import translation_content, translation_maps
 
 router = APIRouter(tags=["attention"])
 
@@ -43,7 +46,7 @@ async def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[i
     else:
         field = "text"
         ids = await tokenize_text(tok, body.text, context_length, field="text",
-                                  limit_name="the model's context length")
+                                  limit_name="the model's context length", prompt=True)
         if not ids:
             raise ApiError(400, "text encodes to no tokens", param="text", code="empty_text")
     if len(ids) > context_length:
@@ -52,21 +55,28 @@ async def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[i
     return ids
 
 
-def _target_ids(body: AttentionRequest, tok, context_length: int) -> list[int] | None:
-    """An encoder-decoder's target: `target` tokenised or `target_ids` as they are, or None
-    (then the model's greedy translation). The decoder reads start + target: context - 1 at most."""
-    if body.target is not None and body.target_ids is not None:
-        raise field_error("target_ids", "give either target or target_ids, not both", "exclusive")
+async def _target_ids(body: AttentionRequest, served: ServedModel) -> list[int] | None:
+    """The target of a family that reads one (an encoder-decoder): `target` tokenised or `target_ids`
+    as they are, or None (then the model's greedy output). The decoder reads start + target:
+    context - 1 at most. Any other family refuses a target."""
     if body.target is None and body.target_ids is None:
         return None
+    if not served.family.takes_target:
+        name = "target" if body.target is not None else "target_ids"
+        raise field_error(name, f"only a model that reads a source and writes a target (an encoder-decoder) "
+                                f"takes a target; {served.describe()}", "unsupported")
+    tok, context_length = served.checkpoint.tokenizer, served.checkpoint.config.context_length
+    if body.target is not None and body.target_ids is not None:
+        raise field_error("target_ids", "give either target or target_ids, not both", "exclusive")
     if body.target_ids is not None:
         field, ids = "target_ids", list(body.target_ids)
         for pos, i in enumerate(ids):
             if not 0 <= i < tok.vocab_size:
                 raise field_error("target_ids", f"token id {i} (at position {pos}) is not in the vocabulary: "
                                                 f"ids run 0..{tok.vocab_size - 1}", "out_of_range")
-    else:
-        field, ids = "target", tok.encode(body.target)
+    else:  # checked by its bytes, then tokenised off the event loop (as `text` is)
+        field, ids = "target", await tokenize_text(tok, body.target, context_length - 1, field="target",
+                                                   limit_name="the model's context length")
         if not ids:
             raise ApiError(400, "target encodes to no tokens", param="target", code="empty_text")
     if len(ids) + 1 > context_length:
@@ -91,21 +101,19 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
 
     A decoder's maps are causal (zero above the diagonal). An encoder's are bidirectional,
     full T x T, and its `text` is framed as [CLS] text [SEP] (`ids` are used as they are).
+    An encoder-decoder's `text` / `ids` are the source: the encoder's maps are at the top level,
+    the decoder's and the cross maps under `translation`, for `target` / `target_ids` or the
+    model's own greedy translation. GET /models gives each model's groups and their axes.
     """
     served = lookup(state, body.model, ATTENTION)
-    runner = served.runner
-    cfg = served.checkpoint.config
-    encoder = cfg.family == "encoder"
-    if encoder and body.packing == "tril":
-        raise field_error("packing", "'tril' keeps only the lower triangle, but this model's attention is "
-                                     "bidirectional (full T x T): use packing='full'", "unsupported")
+    family, cfg, tok = served.family, served.checkpoint.config, served.checkpoint.tokenizer
+    if body.packing == "tril" and not family.has_causal_group:
+        raise field_error("packing", f"'tril' keeps only the lower triangle, but this model's attention is "
+                                     f"{family.attention_kind} (full maps): use packing='full'", "unsupported")
     layers = _indices("layers", body.layers, cfg.n_layers)
     heads = _indices("heads", body.heads, cfg.n_heads)
-    tok = served.checkpoint.tokenizer
-    if cfg.family != "encoder-decoder" and (body.target is not None or body.target_ids is not None):
-        name = "target" if body.target is not None else "target_ids"
-        raise field_error(name, f"only an encoder-decoder takes a target; {served.describe()}", "unsupported")
-    if encoder and body.text is not None and body.ids is None:
+    target = await _target_ids(body, served)
+    if family.framing == "cls_sep" and body.text is not None and body.ids is None:
         check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
         try:
             ids = await off_loop(framed_ids, served.checkpoint, body.text)
@@ -113,60 +121,23 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
     else:
         ids = await _input_ids(body, tok, cfg.context_length)
-    if cfg.family == "encoder-decoder":
-        return await _translation_answer(body, state, served, ids, layers, heads)
-    shape = [len(layers), len(heads), len(ids), len(ids)]
+    # the target's rows: start + target, or at most the context for the model's own output
+    lengths = {"tokens": len(ids), "source": len(ids),
+               "target": cfg.context_length if target is None else len(target) + 1}
     # held from before the forward until the answer's last byte is sent: bounded memory
-    claim = await state.answers.claim(encoded_bytes(shape, body.format, body.packing), what="this answer")
+    claim = await state.answers.claim(answer_bytes(family, lengths, len(layers), len(heads), body.format,
+                                                   body.packing), what="this answer")
     try:
-        if encoder:
-            maps = await runner.call(lambda ckpt: encoder_attention_maps(ckpt.model, ids, layers, heads))
-        else:
-            maps = await runner.call(partial(attention_maps, ids=ids, layers=layers, heads=heads))
+        analysis = await served.call_model(partial(analyse_attention, ids=ids, layers=layers, heads=heads,
+                                                   target_ids=target))
     except BaseException:
         await claim.release()
         raise
 
     def content() -> dict:  # runs on a worker thread, as does its encoding
-        return {
-            "model": served.name,
-            "family": cfg.family,
-            "direction": "bidirectional" if encoder else "causal",
-            "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
-            "n_layers": cfg.n_layers,
-            "n_heads": cfg.n_heads,
-            "layers": layers,
-            "heads": heads,
-            "format": body.format,
-            **encode(maps, body.format, body.packing),
-        }
+        return {"model": served.name, "family": family.name, "direction": family.attention_kind,
+                "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "layers": layers, "heads": heads,
+                "format": body.format, **answer_fields(family, analysis, tok, body.format, body.packing)}
 
     # Already the documented shape: no re-validating millions of floats.
-    return await claimed_json(content, claim, state.settings.send_timeout_s)
-
-
-async def _translation_answer(body: AttentionRequest, state: AppState, served, ids: list[int], layers: list[int],
-                              heads: list[int]):
-    """An encoder-decoder's answer: the encoder's maps over the source at the top level, the
-    decoder's and the cross maps under `translation` (app/translation_attention.py)."""
-    cfg, tok = served.checkpoint.config, served.checkpoint.tokenizer
-    target = _target_ids(body, tok, cfg.context_length)
-    S, L, H = len(ids), len(layers), len(heads)
-    T = cfg.context_length if target is None else len(target) + 1  # the greedy translation's at most
-    size = (encoded_bytes([L, H, S, S], body.format, "full") + encoded_bytes([L, H, T, T], body.format, body.packing)
-            + encoded_bytes([L, H, max(S, T), max(S, T)], body.format, "full"))  # cross T x S, bounded by a square
-    claim = await state.answers.claim(size, what="this answer")
-    try:
-        maps = await served.runner.call(partial(translation_maps, source_ids=ids, target_ids=target, layers=layers,
-                                                heads=heads))
-    except BaseException:
-        await claim.release()
-        raise
-
-    def content() -> dict:  # on a worker thread, as is its encoding
-        return {"model": served.name, "family": cfg.family, "direction": "encoder-decoder",
-                "tokens": [{"id": i, "text": tok.display_text(i)} for i in ids],
-                "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "layers": layers, "heads": heads,
-                "format": body.format, **translation_content(maps, tok, body.format, body.packing)}
-
     return await claimed_json(content, claim, state.settings.send_timeout_s)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter
 
-from fastapi import APIRouter, Depends, Request
-
+from ..deps import RegistryDep
 from ..encoder_schemas import (
     ClassifyRequest,
     ClassifyResponse,
@@ -16,33 +15,24 @@ from ..encoder_schemas import (
 )
 from ..encoder_tasks import TaskInputError, classify, fill_mask
 from ..errors import ApiError
-from ..registry import ATTENTION_KIND, CLASSIFY, FILL_MASK, ModelRegistry, ServedModel
+from ..prompts import check_text_bytes
+from ..registry import CLASSIFY, FILL_MASK, ServedModel
 
 router = APIRouter(tags=["models", "encoder"])
 
 MAX_MASKS = 32  # [MASK]s in one /fill-mask text (each is one row of top-k work)
 
 
-def get_registry(request: Request) -> ModelRegistry:
-    state = request.app.state.attnlens
-    registry = getattr(state, "registry", None)
-    if not state.ready or registry is None:
-        raise ApiError(503, f"the models are not ready ({state.status})", code="not_ready",
-                       headers={"Retry-After": "5"})
-    return registry
-
-
-RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]
-
-
 def summary(served: ServedModel, default: str) -> ModelSummary:
-    cfg = served.checkpoint.config
+    cfg, family = served.checkpoint.config, served.family
     return ModelSummary(
-        name=served.name, family=cfg.family, default=served.name == default, n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads, d_model=cfg.d_model, context_length=cfg.context_length,
-        vocab_size=cfg.vocab_size, parameters=served.checkpoint.model.num_parameters(),
-        tasks=served.tasks, attention=ATTENTION_KIND[cfg.family],
-        labels=served.labels, pooling=cfg.pooling if cfg.family == "encoder" and cfg.labels else None,
+        name=served.name, family=family.name, family_info=family.describe(), default=served.name == default,
+        n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=cfg.d_model, context_length=cfg.context_length,
+        vocab_size=cfg.vocab_size, parameters=served.checkpoint.model.num_parameters(), memory=served.memory(),
+        tasks=served.tasks, attention=family.attention_kind,
+        labels=served.labels, pooling=cfg.pooling if CLASSIFY in served.tasks else None,
+        state=served.state, restarts=served.supervisor.restarts if served.supervisor is not None else 0,
+        detail=served.supervisor.detail if served.supervisor is not None else None,
     )
 
 
@@ -58,12 +48,22 @@ def _input_error(e: TaskInputError) -> ApiError:
     return ApiError(status, str(e), param=e.param, code=e.code)
 
 
+def _check_text(served: ServedModel, text: str) -> None:
+    """A text whose bytes alone prove it cannot fit [CLS] text [SEP] in the context: a 400 before
+    it is tokenised (a megabyte would hold the tokenizer, and Python's GIL, for seconds)."""
+    cfg = served.checkpoint.config
+    check_text_bytes(served.checkpoint.tokenizer, text, cfg.context_length - 2, field="text",
+                     limit_name=f"the model's context of {cfg.context_length} with [CLS] and [SEP]")
+
+
 @router.post("/fill-mask", response_model=FillMaskResponse,
-             responses={400: {"description": "no [MASK], too long, or a model that cannot fill masks"},
+             responses={400: {"description": "no [MASK], too long (by its bytes, before tokenising, or by its "
+                                             "tokens), or a model that cannot fill masks"},
                         404: {"description": "unknown model"}, 429: {}, 503: {}})
 async def fill_mask_route(body: FillMaskRequest, registry: RegistryDep) -> FillMaskResponse:
     """The top-k tokens for each `[MASK]` in `text`, as Hugging Face's fill-mask pipeline gives them."""
     served = registry.get(body.model, FILL_MASK)
+    _check_text(served, body.text)
     try:
         masks = await served.runner.call(lambda ckpt: fill_mask(ckpt, body.text, body.top_k, MAX_MASKS))
     except TaskInputError as e:
@@ -77,6 +77,7 @@ async def fill_mask_route(body: FillMaskRequest, registry: RegistryDep) -> FillM
 async def classify_route(body: ClassifyRequest, registry: RegistryDep) -> ClassifyResponse:
     """Every label's probability for `text`, highest first (Hugging Face's text-classification, top_k=None)."""
     served = registry.get(body.model, CLASSIFY)
+    _check_text(served, body.text)
     try:
         labels = await served.runner.call(lambda ckpt: classify(ckpt, body.text))
     except TaskInputError as e:

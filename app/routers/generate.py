@@ -16,7 +16,7 @@ from ..errors import public_message
 from ..prompts import tokenize_text
 from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
-from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, sse
+from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, note_unfinished, sse
 from ..registry import GENERATE, lookup
 from ..state import AppState
 
@@ -38,12 +38,16 @@ ERRORS = {
     "/generate",
     response_model=GenerateResponse,
     responses={**ERRORS, 200: {"content": {"text/event-stream": {"schema": {
+                                   # each event, as OpenAPI before 3.2 describes a stream's events
                                    "description": "each `event: token` carries a StreamToken, the last "
                                                   "`event: done` a StreamDone (or `event: error` a "
                                                   "StreamError)",
-                                   "oneOf": [{"$ref": "#/components/schemas/StreamToken"},
-                                             {"$ref": "#/components/schemas/StreamDone"},
-                                             {"$ref": "#/components/schemas/StreamError"}]}}},
+                                   "type": "object", "required": ["event", "data"],
+                                   "oneOf": [{"properties": {"event": {"const": name}, "data": {
+                                       "contentMediaType": "application/json",
+                                       "contentSchema": {"$ref": f"#/components/schemas/{model}"}}}}
+                                       for name, model in (("token", "StreamToken"), ("done", "StreamDone"),
+                                                           ("error", "StreamError"))]}}},
                                "description": "JSON, or with stream=true a stream of `token` events, "
                                               "then one `done` (or `error`) event"}},
 )
@@ -54,9 +58,9 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     check_new_token_limit(settings, body.max_new_tokens, "max_new_tokens")
     tok = engine.tokenizer
     prompt_ids = await tokenize_text(tok, body.prompt, settings.max_prompt_tokens, field="prompt",
-                                     limit_name="ATTNLENS_MAX_PROMPT_TOKENS")
+                                     limit_name="ATTNLENS_MAX_PROMPT_TOKENS", prompt=True)
     check_lengths(engine.config.context_length, settings, prompt_ids, body.max_new_tokens,
-                  family=engine.config.family)
+                  served.family.generation)
     params = GenerationParams(
         prompt_ids=prompt_ids,
         max_new_tokens=body.max_new_tokens,
@@ -69,13 +73,17 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     metrics = state.metrics
 
     if body.stream:
+        ended = []  # the done or error event, once sent
+
         def encode(event) -> str:
             if isinstance(event, StreamToken):
                 return sse("token", event)
+            ended.append(event)
             if isinstance(event, StreamDone):
                 metrics.observe_generation(event)
                 return sse("done", event)
-            return sse("error", StreamError(message=public_message(event.message)))
+            note_unfinished(metrics, "error")
+            return sse("error", event.model_copy(update={"message": public_message(event.message)}))
 
         async def events():
             try:
@@ -83,8 +91,12 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
                     yield "".join(encode(event) for event in batch)
             except Exception:  # anything on our side mid-stream: log it, tell the client
                 log.exception("stream failed")
-                yield sse("error", StreamError(message="internal error (see the server log)"))
+                ended.append(None)
+                note_unfinished(metrics, "error")
+                yield sse("error", StreamError(message="internal error (see the server log)", code="internal_error"))
             finally:
+                if not ended:
+                    note_unfinished(metrics, "cancelled")  # its client went away before the end
                 generation.cancel()  # client gone (the stream was cancelled) or finished: free the slot
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -92,6 +104,8 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     async with cancel_on_disconnect(request, [generation]):
         out = await collect(generation, metrics)
     done = out.done
+    generation = served.family.generation
+    streams_cross = any(served.family.group(g).is_cross for g in generation.step_groups)
 
     def answer() -> bytes:  # on a worker thread: with attention it can be megabytes of floats
         return GenerateResponse(
@@ -105,7 +119,7 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
             timings=done.timings,
             attention=[t.attention for t in out.tokens] if body.return_attention else None,
             cross_attention=([t.cross_attention for t in out.tokens]
-                             if body.return_attention and engine.config.family == "encoder-decoder" else None),
+                             if body.return_attention and streams_cross else None),
         ).model_dump_json().encode()
 
     return Response(await off_loop(answer), media_type="application/json")

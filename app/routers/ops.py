@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from ..deps import get_engine, get_state
-from ..engine import EngineFront
+from ..deps import RegistryDep, StateDep
 from ..metrics import CONTENT_TYPE_LATEST
-from ..registry import lookup
+from ..registry import ServedModel
 from ..schemas import Health, ModelInfo, Readiness
-from ..state import AppState
 
 router = APIRouter(tags=["operations"])
 
@@ -24,15 +22,30 @@ async def healthz():
     return {"status": "ok"}
 
 
+def model_states(registry) -> dict[str, dict]:
+    """Each model's engine state, restarts and (when it does not run) why: /readyz and /models say it."""
+    out = {}
+    for name, served in registry.models.items():
+        sup = served.supervisor
+        out[name] = {"state": served.state, "restarts": sup.restarts if sup is not None else 0,
+                     "detail": sup.detail if sup is not None else None}
+    return out
+
+
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-async def readyz(state: AppState = Depends(get_state)):
-    """200 once the model is loaded and warmed up and its engine runs (thread or process); else 503."""
-    engine = state.engine
-    if state.ready and engine is not None and engine.alive:
-        return {"ready": True, "status": "ready"}
-    detail = "the engine has stopped" if state.ready and engine is not None else None
-    return JSONResponse({"ready": False, "status": state.status if detail is None else "failed",
-                         "detail": detail}, status_code=503)
+async def readyz(state: StateDep):
+    """200 once every model is loaded and warmed up and every engine runs (thread or process);
+    else 503, with each model's state (a restarting or failed engine says why)."""
+    registry = state.registry
+    if not state.ready or registry is None:
+        return JSONResponse({"ready": False, "status": state.status, "detail": None}, status_code=503)
+    models = model_states(registry)
+    down = {name: m for name, m in models.items() if m["state"] != "running"}
+    if not down:
+        return {"ready": True, "status": "ready", "models": models}
+    status = "failed" if any(m["state"] == "failed" for m in down.values()) else "restarting"
+    detail = "; ".join(f"model {name!r}: {m['detail'] or m['state']}" for name, m in down.items())
+    return JSONResponse({"ready": False, "status": status, "detail": detail, "models": models}, status_code=503)
 
 
 def training_summary(report: dict | None) -> dict | None:
@@ -47,14 +60,10 @@ def training_summary(report: dict | None) -> dict | None:
 
 
 @router.get("/model", response_model=ModelInfo, responses={404: {"description": "unknown model"}})
-async def model_info(engine: EngineFront = Depends(get_engine), state: AppState = Depends(get_state),
-                     model: str | None = None):
+async def model_info(registry: RegistryDep, state: StateDep, model: str | None = None):
     """The default model, or the loaded model named by `?model=` (GET /models lists them)."""
-    ckpt, s = engine.checkpoint, state.settings
-    name = state.model_name
-    if model is not None:
-        served = lookup(state, model, None)
-        ckpt, name = served.checkpoint, served.name
+    served = registry.get(model)
+    ckpt, name, s = served.checkpoint, served.name, state.settings
     cfg, weights = ckpt.config, ckpt.model.tok_emb.weight
     return {
         "name": name,
@@ -76,5 +85,5 @@ async def model_info(engine: EngineFront = Depends(get_engine), state: AppState 
 
 
 @router.get("/metrics", response_class=Response)
-async def metrics(state: AppState = Depends(get_state)):
+async def metrics(state: StateDep):
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

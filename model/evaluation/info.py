@@ -30,6 +30,21 @@ def summary(ckpt_dir: str | Path) -> dict:
     return info
 
 
+def kv_heads(cfg: dict) -> str:
+    """" (2 key/value)" for grouped- or multi-query attention, else nothing."""
+    n = cfg.get("n_kv_heads")
+    return f" ({n} key/value)" if n is not None and n != cfg["n_heads"] else ""
+
+
+def positions(cfg: dict) -> str:
+    if cfg["positional"] != "rotary":
+        return f"{cfg['positional']} positions"
+    pct = cfg.get("rotary_pct", 1.0)
+    scaling = cfg.get("rope_scaling")
+    return (f"rotary positions ({'' if pct == 1.0 else f'{pct:g} of each head, '}theta {cfg.get('rope_theta', 1e4):g}"
+            + (f", {scaling.get('rope_type', scaling.get('type'))} scaling" if scaling else "") + ")")
+
+
 def describe(ckpt_dir: str | Path) -> str:
     info = summary(ckpt_dir)
     cfg = info["config"]
@@ -38,12 +53,18 @@ def describe(ckpt_dir: str | Path) -> str:
         f"family       {cfg.get('family', 'decoder')}"
         + (f", labels {', '.join(cfg['labels'])} ({cfg['pooling']} pooling)" if cfg.get("labels") else ""),
         f"parameters   {info['parameters']:,} ({info['parameters_without_embeddings']:,} without embeddings)",
-        f"layers       {cfg['n_layers']} x {cfg['n_heads']} heads, d_model {cfg['d_model']}, d_ff {cfg['d_ff']}",
+        f"layers       {cfg['n_layers']} x {cfg['n_heads']} heads{kv_heads(cfg)}, d_model {cfg['d_model']}, "
+        f"d_ff {cfg['d_ff']}",
         f"context      {cfg['context_length']} tokens, vocab {cfg['vocab_size']} "
         f"(tokenizer {info['tokenizer_vocab_size']})",
-        f"variant      {cfg['positional']} positions, {cfg['norm']}-LN, {cfg['activation']}, "
-        f"bias={cfg['bias']}, tied={cfg['tie_embeddings']}, scaled emb={cfg['scale_embeddings']}",
+        f"variant      {positions(cfg)}, {cfg['norm']}-{'RMSNorm' if cfg.get('norm_type') == 'rmsnorm' else 'LN'}, "
+        f"{'gated ' if cfg.get('ffn') == 'gated' else ''}{cfg['activation']}, "
+        f"bias={cfg['bias']}, tied={cfg['tie_embeddings']}, scaled emb={cfg['scale_embeddings']}"
+        + (", parallel residual" if cfg.get("parallel_residual") else "")
+        + (f", sliding window {cfg['sliding_window']}" if cfg.get("sliding_window") else ""),
     ]
+    if cfg.get("architecture"):
+        lines.insert(2, f"imported     from a transformers {cfg['architecture']}")
     rep = info.get("report")
     if rep:
         lines.append("training     " + ", ".join(f"{k}={v}" for k, v in rep.items()))

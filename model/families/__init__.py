@@ -1,10 +1,11 @@
-"""The three model families and the map from a config's `family` to its module class.
+"""The model families: each declares its contract (contract.py) and is built from model/parts.
 
-- decoder.py: `Transformer`, the decoder-only language model (GPT-2's shape).
+- decoder.py: `Transformer`, the decoder-only language model (GPT's shape; Llama's and the others').
 - encoder.py: `Encoder`, the encoder-only model (BERT's shape).
 - encoder_decoder.py: `EncoderDecoder`, the encoder-decoder translator (Vaswani et al.'s shape).
 
-All three stack the same shared parts (model/parts.py).
+Adding a family is one module that declares a `Family` and its nn.Module, and one line in
+FAMILY_CLASSES below; the service, the engine and the page read the declaration.
 """
 
 from __future__ import annotations
@@ -12,23 +13,30 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..config import ModelConfig
-from .decoder import ModelOutput, Transformer
-from .encoder import Encoder
-from .encoder_decoder import EncoderDecoder
+from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec, family_of
+from .decoder import DecoderOutput, Transformer
+from .encoder import Encoder, EncoderOutput
+from .encoder_decoder import EncoderDecoder, EncoderDecoderOutput
 
-FAMILY_CLASSES: dict[str, type[nn.Module]] = {
-    "decoder": Transformer,
-    "encoder": Encoder,
-    "encoder-decoder": EncoderDecoder,
-}
+# config.family -> the module class; each class carries its declaration as `family`
+FAMILY_CLASSES: dict[str, type[nn.Module]] = {cls.family.name: cls for cls in (Transformer, Encoder, EncoderDecoder)}
+FAMILIES: dict[str, Family] = {name: cls.family for name, cls in FAMILY_CLASSES.items()}
+
+
+def family_named(name: str) -> Family:
+    family = FAMILIES.get(name)
+    if family is None:
+        raise ValueError(f"family {name!r} is not built by this version of attnlens (it builds: "
+                         f"{', '.join(FAMILIES)})")
+    return family
 
 
 def build_model(config: ModelConfig) -> nn.Module:
     """The module for a config's family."""
-    family = FAMILY_CLASSES.get(config.family)
-    if family is None:
-        raise ValueError(f"family {config.family!r} is not built by this version of attnlens")
-    return family(config)
+    family_named(config.family)
+    return FAMILY_CLASSES[config.family](config)
 
 
-__all__ = ["FAMILY_CLASSES", "Encoder", "EncoderDecoder", "ModelOutput", "Transformer", "build_model"]
+__all__ = ["FAMILIES", "FAMILY_CLASSES", "AttentionAnalysis", "AttentionGroup", "DecoderOutput", "Encoder",
+           "EncoderDecoder", "EncoderDecoderOutput", "EncoderOutput", "Family", "GenerationSpec", "TaskSpec",
+           "Transformer", "build_model", "family_named", "family_of"]

@@ -1,12 +1,20 @@
-"""The decoder family (GPT): causal self-attention blocks and an LM head, from model/parts.
+"""The decoder family (GPT, Llama, Qwen2, Mistral, GPT-NeoX): causal self-attention blocks
+and an LM head, from model/parts. Which parts is the config's choice (an architecture is a
+config, not a copy of this code).
 
 Shapes: B = batch, T = new tokens in this call, S = all positions the queries may see
-(cached + new), C = d_model, H = heads, D = d_head = C / H, V = vocab.
+(cached + new), C = d_model, H = query heads, K = key/value heads, D = d_head, V = vocab.
 
-    ids (B, T) -> token embedding (+ positions) -> n_layers x Block(causal) -> final norm -> LM head
+    ids (B, T) -> token embedding (+ learned/sinusoidal positions) -> n_layers x Block(causal,
+               rotary angles of each token's own position) -> final norm -> LM head
 
-`forward` always returns a ModelOutput(logits, attentions); attentions is None unless
-return_attention=True, then one (B, H, T, S) tensor per layer.
+`forward` always returns a DecoderOutput(logits, attentions); attentions is None unless
+return_attention=True, then one (B, H, T, S) tensor per layer (one map per query head).
+Positions, rotary or not, come from each cache row's own length; a sliding window
+(config.sliding_window) masks keys more than `sliding_window - 1` positions back.
+
+The family's declaration (`FAMILY`, model/families/contract.py): it generates, continuing a
+prompt in one context; it has one attention group, "self" (causal, tokens over tokens).
 """
 
 from __future__ import annotations
@@ -18,33 +26,47 @@ import torch
 import torch.nn as nn
 
 from ..config import ModelConfig
-from ..kv_cache import ContextLengthError, KVCache
-from ..parts import Block, Embeddings, KVUpdate, sinusoidal_table
+from ..kv_cache import ContextLengthError, KVCache, bytes_per_row
+from ..parts import Block, Embeddings, KVUpdate, RotaryAngles, make_norm, sinusoidal_table, sliding_window_mask
+from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec
 
-__all__ = ["ContextLengthError", "KVCache", "ModelOutput", "Transformer", "sinusoidal_table"]
+__all__ = ["FAMILY", "ContextLengthError", "DecoderOutput", "KVCache", "Transformer", "sinusoidal_table"]
 
 
-class ModelOutput(NamedTuple):
-    """What every forward returns: (B, T, V) logits ((B, 1, V) with last_only) and, with
+class DecoderOutput(NamedTuple):
+    """What the decoder's forward returns: (B, T, V) logits ((B, 1, V) with last_only) and, with
     return_attention, one (B, H, T, S) probability tensor per layer (else None)."""
 
     logits: torch.Tensor
     attentions: list[torch.Tensor] | None = None
 
 
+FAMILY = Family(
+    name="decoder",
+    description="a decoder-only language model (GPT): causal self-attention and an LM head",
+    tasks=(TaskSpec("generate"), TaskSpec("completions"), TaskSpec("chat", needs="chat_template"),
+           TaskSpec("attention")),
+    groups=(AttentionGroup("self", "tokens", "tokens", causal=True,
+                           description="causal self-attention: each token over itself and the tokens before it"),),
+    attention_kind="causal",
+    output=DecoderOutput,
+    generation=GenerationSpec(prompt="prefix", step_groups=("self",)),
+    features=("chat_template",),
+    builds=("rotary", "sliding_window", "rmsnorm", "grouped_query", "parallel_residual"),
+)
+
+
 class Transformer(Embeddings, nn.Module):
+    family = FAMILY
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         config.validate()
         self.config = config
-        self.init_embeddings(config)  # tok_emb, pos_emb | pos_table, emb_dropout
+        self.init_embeddings(config)  # tok_emb, pos_emb | pos_table | rotary, emb_dropout
         self.blocks = nn.ModuleList(Block(config, causal=True) for _ in range(config.n_layers))
         # Post-LN already normalises every block's output; pre-LN needs a final norm.
-        self.ln_f = (
-            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
-            if config.norm == "pre"
-            else nn.Identity()
-        )
+        self.ln_f = make_norm(config) if config.norm == "pre" else nn.Identity()
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -64,9 +86,15 @@ class Transformer(Embeddings, nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def new_kv_cache(self, n_rows: int = 1) -> KVCache:
-        """An empty cache with `n_rows` rows (slots), each up to the context length."""
+        """An empty cache with `n_rows` rows (slots), each up to the context length, holding the
+        key/value heads (n_kv_heads: fewer than the query heads with grouped-query attention)."""
         c, p = self.config, self.tok_emb.weight
-        return KVCache(c.n_layers, n_rows, c.n_heads, c.context_length, c.d_head, device=p.device, dtype=p.dtype)
+        return KVCache(c.n_layers, n_rows, c.kv_heads, c.context_length, c.d_head, device=p.device, dtype=p.dtype)
+
+    def kv_cache_row_bytes(self) -> int:
+        """What one row of new_kv_cache takes, without allocating it."""
+        c = self.config
+        return bytes_per_row(c.n_layers, c.kv_heads, c.context_length, c.d_head, self.tok_emb.weight.dtype)
 
     def forward(
         self,
@@ -77,7 +105,7 @@ class Transformer(Embeddings, nn.Module):
         rows: slice | None = None,
         last_only: bool = False,
         valid: torch.Tensor | None = None,
-    ) -> ModelOutput:
+    ) -> DecoderOutput:
         """Logits (B, T, V) for token ids (B, T); (B, 1, V) with last_only.
 
         With a kv_cache, `ids` are the tokens after the cached ones of the cache rows `rows`
@@ -92,15 +120,19 @@ class Transformer(Embeddings, nn.Module):
             raise ContextLengthError(
                 f"sequence of {T} tokens exceeds the context length {self.config.context_length}"
             )
-        if write is None:
-            x = self.embed(ids)  # (B, T, C), positions 0 .. T-1
+        if write is None:  # positions 0 .. T-1
+            x, rope, mask = self.embed(ids), self.rotary_angles(T), self.window_mask(T, T)
         elif write.positions is None:  # every row continues from the same position
-            x = self.embed(ids, start=write.start)
-        else:
-            x = self.embed(ids, positions=write.positions)  # each row its own (B, T) positions
+            start = write.start
+            x, rope = self.embed(ids, start=start), self.rotary_angles(T, start=start)
+            mask = self.window_mask(T, write.n_keys, start=start)
+        else:  # each row its own (B, T) positions
+            positions = write.positions
+            x, rope = self.embed(ids, positions=positions), self.rotary_angles(T, positions=positions)
+            mask = self.window_mask(T, write.n_keys, positions=positions, mask=write.mask)
 
-        x, attentions = self.run_blocks(x, write.mask if write is not None else None,
-                                        write.layer if write is not None else None, return_attention)
+        x, attentions = self.run_blocks(x, mask, write.layer if write is not None else None, return_attention,
+                                        rope=rope)
         if write is not None:
             kv_cache.commit(write, T if valid is None else valid.cpu())
 
@@ -110,10 +142,10 @@ class Transformer(Embeddings, nn.Module):
             else:  # each row's last real position: (B, T, C) -> (B, 1, C)
                 x = x[torch.arange(B, device=x.device), valid.to(x.device) - 1][:, None, :]
         x = self.ln_f(x)
-        return ModelOutput(self.lm_head(x), attentions)  # (B, T, V)
+        return DecoderOutput(self.lm_head(x), attentions)  # (B, T, V)
 
     def decode_fixed(self, ids: torch.Tensor, kv_cache: KVCache, lengths: torch.Tensor, *,
-                     return_attention: bool = False) -> ModelOutput:
+                     return_attention: bool = False) -> DecoderOutput:
         """One decode step for cache rows 0 .. B-1 with shapes that never change, for CUDA graphs.
 
         ids (B, 1) and lengths (B,) (each row's filled positions) are tensors on the model's
@@ -124,22 +156,63 @@ class Transformer(Embeddings, nn.Module):
         (B, H, 1, P) probability tensor per layer (keys past a row's length exactly 0).
         """
         B = ids.shape[0]
-        x = self.embed(ids, positions=lengths[:, None], dropout=False)  # (B, 1, C) at positions (B, 1)
+        positions = lengths[:, None]  # (B, 1): each row's new token sits at its length
+        x = self.embed(ids, positions=positions, dropout=False)  # (B, 1, C)
+        rope = self.rotary_angles(1, positions=positions)  # (B, 1, R) angles, or None
         keys = torch.arange(kv_cache.capacity, device=ids.device)  # (P,)
         mask = (keys[None, :] <= lengths[:, None])[:, None, None, :]  # (B, P) -> (B, 1, 1, P)
+        mask = self.window_mask(1, kv_cache.capacity, positions=positions, mask=mask)
         rows = torch.arange(B, device=ids.device)
-        x, attentions = self.run_blocks(x, mask, lambda i: kv_cache.fixed_update(i, rows, lengths), return_attention)
-        return ModelOutput(self.lm_head(self.ln_f(x)), attentions)  # (B, 1, V)
+        x, attentions = self.run_blocks(x, mask, lambda i: kv_cache.fixed_update(i, rows, lengths), return_attention,
+                                        rope=rope)
+        return DecoderOutput(self.lm_head(self.ln_f(x)), attentions)  # (B, 1, V)
+
+    def window_mask(self, n: int, n_keys: int, *, start: int = 0, positions: torch.Tensor | None = None,
+                    mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`mask` narrowed to the sliding window of n queries (at start .. start+n-1, or each row's
+        (B, T) `positions`) over n_keys keys: (T, S) or (B, 1, T, S). Unchanged without a window,
+        or when every key is within it."""
+        window = self.config.sliding_window
+        if window is None or n_keys <= window:
+            return mask
+        if positions is None:
+            positions = torch.arange(start, start + n, device=self.tok_emb.weight.device)  # (T,)
+        band = sliding_window_mask(positions, n_keys, window)  # (T, S) or (B, T, S)
+        if band.dim() == 3:
+            band = band[:, None]  # (B, 1, T, S): the same for every head
+        return band if mask is None else mask & band
 
     def run_blocks(self, x: torch.Tensor, mask: torch.Tensor | None, kv_update: Callable[[int], KVUpdate] | None,
-                   return_attention: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """x (B, T, C) through every block (layer i's cache through kv_update(i)); with
-        return_attention, each layer's (B, H, T, S) probabilities."""
+                   return_attention: bool, *, rope: RotaryAngles | None = None,
+                   ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """x (B, T, C) through every block (layer i's cache through kv_update(i); `rope`, the
+        rotary angles of the tokens' positions, shared by every layer); with return_attention,
+        each layer's (B, H, T, S) probabilities."""
         attentions = [] if return_attention else None
         for i, block in enumerate(self.blocks):
             out = block(x, mask=mask, kv_update=kv_update(i) if kv_update is not None else None,
-                        return_attention=return_attention)
+                        return_attention=return_attention, rope=rope)
             x = out.x
             if return_attention:
                 attentions.append(out.self_attention)
         return x, attentions
+
+    # --- the family contract (model/families/contract.py) --------------------------------
+    @torch.inference_mode()
+    def analyse(self, ids: list[int], target_ids: list[int] | None = None) -> AttentionAnalysis:
+        """Every layer's and head's map of one sequence: {"self": (L, H, T, T)}."""
+        if target_ids is not None:
+            raise ValueError("a decoder analyses one sequence: it takes no target")
+        inputs = torch.tensor([ids], dtype=torch.long, device=self.tok_emb.weight.device)
+        attentions = self(inputs, return_attention=True, last_only=True).attentions
+        return AttentionAnalysis({"tokens": list(ids)}, {"self": torch.stack([a[0] for a in attentions])})
+
+    def step_attention(self, output: DecoderOutput, cache: KVCache, rows: slice,
+                       queries: list[int]) -> list[dict[str, list[torch.Tensor]]]:
+        """Per row b of `rows`: {"self": per layer (H, n_b)}, query queries[b] over the n_b
+        positions the row holds (never the padding of longer rows)."""
+        out = []
+        for b, q in enumerate(queries):
+            n = int(cache.lengths[rows.start + b])
+            out.append({"self": [a[b, :, q, :n] for a in output.attentions]})
+        return out

@@ -20,6 +20,7 @@ choice) is available. Both read only real positions: padding never changes a pre
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -28,9 +29,34 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..kv_cache import ContextLengthError
 from ..parts import Block, Embeddings, activate
-from .decoder import ModelOutput, Transformer
+from .contract import AttentionAnalysis, AttentionGroup, Family, TaskSpec
+from .decoder import Transformer
 
 TASKS = ("mlm", "classify", "hidden")
+
+
+class EncoderOutput(NamedTuple):
+    """What the encoder's forward returns: the task's head output (task "mlm": (B, T, V) or
+    (P, V) logits; "classify": (B, L) logits; "hidden": (B, T, C) states) and, with
+    return_attention, one (B, H, T, T) probability tensor per layer (else None)."""
+
+    logits: torch.Tensor
+    attentions: list[torch.Tensor] | None = None
+
+
+FAMILY = Family(
+    name="encoder",
+    description="an encoder-only model (BERT): bidirectional self-attention, a masked-LM head and, "
+                "with labels, a classification head",
+    tasks=(TaskSpec("fill-mask"), TaskSpec("classify", needs="labels"), TaskSpec("attention")),
+    groups=(AttentionGroup("self", "tokens", "tokens", causal=False,
+                           description="bidirectional self-attention: every token over every other"),),
+    attention_kind="bidirectional",
+    output=EncoderOutput,
+    framing="cls_sep",
+    features=("labels",),
+    builds=("classifier", "grouped_query", "parallel_residual"),
+)
 
 
 def padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -41,6 +67,8 @@ def padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class Encoder(Embeddings, nn.Module):
+    family = FAMILY
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         config.validate()
@@ -119,8 +147,8 @@ class Encoder(Embeddings, nn.Module):
         return_attention: bool = False,
         task: str = "mlm",
         positions: torch.Tensor | None = None,
-    ) -> ModelOutput:
-        """The decoder's ModelOutput: logits of the task's head, attentions or None.
+    ) -> EncoderOutput:
+        """An EncoderOutput: logits of the task's head, attentions or None.
 
         task "mlm": logits (B, T, V), or (P, V) for the P True cells of a boolean `positions`
         (B, T) (training scores only the masked positions); "classify": (B, L);
@@ -135,4 +163,15 @@ class Encoder(Embeddings, nn.Module):
             logits = self.classify_logits(hidden, attention_mask)
         else:
             logits = hidden
-        return ModelOutput(logits, attentions)
+        return EncoderOutput(logits, attentions)
+
+    # --- the family contract (model/families/contract.py) --------------------------------
+    @torch.inference_mode()
+    def analyse(self, ids: list[int], target_ids: list[int] | None = None) -> AttentionAnalysis:
+        """Every layer's and head's map of one sequence (ids as given: the caller frames a text
+        as [CLS] text [SEP]): {"self": (L, H, T, T)}."""
+        if target_ids is not None:
+            raise ValueError("an encoder analyses one sequence: it takes no target")
+        inputs = torch.tensor([ids], dtype=torch.long, device=self.tok_emb.weight.device)
+        attentions = self(inputs, return_attention=True, task="hidden").attentions
+        return AttentionAnalysis({"tokens": list(ids)}, {"self": torch.stack([a[0] for a in attentions])})

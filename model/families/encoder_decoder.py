@@ -29,8 +29,9 @@ import torch
 import torch.nn as nn
 
 from ..config import ModelConfig
-from ..kv_cache import ContextLengthError, KVCache, move_row
+from ..kv_cache import ContextLengthError, KVCache, bytes_per_row, move_row
 from ..parts import Block, Embeddings
+from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec
 from .decoder import Transformer
 
 
@@ -48,6 +49,25 @@ class EncoderDecoderOutput(NamedTuple):
     attentions: list[torch.Tensor] | None = None
     encoder_attentions: list[torch.Tensor] | None = None
     cross_attentions: list[torch.Tensor] | None = None
+
+
+FAMILY = Family(
+    name="encoder-decoder",
+    description="an encoder-decoder (Vaswani et al.): a bidirectional encoder reads the source; a causal "
+                "decoder writes the target, reading the source through cross-attention",
+    tasks=(TaskSpec("generate"), TaskSpec("completions"), TaskSpec("attention")),
+    groups=(
+        AttentionGroup("encoder", "source", "source", causal=False,
+                       description="the encoder's bidirectional self-attention over the source"),
+        AttentionGroup("decoder", "target", "target", causal=True,
+                       description="the decoder's causal self-attention over the target"),
+        AttentionGroup("cross", "target", "source", causal=False,
+                       description="cross-attention: each target step over the source tokens"),
+    ),
+    attention_kind="encoder-decoder",
+    output=EncoderDecoderOutput,
+    generation=GenerationSpec(prompt="source", step_groups=("decoder", "cross")),
+)
 
 
 def key_mask(keep: torch.Tensor | None) -> torch.Tensor | None:
@@ -136,6 +156,8 @@ class TranslationCache:
 
 
 class EncoderDecoder(Embeddings, nn.Module):
+    family = FAMILY
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         config.validate()
@@ -156,6 +178,12 @@ class EncoderDecoder(Embeddings, nn.Module):
         c, p = self.config, self.tok_emb.weight
         return TranslationCache(c.n_layers, n_rows, c.n_heads, c.context_length, c.d_head,
                                 device=p.device, dtype=p.dtype)
+
+    def kv_cache_row_bytes(self) -> int:
+        """What one row of new_kv_cache takes, without allocating it: the decoder's keys and values,
+        and as much again for the cross-attention keys and values of the row's source."""
+        c = self.config
+        return 2 * bytes_per_row(c.n_layers, c.n_heads, c.context_length, c.d_head, self.tok_emb.weight.dtype)
 
     def check_length(self, n: int, what: str) -> None:
         if n > self.config.context_length:
@@ -283,6 +311,33 @@ class EncoderDecoder(Embeddings, nn.Module):
         if last_only:
             y = y[:, -1:, :]
         return EncoderDecoderOutput(self.lm_head(y), self_attn, encoder_attentions, cross_attn)
+
+
+    # --- the family contract (model/families/contract.py) --------------------------------
+    @torch.inference_mode()
+    def analyse(self, ids: list[int], target_ids: list[int] | None = None) -> AttentionAnalysis:
+        """The three groups of a source `ids` and its target (without the start token; None: the
+        model's own greedy translation, at most context - 1 tokens so start + target fit)."""
+        start = self.config.decoder_start_id
+        generated = target_ids is None
+        if generated:
+            target_ids = greedy_translate_ids(self, [ids], start, start,
+                                              max_new_tokens=self.config.context_length - 1)[0]
+        decoder_ids = [start, *target_ids]
+        enc, dec, cross = attention_groups(self, list(ids), decoder_ids)
+        return AttentionAnalysis({"source": list(ids), "target": decoder_ids},
+                                 {"encoder": enc, "decoder": dec, "cross": cross}, generated_target=generated)
+
+    def step_attention(self, output: EncoderDecoderOutput, cache: TranslationCache, rows: slice,
+                       queries: list[int]) -> list[dict[str, list[torch.Tensor]]]:
+        """Per row b of `rows`: {"decoder": per layer (H, n_b) over the target it has written,
+        "cross": per layer (H, m_b) over its own source}, for query position queries[b]."""
+        out = []
+        for b, q in enumerate(queries):
+            n, m = int(cache.lengths[rows.start + b]), int(cache.source_lengths[rows.start + b])
+            out.append({"decoder": [a[b, :, q, :n] for a in output.attentions],
+                        "cross": [c[b, :, q, :m] for c in output.cross_attentions]})
+        return out
 
 
 def decoder_start_id(tokenizer) -> int:

@@ -78,9 +78,9 @@ def name_map(n_layers: int) -> dict[str, tuple[str, bool]]:
 # --- export ------------------------------------------------------------------------------
 
 
-def gpt2_config_dict(config: ModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
-    """A transformers GPT2Config (as config.json) describing `config`."""
-    eos = tokenizer.eos_id
+def gpt2_config_dict(config: ModelConfig, tokenizer: Tokenizer | None) -> dict[str, Any]:
+    """A transformers GPT2Config (as config.json) describing `config` (bos/eos: the tokenizer's EOS)."""
+    eos = tokenizer.eos_id if tokenizer is not None else None
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -217,8 +217,9 @@ def config_from_gpt2(data: dict[str, Any], path: Path) -> ModelConfig:
         raise CheckpointError(f"{path}: invalid GPT-2 config ({e})") from e
 
 
-def read_gpt2_weights(src: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """All tensors of a GPT-2 directory (model.safetensors, a sharded index, or pytorch_model.bin)."""
+def read_hf_weights(src: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """All tensors of a transformers directory (model.safetensors, a sharded index, or
+    pytorch_model.bin, read without unpickling anything but tensors) and the file they came from."""
     single = src / "model.safetensors"
     index = src / "model.safetensors.index.json"
     pickle = src / "pytorch_model.bin"
@@ -355,7 +356,7 @@ def import_hf(src_dir: str | Path, out_dir: str | Path) -> Path:
     data, config_path = read_hf_config(src)
     config = config_from_gpt2(data, config_path)
 
-    tensors, weights_path = read_gpt2_weights(src)
+    tensors, weights_path = read_hf_weights(src)
     state = state_from_gpt2(tensors, config, weights_path)
     tokenizer = read_gpt2_tokenizer(src)
     if tokenizer.vocab_size > config.vocab_size:

@@ -32,7 +32,7 @@ import torch
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..config import ConfigError, ModelConfig
 from ..families.encoder import Encoder
-from .hf import read_gpt2_weights, read_hf_config, write_hf_dir, write_json
+from .hf import read_hf_config, read_hf_weights, write_hf_dir, write_json
 from ..tokenizer import CLS_TOKEN, MASK_TOKEN, PAD_TOKEN, SEP_TOKEN, Tokenizer
 
 # BERT's hidden_act values and ours
@@ -71,7 +71,8 @@ def name_pairs(n_layers: int) -> list[tuple[str, str]]:
 
 
 # --- export ------------------------------------------------------------------------------
-def bert_config_dict(config: ModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+def bert_config_dict(config: ModelConfig, tokenizer: Tokenizer | None) -> dict[str, Any]:
+    pad = tokenizer.pad_id if tokenizer is not None else None
     return {
         "architectures": ["BertForMaskedLM"],
         "model_type": "bert",
@@ -88,7 +89,7 @@ def bert_config_dict(config: ModelConfig, tokenizer: Tokenizer) -> dict[str, Any
         "layer_norm_eps": config.layer_norm_eps,
         "initializer_range": 0.02,
         "position_embedding_type": "absolute",
-        "pad_token_id": tokenizer.pad_id if tokenizer.pad_id is not None else 0,
+        "pad_token_id": pad if pad is not None else 0,
         "tie_word_embeddings": True,
         "torch_dtype": "float32",
     }
@@ -215,7 +216,7 @@ def import_bert(src_dir: str | Path, out_dir: str | Path) -> Path:
     src = Path(src_dir)
     data, config_path = read_hf_config(src)
     config = config_from_bert(data, config_path)
-    tensors, weights_path = read_gpt2_weights(src)  # the same file layouts as any HF model
+    tensors, weights_path = read_hf_weights(src)  # the same file layouts as any HF model
     state = state_from_bert(tensors, config, weights_path)
     tokenizer = read_bert_tokenizer(src)
     if tokenizer.vocab_size > config.vocab_size:

@@ -2,10 +2,11 @@
 // message is fit to show a person: field + reason for 422, size for 413, retry hint for 429.
 
 export class ApiError extends Error {
-  constructor(message, { status = 0, fields = [], retryAfter = null, detail = null } = {}) {
+  constructor(message, { status = 0, fields = [], retryAfter = null, detail = null, code = null } = {}) {
     super(message);
     this.name = "ApiError";
     this.status = status; // 0 = no HTTP answer (server down, network, aborted)
+    this.code = code; // the server's machine-readable reason, e.g. "context_length_exceeded"
     this.fields = fields; // names of request fields the server rejected
     this.retryAfter = retryAfter;
     this.detail = detail;
@@ -70,7 +71,8 @@ export async function errorFromResponse(res) {
     default:
       message = `Server error ${res.status}${text ? ` — ${text}` : res.statusText ? ` — ${res.statusText}` : ""}`;
   }
-  return new ApiError(message, { status: res.status, fields: [...new Set(fields)], retryAfter, detail });
+  const code = typeof body?.code === "string" ? body.code : null;
+  return new ApiError(message, { status: res.status, fields: [...new Set(fields)], retryAfter, detail, code });
 }
 
 const KEY_STORAGE = "attnlens-api-key";
@@ -231,11 +233,14 @@ export function decodeAttention(resp) {
 /**
  * Fetch attention for `source`: a text (the server tokenises it) or an array of token ids
  * (used as they are, e.g. a prompt's tokens plus the generated ones, so nothing is re-tokenised).
+ * An encoder-decoder's `targetIds` are the target its decoder reads (e.g. a generated
+ * translation); without them the server translates greedily.
  * Returns { tokens, nLayers, nHeads, layers, heads, T, data }
  * where data is Float32Array [layers.length][heads.length][T][T].
  */
-export async function fetchAttention(source, { layers = null, heads = null, format = "json", packing = "tril", signal } = {}) {
+export async function fetchAttention(source, { layers = null, heads = null, format = "json", packing = "tril", targetIds = null, signal } = {}) {
   const body = Array.isArray(source) ? { ids: source, format } : { text: source, format };
+  if (targetIds?.length) body.target_ids = targetIds;
   if (format !== "json") body.packing = packing;
   if (layers) body.layers = layers;
   if (heads) body.heads = heads;

@@ -8,15 +8,29 @@ import { fetchAttention } from "./api.js";
 export const JSON_MAX_TOKENS = 64;
 
 /**
+ * Every layer comes in the first request when all of them are at most this many bytes (f16):
+ * one forward on the server either way, and then no view waits for the network (the bundled
+ * default model at its full 256 tokens is 2 MB). Larger models are fetched layer by layer.
+ */
+export const ALL_LAYERS_BYTES = 16 * 1024 * 1024;
+
+/**
  * All attention for one text, fetched layer by layer as views need them.
  * `ensure(layers)` fetches what is missing (in one request); `head(l, h)` is a T×T view.
  * With `ids` (token ids) the server analyses exactly those tokens and `text` is only a label:
  * used for prompt + generated tokens, whose text may not re-tokenise to the same ids.
+ * An encoder-decoder's maps here are its encoder's over the source (`text` / `ids`); its
+ * `targetIds` (a generated translation) are the target the translator views read
+ * (translator/translation.js), or null for the model's own greedy translation.
+ * `fetch` answers like api.js's fetchAttention (the notebook views pass one that reads the
+ * answer embedded in their document: inline.js).
  */
 export class AttentionSet {
-  constructor(text, meta, { format = "auto", ids = null } = {}) {
+  constructor(text, meta, { format = "auto", ids = null, targetIds = null, fetch = fetchAttention } = {}) {
+    this.fetch = fetch;
     this.text = text;
     this.ids = ids && ids.length ? ids.slice() : null;
+    this.targetIds = targetIds && targetIds.length ? targetIds.slice() : null;
     this.meta = meta; // {n_layers, n_heads, ...} from /model
     this.nLayers = meta.n_layers;
     this.nHeads = meta.n_heads;
@@ -45,9 +59,18 @@ export class AttentionSet {
     return true;
   }
 
+  /** Whether every layer fits in one request (ALL_LAYERS_BYTES), judged by the longest the text can be. */
+  smallEnough() {
+    const T = this.T || this.ids?.length || this.meta.context_length || Infinity;
+    const cells = this.nLayers * this.nHeads * T * T * (this.packing === "tril" ? 0.5 : 1);
+    return 2 * cells <= ALL_LAYERS_BYTES;
+  }
+
   /** Fetch the given layers (all heads) unless already here. Resolves when all are present. */
   async ensure(layers, { signal } = {}) {
-    const missing = layers.filter((l) => !this.layers.has(l) && !this.pending.has(l));
+    const absent = (l) => !this.layers.has(l) && !this.pending.has(l);
+    let missing = layers.filter(absent);
+    if (missing.length && this.smallEnough()) missing = [...Array(this.nLayers).keys()].filter(absent);
     if (missing.length) {
       // The token count is unknown before the first answer: start compact unless told otherwise.
       // (a text of at most 64 UTF-8 bytes has at most 64 tokens)
@@ -55,7 +78,7 @@ export class AttentionSet {
       const known = this.T || (this.ids ? this.ids.length : null);
       const format = this.chooseFormat(known || (bytes <= JSON_MAX_TOKENS ? bytes : null));
       this.lastFormat = format;
-      const p = fetchAttention(this.ids ?? this.text, { layers: missing, format, packing: this.packing, signal }).then((res) => {
+      const p = this.fetch(this.ids ?? this.text, { layers: missing, format, packing: this.packing, targetIds: this.targetIds, signal }).then((res) => {
         if (!this.tokens) {
           this.tokens = res.tokens;
           this.T = res.T;

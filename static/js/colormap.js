@@ -136,3 +136,18 @@ export function luminance(name, t) {
   };
   return 0.2126 * lin(table[i]) + 0.7152 * lin(table[i + 1]) + 0.0722 * lin(table[i + 2]);
 }
+
+// One colour per head for pictures that overlay several heads (the lines view), as bertviz
+// does: Tableau's ten categorical colours, then the same hues lighter for heads 10 … 19, and so on.
+const HEAD_COLOURS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
+
+/** The CSS colour of head `h`. */
+export function headColour(h) {
+  const base = HEAD_COLOURS[h % HEAD_COLOURS.length];
+  const round = Math.floor(h / HEAD_COLOURS.length);
+  if (!round) return base;
+  const [r, g, b] = [1, 3, 5].map((i) => parseInt(base.substr(i, 2), 16));
+  const k = Math.max(0.35, 1 - 0.3 * round); // lighter each round: mix with white
+  const mix = (c) => Math.round(255 - (255 - c) * k);
+  return `rgb(${mix(r)}, ${mix(g)}, ${mix(b)})`;
+}

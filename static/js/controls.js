@@ -92,10 +92,8 @@ export function modelControls(store, meta) {
   for (const id of ["head", "headB"]) fillSelect($("#" + id), meta.n_heads, "H");
   toggleSet($("#agg-layers"), meta.n_layers, "L", "layers", store);
   toggleSet($("#agg-heads"), meta.n_heads, "H", "heads", store);
-  const maxNew = Math.max(1, Math.min(meta.max_new_tokens, meta.context_length - 1));
-  const input = $("#max_new_tokens");
-  input.max = String(maxNew);
-  if (+input.value > maxNew) input.value = String(Math.max(1, Math.floor(maxNew / 2)));
+  // the value itself is kept in range by the store's constraint (views/params.js)
+  $("#max_new_tokens").max = String(Math.max(1, Math.min(meta.max_new_tokens, meta.context_length - 1)));
 }
 
 /** Make every control show the state. */
@@ -126,9 +124,9 @@ export function syncControls(s) {
   }
   const view = viewById(s.view);
   for (const g of $$(".opt-group")) g.classList.toggle("active", g.dataset.view.split(" ").includes(s.view)); // a group may serve several views
-  const family = s.meta?.family ?? "decoder";
+  const caps = s.meta?.capabilities ?? new Set();
   for (const ctl of $$(".toolbar [data-ctl]")) {
-    const fits = !ctl.dataset.families || ctl.dataset.families.split(" ").includes(family); // e.g. the encoder's pooled button
+    const fits = !ctl.dataset.needs || ctl.dataset.needs.split(" ").every((n) => caps.has(n)); // e.g. the classifier's pooled rows
     ctl.hidden = !view.controls.includes(ctl.dataset.ctl) || !fits;
   }
 }

@@ -18,7 +18,7 @@ function download(blob, name) {
 }
 
 export function exportName(s, ext) {
-  const part = { head: `L${s.layer}H${s.head}`, lines: `lines-L${s.layer}H${s.head}`, model: "all-heads", aggregate: s.op, diff: "difference", gen: `gen-step${s.step}` }[s.view] ?? s.view;
+  const part = { head: `L${s.layer}H${s.head}`, lines: s.lheads ? `lines-L${s.layer}-heads-${s.lheads.join("-") || "none"}` : `lines-L${s.layer}H${s.head}`, model: "all-heads", aggregate: s.op, diff: "difference", gen: `gen-step${s.step}` }[s.view] ?? s.view;
   return `attnlens-${part}${s.sink ? "-nosink" : ""}.${ext}`;
 }
 

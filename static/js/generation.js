@@ -52,9 +52,10 @@ export class GenerationRecord {
     this.promptTokens = promptTokens;
     this.tokens = tokens;
     this.rows = rows; // stream: [step][layer][head][key] | null
-    this.source = source;
+    this.source = source; // "stream" | "analysis" (a decoder's link) | "translation" (an encoder-decoder's link)
     this.done = done;
     this.analysis = null; // AttentionSet over the same ids (source "analysis")
+    this.translation = null; // TranslationSet of the source and the generated target (source "translation")
   }
 
   /** Prompt length: known from the first token's attention before the prompt's tokens arrive. */
@@ -70,12 +71,20 @@ export class GenerationRecord {
   }
 
   get recorded() {
-    return this.source === "analysis" || (this.rows != null && this.rows.length === this.tokens.length && this.tokens.length > 0);
+    return this.source !== "stream" || (this.rows != null && this.rows.length === this.tokens.length && this.tokens.length > 0);
   }
 
-  /** [layer][head] -> Float32Array(P + step): what the producing position attended to. */
+  /**
+   * [layer][head] -> Float32Array(P + step): what the producing position attended to; for an
+   * encoder-decoder, Float32Array(S): that decoder step's cross-attention over the source.
+   */
   attentionAt(step) {
     if (this.source === "stream") return this.rows?.[step] ?? null;
+    if (this.source === "translation") {
+      const x = this.translation;
+      if (!x || step >= x.T - 1) return null;
+      return [...Array(x.L).keys()].map((l) => [...Array(x.H).keys()].map((h) => x.head("cross", l, h).slice(step * x.S, (step + 1) * x.S)));
+    }
     const att = this.analysis;
     const q = this.promptTokens.length + step - 1;
     if (!att || q < 0) return null;
@@ -91,6 +100,14 @@ export class GenerationRecord {
   with(patch) {
     const r = new GenerationRecord({ ...this, ...patch });
     r.analysis = patch.analysis ?? this.analysis;
+    r.translation = patch.translation ?? this.translation;
+    return r;
+  }
+
+  /** Rebuild an encoder-decoder's generation (e.g. for a link) from its TranslationSet: source and generated target. */
+  static fromTranslation(set) {
+    const r = new GenerationRecord({ promptTokens: set.source, tokens: set.target.slice(1), source: "translation", done: true });
+    r.translation = set;
     return r;
   }
 
@@ -118,7 +135,7 @@ export async function streamGeneration(body, { signal, onToken }) {
       if (event === "token") onToken(data, n++);
       else if (event === "done") done = data;
       else if (event === "error") error = new ApiError(data?.message || data?.detail || String(data), { status: 500 });
-    });
+    }, { signal });
   } catch (err) {
     if (err?.detail === "aborted" || err?.name === "AbortError") stopped = true;
     else error = err;

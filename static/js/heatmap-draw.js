@@ -4,6 +4,9 @@
 
 import { cssVar, MONO, SANS } from "./paint.js";
 
+/** Width of the rotated row-axis title ("query →") at the left edge: nothing else is drawn there. */
+export const ROW_TITLE_W = 18;
+
 /** Cells, labels, titles, boundary and footer, in layout (CSS pixel) coordinates. */
 export function drawGrid(ctx, m, L, bitmap, footer) {
   const { left, top, cellW, cellH, gridW, gridH } = L;
@@ -69,8 +72,9 @@ function drawBoundary(ctx, m, L, B, colour) {
   ctx.lineTo(x, top + gridH);
   const r = B - m.rowOffset;
   if (!m.plainRowLabels && r > 0 && r < m.rows) {
+    // from the row labels' column, clear of the rotated axis title at the far left
     const y = Math.round(top + r * cellH);
-    ctx.moveTo(4, y);
+    ctx.moveTo(ROW_TITLE_W, y);
     ctx.lineTo(left + gridW, y);
   }
   ctx.stroke();

@@ -10,6 +10,18 @@ import { axisLabel } from "./tokens.js";
 
 const LABEL_GAP = 12; // px between two drawn labels: fewer labels rather than overlapping ones
 
+/** The rows of `set` below `n`, as runs [first, last] of consecutive rows, in order. */
+export function runs(set, n) {
+  const rows = [...set].filter((r) => r < n).sort((a, b) => a - b);
+  const out = [];
+  for (const r of rows) {
+    const last = out[out.length - 1];
+    if (last && r === last[1] + 1) last[1] = r;
+    else out.push([r, r]);
+  }
+  return out;
+}
+
 export class Heatmap {
   /**
    * opts: maxCell, minCell, minRowHeight (rows taller than columns are wide, e.g. the
@@ -154,15 +166,18 @@ export class Heatmap {
     ctx.lineWidth = 2;
     ctx.strokeStyle = accent;
     ctx.fillStyle = accent;
-    for (const r of this.pinned) {
-      if (r >= m.rows) continue;
-      const y = top + (r + 0.5) * cellH;
-      ctx.strokeRect(left + 1, top + r * cellH + 1, gridW - 2, Math.max(2, cellH - 2));
-      ctx.beginPath();
-      ctx.moveTo(left - 4, y);
-      ctx.lineTo(left - 1, y - 3);
-      ctx.lineTo(left - 1, y + 3);
-      ctx.fill();
+    // one outline per run of adjacent pinned rows (a mean-pooled encoder pins every row: one box, not T)
+    for (const [a, b] of runs(this.pinned, m.rows)) {
+      ctx.strokeRect(left + 1, top + a * cellH + 1, gridW - 2, Math.max(2, (b - a + 1) * cellH - 2));
+      if (b - a > 2) continue; // a long run's outline says it all: no arrow per row
+      for (let r = a; r <= b; r++) {
+        const y = top + (r + 0.5) * cellH;
+        ctx.beginPath();
+        ctx.moveTo(left - 4, y);
+        ctx.lineTo(left - 1, y - 3);
+        ctx.lineTo(left - 1, y + 3);
+        ctx.fill();
+      }
     }
     if (this.labelHover != null) {
       // a token hovered on an axis: dim everything but its row and column

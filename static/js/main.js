@@ -18,11 +18,13 @@ import { GenerationRecord, readSamplingForm, streamGeneration } from "./generati
 import { wireExportButtons } from "./export.js";
 import { wireTheme } from "./theme.js";
 import { Panels } from "./panels.js";
+import { exampleFor } from "./examples.js";
+import { translationFor } from "./translator/translation.js";
 
 const $ = (sel) => document.querySelector(sel);
 
 const store = createStore(readURL());
-window.__attnlens = { perf: {}, renders: 0, errors: [], store, views: VIEWS, urlKeys: URL_KEYS.map((k) => k.key), current: () => current?.view ?? null };
+window.__attnlens = { perf: {}, renders: 0, errors: [], store, views: VIEWS, urlKeys: URL_KEYS.map((k) => k.key), current: () => current?.view ?? null, pendingTokens: () => 0 };
 
 // keys whose change means a view must draw again, by what the view draws from
 const SHOWN = ["view", "layer", "head", "pin", "sink", "cmap", "dcmap", "scale", "zoom", "op", "layers", "heads", "diff", "layerB", "headB", "promptB", "meta", "xavg"];
@@ -83,7 +85,7 @@ async function renderView(changed = null) {
   const entry = viewById(s.view);
   const source = entry.source;
   $(".view-frame").classList.toggle("stale", s.streaming && source === "analysis");
-  if (changed && current?.id === entry.id && ![...changed].some((k) => RENDER_KEYS[source].has(k))) return;
+  if (changed && current?.id === entry.id && ![...changed].some((k) => RENDER_KEYS[source].has(k) || entry.keys?.includes(k))) return;
   const mine = ++seq;
   const empty = !s.meta || (source === "analysis" && !s.att);
   $("#view-empty").hidden = !empty;
@@ -126,66 +128,144 @@ function scheduleRender(changed) {
 // ---------------------------------------------------------------------------------------
 // Analysis and generation
 // ---------------------------------------------------------------------------------------
-/** Fetch the attention of a text (or of exact token ids) and make it the analysed sequence. */
-async function analyse({ text, ids = null, source = "prompt", keepPin = false }) {
+const translates = () => !!store.get("meta")?.capabilities?.has("target"); // its analysis has a target: a translator
+
+/** What the analysis label says: tokens, and for an encoder-decoder the target its views read. */
+function analysedLabel(set, note = "") {
+  const fmt = set.lastFormat && set.lastFormat !== "json" ? ` · ${set.lastFormat}` : "";
+  if (!translates()) return `${set.T} tokens analysed${note}${fmt}`;
+  const target = set.targetIds ? `the generated translation (${set.targetIds.length} tokens)` : "the model's greedy translation";
+  return `${set.T} source tokens → ${target}${note}${fmt}`;
+}
+
+/**
+ * Fetch the attention of a text (or of exact token ids; an encoder-decoder's with the target
+ * ids its decoder reads) and make it the analysed sequence. `orExample`: a text longer than
+ * the model's context is replaced by the model's example (the page chose the model, the
+ * user's text did not fit it), with a note saying so.
+ */
+async function analyse({ text, ids = null, targetIds = null, source = "prompt", keepPin = false, orExample = false }) {
   const meta = store.get("meta");
   if (!meta) return showError(new ApiError("the model description (/model) is not loaded — is the server running?"), "Analysis");
   if (!text && !ids) return showError(new ApiError("Type a prompt first."), "Analysis", { warn: true });
-  const set = new AttentionSet(text, meta, { ids });
+  const set = new AttentionSet(text, meta, { ids, targetIds });
   try {
     await track(set.ensure([store.get("layer")])); // errors leave the old picture
   } catch (err) {
+    if (orExample && err.code === "context_length_exceeded" && !ids && text !== exampleFor(meta)) {
+      showError(new Error(`The text in the box is longer than ${meta.name} reads (${meta.context_length} tokens): here is its example instead.`), "Analysing your text", { warn: true });
+      return useExample();
+    }
     showError(err, "Attention");
     return null;
   }
   store.set(keepPin ? { att: set, source } : { att: set, source, pin: [] });
-  $("#analysed").textContent = `${set.T} tokens analysed${set.lastFormat !== "json" ? ` · ${set.lastFormat}` : ""}`;
+  $("#analysed").textContent = analysedLabel(set);
   if (source === "prompt") $("#prompt-hint").textContent = `${set.T} tokens · ${Math.max(0, meta.context_length - set.T)} free in the context`;
   return set;
 }
 
-let controller = null;
+/** Put the model's example in the box and analyse it. */
+function useExample() {
+  const text = exampleFor(store.get("meta"));
+  $("#prompt").value = text;
+  store.set({ prompt: text });
+  return analyse({ text });
+}
+
+let run = null; // the generation in flight: {controller}
 const output = new OutputPanel((step) => store.set({ step, view: "gen" }));
 
+function setRunning(on) {
+  $("#generate").disabled = on;
+  $("#stop-btn").disabled = !on;
+}
+
+/** Stop the generation in flight: nothing that arrives after this is drawn, and the server stops it. */
+function stopGeneration() {
+  run?.controller.abort();
+}
+
+/**
+ * Calls `fn` once per frame however often `request()` is called in between (a stream's tokens
+ * arrive many to a frame; drawing each would make the page fall behind the server).
+ */
+function perFrame(fn) {
+  let raf = 0;
+  let timer = 0;
+  const fire = () => {
+    cancelAnimationFrame(raf);
+    clearTimeout(timer);
+    raf = timer = 0;
+    fn();
+  };
+  return {
+    request() {
+      if (raf || timer) return;
+      raf = requestAnimationFrame(fire);
+      timer = setTimeout(fire, 100); // frames pause in a hidden tab: the stream still lands
+    },
+    now: fire,
+  };
+}
+
 async function generate() {
-  if (controller) return;
+  if (run) return;
   clearMessages();
   const prompt = $("#prompt").value;
   const body = readSamplingForm(prompt);
-  output.start(prompt);
-  controller = new AbortController();
-  $("#generate").disabled = true;
-  $("#stop-btn").disabled = false;
-  store.set({ prompt, streaming: true, step: 0, gen: new GenerationRecord({ rows: body.return_attention ? [] : null }), ids: null, plen: 0 });
+  const meta = store.get("meta");
+  const translation = translates();
+  output.start(prompt, { translation, model: meta?.name ?? "" });
+  const controller = new AbortController();
+  run = { controller };
+  setRunning(true);
+  store.set({ prompt, streaming: true, step: 0, gen: new GenerationRecord({ rows: body.return_attention ? [] : null }), ids: null, plen: 0, probs: null });
+  const started = performance.now();
+  let last = started;
   const tokens = [];
   const rows = [];
+  let shown = 0; // tokens handed to the output and the store so far
+  const ours = () => store.get("meta") === meta && store.get("gen"); // not replaced by another model's page
+  const frame = perFrame(() => {
+    if (shown === tokens.length || !ours()) return;
+    output.addMany(tokens.slice(shown), shown);
+    shown = tokens.length;
+    const s = store.state;
+    const follow = s.step >= s.gen.tokens.length - 1; // the view follows the newest token unless moved back
+    store.set({ gen: s.gen.with({ tokens: tokens.slice(), rows: body.return_attention ? rows.slice() : null }), step: follow ? tokens.length - 1 : s.step });
+  });
+  window.__attnlens.pendingTokens = () => tokens.length - shown; // received, not drawn yet (for tests)
   const { done, stopped, error } = await streamGeneration(body, {
     signal: controller.signal,
-    onToken(t, i) {
+    onToken(t) {
+      if (controller.signal.aborted) return; // Stop was pressed: what arrives after it is not drawn
+      last = performance.now();
       tokens.push(t);
       // an encoder-decoder's step reads its source: the Generation view shows that step's
       // cross-attention row over the prompt (= source) tokens
-      if (t.attention) rows.push(t.cross_attention ?? t.attention);
-      output.add(t, i);
-      const s = store.state;
-      const follow = s.step >= tokens.length - 2; // the view follows the newest token unless moved back
-      store.set({ gen: s.gen.with({ tokens: tokens.slice(), rows: body.return_attention ? rows.slice() : null }), step: follow ? tokens.length - 1 : s.step });
+      if (t.attention) rows.push((t.cross_attention ?? t.attention).map((layer) => layer.map((row) => Float32Array.from(row))));
+      delete t.attention; // kept once, compact: a long stream's rows are megabytes of numbers
+      delete t.cross_attention;
+      frame.request();
     },
   });
-  controller = null;
-  $("#generate").disabled = false;
-  $("#stop-btn").disabled = true;
+  run = null;
+  setRunning(false);
+  if (!ours()) return; // another model was chosen meanwhile: this output is gone
+  frame.now();
   if (error) showError(error, "Generation");
+  const seen = { tokens: tokens.length, ms: last - started };
   if (!tokens.length) {
     store.set({ streaming: false, gen: null });
     if (error) output.failed(false);
-    else output.finish(stopped ? "stopped before the first token" : `finished: ${done?.finish_reason}`, done);
+    else output.finish(stopped ? "stopped before the first token" : `finished: ${done?.finish_reason}`, { done });
     return;
   }
-  if (done) output.finish(`finished: ${done.finish_reason}`, done);
-  else output.finish(error ? "failed" : `stopped after ${tokens.length} token${tokens.length === 1 ? "" : "s"}`);
+  if (done && !stopped) output.finish(`finished: ${done.finish_reason}`, { done, seen });
+  else output.finish(error ? "failed" : `stopped after ${tokens.length} token${tokens.length === 1 ? "" : "s"}`, { seen });
   // The prompt's tokens come with the `done` event; only a stopped generation has to ask.
-  let promptTokens = done?.prompt_tokens;
+  let promptTokens = stopped ? null : done?.prompt_tokens;
   if (!promptTokens) {
     try {
       promptTokens = (await fetchAttention(prompt, { layers: [0], heads: [0], format: "u8" })).tokens;
@@ -193,29 +273,40 @@ async function generate() {
       promptTokens = [];
     }
   }
-  const ids = promptTokens.length ? promptTokens.map((t) => t.id).concat(tokens.map((t) => t.id)) : null;
-  store.set({ streaming: false, gen: store.get("gen").with({ promptTokens, done: true }), ids, plen: promptTokens.length });
+  const promptIds = promptTokens.map((t) => t.id);
+  const genIds = tokens.map((t) => t.id);
+  const ids = promptTokens.length ? promptIds.concat(genIds) : null;
+  const probs = tokens.every((t) => t.logprob != null) ? tokens.map((t) => Math.round(1000 * Math.exp(t.logprob))) : null;
+  store.set({ streaming: false, gen: store.get("gen").with({ promptTokens, done: true }), ids, plen: promptTokens.length, probs });
+  if (!ids) return;
   // Analyse the very tokens the model saw, not a re-tokenised text: a generation can end in
-  // part of a UTF-8 character, whose text (U+FFFD) encodes differently.
-  if (ids) await analyse({ text: prompt + (done?.text ?? tokens.map((t) => t.delta).join("")), ids, source: "gen" });
+  // part of a UTF-8 character, whose text (U+FFFD) encodes differently. An encoder-decoder's
+  // prompt is its source and the generated tokens the target its decoder read.
+  if (translation) await analyse({ text: prompt, ids: promptIds, targetIds: genIds, source: "gen" });
+  else await analyse({ text: prompt + (done?.text ?? tokens.map((t) => t.delta).join("")), ids, source: "gen" });
 }
 
 /** A link with token ids: rebuild the generation (and its analysis) from them. */
 async function rebuildGeneration(ids, plen) {
   const meta = store.get("meta");
-  const set = new AttentionSet("", meta, { ids });
+  const translation = translates();
+  const P = Math.max(1, Math.min(plen, ids.length - 1));
+  const set = translation ? new AttentionSet("", meta, { ids: ids.slice(0, P), targetIds: ids.slice(P) }) : new AttentionSet("", meta, { ids });
+  let gen;
   try {
     await track(set.ensure([store.get("layer")]));
+    gen = translation ? GenerationRecord.fromTranslation(await track(translationFor(set, meta.name))) : GenerationRecord.fromAnalysis(set, plen);
   } catch (err) {
     showError(err, "Rebuilding the linked generation");
     return;
   }
-  const gen = GenerationRecord.fromAnalysis(set, plen);
-  output.showTokens(gen.promptTokens.map((t) => t.text).join(""), gen.tokens);
+  const promptText = gen.promptTokens.map((t) => t.text).join("");
+  set.text = promptText + (translation ? "" : gen.tokens.map((t) => t.text).join(""));
+  output.showTokens(promptText, gen.tokens, { probs: store.get("probs"), translation, model: meta.name });
   store.set({ gen, plen: gen.promptTokens.length });
   if (store.get("source") === "gen") {
     store.set({ att: set });
-    $("#analysed").textContent = `${set.T} tokens analysed (the linked generation)`;
+    $("#analysed").textContent = analysedLabel(set, " (the linked generation)");
   }
 }
 
@@ -234,7 +325,11 @@ function wire() {
     e.preventDefault();
     generate();
   });
-  $("#stop-btn").addEventListener("click", () => controller?.abort());
+  $("#stop-btn").addEventListener("click", stopGeneration);
+  $("#example").addEventListener("click", () => {
+    clearMessages();
+    useExample();
+  });
   $("#analyse").addEventListener("click", () => {
     clearMessages();
     store.set({ prompt: $("#prompt").value });
@@ -279,7 +374,7 @@ function wire() {
     clearTimeout(timer);
     timer = setTimeout(() => renderView(), 150);
   });
-  document.addEventListener("keydown", (e) => e.key === "Escape" && controller?.abort());
+  document.addEventListener("keydown", (e) => e.key === "Escape" && stopGeneration());
   store.subscribe((changed, s) => {
     if (changed.has("model") && models.differs(s.model)) switchModel(); // "" and the default's name are one model
     syncControls(s);
@@ -295,28 +390,39 @@ function wire() {
 const canGenerate = () => store.get("meta")?.tasks.includes("generate") ?? true;
 const promptHint = () => (canGenerate() ? "Ctrl+Enter generates" : "Ctrl+Enter analyses");
 
-/** The picker chose another model: its description, a fresh analysis of the same text. */
+/**
+ * The picker chose another model: its description, and a fresh analysis of the same text if
+ * it fits the new model (else its example). The old model's output, status and figures go:
+ * nothing on screen belongs to another model than the one named in the top bar.
+ */
 async function switchModel() {
   clearMessages();
-  controller?.abort();
-  const meta = await models.use(store.get("model"), { att: null, gen: null, ids: null, plen: 0, source: "prompt", pin: [], step: 0 });
+  stopGeneration();
+  output.reset();
+  $("#analysed").textContent = "";
+  const meta = await models.use(store.get("model"), { att: null, gen: null, ids: null, plen: 0, probs: null, source: "prompt", pin: [], step: 0, streaming: false });
   if (!meta) return;
   $("#prompt-hint").textContent = promptHint();
-  await analyse({ text: store.get("prompt") });
+  await analyse({ text: store.get("prompt"), orExample: true });
 }
 
 async function init() {
   wire();
   const s = store.state;
   if (s.prompt) $("#prompt").value = s.prompt;
-  else store.set({ prompt: $("#prompt").value });
   syncControls(store.state);
-  if (!(await models.use(s.model))) return;
+  const meta = await models.use(s.model);
+  if (!meta) return;
+  if (!s.prompt) {
+    // no text in the link: the chosen model's example
+    $("#prompt").value = exampleFor(meta);
+    store.set({ prompt: $("#prompt").value });
+  }
   $("#prompt-hint").textContent = promptHint();
   writeURL(store.state);
   const { ids, plen, source } = store.state;
   if (ids?.length) await rebuildGeneration(ids, plen);
-  if (!(ids?.length && source === "gen")) await analyse({ text: store.get("prompt"), keepPin: true });
+  if (!(ids?.length && source === "gen")) await analyse({ text: store.get("prompt"), keepPin: true, orExample: true });
 }
 
 init();

@@ -7,6 +7,7 @@ import { getModel, getModels } from "./api.js";
 import { showError } from "./messages.js";
 import { escapeHTML } from "./tokens.js";
 import { VIEWS, viewFits } from "./views/registry.js";
+import { capabilities } from "./family.js";
 
 const $ = (sel) => document.querySelector(sel);
 
@@ -33,8 +34,10 @@ function fillPicker(list) {
   if (!select || select.options.length) return;
   select.dataset.default = list.default; // the default model's option stands for "" (whatever the server's default is)
   for (const m of list.models) {
-    const label = `${m.name} (${m.family}${m.labels ? ": " + m.labels.join("/") : ""})`;
-    select.append(new Option(label, m.name === list.default ? "" : m.name));
+    // short enough to show whole in the top bar; the labels a classifier has are in its title
+    const option = new Option(`${m.name} · ${m.family}`, m.name === list.default ? "" : m.name);
+    option.title = `${m.name}: ${m.family}${m.labels?.length ? ` (labels: ${m.labels.join(", ")})` : ""}`;
+    select.append(option);
   }
   select.closest("[data-ctl='model']").hidden = list.models.length < 2;
 }
@@ -98,26 +101,28 @@ export async function loadModel(name = "") {
     d_model: a.d_model,
     max_new_tokens: raw.limits.max_new_tokens,
     family: summary?.family ?? a.family ?? "decoder",
-    attention: summary?.attention ?? (a.family === "encoder" ? "bidirectional" : "causal"),
+    attention: summary?.attention ?? "causal",
     tasks: summary?.tasks ?? ["generate", "attention"],
     labels: summary?.labels ?? null,
     pooling: summary?.pooling ?? null,
+    family_info: summary?.family_info ?? null,
     models: list?.models.length ?? 1,
   };
+  meta.capabilities = capabilities(meta.family_info, meta.tasks);
   showModelInfo(meta);
-  document.body.dataset.family = meta.family;
+  document.body.dataset.family = meta.family; // for display only; what the page does follows `capabilities`
   return meta;
 }
 
 /**
  * Fit the page to the model's family and tasks: the tabs of the views it has (registry
- * `families`), and what the sidebar offers ([data-task] elements: sampling and Generate only
+ * `needs`, against its capabilities), and what the sidebar offers ([data-task] elements: sampling and Generate only
  * for a model that generates; an encoder's text is analysed, not continued).
  */
 export function fitPageToModel(meta) {
   for (const v of VIEWS) {
     const tab = document.getElementById(`tab-${v.id}`);
-    if (tab) tab.hidden = !viewFits(v, meta.family);
+    if (tab) tab.hidden = !viewFits(v, meta);
   }
   const generates = meta.tasks.includes("generate");
   for (const el of document.querySelectorAll("[data-task]")) el.hidden = !meta.tasks.includes(el.dataset.task);

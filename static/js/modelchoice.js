@@ -37,7 +37,7 @@ export class ModelChoice {
     modelControls(this.store, meta);
     fitPageToModel(meta);
     this.panels.setModel(meta);
-    const views = viewIdsFor(meta.family);
+    const views = viewIdsFor(meta);
     this.store.setConstraint((next) => constrainState({ ...next, model: validModel(next.model) }, meta, views), { meta, ...patch });
     return meta;
   }

@@ -45,27 +45,37 @@ export function paintMatrix(data, rows, cols, { cmap = "viridis", vmin = 0, vmax
     c.height = rows;
   }
   const ctx = c.getContext("2d");
-  const img = ctx.createImageData(cols, rows);
+  const img = scratchImage(ctx, cols, rows);
   const px = new Uint32Array(img.data.buffer);
   const table = lut32(cmap);
   const mask = (255 << 24) | (maskColor[2] << 16) | (maskColor[1] << 8) | maskColor[0];
-  const norm = normaliser({ vmin, vmax, gamma });
+  // the common case (no gamma) inline: t = v·k + off, one multiply-add per cell, no call
+  const k = gamma === 1 ? 255 / (vmax - vmin || 1) : 0;
+  const off = -vmin * k;
+  const norm = gamma === 1 ? null : normaliser({ vmin, vmax, gamma });
   for (let r = 0; r < rows; r++) {
     const base = r * cols;
-    const limit = causal ? Math.min(cols, r + rowOffset + 1) : cols;
-    for (let col = 0; col < limit; col++) {
-      const v = data[base + col];
+    const limit = causal ? Math.max(0, Math.min(cols, r + rowOffset + 1)) : cols;
+    for (let i = base, end = base + limit; i < end; i++) {
+      const v = data[i];
       if (v !== v) {
-        px[base + col] = mask;
+        px[i] = mask;
         continue;
       }
-      const t = norm(v) * 255;
-      px[base + col] = table[t <= 0 ? 0 : t >= 255 ? 255 : t | 0];
+      const t = norm ? norm(v) * 255 : v * k + off;
+      px[i] = table[t <= 0 ? 0 : t >= 255 ? 255 : t | 0];
     }
-    for (let col = limit; col < cols; col++) px[base + col] = mask;
+    if (limit < cols) px.fill(mask, base + limit, base + cols);
   }
   ctx.putImageData(img, 0, 0);
   return c;
+}
+
+// one ImageData per size, reused: a model view paints 32 maps of the same size in a row
+let scratch = null;
+function scratchImage(ctx, cols, rows) {
+  if (!scratch || scratch.width !== cols || scratch.height !== rows) scratch = ctx.createImageData(cols, rows);
+  return scratch;
 }
 
 export function fmtTick(v) {

@@ -1,4 +1,4 @@
-// The side panels and readouts a model's family has (views/registry.js PANELS): mounted when
+// The side panels and readouts a model has (views/registry.js PANELS): mounted when
 // the model changes, given the same params object as the views on every state change.
 
 import { PANELS, viewFits } from "./views/registry.js";
@@ -15,7 +15,7 @@ export class Panels {
   /** Mount the panels this model has and remove the others. */
   setModel(meta) {
     for (const p of PANELS) {
-      const fits = !!meta && viewFits(p, meta.family) && (!p.task || meta.tasks.includes(p.task));
+      const fits = !!meta && viewFits(p, meta);
       const panel = this.mounted.get(p.id);
       if (fits && !panel) {
         const made = new p.Panel(this.ctx);

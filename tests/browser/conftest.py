@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_TEXT, make_tiny_checkpoint
+from conftest import REPO_ROOT, TINY_TEXT, make_tiny_checkpoint
 from live_server import live_server
 
 CHROMIUM = Path(os.environ.get("ATTNLENS_CHROMIUM", "/usr/bin/chromium"))
@@ -74,6 +74,22 @@ def encoder_server(tiny_checkpoint, tmp_path_factory):
     enc = make_tiny_encoder(tmp_path_factory.mktemp("enc") / "genre", seed=6)
     env = {"ATTNLENS_MODELS": f"{tiny_checkpoint},{enc}"}
     with live_server(tiny_checkpoint, tmp_path_factory.mktemp("browser-enc-logs"), env=env) as srv:
+        yield srv
+
+
+BUNDLED = REPO_ROOT / "checkpoints"
+
+
+@pytest.fixture(scope="session")
+def bundled_server(tmp_path_factory):
+    """The three bundled models side by side, as `attnlens serve` runs them: the decoder
+    "default" (context 256), the encoder "encoder" and the translator "translator" (context 48)."""
+    dirs = [BUNDLED / name for name in ("default", "encoder", "translator")]
+    missing = [d.name for d in dirs if not (d / "model.safetensors").is_file()]
+    if missing:
+        pytest.skip(f"bundled checkpoints missing: {missing}")
+    env = {"ATTNLENS_MODELS": ",".join(map(str, dirs))}
+    with live_server(dirs[0], tmp_path_factory.mktemp("browser-bundled-logs"), env=env) as srv:
         yield srv
 
 

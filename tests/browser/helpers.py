@@ -148,6 +148,31 @@ def overflow(page) -> dict:
     )
 
 
+def spill(page) -> dict:
+    """Everything that reaches past the right edge of the viewport and can be seen there: the
+    document's own width, and each element whose box ends right of the viewport unless an
+    ancestor that scrolls or clips (overflow other than visible) keeps it inside itself."""
+    return page.evaluate(
+        """() => {
+            const vw = document.documentElement.clientWidth;
+            const clipped = (el) => {
+                for (let a = el.parentElement; a && a !== document.body; a = a.parentElement) {
+                    const s = getComputedStyle(a);
+                    if (s.overflowX !== 'visible' && a.getBoundingClientRect().right <= vw + 1) return true;
+                }
+                return false;
+            };
+            const out = [];
+            for (const el of document.querySelectorAll('body *')) {
+                const r = el.getBoundingClientRect();
+                if (!r.width || r.right <= vw + 1 || getComputedStyle(el).visibility === 'hidden') continue;
+                if (!clipped(el)) out.push(`${el.tagName.toLowerCase()}${el.id ? '#' + el.id : ''}.${String(el.className).split(' ')[0]} right=${Math.round(r.right)}`);
+            }
+            return {viewport: vw, scrollWidth: Math.max(document.documentElement.scrollWidth, document.body.scrollWidth), wide: out.slice(0, 8)};
+        }"""
+    )
+
+
 def generation_events(server, prompt: str, gen_ids: list[int], *, record: bool = True) -> list[tuple[str, dict]]:
     """SSE events of a generation of `gen_ids` after `prompt`, as /generate streams them, with
     each token's attention row taken from /attention over the same ids (so the page's two

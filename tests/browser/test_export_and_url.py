@@ -89,6 +89,16 @@ def test_url_round_trip_of_every_state_key(page, browser, server):
         "promptB": "B text,\nsecond line & more",
         "fillk": 7,
         "xavg": "layer",
+        "lheads": [3, 1],
+        "probs": [120, 998],
+        "max_new_tokens": "40",
+        "temperature": "0.5",
+        "top_k": "20",
+        "top_p": "0.9",
+        "seed": "7",
+        "logprobs": "3",
+        "stop": "\\n\\n, THE END",
+        "return_attention": False,
     }
     url_keys = page.evaluate("window.__attnlens.urlKeys")
     assert sorted(values) == sorted(url_keys), "a state key the link carries is not covered by this test"
@@ -113,6 +123,10 @@ def test_url_round_trip_of_every_state_key(page, browser, server):
         assert pg.is_checked("#sink") and pg.is_checked('input[name="diff"][value="prompts"]')
         assert pg.input_value("#promptB") == values["promptB"]
         assert pg.inner_text("#zoom-level") == "156%"
+        # the sampling form shows the link's settings
+        for field in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "stop"):
+            assert pg.input_value(f"#{field}") == values[field], field
+        assert not pg.is_checked("#return_attention")
     finally:
         other.close()
     # defaults are left out of the URL

@@ -13,6 +13,17 @@ export const STATE_KEYS = [
   // link rebuilds exactly the sequence (and the Generation view) its sender saw
   { key: "ids", type: "list", def: null, url: true },
   { key: "plen", type: "int", def: 0, url: true },
+  // each generated token's probability in thousandths (0 … 1000), for the output's tint
+  { key: "probs", type: "list", def: null, url: true },
+  // the sampling form, as typed ("" = the server's default; the server names a bad value)
+  { key: "max_new_tokens", type: "string", def: "32", url: true },
+  { key: "temperature", type: "string", def: "0.8", url: true },
+  { key: "top_k", type: "string", def: "", url: true },
+  { key: "top_p", type: "string", def: "1", url: true },
+  { key: "seed", type: "string", def: "", url: true },
+  { key: "logprobs", type: "string", def: "5", url: true },
+  { key: "stop", type: "string", def: "", url: true },
+  { key: "return_attention", type: "bool", def: true, url: true },
   // what is shown
   { key: "view", type: "string", def: "head", url: true },
   { key: "layer", type: "int", def: 0, url: true },
@@ -28,6 +39,8 @@ export const STATE_KEYS = [
   { key: "op", type: "string", def: "mean", url: true },
   { key: "layers", type: "set", def: null, url: true },
   { key: "heads", type: "set", def: null, url: true },
+  // lines view: null = the chosen head alone; a list = those heads of the layer at once, each in its colour
+  { key: "lheads", type: "set", def: null, url: true },
   // encoder-decoder views: one head ("head"), the layer's mean ("layer") or the mean of all ("all")
   { key: "xavg", type: "string", def: "head", url: true },
   // fill-mask panel (an encoder's): candidates shown per [MASK]

@@ -7,6 +7,8 @@ import { axisLabel } from "../tokens.js";
 import { translationFor, isTranslator, describeAvg } from "./translation.js";
 
 const ROW = 20;
+const TARGET_HEADING = "target →";
+const SOURCE_HEADING = "← source";
 const FONT = '12px ui-monospace, "SF Mono", Menlo, Consolas, "DejaVu Sans Mono", monospace';
 
 export class AlignView {
@@ -16,6 +18,7 @@ export class AlignView {
   }
 
   mount(host) {
+    this.host = host;
     this.canvas = document.createElement("canvas");
     this.canvas.className = "line-canvas align-canvas";
     this.canvas.setAttribute("role", "img");
@@ -41,7 +44,7 @@ export class AlignView {
       this.ctx.setLegend(null);
       return false;
     }
-    const set = await translationFor(params.attention.text, params.model.name);
+    const set = await translationFor(params.attention, params.model.name);
     if (!isCurrent() || !this.canvas) return false;
     const { layer, head } = params.selection;
     const avg = params.settings.xavg ?? "head";
@@ -60,10 +63,12 @@ export class AlignView {
     const ctx2 = c.getContext("2d");
     ctx2.font = FONT;
     const label = (t) => axisLabel(t.text);
-    const wl = Math.max(...set.target.map((t, i) => ctx2.measureText(label(t, i)).width)) + 12;
-    const wr = Math.max(...set.source.map((t, i) => ctx2.measureText(label(t, i)).width)) + 12;
-    const gap = 260;
+    // each column as wide as its longest label or its heading, whichever is wider
+    const wl = Math.max(ctx2.measureText(TARGET_HEADING).width + 8, ...set.target.map((t, i) => ctx2.measureText(label(t, i)).width)) + 12;
+    const wr = Math.max(ctx2.measureText(SOURCE_HEADING).width + 8, ...set.source.map((t, i) => ctx2.measureText(label(t, i)).width)) + 12;
+    const gap = Math.max(120, Math.min(260, (this.host?.clientWidth || 800) - wl - wr - 8)); // fits a phone
     const width = wl + gap + wr;
+    this.geo = { wl, gap, wr, width, source: wl + gap + 4, target: 4 }; // where the two headings start
     const height = (Math.max(set.T, set.S) + 1) * ROW + 8;
     const dpr = window.devicePixelRatio || 1;
     c.width = width * dpr;
@@ -72,10 +77,10 @@ export class AlignView {
     c.style.height = `${height}px`;
     ctx2.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx2.font = FONT;
-    ctx2.fillStyle = cssVar("--fg") || "#222";
+    ctx2.fillStyle = cssVar("--text", "#222");
     ctx2.textBaseline = "middle";
-    ctx2.fillText("target →", 4, ROW / 2);
-    ctx2.fillText("← source", wl + gap + 4, ROW / 2);
+    ctx2.fillText(TARGET_HEADING, 4, ROW / 2);
+    ctx2.fillText(SOURCE_HEADING, wl + gap + 4, ROW / 2);
     const yOf = (i) => ROW + i * ROW + ROW / 2;
     const pinned = this.params.selection.pinned.filter((t) => t < set.T);
     const accent = cssVar("--accent") || "#3366cc";
@@ -94,7 +99,7 @@ export class AlignView {
       }
     }
     ctx2.globalAlpha = 1;
-    ctx2.fillStyle = cssVar("--fg") || "#222";
+    ctx2.fillStyle = cssVar("--text", "#222");
     ctx2.textAlign = "right";
     set.target.forEach((t, i) => ctx2.fillText(label(t, i), wl - 6, yOf(i)));
     ctx2.textAlign = "left";

@@ -58,7 +58,7 @@ export class CrossView extends MatrixView {
   async compute(params) {
     const meta = params.attention?.meta;
     if (!params.attention || !isTranslator(meta)) return null;
-    const set = await translationFor(params.attention.text, params.model.name);
+    const set = await translationFor(params.attention, params.model.name);
     this.set = set;
     const { layer, head } = params.selection;
     const avg = params.settings.xavg ?? "head";
@@ -73,7 +73,7 @@ export class CrossView extends MatrixView {
       title: `cross-attention, ${describeAvg(avg, layer, head)}`,
       caption:
         `<b>Cross-attention</b> — ${describeAvg(avg, layer, head)}: each row is one decoder step (the token it reads; it writes the next), ` +
-        `each column a source token; every row sums to 1 over the source. ${set.generated ? "The target is the model's own greedy translation." : ""}`,
+        `each column a source token; every row sums to 1 over the source. ${set.generated ? "The target is the model's own greedy translation." : "The target is the translation generated here."}`,
     };
   }
 }

@@ -10,7 +10,7 @@ export class DecoderView extends MatrixView {
 
   async compute(params) {
     if (!params.attention || !isTranslator(params.attention.meta)) return null;
-    const set = await translationFor(params.attention.text, params.model.name);
+    const set = await translationFor(params.attention, params.model.name);
     const { layer, head } = params.selection;
     const avg = params.settings.xavg ?? "head";
     return {

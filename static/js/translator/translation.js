@@ -1,16 +1,22 @@
-// An encoder-decoder's attention for one source: the three groups of /attention (encoder
-// self S×S, decoder self T×T, cross T×S), fetched once per source text and kept here.
-// Rows of the decoder and cross maps are the decoder's inputs: its start token, then the
-// target tokens (row t is the step that wrote target token t + 1).
+// An encoder-decoder's attention for one source and target: the three groups of /attention
+// (encoder self S×S, decoder self T×T, cross T×S), fetched once per source and target and kept
+// here. The target is a generated translation's ids (after Generate, or from a link), or
+// none: then the server's greedy translation. Rows of the decoder and cross maps are the
+// decoder's inputs: its start token, then the target tokens (row t is the step that wrote
+// target token t + 1).
 
 import { postJSON, decodeAttention } from "../api.js";
 
-const cache = new Map(); // source text -> Promise<TranslationSet>
+const cache = new Map(); // model, source and target -> Promise<TranslationSet>
+
+/** What the axes call the decoder's first input (its start token's own text is e.g. <|endoftext|>). */
+export const START_LABEL = "⟨start⟩";
 
 export class TranslationSet {
   constructor(resp) {
     this.source = resp.tokens; // [{id, text}]
-    this.target = resp.translation.target_tokens; // [{id, text}]: start token first
+    const [start, ...rest] = resp.translation.target_tokens; // [{id, text}]: start token first
+    this.target = [{ ...start, text: START_LABEL, start: start.text }, ...rest];
     this.generated = resp.translation.generated;
     this.L = resp.layers.length;
     this.H = resp.heads.length;
@@ -54,11 +60,26 @@ export class TranslationSet {
   }
 }
 
-/** The translation maps of `text` by model `name` (one request each, every layer and head, JSON). */
-export function translationFor(text, name = "") {
-  const key = `${name}\n${text}`;
+// A document that embeds its answer (a notebook view, inline.js) keeps it here: it has one
+// source and one target, and every view of it reads those without a request.
+let kept = null;
+
+/** Keep an /attention answer already in hand as the one translation this document shows. */
+export function keepTranslation(resp) {
+  kept = Promise.resolve(new TranslationSet(resp));
+}
+
+/**
+ * The translation maps of an analysed source (an AttentionSet: its text or ids, and its target
+ * ids if it has them) by model `name`: one request each, every layer and head, JSON.
+ */
+export function translationFor(att, name = "") {
+  if (kept) return kept;
+  const source = att.ids ? { ids: att.ids } : { text: att.text };
+  const target = att.targetIds ? { target_ids: att.targetIds } : {};
+  const key = JSON.stringify([name, source, target]);
   if (!cache.has(key)) {
-    const p = postJSON("/attention", { text, format: "json" }).then((resp) => {
+    const p = postJSON("/attention", { ...source, ...target, format: "json" }).then((resp) => {
       if (!resp.translation) throw new Error("this model is not an encoder-decoder: it has no cross-attention");
       return new TranslationSet(resp);
     });
@@ -68,7 +89,8 @@ export function translationFor(text, name = "") {
   return cache.get(key);
 }
 
-export const isTranslator = (meta) => meta?.architecture?.family === "encoder-decoder";
+/** Whether a model (its description) analyses a target: its family declares a target axis. */
+export const isTranslator = (meta) => !!meta?.capabilities?.has("target");
 
 export function describeAvg(avg, layer, head) {
   if (avg === "layer") return `layer ${layer}, mean of its heads`;

@@ -87,6 +87,7 @@ export class GenView {
   blank(note) {
     this.root.classList.add("empty");
     this.strip.innerHTML = `<p class="empty-note">${note}</p>`;
+    this.stripParts = null;
     this.stepText.textContent = "";
     this.heatmap.clear();
     this.result = null;
@@ -113,8 +114,9 @@ export class GenView {
       if (!isCurrent()) return false;
     }
     const att = gen.attentionAt(step); // [L][H][S]
-    // an encoder-decoder's rows are cross-attention over the source (the prompt), not earlier tokens
-    const cross = params.model.family === "encoder-decoder";
+    // a family whose steps read another sequence (an encoder-decoder): its rows are cross-attention
+    // over the source (the prompt), not earlier tokens
+    const cross = params.model.capabilities.has("step-cross");
     const L = att.length;
     const H = att[0].length;
     const S = att[0][0].length;
@@ -163,32 +165,43 @@ export class GenView {
     return true;
   }
 
-  /** The earlier tokens as text, tinted by the selected head's weights. */
+  /**
+   * The earlier tokens as text, tinted by the selected head's weights. The spans are kept from
+   * one step to the next (a stream adds a step per token): only new ones are made, and the
+   * others get their new colours, which costs no layout.
+   */
   drawStrip(row, sel, keys, P, target, cmap) {
     const H = this.result.H;
     const rmax = maxOf(row) || 1;
-    const frag = document.createDocumentFragment();
-    const lab = document.createElement("span");
-    lab.className = "strip-label";
-    lab.textContent = `L${Math.floor(sel / H)} H${sel % H}:`;
-    frag.append(lab);
+    if (!this.stripParts || !this.strip.contains(this.stripParts.label)) {
+      const label = document.createElement("span");
+      label.className = "strip-label";
+      const arrow = document.createElement("span");
+      arrow.className = "strip-target";
+      this.stripParts = { label, arrow, toks: [] };
+      this.strip.replaceChildren(label, arrow);
+    }
+    const { label, arrow, toks } = this.stripParts;
+    label.textContent = `L${Math.floor(sel / H)} H${sel % H}:`;
+    while (toks.length > keys.length) toks.pop().remove();
+    const fresh = document.createDocumentFragment();
     for (let j = 0; j < keys.length; j++) {
-      const s = document.createElement("span");
-      s.className = "strip-tok" + (j >= P ? " generated" : "");
+      let s = toks[j];
+      if (!s) {
+        s = toks[j] = document.createElement("span");
+        fresh.append(s);
+      }
+      const text = visible(keys[j].text);
+      if (s.textContent !== text) s.textContent = text;
       const v = row[j];
       const t = v === v ? v / rmax : 0;
+      s.className = "strip-tok" + (j >= P ? " generated" : "") + (v !== v ? " hidden-sink" : "");
       s.style.background = v === v ? css(cmap, t) : "transparent";
       s.style.color = luminance(cmap, t) > 0.35 ? "#111" : "#fff";
-      if (v !== v) s.classList.add("hidden-sink");
-      s.textContent = visible(keys[j].text);
       s.title = `${quoted(keys[j], j)}: ${v === v ? v.toFixed(3) : "hidden"}`;
-      frag.append(s);
     }
-    const arrow = document.createElement("span");
-    arrow.className = "strip-target";
+    if (fresh.childNodes.length) arrow.before(fresh);
     arrow.textContent = `→ ${visible(target.text)}`;
-    frag.append(arrow);
-    this.strip.replaceChildren(frag);
   }
 
   onHover(h) {

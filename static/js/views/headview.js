@@ -4,7 +4,7 @@ import { MatrixView } from "./matrixview.js";
 import { removeSink, headStats, HEAD_STATS_ROWS } from "../attention.js";
 
 export class HeadView extends MatrixView {
-  async compute({ attention: att, selection: { layer, head }, settings: { sink }, tokens, boundary, causal }) {
+  async compute({ attention: att, selection: { layer, head }, settings: { sink }, tokens, boundary, causal, scope }) {
     await att.ensure([layer]);
     let data = att.head(layer, head);
     if (!data) return null;
@@ -23,7 +23,7 @@ export class HeadView extends MatrixView {
       boundary,
       title: `layer ${layer}, head ${head}${sink ? " (first-token sink hidden)" : ""}`,
       caption:
-        `<b>Layer ${layer} · head ${head}</b> — ${shape} ` +
+        `<b>Layer ${layer} · head ${head}</b>${scope ? ` of ${scope}` : ""} — ${shape} ` +
         `<span class="head-stats" data-self="${stats.self}" data-previous="${stats.previous}" data-first="${stats.first}">` +
         `Mean weight on itself ${pct(stats.self)}, on the previous token ${pct(stats.previous)}, on the first token ${pct(stats.first)}, ${causal ? HEAD_STATS_ROWS : "averaged over query rows 1 … T−1"}</span>` +
         `${sink ? "; colours with the first-token column hidden and rows renormalised" : ""}. Click a row to pin it; shift-click to add rows.${where}`,

@@ -20,6 +20,16 @@ export class MatrixView {
   }
 
   mount(host) {
+    // when cells are too narrow for every token's label: say so, and offer the zoom that shows them all
+    this.labelNote = document.createElement("p");
+    this.labelNote.className = "label-note";
+    this.labelNote.hidden = true;
+    this.labelNote.innerHTML = '<span></span> <button type="button" class="btn small">Zoom to label every token</button>';
+    this.labelNote.querySelector("button").addEventListener("click", () => {
+      const L = this.heatmap?.layout;
+      if (L) this.ctx.select({ zoom: Math.min(8, this.params.settings.zoom * Math.max(L.colStep, L.rowStep)) });
+    });
+    host.append(this.labelNote);
     this.heatmap = new Heatmap(host, {
       onHover: (h) => this.onHover(h),
       onCellClick: (c) => this.onCellClick(c),
@@ -34,6 +44,15 @@ export class MatrixView {
     hideTooltip();
     this.heatmap?.destroy();
     this.heatmap = null;
+    this.labelNote?.remove();
+  }
+
+  /** The note over the map when only every n-th token has a label. */
+  updateLabelNote() {
+    const L = this.heatmap?.model ? this.heatmap.layout : null;
+    const step = L ? Math.max(L.colStep, L.rowStep) : 1;
+    this.labelNote.hidden = step <= 1;
+    if (step > 1) this.labelNote.firstElementChild.textContent = `Every ${step}${step === 2 ? "nd" : step === 3 ? "rd" : "th"} token is labelled: hover the map or an axis for any token, or`;
   }
 
   async compute() {
@@ -49,6 +68,7 @@ export class MatrixView {
       this.params = params;
       if (changed.has("zoom")) this.heatmap.setZoom(params.settings.zoom);
       this.updateFooter();
+      this.updateLabelNote();
       return true;
     }
     const result = await this.compute(params);
@@ -57,6 +77,7 @@ export class MatrixView {
     this.result = result;
     if (!result) {
       this.heatmap.clear();
+      this.updateLabelNote();
       this.ctx.setLegend(null);
       return false;
     }
@@ -86,6 +107,7 @@ export class MatrixView {
     this.ctx.setLegend(this.legend);
     this.ctx.setCaption(result.caption || "");
     this.updateFooter();
+    this.updateLabelNote();
     return true;
   }
 

@@ -153,7 +153,7 @@ export class ModelView {
     this.legend = { cmap: params.settings.cmap, vmin: 0, vmax: 1, gamma: scale === "sqrt" ? 0.5 : 1, label: perMap ? `attention weight, 0 → each map's own top (${SCALES[scale]})` : `attention weight, ${SCALES[scale]}` };
     this.ctx.setLegend(this.legend);
     this.ctx.setCaption(
-      `<b>All ${att.nLayers} layers × ${att.nHeads} heads</b> on ${att.T} tokens; colours ${perMap ? `per map (${SCALES[scale]})` : SCALES[scale]}. Click a map to open it in the head view.`,
+      `<b>All ${att.nLayers} layers × ${att.nHeads} heads</b>${params.scope ? ` of ${params.scope}` : ""} on ${att.T} tokens; colours ${perMap ? `per map (${SCALES[scale]})` : SCALES[scale]}. Click a map to open it in the head view.`,
     );
     const present = [...Array(att.nLayers).keys()].filter((l) => att.has(l));
     perf.drawMs = this.paintLayers(present);

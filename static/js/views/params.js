@@ -1,6 +1,7 @@
 // The one object a view reads: built from the store's state, checked once here, so views
 // never see the store, the page or an out-of-range index.
 
+import { capabilities, primaryGroup } from "../family.js";
 import { SEQUENTIAL, DIVERGING } from "../colormap.js";
 import { SCALES } from "../scales.js";
 import { OPS } from "./aggregateview.js";
@@ -21,12 +22,16 @@ export function constrainState(s, meta, viewIds) {
   out.fillk = Math.max(1, Math.min(100, out.fillk || 5));
   if (meta) {
     const { n_layers: L, n_heads: H } = meta;
+    // a model with a shorter context (or a lower server limit) than the asked-for length: half of what it allows
+    const maxNew = Math.max(1, Math.min(meta.max_new_tokens ?? Infinity, meta.context_length - 1));
+    if (+out.max_new_tokens > maxNew) out.max_new_tokens = String(Math.max(1, Math.floor(maxNew / 2)));
     out.layer = clamp(out.layer, L);
     out.head = clamp(out.head, H);
     out.layerB = clamp(out.layerB, L);
     out.headB = clamp(out.headB, H);
     if (out.layers) out.layers = out.layers.filter((l) => l < L);
     if (out.heads) out.heads = out.heads.filter((h) => h < H);
+    if (out.lheads) out.lheads = out.lheads.filter((h) => h < H);
   }
   if (out.gen) out.step = Math.min(out.step, Math.max(0, out.gen.tokens.length - 1));
   if (out.att?.T) out.pin = out.pin.filter((r) => r < out.att.T);
@@ -34,7 +39,7 @@ export function constrainState(s, meta, viewIds) {
 }
 
 /**
- * {model, text, tokens, attention, causal, generation, boundary, selection, settings, axes, live}
+ * {model, text, tokens, attention, causal, generation, boundary, selection, settings, axes, scope, live}
  *  - model: name, layer / head counts, family, attention kind, tasks, labels, pooling
  *  - text: the text the analysis shows (the store's prompt, or the generation's text)
  *  - causal: whether the maps are causal (a decoder's) or full squares (an encoder's)
@@ -43,6 +48,8 @@ export function constrainState(s, meta, viewIds) {
  *  - generation: the GenerationRecord, or null
  *  - boundary: index of the first generated token in `tokens` when they are prompt + generation
  *  - axes: what rows and columns are (a cross-attention view would say target / source)
+ *  - scope: "" or what the maps are when the model has several groups (an encoder-decoder's:
+ *    its encoder's self-attention over the source; the translator's own views show the rest)
  */
 export function viewParams(s) {
   const meta = s.meta;
@@ -51,11 +58,13 @@ export function viewParams(s) {
   if (att && att.tokens && att.tokens.length !== att.T) throw new TypeError("attention tokens and size disagree");
   const all = (n) => [...Array(n).keys()];
   const gen = s.gen;
-  const fromGeneration = !!(att?.ids && s.ids && att.ids.length === s.ids.length && att.ids.every((x, i) => x === s.ids[i]));
+  // a decoder's analysis of prompt + generated ids has a boundary; an encoder-decoder's maps here are its encoder's, over the source only
+  const fromGeneration = !!(att?.ids && !att.targetIds && s.ids && att.ids.length === s.ids.length && att.ids.every((x, i) => x === s.ids[i]));
   return Object.freeze({
     model: Object.freeze({
       name: meta.name, n_layers: meta.n_layers, n_heads: meta.n_heads, context_length: meta.context_length,
       family: meta.family ?? "decoder", attention: meta.attention ?? "causal", tasks: meta.tasks ?? [], labels: meta.labels ?? null, pooling: meta.pooling ?? null,
+      capabilities: meta.capabilities ?? capabilities(meta.family_info, meta.tasks),
     }),
     text: att ? att.text : s.prompt,
     tokens: att?.tokens ?? [],
@@ -72,9 +81,13 @@ export function viewParams(s) {
       pinned: s.pin.slice(),
       layers: (s.layers ?? all(meta.n_layers)).slice().sort((a, b) => a - b),
       heads: (s.heads ?? all(meta.n_heads)).slice().sort((a, b) => a - b),
+      lineHeads: s.lheads == null ? null : s.lheads.slice().sort((a, b) => a - b), // null: the chosen head alone
     }),
     settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom, fillk: s.fillk, xavg: s.xavg }),
     axes: Object.freeze({ rows: "query", cols: "key" }),
+    // what the shared views' maps are when the family has other groups too: its primary group's
+    // (an encoder-decoder's encoder, over the source)
+    scope: (meta.family_info?.groups?.length ?? 1) > 1 ? primaryGroup(meta.family_info).description : "",
     live: s.streaming,
   });
 }

@@ -2,10 +2,13 @@
 // mount(host) / render(params, changed) -> drawn? / unmount() (and optionally exportPicture()
 // and exportData()), and add a line here. `source` says what it draws from ("analysis": the
 // analysed sequence, "generation": a generation); `controls` lists the toolbar controls it
-// uses (data-ctl names in index.html); a panel of options for it is an element with
+// uses (data-ctl names in index.html); `keys` (optional) the state keys of its own it redraws on
+// (declared in state/schema.js, read from the params object); a panel of options for it is an element with
 // data-view="<id>" inside #view-options, its inputs bound to state keys by data-key.
-// `families` (optional) lists the model families a view applies to (its tab hides for others).
-// PANELS are the same idea for the side panels a family has (an encoder's fill-mask and
+// `needs` (optional) lists the capabilities a model must have for the view (its tab hides for
+// others): what its family declares, read by family.js ("generation", "target", "cross", ...),
+// and the tasks it answers ("fill-mask", "classify"); the page never tests a family's name.
+// PANELS are the same idea for the side panels a model has (an encoder's fill-mask and
 // classify, read from the store's text) and for readouts under the picture (`slot: "frame"`).
 
 import { HeadView } from "./headview.js";
@@ -20,32 +23,33 @@ import { AlignView } from "../translator/alignview.js";
 import { FillMaskPanel } from "../encoder/fillmask.js";
 import { ClassifyPanel } from "../encoder/classify.js";
 import { PooledPanel } from "../encoder/pooled.js";
+import { fits } from "../family.js";
 
 export const VIEWS = [
   { id: "head", label: "Head", source: "analysis", controls: ["layer", "head", "sink", "cmap", "scale", "zoom", "pooled"], View: HeadView },
   { id: "model", label: "Model", source: "analysis", controls: ["sink", "cmap", "scale"], View: ModelView },
   { id: "aggregate", label: "Aggregate", source: "analysis", controls: ["sink", "cmap", "scale", "zoom"], View: AggregateView },
   { id: "diff", label: "Difference", source: "analysis", controls: ["layer", "head", "sink", "dcmap", "scale", "zoom"], View: DiffView },
-  { id: "lines", label: "Lines", source: "analysis", controls: ["layer", "head", "sink"], View: LineView },
-  { id: "gen", label: "Generation", source: "generation", families: ["decoder", "encoder-decoder"], controls: ["layer", "head", "sink", "cmap", "scale", "zoom"], View: GenView, title: "What each generated token attended to, step by step" },
-  // encoder-decoder only (`families`: the tabs show only for those models; the views above
-  // show the encoder's self-attention over the source for them)
-  { id: "cross", label: "Cross", source: "analysis", families: ["encoder-decoder"], controls: ["layer", "head", "cmap", "scale", "zoom"], View: CrossView, title: "Cross-attention: target steps down, source tokens across" },
-  { id: "align", label: "Alignment", source: "analysis", families: ["encoder-decoder"], controls: ["layer", "head"], View: AlignView, title: "Lines from each target step to the source tokens it reads" },
-  { id: "decoder", label: "Decoder", source: "analysis", families: ["encoder-decoder"], controls: ["layer", "head", "cmap", "scale", "zoom"], View: DecoderView, title: "The decoder's causal self-attention over the target" },
+  { id: "lines", label: "Lines", source: "analysis", controls: ["layer", "head", "sink"], keys: ["lheads"], View: LineView },
+  { id: "gen", label: "Generation", source: "generation", needs: ["generation"], controls: ["layer", "head", "sink", "cmap", "scale", "zoom"], View: GenView, title: "What each generated token attended to, step by step" },
+  // a family with a target and cross-attention (an encoder-decoder): the views above show its
+  // primary group, the encoder's self-attention over the source
+  { id: "cross", label: "Cross", source: "analysis", needs: ["cross"], controls: ["layer", "head", "cmap", "scale", "zoom"], View: CrossView, title: "Cross-attention: target steps down, source tokens across" },
+  { id: "align", label: "Alignment", source: "analysis", needs: ["cross"], controls: ["layer", "head"], View: AlignView, title: "Lines from each target step to the source tokens it reads" },
+  { id: "decoder", label: "Decoder", source: "analysis", needs: ["target"], controls: ["layer", "head", "cmap", "scale", "zoom"], View: DecoderView, title: "The decoder's causal self-attention over the target" },
 ];
 
-/** Whether view or panel `v` applies to a model of this family (none listed: every family). */
-export const viewFits = (v, family) => !v.families || v.families.includes(family);
+/** Whether view or panel `v` applies to a model (its description, with `capabilities`: model.js). */
+export const viewFits = (v, meta) => fits(v, meta.capabilities);
 
-// `task`: shown only for a model that answers that endpoint (GET /models lists its tasks)
+// a panel needs the task it calls (GET /models lists each model's tasks)
 export const PANELS = [
-  { id: "fill-mask", families: ["encoder"], task: "fill-mask", slot: "sidebar", Panel: FillMaskPanel },
-  { id: "classify", families: ["encoder"], task: "classify", slot: "sidebar", Panel: ClassifyPanel },
-  { id: "pooled", families: ["encoder"], slot: "frame", Panel: PooledPanel },
+  { id: "fill-mask", needs: ["fill-mask"], slot: "sidebar", Panel: FillMaskPanel },
+  { id: "classify", needs: ["classify"], slot: "sidebar", Panel: ClassifyPanel },
+  { id: "pooled", needs: ["classify"], slot: "frame", Panel: PooledPanel }, // the rows the classifier pools
 ];
 
 export const VIEW_IDS = VIEWS.map((v) => v.id);
 export const viewById = (id) => VIEWS.find((v) => v.id === id) ?? VIEWS[0];
-/** The views a model of this family has, in tab order. */
-export const viewIdsFor = (family) => VIEWS.filter((v) => viewFits(v, family)).map((v) => v.id);
+/** The views a model has, in tab order. */
+export const viewIdsFor = (meta) => VIEWS.filter((v) => viewFits(v, meta)).map((v) => v.id);

@@ -1,0 +1,388 @@
+"""attnlens.Client and attnlens.AsyncClient: the HTTP API from Python (httpx), with typed answers.
+
+    import attnlens
+    client = attnlens.Client("http://127.0.0.1:8000")          # api_key="..." when the server wants one
+    answer = client.attention("To be, or not to be", layers=[0, 1])
+    answer.maps.shape                                           # (2, heads, T, T), whatever the format
+    for token in client.stream("ROMEO.", max_new_tokens=20):    # typed tokens as they arrive
+        print(token.text, end="")
+
+Every endpoint is written once, as a generator of requests (`_Call`s) that receives each answer's
+JSON and returns the typed answer; Client drives it with blocking httpx calls, AsyncClient with
+awaited ones, so both have the same methods (AsyncClient's are awaited). Errors are exceptions
+carrying the server's status, message, `param`, `code` and Retry-After (attnlens.errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Generator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+from .answers import (
+    Attention,
+    Classification,
+    FillMask,
+    GeneratedToken,
+    Generation,
+    ModelSummary,
+    StreamDone,
+)
+from .errors import APIConnectionError, APIError, StreamError, error_from_response
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+Format = Literal["json", "f16", "u8"]
+Packing = Literal["full", "tril"]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One HTTP request an endpoint needs; the driver sends it and sends back the answer's JSON."""
+
+    method: str
+    path: str
+    body: dict | None = None
+    params: dict | None = None
+
+
+Endpoint = Generator[_Call, Any, Any]  # yields requests, receives their JSON, returns the typed answer
+
+
+def _given(**fields) -> dict:
+    """The fields the caller gave (None = the server's default)."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+class SSEParser:
+    """Server-sent events a line at a time: feed() returns (event, data) when an event ends."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.data: list[str] = []
+
+    def feed(self, line: str) -> tuple[str | None, str] | None:
+        if line == "":
+            event = (self.name, "\n".join(self.data)) if self.data else None
+            self.name, self.data = None, []
+            return event
+        if line.startswith("event:"):
+            self.name = line[len("event:"):].strip()
+        elif line.startswith("data:"):
+            self.data.append(line[len("data:"):].removeprefix(" "))
+        return None
+
+
+class _Endpoints:
+    """The API's routes, each once; subclasses say how a _Call is sent (`_drive`)."""
+
+    def __init__(self) -> None:
+        self._families: dict[str | None, dict] = {}  # model name (None: the default) -> its family_info, from /models
+
+    # --- what every route is ------------------------------------------------------------------
+    def _models(self) -> Endpoint:
+        body = yield _Call("GET", "/models")
+        models = [ModelSummary.from_json(m) for m in body["models"]]
+        self._families = {m.name: m.family_info for m in models}
+        self._families[None] = self._families.get(body["default"])
+        return models
+
+    def _family(self, model: str | None) -> Endpoint:
+        if model not in self._families:
+            yield from self._models()
+        return self._families.get(model)
+
+    def _attention(self, text: str | None, ids: list[int] | None, model: str | None, layers, heads, format: str,
+                   packing: str | None, target: str | None, target_ids: list[int] | None) -> Endpoint:
+        if packing is None:  # the smaller packing the model allows: tril where its family has causal maps
+            family = yield from self._family(model)
+            packing = "tril" if family and any(g["causal"] for g in family["groups"]) else "full"
+        body = _given(model=model, text=text, ids=None if ids is None else list(ids),
+                      layers=None if layers is None else list(layers), heads=None if heads is None else list(heads),
+                      format=format, packing=packing, target=target,
+                      target_ids=None if target_ids is None else list(target_ids))
+        answer = yield _Call("POST", "/attention", body)
+        return Attention.from_json(answer, text=text)
+
+    def _generate(self, body: dict) -> Endpoint:
+        answer = yield _Call("POST", "/generate", body)
+        return Generation.from_json(answer)
+
+    def _fill_mask(self, text: str, top_k: int | None, model: str | None) -> Endpoint:
+        answer = yield _Call("POST", "/fill-mask", _given(model=model, text=text, top_k=top_k))
+        return FillMask.from_json(answer, text)
+
+    def _classify(self, text: str, model: str | None) -> Endpoint:
+        answer = yield _Call("POST", "/classify", _given(model=model, text=text))
+        return Classification.from_json(answer, text)
+
+    def _model_info(self, model: str | None) -> Endpoint:
+        return (yield _Call("GET", "/model", params=_given(model=model)))
+
+    # --- the public methods (AsyncClient's return awaitables) -----------------------------------
+    def models(self):
+        """Every loaded model (GET /models): name, family, sizes, tasks, labels."""
+        return self._drive(self._models())
+
+    def model_info(self, model: str | None = None):
+        """GET /model: the description of `model` (default: the server's default model), as a dict."""
+        return self._drive(self._model_info(model))
+
+    def attention(self, text: str | None = None, *, ids: list[int] | None = None, model: str | None = None,
+                  layers: Iterable[int] | None = None, heads: Iterable[int] | None = None, format: Format = "json",
+                  packing: Packing | None = None, target: str | None = None, target_ids: list[int] | None = None):
+        """POST /attention: every map of `text` (or of token `ids` as they are) -> Attention.
+
+        `layers` / `heads` pick a subset (model indices); `format` is the transfer format (json:
+        exact to 6 decimals, f16, u8: smaller), `packing` None picks the smaller one the model
+        allows. Either way `.maps` is a float32 [layers][heads][query][key] array. An
+        encoder-decoder takes `target` (or `target_ids`); without one it translates greedily."""
+        return self._drive(self._attention(text, ids, model, layers, heads, format, packing, target, target_ids))
+
+    def generate(self, prompt: str, *, model: str | None = None, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, stop: str | list[str] | None = None, logprobs: int | None = None,
+                 return_attention: bool | None = None):
+        """POST /generate -> Generation (text, prompt_tokens, typed tokens, finish_reason, usage).
+        Parameters left None take the server's defaults."""
+        return self._drive(self._generate(_generate_body(
+            prompt, model=model, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, stop=stop, logprobs=logprobs, return_attention=return_attention)))
+
+    def fill_mask(self, text: str, *, top_k: int | None = None, model: str | None = None):
+        """POST /fill-mask (an encoder): the top-k candidates of each [MASK] -> FillMask."""
+        return self._drive(self._fill_mask(text, top_k, model))
+
+    def classify(self, text: str, *, model: str | None = None):
+        """POST /classify (an encoder with labels): every label's probability -> Classification."""
+        return self._drive(self._classify(text, model))
+
+    def _drive(self, endpoint: Endpoint):
+        raise NotImplementedError
+
+
+def _generate_body(prompt: str, **options) -> dict:
+    """/generate's body: the prompt and the options given (a lone stop string as a list)."""
+    stop = options.get("stop")
+    if isinstance(stop, str):
+        options["stop"] = [stop]
+    return _given(prompt=prompt, **options)
+
+
+def _headers(api_key: str | None, extra: dict[str, str] | None) -> dict[str, str]:
+    headers = {"Accept": "application/json", "User-Agent": "attnlens-python"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return {**headers, **(extra or {})}
+
+
+def _checked(response: httpx.Response) -> Any:
+    if response.status_code >= 400:
+        raise error_from_response(response)
+    try:
+        return response.json()
+    except ValueError as e:
+        raise APIError(f"the server's answer is not JSON: {response.text[:200]!r}", status=response.status_code) \
+            from e
+
+
+def _stream_event(name: str | None, data: str) -> GeneratedToken | StreamDone:
+    body = json.loads(data)
+    if name == "token":
+        return GeneratedToken.from_json(body)
+    if name == "done":
+        return StreamDone.from_json(body)
+    if name == "error":
+        raise StreamError(body.get("message", data))
+    raise StreamError(f"unexpected stream event {name!r}: {data[:200]}")
+
+
+class Client(_Endpoints):
+    """A blocking client: `Client(base_url, api_key=None)`. Use it as a context manager, or close()."""
+
+    def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, *, timeout: float = 120.0,
+                 headers: dict[str, str] | None = None, transport: httpx.BaseTransport | None = None):
+        super().__init__()
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, headers=_headers(api_key, headers), timeout=timeout,
+                                  transport=transport)
+
+    def _send(self, call: _Call) -> Any:
+        try:
+            response = self._http.request(call.method, call.path, json=call.body, params=call.params)
+        except httpx.TransportError as e:
+            raise APIConnectionError(f"cannot reach attnlens at {self.base_url}: {e}") from e
+        return _checked(response)
+
+    def _drive(self, endpoint: Endpoint):
+        try:
+            call = next(endpoint)
+            while True:
+                call = endpoint.send(self._send(call))
+        except StopIteration as done:
+            return done.value
+
+    def stream(self, prompt: str, **options) -> TokenStream:
+        """POST /generate with stream=true: iterate it for GeneratedToken's as they arrive (with
+        `index` and `delta`); afterwards `.done` is the StreamDone. Options as generate()'s."""
+        return TokenStream(self, {**_generate_body(prompt, **options), "stream": True})
+
+    def ready(self) -> bool:
+        """Whether /readyz answers 200 (models loaded and warmed up)."""
+        try:
+            return self._http.get("/readyz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def wait_until_ready(self, timeout: float = 120.0, interval: float = 0.25, stop_if=None) -> None:
+        """Block until the server is ready (e.g. one just started), or raise APIConnectionError
+        after `timeout` seconds or as soon as `stop_if()` is true (e.g. its process ended)."""
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if stop_if is not None and stop_if():
+                raise APIConnectionError(f"attnlens at {self.base_url} stopped before it was ready")
+            if time.monotonic() > deadline:
+                raise APIConnectionError(f"attnlens at {self.base_url} not ready after {timeout} s")
+            time.sleep(interval)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"attnlens.Client({self.base_url!r})"
+
+
+class TokenStream:
+    """A generation arriving token by token: iterate it (once) for GeneratedToken's; `.tokens`
+    and `.text` so far, `.done` (StreamDone) once it ended. close() (or leaving a `with`
+    block) stops it: the server then frees the generation's slot."""
+
+    def __init__(self, client: Client, body: dict):
+        self._client, self._body = client, body
+        self._response: httpx.Response | None = None
+        self.tokens: list[GeneratedToken] = []
+        self.done: StreamDone | None = None
+
+    @property
+    def text(self) -> str:
+        return self.done.text if self.done else "".join(t.delta or "" for t in self.tokens)
+
+    def __iter__(self) -> Iterator[GeneratedToken]:
+        http = self._client._http
+        try:
+            with http.stream("POST", "/generate", json=self._body,
+                             headers={"Accept": "text/event-stream"}) as response:
+                self._response = response
+                if response.status_code >= 400:
+                    response.read()
+                    raise error_from_response(response)
+                parser = SSEParser()
+                for line in response.iter_lines():
+                    if (ended := parser.feed(line)) is None:
+                        continue
+                    event = _stream_event(*ended)
+                    if isinstance(event, StreamDone):
+                        self.done = event
+                        return
+                    self.tokens.append(event)
+                    yield event
+        except httpx.TransportError as e:
+            raise APIConnectionError(f"the stream from {self._client.base_url} broke: {e}") from e
+        finally:
+            self._response = None
+        raise StreamError("the stream ended without its `done` event")
+
+    def close(self) -> None:
+        if self._response is not None:
+            self._response.close()
+
+    def __enter__(self) -> TokenStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient(_Endpoints):
+    """The async twin of Client: the same methods, awaited; `stream()` is an async iterator."""
+
+    def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, *, timeout: float = 120.0,
+                 headers: dict[str, str] | None = None, transport: httpx.AsyncBaseTransport | None = None):
+        super().__init__()
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=_headers(api_key, headers), timeout=timeout,
+                                       transport=transport)
+
+    async def _send(self, call: _Call) -> Any:
+        try:
+            response = await self._http.request(call.method, call.path, json=call.body, params=call.params)
+        except httpx.TransportError as e:
+            raise APIConnectionError(f"cannot reach attnlens at {self.base_url}: {e}") from e
+        return _checked(response)
+
+    async def _drive(self, endpoint: Endpoint):
+        try:
+            call = next(endpoint)
+            while True:
+                call = endpoint.send(await self._send(call))
+        except StopIteration as done:
+            return done.value
+
+    async def stream(self, prompt: str, **options) -> AsyncIterator[GeneratedToken]:
+        """POST /generate with stream=true, as an async iterator of GeneratedToken's (the last
+        event, StreamDone, ends it; use Client.stream for `.done`). Options as generate()'s."""
+        body = {**_generate_body(prompt, **options), "stream": True}
+        try:
+            async with self._http.stream("POST", "/generate", json=body,
+                                         headers={"Accept": "text/event-stream"}) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise error_from_response(response)
+                parser = SSEParser()
+                async for line in response.aiter_lines():
+                    if (ended := parser.feed(line)) is None:
+                        continue
+                    event = _stream_event(*ended)
+                    if isinstance(event, StreamDone):
+                        return
+                    yield event
+        except httpx.TransportError as e:
+            raise APIConnectionError(f"the stream from {self.base_url} broke: {e}") from e
+        raise StreamError("the stream ended without its `done` event")
+
+    async def ready(self) -> bool:
+        try:
+            return (await self._http.get("/readyz")).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    async def wait_until_ready(self, timeout: float = 120.0, interval: float = 0.25, stop_if=None) -> None:
+        deadline = time.monotonic() + timeout
+        while not await self.ready():
+            if stop_if is not None and stop_if():
+                raise APIConnectionError(f"attnlens at {self.base_url} stopped before it was ready")
+            if time.monotonic() > deadline:
+                raise APIConnectionError(f"attnlens at {self.base_url} not ready after {timeout} s")
+            await asyncio.sleep(interval)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"attnlens.AsyncClient({self.base_url!r})"

@@ -1,0 +1,50 @@
+"""Where attnlens' files are, in a repository checkout (or its editable install) and in a wheel.
+
+    checkout / editable install          installed wheel
+    <repo>/attnlens/  (this package)     site-packages/attnlens/
+    <repo>/static/    (the page)         site-packages/attnlens/static/   (package data, setup.py)
+    <repo>/checkpoints/                  none: checkpoints/ in the working directory, or give a path
+
+The server (`attnlens serve`: its page) and the notebook views (attnlens.show: the page's ES
+modules and CSS) both ask here, so neither depends on where it was installed from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def source_root() -> Path | None:
+    """The repository checkout this package runs from, or None for an installed wheel.
+
+    A checkout has the package folder beside pyproject.toml and the app/, model/ and static/
+    folders that setup.py maps under it; a wheel's parent is site-packages."""
+    root = PACKAGE_DIR.parent
+    markers = ("pyproject.toml", "app/settings.py", "model/__init__.py", "static/index.html")
+    return root if all((root / m).is_file() for m in markers) else None
+
+
+def static_dir() -> Path:
+    """The page's files (index.html, css/, js/): the wheel's package data, else the checkout's
+    static/. (When neither exists, the wheel's path: the server answers / with a 404 that names
+    it, and the notebook views say what is missing.)"""
+    packaged = PACKAGE_DIR / "static"
+    root = source_root()
+    if (packaged / "index.html").is_file() or root is None:
+        return packaged
+    return root / "static"
+
+
+def checkout_path(*parts: str) -> Path:
+    """A folder the repository has beside the package (checkpoints/, data/): the checkout's; a
+    wheel ships none, so there it is the same path in the working directory (relative, resolved
+    when used)."""
+    root = source_root()
+    return Path(root, *parts) if root is not None else Path(*parts)
+
+
+def checkpoints_dir() -> Path:
+    """The bundled checkpoints: the checkout's checkpoints/, or checkpoints/ in the working directory."""
+    return checkout_path("checkpoints")

@@ -1,0 +1,197 @@
+"""The family contract: what a model family declares, and what its module offers.
+
+A family is data. Each family module (decoder.py, encoder.py, encoder_decoder.py) declares one
+`Family` and its nn.Module carries it as the class attribute `family`; families/__init__.py lists
+them. The service, the engine and the page read the declaration (its tasks, its attention groups
+and their axes, how it generates, what its forward returns); none of them tests a family's name.
+
+    Family            name, tasks, attention groups, generation (or None), text framing, output type
+    AttentionGroup    one kind of map: its query axis, its key axis, causal or not
+    GenerationSpec    how the batched engine serves it: what a prompt is, which groups a step streams
+    TaskSpec          a task and the checkpoint feature it needs ("labels", "chat_template")
+
+What a family's module offers, as Protocols (vLLM's model interfaces, interfaces_base.py):
+
+    AnalysableModel   analyse(ids, target_ids) -> AttentionAnalysis: every group's maps in one call
+    GenerativeModel   new_kv_cache(rows), kv_cache_row_bytes(); forward(ids, kv_cache=, rows=, ...) -> output;
+                      step_attention(output, cache, rows, queries) -> each row's step maps by group
+    FixedShapeDecoder decode_fixed(ids, cache, lengths): a decode step of fixed shapes (CUDA graphs)
+
+Axes: "tokens" (one sequence, read by itself), "source" (what an encoder reads), "target" (what
+a decoder writes while reading a source). A map is always [layer][head][query][key].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, Protocol, runtime_checkable
+
+import torch
+
+Axis = Literal["tokens", "source", "target"]
+AXES: tuple[str, ...] = ("tokens", "source", "target")
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """One kind of attention map a family computes: rows over `queries`, columns over `keys`."""
+
+    name: str  # its key in answers and declarations, e.g. "self", "encoder", "decoder", "cross"
+    queries: Axis
+    keys: Axis
+    causal: bool  # zero above the diagonal (queries and keys are then the same sequence)
+    description: str
+
+    @property
+    def is_cross(self) -> bool:
+        """Queries read another sequence than their own (an encoder-decoder's cross-attention)."""
+        return self.queries != self.keys
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """How the batched generation engine serves a family.
+
+    prompt "prefix": the generation continues the prompt in one context (prompt + new tokens fit
+    the context length). "source": the prompt is a source an encoder reads once; the output has
+    a context of its own and its first query is the decoder's start token.
+    """
+
+    prompt: Literal["prefix", "source"]
+    step_groups: tuple[str, ...]  # the groups a generated token's attention rows come from
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether a prompt token has a log-probability (a prefix is predicted; a source is read)."""
+        return self.prompt == "prefix"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str  # generate, completions, chat, attention, fill-mask, classify
+    needs: str | None = None  # a feature the checkpoint must have: "labels", "chat_template"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family's declaration (see the module docstring)."""
+
+    name: str  # the config's `family`
+    description: str
+    tasks: tuple[TaskSpec, ...]
+    groups: tuple[AttentionGroup, ...]  # the first is the primary one: what one sequence's analysis shows
+    attention_kind: str  # a one-word summary for people and the API: causal | bidirectional | encoder-decoder
+    output: type  # what the module's forward returns
+    generation: GenerationSpec | None = None  # None: the family does not generate
+    # how a text becomes the ids analysed: "plain" (its tokens), "cls_sep" ([CLS] tokens [SEP], as BERT)
+    framing: Literal["plain", "cls_sep"] = "plain"
+    features: tuple[str, ...] = field(default=())  # what its checkpoints can have: labels, chat_template
+    # the optional parts its module builds when a config asks (ModelConfig.parts_used): rotary,
+    # sliding_window, rmsnorm, grouped_query, parallel_residual, classifier
+    builds: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"family {self.name!r}: attention group names repeat: {names}")
+        if self.generation is not None:
+            unknown = [g for g in self.generation.step_groups if g not in names]
+            if unknown:
+                raise ValueError(f"family {self.name!r}: step groups {unknown} are not among its groups {names}")
+
+    def group(self, name: str) -> AttentionGroup:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"family {self.name!r} has no attention group {name!r}")
+
+    @property
+    def primary(self) -> AttentionGroup:
+        return self.groups[0]
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every axis its groups use, in AXES order."""
+        used = {a for g in self.groups for a in (g.queries, g.keys)}
+        return tuple(a for a in AXES if a in used)
+
+    @property
+    def takes_target(self) -> bool:
+        """Whether an analysis can be given a target (the decoder side of an encoder-decoder)."""
+        return "target" in self.axes
+
+    @property
+    def has_causal_group(self) -> bool:
+        return any(g.causal for g in self.groups)
+
+    def task_names(self, features: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        """The tasks a checkpoint of this family answers, given the features it has."""
+        return [t.name for t in self.tasks if t.needs is None or t.needs in features]
+
+    def describe(self) -> dict:
+        """The declaration as JSON-able data (GET /models): what the page reads."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "attention_kind": self.attention_kind,
+            "framing": self.framing,
+            "axes": list(self.axes),
+            "groups": [{"name": g.name, "queries": g.queries, "keys": g.keys, "causal": g.causal,
+                        "cross": g.is_cross, "description": g.description} for g in self.groups],
+            "generation": None if self.generation is None else {
+                "prompt": self.generation.prompt, "step_groups": list(self.generation.step_groups)},
+        }
+
+
+@dataclass
+class AttentionAnalysis:
+    """Every attention group of one analysed input, as AnalysableModel.analyse returns it.
+
+    tokens: the ids along each axis the family uses (an encoder-decoder's target starts with the
+    decoder's start token: row t is the step that wrote target token t + 1).
+    maps: group name -> (L, H, Q, K) probabilities, every layer and head.
+    """
+
+    tokens: dict[str, list[int]]
+    maps: dict[str, torch.Tensor]
+    generated_target: bool = False  # the target is the model's own greedy output
+
+
+@runtime_checkable
+class AnalysableModel(Protocol):
+    family: ClassVar[Family]
+
+    def analyse(self, ids: list[int], target_ids: list[int] | None = None) -> AttentionAnalysis: ...
+
+
+@runtime_checkable
+class GenerativeModel(Protocol):
+    family: ClassVar[Family]
+
+    def new_kv_cache(self, n_rows: int = 1): ...
+
+    def kv_cache_row_bytes(self) -> int:
+        """The bytes one row of new_kv_cache holds (computed, not allocated)."""
+        ...
+
+    def forward(self, ids: torch.Tensor, *, kv_cache=None, rows: slice | None = None, return_attention: bool = False,
+                last_only: bool = False, valid: torch.Tensor | None = None): ...
+
+    def step_attention(self, output, cache, rows: slice, queries: list[int]) -> list[dict[str, list[torch.Tensor]]]:
+        """Per row of `rows`: group -> per layer (H, K) attention of that row's query position
+        queries[b] over the keys the row has (never another row's, never padding)."""
+        ...
+
+
+@runtime_checkable
+class FixedShapeDecoder(Protocol):
+    def decode_fixed(self, ids: torch.Tensor, kv_cache, lengths: torch.Tensor, *,
+                     return_attention: bool = False): ...
+
+
+def family_of(model) -> Family:
+    """The declaration a model module carries."""
+    family = getattr(model, "family", None)
+    if not isinstance(family, Family):
+        raise TypeError(f"{type(model).__name__} declares no model family (a `family: Family` class attribute)")
+    return family

@@ -1,0 +1,178 @@
+"""`attnlens import-hf` and `export-hf` for every registered architecture
+(model/interop/architectures): pick the architecture, then convert by its declarations.
+
+Import reads a transformers directory already on disk (nothing is downloaded, ever):
+config.json -> the architecture (by its `architectures` class, else its model_type) -> our
+ModelConfig; the weights (model.safetensors, a sharded index or pytorch_model.bin) -> our
+names by the architecture's rules, every tensor's shape checked against the config before
+anything is written; tokenizer.json with its special tokens, chat template and stop ids.
+The weights keep their dtype (a bf16 source stays bf16 on disk) and the model is never built
+to convert it, so a 7B model converts without 28 GB of float32.
+
+Export writes the architecture the checkpoint was imported from (config.architecture), else
+the first registered one that can express it, or the one named.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint import CheckpointError, load_checkpoint, state_shapes, write_checkpoint
+from ..config import ModelConfig
+from ..tokenizer import Tokenizer
+from .architectures import ARCHITECTURES, Architecture
+from .hf import read_hf_config, read_hf_weights, write_hf_dir, write_json
+
+
+def supported() -> str:
+    return ", ".join(a.hf_class for a in ARCHITECTURES)
+
+
+def find_for_import(data: dict[str, Any], path: Path) -> Architecture:
+    """The architecture of a transformers config.json: the one whose class `architectures`
+    names, else the one of its model_type; GPT-2 when it names neither (the oldest GPT-2 files).
+    Anything else is refused, naming it and what is supported."""
+    classes = data.get("architectures") or []
+    model_type = data.get("model_type")
+    if not isinstance(classes, list):
+        classes = []
+    for arch in ARCHITECTURES:
+        if arch.hf_class in classes:
+            return arch
+    named = f"architecture {classes[0]!r}" if classes else f"model_type {model_type!r}"
+    for arch in ARCHITECTURES:
+        if model_type == arch.model_type:
+            if not classes or arch.also_accepts is None or any(c in arch.also_accepts for c in classes):
+                return arch
+            raise CheckpointError(f"{path}: {named} is not supported (a {arch.title} checkpoint is "
+                                  f"imported as {arch.hf_class}); supported: {supported()}")
+    if model_type is None and not classes:
+        return next(a for a in ARCHITECTURES if a.name == "gpt2")
+    raise CheckpointError(f"{path}: {named}"
+                          + (f" (model_type {model_type!r})" if classes and model_type else "")
+                          + f" is not supported; supported: {supported()}")
+
+
+def import_checkpoint(src_dir: str | Path, out_dir: str | Path, *, context_length: int | None = None
+                      ) -> tuple[Path, Architecture]:
+    """Convert the transformers directory `src_dir` into an attnlens checkpoint at `out_dir`."""
+    src = Path(src_dir)
+    data, config_path = read_hf_config(src)
+    arch = find_for_import(data, config_path)
+    if arch.import_dir is not None:
+        return arch.import_dir(src, Path(out_dir), context_length), arch
+    config = arch.config_from_hf(data, config_path, context_length)
+    tokenizer = read_tokenizer(src, data)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(f"{src}: tokenizer has {tokenizer.vocab_size} tokens but config.json says "
+                              f"vocab_size={config.vocab_size}")
+    tensors, weights_path = read_hf_weights(src)
+    state = state_from_rules(arch, config, tensors, weights_path)
+    return write_checkpoint(out_dir, config, state, tokenizer), arch
+
+
+def read_tokenizer(src: Path, model_config: dict[str, Any]) -> Tokenizer:
+    """tokenizer.json with its special tokens (tokenizer_config.json, special_tokens_map.json,
+    config.json), chat template and stop ids (generation_config.json)."""
+    path = src / "tokenizer.json"
+    if not path.is_file():
+        hint = (": only a SentencePiece tokenizer.model is here; transformers writes tokenizer.json beside it with "
+                "AutoTokenizer.from_pretrained(dir).save_pretrained(dir)") if (src / "tokenizer.model").is_file() else ""
+        raise CheckpointError(f"{src}: no tokenizer.json found{hint}")
+    try:
+        return Tokenizer.from_dir(src, model_config)
+    except ValueError as e:  # a tokenizer_config.json or special_tokens_map.json that is not a JSON object
+        raise CheckpointError(str(e)) from e
+    except Exception as e:  # the tokenizers library raises plain Exceptions
+        raise CheckpointError(f"{path}: cannot be read as a tokenizer ({e})") from e
+
+
+def _natural(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def state_from_rules(arch: Architecture, config: ModelConfig, tensors: dict[str, torch.Tensor],
+                     path: Path) -> dict[str, torch.Tensor]:
+    """Our tensors from theirs by the architecture's rules, every name and shape checked."""
+    renames = dict(arch.renames)
+    theirs = {renames.get(k, k): v for k, v in tensors.items() if not k.endswith(arch.ignored)}
+    rules = arch.tensors(config)
+    wanted = {name for rule in rules for name in rule.theirs}
+    if config.tie_embeddings and arch.head in theirs and arch.head not in wanted:
+        embedding = next(r.theirs[0] for r in rules if r.ours == "tok_emb.weight")
+        if embedding in theirs and not torch.equal(theirs[arch.head], theirs[embedding]):
+            raise CheckpointError(f"{path}: {arch.head} differs from {embedding}, but config.json ties them "
+                                  "(tie_word_embeddings)")
+        del theirs[arch.head]
+    missing = sorted(wanted - set(theirs), key=_natural)
+    unexpected = sorted(set(theirs) - wanted, key=_natural)
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:8])}")
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensor(s) {', '.join(unexpected[:8])}")
+    shapes = state_shapes(config)
+    state = {}
+    for rule in rules:
+        want = rule.split(torch.empty(shapes[rule.ours], device="meta"))  # their shapes, as config.json implies
+        for name, w in zip(rule.theirs, want):
+            if tuple(theirs[name].shape) != tuple(w.shape):
+                raise CheckpointError(f"{path}: tensor {name} has shape {list(theirs[name].shape)} but config.json "
+                                      f"implies {list(w.shape)}")
+        state[rule.ours] = rule.join([theirs[name] for name in rule.theirs])
+    assert set(state) == set(shapes), (sorted(set(shapes) ^ set(state)))  # the rules cover the model exactly
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    keep = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    return {k: v.to(keep) if v.is_floating_point() else v for k, v in state.items()}
+
+
+# --- export ----------------------------------------------------------------------------------
+
+def find_for_export(config: ModelConfig, name: str | None = None, *, where: str = "") -> Architecture:
+    """The named architecture (ValueError with its reasons if it cannot express `config`), else
+    the one the model was imported as, else the first registered one that fits."""
+    by_name = {a.name: a for a in ARCHITECTURES}
+    if name is not None:
+        if name not in by_name:
+            raise ValueError(f"unknown architecture {name!r} (known: {', '.join(by_name)})")
+        candidates = [by_name[name]]
+    else:
+        own = [a for a in ARCHITECTURES if a.hf_class == config.architecture]
+        candidates = own or [a for a in ARCHITECTURES if (a.model_type == "bert") == (config.family == "encoder")]
+    reasons = {}
+    for arch in candidates:
+        reasons[arch.title] = arch.export_reasons(config)
+        if not reasons[arch.title]:
+            return arch
+    if len(candidates) == 1:
+        raise ValueError(f"{where}cannot export as {candidates[0].title}: " + "; ".join(reasons[candidates[0].title]))
+    raise ValueError(f"{where}no transformers architecture can express this model: "
+                     + " | ".join(f"cannot export as {t}: {'; '.join(r)}" for t, r in reasons.items()))
+
+
+def export_checkpoint(model_dir: str | Path, out_dir: str | Path, *, architecture: str | None = None
+                      ) -> tuple[Path, Architecture]:
+    """Write the checkpoint in `model_dir` as a transformers directory; return it and its architecture."""
+    from ..checkpoint import load_config
+
+    arch = find_for_export(load_config(model_dir), architecture, where=f"{model_dir}: ")
+    if arch.export_dir is not None:
+        return arch.export_dir(model_dir, out_dir), arch
+    ckpt = load_checkpoint(model_dir)
+    ours = {k: v.detach().float().cpu() for k, v in ckpt.model.state_dict().items()}
+    state = {}
+    for rule in arch.tensors(ckpt.config):
+        for name, t in zip(rule.theirs, rule.split(ours[rule.ours])):
+            state[name] = t.clone(memory_format=torch.contiguous_format)  # no two share memory (safetensors)
+    tok = ckpt.tokenizer
+    config = {**arch.config_to_hf(ckpt.config), "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
+              "torch_dtype": "float32"}
+    out = write_hf_dir(out_dir, state, config, tok)
+    files = tok.transformers_files(ckpt.config.context_length)
+    files.setdefault("generation_config.json", {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id})
+    for name, data in files.items():
+        write_json(out / name, data)
+    return out, arch

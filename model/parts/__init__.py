@@ -1,0 +1,65 @@
+"""The parts every model family is built from, each written once (one module per part).
+
+Shapes: B = batch, T = query positions (new tokens in this call), S = key positions the
+queries may see (cached + new, or the memory's length for cross-attention), C = d_model,
+H = query heads, K = key/value heads, D = d_head, R = rotary dims, F = d_ff.
+
+    embeddings   Embeddings          mixin: token embedding + learned or sinusoidal positions
+                                     (or, for rotary positions, their angles), dropout
+    positions    sinusoidal_table    fixed positions of Vaswani et al. (2017)
+                 RotaryEmbedding     rotary angles (full or partial, base and scaling from the
+                 apply_rotary        config: linear, llama3), applied to queries and keys
+    attention    MultiHeadAttention  self- or cross-attention; multi-head, grouped-query or
+                                     multi-query (n_kv_heads); a boolean mask broadcastable to
+                                     (B, H, T, S), True = may attend, and/or `causal`; the SDPA
+                                     fast path, or the explicit path that also returns the
+                                     (B, H, T, S) probabilities, one map per query head
+                 causal_mask, sliding_window_mask, sdpa, fixed_shapes
+    feedforward  FeedForward         Linear(C -> F), act, Linear(F -> C); gated: SwiGLU / GeGLU
+                 activate            gelu (tanh) | gelu_exact | relu | silu
+    norms        RMSNorm, make_norm  LayerNorm | RMSNorm
+    block        Block, BlockOutput  residual sub-layers: pre-LN (GPT-2, Llama), post-LN
+                                     (Vaswani, BERT) or parallel (GPT-NeoX); self-attention
+                                     (causal or not), an optional cross-attention, the FFN
+
+Which parts a model uses is its config's choice (model/config.py); a family (decoder:
+model/families/decoder.py) chooses how to stack them; it never copies them.
+"""
+
+from .attention import (
+    CUDA_SDPA_BACKENDS,
+    KVUpdate,
+    MultiHeadAttention,
+    causal_mask,
+    fixed_shapes,
+    sdpa,
+    sliding_window_mask,
+)
+from .block import Block, BlockOutput
+from .embeddings import Embeddings
+from .feedforward import FeedForward, activate
+from .norms import RMSNorm, make_norm
+from .positions import RotaryAngles, RotaryEmbedding, apply_rotary, rotary_inv_freq, rotate_half, sinusoidal_table
+
+__all__ = [
+    "CUDA_SDPA_BACKENDS",
+    "Block",
+    "BlockOutput",
+    "Embeddings",
+    "FeedForward",
+    "KVUpdate",
+    "MultiHeadAttention",
+    "RMSNorm",
+    "RotaryAngles",
+    "RotaryEmbedding",
+    "activate",
+    "apply_rotary",
+    "causal_mask",
+    "fixed_shapes",
+    "make_norm",
+    "rotary_inv_freq",
+    "rotate_half",
+    "sdpa",
+    "sinusoidal_table",
+    "sliding_window_mask",
+]

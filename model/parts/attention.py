@@ -1,0 +1,230 @@
+"""Scaled dot-product attention with its masks, and the multi-head attention layer.
+
+Shapes: B = batch, T = query positions (new tokens in this call), S = key positions the
+queries may see (cached + new, or the memory's length for cross-attention), C = d_model,
+H = query heads, K = key/value heads (H for multi-head, fewer for grouped-query, 1 for
+multi-query attention), G = H / K query heads per key/value head, D = d_head.
+
+    causal_mask          (T, S) query i, at absolute position S - T + i, sees keys up to it
+    sliding_window_mask  (..., T, S) a query sees only its last `window` positions (Mistral)
+    sdpa                 F.scaled_dot_product_attention, with the CUDA backends chosen below
+    MultiHeadAttention   self-attention (keys/values from x) or cross-attention (from `memory`);
+                         rotary positions on queries and keys; grouped-query attention; the SDPA
+                         fast path, or the explicit path that also returns the (B, H, T, S)
+                         probabilities: one map per query head
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..config import ModelConfig
+from .positions import RotaryAngles, apply_rotary
+
+# Stores this call's new (B, K, T, D) keys/values and returns all (B, K, S, D) keys/values
+# the queries may see (see KVCache.begin): how a cache reaches one attention module.
+KVUpdate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+# On CUDA, the fused attention kernels that need no set-up per shape. cuDNN's attention builds
+# an execution plan for each new (batch, length) shape, 80 ms on average on an H100 and up to
+# 160 (bench/README.md), which a prefill of every new prompt length would pay. Where the shapes
+# never change (a decode step captured in a CUDA graph) the plan is built once, at capture, and
+# cuDNN's masked decode kernel is the fastest: there every backend may run (`fixed_shapes`).
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_fixed_shapes = contextvars.ContextVar("attnlens_fixed_shapes", default=False)
+
+
+@contextlib.contextmanager
+def fixed_shapes():
+    """Within this block the attention shapes are fixed (a CUDA graph capture): any backend."""
+    token = _fixed_shapes.set(True)
+    try:
+        yield
+    finally:
+        _fixed_shapes.reset(token)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """F.scaled_dot_product_attention; on CUDA one of CUDA_SDPA_BACKENDS unless in `fixed_shapes`."""
+    if not q.is_cuda or _fixed_shapes.get():
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(CUDA_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
+    """(T, S) boolean mask, True where query i (at absolute position S - T + i) may look."""
+    offset = n_keys - n_queries
+    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+
+def sliding_window_mask(query_positions: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
+    """(..., T) absolute query positions -> (..., T, S) boolean mask, True where key k is within
+    the query's window: k > q - window (the query itself and the window - 1 before it, as
+    Mistral's reference code and transformers count). Causality is applied separately."""
+    keys = torch.arange(n_keys, device=query_positions.device)  # (S,)
+    return keys > (query_positions[..., None] - window)
+
+
+class MultiHeadAttention(nn.Module):
+    """softmax(Q K^T / sqrt(D) + mask) V per query head, then an output projection.
+
+    The input projection is one fused ((H + 2K) D, C) matrix `qkv` (rows: q, then k, then v),
+    the layout of GPT-2's c_attn and of nn.MultiheadAttention's in_proj_weight when K = H.
+    Self-attention projects x through all of it; cross-attention projects x through the q rows
+    and `memory` through the k and v rows. Its bias is config.qkv_bias, the output projection's
+    config.attn_out_bias (Qwen2: the first only).
+
+    Grouped-query attention (K < H): query head h reads key/value head h // G, the heads of
+    one group side by side, as transformers' repeat_kv lays them out. Keys and values are never
+    repeated: the cache holds K heads, and the G queries of a group meet its keys in one product.
+
+    Rotary positions (`rope`, the angles of this call's positions) rotate queries and keys
+    before the keys reach the cache.
+
+    Masking: `mask` (bool, broadcastable to (B, H, T, S), True = may attend) and `causal`
+    (query i, at absolute position S - T + i, sees keys up to that position) both apply
+    when both are given. A masked key gets exactly zero probability.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.kv_heads
+        self.groups = self.n_heads // self.n_kv_heads
+        self.d_head = config.d_head
+        self.dropout = config.dropout
+        H, K, D = self.n_heads, self.n_kv_heads, self.d_head
+        self.qkv = nn.Linear(config.d_model, (H + 2 * K) * D, bias=config.bias_of("qkv"))
+        self.proj = nn.Linear(H * D, config.d_model, bias=config.bias_of("attn_out"))
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def project(self, x: torch.Tensor, memory: torch.Tensor | None, memory_kv=None, rope: RotaryAngles | None = None):
+        """q (B, H, T, D) from x; k, v (B, K, S, D) from x, or from memory for cross-attention
+        (or `memory_kv`, memory's keys and values already projected by `project_memory`);
+        with `rope`, q and k of self-attention rotated by their positions."""
+        B, T, _ = x.shape
+        H, K, D = self.n_heads, self.n_kv_heads, self.d_head
+        if memory is None and memory_kv is None:
+            if K == H:  # (B, T, 3HD) -> (B, T, 3, H, D) -> (3, B, H, T, D): q, k, v as views
+                q, k, v = self.qkv(x).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+            else:  # (B, T, (H + 2K) D) -> q (B, T, HD), k and v (B, T, KD) -> (B, heads, T, D) views
+                q, k, v = self.qkv(x).split((H * D, K * D, K * D), dim=-1)
+                q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))
+            if rope is not None:
+                q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            return q, k, v
+        w, b = self.qkv.weight, self.qkv.bias
+        q = F.linear(x, w[:H * D], None if b is None else b[:H * D])  # (B, T, HD)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, T, HD) -> (B, H, T, D)
+        k, v = memory_kv if memory_kv is not None else self.project_memory(memory)
+        return q, k, v
+
+    def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention keys and values (B, K, S, D) of memory (B, S, C): computed once per
+        source and reused at every decoding step (the encoder-decoder's cross K/V cache)."""
+        B, S, _ = memory.shape
+        HD, K, D = self.n_heads * self.d_head, self.n_kv_heads, self.d_head
+        w, b = self.qkv.weight, self.qkv.bias
+        kv = F.linear(memory, w[HD:], None if b is None else b[HD:])  # (B, S, 2KD)
+        k, v = kv.view(B, S, 2, K, D).permute(2, 0, 3, 1, 4).unbind(0)  # 2 x (B, K, S, D)
+        return k, v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        causal: bool = False,
+        kv_update: KVUpdate | None = None,
+        return_attention: bool = False,
+        memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: RotaryAngles | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T, C) output and, with return_attention, the (B, H, T, S) probabilities (else None)."""
+        B, T, _ = x.shape
+        q, k, v = self.project(x, memory, memory_kv, rope)
+        if kv_update is not None:
+            k, v = kv_update(k, v)  # (B, K, S, D): the cached keys/values followed by the new ones
+        S = k.shape[2]
+        dropout_p = self.dropout if self.training else 0.0
+        # causality at T == 1 lets the single newest query see every key: nothing to mask
+        causal = causal and T > 1
+        gqa = {"enable_gqa": True} if self.groups > 1 else {}
+
+        if return_attention:
+            y, probs = self.explicit_attention(q, k, v, mask, causal, dropout_p)
+        else:
+            probs = None
+            if mask is None and causal and S == T:
+                y = sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa)
+            elif (T == 1 and (mask is not None or self.groups > 1) and not q.is_cuda and dropout_p == 0.0):
+                y = self.one_query_attention(q, k, v, mask)  # a decode step on the CPU
+            else:
+                y = sdpa(q, k, v, attn_mask=self.full_mask(mask, causal, T, S, q.device), dropout_p=dropout_p, **gqa)
+
+        y = self.proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, H, T, D) -> (B, T, HD), project
+        if self.training:  # dropout is the identity at inference; skip the call when decoding
+            y = self.resid_dropout(y)
+        return y, probs
+
+    @staticmethod
+    def full_mask(mask: torch.Tensor | None, causal: bool, T: int, S: int, device) -> torch.Tensor | None:
+        """One boolean mask (True = may attend) from `mask` and `causal`; None = all visible."""
+        if not causal:
+            return mask
+        tri = causal_mask(T, S, device=device)  # (T, S)
+        return tri if mask is None else mask & tri
+
+    @staticmethod
+    def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """One query per row over keys (rows of different lengths decoding together, with a mask;
+        or a grouped-query step): (B, H, 1, D). On the CPU, MKL's batched products (scale and mask
+        fused into one baddbmm) run this faster than SDPA's kernel: the default model's batch-16
+        step, 7.08 against 7.52 ms (bench/README.md). The G query heads of a key/value head are
+        the G rows of one product, so grouped keys are read once, never repeated. Keys and values
+        stay views of the cache (B and K merge without a copy)."""
+        B, H, _, D = q.shape
+        K, S = k.shape[1], k.shape[2]
+        G = H // K
+        qg = q.reshape(B * K, G, D)  # (B, H, 1, D) -> (B*K, G, D): a group's queries side by side
+        keys_t = k.reshape(B * K, S, D).transpose(1, 2)  # (B*K, D, S)
+        if mask is None:
+            scores = torch.bmm(qg, keys_t).mul_(1.0 / math.sqrt(D))  # (B*K, G, S)
+        else:
+            blocked = ~mask
+            if blocked.dim() == 4 and blocked.shape[1] != 1:  # a mask per query head: (B, H, 1, S) -> (B, K, G, S)
+                blocked = blocked.expand(B, H, 1, S).reshape(B, K, G, S)
+            bias = torch.zeros(B, K, G, S, dtype=q.dtype, device=q.device).masked_fill_(blocked, float("-inf"))
+            scores = torch.baddbmm(bias.view(B * K, G, S), qg, keys_t,
+                                   alpha=1.0 / math.sqrt(D))  # (B*K, G, S): q k^T / sqrt(D) + mask
+        return torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * K, S, D)).view(B, H, 1, D)
+
+    def explicit_attention(self, q, k, v, mask, causal: bool, dropout_p: float):
+        """The textbook formula, keeping the probabilities: (B, H, T, D), (B, H, T, S)."""
+        B, H, T, D = q.shape
+        K, S = k.shape[1], k.shape[2]
+        G = H // K
+        if G == 1:
+            scores = (q @ k.transpose(-2, -1)).mul_(1.0 / math.sqrt(self.d_head))  # (B, H, T, S)
+        else:  # a group's G x T queries in one product with its keys: (B, K, G*T, S) -> (B, H, T, S)
+            scores = (q.reshape(B, K, G * T, D) @ k.transpose(-2, -1)).mul_(1.0 / math.sqrt(self.d_head))
+            scores = scores.view(B, H, T, S)
+        full = self.full_mask(mask, causal, T, S, q.device)
+        if full is not None:
+            scores = scores.masked_fill(~full, float("-inf"))  # exp(-inf) = 0: masked keys get exactly 0
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        weights = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
+        if G == 1:
+            return weights @ v, probs
+        y = weights.reshape(B, K, G * T, S) @ v  # (B, K, G*T, D)
+        return y.view(B, H, T, D), probs

@@ -1,0 +1,87 @@
+"""One transformer block: attention [+ cross-attention] + FFN, each a residual sub-layer.
+
+Shapes: B = batch, T = query positions, S = key positions, C = d_model, H = query heads.
+
+    pre-LN (GPT-2, Llama):    x = x + attn(ln1(x));  x = x + ffn(ln2(x))
+    post-LN (Vaswani, BERT):  x = ln1(x + attn(x));  x = ln2(x + ffn(x))
+    parallel (GPT-NeoX):      x = x + attn(ln1(x)) + ffn(ln2(x))    one sum, both read x
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+from ..config import ModelConfig
+from .attention import KVUpdate, MultiHeadAttention
+from .feedforward import FeedForward
+from .norms import make_norm
+from .positions import RotaryAngles
+
+
+class BlockOutput(NamedTuple):
+    x: torch.Tensor  # (B, T, C)
+    self_attention: torch.Tensor | None  # (B, H, T, T or S) with return_attention, else None
+    cross_attention: torch.Tensor | None  # (B, H, T, S_memory); None without cross-attention
+
+
+class Block(nn.Module):
+    """Self-attention [+ cross-attention] + FFN, each a residual sub-layer with its norm
+    (LayerNorm or RMSNorm, config.norm_type).
+
+    Parameter names (ln1, attn, ln2, ffn) are those of the saved checkpoints and GPT-2 interop;
+    the cross-attention sub-layer (ln_cross, cross_attn) exists only with cross_attention=True.
+    """
+
+    def __init__(self, config: ModelConfig, *, causal: bool = True, cross_attention: bool = False):
+        super().__init__()
+        self.causal = causal
+        self.pre_norm = config.norm == "pre"
+        self.parallel = config.parallel_residual
+        self.ln1 = make_norm(config)
+        self.attn = MultiHeadAttention(config)
+        if cross_attention:  # the encoder-decoder's decoder: attend to the encoder's output
+            self.ln_cross = make_norm(config)
+            self.cross_attn = MultiHeadAttention(config)
+        else:
+            self.ln_cross = self.cross_attn = None
+        self.ln2 = make_norm(config)
+        self.ffn = FeedForward(config)
+
+    def _input(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """What a sub-layer reads: ln(x) before the sum (pre-LN), x itself (post-LN)."""
+        return norm(x) if self.pre_norm else x
+
+    def _residual(self, x: torch.Tensor, out: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """x + sub(ln(x)) (pre-LN) or ln(x + sub(x)) (post-LN), given out = the sub-layer's output."""
+        return x + out if self.pre_norm else norm(x + out)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        kv_update: KVUpdate | None = None,
+        return_attention: bool = False,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: RotaryAngles | None = None,
+    ) -> BlockOutput:
+        out, self_probs = self.attn(self._input(x, self.ln1), mask=mask, causal=self.causal, kv_update=kv_update,
+                                    return_attention=return_attention, rope=rope)
+        if self.parallel:  # GPT-NeoX: the FFN reads the block's input too; one residual sum
+            return BlockOutput(self.ffn(self.ln2(x)) + out + x, self_probs, None)
+        x = self._residual(x, out, self.ln1)
+        cross_probs = None
+        if self.cross_attn is not None:
+            if memory is None and memory_kv is None:
+                raise ValueError("this block has cross-attention: pass the encoder output as memory "
+                                 "(or its projected keys/values as memory_kv)")
+            out, cross_probs = self.cross_attn(self._input(x, self.ln_cross), memory, mask=memory_mask,
+                                               return_attention=return_attention, memory_kv=memory_kv)
+            x = self._residual(x, out, self.ln_cross)
+        x = self._residual(x, self.ffn(self._input(x, self.ln2)), self.ln2)
+        return BlockOutput(x, self_probs, cross_probs)

@@ -1,0 +1,76 @@
+"""Token embeddings and the positions added to them (or, for rotary positions, the angles the
+attention applies): one mixin every family uses.
+
+Shapes: B = batch, T = positions in this call, C = d_model, V = vocab, P = context length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from ..config import ModelConfig
+from .positions import RotaryAngles, RotaryEmbedding, sinusoidal_table
+
+
+class Embeddings:
+    """Mixin for a family's nn.Module: the token + position embedding, written once.
+
+    `init_embeddings` registers the attributes on the model itself, so the state-dict names
+    stay `tok_emb.weight` and `pos_emb.weight` (GPT-2/BERT interop and saved checkpoints):
+    tok_emb (V, C); pos_emb (P, C) when positions are learned, else pos_emb None and, for
+    sinusoidal positions, the non-persistent buffer pos_table (P, C); for rotary positions
+    `rotary` (a RotaryEmbedding: nothing is added to the embedding, the attention rotates
+    queries and keys by `rotary_angles`); emb_dropout.
+    """
+
+    def init_embeddings(self, config: ModelConfig) -> None:
+        C = config.d_model
+        self.tok_emb = nn.Embedding(config.vocab_size, C)
+        self.pos_emb = self.rotary = None
+        if config.positional == "learned":
+            self.pos_emb = nn.Embedding(config.context_length, C)
+        elif config.positional == "sinusoidal":
+            self.register_buffer("pos_table", sinusoidal_table(config.context_length, C), persistent=False)
+        else:  # rotary
+            self.rotary = RotaryEmbedding(config)
+        self.emb_dropout = nn.Dropout(config.dropout)
+
+    def embed(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None, *,
+              norm: nn.Module | None = None, dropout: bool = True) -> torch.Tensor:
+        """(B, T) ids -> (B, T, C): token embedding (times sqrt(C) if configured) + positions
+        start .. start+T-1 (a slice, no index lookup), or each token's own (B, T) `positions`
+        (rotary positions add nothing here); then `norm` (BERT's embedding LayerNorm) and
+        dropout while training."""
+        x = self.tok_emb(ids)  # (B, T, C)
+        if self.config.scale_embeddings:
+            x = x * math.sqrt(self.config.d_model)
+        if self.rotary is None:
+            pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (P, C)
+            if positions is None:
+                x = x + pos[start : start + ids.shape[1]].to(x.dtype)
+            else:
+                x = x + pos[positions].to(x.dtype)  # (B, T) -> (B, T, C)
+        if norm is not None:
+            x = norm(x)
+        return self.emb_dropout(x) if dropout and self.training else x
+
+    def rotary_angles(self, n: int, start: int = 0, positions: torch.Tensor | None = None) -> RotaryAngles | None:
+        """The rotary angles of the same positions `embed` takes (n tokens from `start`, or each
+        token's (B, T) `positions`): cos, sin (T, R) or (B, T, R); None without rotary positions."""
+        if self.rotary is None:
+            return None
+        weight = self.tok_emb.weight
+        if positions is None:
+            positions = torch.arange(start, start + n, device=weight.device)  # (T,)
+        return self.rotary(positions, weight.dtype)
+
+    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.tok_emb.weight.numel()
+            if self.pos_emb is not None:
+                n -= self.pos_emb.weight.numel()
+        return n

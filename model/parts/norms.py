@@ -1,0 +1,43 @@
+"""The norms: LayerNorm (torch's) and RMSNorm, chosen by config.norm_type.
+
+    LayerNorm  (x - mean) / sqrt(var + eps) * weight + bias        GPT-2, BERT, GPT-NeoX
+    RMSNorm    x / sqrt(mean(x^2) + eps) * weight                  Llama, Qwen2, Mistral
+
+Both normalise over the last dim C = d_model of (..., C).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019): no centring, no bias.
+
+    The statistic is taken in float32 whatever the input's dtype (as Llama's reference code and
+    transformers do), then the normalised value is cast back before the weight multiplies it:
+    a bf16 model normalises like the original.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()  # (..., C)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    """The config's norm over d_model: LayerNorm (with a bias when config.bias) or RMSNorm."""
+    if config.norm_type == "rmsnorm":
+        return RMSNorm(config.d_model, eps=config.layer_norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)

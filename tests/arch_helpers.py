@@ -1,0 +1,213 @@
+"""Small random transformers checkpoints of every architecture import-hf reads, built offline.
+
+Each case is a transformers config (a few layers; GQA where the architecture has it; rotary
+positions, full or partial, with and without scaling; tied and untied heads) and a tokenizer
+built here with the `tokenizers` library in the layout of the real model's tokenizer.json:
+byte-level BPE (Llama 3, Qwen2, Pythia) or SentencePiece-style BPE with byte fallback
+(Llama 2, TinyLlama, Mistral). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+from helpers import TINY_TEXT
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
+          " + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA2_CHAT = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+               "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ ' ' + message['content'] + eos_token }}"
+               "{% endif %}{% endfor %}")
+LLAMA3_CHAT = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+               "'<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+CORPUS = [TINY_TEXT, "The quick brown fox jumps over the lazy dog.\n", "  two spaces, a\ttab and\r\nCRLF lines\n"] * 6
+# texts a tokenizer must round-trip: "Ω" and "ж" never occur in CORPUS (byte fallback, byte-level fragments)
+ROUND_TRIP = ["To be, or not to be", "Café naïve 東京 😀🎭\r\n\ttabs", "  leading spaces\n\nand Ω ж", " x", "a  b   c"]
+
+
+# the split before byte-level BPE: Llama 3's (shortened) and Qwen2's (transformers' PRETOKENIZE_REGEX)
+LLAMA3_SPLIT = r" ?\p{L}+| ?\p{N}{1,3}| ?[^\s\p{L}\p{N}]+|\s+"
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+
+
+def byte_level_tokenizer(special: list[str], *, bos: str | None = None, split: str | None = LLAMA3_SPLIT,
+                         nfc: bool = False, vocab_size: int = 360) -> HFTokenizer:
+    """Byte-level BPE as Llama 3's, Qwen2's and Pythia's tokenizer.json are: a Split of the text
+    (Pythia: ByteLevel's own GPT-2 split), ByteLevel bytes, the ByteLevel decoder, NFC first for
+    Qwen2 and Pythia; with `bos`, a post-processor that puts it first (Llama 3's TemplateProcessing)."""
+    tok = HFTokenizer(models.BPE())
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    post = [processors.ByteLevel(trim_offsets=False)]
+    if bos is not None:
+        post.append(processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                  special_tokens=[(bos, tok.token_to_id(bos))]))
+    tok.post_processor = processors.Sequence(post)
+    return tok
+
+
+def sentencepiece_tokenizer(*, vocab_size: int = 360) -> HFTokenizer:
+    """SentencePiece-style BPE as Llama 2's, TinyLlama's and Mistral's tokenizer.json are: <unk>
+    <s> </s>, the 256 byte pieces <0x00>..<0xFF>, then the merged pieces; spaces are "▁" (the
+    normaliser prepends one and replaces the others), unknown characters fall back to bytes,
+    the decoder undoes both and strips the prepended space; <s> goes first."""
+    trained = HFTokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
+    trained.train_from_iterator(CORPUS, trainer=trainers.BpeTrainer(vocab_size=vocab_size - 259, show_progress=False))
+    spec = json.loads(trained.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in sorted(spec["vocab"], key=spec["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec["merges"]]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    return tok
+
+
+@dataclass
+class Case:
+    """One architecture to build: its transformers classes and config, and its tokenizer."""
+
+    name: str
+    config_class: str
+    model_class: str
+    config: dict
+    tokenizer: str  # "byte_level" | "sentencepiece"
+    special: list[str] = field(default_factory=list)
+    tokenizer_config: dict = field(default_factory=dict)
+    generation_eos: list[str] = field(default_factory=list)  # generation_config.json eos_token_id, by name
+
+
+COMMON = dict(num_hidden_layers=2, max_position_embeddings=64)
+CASES = {
+    # Llama 3: GQA (4 query heads, 2 key/value heads), an untied head, llama3 rope scaling that bites
+    # (original context 16 < 64), byte-level BPE with <|begin_of_text|> first, <|eot_id|> ending a turn
+    "llama3": Case("llama3", "LlamaConfig", "LlamaForCausalLM",
+                   dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        tie_word_embeddings=False, rms_norm_eps=1e-5,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 16}),
+                   "byte_level", ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                                  "<|end_header_id|>", "<|eot_id|>"],
+                   {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": LLAMA3_CHAT},
+                   ["<|end_of_text|>", "<|eot_id|>"]),
+    # Llama 2 / TinyLlama: multi-head, a tied head (as SmolLM), linear rope scaling, attention and
+    # MLP biases (attention_bias, mlp_bias), SentencePiece-style tokens with byte fallback
+    "llama2": Case("llama2", "LlamaConfig", "LlamaForCausalLM",
+                   dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, tie_word_embeddings=True,
+                        attention_bias=True, mlp_bias=True,
+                        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+                   "sentencepiece", [],
+                   {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+                    "chat_template": LLAMA2_CHAT}),
+    # Qwen2: multi-query (1 key/value head), q/k/v biased and o_proj not, a tied head, ChatML
+    "qwen2": Case("qwen2", "Qwen2Config", "Qwen2ForCausalLM",
+                  dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1,
+                       tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+                  "byte_level", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                  {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML},
+                  ["<|im_end|>", "<|endoftext|>"]),
+    # Mistral: GQA, head_dim 16 with hidden 32 / 4 heads (q/k/v wider than the residual), a sliding
+    # window of 8 positions (much shorter than the sequences the tests run), an untied head
+    "mistral": Case("mistral", "MistralConfig", "MistralForCausalLM",
+                    dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, sliding_window=8, tie_word_embeddings=False),
+                    "sentencepiece", [],
+                    {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+                     "chat_template": LLAMA2_CHAT}),
+    # Pythia: a quarter of each head rotary (16 dims, 4 rotated), LayerNorm, the parallel residual,
+    # an untied embed_out, exact GELU, biases everywhere
+    "pythia": Case("pythia", "GPTNeoXConfig", "GPTNeoXForCausalLM",
+                   dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, rotary_pct=0.25,
+                        rotary_emb_base=10000, use_parallel_residual=True, tie_word_embeddings=False),
+                   "byte_level", ["<|endoftext|>"],
+                   {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}),
+}
+ARCH_NAMES = list(CASES)
+
+
+def perturb_(model: torch.nn.Module, seed: int) -> None:
+    """Weights away from transformers' small init: norms around 1, biases and matrices large
+    enough that attention is sharp and heads differ, so no mapping mistake can hide."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name and name.endswith("weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif p.dim() == 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+
+
+def build_tokenizer(case: Case) -> HFTokenizer:
+    if case.tokenizer == "sentencepiece":
+        return sentencepiece_tokenizer()
+    if case.name == "qwen2":
+        return byte_level_tokenizer(case.special, split=QWEN2_SPLIT, nfc=True)
+    if case.name == "pythia":
+        return byte_level_tokenizer(case.special, split=None, nfc=True)
+    return byte_level_tokenizer(case.special, bos=case.tokenizer_config.get("bos_token"))
+
+
+def write_hf_checkpoint(case: Case, root: Path, *, seed: int = 0):
+    """A transformers directory as save_pretrained writes one (config.json, model.safetensors)
+    with tokenizer.json, tokenizer_config.json and generation_config.json; returns (dir, model)."""
+    import transformers
+
+    tok = build_tokenizer(case)
+    ids = {t: tok.token_to_id(t) for t in ("<s>", "</s>", *case.special) if tok.token_to_id(t) is not None}
+    bos, eos = case.tokenizer_config.get("bos_token"), case.tokenizer_config["eos_token"]
+    config = getattr(transformers, case.config_class)(
+        vocab_size=tok.get_vocab_size(), **COMMON, **case.config,
+        bos_token_id=ids.get(bos), eos_token_id=ids[eos], pad_token_id=None)
+    torch.manual_seed(seed)
+    model = getattr(transformers, case.model_class)(config).eval()
+    perturb_(model, seed)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    root.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(root)
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 64, "clean_up_tokenization_spaces": False,
+         **case.tokenizer_config}, indent=2))
+    if case.generation_eos:
+        generation = json.loads((root / "generation_config.json").read_text()) \
+            if (root / "generation_config.json").is_file() else {}
+        generation["eos_token_id"] = [ids[t] for t in case.generation_eos]
+        (root / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return root, model
+
+
+def load_hf(path: Path, case: Case):
+    """The saved directory loaded back by transformers, eager attention (maps returned)."""
+    import transformers
+
+    cls = getattr(transformers, case.model_class)
+    return cls.from_pretrained(path, attn_implementation="eager").eval()

@@ -1,0 +1,55 @@
+"""What each model holds (GET /models' `memory`) and the KV cache sized from a memory budget
+(ATTNLENS_KV_CACHE_BYTES), not only from MAX_CONCURRENT."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from attnlens.app.main import create_app
+from attnlens.app.memory import cache_row_bytes
+from attnlens.app.settings import Settings
+
+
+def one_row(ckpt) -> int:
+    c = ckpt.config  # keys and values, every layer, a whole context, float32
+    return 2 * c.n_layers * c.n_heads * c.context_length * c.d_head * 4
+
+
+@pytest.mark.parametrize("family", ["decoder", "encoder-decoder"])
+def test_a_rows_bytes_are_those_of_a_real_row(family):
+    from attnlens.model import ModelConfig
+    from attnlens.model.families import FAMILY_CLASSES
+
+    model = FAMILY_CLASSES[family](ModelConfig(family=family, vocab_size=50, context_length=24, d_model=32,
+                                               n_layers=3, n_heads=4, d_ff=16))
+    cache = model.new_kv_cache(1)
+    assert cache_row_bytes(model) == sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
+
+
+def test_models_say_what_each_model_holds(tiny_checkpoint, ckpt):
+    assert cache_row_bytes(ckpt.model) == one_row(ckpt)
+    with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", max_concurrent=5))) as c:
+        memory = c.get("/models").json()["models"][0]["memory"]
+    params = sum(p.numel() * 4 for p in ckpt.model.parameters())  # the tied LM head counted once
+    assert memory["weights_bytes"] == params
+    assert memory == {"weights_bytes": params, "kv_cache_rows": 5, "kv_cache_bytes": 5 * one_row(ckpt)}
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_the_kv_cache_budget_sets_the_rows(tiny_checkpoint, ckpt, engine_process):
+    budget = int(3.5 * one_row(ckpt))
+    settings = Settings(model=tiny_checkpoint, device="cpu", max_concurrent=32, kv_cache_bytes=budget,
+                        engine_process=engine_process, warmup=False)
+    with TestClient(create_app(settings)) as c:
+        memory = c.get("/models").json()["models"][0]["memory"]
+        assert memory["kv_cache_rows"] == 3 and memory["kv_cache_bytes"] == 3 * one_row(ckpt) <= budget
+        engine = c.app.state.attnlens.registry.get(None).runner
+        assert engine.max_concurrent == 3
+
+
+def test_a_budget_that_holds_no_row_is_a_start_up_error(tiny_checkpoint, ckpt):
+    settings = Settings(model=tiny_checkpoint, device="cpu", kv_cache_bytes=one_row(ckpt) - 1)
+    with pytest.raises(RuntimeError, match="holds no row of model 'tiny'"):
+        with TestClient(create_app(settings)):
+            pass

@@ -1,0 +1,138 @@
+"""Issue 24, defect 5: what stream clients leave unread is bounded per stream
+(ATTNLENS_MAX_STREAM_BACKLOG_BYTES) and for all streams together
+(ATTNLENS_MAX_STREAM_BACKLOG_TOTAL_BYTES, app/engine/stream_budget.py). Both through the app,
+for the thread engine and the engine process: a stream whose client reads nothing (its writes
+block, as on a socket nobody reads) ends with the error event. The memory a live server gets
+back once such clients leave is measured in test_service_faults_live.py."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from attnlens.app.engine import Engine, GenerationParams
+from attnlens.app.engine.stream_budget import StreamBudget
+from attnlens.app.main import create_app
+from attnlens.app.schemas import StreamDone, StreamError
+from attnlens.app.settings import Settings
+from attnlens.model import SamplingParams
+from helpers import parse_sse, run_async
+
+
+async def unread_stream(app, engine, body: dict, *, timeout: float = 60.0) -> str:
+    """POST /generate as a client that takes the first chunk and then reads nothing (every
+    further write blocks) until the engine holds no generation; then it reads to the end."""
+    data = json.dumps(body).encode()
+    readable, chunks, received = asyncio.Event(), [], []
+
+    async def receive():
+        if not received:
+            received.append(True)
+            return {"type": "http.request", "body": data, "more_body": False}
+        await asyncio.Event().wait()  # never disconnects
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            if len(chunks) >= 1:
+                await readable.wait()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/generate", "raw_path": b"/generate", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
+    task = asyncio.create_task(app(scope, receive, send))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not chunks or engine.in_flight or engine.waiting:  # the generation ended with nobody reading
+        assert loop.time() < deadline, "the unread stream's generation never ended"
+        await asyncio.sleep(0.02)
+    readable.set()
+    await asyncio.wait_for(task, timeout)
+    return b"".join(chunks).decode()
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+def test_max_stream_backlog_bytes_ends_an_unread_stream_through_the_app(tiny_checkpoint, engine_process):
+    settings = Settings(model=tiny_checkpoint, device="cpu", warmup=False, engine_process=engine_process,
+                        max_stream_backlog_bytes=40_000, max_new_tokens=60)
+    with TestClient(create_app(settings)) as c:
+        app, engine = c.app, c.app.state.attnlens.registry.get(None).runner
+        body = {"prompt": "To be", "max_new_tokens": 60, "temperature": 0, "stream": True, "return_attention": True}
+        text = c.portal.call(unread_stream, app, engine, body)
+        events = parse_sse(text)
+        assert events[-1][0] == "error", text[-500:]
+        error = json.loads(events[-1][1])
+        assert "ATTNLENS_MAX_STREAM_BACKLOG_BYTES" in error["message"] and error["code"] == "stream_backlog_exceeded"
+        tokens = [e for e in events if e[0] == "token"]
+        assert 0 < len(tokens) < 60  # what it queued before the bound, then the error
+        # a client that reads is unaffected
+        r = c.post("/generate", json={**body, "return_attention": False})
+        assert parse_sse(r.text)[-1][0] == "done"
+
+
+def test_the_total_budget_sheds_the_stream_holding_most_and_gives_its_bytes_back(ckpt):
+    """Three streams nobody reads, whose backlogs together pass the budget: the one holding the
+    most is ended with an error and its unread events dropped (their bytes leave the count at
+    once); the smaller ones finish; every byte is given back once the streams are read or let go."""
+    tok = ckpt.tokenizer
+    per_token = 512 + 32 * ckpt.config.n_layers * ckpt.config.n_heads * 20  # attention of ~20 positions
+    budget = StreamBudget(30 * per_token)
+    engine = Engine(ckpt, max_concurrent=3, max_queue=0, max_stream_backlog_bytes=10_000_000)
+    engine.stream_budget = budget
+    greedy = SamplingParams(temperature=0.0)
+
+    async def main():
+        big = engine.submit(GenerationParams(tok.encode("To be"), 40, greedy, return_attention=True))
+        small = engine.submit_all([GenerationParams(tok.encode("The slings"), 6, greedy, return_attention=True),
+                                   GenerationParams(tok.encode("Whether"), 6, greedy, return_attention=True)])
+        while engine.in_flight or engine.waiting or not small[1].output.closed:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the last records reach the queues
+        assert budget.in_use <= budget.limit and budget.shed == 1 and big.output.shed
+        results = []
+        for g in (big, *small):
+            results.append([e async for e in g.events()])
+        return results
+
+    try:
+        results = run_async(main())
+    finally:
+        engine.close()
+    shed, *finished = results
+    assert len(shed) == 1 and isinstance(shed[0], StreamError) and shed[0].code == "stream_backlog_exceeded"
+    assert "ATTNLENS_MAX_STREAM_BACKLOG_TOTAL_BYTES" in shed[0].message
+    for events in finished:
+        assert isinstance(events[-1], StreamDone) and len(events) == 7
+    gc.collect()
+    assert budget.in_use == 0
+
+
+def test_a_stream_let_go_unread_gives_its_bytes_back(ckpt):
+    """A finished stream whose client leaves without reading: once the route lets go of the
+    generation, its output is freed (no reference cycle) and the budget gets its bytes back."""
+    tok = ckpt.tokenizer
+    budget = StreamBudget(10**9)
+    engine = Engine(ckpt, max_concurrent=1, max_queue=0)
+    engine.stream_budget = budget
+
+    async def main():
+        g = engine.submit(GenerationParams(tok.encode("To be"), 8, SamplingParams(temperature=0.0),
+                                           return_attention=True))
+        while g.t_end is None:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        held = budget.in_use
+        g.cancel()  # what a route does in its finally
+        del g
+        return held, budget.in_use
+
+    try:
+        held, after = run_async(main())
+    finally:
+        engine.close()
+    assert held > 0 and after == 0
