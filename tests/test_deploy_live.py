@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -65,12 +66,16 @@ class Replicas:
         self.servers[i] = stack.enter_context(live_server(self.ckpt, self.tmp, env=ENV, port=self.ports[i]))
         self.stacks[i] = stack
 
-    def revive(self) -> None:
+    def revive(self) -> bool:
+        """Start again the replicas that are gone; True if any was."""
+        revived = False
         for i, server in enumerate(self.servers):
             if server is None or server.process.poll() is not None:
                 if self.stacks[i] is not None:
                     self.stacks[i].close()
                 self.start(i)
+                revived = True
+        return revived
 
     def close(self) -> None:
         for stack in self.stacks:
@@ -104,7 +109,11 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture
 def replicas(cluster):
-    cluster.revive()
+    start = time.monotonic()
+    if cluster.revive() and getattr(cluster, "nginx", None) is not None:
+        # nginx took the dead replica out for the upstream's fail_timeout (10 s, max_fails=1):
+        # wait that out from before the restart, so the next test finds both replicas in turn
+        time.sleep(max(0.0, 10.5 - (time.monotonic() - start)))
     return cluster
 
 
