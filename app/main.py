@@ -46,6 +46,7 @@ from .registry import CLASSIFY, FILL_MASK, ModelRegistry, ModelRunner, ServedMod
 from .routers import attention, encoder, generate, openai, ops, ui
 from .schemas import StreamDone, StreamError, StreamToken
 from .settings import Settings, default_switch_interval_ms
+from .shutdown import DrainMiddleware
 from .state import AppState
 
 log = logging.getLogger("attnlens.app")
@@ -131,7 +132,7 @@ async def lifespan(app: FastAPI):
         device = next(default.checkpoint.model.parameters()).device
         interval = s.switch_interval_ms or default_switch_interval_ms(device.type)
         sys.setswitchinterval(interval / 1000)  # process-wide: see Settings.switch_interval_ms
-        state.metrics.bind_engines({m.name: m.runner for m in registry.models.values() if m.generates})
+        state.metrics.bind_registry(registry)  # every loaded model's gauges, each labelled with its name
         if s.warmup:
             state.status = "warming up"
             await asyncio.gather(*(warm_up(served) for served in registry.models.values()))
@@ -194,7 +195,7 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
         redirect_slashes=False,
         docs_url=None, redoc_url=None,  # served from local assets instead of a CDN (docs.py)
     )
-    app.state.attnlens = AppState(settings=settings, metrics=Metrics(),
+    app.state.attnlens = AppState(settings=settings, metrics=Metrics(default_model=model_name(settings.model)),
                                   answers=AnswerBudget(settings.max_answer_bytes, settings.answer_wait_s),
                                   preloaded=dict(preloaded or {}))
     install_error_handlers(app)
@@ -214,6 +215,7 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
         document_bearer(app)
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(),
                            error_response=scope_error_response)
+    app.add_middleware(DrainMiddleware, drain=app.state.attnlens.drain)  # graceful shutdown (app/shutdown.py)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["Retry-After"])

@@ -20,6 +20,7 @@ from attnlens.model import Checkpoint, Family, family_of
 
 from .engine import QueueFull
 from .errors import ApiError
+from .metrics import note_request_model
 from .memory import weight_bytes
 
 # Task names (a family declares which it has), as /models lists them and error messages name them.
@@ -138,6 +139,7 @@ class ModelRegistry:
         if served is None:
             raise ApiError(404, f"unknown model {name!r}; the loaded models are: {', '.join(self.names)} "
                                 f"(GET /models describes them)", param=param, code="model_not_found")
+        note_request_model(served.name)  # /metrics labels what this request counts with its model
         if task is not None and task not in served.tasks:
             can = ", ".join(f"{t} ({TASK_ENDPOINTS[t]})" for t in served.tasks)
             others = [m.name for m in self.models.values() if task in m.tasks]

@@ -67,7 +67,7 @@ def note_unfinished(metrics: Metrics, reason: str, n: int = 1) -> None:
     """Count generations that ended without a `done` (reason "cancelled" or "error") in
     attnlens_generations_total, beside the finish reasons of those that did."""
     if n:
-        metrics.generations.labels(reason).inc(n)
+        metrics.generations.labels(metrics.request_model(), reason).inc(n)
 
 
 async def collect(generation: Generation, metrics: Metrics) -> Outcome:

@@ -104,6 +104,11 @@ class Settings(BaseSettings):
     # When set, every route but /healthz, /readyz and the page's files needs Authorization: Bearer <key>
     api_key: SecretStr | None = None
     warmup: bool = True
+    # On SIGTERM (a rolling update, `docker stop`): /readyz and new requests answer 503 at once, and the
+    # requests already running (streams too) get this long to finish; then their generations end with an
+    # error event and the server exits (app/shutdown.py). Keep the orchestrator's own grace period longer
+    # (Kubernetes' terminationGracePeriodSeconds, compose's stop_grace_period).
+    shutdown_grace_s: float = Field(30.0, ge=0)
 
     @field_validator("cors_origins", mode="before")
     @classmethod

@@ -11,6 +11,7 @@ from .answers import AnswerBudget
 from .metrics import Metrics
 from .registry import ModelRegistry
 from .settings import Settings
+from .shutdown import Drain
 
 
 @dataclass
@@ -23,6 +24,7 @@ class AppState:
     ready: bool = False
     status: str = "starting"
     preloaded: dict[str, Checkpoint] = field(default_factory=dict)  # model dir -> loaded before start-up
+    drain: Drain = field(default_factory=Drain)  # graceful shutdown (app/shutdown.py)
 
     @property
     def model_name(self) -> str:

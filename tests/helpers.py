@@ -4,6 +4,7 @@ generation must produce, and waiting on an engine's generations."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -48,6 +49,22 @@ def make_tiny_checkpoint(path: Path, *, seed: int = 0, **overrides) -> Path:
     save_checkpoint(path, model, tok)
     return path
 
+
+
+def never_eos_checkpoint(path: Path, *, context_length: int) -> Path:
+    """The tiny random model, edited so that EOS is never sampled: long generations then
+    really run until cancelled. With the final LayerNorm's weight all ones, the normalised
+    features sum to zero, so an EOS row of -5 * ones scores exactly -5 * sum(ln_f.bias)."""
+    from attnlens.model import load_checkpoint, save_checkpoint
+
+    make_tiny_checkpoint(path, context_length=context_length, tie_embeddings=False)
+    ck = load_checkpoint(path)
+    with torch.no_grad():
+        ck.model.ln_f.weight.fill_(1.0)
+        ck.model.ln_f.bias.fill_(0.1)
+        ck.model.lm_head.weight[ck.tokenizer.eos_id].fill_(-5.0)  # logit -16 at every position
+    save_checkpoint(path, ck.model, ck.tokenizer)
+    return path
 
 MAX_PROMPT = 40  # the `client` fixture's ATTNLENS_MAX_PROMPT_TOKENS
 MAX_NEW = 60  # the `client` fixture's ATTNLENS_MAX_NEW_TOKENS
@@ -130,6 +147,30 @@ async def drain(generation):
         else:
             last = event
     return tokens, last
+
+
+class HeldModel:
+    """The real model, but from its `hold_at`-th forward on each one waits until `release` is set
+    or `give_up()` says so (e.g. once the engine is closing)."""
+
+    def __init__(self, model, hold_at: int, give_up=lambda: False):
+        self._model = model
+        self.hold_at = hold_at
+        self.give_up = give_up
+        self.calls = 0
+        self.held = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, ids, **kw):
+        self.calls += 1
+        if self.calls >= self.hold_at:
+            self.held.set()
+            while not self.release.wait(0.01) and not self.give_up():
+                pass
+        return self._model(ids, **kw)
 
 
 @torch.no_grad()

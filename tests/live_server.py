@@ -31,12 +31,14 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def live_server(model_dir: Path, log_dir: Path, *, env: dict[str, str] | None = None, timeout: float = 90.0):
-    """Run `python -m attnlens.app.cli serve` until the block ends; waits for /readyz to answer 200."""
-    port = free_port()
+def live_server(model_dir: Path, log_dir: Path, *, env: dict[str, str] | None = None, timeout: float = 90.0,
+                port: int | None = None):
+    """Run `python -m attnlens.app.cli serve` until the block ends; waits for /readyz to answer 200.
+    `port`: where to listen (default: a free one), e.g. the port of a replica started again."""
+    port = port or free_port()
     log_path = Path(log_dir) / f"server-{port}.log"
     full_env = {**os.environ, "ATTNLENS_DEVICE": "cpu", **(env or {})}
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "attnlens.app.cli", "serve", "--model", str(model_dir),
              "--host", "127.0.0.1", "--port", str(port)],

@@ -473,7 +473,7 @@ def test_a_non_streamed_handler_ends_when_its_client_disconnects(tiny_checkpoint
         await asyncio.wait_for(handler, 5)  # before the fix: never returned
         assert engine.cancelled >= 1 and engine.in_flight == 0
         metrics = app.state.attnlens.metrics.render().decode()
-        assert f'attnlens_http_requests_total{{method="POST",route="{route}",status="499"}} 1.0' in metrics
+        assert f'attnlens_http_requests_total{{method="POST",model="tiny",route="{route}",status="499"}} 1.0' in metrics
 
     in_process(tiny_checkpoint, scenario)
 

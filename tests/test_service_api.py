@@ -62,13 +62,13 @@ def test_metrics_count_requests_and_tokens(client):
     client.post("/generate", json={"prompt": "To be", "max_new_tokens": 3, "temperature": 0})
     client.post("/generate", json={"prompt": ""})
     text = client.get("/metrics").text
-    assert 'attnlens_http_requests_total{method="POST",route="/generate",status="200"}' in text
-    assert 'attnlens_http_requests_total{method="POST",route="/generate",status="422"}' in text
-    assert "attnlens_http_request_duration_seconds_bucket" in text
-    assert "attnlens_time_to_first_token_seconds_count" in text
-    generated = [ln for ln in text.splitlines() if ln.startswith("attnlens_generated_tokens_total ")]
+    assert 'attnlens_http_requests_total{method="POST",model="tiny",route="/generate",status="200"}' in text
+    assert 'attnlens_http_requests_total{method="POST",model="tiny",route="/generate",status="422"}' in text
+    assert 'attnlens_http_request_duration_seconds_bucket{le="0.005",model="tiny",route="/generate"}' in text
+    assert 'attnlens_time_to_first_token_seconds_count{model="tiny"}' in text
+    generated = [ln for ln in text.splitlines() if ln.startswith('attnlens_generated_tokens_total{model="tiny"} ')]
     assert generated and float(generated[0].split()[1]) >= 3
-    assert "attnlens_requests_in_flight 0.0" in text and "attnlens_queue_depth 0.0" in text
+    assert 'attnlens_requests_in_flight{model="tiny"} 0.0' in text and 'attnlens_queue_depth{model="tiny"} 0.0' in text
 
 
 def test_two_apps_in_one_process_have_their_own_metrics(tiny_checkpoint):

@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from helpers import REPO_ROOT, make_tiny_checkpoint, run_async, sse_events
+from helpers import REPO_ROOT, never_eos_checkpoint, run_async, sse_events
 from live_server import free_port, live_server
 
 pytestmark = pytest.mark.slow
@@ -31,25 +31,9 @@ CONCURRENT, QUEUE = 4, 12
 CONTEXT, LONG = 2048, 2000
 
 
-def never_eos_checkpoint(path):
-    """The tiny random model, edited so that EOS is never sampled: long generations then
-    really run until cancelled. With the final LayerNorm's weight all ones, the normalised
-    features sum to zero, so an EOS row of -5 * ones scores exactly -5 * sum(ln_f.bias)."""
-    from attnlens.model import load_checkpoint, save_checkpoint
-
-    make_tiny_checkpoint(path, context_length=CONTEXT, tie_embeddings=False)
-    ck = load_checkpoint(path)
-    with torch.no_grad():
-        ck.model.ln_f.weight.fill_(1.0)
-        ck.model.ln_f.bias.fill_(0.1)
-        ck.model.lm_head.weight[ck.tokenizer.eos_id].fill_(-5.0)  # logit -16 at every position
-    save_checkpoint(path, ck.model, ck.tokenizer)
-    return path
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    ckpt = never_eos_checkpoint(tmp_path_factory.mktemp("live") / "tiny2k")
+    ckpt = never_eos_checkpoint(tmp_path_factory.mktemp("live") / "tiny2k", context_length=CONTEXT)
     env = {"ATTNLENS_MAX_CONCURRENT": str(CONCURRENT), "ATTNLENS_MAX_QUEUE": str(QUEUE),
            "ATTNLENS_MAX_NEW_TOKENS": str(LONG), "OMP_NUM_THREADS": "1", "ATTNLENS_LOG_LEVEL": "warning"}
     with live_server(ckpt, tmp_path_factory.mktemp("live-logs"), env=env) as s:
@@ -244,7 +228,7 @@ def test_queue_full_429_disconnect_frees_slots_and_healthz_stays_fast(http, serv
             assert first == "event: token"
 
             # now every client hangs up: generation must stop and the slots come free
-            cancelled_before = metric(http, "attnlens_engine_cancelled_requests")
+            cancelled_before = metric(http, 'attnlens_engine_cancelled_requests{model="tiny2k"}')
             finished_before = finished()
             for r in streams:
                 await r.aclose()
@@ -254,7 +238,8 @@ def test_queue_full_429_disconnect_frees_slots_and_healthz_stays_fast(http, serv
                 assert time.monotonic() - t0 < 5, "cancelled generations kept their slots"
                 await asyncio.sleep(0.05)
             # all stopped early: none ran to its 2000 tokens
-            assert metric(http, "attnlens_engine_cancelled_requests") - cancelled_before == CONCURRENT + QUEUE
+            cancelled = metric(http, 'attnlens_engine_cancelled_requests{model="tiny2k"}')
+            assert cancelled - cancelled_before == CONCURRENT + QUEUE
             assert finished() == finished_before
 
             t0 = time.monotonic()
@@ -270,7 +255,8 @@ def test_queue_full_429_disconnect_frees_slots_and_healthz_stays_fast(http, serv
         return out
 
     def load():
-        return metric(http, "attnlens_requests_in_flight"), metric(http, "attnlens_queue_depth")
+        return (metric(http, 'attnlens_requests_in_flight{model="tiny2k"}'),
+                metric(http, 'attnlens_queue_depth{model="tiny2k"}'))
 
     run_async(scenario())
     assert "Traceback" not in server.log(), server.log()
@@ -286,19 +272,19 @@ def test_non_streaming_request_is_cancelled_when_its_client_leaves(http, server)
             streams = [await c.send(c.build_request("POST", "/generate", json=long_stream), stream=True)
                        for _ in range(CONCURRENT - 1)]
             try:
-                before = metric(http, "attnlens_engine_cancelled_requests")
+                before = metric(http, 'attnlens_engine_cancelled_requests{model="tiny2k"}')
                 closed_before = metric_or_zero(
-                    http, 'attnlens_http_requests_total{method="POST",route="/generate",status="499"}')
+                    http, 'attnlens_http_requests_total{method="POST",model="tiny2k",route="/generate",status="499"}')
                 with pytest.raises(httpx.ReadTimeout):  # gives up waiting and closes the connection
                     await c.post("/generate", json={"prompt": "Or not", "max_new_tokens": LONG},
                                  timeout=httpx.Timeout(60, read=0.5))
                 deadline = time.monotonic() + 5
-                while metric(http, "attnlens_engine_cancelled_requests") != before + 1:
+                while metric(http, 'attnlens_engine_cancelled_requests{model="tiny2k"}') != before + 1:
                     assert time.monotonic() < deadline, "the abandoned generation was not cancelled"
                     await asyncio.sleep(0.05)
-                assert metric(http, "attnlens_requests_in_flight") == CONCURRENT - 1  # the streams go on
+                assert metric(http, 'attnlens_requests_in_flight{model="tiny2k"}') == CONCURRENT - 1  # the streams go on
                 # the handler ended too, and the request is counted (499: the client closed it)
-                counted = 'attnlens_http_requests_total{method="POST",route="/generate",status="499"}'
+                counted = 'attnlens_http_requests_total{method="POST",model="tiny2k",route="/generate",status="499"}'
                 deadline = time.monotonic() + 5
                 while metric(http, counted) != closed_before + 1:
                     assert time.monotonic() < deadline, "the abandoned request's handler did not end"
@@ -309,7 +295,7 @@ def test_non_streaming_request_is_cancelled_when_its_client_leaves(http, server)
 
     run_async(scenario())
     deadline = time.monotonic() + 5
-    while metric(http, "attnlens_requests_in_flight") != 0:
+    while metric(http, 'attnlens_requests_in_flight{model="tiny2k"}') != 0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
 
