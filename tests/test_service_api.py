@@ -323,7 +323,10 @@ def test_openapi_documents_stream_events_and_attention_ids(client):
     assert "prompt_tokens" in schemas["StreamDone"]["required"]
     assert {"index", "delta", "attention"} <= set(schemas["StreamToken"]["properties"])
     stream = spec["paths"]["/generate"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
-    assert {"$ref": "#/components/schemas/StreamDone"} in stream["oneOf"]
+    # one event each: its name, and its data's JSON schema
+    events = {e["properties"]["event"]["const"]: e["properties"]["data"]["contentSchema"] for e in stream["oneOf"]}
+    assert events["done"] == {"$ref": "#/components/schemas/StreamDone"}
+    assert events["token"] == {"$ref": "#/components/schemas/StreamToken"}
     assert {"text", "ids"} <= set(schemas["AttentionRequest"]["properties"])
     assert not set(schemas["AttentionRequest"].get("required", [])) & {"text", "ids"}
 

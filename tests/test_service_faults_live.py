@@ -203,7 +203,7 @@ def test_a_stream_its_client_leaves_counts_as_499_and_cancelled(server):
                    if line.startswith('attnlens_http_requests_total{') and 'route="/generate"' in line
                    and 'status="499"' in line)
         cancelled = sum(float(line.split()[-1]) for line in text.splitlines()
-                        if line.startswith('attnlens_generations_total{finish_reason="cancelled"}'))
+                        if line.startswith('attnlens_generations_total{') and 'finish_reason="cancelled"' in line)
         return s499, cancelled
 
     with httpx.Client(base_url=server.base_url, timeout=30) as c:
@@ -246,7 +246,7 @@ def test_memory_of_unread_streams_is_bounded_and_comes_back(server):
             while True:  # until every generation has ended (finished, or shed by the budget)
                 peak = max(peak, rss_bytes(server.process.pid))
                 text = c.get("/metrics").text
-                running = [line for line in text.splitlines() if line.startswith("attnlens_requests_in_flight ")]
+                running = [line for line in text.splitlines() if line.startswith("attnlens_requests_in_flight{")]
                 if running and float(running[0].split()[-1]) == 0:
                     break
                 assert time.monotonic() < deadline

@@ -254,7 +254,7 @@ def test_stop_ends_the_stream_within_one_step(page, bundled_server):
     # the end, that run says nothing about Stop: generate again (at most three runs).
     for _ in range(3):
         ran_out = metric(bundled_server, "attnlens_generations_total", '{finish_reason="length"}')
-        cancelled = metric(bundled_server, "attnlens_engine_cancelled_requests")
+        cancelled = metric(bundled_server, "attnlens_engine_cancelled_requests", '{model="default"}')
         page.evaluate(PRESS_COUNTER)
         page.click("#generate")
         page.wait_for_function("() => document.querySelectorAll('#output .tok.gen').length >= 3", timeout=60_000)
@@ -271,9 +271,9 @@ def test_stop_ends_the_stream_within_one_step(page, bundled_server):
     assert int(re.search(r"\d+", status)[0]) == n
     # the server stopped too: not run to its length, counted as cancelled
     deadline = time.monotonic() + 15
-    while metric(bundled_server, "attnlens_engine_cancelled_requests") <= cancelled and time.monotonic() < deadline:
+    while metric(bundled_server, "attnlens_engine_cancelled_requests", '{model="default"}') <= cancelled and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert metric(bundled_server, "attnlens_engine_cancelled_requests") == cancelled + 1
+    assert metric(bundled_server, "attnlens_engine_cancelled_requests", '{model="default"}') == cancelled + 1
     assert metric(bundled_server, "attnlens_generations_total", '{finish_reason="length"}') == ran_out
     page.wait_for_timeout(500)  # nothing more is drawn afterwards
     assert page.locator("#output .tok.gen").count() == n
