@@ -4,19 +4,26 @@
   fixed seed (15%, 80/10/10); loss (nats) and top-1 accuracy over the masked positions.
 - genre: the same held-out passages (every held-out work is in the Folio's Catalogue),
   accuracy, balanced accuracy (mean per-class recall) and the confusion matrix.
+- fill-mask on common words: every FILL_MASK_STRIDE-th occurrence, in the held-out works, of
+  a word among the COMMON_WORDS most frequent there, masked alone with CONTEXT_WORDS words of
+  its own work on each side (`common_word_examples`); top-1 = the model's best ordinary token
+  is the word's own token. The baseline of the same examples always answers the word most
+  often masked in the same way in the training works.
 - baselines on the same split: a bag-of-words logistic regression trained on the training
   works' passages (their text, the same token windows) and the majority class of those.
 """
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..data.genres import GENRES
-from ..data.mlm import IGNORE, mask_tokens
+from ..data.mlm import IGNORE, mask_tokens, word_edges
 from ..data.passages import TokenizedWork, fixed_passages, frame, load_works, tokenize_works
 from ..tokenizer import Tokenizer
 
@@ -33,6 +40,7 @@ class Split:
     train_rows: torch.Tensor  # (M, T) framed training passages of catalogued works
     train_labels: list[str]
     tokenizer: Tokenizer
+    data_dir: object = None  # where the works are (the fill-mask examples are cut from them)
 
 
 def build_split(data_dir, tokenizer: Tokenizer, context_length: int) -> Split:
@@ -43,13 +51,13 @@ def build_split(data_dir, tokenizer: Tokenizer, context_length: int) -> Split:
     val_ids, val_owner = fixed_passages(val, length)
     train_ids, train_owner = fixed_passages(train, length)
     return Split(frame(val_ids, tokenizer), [val[k].genre for k in val_owner],
-                 frame(train_ids, tokenizer), [train[k].genre for k in train_owner], tokenizer)
+                 frame(train_ids, tokenizer), [train[k].genre for k in train_owner], tokenizer, data_dir)
 
 
 def every_nth(split: Split, n: int) -> Split:
     """A deterministic sample of the held-out rows (for quick evaluations and tests)."""
     return Split(split.val_rows[::n], split.val_labels[::n], split.train_rows, split.train_labels,
-                 split.tokenizer)
+                 split.tokenizer, split.data_dir)
 
 
 @torch.no_grad()
@@ -137,6 +145,141 @@ def majority_baseline(split: Split) -> dict:
     return figures
 
 
+# --- fill-mask on common words ---------------------------------------------------------------
+COMMON_WORDS = 200
+CONTEXT_WORDS = 25
+FILL_MASK_STRIDE = 16  # every 16th occurrence of a common word: about 3,600 examples
+_WORD = re.compile(r"[A-Za-z]+")
+
+
+def common_words(texts: list[str], n: int = COMMON_WORDS) -> list[str]:
+    """The n most frequent words (runs of letters, lower-cased) of the texts."""
+    counts = Counter(w.lower() for text in texts for w in _WORD.findall(text))
+    return [w for w, _ in counts.most_common(n)]
+
+
+@dataclass
+class FillMaskExamples:
+    rows: list[list[int]]  # [CLS] context [MASK] context [SEP], token ids
+    mask_at: list[int]  # position of [MASK] in each row
+    answers: list[int]  # the token the mask hides
+    words: list[str]  # that token's word, lower-cased
+
+
+def common_word_examples(tokenizer: Tokenizer, texts: list[str], words: list[str], *,
+                         stride: int = FILL_MASK_STRIDE, context_words: int = CONTEXT_WORDS,
+                         max_tokens: int = 128) -> FillMaskExamples:
+    """Every `stride`-th occurrence of one of `words` in `texts`, masked alone in context.
+
+    An occurrence is a token that is a whole word: letters only after an optional leading
+    space, and neither continuing the token before it nor continued by the one after
+    (model/data/mlm.py's word_edges). [MASK] replaces the token with its space, as the text
+    "... art thou [MASK]?" does. Context: the tokens from the start of the `context_words`-th
+    word before to the end of the `context_words`-th word after, within the same work, cut
+    evenly on both sides if the row would exceed `max_tokens`.
+    """
+    wanted = set(words)
+    starts_letter, ends_letter = word_edges(tokenizer, tokenizer.vocab_size)
+    begins = torch.tensor([i not in tokenizer.special_ids and tokenizer.token_bytes(i).lstrip(b" ")[:1].isalpha()
+                           for i in range(tokenizer.vocab_size)])  # a letter after optional spaces
+    out = FillMaskExamples([], [], [], [])
+    seen = 0
+    for ids in tokenizer.encode_batch(texts):
+        t = torch.tensor(ids)
+        n = len(ids)
+        cont = torch.zeros(n, dtype=torch.bool)  # token i continues the word of token i-1
+        cont[1:] = starts_letter[t[1:]] & ends_letter[t[:-1]]
+        word_start = begins[t] & ~cont  # the first token of each word
+        start_positions = word_start.nonzero().flatten().tolist()
+        index_of = {p: k for k, p in enumerate(start_positions)}
+        for p in start_positions:
+            if p + 1 < n and cont[p + 1]:
+                continue  # the word goes on in the next token: not a whole-word token
+            text = tokenizer.token_bytes(ids[p]).decode("utf-8", errors="replace")
+            word = text.strip().lower()
+            if not (word.isalpha() and word.isascii() and text.lstrip(" ") == text.strip()) or word not in wanted:
+                continue
+            seen += 1
+            if (seen - 1) % stride:
+                continue
+            k = index_of[p]
+            left = start_positions[max(0, k - context_words)]
+            right_word = k + context_words + 1  # the word after the last context word
+            right = start_positions[right_word] if right_word < len(start_positions) else n
+            before, after = ids[left:p], ids[p + 1 : right]
+            room = max_tokens - 3  # [CLS], [MASK], [SEP]
+            while len(before) + len(after) > room:
+                if len(before) >= len(after):
+                    before = before[1:]
+                else:
+                    after = after[:-1]
+            out.rows.append([tokenizer.cls_id, *before, tokenizer.mask_id, *after, tokenizer.sep_id])
+            out.mask_at.append(1 + len(before))
+            out.answers.append(ids[p])
+            out.words.append(word)
+    return out
+
+
+@torch.no_grad()
+def fill_mask_top1(model, tokenizer: Tokenizer, examples: FillMaskExamples) -> dict:
+    """Top-1 accuracy of the masked LM on the examples (special tokens are never an answer)."""
+    model.eval()
+    device = next(model.parameters()).device
+    special = sorted(tokenizer.special_ids)
+    correct, per_word = 0, Counter()
+    for i in range(0, len(examples.rows), BATCH):
+        rows = examples.rows[i : i + BATCH]
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for j, row in enumerate(rows):
+            ids[j, : len(row)] = torch.tensor(row)
+            mask[j, : len(row)] = 1
+        hidden = model(ids.to(device), attention_mask=mask.to(device), task="hidden").logits
+        at = torch.tensor(examples.mask_at[i : i + BATCH], device=device)
+        logits = model.mlm_logits(hidden[torch.arange(len(rows), device=device), at]).float()  # (b, V)
+        logits = logits[:, : tokenizer.vocab_size]
+        logits[:, special] = float("-inf")
+        best = logits.argmax(-1).cpu().tolist()
+        for b, answer, word in zip(best, examples.answers[i : i + BATCH], examples.words[i : i + BATCH]):
+            correct += b == answer
+            per_word[word] += b == answer
+    return {"top1": correct / max(1, len(examples.rows)), "examples": len(examples.rows),
+            "most_often_right": [w for w, k in per_word.most_common(10) if k]}
+
+
+def most_frequent_answer_top1(train_examples: FillMaskExamples, examples: FillMaskExamples) -> dict:
+    """The baseline: always the token most often masked in the training works' examples."""
+    answer = Counter(train_examples.answers).most_common(1)[0][0]
+    hits = sum(a == answer for a in examples.answers)
+    return {"top1": hits / max(1, len(examples.answers)), "examples": len(examples.answers), "answer_id": answer,
+            "method": "always the token most often masked among the training works' examples of the same kind"}
+
+
+def fill_mask_split(data_dir, tokenizer: Tokenizer, max_tokens: int, every: int = 1, *, with_train: bool = True):
+    """(held-out examples (every `every`-th), training-works examples or None, the common words)."""
+    works = load_works(data_dir)
+    val = [w.text for w in works if w.split == "val"]
+    words = common_words(val)
+    held_out = common_word_examples(tokenizer, val, words, max_tokens=max_tokens)
+    if every > 1:
+        held_out = FillMaskExamples(held_out.rows[::every], held_out.mask_at[::every],
+                                    held_out.answers[::every], held_out.words[::every])
+    train = common_word_examples(tokenizer, [w.text for w in works if w.split == "train"], words,
+                                 stride=FILL_MASK_STRIDE * 4, max_tokens=max_tokens) if with_train else None
+    return held_out, train, words
+
+
+def fill_mask_report(model, tokenizer: Tokenizer, data_dir, *, every: int = 1, with_baseline: bool = True) -> dict:
+    held_out, train, words = fill_mask_split(data_dir, tokenizer, model.config.context_length, every,
+                                             with_train=with_baseline)
+    figures = fill_mask_top1(model, tokenizer, held_out)
+    figures.update(common_words=len(words), context_words=CONTEXT_WORDS, every_nth_occurrence=FILL_MASK_STRIDE * every)
+    if with_baseline:
+        figures["baseline"] = most_frequent_answer_top1(train, held_out)
+    return figures
+
+
 SAMPLE_EVERY = 8  # the sample a test can recompute in seconds: every 8th held-out passage
 
 
@@ -144,6 +287,9 @@ def sample_report(model, split: Split) -> dict:
     """The held-out figures on every SAMPLE_EVERY-th passage (the tests recompute these)."""
     sample = every_nth(split, SAMPLE_EVERY)
     out = {"every_nth_passage": SAMPLE_EVERY, "held_out_mlm": mlm_metrics(model, sample.val_rows, split.tokenizer)}
+    if split.data_dir is not None:
+        out["fill_mask_common_words"] = fill_mask_report(model, split.tokenizer, split.data_dir, every=SAMPLE_EVERY,
+                                                        with_baseline=False)
     if model.config.labels:
         out["held_out_genre"] = genre_metrics(model, sample)
     return out
@@ -151,6 +297,8 @@ def sample_report(model, split: Split) -> dict:
 
 def encoder_report(model, split: Split, *, with_baselines: bool = True) -> dict:
     report = {"held_out_mlm": mlm_metrics(model, split.val_rows, split.tokenizer)}
+    if split.data_dir is not None:
+        report["fill_mask_common_words"] = fill_mask_report(model, split.tokenizer, split.data_dir)
     if model.config.labels:
         report["held_out_genre"] = genre_metrics(model, split)
         report["held_out_passages_per_genre"] = {

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..evaluation.encoder import EVAL_MASK_SEED, build_split, encoder_report, every_nth, genre_metrics, mlm_metrics
 from ..data.genres import GENRES
-from ..data.mlm import IGNORE, mask_tokens
+from ..data.mlm import IGNORE, mask_tokens, mask_words, word_edges
 from ..data.passages import frame, load_works, random_windows, tokenize_works
 from .train import Batch, Objective, RunConfig, lr_at
 
@@ -46,6 +46,7 @@ class EncoderObjective(Objective):
         # periodic evaluations read every 4th held-out passage; the final one reads all
         self.quick_split = every_nth(self.split, 4)
         self.total_steps = self.s.max_steps + self.s.classify_steps
+        self.edges = word_edges(tokenizer, self.cfg.vocab_size) if self.s.whole_word_mask else None
 
     # --- schedule ------------------------------------------------------------------
     def phase(self, step: int) -> str:
@@ -66,32 +67,49 @@ class EncoderObjective(Objective):
         return torch.Generator().manual_seed(
             self.s.seed * 1_000_003 + (step * self.s.grad_accum + micro) * 101 + rank)
 
+    def mlm_rows(self, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of one masked-LM batch: random windows of every training work."""
+        body, _ = random_windows(self.mlm_works, self.length, self.s.batch_size, g)
+        rows = frame(body, self.tokenizer)
+        tok = self.tokenizer
+        common = dict(mask_id=tok.mask_id, special_ids=tok.special_ids, vocab_size=tok.vocab_size,
+                      generator=g, mask_prob=self.s.mask_prob)
+        if self.edges is not None:
+            return mask_words(rows, edges=self.edges, **common)
+        return mask_tokens(rows, **common)
+
     def batch(self, step: int, micro: int, rank: int) -> Batch:
         g = self._generator(step, micro, rank)
         if self.phase(step) == "mlm":
-            body, _ = random_windows(self.mlm_works, self.length, self.s.batch_size, g)
-            rows = frame(body, self.tokenizer)
-            inputs, labels = mask_tokens(rows, mask_id=self.tokenizer.mask_id,
-                                         special_ids=self.tokenizer.special_ids,
-                                         vocab_size=self.tokenizer.vocab_size,
-                                         generator=g, mask_prob=self.s.mask_prob)
-            return Batch((inputs.to(self.device), labels.to(self.device)), rows.numel())
+            inputs, labels = self.mlm_rows(g)
+            return Batch((inputs.to(self.device), labels.to(self.device)), inputs.numel())
         n = self.s.classify_batch_size
         genres = torch.randint(0, len(GENRES), (n,), generator=g)  # genres drawn evenly
         bodies = [random_windows(self.by_genre[k], self.length, 1, g)[0] for k in genres.tolist()]
         rows = frame(torch.cat(bodies), self.tokenizer)
-        return Batch((rows.to(self.device), genres.to(self.device)), rows.numel())
+        tensors = (rows.to(self.device), genres.to(self.device))
+        if self.s.classify_mlm_weight > 0:
+            inputs, labels = self.mlm_rows(g)
+            tensors += (inputs.to(self.device), labels.to(self.device))
+            return Batch(tensors, rows.numel() + inputs.numel())
+        return Batch(tensors, rows.numel())
+
+    @staticmethod
+    def mlm_loss(fwd_model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        picked = labels != IGNORE
+        # the head runs inside the (DDP-wrapped) forward, on the scored positions only: (P, V)
+        logits = fwd_model(inputs, task="mlm", positions=picked).logits
+        return F.cross_entropy(logits.float(), labels[picked])
 
     def loss(self, fwd_model, step: int, batch: Batch) -> torch.Tensor:
         if self.phase(step) == "mlm":
-            inputs, labels = batch.tensors
-            picked = labels != IGNORE
-            # the head runs inside the (DDP-wrapped) forward, on the scored positions only: (P, V)
-            logits = fwd_model(inputs, task="mlm", positions=picked).logits
-            return F.cross_entropy(logits.float(), labels[picked])
-        rows, genres = batch.tensors
+            return self.mlm_loss(fwd_model, *batch.tensors)
+        rows, genres = batch.tensors[:2]
         logits = fwd_model(rows, task="classify").logits  # (B, 3)
-        return F.cross_entropy(logits.float(), genres)
+        loss = F.cross_entropy(logits.float(), genres)
+        if len(batch.tensors) > 2:  # the mixed loss: the masked LM is kept up while fine-tuning
+            loss = loss + self.s.classify_mlm_weight * self.mlm_loss(fwd_model, *batch.tensors[2:])
+        return loss
 
     # --- evaluation ----------------------------------------------------------------
     def round_to_save_dtype(self, model) -> None:

@@ -32,11 +32,13 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import load_weights, save_checkpoint
 from ..config import ModelConfig
+from ..data.names import tokenizer_texts
 from ..data.shakespeare import load_split
 from ..decoding import SamplingParams, generate_tokens
 from ..tokenizer import Tokenizer
 from ..families import build_model
 from ..families.decoder import Transformer
+from .curriculum import batch_with_repeats
 
 LN2 = math.log(2.0)
 SAMPLE_PROMPTS = ["ROMEO.\n", "To be, or not to be", "KING.\nMy lords,", "O, ", "First Citizen.\n"]
@@ -47,12 +49,20 @@ class TrainSettings:
     data_dir: str = "data/shakespeare"
     tokenizer: str | None = None  # path to a tokenizer.json; None = train BPE on the train split
     vocab_size: int = 4096  # for a tokenizer trained here
+    # a tokenizer trained here also reads the character names' words this many times over
+    # (model/data/names.py), so that they stay whole; the model never trains on those texts
+    name_weight: int = 0
     batch_size: int = 32  # sequences per step per process
     grad_accum: int = 1
     max_steps: int = 1000
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 100
+    # "cosine": warm-up, then cosine decay to min_lr at max_steps. "wsd" (warm-up, stable,
+    # decay): warm-up, then lr until the last decay_steps, which decay linearly to min_lr; a run
+    # in its stable phase can be continued for longer (--resume, a larger max_steps) unchanged.
+    schedule: str = "cosine"
+    decay_steps: int = 0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -68,8 +78,17 @@ class TrainSettings:
     save_dtype: str = "float32"  # dtype of model.safetensors in the final checkpoint
     n_samples: int = 5
     sample_tokens: int = 60
+    # decoder only: this share of the training rows repeats a span of its own text later in
+    # the row (model/training/curriculum.py), so that copying from context pays early
+    repeat_share: float = 0.0
+    repeat_min: int = 8  # span length, tokens
+    repeat_max: int = 0  # 0: half the context
     # encoder only: masked-LM pretraining for max_steps, then genre fine-tuning
     mask_prob: float = 0.15
+    whole_word_mask: bool = False  # pick words, not tokens, for masked-LM (model/data/mlm.py)
+    # fine-tuning keeps the masked LM up: loss = genre loss + classify_mlm_weight x masked-LM
+    # loss on a masked-LM batch of its own (0: the genre loss alone, and the MLM head idles)
+    classify_mlm_weight: float = 0.0
     classify_steps: int = 0  # fine-tuning steps after pretraining (0: MLM only)
     classify_lr: float = 3e-4
     classify_min_lr: float = 3e-5
@@ -125,7 +144,14 @@ def load_run_config(path: str | Path, overrides: list[str] | None = None) -> Run
     bad = sorted(set(train_d) - set(train_fields))
     if bad:
         raise ValueError(f"{path}: unknown train setting(s) {', '.join(bad)}")
-    return RunConfig(model=ModelConfig.from_dict(model_d), train=TrainSettings(**train_d))
+    settings = TrainSettings(**train_d)
+    if settings.schedule not in ("cosine", "wsd"):
+        raise ValueError(f"{path}: train.schedule must be 'cosine' or 'wsd', got {settings.schedule!r}")
+    if settings.schedule == "wsd" and not 0 < settings.decay_steps <= settings.max_steps - settings.warmup_steps:
+        raise ValueError(f"{path}: a 'wsd' schedule needs 0 < decay_steps <= max_steps - warmup_steps")
+    if not 0.0 <= settings.repeat_share <= 1.0:
+        raise ValueError(f"{path}: train.repeat_share must be in [0, 1], got {settings.repeat_share!r}")
+    return RunConfig(model=ModelConfig.from_dict(model_d), train=settings)
 
 
 # --- data --------------------------------------------------------------------------------
@@ -223,7 +249,12 @@ class LMObjective(Objective):
 
     def batch(self, step: int, micro: int, rank: int) -> Batch:
         s = self.s
-        x, y = batch_at(self.train_stream, step * s.grad_accum + micro, rank, s.batch_size, self.block, s.seed)
+        if s.repeat_share > 0:
+            x, y = batch_with_repeats(self.train_stream, step * s.grad_accum + micro, rank, s.batch_size,
+                                      self.block, s.seed, share=s.repeat_share, min_span=s.repeat_min,
+                                      max_span=s.repeat_max or self.block // 2)
+        else:
+            x, y = batch_at(self.train_stream, step * s.grad_accum + micro, rank, s.batch_size, self.block, s.seed)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         return Batch((x, y), x.numel())
 
@@ -261,6 +292,12 @@ def make_optimizer(model: torch.nn.Module, s: TrainSettings, fused: bool) -> tor
 def lr_at(step: int, s: TrainSettings) -> float:
     if step < s.warmup_steps:
         return s.lr * (step + 1) / s.warmup_steps
+    if s.schedule == "wsd":
+        decay_start = s.max_steps - s.decay_steps
+        if step < decay_start:
+            return s.lr
+        progress = min(1.0, (step + 1 - decay_start) / s.decay_steps)  # min_lr at the last step
+        return s.lr + progress * (s.min_lr - s.lr)
     progress = min(1.0, (step - s.warmup_steps) / max(1, s.max_steps - s.warmup_steps))
     return s.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (s.lr - s.min_lr)
 
@@ -438,7 +475,8 @@ def train(
 
         tokenizer = train_translation_tokenizer(s.vocab_size)
     else:
-        tokenizer = Tokenizer.train(train_texts, s.vocab_size, encoder_tokens=mcfg.family == "encoder")
+        tokenizer = Tokenizer.train(train_texts + tokenizer_texts(s.name_weight), s.vocab_size,
+                                    encoder_tokens=mcfg.family == "encoder")
     if tokenizer.vocab_size > mcfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens; model.vocab_size is {mcfg.vocab_size}")
     if seq2seq:
