@@ -15,7 +15,7 @@ from attnlens.model.decoding import RowSampler, SamplingParams, decode_step
 from attnlens.model.families import (FAMILIES, FAMILY_CLASSES, AttentionGroup, Family, GenerationSpec, TaskSpec,
                                      Transformer, family_of)
 from attnlens.model.families.contract import AnalysableModel, FixedShapeDecoder, GenerativeModel
-from helpers import TINY_TEXT
+from helpers import REPO_ROOT, TINY_TEXT
 
 SMALL = dict(vocab_size=64, context_length=16, d_model=16, n_layers=2, n_heads=2, d_ff=32)
 
@@ -173,3 +173,26 @@ def test_a_family_builds_exactly_the_optional_parts_it_declares(name, part):
     model = FAMILY_CLASSES[name](config).eval()
     analysis = model.analyse([5, 6, 7, 8, 9], [1, 2] if FAMILIES[name].takes_target else None)
     assert all(bool(torch.isfinite(m).all()) for m in analysis.maps.values())
+
+
+def test_training_is_read_from_each_family_declaration(tmp_path):
+    """`attnlens train` picks its objective, data and tokenizer from Family.training, not from
+    the family's name: every bundled family declares one whose objective resolves, and a family
+    that declares none is refused with a line that says so."""
+    from dataclasses import replace
+
+    from attnlens.model.families import FAMILIES
+    from attnlens.model.training.train import Objective
+
+    for family in FAMILIES.values():
+        assert family.training is not None, family.name
+        assert issubclass(family.training.objective_class(), Objective), family.name
+    assert FAMILIES["encoder-decoder"].training.data == "own"
+    assert FAMILIES["encoder"].training.tokenizer == "corpus_specials"
+    untrainable = replace(FAMILIES["decoder"], training=None)
+    import attnlens.model.training.train as train_module
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_module, "family_named", lambda name: untrainable)
+        with pytest.raises(ValueError, match="declares no training"):
+            train_module.train(train_module.load_run_config(REPO_ROOT / "configs" / "default.toml",
+                                                            ["train.max_steps=1", "train.threads=0"]), tmp_path / "out")

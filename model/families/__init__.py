@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..config import ModelConfig
-from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec, family_of
+from .contract import (AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec, TrainingSpec,
+                       family_of)
 from .decoder import DecoderOutput, Transformer
 from .encoder import Encoder, EncoderOutput
 from .encoder_decoder import EncoderDecoder, EncoderDecoderOutput
@@ -39,4 +40,4 @@ def build_model(config: ModelConfig) -> nn.Module:
 
 __all__ = ["FAMILIES", "FAMILY_CLASSES", "AttentionAnalysis", "AttentionGroup", "DecoderOutput", "Encoder",
            "EncoderDecoder", "EncoderDecoderOutput", "EncoderOutput", "Family", "GenerationSpec", "TaskSpec",
-           "Transformer", "build_model", "family_named", "family_of"]
+           "TrainingSpec", "Transformer", "build_model", "family_named", "family_of"]

@@ -23,6 +23,8 @@ a decoder writes while reading a source). A map is always [layer][head][query][k
 
 from __future__ import annotations
 
+import importlib
+
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Protocol, runtime_checkable
 
@@ -73,6 +75,25 @@ class TaskSpec:
 
 
 @dataclass(frozen=True)
+class TrainingSpec:
+    """How `attnlens train` trains the family (model/training). `objective` names the class that
+    makes its batches and losses, as "module:Class" under attnlens.model.training; it is built as
+    Objective(run, tokenizer, device, autocast, texts), where `texts` is the corpus' (train, val)
+    works when `data` is "corpus" and None when the objective makes its own data ("own": the
+    translator's generated pairs). `tokenizer` is the one trained when a run names none: "corpus"
+    (byte-level BPE over the works), "corpus_specials" (the same with [PAD] [CLS] [SEP] [MASK]) or
+    "translation" (model/training/translation.py's)."""
+
+    objective: str
+    data: Literal["corpus", "own"] = "corpus"
+    tokenizer: Literal["corpus", "corpus_specials", "translation"] = "corpus"
+
+    def objective_class(self) -> type:
+        module, _, name = self.objective.partition(":")
+        return getattr(importlib.import_module(f"attnlens.model.training.{module}"), name)
+
+
+@dataclass(frozen=True)
 class Family:
     """A family's declaration (see the module docstring)."""
 
@@ -89,6 +110,7 @@ class Family:
     # the optional parts its module builds when a config asks (ModelConfig.parts_used): rotary,
     # sliding_window, rmsnorm, grouped_query, parallel_residual, classifier
     builds: tuple[str, ...] = field(default=())
+    training: TrainingSpec | None = None  # None: `attnlens train` cannot train it (imported only)
 
     def __post_init__(self) -> None:
         names = [g.name for g in self.groups]

@@ -28,7 +28,7 @@ import torch.nn as nn
 from ..config import ModelConfig
 from ..kv_cache import ContextLengthError, KVCache, bytes_per_row
 from ..parts import Block, Embeddings, KVUpdate, RotaryAngles, make_norm, sinusoidal_table, sliding_window_mask
-from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec
+from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec, TrainingSpec
 
 __all__ = ["FAMILY", "ContextLengthError", "DecoderOutput", "KVCache", "Transformer", "sinusoidal_table"]
 
@@ -53,6 +53,7 @@ FAMILY = Family(
     generation=GenerationSpec(prompt="prefix", step_groups=("self",)),
     features=("chat_template",),
     builds=("rotary", "sliding_window", "rmsnorm", "grouped_query", "parallel_residual"),
+    training=TrainingSpec("train:LMObjective"),  # next-token prediction over the works
 )
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..kv_cache import ContextLengthError
 from ..parts import Block, Embeddings, activate
-from .contract import AttentionAnalysis, AttentionGroup, Family, TaskSpec
+from .contract import AttentionAnalysis, AttentionGroup, Family, TaskSpec, TrainingSpec
 from .decoder import Transformer
 
 TASKS = ("mlm", "classify", "hidden")
@@ -56,6 +56,8 @@ FAMILY = Family(
     framing="cls_sep",
     features=("labels",),
     builds=("classifier", "grouped_query", "parallel_residual"),
+    # masked-LM pretraining over the works, then the genre head
+    training=TrainingSpec("encoder:EncoderObjective", tokenizer="corpus_specials"),
 )
 
 

@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..config import ModelConfig
 from ..kv_cache import ContextLengthError, KVCache, bytes_per_row, move_row
 from ..parts import Block, Embeddings
-from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec
+from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec, TrainingSpec
 from .decoder import Transformer
 
 
@@ -67,6 +67,8 @@ FAMILY = Family(
     attention_kind="encoder-decoder",
     output=EncoderDecoderOutput,
     generation=GenerationSpec(prompt="source", step_groups=("decoder", "cross")),
+    # generated (English, French) pairs of dates and numbers, and their own tokenizer
+    training=TrainingSpec("translation:TranslationObjective", data="own", tokenizer="translation"),
 )
 
 

@@ -31,7 +31,7 @@ def cosine_lr(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -
 class EncoderObjective(Objective):
     has_unused_parameters = True  # the classification head is idle during pretraining
 
-    def __init__(self, run: RunConfig, tokenizer, device, autocast):
+    def __init__(self, run: RunConfig, tokenizer, device, autocast, texts=None):
         if not tokenizer.has_encoder_tokens:
             raise ValueError("an encoder needs a tokenizer with [PAD] [CLS] [SEP] [MASK]")
         self.s, self.cfg, self.tokenizer, self.device = run.train, run.model, tokenizer, device

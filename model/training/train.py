@@ -36,7 +36,7 @@ from ..data.names import tokenizer_texts
 from ..data.shakespeare import load_split
 from ..decoding import SamplingParams, generate_tokens
 from ..tokenizer import Tokenizer
-from ..families import build_model
+from ..families import build_model, family_named
 from ..families.decoder import Transformer
 from .curriculum import batch_with_repeats
 
@@ -239,7 +239,8 @@ class Objective:
 class LMObjective(Objective):
     """Next-token prediction for the decoder: random windows, bits per byte on held-out works."""
 
-    def __init__(self, run: RunConfig, tokenizer: Tokenizer, train_texts, val_texts, device, autocast):
+    def __init__(self, run: RunConfig, tokenizer: Tokenizer, device, autocast, texts):
+        train_texts, val_texts = texts  # the works' train and val splits
         self.s, self.tokenizer, self.device, self.autocast = run.train, tokenizer, device, autocast
         self.block = run.model.context_length
         self.train_stream = encode_corpus(tokenizer, train_texts)
@@ -462,33 +463,26 @@ def train(
         torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
     )
 
-    # tokenizer and data (the encoder-decoder generates its own pairs: model/data/translation.py)
-    seq2seq = mcfg.family == "encoder-decoder"
-    train_texts = None if seq2seq else load_split(s.data_dir, "train")
-    val_texts = None if seq2seq else load_split(s.data_dir, "val")
+    # tokenizer, data and objective: as the family declares them (Family.training)
+    family = family_named(mcfg.family)
+    spec = family.training
+    if spec is None:
+        raise ValueError(f"the {family.name} family declares no training: its models are imported, not trained")
+    texts = (load_split(s.data_dir, "train"), load_split(s.data_dir, "val")) if spec.data == "corpus" else None
     if resume and (out / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(out / "tokenizer.json")
     elif s.tokenizer:
         tokenizer = Tokenizer.from_file(s.tokenizer)
-    elif seq2seq:
+    elif spec.tokenizer == "translation":
         from .translation import train_translation_tokenizer
 
         tokenizer = train_translation_tokenizer(s.vocab_size)
     else:
-        tokenizer = Tokenizer.train(train_texts + tokenizer_texts(s.name_weight), s.vocab_size,
-                                    encoder_tokens=mcfg.family == "encoder")
+        tokenizer = Tokenizer.train(texts[0] + tokenizer_texts(s.name_weight), s.vocab_size,
+                                    encoder_tokens=spec.tokenizer == "corpus_specials")
     if tokenizer.vocab_size > mcfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens; model.vocab_size is {mcfg.vocab_size}")
-    if seq2seq:
-        from .translation import TranslationObjective
-
-        objective = TranslationObjective(run, tokenizer, device, autocast)
-    elif mcfg.family == "encoder":
-        from .encoder import EncoderObjective
-
-        objective = EncoderObjective(run, tokenizer, device, autocast)
-    else:
-        objective = LMObjective(run, tokenizer, train_texts, val_texts, device, autocast)
+    objective = spec.objective_class()(run, tokenizer, device, autocast, texts)
     total_steps = objective.total_steps
 
     # model and optimiser

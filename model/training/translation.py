@@ -62,7 +62,7 @@ def exact_match(model, tokenizer: Tokenizer, pairs: list[Pair]) -> dict:
 class TranslationObjective(Objective):
     QUICK_EVAL = 100  # held-out pairs of each kind in the periodic evaluations
 
-    def __init__(self, run: RunConfig, tokenizer: Tokenizer, device, autocast):
+    def __init__(self, run: RunConfig, tokenizer: Tokenizer, device, autocast, texts=None):
         if tokenizer.pad_id is None:
             raise ValueError("the translator needs a tokenizer with [PAD] (encoder_tokens=True)")
         self.s, self.cfg, self.tokenizer, self.device, self.autocast = run.train, run.model, tokenizer, device, autocast
