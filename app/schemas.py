@@ -165,6 +165,10 @@ class StreamError(BaseModel):
 class AttentionRequest(Strict):
     """Give exactly one of `text` (tokenised here) or `ids` (used as they are)."""
 
+    # the description says so too: exactly one of them (clients and fuzzers generate valid bodies)
+    model_config = ConfigDict(**Strict.model_config,
+                              json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["ids"]}]})
+
     model: ModelName | None = Field(None, description=MODEL_FIELD)
     text: Text | None = Field(None, min_length=1, description="text to tokenise and analyse")
     ids: list[int] | None = Field(
