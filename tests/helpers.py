@@ -182,3 +182,32 @@ def copy_attention_into_torch(ours, theirs) -> None:
     theirs.out_proj.weight.copy_(ours.proj.weight)
     theirs.out_proj.bias.copy_(ours.proj.bias)
 
+
+
+def head_slice_prehook(head: int, d_head: int, how: str):
+    """A forward pre-hook for a module whose input is the heads' outputs side by side ([B, T, H*D],
+    e.g. transformers' GPT-2 attn.c_proj or BERT's attention.output.dense): head `head`'s slice set
+    to 0 ("zero") or to its mean over the sequence's positions ("mean"), TransformerLens's ablations
+    written out independently of attnlens.model.hooks."""
+    lo, hi = head * d_head, (head + 1) * d_head
+
+    def hook(module, args):
+        (x,) = args
+        x = x.clone()
+        if how == "zero":
+            x[..., lo:hi] = 0
+        else:
+            x[..., lo:hi] = x[..., lo:hi].mean(dim=1, keepdim=True)
+        return (x,)
+
+    return hook
+
+
+def small_config_model(seed: int = 0, **overrides):
+    """A small random decoder built from a config alone (no tokenizer): e.g. Llama-style GQA + rotary."""
+    from attnlens.model import ModelConfig, Transformer
+
+    fields = dict(vocab_size=97, context_length=32, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(**fields)).eval()
