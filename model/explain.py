@@ -162,6 +162,10 @@ def explain_head(model, ids: list[int], target_ids: list[int] | None, group_name
     family = family_of(model)
     group = family.group(group_name)
     seq = sequence_of(model, ids, target_ids)
+    n_queries = len(seq.tokens[group.queries])
+    if not 0 <= query < n_queries:  # only a generated target's length is not known before this call
+        return {"error": f"query {query} out of range: the {group.queries} have {n_queries} positions "
+                         f"(0..{n_queries - 1})"}
     module = group.hook.format(layer=layer)
     rotary = model.config.positional == "rotary" and not group.is_cross
     qn, kn = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")

@@ -92,3 +92,20 @@ def gpt2_export(tmp_path_factory):
     hf_dir = export_hf(root / "ours", root / "hf")
     hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="eager").eval()
     return load_checkpoint(root / "ours"), hf
+
+
+@pytest.fixture(scope="module")
+def bundled_client():
+    """The app on the three bundled checkpoints (decoder default, encoder, translator), in-process
+    (engines on threads), with a small ablation limit so the limit can be tested."""
+    from fastapi.testclient import TestClient
+
+    from attnlens.app.main import create_app
+    from attnlens.app.settings import Settings
+
+    dirs = [REPO_ROOT / "checkpoints" / name for name in BUNDLED]
+    if not all((d / "model.safetensors").is_file() for d in dirs):
+        pytest.skip("the bundled checkpoints are not all here")
+    settings = Settings(model=dirs[0], models=dirs, device="cpu", engine_process=False, max_ablations=3)
+    with TestClient(create_app(settings)) as c:
+        yield c

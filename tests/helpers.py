@@ -211,3 +211,19 @@ def small_config_model(seed: int = 0, **overrides):
     fields.update(overrides)
     torch.manual_seed(seed)
     return Transformer(ModelConfig(**fields)).eval()
+
+
+def assert_json_close(a, b, abs_tol: float = 1e-5, path: str = "") -> None:
+    """Two JSON values equal, floats within abs_tol (nested dicts and lists)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for k in a:
+            assert_json_close(a[k], b[k], abs_tol, f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_json_close(x, y, abs_tol, f"{path}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert a == pytest.approx(b, abs=abs_tol), path
+    else:
+        assert a == b, path
