@@ -114,21 +114,18 @@ def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tup
     names = lens_names(model)
     hooks = Hooks(record=set(names[:-1]), ablate=ablate)
     final = sequence_logits(model, seq, hooks)  # the last row: the model's own logits, already computed
-    known = torch.tensor([a is not None for a in actual])
-    picks = torch.tensor([0 if a is None else a for a in actual], dtype=torch.long)
+    picks = torch.tensor([0 if a is None else a for a in actual], dtype=torch.long, device=final.device)[:, None]
     layers = []
     for index, name in enumerate(names, start=-1):
         logits = final if name == names[-1] else model.unembed(hooks.captured[name][0]).float()  # (T, V)
-        probs = torch.softmax(logits, dim=-1).cpu()  # (T, V)
-        top_ids, top_probs = _top(probs, top_k)
-        p_actual = probs.gather(1, picks[:, None])[:, 0]  # (T,)
-        ranks = (probs > p_actual[:, None]).sum(dim=-1)  # tokens strictly more likely
-        rows = []
-        for t in range(len(stream)):
-            row = {"top": list(zip(top_ids[t], top_probs[t])), "actual": None}
-            if known[t]:
-                row["actual"] = {"id": actual[t], "rank": int(ranks[t]), "prob": float(p_actual[t])}
-            rows.append(row)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (T, 1): probabilities are exp(logit - lse)
+        top = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
+        top_probs = (top.values - lse).exp().tolist()
+        chosen = logits.gather(1, picks)  # (T, 1)
+        p_actual = (chosen - lse)[:, 0].exp().tolist()
+        ranks = torch.count_nonzero(logits > chosen, dim=-1).tolist()  # tokens strictly more likely
+        rows = [{"top": list(zip(i, p)), "actual": None if a is None else {"id": a, "rank": r, "prob": pa}}
+                for i, p, a, r, pa in zip(top.indices.tolist(), top_probs, actual, ranks, p_actual)]
         layers.append({"index": index, "positions": rows})
     return {"tokens": seq.tokens, "generated": seq.generated, "stream": stream, "layers": layers}
 

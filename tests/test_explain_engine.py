@@ -10,13 +10,20 @@ import pytest
 import torch
 
 from attnlens.app.engine import Engine, EngineProcess, GenerationParams
-from attnlens.model import SamplingParams
+from attnlens.model import SamplingParams, load_checkpoint
 from attnlens.model.decoding import generate_tokens
 from attnlens.model.families import family_of
 from attnlens.model.hooks import HeadAblation, Hooks, ablation_targets, hooked
 from attnlens.app.schemas import StreamToken
-from helpers import run_async
+from helpers import DEVICES, run_async
 from test_hooks import full_recompute_ids
+
+@pytest.fixture(scope="module", params=DEVICES)
+def ckpt(request, tiny_checkpoint):
+    """The tiny checkpoint on the CPU and, where there is one, on CUDA (where a step with an ablated
+    row leaves the captured graphs for the eager step)."""
+    return load_checkpoint(tiny_checkpoint, device=request.param)
+
 
 PROMPTS = ["To be, or not to be", "Whether 'tis nobler in the mind to suffer", "The slings"]
 
@@ -46,7 +53,8 @@ def test_an_ablated_row_shares_the_batch_and_equals_itself_alone(ckpt, tiny_chec
     sampling = [dict(temperature=0.0), dict(temperature=0.9, seed=7), dict(temperature=0.0)]
     rows = [(), edits, edits]  # row 0 unablated, rows 1 and 2 ablated (one sampled, one greedy)
     engine = (Engine(ckpt, max_concurrent=4) if kind == "thread" else
-              EngineProcess(ckpt, model_dir=tiny_checkpoint, device="cpu", dtype="float32", max_concurrent=4))
+              EngineProcess(ckpt, model_dir=tiny_checkpoint, device=str(ckpt.model.tok_emb.weight.device),
+                            dtype="float32", max_concurrent=4))
     try:
         async def main():
             gens = engine.submit_all([GenerationParams(prompt_ids=p, max_new_tokens=n, sampling=SamplingParams(**s),
