@@ -28,7 +28,7 @@ from .errors import ApiError
 from .openai_serving import (FINISH, check_capacity, check_logit_bias, collect_choices, lookup_v1, sampling,
                              stream_choices, usage)
 from .prompts import check_text_bytes, tokenize_texts
-from .registry import CHAT, COMPLETIONS, ServedModel
+from .registry import CHAT, COMPLETIONS, ServedModel, lookup
 from .request_limits import check_lengths, check_new_token_limit
 from .schemas import ChatMessage, GeneratedTokenOut, StreamDone, StreamToken
 from .serving import sse
@@ -54,12 +54,16 @@ def require_template(state: AppState, served: ServedModel, param: str = "model")
 
 def chat_model(state: AppState, name: str | None) -> ServedModel:
     """The model a chat request names; with no name, the default model, or else the one loaded
-    model that has a chat template."""
-    served = lookup_v1(state, name, COMPLETIONS)
-    if name is None and CHAT not in served.tasks:
-        able = [m for m in state.registry.models.values() if CHAT in m.tasks]
+    model that has a chat template. A model that does not generate is the registry's 400 (what it
+    can do); one that generates without a template, `no_template`'s."""
+    registry = state.registry if state.ready else None
+    if name is None and registry is not None and CHAT not in registry.models[registry.default].tasks:
+        able = [m.name for m in registry.models.values() if CHAT in m.tasks]
         if len(able) == 1:
-            return able[0]
+            name = able[0]
+    served = lookup_v1(state, name, None)  # 503 until ready; an unknown name is OpenAI's 404
+    if COMPLETIONS not in served.tasks:
+        lookup(state, served.name, CHAT)  # the registry's 400: what this model can do instead
     require_template(state, served)
     return served
 

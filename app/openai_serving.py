@@ -41,7 +41,7 @@ def not_found(state: AppState, name: str) -> ApiError:
                          f"(GET /v1/models)", param="model", code="model_not_found")
 
 
-def lookup_v1(state: AppState, name: str | None, task: str) -> ServedModel:
+def lookup_v1(state: AppState, name: str | None, task: str | None) -> ServedModel:
     """The model a /v1 request names: a 404 for a name no loaded model has (naming the /v1
     models); a loaded model that cannot do `task` is a 400 that says what it can do."""
     if name is not None and state.ready and state.registry is not None and name not in state.registry.models:

@@ -207,14 +207,23 @@ def test_a_model_without_a_template_is_a_400_that_says_so(client_tiny):
     assert r.status_code == 400 and r.json()["code"] == "no_chat_template" and r.json()["param"] == "messages"
     r = client_tiny.post("/generate", json={"messages": CONVERSATION, "prompt": "x"})
     assert r.status_code == 422
+    r = client_tiny.post("/v1/chat/completions", json={"model": "nope", "messages": CONVERSATION})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = client_tiny.post("/v1/chat/completions", json={"model": "genre", "messages": CONVERSATION})  # an encoder
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_task"
+    assert "cannot do chat" in r.json()["error"]["message"]
 
 
 @pytest.fixture(scope="module")
-def client_tiny(tiny_checkpoint):
+def client_tiny(tiny_checkpoint, tmp_path_factory):
+    """In-process: the tiny decoder (no template, as every bundled model) and a tiny encoder."""
     from fastapi.testclient import TestClient
 
     from attnlens.app.main import create_app
     from attnlens.app.settings import Settings
+    from encoder_helpers import make_tiny_encoder
 
-    with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False))) as c:
+    encoder = make_tiny_encoder(tmp_path_factory.mktemp("chat-enc") / "genre")
+    settings = Settings(model=tiny_checkpoint, models=[tiny_checkpoint, encoder], device="cpu", warmup=False)
+    with TestClient(create_app(settings)) as c:
         yield c
