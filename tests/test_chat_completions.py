@@ -126,6 +126,22 @@ def test_openai_client_stream(client, reference):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_a_stream_of_two_choices_with_logprobs_equals_the_answer(client):
+    kw = dict(model=NAME, messages=CONVERSATION, max_tokens=NEW, temperature=1.0, seed=3, n=2, logprobs=True,
+              top_logprobs=2)
+    whole = client.chat.completions.create(**kw)
+    content, entries = ["", ""], [[], []]
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        (c,) = chunk.choices
+        content[c.index] += c.delta.content or ""
+        entries[c.index] += c.logprobs.content if c.logprobs else []
+    for i, choice in enumerate(whole.choices):
+        assert content[i] == choice.message.content
+        assert [(e.token, e.bytes) for e in entries[i]] == [(e.token, e.bytes) for e in choice.logprobs.content]
+        assert [e.logprob for e in entries[i]] == pytest.approx([e.logprob for e in choice.logprobs.content], abs=1e-5)
+        assert all(len(e.top_logprobs) == 2 for e in entries[i])
+
+
 def test_the_stream_ends_with_done(http):
     with http.stream("POST", "/v1/chat/completions", json={"messages": CONVERSATION, "max_tokens": 3,
                                                            "stream": True}) as r:
