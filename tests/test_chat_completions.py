@@ -243,3 +243,11 @@ def client_tiny(tiny_checkpoint, tmp_path_factory):
     settings = Settings(model=tiny_checkpoint, models=[tiny_checkpoint, encoder], device="cpu", warmup=False)
     with TestClient(create_app(settings)) as c:
         yield c
+
+
+def test_openapi_says_exactly_one_input(client_tiny):
+    """Generated clients and fuzzers build valid bodies: text | ids | messages, prompt | messages."""
+    schemas = client_tiny.get("/openapi.json").json()["components"]["schemas"]
+    assert schemas["AttentionRequest"]["oneOf"] == [{"required": [k]} for k in ("text", "ids", "messages")]
+    assert schemas["GenerateRequest"]["oneOf"] == [{"required": [k]} for k in ("prompt", "messages")]
+    assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
