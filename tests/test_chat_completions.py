@@ -251,3 +251,29 @@ def test_openapi_says_exactly_one_input(client_tiny):
     assert schemas["AttentionRequest"]["oneOf"] == [{"required": [k]} for k in ("text", "ids", "messages")]
     assert schemas["GenerateRequest"]["oneOf"] == [{"required": [k]} for k in ("prompt", "messages")]
     assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama2"])
+def test_other_templates_render_to_transformers_ids(arch, tmp_path):
+    """ChatML (Qwen2: byte-level BPE, no BOS) and Llama 2's [INST] template (SentencePiece-style
+    pieces, <s> written by the template): /attention's `messages` tokens are apply_chat_template's."""
+    from fastapi.testclient import TestClient
+
+    from arch_helpers import CASES, write_hf_checkpoint
+    from attnlens.app.main import create_app
+    from attnlens.app.settings import Settings
+    from attnlens.model.interop.convert import import_checkpoint
+
+    conversation = [{"role": "user", "content": "To be?"}, {"role": "assistant", "content": "Or not."},
+                    {"role": "user", "content": "Why?"}]
+    src, _ = write_hf_checkpoint(CASES[arch], tmp_path / "hf", seed=4)
+    ours, _ = import_checkpoint(src, tmp_path / arch)
+    auto = transformers.AutoTokenizer.from_pretrained(src)
+    want = list(auto.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"])
+    with TestClient(create_app(Settings(model=ours, device="cpu", warmup=False))) as c:
+        a = c.post("/attention", json={"messages": conversation, "layers": [0], "heads": [0]})
+        assert a.status_code == 200, a.text
+        assert [t["id"] for t in a.json()["tokens"]] == want
+        r = c.post("/v1/chat/completions", json={"messages": conversation, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want)
