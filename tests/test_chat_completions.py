@@ -277,3 +277,16 @@ def test_other_templates_render_to_transformers_ids(arch, tmp_path):
         assert [t["id"] for t in a.json()["tokens"]] == want
         r = c.post("/v1/chat/completions", json={"messages": conversation, "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want)
+
+
+def test_the_python_client_takes_messages(server, reference):
+    import attnlens
+
+    with attnlens.Client(server.base_url) as c:
+        a = c.attention(messages=CONVERSATION, layers=[0], heads=[0])
+        assert [t.id for t in a.tokens] == reference["ids"]
+        g = c.generate(messages=CONVERSATION, max_new_tokens=3, temperature=0)
+        assert [t.id for t in g.prompt_tokens] == reference["ids"]
+        assert [t.id for t in g.tokens] == reference["greedy"][:3]
+        streamed = c.stream(messages=CONVERSATION, max_new_tokens=3, temperature=0)
+        assert [t.id for t in streamed] == reference["greedy"][:3]
