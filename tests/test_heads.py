@@ -277,3 +277,34 @@ def test_every_bundled_model_answers(bundled_client):
     fixed = bundled_client.post("/heads", json={"model": "translator", "text": "March 3, 2021",
                                                 "target": "3 mars 2021"}).json()
     assert fixed["generated_target"] is False
+
+
+def test_encoder_and_translator_scores_equal_the_definitions_on_their_attention_maps(bundled_client):
+    """The groups are wired to the right maps and definitions: the encoder's (bidirectional) and the
+    translator's three groups, against /attention's maps for the same input."""
+    post = bundled_client.post
+    enc = post("/heads", json={"model": "encoder", "text": "to be or not to be"}).json()
+    maps = post("/attention", json={"model": "encoder", "text": "to be or not to be"}).json()
+    ids = [t["id"] for t in enc["tokens"]]
+    assert ids == [t["id"] for t in maps["tokens"]]  # framed as /attention frames it: [CLS] ... [SEP]
+    for layer, row in enumerate(enc["heads"]):
+        for head, cell in enumerate(row):
+            for name, value in ref_self_scores(maps["attention"][layer][head], ids, causal=False).items():
+                assert cell["scores"][name] == pytest.approx(value, abs=1e-5), name
+
+    request = {"model": "translator", "text": "March 3, 2021", "target": "3 mars 2021"}
+    tr, maps = post("/heads", json=request).json(), post("/attention", json=request).json()
+    source = [t["id"] for t in tr["tokens"]]
+    target = [t["id"] for t in tr["target_tokens"]]
+    assert target == [t["id"] for t in maps["translation"]["target_tokens"]]
+    expected = {"encoder": lambda l, h: ref_self_scores(maps["attention"][l][h], source, causal=False),
+                "decoder": lambda l, h: ref_self_scores(maps["translation"]["decoder"]["attention"][l][h], target,
+                                                        causal=True),
+                "cross": lambda l, h: ref_cross_scores(maps["translation"]["cross"]["attention"][l][h])}
+    for group in tr["groups"]:
+        for layer, row in enumerate(group["heads"]):
+            for head, cell in enumerate(row):
+                ref = expected[group["name"]](layer, head)
+                assert set(cell["scores"]) == set(ref)
+                for name, value in ref.items():
+                    assert cell["scores"][name] == pytest.approx(value, abs=1e-5), (group["name"], name)
