@@ -205,6 +205,15 @@ def test_heads_on_the_probe(client):
     assert default["probe"]["length"] == 31  # min(50, (64 - 1) // 2): the tiny model's context is 64
 
 
+def test_a_one_token_input_answers_with_the_undefined_scores_null(client):
+    r = client.post("/heads", json={"ids": [5]})
+    assert r.status_code == 200, r.text
+    cell = r.json()["heads"][0][0]
+    assert cell["scores"]["previous_token"] == 0.0  # no pattern cell: nothing on it
+    assert all(cell["scores"][k] is None for k in ("first_token", "self", "entropy", "mean_distance"))
+    assert cell["role"] == "mixed"
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({}, 422, "text"),
     ({"text": "a", "ids": [1]}, 422, "ids"),

@@ -51,7 +51,9 @@ async def _probe(body: HeadsRequest, served: ServedModel) -> tuple[list[int], di
     responses={400: {"description": "text, ids or the probe longer than the model's context (the message "
                                     "gives the numbers), or a target for a model that takes none"},
                404: {"description": "unknown model"}, 413: {},
-               429: {"description": "too many requests waiting for the model; see Retry-After"}, 503: {}},
+               429: {"description": "too many model calls running or waiting (ATTNLENS_MAX_ATTENTION_CONCURRENT; "
+                                    "for a model that does not generate ATTNLENS_MAX_ENCODER_CONCURRENT + "
+                                    "ATTNLENS_MAX_QUEUE); see Retry-After"}, 503: {}},
 )
 async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
     """Per-head scores and roles of every attention group, on `text`, `ids` or `probe` (exactly one).
