@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Response
 
 from ..answers import off_loop
 from ..deps import get_state
@@ -82,4 +82,9 @@ async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
     else:
         ids = await _input_ids(body, tok, cfg.context_length)
     result = await served.call_model(partial(score_heads, ids=ids, target_ids=target))
-    return await off_loop(atlas_answer, family, result, tok, served.name, probe)
+
+    def answer() -> bytes:  # on a worker thread: built, checked against the schema, encoded
+        fields = atlas_answer(family, result, tok, served.name, probe)
+        return HeadsResponse.model_validate(fields).model_dump_json().encode()
+
+    return Response(await off_loop(answer), media_type="application/json")
