@@ -235,6 +235,21 @@ def test_heads_refuses_naming_the_field(client, body, status, param):
     assert r.json()["param"] == param, r.json()
 
 
+def test_maps_larger_than_the_answer_budget_are_refused_naming_the_input(client):
+    budget = client.app.state.attnlens.answers
+    limit = budget.limit
+    budget.limit = 2 * 4 * 20 * 20 * 4  # the tiny model's maps of 20 tokens, float32
+    try:
+        assert client.post("/heads", json={"ids": list(range(1, 21))}).status_code == 200
+        r = client.post("/heads", json={"ids": list(range(1, 22))})
+        assert r.status_code == 400 and r.json()["param"] == "ids" and r.json()["code"] == "answer_too_large"
+        r = client.post("/heads", json={"probe": {"kind": "repeated_random", "length": 10}})
+        assert r.status_code == 400 and r.json()["param"] == "probe.length"
+    finally:
+        budget.limit = limit
+    assert budget.in_use == 0
+
+
 def test_heads_is_in_the_openapi_schema(client):
     schema = client.get("/openapi.json").json()
     op = schema["paths"]["/heads"]["post"]

@@ -12,8 +12,8 @@ from ..answers import off_loop
 from ..deps import get_state
 from ..encoder_tasks import TaskInputError, framed_ids
 from ..errors import ApiError, field_error
-from ..head_atlas import (DEFAULT_PROBE_LENGTH, atlas_answer, max_probe_length, probe_ids, probe_overhead,
-                          score_heads)
+from ..head_atlas import (DEFAULT_PROBE_LENGTH, atlas_answer, maps_bytes, max_probe_length, probe_ids,
+                          probe_overhead, score_heads)
 from ..heads_schemas import HeadsRequest, HeadsResponse
 from ..prompts import check_text_bytes
 from ..registry import ATTENTION, ServedModel, lookup
@@ -48,12 +48,13 @@ async def _probe(body: HeadsRequest, served: ServedModel) -> tuple[list[int], di
 @router.post(
     "/heads",
     response_model=HeadsResponse,
-    responses={400: {"description": "text, ids or the probe longer than the model's context (the message "
-                                    "gives the numbers), or a target for a model that takes none"},
+    responses={400: {"description": "text, ids or the probe longer than the model's context, or its attention "
+                                    "maps larger than ATTNLENS_MAX_ANSWER_BYTES (the message gives the numbers)"},
                404: {"description": "unknown model"}, 413: {},
                429: {"description": "too many model calls running or waiting (ATTNLENS_MAX_ATTENTION_CONCURRENT; "
                                     "for a model that does not generate ATTNLENS_MAX_ENCODER_CONCURRENT + "
-                                    "ATTNLENS_MAX_QUEUE); see Retry-After"}, 503: {}},
+                                    "ATTNLENS_MAX_QUEUE), or maps in flight over ATTNLENS_MAX_ANSWER_BYTES for "
+                                    "ATTNLENS_ANSWER_WAIT_S; see Retry-After"}, 503: {}},
 )
 async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
     """Per-head scores and roles of every attention group, on `text`, `ids` or `probe` (exactly one).
@@ -81,7 +82,21 @@ async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
     else:
         ids = await _input_ids(body, tok, cfg.context_length)
-    result = await served.call_model(partial(score_heads, ids=ids, target_ids=target))
+    # the maps exist only on the model's side, but they are as large as /attention's: claimed from
+    # the same budget (ATTNLENS_MAX_ANSWER_BYTES) while they are computed and scored
+    lengths = {"tokens": len(ids), "source": len(ids),
+               "target": cfg.context_length if target is None else len(target) + 1}
+    need = maps_bytes(family, lengths, cfg.n_layers, cfg.n_heads)
+    if need > state.answers.limit:
+        field = "probe.length" if probe is not None else "ids" if body.ids is not None else "text"
+        raise ApiError(400, f"{field}: {len(ids)} tokens make {need / 1e6:.1f} MB of attention maps to score, more "
+                            f"than ATTNLENS_MAX_ANSWER_BYTES ({state.answers.limit / 1e6:.1f} MB): use fewer tokens",
+                       param=field, code="answer_too_large")
+    claim = await state.answers.claim(need, what="this input's attention maps")
+    try:
+        result = await served.call_model(partial(score_heads, ids=ids, target_ids=target))
+    finally:
+        await claim.release()
 
     def answer() -> bytes:  # on a worker thread: built, checked against the schema, encoded
         fields = atlas_answer(family, result, tok, served.name, probe)
