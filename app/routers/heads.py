@@ -45,6 +45,20 @@ async def _probe(body: HeadsRequest, served: ServedModel) -> tuple[list[int], di
     return ids, {"kind": body.probe.kind, "length": length, "seed": body.probe.seed}
 
 
+async def _ids(body: HeadsRequest, served: ServedModel) -> tuple[list[int], dict | None]:
+    """The ids to score (and the probe's echo): the probe, `text` framed as /attention frames it, or `ids`."""
+    if body.probe is not None:
+        return await _probe(body, served)
+    cfg, tok = served.checkpoint.config, served.checkpoint.tokenizer
+    if served.family.framing == "cls_sep" and body.text is not None:
+        check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
+        try:
+            return await off_loop(framed_ids, served.checkpoint, body.text), None
+        except TaskInputError as e:
+            raise ApiError(400, str(e), param=e.param, code=e.code) from None
+    return await _input_ids(body, tok, cfg.context_length), None
+
+
 @router.post(
     "/heads",
     response_model=HeadsResponse,
@@ -71,17 +85,7 @@ async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
     family, cfg, tok = served.family, served.checkpoint.config, served.checkpoint.tokenizer
     _one_input(body)
     target = await _target_ids(body, served)
-    probe = None
-    if body.probe is not None:
-        ids, probe = await _probe(body, served)
-    elif family.framing == "cls_sep" and body.text is not None:
-        check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
-        try:
-            ids = await off_loop(framed_ids, served.checkpoint, body.text)
-        except TaskInputError as e:
-            raise ApiError(400, str(e), param=e.param, code=e.code) from None
-    else:
-        ids = await _input_ids(body, tok, cfg.context_length)
+    ids, probe = await _ids(body, served)
     # the maps exist only on the model's side, but they are as large as /attention's: claimed from
     # the same budget (ATTNLENS_MAX_ANSWER_BYTES) while they are computed and scored
     lengths = {"tokens": len(ids), "source": len(ids),
