@@ -29,11 +29,12 @@ from fastapi.responses import StreamingResponse
 from attnlens.model import SamplingParams
 
 from ..deps import get_state
-from ..engine import EngineFront, Generation, GenerationParams, RequestTooLarge
+from ..engine import EngineFront, GenerationParams, RequestState, RequestTooLarge
 from ..errors import ApiError, public_message
 from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import GeneratedTokenOut, StreamDone, StreamToken
 from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, note_unfinished, sse
+from ..stream_events import events as request_events, scored_token
 from ..openai_schemas import Completion, CompletionRequest, ModelCard, ModelList, OpenAIErrorResponse
 from ..prompts import check_text_bytes, check_token_ids, tokenize_texts
 from ..registry import COMPLETIONS, ServedModel, lookup
@@ -185,7 +186,7 @@ def _generation_params(body: CompletionRequest, prompts_ids: list[list[int]]) ->
     return jobs
 
 
-def _logprob_per_token(out, generation: Generation) -> float:
+def _logprob_per_token(out, generation: RequestState) -> float:
     """best_of's ranking: the mean log-probability of a candidate's tokens (a final EOS included)."""
     lps = [t.logprob for t in out.tokens] + ([generation.eos_token.logprob] if generation.eos_token else [])
     return sum(lps) / len(lps) if lps else float("-inf")
@@ -241,8 +242,8 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
         async def events():
             merged: asyncio.Queue = asyncio.Queue()
 
-            async def forward(i: int, g: Generation):
-                async for ev in g.events():
+            async def forward(i: int, g: RequestState):
+                async for ev in request_events(g):
                     await merged.put((i, ev))
 
             tasks = [asyncio.create_task(forward(i, g)) for i, g in enumerate(generations)]
@@ -266,7 +267,7 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
                             ended += 1
                             completion_tokens += ev.usage.completion_tokens
                             metrics.observe_generation(ev)
-                            frag = c.add_end(ev.delta, generations[i].eos_token)
+                            frag = c.add_end(ev.delta, scored_token(generations[i].eos_token))
                             out.append(chunk(i, ev.delta, frag, FINISH[ev.finish_reason]))
                         else:
                             ended += 1
@@ -310,7 +311,7 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
                 c.add_prompt_scores(g.prompt_scores)
             for t in out.tokens:
                 c.add_token(t)
-            c.add_end(out.done.delta, g.eos_token)
+            c.add_end(out.done.delta, scored_token(g.eos_token))
             result.append(c.as_dict(out.done.finish_reason))
     completion_tokens = sum(o.done.usage.completion_tokens for o in outcomes)  # every candidate's
     return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": result,
