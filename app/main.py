@@ -44,11 +44,12 @@ from .metrics import Metrics, MetricsMiddleware
 from .stream_events import events
 from .encoder_tasks import classify_or_fill_warm_up
 from .registry import CLASSIFY, FILL_MASK, ModelRegistry, ModelRunner, ServedModel, model_name, tasks_of
-from .routers import attention, encoder, generate, openai, ops, ui
+from .routers import attention, chat, encoder, generate, openai, ops, ui
 from .schemas import StreamDone, StreamError, StreamToken
 from .settings import Settings, default_switch_interval_ms
 from .shutdown import DrainMiddleware
 from .state import AppState
+from .routers import heads as heads_router  # POST /heads, the head atlas
 
 log = logging.getLogger("attnlens.app")
 
@@ -201,9 +202,10 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
                                   preloaded=dict(preloaded or {}))
     install_error_handlers(app)
     install_docs(app)
-    for module in (generate, attention, encoder, openai, ops, ui):
+    for module in (generate, attention, encoder, openai, chat, ops, ui):
         app.include_router(module.router)
     add_stream_schemas(app)
+    app.include_router(heads_router.router)
     if settings.static_dir.is_dir():
         app.mount("/static", StaticFiles(directory=settings.static_dir), name="static")
 
