@@ -40,13 +40,13 @@ async def _input_ids(body: AttentionRequest, state: AppState, served: ServedMode
     """The token ids to analyse: `ids` as given, `text` tokenised, or `messages` rendered with the
     model's chat template and tokenised; exactly one of them."""
     tok, context_length = served.checkpoint.tokenizer, served.checkpoint.config.context_length
-    given = [name for name in ("text", "ids", "messages") if getattr(body, name) is not None]
+    given = [name for name in ("text", "ids", "messages") if getattr(body, name, None) is not None]
     if len(given) > 1:
         raise field_error(given[1], f"give one of text, ids or messages, not both {given[0]} and {given[1]}",
                           "exclusive")
     if not given:
         raise field_error("text", "give text (to tokenise), ids (token ids) or messages (a conversation)", "missing")
-    if body.messages is not None:
+    if getattr(body, "messages", None) is not None:
         field, ids = "messages", await conversation_ids(state, served, body.messages, context_length,
                                                         limit_name="the model's context length")
     elif body.ids is not None:
