@@ -137,12 +137,12 @@ def run_async(coroutine):
 
 
 async def drain(generation):
-    """(token ids, last event) of an engine generation; last is a StreamDone or StreamError."""
-    from attnlens.app.schemas import StreamToken
+    """(token ids, last event) of an engine generation; last is a DoneEvent or ErrorEvent."""
+    from attnlens.app.engine.outputs import TokenEvent
 
     tokens, last = [], None
     async for event in generation.events():
-        if isinstance(event, StreamToken):
+        if isinstance(event, TokenEvent):
             tokens.append(event.id)
         else:
             last = event
