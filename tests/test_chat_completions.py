@@ -290,3 +290,24 @@ def test_the_python_client_takes_messages(server, reference):
         assert [t.id for t in g.tokens] == reference["greedy"][:3]
         streamed = c.stream(messages=CONVERSATION, max_new_tokens=3, temperature=0)
         assert [t.id for t in streamed] == reference["greedy"][:3]
+
+
+def test_explain_routes_take_messages(http, reference):
+    """/logits, /lens and /attention/explain read a conversation as /attention does (the template's
+    ids); /logits' log-probabilities of the next prompt token equal transformers' on the same weights."""
+    ids = reference["ids"]
+    r = http.post("/logits", json={"messages": CONVERSATION, "top_k": 2}).json()
+    assert [t["id"] for t in r["tokens"]] == ids
+    hf = transformers.LlamaForCausalLM.from_pretrained(reference["tokenizer"].name_or_path,
+                                                       attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+    for p in r["positions"][:-1]:
+        t = p["position"]
+        assert p["next"]["id"] == ids[t + 1]
+        assert p["next_logprob"] == pytest.approx(float(want[t, ids[t + 1]]), abs=1e-4)
+    lens = http.post("/lens", json={"messages": CONVERSATION, "top_k": 1}).json()
+    assert len(lens["layers"][0]["positions"]) == len(ids)
+    e = http.post("/attention/explain", json={"messages": CONVERSATION, "layer": 1, "head": 3,
+                                              "query": len(ids) - 1}).json()
+    assert max(abs(a - b) for a, b in zip(e["softmax"], e["pattern_row"])) < 1e-6 and e["kv_head"] == 1

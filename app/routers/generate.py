@@ -15,6 +15,7 @@ from ..chat import conversation_ids
 from ..deps import get_state
 from ..engine import EngineFront, GenerationParams
 from ..errors import field_error, public_message
+from ..explain.ablation import resolve_ablate
 from ..prompts import tokenize_text
 from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
@@ -59,6 +60,7 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     engine: EngineFront = served.runner
     settings = state.settings
     check_new_token_limit(settings, body.max_new_tokens, "max_new_tokens")
+    edits, echo = resolve_ablate(served, body.ablate, settings)
     tok = engine.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise field_error("prompt", "give either prompt (text) or messages (a conversation), not both"
@@ -81,6 +83,7 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
         stop=body.stop,
         n_logprobs=body.logprobs,
         return_attention=body.return_attention,
+        ablate=edits,
     )
     generation = engine.submit(params)
     metrics = state.metrics
@@ -94,7 +97,7 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
             ended.append(event)
             if isinstance(event, StreamDone):
                 metrics.observe_generation(event)
-                return sse("done", event)
+                return sse("done", event if echo is None else event.model_copy(update={"ablate": echo}))
             note_unfinished(metrics, "error")
             return sse("error", event.model_copy(update={"message": public_message(event.message)}))
 
@@ -133,6 +136,7 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
             attention=[t.attention for t in out.tokens] if body.return_attention else None,
             cross_attention=([t.cross_attention for t in out.tokens]
                              if body.return_attention and streams_cross else None),
-        ).model_dump_json().encode()
+            ablate=echo,
+        ).model_dump_json(exclude={"ablate"} if echo is None else None).encode()
 
     return Response(await off_loop(answer), media_type="application/json")

@@ -43,6 +43,8 @@ class AttentionGroup:
     keys: Axis
     causal: bool  # zero above the diagonal (queries and keys are then the same sequence)
     description: str
+    # the hook name (model/hooks.py) of layer {layer}'s attention module holding this group's heads
+    hook: str = "blocks.{layer}.attn"
 
     @property
     def is_cross(self) -> bool:
@@ -66,6 +68,17 @@ class GenerationSpec:
     def scores_prompt(self) -> bool:
         """Whether a prompt token has a log-probability (a prefix is predicted; a source is read)."""
         return self.prompt == "prefix"
+
+
+@dataclass(frozen=True)
+class LensSpec:
+    """How /logits and /lens read a family (model/explain.py): the residual stream whose positions
+    are scored and what a position's logits predict."""
+
+    stream: Axis  # the axis the scored positions run over: "tokens" or "target"
+    stack: str  # the hook prefix of that stream's blocks (model/hooks.py): "blocks" | "decoder.blocks"
+    predicts: Literal["next", "same"]  # an LM head predicts the next token; an MLM head the one at the position
+    head: str  # for people: which head turns the stream into logits
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,7 @@ class Family:
     # sliding_window, rmsnorm, grouped_query, parallel_residual, classifier
     builds: tuple[str, ...] = field(default=())
     training: TrainingSpec | None = None  # None: `attnlens train` cannot train it (imported only)
+    lens: LensSpec | None = None  # None: no logits to read per position (model/explain.py)
 
     def __post_init__(self) -> None:
         names = [g.name for g in self.groups]
@@ -130,6 +144,12 @@ class Family:
     @property
     def primary(self) -> AttentionGroup:
         return self.groups[0]
+
+    @property
+    def ablation_group(self) -> str:
+        """The group a head ablation names by default (model/hooks.py): the first a generation steps
+        with, else the primary one."""
+        return self.generation.step_groups[0] if self.generation is not None else self.primary.name
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -162,6 +182,9 @@ class Family:
                         "cross": g.is_cross, "description": g.description} for g in self.groups],
             "generation": None if self.generation is None else {
                 "prompt": self.generation.prompt, "step_groups": list(self.generation.step_groups)},
+            "lens": None if self.lens is None else {
+                "stream": self.lens.stream, "predicts": self.lens.predicts, "head": self.lens.head},
+            "ablation_group": self.ablation_group,
         }
 
 
@@ -202,6 +225,26 @@ class GenerativeModel(Protocol):
     def step_attention(self, output, cache, rows: slice, queries: list[int]) -> list[dict[str, list[torch.Tensor]]]:
         """Per row of `rows`: group -> per layer (H, K) attention of that row's query position
         queries[b] over the keys the row has (never another row's, never padding)."""
+        ...
+
+
+@runtime_checkable
+class InspectableModel(Protocol):
+    """What model/explain.py (the logits, the lens, a head's computation) reads of a family."""
+
+    family: ClassVar[Family]
+
+    def sequence(self, ids: list[int], target_ids: list[int] | None = None) -> tuple[dict[str, list[int]], bool]:
+        """The ids along each axis (a target starts with the decoder's start token; without one, the
+        model's greedy output) and whether the target was generated."""
+        ...
+
+    def stream_logits(self, tokens: dict[str, list[int]]) -> torch.Tensor:
+        """One forward of the sequence: (T, V) logits over the lens stream's positions (hooks apply)."""
+        ...
+
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        """A residual stream (..., C) through the final norm and the head: (..., V)."""
         ...
 
 
