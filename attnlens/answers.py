@@ -550,7 +550,8 @@ class LogitsAnswer:
 
     def __repr__(self) -> str:
         ablated = f", ablate={[str(a) for a in self.ablate]}" if self.ablate else ""
-        return f"LogitsAnswer(model={self.model!r}, positions={len(self.positions)}, predicts={self.predicts!r}{ablated})"
+        return (f"LogitsAnswer(model={self.model!r}, positions={len(self.positions)}, "
+                f"predicts={self.predicts!r}{ablated})")
 
 
 # --- /lens -------------------------------------------------------------------------------------

@@ -6,15 +6,13 @@ naming `ablate`."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import numpy as np
 import pytest
 
 import attnlens
 from attnlens.ablation import ablate_body
-from helpers import run_async
+from helpers import RecordingTransport, run_async
 
 pytestmark = pytest.mark.slow  # the bundled server of tests/conftest.py, shared with test_client.py
 
@@ -23,21 +21,9 @@ ENCODER_TEXT = "O Romeo, Romeo, [MASK] art thou?"
 SOURCE = "twenty one"
 
 
-class Recording(httpx.HTTPTransport):
-    """Keeps every request body the client sends."""
-
-    def __init__(self):
-        super().__init__()
-        self.bodies: list[dict] = []
-
-    def handle_request(self, request):
-        self.bodies.append(json.loads(request.content) if request.content else None)
-        return super().handle_request(request)
-
-
 @pytest.fixture(scope="module")
 def sent(bundled_server):
-    transport = Recording()
+    transport = RecordingTransport()
     with attnlens.Client(bundled_server.url, transport=transport) as c:
         yield c, transport.bodies
 
