@@ -23,8 +23,11 @@ __version__ = "0.1.0"
 # Loaded on first use (PEP 562), so the server's processes, which import attnlens.app and
 # attnlens.model, never pay for httpx or the client.
 _EXPORTS = {
+    "ablation": ("Ablation", "format_ablation", "parse_ablation"),
     "answers": ("Attention", "AttentionGroup", "Classification", "FillMask", "FillMaskCandidate", "GeneratedToken",
-                "Generation", "GroupSpec", "LabelScore", "ModelSummary", "StreamDone", "Token"),
+                "Generation", "GroupSpec", "HeadAtlas", "HeadExplanation", "HeadGroupScores", "LabelScore",
+                "LensAnswer", "LogitsAnswer", "LogitsEffect", "ModelSummary", "PositionLogits", "RankedHead",
+                "Recomputed", "StreamDone", "Token", "TokenProb"),
     "client": ("AsyncClient", "Client", "TokenStream"),
     "errors": ("APIConnectionError", "APIError", "AttnlensError", "AuthenticationError", "BadRequestError",
                "InternalServerError", "NotFoundError", "PayloadTooLargeError", "RateLimitError", "RequestTimeoutError",
@@ -34,7 +37,7 @@ _EXPORTS = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 # submodules reachable as attributes without their own import (attnlens.local.attention(...))
-_SUBMODULES = {"answers", "app", "bertviz", "bundle", "client", "codec", "errors", "inline", "local", "model",
+_SUBMODULES = {"ablation", "answers", "app", "bertviz", "bundle", "client", "codec", "errors", "inline", "local", "model",
                "resources", "serve"}
 __all__ = sorted(_MODULE_OF)
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .ablation import Ablation
 from .codec import decode
 
 
@@ -29,6 +30,19 @@ class Token:
 
 def _tokens(items: list[dict]) -> list[Token]:
     return [Token.from_json(t) for t in items]
+
+
+def _number(value: Any) -> float:
+    return np.nan if value is None else float(value)
+
+
+def _numbers(values: list) -> np.ndarray:
+    """Floats with None as nan."""
+    return np.array([_number(v) for v in values], dtype=np.float64)
+
+
+def _ablations(body: dict) -> list[Ablation] | None:
+    return None if body.get("ablate") is None else [Ablation.from_json(a) for a in body["ablate"]]
 
 
 # --- /attention ----------------------------------------------------------------------------
@@ -86,6 +100,7 @@ class Attention:
     text: str | None = None  # the analysed text, when a text (not ids) was asked for
     target_tokens: list[Token] | None = None  # encoder-decoder: the decoder's start token, then the target
     generated: bool | None = None  # encoder-decoder: the target is the model's own greedy translation
+    ablate: list[Ablation] | None = None  # the heads ablated (groups resolved), when the request ablated any
 
     @classmethod
     def from_json(cls, body: dict, *, text: str | None = None) -> Attention:
@@ -98,20 +113,21 @@ class Attention:
             layers=list(body["layers"]), heads=list(body["heads"]), format=body["format"], text=text,
             specs=specs, maps={specs[0].name: decode(body), **{s.name: decode(translation[s.name]) for s in specs[1:]}},
             target_tokens=_tokens(translation["target_tokens"]) if "target_tokens" in translation else None,
-            generated=bool(translation["generated"]) if "generated" in translation else None)
+            generated=bool(translation["generated"]) if "generated" in translation else None,
+            ablate=_ablations(body))
 
     @classmethod
     def from_arrays(cls, *, model: str, family: str, direction: str, tokens: list[Token], n_layers: int,
                     n_heads: int, layers: list[int], heads: list[int], format: str, specs: list[GroupSpec],
                     maps: dict[str, np.ndarray], text: str | None = None, target_tokens: list[Token] | None = None,
-                    generated: bool | None = None) -> Attention:
+                    generated: bool | None = None, ablate: list[Ablation] | None = None) -> Attention:
         """From maps in hand, group by group (`specs`, the primary first, over `tokens`; a group
         over the target axis has `target_tokens` as its rows or columns)."""
         along = {"tokens": tokens, "source": tokens, "target": target_tokens}
         groups = {s.name: AttentionGroup(s.name, np.asarray(maps[s.name], dtype=np.float32), along[s.queries],
                                          along[s.keys], s.causal, s.queries, s.keys) for s in specs}
         return cls(model, family, direction, tokens, n_layers, n_heads, list(layers), list(heads), format,
-                   groups[specs[0].name].maps, groups, text, target_tokens, generated)
+                   groups[specs[0].name].maps, groups, text, target_tokens, generated, ablate)
 
     def axes(self) -> set[str]:
         """Every axis the answer's groups run over."""
@@ -231,6 +247,7 @@ class Generation:
     finish_reason: str  # length | stop | eos
     usage: Usage
     timings: Timings
+    ablate: list[Ablation] | None = None  # the heads ablated (groups resolved)
 
     @classmethod
     def from_json(cls, body: dict) -> Generation:
@@ -238,7 +255,7 @@ class Generation:
         cross = body.get("cross_attention") or [None] * len(body["tokens"])
         return cls(body["id"], body["model"], body["text"], _tokens(body["prompt_tokens"]),
                    [GeneratedToken.from_json(t, a, c) for t, a, c in zip(body["tokens"], rows, cross)],
-                   body["finish_reason"], Usage(**body["usage"]), Timings(**body["timings"]))
+                   body["finish_reason"], Usage(**body["usage"]), Timings(**body["timings"]), _ablations(body))
 
     @property
     def ids(self) -> list[int]:
@@ -257,11 +274,12 @@ class StreamDone:
     delta: str  # text no token event carried (usually empty)
     usage: Usage
     timings: Timings
+    ablate: list[Ablation] | None = None  # the heads ablated (groups resolved)
 
     @classmethod
     def from_json(cls, body: dict) -> StreamDone:
         return cls(body["id"], body["finish_reason"], _tokens(body["prompt_tokens"]), body["text"],
-                   body.get("delta", ""), Usage(**body["usage"]), Timings(**body["timings"]))
+                   body.get("delta", ""), Usage(**body["usage"]), Timings(**body["timings"]), _ablations(body))
 
 
 # --- /models, /fill-mask, /classify ------------------------------------------------------------
@@ -335,3 +353,337 @@ class Classification:
     def label(self) -> str:
         """The most probable label."""
         return self.labels[0].label
+
+
+# --- /heads: the head atlas ------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankedHead:
+    """One head by one score (HeadAtlas.top): its model indices, the score and the head's role."""
+
+    layer: int
+    head: int
+    score: float
+    role: str
+
+
+@dataclass(frozen=True, eq=False)
+class HeadGroupScores:
+    """One attention group's heads: `scores[name]` is a [layers, heads] float array (nan where the
+    score is undefined for this input), `roles[layer][head]` and `role_scores` [layers, heads] the
+    role each head got and the score it got it for. `rows` / `columns` are the tokens its query
+    rows and key columns run over."""
+
+    name: str
+    causal: bool
+    bidirectional: bool
+    rows: list[Token]
+    columns: list[Token]
+    scores: dict[str, np.ndarray]
+    roles: list[list[str]]
+    role_scores: np.ndarray
+    definitions: dict[str, str]
+
+    @classmethod
+    def from_json(cls, g: dict, along: dict[str, list[Token] | None]) -> HeadGroupScores:
+        heads = g["heads"]
+        names = list(heads[0][0]["scores"]) if heads and heads[0] else []
+        grid = lambda value: np.array([[_number(value(h)) for h in row] for row in heads], dtype=np.float64)
+        return cls(g["name"], bool(g["causal"]), bool(g["bidirectional"]), along[g["rows"]], along[g["columns"]],
+                   {s: grid(lambda h, s=s: h["scores"].get(s)) for s in names},
+                   [[h["role"] for h in row] for row in heads], grid(lambda h: h["role_score"]),
+                   dict(g.get("definitions", {})))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(layers, heads)."""
+        return self.role_scores.shape
+
+    def top(self, score: str, k: int = 5) -> list[RankedHead]:
+        """The k heads with the highest `score` (undefined ones last out), strongest first."""
+        if score not in self.scores:
+            raise KeyError(f"the {self.name!r} group has no score {score!r} (it has {', '.join(self.scores)})")
+        values = self.scores[score]
+        order = sorted(((v, l, h) for (l, h), v in np.ndenumerate(values) if not np.isnan(v)),
+                       key=lambda t: (-t[0], t[1], t[2]))
+        return [RankedHead(l, h, float(v), self.roles[l][h]) for v, l, h in order[:k]]
+
+
+@dataclass(frozen=True, eq=False)
+class HeadAtlas:
+    """A /heads answer: every head of every attention group scored on one input, with a role each.
+
+    `groups` by name (a decoder's and an encoder's "self"; the translator's "encoder", "decoder",
+    "cross"), the first one's also as `scores`, `roles`, `role_scores` and `top()`. `thresholds`
+    say what each role's score had to reach, `definitions` what each score is."""
+
+    model: str
+    family: str
+    tokens: list[Token]
+    groups: dict[str, HeadGroupScores]
+    thresholds: dict[str, float]
+    definitions: dict[str, str]
+    target_tokens: list[Token] | None = None
+    generated_target: bool | None = None
+    probe: dict | None = None  # {"kind", "length", "seed"} when the probe was scored
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, body: dict) -> HeadAtlas:
+        tokens = _tokens(body["tokens"])
+        target = _tokens(body["target_tokens"]) if body.get("target_tokens") is not None else None
+        along = {"tokens": tokens, "target_tokens": target}
+        groups = [HeadGroupScores.from_json(g, along) for g in body["groups"]]
+        return cls(body["model"], body["family"], tokens, {g.name: g for g in groups}, dict(body["thresholds"]),
+                   dict(body["definitions"]), target, body.get("generated_target"), body.get("probe"),
+                   list(body.get("notes", [])))
+
+    @property
+    def first(self) -> HeadGroupScores:
+        return next(iter(self.groups.values()))
+
+    @property
+    def scores(self) -> dict[str, np.ndarray]:
+        return self.first.scores
+
+    @property
+    def roles(self) -> list[list[str]]:
+        return self.first.roles
+
+    @property
+    def role_scores(self) -> np.ndarray:
+        return self.first.role_scores
+
+    def top(self, score: str, k: int = 5, group: str | None = None) -> list[RankedHead]:
+        """The k strongest heads by `score` in `group` (default: the first), strongest first."""
+        if group is not None and group not in self.groups:
+            raise KeyError(f"this answer has no group {group!r} (it has {', '.join(self.groups)})")
+        return (self.first if group is None else self.groups[group]).top(score, k)
+
+    def __repr__(self) -> str:
+        groups = ", ".join(f"{g.name} {g.shape}" for g in self.groups.values())
+        return f"HeadAtlas(model={self.model!r}, family={self.family!r}, T={len(self.tokens)}, groups: {groups})"
+
+
+# --- /logits -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenProb:
+    id: int
+    text: str
+    prob: float
+
+    @classmethod
+    def from_json(cls, d: dict) -> TokenProb:
+        return cls(int(d["id"]), d["text"], float(d["prob"]))
+
+
+@dataclass(frozen=True)
+class PositionLogits:
+    """What the model predicts at one position: the top tokens, and of `next` (the token that comes
+    next; an encoder's: the token at the position) its probability and log-probability."""
+
+    position: int
+    token: Token
+    next: Token | None
+    top: list[TokenProb]
+    next_prob: float | None
+    next_logprob: float | None
+
+    @classmethod
+    def from_json(cls, d: dict) -> PositionLogits:
+        return cls(int(d["position"]), Token.from_json(d["token"]),
+                   None if d["next"] is None else Token.from_json(d["next"]),
+                   [TokenProb.from_json(t) for t in d["top"]], d["next_prob"], d["next_logprob"])
+
+
+@dataclass(frozen=True, eq=False)
+class LogitsEffect:
+    """What an ablation changed, per position: `kl` = KL(clean || ablated) in nats and
+    `delta_logprob` = ablated - clean log-probability of the actual next token (nan where there
+    is none, e.g. a decoder's last position)."""
+
+    position: np.ndarray  # (P,) int
+    kl: np.ndarray  # (P,) float
+    delta_logprob: np.ndarray  # (P,) float, nan where undefined
+
+    @classmethod
+    def from_json(cls, rows: list[dict]) -> LogitsEffect:
+        return cls(np.array([r["position"] for r in rows], dtype=np.int64), _numbers([r["kl"] for r in rows]),
+                   _numbers([r["delta_logprob"] for r in rows]))
+
+
+@dataclass(frozen=True, eq=False)
+class LogitsAnswer:
+    """A /logits answer. `positions` per position scored (with `ablate`: the ablated model's);
+    with `ablate` also `clean` (the same without it) and `effect` (kl, delta_logprob arrays).
+    `predicts` is "next" (an LM head) or "same" (an encoder's masked-LM head); the translator's
+    positions are its `target_tokens`."""
+
+    model: str
+    family: str
+    predicts: str
+    head: str
+    tokens: list[Token]
+    positions: list[PositionLogits]
+    target_tokens: list[Token] | None = None
+    generated: bool | None = None
+    ablate: list[Ablation] | None = None
+    clean: list[PositionLogits] | None = None
+    effect: LogitsEffect | None = None
+
+    @classmethod
+    def from_json(cls, body: dict) -> LogitsAnswer:
+        rows = lambda items: None if items is None else [PositionLogits.from_json(p) for p in items]
+        return cls(body["model"], body["family"], body["predicts"], body["head"], _tokens(body["tokens"]),
+                   rows(body["positions"]),
+                   _tokens(body["target_tokens"]) if body.get("target_tokens") is not None else None,
+                   body.get("generated"), _ablations(body), rows(body.get("clean")),
+                   None if body.get("effect") is None else LogitsEffect.from_json(body["effect"]))
+
+    @property
+    def next_logprob(self) -> np.ndarray:
+        """(P,) the actual next token's log-probability per position (nan where none)."""
+        return _numbers([p.next_logprob for p in self.positions])
+
+    @property
+    def next_prob(self) -> np.ndarray:
+        return _numbers([p.next_prob for p in self.positions])
+
+    def __repr__(self) -> str:
+        ablated = f", ablate={[str(a) for a in self.ablate]}" if self.ablate else ""
+        return (f"LogitsAnswer(model={self.model!r}, positions={len(self.positions)}, "
+                f"predicts={self.predicts!r}{ablated})")
+
+
+# --- /lens -------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class LensAnswer:
+    """A /lens answer: one row per point of the residual stream (`labels`: "embeddings", then
+    "block 0".."block L-1"; `indices` -1, 0..L-1), one column per position of the stream read
+    (`positions`: a decoder's or encoder's tokens, the translator's target_tokens).
+
+    `top[row][position]` the top-k tokens, `top1` their first as a [rows][T] grid of Tokens and
+    `prob` [rows, T] its probability; `actual[position]` the token the position predicts (see
+    `predicts`; None where there is none) and `actual_rank` / `actual_prob` [rows, T] its rank
+    (0 = top; -1 where none) and probability (nan where none). The last row is the model's output."""
+
+    model: str
+    family: str
+    predicts: str
+    head: str
+    tokens: list[Token]
+    labels: list[str]
+    indices: list[int]
+    top: list[list[list[TokenProb]]]
+    actual: list[Token | None]
+    actual_rank: np.ndarray  # (rows, T) int, -1 where none
+    actual_prob: np.ndarray  # (rows, T) float, nan where none
+    target_tokens: list[Token] | None = None
+    generated: bool | None = None
+    ablate: list[Ablation] | None = None
+
+    @classmethod
+    def from_json(cls, body: dict) -> LensAnswer:
+        layers = body["layers"]
+        first = layers[0]["positions"] if layers else []
+        actual = [None if p["actual"] is None else Token.from_json(p["actual"]) for p in first]
+        grid = lambda key, empty, dtype: np.array(
+            [[empty if p["actual"] is None else p["actual"][key] for p in row["positions"]] for row in layers],
+            dtype=dtype).reshape(len(layers), len(first))
+        return cls(body["model"], body["family"], body["predicts"], body["head"], _tokens(body["tokens"]),
+                   [row["label"] for row in layers], [int(row["index"]) for row in layers],
+                   [[[TokenProb.from_json(t) for t in p["top"]] for p in row["positions"]] for row in layers],
+                   actual, grid("rank", -1, np.int64), grid("prob", np.nan, np.float64),
+                   _tokens(body["target_tokens"]) if body.get("target_tokens") is not None else None,
+                   body.get("generated"), _ablations(body))
+
+    @property
+    def positions(self) -> list[Token]:
+        """The tokens the columns are: the translator's target_tokens, else tokens."""
+        return self.tokens if self.target_tokens is None else self.target_tokens
+
+    @property
+    def top1(self) -> list[list[Token]]:
+        """[rows][T]: each row's most likely token at each position."""
+        return [[Token(p[0].id, p[0].text) for p in row] for row in self.top]
+
+    @property
+    def prob(self) -> np.ndarray:
+        """(rows, T): the probability of top1."""
+        return np.array([[p[0].prob for p in row] for row in self.top], dtype=np.float64).reshape(
+            len(self.top), len(self.actual))
+
+    def __repr__(self) -> str:
+        return f"LensAnswer(model={self.model!r}, rows={len(self.labels)}, T={len(self.actual)})"
+
+
+# --- /attention/explain ------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class Recomputed:
+    """HeadExplanation.recompute(): the attention row and the head's output, from q, keys, values."""
+
+    softmax: np.ndarray  # (keys,)
+    z: np.ndarray  # (d_head,)
+
+
+@dataclass(frozen=True, eq=False)
+class HeadExplanation:
+    """An /attention/explain answer: one head's attention at one query, step by step, as float64
+    arrays: `q` [d_head], `keys` / `values` [keys, d_head], `scores` = keys @ q, `scaled` = scores
+    * scale, `mask` (True = may attend), `masked` (-inf where masked), `softmax`, the model's own
+    `pattern_row` beside it, and `z` = softmax @ values. `recompute()` does it again here."""
+
+    model: str
+    family: str
+    group: str
+    layer: int
+    head: int
+    query: int
+    query_token: Token
+    key_tokens: list[Token]
+    d_head: int
+    scale: float
+    kv_head: int
+    positions: str
+    formula: str
+    q: np.ndarray
+    keys: np.ndarray
+    values: np.ndarray
+    scores: np.ndarray
+    scaled: np.ndarray
+    mask: np.ndarray
+    masked: np.ndarray
+    softmax: np.ndarray
+    pattern_row: np.ndarray
+    z: np.ndarray
+    tokens: list[Token]
+    target_tokens: list[Token] | None = None
+    generated: bool | None = None
+    ablate: list[Ablation] | None = None
+
+    @classmethod
+    def from_json(cls, body: dict) -> HeadExplanation:
+        d_head = int(body["d_head"])
+        vectors = lambda rows: np.array(rows, dtype=np.float64).reshape(len(rows), d_head)
+        masked = np.array([-np.inf if v is None else float(v) for v in body["masked"]], dtype=np.float64)
+        return cls(body["model"], body["family"], body["group"], int(body["layer"]), int(body["head"]),
+                   int(body["query"]), Token.from_json(body["query_token"]), _tokens(body["key_tokens"]), d_head,
+                   float(body["scale"]), int(body["kv_head"]), body["positions"], body["formula"],
+                   np.array(body["q"], dtype=np.float64), vectors(body["keys"]), vectors(body["values"]),
+                   np.array(body["scores"], dtype=np.float64), np.array(body["scaled"], dtype=np.float64),
+                   np.array(body["mask"], dtype=bool), masked, np.array(body["softmax"], dtype=np.float64),
+                   np.array(body["pattern_row"], dtype=np.float64), np.array(body["z"], dtype=np.float64),
+                   _tokens(body["tokens"]),
+                   _tokens(body["target_tokens"]) if body.get("target_tokens") is not None else None,
+                   body.get("generated"), _ablations(body))
+
+    def recompute(self) -> Recomputed:
+        """softmax(q . k * scale, masked) and its weighted sum of the values, from q, keys and
+        values alone (float64): compare `.softmax` with `pattern_row`, `.z` with `z`."""
+        logits = np.where(self.mask, self.keys @ self.q * self.scale, -np.inf)
+        weights = np.exp(logits - logits.max())
+        weights /= weights.sum()
+        return Recomputed(weights, weights @ self.values)
+
+    def __repr__(self) -> str:
+        return (f"HeadExplanation(model={self.model!r}, group={self.group!r}, layer={self.layer}, head={self.head}, "
+                f"query={self.query} {self.query_token.text!r}, keys={len(self.key_tokens)}, d_head={self.d_head})")

@@ -9,7 +9,9 @@
 
 Every endpoint is written once, as a generator of requests (`_Call`s) that receives each answer's
 JSON and returns the typed answer; Client drives it with blocking httpx calls, AsyncClient with
-awaited ones, so both have the same methods (AsyncClient's are awaited). Errors are exceptions
+awaited ones, so both have the same methods (AsyncClient's are awaited): models, attention,
+generate, stream, fill_mask, classify, and the explain routes heads (HeadAtlas), logits
+(LogitsAnswer), lens (LensAnswer) and explain (HeadExplanation). Errors are exceptions
 carrying the server's status, message, `param`, `code` and Retry-After (attnlens.errors).
 """
 
@@ -20,16 +22,21 @@ import json
 import time
 from collections.abc import AsyncIterator, Generator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import httpx
 
+from .ablation import AblateSpec, ablate_body
 from .answers import (
     Attention,
     Classification,
     FillMask,
     GeneratedToken,
     Generation,
+    HeadAtlas,
+    HeadExplanation,
+    LensAnswer,
+    LogitsAnswer,
     ModelSummary,
     StreamDone,
 )
@@ -38,6 +45,7 @@ from .errors import APIConnectionError, APIError, StreamError, error_from_respon
 DEFAULT_URL = "http://127.0.0.1:8000"
 Format = Literal["json", "f16", "u8"]
 Packing = Literal["full", "tril"]
+Probe = Union[bool, dict, tuple[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,32 @@ Endpoint = Generator[_Call, Any, Any]  # yields requests, receives their JSON, r
 def _given(**fields) -> dict:
     """The fields the caller gave (None = the server's default)."""
     return {k: v for k, v in fields.items() if v is not None}
+
+
+def _listed(values) -> list | None:
+    return None if values is None else list(values)
+
+
+def _sequence(text: str | None, ids, messages, target: str | None, target_ids, model: str | None,
+              ablate: AblateSpec) -> dict:
+    """The fields every explain route reads its sequence from (as /attention does), and `ablate`."""
+    return _given(model=model, text=text, ids=_listed(ids), messages=_listed(messages), target=target,
+                  target_ids=_listed(target_ids), ablate=ablate_body(ablate))
+
+
+def _probe_body(probe: Probe) -> dict | None:
+    """/heads' `probe`: True (the default probe), (length, seed) or the field's dict as it is."""
+    if probe is None or probe is False:
+        return None
+    if probe is True:
+        return {"kind": "repeated_random"}
+    if isinstance(probe, tuple):
+        if len(probe) != 2:
+            raise ValueError(f"probe: give (length, seed), not {probe!r}")
+        return {"kind": "repeated_random", "length": probe[0], "seed": probe[1]}
+    if isinstance(probe, dict):
+        return {"kind": "repeated_random", **probe}
+    raise TypeError(f"probe: True, (length, seed) or a dict, not {type(probe).__name__}")
 
 
 class SSEParser:
@@ -98,7 +132,7 @@ class _Endpoints:
 
     def _attention(self, text: str | None, ids: list[int] | None, model: str | None, layers, heads, format: str,
                    packing: str | None, target: str | None, target_ids: list[int] | None,
-                   messages: list[dict] | None = None) -> Endpoint:
+                   messages: list[dict] | None = None, ablate: AblateSpec = None) -> Endpoint:
         if packing is None:  # the smaller packing the model allows: tril where its family has causal maps
             family = yield from self._family(model)
             packing = "tril" if family and any(g["causal"] for g in family["groups"]) else "full"
@@ -106,7 +140,7 @@ class _Endpoints:
                       layers=None if layers is None else list(layers), heads=None if heads is None else list(heads),
                       format=format, packing=packing, target=target,
                       target_ids=None if target_ids is None else list(target_ids),
-                      messages=None if messages is None else list(messages))
+                      messages=None if messages is None else list(messages), ablate=ablate_body(ablate))
         answer = yield _Call("POST", "/attention", body)
         return Attention.from_json(answer, text=text)
 
@@ -125,6 +159,9 @@ class _Endpoints:
     def _model_info(self, model: str | None) -> Endpoint:
         return (yield _Call("GET", "/model", params=_given(model=model)))
 
+    def _post(self, path: str, body: dict, answer_type) -> Endpoint:
+        return answer_type.from_json((yield _Call("POST", path, body)))
+
     # --- the public methods (AsyncClient's return awaitables) -----------------------------------
     def models(self):
         """Every loaded model (GET /models): name, family, sizes, tasks, labels."""
@@ -137,27 +174,32 @@ class _Endpoints:
     def attention(self, text: str | None = None, *, ids: list[int] | None = None, model: str | None = None,
                   layers: Iterable[int] | None = None, heads: Iterable[int] | None = None, format: Format = "json",
                   packing: Packing | None = None, target: str | None = None, target_ids: list[int] | None = None,
-                  messages: list[dict] | None = None):
+                  messages: list[dict] | None = None, ablate: AblateSpec = None):
         """POST /attention: every map of `text` (or of token `ids` as they are, or of a chat model's
         conversation `messages`, [{"role", "content"}, ...], rendered by its template) -> Attention.
 
         `layers` / `heads` pick a subset (model indices); `format` is the transfer format (json:
         exact to 6 decimals, f16, u8: smaller), `packing` None picks the smaller one the model
         allows. Either way `.maps` is a float32 [layers][heads][query][key] array. An
-        encoder-decoder takes `target` (or `target_ids`); without one it translates greedily."""
+        encoder-decoder takes `target` (or `target_ids`); without one it translates greedily.
+        `ablate` gives the maps of the model with those heads ablated (as in every method that
+        takes it: [{"layer", "head", "how", "group"}] dicts, attnlens.Ablation's, or the text
+        form "2.2z,3.1m,cross:0.1z"; see attnlens.ablation); the answer echoes them."""
         return self._drive(self._attention(text, ids, model, layers, heads, format, packing, target, target_ids,
-                                           messages))
+                                           messages, ablate))
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None, model: str | None = None,
                  max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop: str | list[str] | None = None,
-                 logprobs: int | None = None, return_attention: bool | None = None):
+                 logprobs: int | None = None, return_attention: bool | None = None, ablate: AblateSpec = None):
         """POST /generate -> Generation (text, prompt_tokens, typed tokens, finish_reason, usage), of
         `prompt` or of a chat model's conversation `messages` (its prompt_tokens: the rendered
-        template's). Parameters left None take the server's defaults."""
+        template's). Parameters left None take the server's defaults. `ablate`: generate with
+        those heads ablated ("mean": over the prompt's positions); the answer echoes them."""
         return self._drive(self._generate(_generate_body(
             prompt, messages=messages, model=model, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_k=top_k, top_p=top_p, seed=seed, stop=stop, logprobs=logprobs, return_attention=return_attention)))
+            top_k=top_k, top_p=top_p, seed=seed, stop=stop, logprobs=logprobs, return_attention=return_attention,
+            ablate=ablate)))
 
     def fill_mask(self, text: str, *, top_k: int | None = None, model: str | None = None):
         """POST /fill-mask (an encoder): the top-k candidates of each [MASK] -> FillMask."""
@@ -167,15 +209,58 @@ class _Endpoints:
         """POST /classify (an encoder with labels): every label's probability -> Classification."""
         return self._drive(self._classify(text, model))
 
+    # --- the explain routes: which heads do what, and whether they matter ------------------------
+    def heads(self, text: str | None = None, *, ids: list[int] | None = None, probe: Probe = None,
+              target: str | None = None, target_ids: list[int] | None = None, model: str | None = None):
+        """POST /heads: every head of every attention group scored on `text`, token `ids` or the
+        repeated-random `probe` (exactly one; probe=True: the default length, (length, seed), or
+        the field's dict) -> HeadAtlas: `.scores[name]` [layers, heads] arrays, `.roles`,
+        `.top("induction", 5)`, and per group `.groups[name]`. The translator takes `target`."""
+        body = _given(model=model, text=text, ids=_listed(ids), probe=_probe_body(probe), target=target,
+                      target_ids=_listed(target_ids))
+        return self._drive(self._post("/heads", body, HeadAtlas))
+
+    def logits(self, text: str | None = None, *, ids: list[int] | None = None, messages: list[dict] | None = None,
+               target: str | None = None, target_ids: list[int] | None = None, model: str | None = None,
+               top_k: int | None = None, positions: Literal["all", "last"] | None = None, ablate: AblateSpec = None):
+        """POST /logits: at every position (or the "last") the top_k predicted tokens and the actual
+        next token's probability -> LogitsAnswer. With `ablate`, the ablated model's, the `clean`
+        run's and the `effect` (kl, delta_logprob arrays per position)."""
+        body = {**_sequence(text, ids, messages, target, target_ids, model, ablate),
+                **_given(top_k=top_k, positions=positions)}
+        return self._drive(self._post("/logits", body, LogitsAnswer))
+
+    def lens(self, text: str | None = None, *, ids: list[int] | None = None, messages: list[dict] | None = None,
+             target: str | None = None, target_ids: list[int] | None = None, model: str | None = None,
+             top_k: int | None = None, ablate: AblateSpec = None):
+        """POST /lens, the logit lens: the residual stream at the embeddings and after every block
+        through the final norm and the head -> LensAnswer (`labels`, `top1` grid, `prob`,
+        `actual_rank`, `actual_prob` [rows, T])."""
+        body = {**_sequence(text, ids, messages, target, target_ids, model, ablate), **_given(top_k=top_k)}
+        return self._drive(self._post("/lens", body, LensAnswer))
+
+    def explain(self, text: str | None = None, *, layer: int, head: int, query: int, group: str | None = None,
+                ids: list[int] | None = None, messages: list[dict] | None = None, target: str | None = None,
+                target_ids: list[int] | None = None, model: str | None = None, ablate: AblateSpec = None):
+        """POST /attention/explain: head `head` of layer `layer` (in `group`, default the family's
+        first) at query position `query`, step by step -> HeadExplanation (q, keys, values,
+        scores, softmax, pattern_row, z as arrays; `.recompute()` does it again here)."""
+        body = {**_sequence(text, ids, messages, target, target_ids, model, ablate),
+                **_given(group=group), "layer": layer, "head": head, "query": query}
+        return self._drive(self._post("/attention/explain", body, HeadExplanation))
+
     def _drive(self, endpoint: Endpoint):
         raise NotImplementedError
 
 
 def _generate_body(prompt: str | None, **options) -> dict:
-    """/generate's body: the prompt (or `messages`) and the options given (a lone stop string as a list)."""
+    """/generate's body: the prompt (or `messages`) and the options given (a lone stop string as a
+    list, `ablate` in any of its forms as the list of dicts)."""
     stop = options.get("stop")
     if isinstance(stop, str):
         options["stop"] = [stop]
+    if "ablate" in options:
+        options["ablate"] = ablate_body(options["ablate"])
     return _given(prompt=prompt, **options)
 
 

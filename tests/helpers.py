@@ -4,10 +4,12 @@ generation must produce, and waiting on an engine's generations."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import httpx
 import pytest
 import torch
 
@@ -244,3 +246,18 @@ def assert_json_close(a, b, abs_tol: float = 1e-5, path: str = "") -> None:
         assert a == pytest.approx(b, abs=abs_tol), path
     else:
         assert a == b, path
+
+
+
+class RecordingTransport(httpx.HTTPTransport):
+    """An httpx transport that keeps the JSON body of every request sent with one (what a client
+    sends): attnlens.Client(url, transport=RecordingTransport()), then `.bodies`."""
+
+    def __init__(self):
+        super().__init__()
+        self.bodies: list[dict] = []
+
+    def handle_request(self, request):
+        if request.content:
+            self.bodies.append(json.loads(request.content))
+        return super().handle_request(request)

@@ -4,7 +4,6 @@ streams, and the server's errors as exceptions carrying its param, code and Retr
 
 from __future__ import annotations
 
-import json
 
 import httpx
 import numpy as np
@@ -14,7 +13,7 @@ import attnlens
 from attnlens import local
 from attnlens.codec import PRECISION
 from conftest import REPO_ROOT
-from helpers import run_async
+from helpers import RecordingTransport, run_async
 
 pytestmark = pytest.mark.slow  # one server on three models, shared by the session
 
@@ -107,19 +106,8 @@ def test_the_translator_answer_names_its_three_groups(client, reference):
     assert given.generated is False
 
 
-class Recording(httpx.HTTPTransport):
-    def __init__(self):
-        super().__init__()
-        self.bodies: list[dict] = []
-
-    def handle_request(self, request):
-        if request.content:
-            self.bodies.append(json.loads(request.content))
-        return super().handle_request(request)
-
-
 def test_packing_left_to_the_client_is_the_smaller_one_the_model_allows(bundled_server):
-    transport = Recording()
+    transport = RecordingTransport()
     with attnlens.Client(bundled_server.url, transport=transport) as c:
         c.attention("To be", format="u8")
         c.attention("To be", model="encoder", format="u8")
