@@ -118,12 +118,13 @@ def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tup
     layers = []
     for index, name in enumerate(names, start=-1):
         logits = final if name == names[-1] else model.unembed(hooks.captured[name][0]).float()  # (T, V)
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (T, 1): probabilities are exp(logit - lse)
-        top = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
-        top_probs = (top.values - lse).exp().tolist()
-        chosen = logits.gather(1, picks)  # (T, 1)
-        p_actual = (chosen - lse)[:, 0].exp().tolist()
-        ranks = torch.count_nonzero(logits > chosen, dim=-1).tolist()  # tokens strictly more likely
+        # one log-softmax pass (cheaper on the CPU than a separate log-sum-exp), then everything from it
+        logprobs = torch.log_softmax(logits, dim=-1)  # (T, V)
+        top = torch.topk(logprobs, min(top_k, logprobs.shape[-1]), dim=-1)
+        top_probs = top.values.exp().tolist()
+        chosen = logprobs.gather(1, picks)  # (T, 1)
+        p_actual = chosen[:, 0].exp().tolist()
+        ranks = torch.gt(logprobs, chosen).sum(-1, dtype=torch.int32).tolist()  # tokens strictly more likely
         rows = [{"top": list(zip(i, p)), "actual": None if a is None else {"id": a, "rank": r, "prob": pa}}
                 for i, p, a, r, pa in zip(top.indices.tolist(), top_probs, actual, ranks, p_actual)]
         layers.append({"index": index, "positions": rows})
