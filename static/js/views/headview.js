@@ -2,8 +2,35 @@
 
 import { MatrixView } from "./matrixview.js";
 import { removeSink, headStats, HEAD_STATS_ROWS } from "../attention.js";
+import { ExplainPanel } from "../explain/explainpanel.js";
 
 export class HeadView extends MatrixView {
+  mount(host) {
+    super.mount(host);
+    this.explain = new ExplainPanel(this.ctx); // a click on a cell computes its row step by step
+    this.explain.mount(host);
+  }
+
+  unmount() {
+    this.explain?.unmount();
+    super.unmount();
+  }
+
+  async render(params, changed, isCurrent) {
+    const onlyExplain = this.result && changed && changed.size && [...changed].every((k) => k === "explain" || k === "ablate");
+    const drawn = onlyExplain ? ((this.params = params), true) : await super.render(params, changed, isCurrent);
+    const explain = params.model.capabilities.has("server") ? params.selection.explain : null;
+    if (isCurrent?.() !== false) this.explain.show(params, explain, this.clickedCol);
+    return drawn;
+  }
+
+  onCellClick(c) {
+    super.onCellClick(c);
+    this.clickedCol = c.col;
+    const multi = c.event && (c.event.shiftKey || c.event.ctrlKey || c.event.metaKey);
+    if (!multi && this.params.model.capabilities.has("server")) this.ctx.select({ explain: c.row }); // a notebook's view has no server to ask
+  }
+
   async compute({ attention: att, selection: { layer, head }, settings: { sink }, tokens, boundary, causal, scope }) {
     await att.ensure([layer]);
     let data = att.head(layer, head);
@@ -26,7 +53,7 @@ export class HeadView extends MatrixView {
         `<b>Layer ${layer} · head ${head}</b>${scope ? ` of ${scope}` : ""} — ${shape} ` +
         `<span class="head-stats" data-self="${stats.self}" data-previous="${stats.previous}" data-first="${stats.first}">` +
         `Mean weight on itself ${pct(stats.self)}, on the previous token ${pct(stats.previous)}, on the first token ${pct(stats.first)}, ${causal ? HEAD_STATS_ROWS : "averaged over query rows 1 … T−1"}</span>` +
-        `${sink ? "; colours with the first-token column hidden and rows renormalised" : ""}. Click a row to pin it; shift-click to add rows.${where}`,
+        `${sink ? "; colours with the first-token column hidden and rows renormalised" : ""}. Click a cell to pin its row and see how the head computes it (below the map); shift-click to add rows.${where}`,
     };
   }
 }
