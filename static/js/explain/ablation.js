@@ -28,12 +28,20 @@ export function formatAblation(list) {
 const same = (a, b) => a.layer === b.layer && a.head === b.head && (a.group ?? null) === (b.group ?? null);
 
 /**
- * The text kept in range for a model: entries whose layer, head and group the model has, each
- * head once (the first wins). `groups`: the names of the family's attention groups.
+ * The group an entry without one means (the API's rule): the family's first generating group,
+ * else its first group.
  */
-export function constrainAblation(text, { n_layers: L, n_heads: H }, groups = []) {
+export const defaultGroup = (familyInfo) => familyInfo?.generation?.step_groups?.[0] ?? familyInfo?.groups?.[0]?.name ?? null;
+
+/**
+ * The text kept in range for a model: entries whose layer, head and group the model has, each
+ * head once (the first wins). `groups`: the names of the family's attention groups; with
+ * several, an entry without a group gets `fallback` written out (so the link says which).
+ */
+export function constrainAblation(text, { n_layers: L, n_heads: H }, groups = [], fallback = null) {
   const kept = [];
   for (const a of parseAblation(text)) {
+    if (!a.group && groups.length > 1 && fallback) a.group = fallback;
     if (a.layer >= L || a.head >= H) continue;
     if (a.group && !groups.includes(a.group)) continue;
     if (kept.some((b) => same(a, b))) continue;

@@ -163,6 +163,7 @@ export class AtlasView {
           const strength = Math.max(0.25, Math.min(1, cell.role_score ?? 0));
           b.style.setProperty("--role", roleColour(cell.role));
           b.style.setProperty("--strength", String(cell.role === "mixed" ? 0.5 : strength));
+          b.classList.toggle("faint", cell.role === "mixed" || strength < 0.55); // dark text on a pale cell
           b.innerHTML = `<span class="atlas-abbr">${escapeHTML(SHORT[cell.role] ?? label(cell.role).slice(0, 5))}</span><span class="atlas-score">${num(cell.role_score)}</span>`;
           b.setAttribute("aria-label", `${several ? g.name + " " : ""}layer ${l}, head ${h}: ${label(cell.role)} ${num(cell.role_score)}`);
           b.addEventListener("click", (e) => {

@@ -5,7 +5,7 @@ import { capabilities, primaryGroup } from "../family.js";
 import { SEQUENTIAL, DIVERGING } from "../colormap.js";
 import { SCALES } from "../scales.js";
 import { OPS } from "./aggregateview.js";
-import { parseAblation, constrainAblation } from "../explain/ablation.js";
+import { parseAblation, constrainAblation, defaultGroup } from "../explain/ablation.js";
 
 const clamp = (v, n) => Math.max(0, Math.min(n - 1, v | 0));
 
@@ -33,7 +33,7 @@ export function constrainState(s, meta, viewIds) {
     if (out.layers) out.layers = out.layers.filter((l) => l < L);
     if (out.heads) out.heads = out.heads.filter((h) => h < H);
     if (out.lheads) out.lheads = out.lheads.filter((h) => h < H);
-    out.ablate = constrainAblation(out.ablate, meta, (meta.family_info?.groups ?? []).map((g) => g.name));
+    out.ablate = constrainAblation(out.ablate, meta, (meta.family_info?.groups ?? []).map((g) => g.name), defaultGroup(meta.family_info));
   }
   if (out.gen) out.step = Math.min(out.step, Math.max(0, out.gen.tokens.length - 1));
   if (out.att?.T) out.pin = out.pin.filter((r) => r < out.att.T);
