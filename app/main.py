@@ -48,6 +48,7 @@ from .schemas import StreamDone, StreamError, StreamToken
 from .settings import Settings, default_switch_interval_ms
 from .shutdown import DrainMiddleware
 from .state import AppState
+from .routers import heads as heads_router  # POST /heads, the head atlas
 
 log = logging.getLogger("attnlens.app")
 
@@ -203,6 +204,7 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
     for module in (generate, attention, encoder, openai, ops, ui):
         app.include_router(module.router)
     add_stream_schemas(app)
+    app.include_router(heads_router.router)
     if settings.static_dir.is_dir():
         app.mount("/static", StaticFiles(directory=settings.static_dir), name="static")
 

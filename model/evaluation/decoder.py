@@ -35,6 +35,8 @@ import torch.nn.functional as F
 
 from ..data.names import name_forms, names
 from ..data.shakespeare import load_split
+from ..head_scores import PATTERNS, induction_pattern, mul_score
+from ..head_scores import repeated_random_tokens as _repeated_random_tokens
 
 LN2 = math.log(2.0)
 SAMPLE_EVERY = 8  # the windows a test recomputes: every 8th held-out window
@@ -99,47 +101,11 @@ def unigram_bits_per_byte(tokenizer, train_stream: torch.Tensor, stream: torch.T
             "method": "add-one-smoothed token frequencies of the training works, no context"}
 
 
-# --- induction: TransformerLens's head_detector definitions --------------------------------
+# --- induction: TransformerLens's head_detector definitions (model/head_scores.py) -----------
 def repeated_random_tokens(tokenizer, n: int = N_SEQUENCES, length: int = REPEAT_TOKENS,
                            seed: int = INDUCTION_SEED) -> torch.Tensor:
     """(n, 1 + 2*length): BOS, then `length` random ordinary tokens, then the same again."""
-    ordinary = torch.tensor([i for i in range(tokenizer.vocab_size) if i not in tokenizer.special_ids])
-    g = torch.Generator().manual_seed(seed)
-    draws = ordinary[torch.randint(0, len(ordinary), (n, length), generator=g)]
-    bos = torch.full((n, 1), tokenizer.eos_id, dtype=torch.long)
-    return torch.cat([bos, draws, draws], dim=1)
-
-
-def duplicate_token_pattern(tokens: torch.Tensor) -> torch.Tensor:
-    """(T,) -> (T, T): 1 where key j < query i holds the query's token (detect_head's)."""
-    eq = (tokens[:, None] == tokens[None, :]).float()
-    eq.fill_diagonal_(0)
-    return torch.tril(eq)
-
-
-def induction_pattern(tokens: torch.Tensor) -> torch.Tensor:
-    """(T,) -> (T, T): the duplicate pattern shifted one key to the right, first column 0."""
-    dup = duplicate_token_pattern(tokens)
-    shifted = torch.zeros_like(dup)
-    shifted[:, 1:] = dup[:, :-1]
-    return torch.tril(shifted)
-
-
-def previous_token_pattern(tokens: torch.Tensor) -> torch.Tensor:
-    T = len(tokens)
-    pattern = torch.zeros(T, T)
-    pattern[1:, :-1] = torch.eye(T - 1)
-    return pattern
-
-
-PATTERNS = {"induction": induction_pattern, "previous_token": previous_token_pattern,
-            "duplicate_token": duplicate_token_pattern}
-
-
-def mul_score(attention: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
-    """(..., T, T) attention and (T, T) pattern -> (...) scores: sum(attention * pattern) /
-    sum(attention), detect_head's "mul" error measure."""
-    return (attention * pattern).sum((-2, -1)) / attention.sum((-2, -1))
+    return _repeated_random_tokens(tokenizer, n, length, seed)
 
 
 @torch.no_grad()

@@ -1,0 +1,83 @@
+"""POST /heads: the head atlas. Every head of every attention group the model's family declares,
+scored on a text, on token ids, or on the built-in repeated-random probe, with a role per head
+(app/head_atlas.py; the definitions are model/head_scores.py's)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from fastapi import APIRouter, Depends
+
+from ..answers import off_loop
+from ..deps import get_state
+from ..encoder_tasks import TaskInputError, framed_ids
+from ..errors import ApiError, field_error
+from ..head_atlas import (DEFAULT_PROBE_LENGTH, atlas_answer, max_probe_length, probe_ids, probe_overhead,
+                          score_heads)
+from ..heads_schemas import HeadsRequest, HeadsResponse
+from ..prompts import check_text_bytes
+from ..registry import ATTENTION, ServedModel, lookup
+from ..state import AppState
+from .attention import _input_ids, _target_ids
+
+router = APIRouter(tags=["heads"])
+
+
+def _one_input(body: HeadsRequest) -> None:
+    given = [name for name in ("text", "ids", "probe") if getattr(body, name) is not None]
+    if not given:
+        raise field_error("text", "give text (to tokenise), ids (token ids) or probe (the built-in probe)", "missing")
+    if len(given) > 1:
+        raise field_error(given[1], f"give exactly one of text, ids or probe, not {' and '.join(given)}",
+                          "exclusive")
+
+
+async def _probe(body: HeadsRequest, served: ServedModel) -> tuple[list[int], dict]:
+    family, tok = served.family, served.checkpoint.tokenizer
+    most = max_probe_length(family, served.checkpoint.config.context_length)
+    length = body.probe.length if body.probe.length is not None else min(DEFAULT_PROBE_LENGTH, most)
+    if not 1 <= length <= most:
+        raise ApiError(400, f"probe.length {length} does not fit: the probe has 2 x length + "
+                            f"{probe_overhead(family)} tokens and the model's "
+                            f"context is {served.checkpoint.config.context_length}, so length runs 1..{most}",
+                       param="probe.length", code="context_length_exceeded")
+    ids = await off_loop(probe_ids, family, tok, length, body.probe.seed)
+    return ids, {"kind": body.probe.kind, "length": length, "seed": body.probe.seed}
+
+
+@router.post(
+    "/heads",
+    response_model=HeadsResponse,
+    responses={400: {"description": "text, ids or the probe longer than the model's context (the message "
+                                    "gives the numbers), or a target for a model that takes none"},
+               404: {"description": "unknown model"}, 413: {},
+               429: {"description": "too many requests waiting for the model; see Retry-After"}, 503: {}},
+)
+async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
+    """Per-head scores and roles of every attention group, on `text`, `ids` or `probe` (exactly one).
+
+    Scores come from the attention maps /attention shows. previous_token, duplicate_token and
+    induction are TransformerLens's head detector ("mul", no exclusions) on a causal group, their
+    bidirectional analogues (and next_token) on an encoder's; every self group also has
+    first_token, self, entropy and mean_distance; a cross group alignment, first_token and
+    entropy. `definitions` says each in one line and `thresholds` which score a role needed.
+    The probe {"kind": "repeated_random", "length": n, "seed": s} is BOS + n random tokens + the
+    same n, where an induction head shows (about 0.5 at most on a causal model).
+    """
+    served = lookup(state, body.model, ATTENTION)
+    family, cfg, tok = served.family, served.checkpoint.config, served.checkpoint.tokenizer
+    _one_input(body)
+    target = await _target_ids(body, served)
+    probe = None
+    if body.probe is not None:
+        ids, probe = await _probe(body, served)
+    elif family.framing == "cls_sep" and body.text is not None:
+        check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
+        try:
+            ids = await off_loop(framed_ids, served.checkpoint, body.text)
+        except TaskInputError as e:
+            raise ApiError(400, str(e), param=e.param, code=e.code) from None
+    else:
+        ids = await _input_ids(body, tok, cfg.context_length)
+    result = await served.call_model(partial(score_heads, ids=ids, target_ids=target))
+    return await off_loop(atlas_answer, family, result, tok, served.name, probe)
