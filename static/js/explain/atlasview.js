@@ -18,7 +18,7 @@ export const ROLE_COLOURS = {
   self: "#059669",
   broad: "#d97706",
   alignment: "#0891b2",
-  next_token: "#4f46e5",
+  next_token: "#db2777",
   mixed: "#cbd5e1",
 };
 const SHORT = { previous_token: "prev", duplicate_token: "dup", induction: "ind", first_token: "first", self: "self", broad: "broad", alignment: "align", next_token: "next", mixed: "mix" };
@@ -56,7 +56,7 @@ export class AtlasView {
       </div>
       <div class="atlas-legend" aria-label="Roles"></div>
       <div class="atlas-groups"></div>
-      <p class="atlas-notes hint"></p>`;
+      <div class="atlas-notes hint"></div>`;
     host.append(this.root);
     for (const b of this.root.querySelectorAll("[data-probe]")) b.addEventListener("click", () => this.ctx.select({ probe: b.dataset.probe === "1" }));
     this.chooseBtn = this.root.querySelector(".atlas-choose");
@@ -184,9 +184,13 @@ export class AtlasView {
       section.append(grid);
       host.append(section);
     });
-    const defs = Object.entries(a.definitions ?? {}).map(([k, v]) => `<b>${escapeHTML(label(k))}</b>: ${escapeHTML(v)}`);
-    const notes = a.notes ? [escapeHTML(a.notes)] : [];
-    this.root.querySelector(".atlas-notes").innerHTML = [...notes, ...defs].join("<br>");
+    // how each score is defined (a group's own definitions where it has them: an encoder's bidirectional analogues)
+    const defs = (d) => Object.entries(d ?? {}).map(([k, v]) => `<b>${escapeHTML(label(k))}</b>: ${escapeHTML(v)}`).join("<br>");
+    const notes = [a.notes ?? []].flat().map(escapeHTML).join("<br>");
+    const perGroup = a.groups.filter((g) => g.definitions && JSON.stringify(g.definitions) !== JSON.stringify(a.definitions));
+    this.root.querySelector(".atlas-notes").innerHTML =
+      (notes ? `<p>${notes}</p>` : "") +
+      `<details><summary>How the scores are defined</summary>${defs(a.definitions)}${perGroup.map((g) => `<p><b>${escapeHTML(g.name)}</b>:<br>${defs(g.definitions)}</p>`).join("")}</details>`;
     this.markCells();
   }
 
