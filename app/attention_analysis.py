@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnlens.model import Family, family_of
+from attnlens.model.hooks import Hooks, hooked
 
 from .attention_codec import encode, encoded_bytes
 
@@ -32,9 +33,17 @@ class AnalysisMaps:
 
 
 def analyse_attention(model, ids: list[int], layers: list[int], heads: list[int],
-                      target_ids: list[int] | None = None) -> AnalysisMaps:
-    """Runs on the model's side: every group's maps, then the asked layers and heads."""
-    analysis = model.analyse(ids, target_ids)
+                      target_ids: list[int] | None = None, ablate: tuple = ()) -> AnalysisMaps:
+    """Runs on the model's side: every group's maps (with `ablate`, model/hooks.py's ZEdits, those of
+    the ablated model; a default target is still the unablated model's output), then the asked
+    layers and heads."""
+    generated = False
+    if ablate and target_ids is None and family_of(model).takes_target:
+        tokens, generated = model.sequence(ids, None)  # the clean translation, before any edit
+        target_ids = tokens["target"][1:]
+    with hooked(model, Hooks(ablate=ablate) if ablate else None):
+        analysis = model.analyse(ids, target_ids)
+    analysis.generated_target = analysis.generated_target or generated
     pick = lambda a: a[layers][:, heads].float().cpu().numpy()  # (L, H, Q, K) -> (L', H', Q, K)
     return AnalysisMaps(analysis.tokens, {name: pick(m) for name, m in analysis.maps.items()},
                         analysis.generated_target)

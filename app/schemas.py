@@ -55,6 +55,24 @@ def stop_list(value: str | list[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value or [])
 
 
+# --- ablation (a field of /generate, /attention and the explain routes) ---------
+class Ablation(Strict):
+    """One attention head to ablate (model/hooks.py): its output before the output projection (z)
+    set to 0 ("zero") or to its mean over the sequence's positions ("mean"; on /generate, the
+    prompt positions' mean, held for every generated token)."""
+
+    layer: int = Field(description="0..n_layers-1")
+    head: int = Field(description="0..n_heads-1")
+    how: Literal["zero", "mean"] = "zero"
+    group: str | None = Field(None, description="the attention group (GET /models lists a model's): null = the "
+                              "family's first generating group (decoder and encoder: self; encoder-decoder: decoder)")
+
+
+ABLATE_DESCRIPTION = ("heads to ablate, at most ATTNLENS_MAX_ABLATIONS (default 64), no head twice; the answer "
+                      "echoes them with each group resolved")
+Ablate = Annotated[list[Ablation] | None, Field(description=ABLATE_DESCRIPTION)]
+
+
 # --- /generate ---------------------------------------------------------------
 class GenerateRequest(Strict):
     model: ModelName | None = Field(None, description=MODEL_FIELD)
@@ -68,6 +86,8 @@ class GenerateRequest(Strict):
     logprobs: int = Field(0, ge=0, le=20, description="alternatives per token")
     stream: bool = False
     return_attention: bool = False
+    ablate: Ablate = Field(None, description=ABLATE_DESCRIPTION + "; only this generation's row is edited (it "
+                           "shares its decode batch with other requests)")
 
     _count_stops = field_validator("stop", mode="before")(count_stops)
 
@@ -124,6 +144,7 @@ class GenerateResponse(BaseModel):
         None, description="encoder-decoder only, with return_attention: [token][layer][head][source position]: "
         "the cross-attention row over the source (the prompt's tokens) of the step that wrote each token"
     )
+    ablate: list[Ablation] | None = Field(None, description="the request's ablations, groups resolved")
 
 
 class StreamToken(GeneratedTokenOut):
@@ -150,6 +171,7 @@ class StreamDone(BaseModel):
                                    "character (U+FFFD); the token deltas plus this equal `text`")
     usage: Usage
     timings: Timings
+    ablate: list[Ablation] | None = Field(None, description="the request's ablations, groups resolved")
 
 
 class StreamError(BaseModel):
@@ -191,6 +213,8 @@ class AttentionRequest(Strict):
                                "(tokenised here); without target or target_ids, the model's greedy translation")
     target_ids: list[int] | None = Field(None, min_length=1, description="encoder-decoder only: the target's "
                                          "token ids as they are (without the decoder's start token)")
+    ablate: Ablate = Field(None, description=ABLATE_DESCRIPTION + "; the maps are those of the ablated model "
+                           "(an encoder-decoder's default target is still the unablated model's translation)")
 
 
 class AttentionGroup(BaseModel):
@@ -253,6 +277,7 @@ class AttentionResponse(BaseModel):
         None, description="encoder-decoder only: `tokens` are the source and the top-level maps its "
         "encoder self-attention [L][H][S][S] (always packing 'full'); this holds the target's tokens, the "
         "decoder self-attention and the cross-attention")
+    ablate: list[Ablation] | None = Field(None, description="the request's ablations, groups resolved")
 
 
 # --- operations --------------------------------------------------------------

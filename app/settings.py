@@ -58,6 +58,7 @@ class Settings(BaseSettings):
     kv_cache_bytes: int | None = Field(None, ge=1)
     max_queue: int = Field(64, ge=0)  # generations waiting for a slot
     max_attention_concurrent: int = Field(4, ge=1)  # /attention forwards running or waiting
+    max_ablations: int = Field(64, ge=0)  # heads one request may ablate (`ablate` entries)
     # Per generation: estimated bytes of events (attention rows above all) its client may leave
     # unread; past it the generation ends with an error event and frees its row
     max_stream_backlog_bytes: int = Field(64_000_000, ge=1)

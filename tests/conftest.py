@@ -69,3 +69,43 @@ def bundled_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("bundled-server") / "server.log"
     with attnlens.Server(*dirs, log=log, env={"ATTNLENS_DEVICE": "cpu"}) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def gpt2_export(tmp_path_factory):
+    """(our checkpoint, its export loaded in transformers' GPT2LMHeadModel): random, perturbed
+    weights (every LayerNorm and bias non-trivial, sharp attention), float32 on the CPU."""
+    transformers = pytest.importorskip("transformers")
+    from attnlens.model import load_checkpoint, save_checkpoint
+    from attnlens.model.interop.hf import export_hf
+
+    root = tmp_path_factory.mktemp("gpt2-export")
+    make_tiny_checkpoint(root / "seed", seed=3, layer_norm_eps=1e-6)
+    ck = load_checkpoint(root / "seed")
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in ck.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        for block in ck.model.blocks:
+            block.attn.qkv.weight.mul_(8)
+    save_checkpoint(root / "ours", ck.model, ck.tokenizer)
+    hf_dir = export_hf(root / "ours", root / "hf")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    return load_checkpoint(root / "ours"), hf
+
+
+@pytest.fixture(scope="module")
+def bundled_client():
+    """The app on the three bundled checkpoints (decoder default, encoder, translator), in-process
+    (engines on threads), with a small ablation limit so the limit can be tested."""
+    from fastapi.testclient import TestClient
+
+    from attnlens.app.main import create_app
+    from attnlens.app.settings import Settings
+
+    dirs = [REPO_ROOT / "checkpoints" / name for name in BUNDLED]
+    if not all((d / "model.safetensors").is_file() for d in dirs):
+        pytest.skip("the bundled checkpoints are not all here")
+    settings = Settings(model=dirs[0], models=dirs, device="cpu", engine_process=False, max_ablations=3)
+    with TestClient(create_app(settings)) as c:
+        yield c

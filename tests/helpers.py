@@ -182,3 +182,48 @@ def copy_attention_into_torch(ours, theirs) -> None:
     theirs.out_proj.weight.copy_(ours.proj.weight)
     theirs.out_proj.bias.copy_(ours.proj.bias)
 
+
+
+def head_slice_prehook(head: int, d_head: int, how: str):
+    """A forward pre-hook for a module whose input is the heads' outputs side by side ([B, T, H*D],
+    e.g. transformers' GPT-2 attn.c_proj or BERT's attention.output.dense): head `head`'s slice set
+    to 0 ("zero") or to its mean over the sequence's positions ("mean"), TransformerLens's ablations
+    written out independently of attnlens.model.hooks."""
+    lo, hi = head * d_head, (head + 1) * d_head
+
+    def hook(module, args):
+        (x,) = args
+        x = x.clone()
+        if how == "zero":
+            x[..., lo:hi] = 0
+        else:
+            x[..., lo:hi] = x[..., lo:hi].mean(dim=1, keepdim=True)
+        return (x,)
+
+    return hook
+
+
+def small_config_model(seed: int = 0, **overrides):
+    """A small random decoder built from a config alone (no tokenizer): e.g. Llama-style GQA + rotary."""
+    from attnlens.model import ModelConfig, Transformer
+
+    fields = dict(vocab_size=97, context_length=32, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(**fields)).eval()
+
+
+def assert_json_close(a, b, abs_tol: float = 1e-5, path: str = "") -> None:
+    """Two JSON values equal, floats within abs_tol (nested dicts and lists)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for k in a:
+            assert_json_close(a[k], b[k], abs_tol, f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_json_close(x, y, abs_tol, f"{path}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert a == pytest.approx(b, abs=abs_tol), path
+    else:
+        assert a == b, path

@@ -43,7 +43,8 @@ def operations(fuzz_server):
     return {f"{op.method.upper()} {op.path}": op for op in ops}
 
 
-POSTS = ["POST /generate", "POST /attention", "POST /v1/completions", "POST /fill-mask", "POST /classify"]
+POSTS = ["POST /generate", "POST /attention", "POST /v1/completions", "POST /fill-mask", "POST /classify",
+         "POST /logits", "POST /lens", "POST /attention/explain"]
 GETS = ["GET /v1/models", "GET /v1/models/{model}", "GET /models", "GET /model", "GET /healthz", "GET /readyz",
         "GET /metrics"]  # no inputs: no invalid ones
 

@@ -43,6 +43,7 @@ from attnlens.model import Checkpoint, SamplingParams
 from attnlens.model.cuda_graphs import GraphedDecoder
 from attnlens.model.families.contract import FixedShapeDecoder
 from attnlens.model.decoding import RowSampler, decode_step, make_generator
+from attnlens.model.hooks import ZEdit, batch_hooks, hooked
 
 from .front import MODEL_CALL_FAILED, EngineFront
 from .outputs import FinishRecord, GenerationOutput, PromptRecord, Record, TokenRecord
@@ -63,6 +64,9 @@ class GenerationParams:
     n_logprobs: int = 0
     return_attention: bool = False
     prompt_logprobs: int | None = None  # also score the prompt tokens (OpenAI echo), with this many alternatives
+    # heads to ablate in this generation's row only (model/hooks.py, resolved and checked by the caller);
+    # a mean ablation holds the prompt positions' mean, taken at prefill, for every decode step
+    ablate: tuple[ZEdit, ...] = ()
 
 
 class Generation:
@@ -82,6 +86,7 @@ class Generation:
         self.engine: EngineFront | None = None
         # model thread state
         self.sampler: RowSampler | None = None
+        self.ablation_means: dict = {}  # (module, head) -> the prompt's mean z, for mean ablation
         self.last_token: int | None = None
         self.produced = 0  # tokens generated, a final EOS included
         self.finish_reason: str | None = None  # set on the model thread when it is done
@@ -296,12 +301,13 @@ class Engine(EngineFront):
         inputs = torch.tensor(padded, dtype=torch.long, device=self.device)
         rows = slice(first, first + len(batch))
         try:
-            if len(batch) == 1:
-                step = decode_step(self.model, self.cache, inputs, [batch[0].sampler], rows=rows,
-                                   last_only=batch[0].params.prompt_logprobs is None)
-            else:
-                step = decode_step(self.model, self.cache, inputs, [g.sampler for g in batch], rows=rows,
-                                   n_new=lengths)
+            with hooked(self.model, self._hooks(batch, lengths if len(batch) > 1 else None)):
+                if len(batch) == 1:
+                    step = decode_step(self.model, self.cache, inputs, [batch[0].sampler], rows=rows,
+                                       last_only=batch[0].params.prompt_logprobs is None)
+                else:
+                    step = decode_step(self.model, self.cache, inputs, [g.sampler for g in batch], rows=rows,
+                                       n_new=lengths)
         except Exception as e:
             if len(batch) == 1:
                 self._fail(batch[0], e)
@@ -309,8 +315,11 @@ class Engine(EngineFront):
             for i, g in enumerate(batch):  # whose prompt fails? prefill them one by one
                 one = slice(first + i, first + i + 1)
                 self.cache.free(first + i)
+                g.ablation_means.clear()
                 try:
-                    alone = decode_step(self.model, self.cache, inputs[i : i + 1, : lengths[i]], [g.sampler], rows=one)
+                    with hooked(self.model, self._hooks([g])):
+                        alone = decode_step(self.model, self.cache, inputs[i : i + 1, : lengths[i]], [g.sampler],
+                                            rows=one)
                 except Exception as e:
                     self._fail(g, e)
                     continue
@@ -345,9 +354,13 @@ class Engine(EngineFront):
         inputs = torch.tensor([[g.last_token] for g in rows], dtype=torch.long,
                               device="cpu" if self.graphs is not None else self.device)
         before = self.cache.lengths[: len(rows)].tolist()
+        hooks = self._hooks(rows)
         try:
-            step = decode_step(self.model, self.cache, inputs, [g.sampler for g in rows], graphs=self.graphs,
-                               while_running=self._deliver_held)
+            # a step with an ablated row runs eagerly (a captured graph has no hooks); its other rows
+            # share that step, each with its own edits (none for most)
+            with hooked(self.model, hooks):
+                step = decode_step(self.model, self.cache, inputs, [g.sampler for g in rows],
+                                   graphs=self.graphs if hooks is None else None, while_running=self._deliver_held)
         except Exception:
             # find whose input fails: decode the rows one by one from where they were (their
             # cache positions are written again)
@@ -357,7 +370,8 @@ class Engine(EngineFront):
                 self.graphs = None
             for i, g in enumerate(rows):
                 try:
-                    one = decode_step(self.model, self.cache, inputs[i : i + 1], [g.sampler], rows=slice(i, i + 1))
+                    with hooked(self.model, self._hooks([g])):
+                        one = decode_step(self.model, self.cache, inputs[i : i + 1], [g.sampler], rows=slice(i, i + 1))
                 except Exception as e:
                     self._fail(g, e)
                     continue
@@ -365,6 +379,11 @@ class Engine(EngineFront):
             return
         for g, token, length in zip(rows, step.tokens, before):
             self._advance(g, token, length + 1, records)  # each row took one token
+
+    @staticmethod
+    def _hooks(gens: list[Generation], valid: list[int] | None = None):
+        """One step's per-row ablations (model/hooks.py), or None when no row ablates."""
+        return batch_hooks([g.params.ablate for g in gens], [g.ablation_means for g in gens], valid)
 
     def _advance(self, g: Generation, token, length: int, records: list[Record]) -> None:
         """Record g's new token; decide whether g is done (its row now holds `length` positions)."""

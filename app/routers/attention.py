@@ -15,6 +15,7 @@ from ..attention_analysis import analyse_attention, answer_bytes, answer_fields
 from ..deps import get_state
 from ..encoder_tasks import TaskInputError, framed_ids
 from ..errors import ApiError, field_error
+from ..explain.ablation import resolve_ablate
 from ..prompts import check_text_bytes, check_token_ids, tokenize_text
 from ..registry import ATTENTION, ServedModel, lookup
 from ..schemas import AttentionRequest, AttentionResponse
@@ -35,7 +36,7 @@ def _indices(name: str, requested: list[int] | None, n: int) -> list[int]:
     return list(requested)
 
 
-async def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[int]:
+async def _input_ids(body, tok, context_length: int) -> list[int]:
     """The token ids to analyse: `ids` as given, or `text` tokenised; exactly one of them."""
     if body.text is not None and body.ids is not None:
         raise field_error("ids", "give either text or ids, not both", "exclusive")
@@ -55,7 +56,7 @@ async def _input_ids(body: AttentionRequest, tok, context_length: int) -> list[i
     return ids
 
 
-async def _target_ids(body: AttentionRequest, served: ServedModel) -> list[int] | None:
+async def _target_ids(body, served: ServedModel) -> list[int] | None:
     """The target of a family that reads one (an encoder-decoder): `target` tokenised or `target_ids`
     as they are, or None (then the model's greedy output). The decoder reads start + target:
     context - 1 at most. Any other family refuses a target."""
@@ -86,6 +87,22 @@ async def _target_ids(body: AttentionRequest, served: ServedModel) -> list[int] 
     return ids
 
 
+async def read_sequence(body, served: ServedModel) -> tuple[list[int], list[int] | None]:
+    """The ids a request names (`text` | `ids`, framed as the family frames a text) and its target
+    (`target` | `target_ids`, or None): what /attention and the explain routes analyse."""
+    family, cfg, tok = served.family, served.checkpoint.config, served.checkpoint.tokenizer
+    target = await _target_ids(body, served)
+    if family.framing == "cls_sep" and body.text is not None and body.ids is None:
+        check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
+        try:
+            ids = await off_loop(framed_ids, served.checkpoint, body.text)
+        except TaskInputError as e:
+            raise ApiError(400, str(e), param=e.param, code=e.code) from None
+    else:
+        ids = await _input_ids(body, tok, cfg.context_length)
+    return ids, target
+
+
 @router.post(
     "/attention",
     response_model=AttentionResponse,
@@ -112,15 +129,8 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
                                      f"{family.attention_kind} (full maps): use packing='full'", "unsupported")
     layers = _indices("layers", body.layers, cfg.n_layers)
     heads = _indices("heads", body.heads, cfg.n_heads)
-    target = await _target_ids(body, served)
-    if family.framing == "cls_sep" and body.text is not None and body.ids is None:
-        check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
-        try:
-            ids = await off_loop(framed_ids, served.checkpoint, body.text)
-        except TaskInputError as e:
-            raise ApiError(400, str(e), param=e.param, code=e.code) from None
-    else:
-        ids = await _input_ids(body, tok, cfg.context_length)
+    edits, echo = resolve_ablate(served, body.ablate, state.settings)
+    ids, target = await read_sequence(body, served)
     # the target's rows: start + target, or at most the context for the model's own output
     lengths = {"tokens": len(ids), "source": len(ids),
                "target": cfg.context_length if target is None else len(target) + 1}
@@ -129,7 +139,7 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
                                                    body.packing), what="this answer")
     try:
         analysis = await served.call_model(partial(analyse_attention, ids=ids, layers=layers, heads=heads,
-                                                   target_ids=target))
+                                                   target_ids=target, ablate=edits))
     except BaseException:
         await claim.release()
         raise
@@ -137,7 +147,8 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
     def content() -> dict:  # runs on a worker thread, as does its encoding
         return {"model": served.name, "family": family.name, "direction": family.attention_kind,
                 "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "layers": layers, "heads": heads,
-                "format": body.format, **answer_fields(family, analysis, tok, body.format, body.packing)}
+                "format": body.format, **answer_fields(family, analysis, tok, body.format, body.packing),
+                **({"ablate": [a.model_dump() for a in echo]} if echo is not None else {})}
 
     # Already the documented shape: no re-validating millions of floats.
     return await claimed_json(content, claim, state.settings.send_timeout_s)

@@ -13,6 +13,7 @@ from ..answers import off_loop
 from ..deps import get_state
 from ..engine import EngineFront, GenerationParams
 from ..errors import public_message
+from ..explain.ablation import resolve_ablate
 from ..prompts import tokenize_text
 from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
@@ -56,6 +57,7 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     engine: EngineFront = served.runner
     settings = state.settings
     check_new_token_limit(settings, body.max_new_tokens, "max_new_tokens")
+    edits, echo = resolve_ablate(served, body.ablate, settings)
     tok = engine.tokenizer
     prompt_ids = await tokenize_text(tok, body.prompt, settings.max_prompt_tokens, field="prompt",
                                      limit_name="ATTNLENS_MAX_PROMPT_TOKENS", prompt=True)
@@ -68,6 +70,7 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
         stop=body.stop,
         n_logprobs=body.logprobs,
         return_attention=body.return_attention,
+        ablate=edits,
     )
     generation = engine.submit(params)
     metrics = state.metrics
@@ -81,7 +84,7 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
             ended.append(event)
             if isinstance(event, StreamDone):
                 metrics.observe_generation(event)
-                return sse("done", event)
+                return sse("done", event if echo is None else event.model_copy(update={"ablate": echo}))
             note_unfinished(metrics, "error")
             return sse("error", event.model_copy(update={"message": public_message(event.message)}))
 
@@ -120,6 +123,7 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
             attention=[t.attention for t in out.tokens] if body.return_attention else None,
             cross_attention=([t.cross_attention for t in out.tokens]
                              if body.return_attention and streams_cross else None),
+            ablate=echo,
         ).model_dump_json().encode()
 
     return Response(await off_loop(answer), media_type="application/json")

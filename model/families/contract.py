@@ -43,6 +43,8 @@ class AttentionGroup:
     keys: Axis
     causal: bool  # zero above the diagonal (queries and keys are then the same sequence)
     description: str
+    # the hook name (model/hooks.py) of layer {layer}'s attention module holding this group's heads
+    hook: str = "blocks.{layer}.attn"
 
     @property
     def is_cross(self) -> bool:
@@ -66,6 +68,17 @@ class GenerationSpec:
     def scores_prompt(self) -> bool:
         """Whether a prompt token has a log-probability (a prefix is predicted; a source is read)."""
         return self.prompt == "prefix"
+
+
+@dataclass(frozen=True)
+class LensSpec:
+    """How /logits and /lens read a family (model/explain.py): the residual stream whose positions
+    are scored and what a position's logits predict."""
+
+    stream: Axis  # the axis the scored positions run over: "tokens" or "target"
+    stack: str  # the hook prefix of that stream's blocks (model/hooks.py): "blocks" | "decoder.blocks"
+    predicts: Literal["next", "same"]  # an LM head predicts the next token; an MLM head the one at the position
+    head: str  # for people: which head turns the stream into logits
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,7 @@ class Family:
     # sliding_window, rmsnorm, grouped_query, parallel_residual, classifier
     builds: tuple[str, ...] = field(default=())
     training: TrainingSpec | None = None  # None: `attnlens train` cannot train it (imported only)
+    lens: LensSpec | None = None  # None: no logits to read per position (model/explain.py)
 
     def __post_init__(self) -> None:
         names = [g.name for g in self.groups]
@@ -202,6 +216,26 @@ class GenerativeModel(Protocol):
     def step_attention(self, output, cache, rows: slice, queries: list[int]) -> list[dict[str, list[torch.Tensor]]]:
         """Per row of `rows`: group -> per layer (H, K) attention of that row's query position
         queries[b] over the keys the row has (never another row's, never padding)."""
+        ...
+
+
+@runtime_checkable
+class InspectableModel(Protocol):
+    """What model/explain.py (the logits, the lens, a head's computation) reads of a family."""
+
+    family: ClassVar[Family]
+
+    def sequence(self, ids: list[int], target_ids: list[int] | None = None) -> tuple[dict[str, list[int]], bool]:
+        """The ids along each axis (a target starts with the decoder's start token; without one, the
+        model's greedy output) and whether the target was generated."""
+        ...
+
+    def stream_logits(self, tokens: dict[str, list[int]]) -> torch.Tensor:
+        """One forward of the sequence: (T, V) logits over the lens stream's positions (hooks apply)."""
+        ...
+
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        """A residual stream (..., C) through the final norm and the head: (..., V)."""
         ...
 
 

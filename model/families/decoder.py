@@ -28,7 +28,7 @@ import torch.nn as nn
 from ..config import ModelConfig
 from ..kv_cache import ContextLengthError, KVCache, bytes_per_row
 from ..parts import Block, Embeddings, KVUpdate, RotaryAngles, make_norm, sinusoidal_table, sliding_window_mask
-from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec, TrainingSpec
+from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, LensSpec, TaskSpec, TrainingSpec
 
 __all__ = ["FAMILY", "ContextLengthError", "DecoderOutput", "KVCache", "Transformer", "sinusoidal_table"]
 
@@ -54,6 +54,7 @@ FAMILY = Family(
     features=("chat_template",),
     builds=("rotary", "sliding_window", "rmsnorm", "grouped_query", "parallel_residual"),
     training=TrainingSpec("train:LMObjective"),  # next-token prediction over the works
+    lens=LensSpec("tokens", "blocks", "next", "the final norm and the LM head"),
 )
 
 
@@ -207,6 +208,19 @@ class Transformer(Embeddings, nn.Module):
         inputs = torch.tensor([ids], dtype=torch.long, device=self.tok_emb.weight.device)
         attentions = self(inputs, return_attention=True, last_only=True).attentions
         return AttentionAnalysis({"tokens": list(ids)}, {"self": torch.stack([a[0] for a in attentions])})
+
+    def sequence(self, ids: list[int], target_ids: list[int] | None = None) -> tuple[dict[str, list[int]], bool]:
+        if target_ids is not None:
+            raise ValueError("a decoder reads one sequence: it takes no target")
+        return {"tokens": list(ids)}, False
+
+    def stream_logits(self, tokens: dict[str, list[int]]) -> torch.Tensor:
+        """(T, V): position t's logits for token t + 1."""
+        inputs = torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.tok_emb.weight.device)
+        return self(inputs).logits[0]
+
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
 
     def step_attention(self, output: DecoderOutput, cache: KVCache, rows: slice,
                        queries: list[int]) -> list[dict[str, list[torch.Tensor]]]:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..kv_cache import ContextLengthError
 from ..parts import Block, Embeddings, activate
-from .contract import AttentionAnalysis, AttentionGroup, Family, TaskSpec, TrainingSpec
+from .contract import AttentionAnalysis, AttentionGroup, Family, LensSpec, TaskSpec, TrainingSpec
 from .decoder import Transformer
 
 TASKS = ("mlm", "classify", "hidden")
@@ -58,6 +58,7 @@ FAMILY = Family(
     builds=("classifier", "grouped_query", "parallel_residual"),
     # masked-LM pretraining over the works, then the genre head
     training=TrainingSpec("encoder:EncoderObjective", tokenizer="corpus_specials"),
+    lens=LensSpec("tokens", "blocks", "same", "the final norm and the masked-LM head"),
 )
 
 
@@ -177,3 +178,16 @@ class Encoder(Embeddings, nn.Module):
         inputs = torch.tensor([ids], dtype=torch.long, device=self.tok_emb.weight.device)
         attentions = self(inputs, return_attention=True, task="hidden").attentions
         return AttentionAnalysis({"tokens": list(ids)}, {"self": torch.stack([a[0] for a in attentions])})
+
+    def sequence(self, ids: list[int], target_ids: list[int] | None = None) -> tuple[dict[str, list[int]], bool]:
+        if target_ids is not None:
+            raise ValueError("an encoder reads one sequence: it takes no target")
+        return {"tokens": list(ids)}, False
+
+    def stream_logits(self, tokens: dict[str, list[int]]) -> torch.Tensor:
+        """(T, V): the masked-LM head at every position (what the model predicts stands there)."""
+        inputs = torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.tok_emb.weight.device)
+        return self(inputs, task="mlm").logits[0]
+
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlm_logits(self.ln_f(x))

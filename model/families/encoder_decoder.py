@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..config import ModelConfig
 from ..kv_cache import ContextLengthError, KVCache, bytes_per_row, move_row
 from ..parts import Block, Embeddings
-from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec, TrainingSpec
+from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, LensSpec, TaskSpec, TrainingSpec
 from .decoder import Transformer
 
 
@@ -58,17 +58,21 @@ FAMILY = Family(
     tasks=(TaskSpec("generate"), TaskSpec("completions"), TaskSpec("attention")),
     groups=(
         AttentionGroup("encoder", "source", "source", causal=False,
-                       description="the encoder's bidirectional self-attention over the source"),
+                       description="the encoder's bidirectional self-attention over the source",
+                       hook="encoder.blocks.{layer}.attn"),
         AttentionGroup("decoder", "target", "target", causal=True,
-                       description="the decoder's causal self-attention over the target"),
+                       description="the decoder's causal self-attention over the target",
+                       hook="decoder.blocks.{layer}.attn"),
         AttentionGroup("cross", "target", "source", causal=False,
-                       description="cross-attention: each target step over the source tokens"),
+                       description="cross-attention: each target step over the source tokens",
+                       hook="decoder.blocks.{layer}.cross_attn"),
     ),
     attention_kind="encoder-decoder",
     output=EncoderDecoderOutput,
     generation=GenerationSpec(prompt="source", step_groups=("decoder", "cross")),
     # generated (English, French) pairs of dates and numbers, and their own tokenizer
     training=TrainingSpec("translation:TranslationObjective", data="own", tokenizer="translation"),
+    lens=LensSpec("target", "decoder.blocks", "next", "the decoder's final norm and the LM head"),
 )
 
 
@@ -329,6 +333,26 @@ class EncoderDecoder(Embeddings, nn.Module):
         enc, dec, cross = attention_groups(self, list(ids), decoder_ids)
         return AttentionAnalysis({"source": list(ids), "target": decoder_ids},
                                  {"encoder": enc, "decoder": dec, "cross": cross}, generated_target=generated)
+
+    @torch.inference_mode()
+    def sequence(self, ids: list[int], target_ids: list[int] | None = None) -> tuple[dict[str, list[int]], bool]:
+        """{"source": ids, "target": start + target}; without a target the greedy translation."""
+        start = self.config.decoder_start_id
+        generated = target_ids is None
+        if generated:
+            target_ids = greedy_translate_ids(self, [ids], start, start,
+                                              max_new_tokens=self.config.context_length - 1)[0]
+        return {"source": list(ids), "target": [start, *target_ids]}, generated
+
+    def stream_logits(self, tokens: dict[str, list[int]]) -> torch.Tensor:
+        """(T, V): decoder position t's logits for target token t + 1 (position 0 is the start token)."""
+        device = self.tok_emb.weight.device
+        src = torch.tensor([tokens["source"]], dtype=torch.long, device=device)
+        tgt = torch.tensor([tokens["target"]], dtype=torch.long, device=device)
+        return self(tgt, source=src).logits[0]
+
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.decoder_norm(x))
 
     def step_attention(self, output: EncoderDecoderOutput, cache: TranslationCache, rows: slice,
                        queries: list[int]) -> list[dict[str, list[torch.Tensor]]]:

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .. import hooks as _hooks
 from ..config import ModelConfig
 from .positions import RotaryAngles, apply_rotary
 
@@ -95,6 +96,8 @@ class MultiHeadAttention(nn.Module):
     when both are given. A masked key gets exactly zero probability.
     """
 
+    hook_name: str | None = None  # e.g. "blocks.2.attn", set by model.hooks.name_hook_points
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_heads = config.n_heads
@@ -107,10 +110,12 @@ class MultiHeadAttention(nn.Module):
         self.proj = nn.Linear(H * D, config.d_model, bias=config.bias_of("attn_out"))
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def project(self, x: torch.Tensor, memory: torch.Tensor | None, memory_kv=None, rope: RotaryAngles | None = None):
+    def project(self, x: torch.Tensor, memory: torch.Tensor | None, memory_kv=None, rope: RotaryAngles | None = None,
+                hooks=None):
         """q (B, H, T, D) from x; k, v (B, K, S, D) from x, or from memory for cross-attention
         (or `memory_kv`, memory's keys and values already projected by `project_memory`);
-        with `rope`, q and k of self-attention rotated by their positions."""
+        with `rope`, q and k of self-attention rotated by their positions (with `hooks`, q and
+        k before rotation are kept as hook_q / hook_k of this call's new positions)."""
         B, T, _ = x.shape
         H, K, D = self.n_heads, self.n_kv_heads, self.d_head
         if memory is None and memory_kv is None:
@@ -120,6 +125,9 @@ class MultiHeadAttention(nn.Module):
                 q, k, v = self.qkv(x).split((H * D, K * D, K * D), dim=-1)
                 q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))
             if rope is not None:
+                if hooks is not None:
+                    hooks.keep(f"{self.hook_name}.hook_q", q.transpose(1, 2))
+                    hooks.keep(f"{self.hook_name}.hook_k", k.transpose(1, 2))
                 q, k = apply_rotary(q, rope), apply_rotary(k, rope)
             return q, k, v
         w, b = self.qkv.weight, self.qkv.bias
@@ -152,10 +160,14 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T, C) output and, with return_attention, the (B, H, T, S) probabilities (else None)."""
         B, T, _ = x.shape
-        q, k, v = self.project(x, memory, memory_kv, rope)
+        hooks = _hooks.active()
+        q, k, v = self.project(x, memory, memory_kv, rope, hooks)
         if kv_update is not None:
             k, v = kv_update(k, v)  # (B, K, S, D): the cached keys/values followed by the new ones
         S = k.shape[2]
+        keep_probs = return_attention
+        if hooks is not None:
+            return_attention = return_attention or self._record_inputs(hooks, q, k, v, rope is not None)
         dropout_p = self.dropout if self.training else 0.0
         # causality at T == 1 lets the single newest query see every key: nothing to mask
         causal = causal and T > 1
@@ -172,10 +184,27 @@ class MultiHeadAttention(nn.Module):
             else:
                 y = sdpa(q, k, v, attn_mask=self.full_mask(mask, causal, T, S, q.device), dropout_p=dropout_p, **gqa)
 
+        if hooks is not None:
+            if probs is not None:
+                hooks.keep(f"{self.hook_name}.hook_pattern", probs)
+            hooks.keep(f"{self.hook_name}.hook_z", y.transpose(1, 2))  # (B, H, T, D) -> [B, T, H, D]
+            y = hooks.edit_z(self.hook_name, y)
         y = self.proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, H, T, D) -> (B, T, HD), project
         if self.training:  # dropout is the identity at inference; skip the call when decoding
             y = self.resid_dropout(y)
-        return y, probs
+        return y, probs if keep_probs else None
+
+    def _record_inputs(self, hooks, q, k, v, rotary: bool) -> bool:
+        """Keep this call's q, k, v ([B, T, H, D], [B, S, K, D]); True when the pattern is asked for."""
+        name = self.hook_name
+        if rotary:  # hook_q / hook_k are before rotation (project kept them), hook_rot_* after
+            hooks.keep(f"{name}.hook_rot_q", q.transpose(1, 2))
+            hooks.keep(f"{name}.hook_rot_k", k.transpose(1, 2))
+        else:
+            hooks.keep(f"{name}.hook_q", q.transpose(1, 2))
+            hooks.keep(f"{name}.hook_k", k.transpose(1, 2))
+        hooks.keep(f"{name}.hook_v", v.transpose(1, 2))
+        return hooks.wants(f"{name}.hook_pattern")
 
     @staticmethod
     def full_mask(mask: torch.Tensor | None, causal: bool, T: int, S: int, device) -> torch.Tensor | None:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from .. import hooks as _hooks
 from ..config import ModelConfig
 from .attention import KVUpdate, MultiHeadAttention
 from .feedforward import FeedForward
@@ -34,6 +35,8 @@ class Block(nn.Module):
     Parameter names (ln1, attn, ln2, ffn) are those of the saved checkpoints and GPT-2 interop;
     the cross-attention sub-layer (ln_cross, cross_attn) exists only with cross_attention=True.
     """
+
+    hook_name: str | None = None  # e.g. "blocks.2", set by model.hooks.name_hook_points
 
     def __init__(self, config: ModelConfig, *, causal: bool = True, cross_attention: bool = False):
         super().__init__()
@@ -70,6 +73,9 @@ class Block(nn.Module):
         memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         rope: RotaryAngles | None = None,
     ) -> BlockOutput:
+        hooks = _hooks.active()
+        if hooks is not None:
+            return self._hooked_forward(hooks, x, mask, kv_update, return_attention, memory, memory_mask, memory_kv, rope)
         out, self_probs = self.attn(self._input(x, self.ln1), mask=mask, causal=self.causal, kv_update=kv_update,
                                     return_attention=return_attention, rope=rope)
         if self.parallel:  # GPT-NeoX: the FFN reads the block's input too; one residual sum
@@ -84,4 +90,33 @@ class Block(nn.Module):
                                                return_attention=return_attention, memory_kv=memory_kv)
             x = self._residual(x, out, self.ln_cross)
         x = self._residual(x, self.ffn(self._input(x, self.ln2)), self.ln2)
+        return BlockOutput(x, self_probs, cross_probs)
+
+    def _hooked_forward(self, hooks, x, mask, kv_update, return_attention, memory, memory_mask, memory_kv,
+                        rope) -> BlockOutput:
+        """forward's same arithmetic, keeping the block's named intermediates (model/hooks.py)."""
+        name = self.hook_name
+        hooks.keep(f"{name}.hook_resid_pre", x)  # (B, T, C)
+        out, self_probs = self.attn(self._input(x, self.ln1), mask=mask, causal=self.causal, kv_update=kv_update,
+                                    return_attention=return_attention, rope=rope)
+        hooks.keep(f"{name}.hook_attn_out", out)
+        cross_probs = None
+        if self.parallel:
+            mlp = self.ffn(self.ln2(x))
+            hooks.keep(f"{name}.hook_mlp_out", mlp)
+            x = mlp + out + x
+        else:
+            x = self._residual(x, out, self.ln1)
+            if self.cross_attn is not None:
+                if memory is None and memory_kv is None:
+                    raise ValueError("this block has cross-attention: pass the encoder output as memory "
+                                     "(or its projected keys/values as memory_kv)")
+                out, cross_probs = self.cross_attn(self._input(x, self.ln_cross), memory, mask=memory_mask,
+                                                   return_attention=return_attention, memory_kv=memory_kv)
+                hooks.keep(f"{name}.hook_cross_out", out)
+                x = self._residual(x, out, self.ln_cross)
+            mlp = self.ffn(self._input(x, self.ln2))
+            hooks.keep(f"{name}.hook_mlp_out", mlp)
+            x = self._residual(x, mlp, self.ln2)
+        hooks.keep(f"{name}.hook_resid_post", x)  # (B, T, C)
         return BlockOutput(x, self_probs, cross_probs)

@@ -1,0 +1,174 @@
+"""POST /logits, /lens and /attention/explain: one request -> one model call -> one answer.
+
+Each route reads its sequence as /attention does (`read_sequence`), checks its ablations and
+indices (400 naming the field), claims the answer's estimated bytes from the answer budget
+(ATTNLENS_MAX_ANSWER_BYTES, as /attention), runs model/explain.py on the model's side
+(`ServedModel.call_model`: the engine's model-call line, bounded by
+ATTNLENS_MAX_ATTENTION_CONCURRENT, or the encoder's runner) and builds the answer on a worker
+thread. Nothing here runs the model on the event loop.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from attnlens.model import explain
+
+from ..answers import claimed_json
+from ..errors import ApiError
+from ..explain_schemas import (ExplainRequest, ExplainResponse, LensRequest, LensResponse, LogitsRequest,
+                               LogitsResponse)
+from ..registry import ATTENTION, ServedModel, lookup
+from ..routers.attention import read_sequence
+from .ablation import resolve_ablate
+
+FLOAT_BYTES = 24  # a float in JSON, with its separator, at most
+TOKEN_BYTES = 96  # {"id":..,"text":..,"prob":..}
+
+
+def _served(state, name: str | None) -> ServedModel:
+    served = lookup(state, name, ATTENTION)
+    if served.family.lens is None:
+        raise ApiError(400, f"{served.describe()} declares no logits to read per position", param="model",
+                       code="unsupported_task")
+    return served
+
+
+def _stream_length(served: ServedModel, ids: list[int], target: list[int] | None) -> int:
+    """Positions of the lens stream (at most: an encoder-decoder's default target fills the context)."""
+    if served.family.lens.stream == "target":
+        return served.checkpoint.config.context_length if target is None else len(target) + 1
+    return len(ids)
+
+
+def _tokens(tok, ids: list[int]) -> list[dict]:
+    return [{"id": i, "text": tok.display_text(i)} for i in ids]
+
+
+def _common(served: ServedModel, report: dict, echo) -> dict:
+    """The fields every explain answer shares (ExplainAnswer)."""
+    family, tok = served.family, served.checkpoint.tokenizer
+    tokens = report["tokens"]
+    translated = family.takes_target
+    return {"model": served.name, "family": family.name, "predicts": family.lens.predicts,
+            "head": family.lens.head,
+            "tokens": _tokens(tok, tokens["source"] if translated else tokens["tokens"]),
+            "target_tokens": _tokens(tok, tokens["target"]) if translated else None,
+            "generated": report["generated"] if translated else None, "ablate": echo}
+
+
+def _positions(tok, stream: list[int], rows: list[dict]) -> list[dict]:
+    token = lambda i: None if i is None else {"id": i, "text": tok.display_text(i)}
+    return [{"position": r["position"], "token": token(stream[r["position"]]), "next": token(r["next"]),
+             "top": [{"id": i, "text": tok.display_text(i), "prob": p} for i, p in r["top"]],
+             "next_prob": r["next_prob"], "next_logprob": r["next_logprob"]} for r in rows]
+
+
+async def logits(state, body: LogitsRequest):
+    served = _served(state, body.model)
+    edits, echo = resolve_ablate(served, body.ablate, state.settings)
+    ids, target = await read_sequence(body, served)
+    n = 1 if body.positions == "last" else _stream_length(served, ids, target)
+    per_position = (body.top_k + 2) * TOKEN_BYTES
+    claim = await state.answers.claim(n * per_position * (2 if edits else 1) + len(ids) * TOKEN_BYTES,
+                                      what="this answer")
+    try:
+        report = await served.call_model(partial(explain.logits_report, ids=ids, target_ids=target, ablate=edits,
+                                                 top_k=body.top_k, last_only=body.positions == "last"))
+    except BaseException:
+        await claim.release()
+        raise
+    tok = served.checkpoint.tokenizer
+
+    def content() -> dict:
+        stream = report["stream"]
+        answer = LogitsResponse(**_common(served, report, echo), positions=_positions(tok, stream, report["positions"]),
+                                clean=_positions(tok, stream, report["clean"]) if "clean" in report else None,
+                                effect=report.get("effect"))
+        return answer.model_dump(mode="json")
+
+    return await claimed_json(content, claim, state.settings.send_timeout_s)
+
+
+async def lens(state, body: LensRequest):
+    served = _served(state, body.model)
+    edits, echo = resolve_ablate(served, body.ablate, state.settings)
+    ids, target = await read_sequence(body, served)
+    rows = served.checkpoint.config.n_layers + 1
+    claim = await state.answers.claim(rows * _stream_length(served, ids, target) * (body.top_k + 1) * TOKEN_BYTES,
+                                      what="this answer")
+    try:
+        report = await served.call_model(partial(explain.lens_report, ids=ids, target_ids=target, ablate=edits,
+                                                 top_k=body.top_k))
+    except BaseException:
+        await claim.release()
+        raise
+    tok = served.checkpoint.tokenizer
+
+    def content() -> dict:
+        text = tok.display_text
+        layers = [{"index": layer["index"], "label": "embeddings" if layer["index"] < 0 else f"block {layer['index']}",
+                   "positions": [{"top": [{"id": i, "text": text(i), "prob": p} for i, p in pos["top"]],
+                                  "actual": None if pos["actual"] is None else {**pos["actual"],
+                                                                                "text": text(pos["actual"]["id"])}}
+                                 for pos in layer["positions"]]}
+                  for layer in report["layers"]]
+        return LensResponse(**_common(served, report, echo), layers=layers).model_dump(mode="json")
+
+    return await claimed_json(content, claim, state.settings.send_timeout_s)
+
+
+def _check_index(name: str, value: int, n: int, what: str) -> None:
+    if not 0 <= value < n:
+        raise ApiError(400, f"{name} {value} out of range: the model has {n} {what} (0..{n - 1})", param=name,
+                       code="out_of_range")
+
+
+async def explain_head(state, body: ExplainRequest):
+    served = _served(state, body.model)
+    family, cfg = served.family, served.checkpoint.config
+    names = [g.name for g in family.groups]
+    group = family.primary.name if body.group is None else body.group
+    if group not in names:
+        raise ApiError(400, f"{served.describe()} has no attention group {group!r}: it has {', '.join(names)}",
+                       param="group", code="unknown_group")
+    _check_index("layer", body.layer, cfg.n_layers, "layers")
+    _check_index("head", body.head, cfg.n_heads, "heads")
+    edits, echo = resolve_ablate(served, body.ablate, state.settings)
+    ids, target = await read_sequence(body, served)
+    g = family.group(group)
+    lengths = {"tokens": len(ids), "source": len(ids),
+               "target": cfg.context_length if target is None else len(target) + 1}
+    if body.query < 0 or (g.queries != "target" or target is not None) and body.query >= lengths[g.queries]:
+        raise ApiError(400, f"query {body.query} out of range: the {g.queries} have {lengths[g.queries]} positions "
+                            f"(0..{lengths[g.queries] - 1})", param="query", code="out_of_range")
+    keys = lengths[g.keys]
+    claim = await state.answers.claim((2 * keys + 4) * cfg.d_head * FLOAT_BYTES + keys * (6 * FLOAT_BYTES + TOKEN_BYTES)
+                                      + (lengths["tokens"] + lengths["target"]) * TOKEN_BYTES, what="this answer")
+    try:
+        report = await served.call_model(partial(explain.explain_head, ids=ids, target_ids=target, group_name=group,
+                                                 layer=body.layer, head=body.head, query=body.query, ablate=edits))
+    except BaseException:
+        await claim.release()
+        raise
+    if "error" in report:  # a query past the end of a generated target
+        await claim.release()
+        raise ApiError(400, report["error"], param="query", code="out_of_range")
+    tok = served.checkpoint.tokenizer
+
+    def content() -> dict:
+        tokens = report["tokens"]
+        translated = family.takes_target
+        answer = ExplainResponse(
+            model=served.name, family=family.name, group=group, layer=body.layer, head=body.head, query=body.query,
+            query_token={"id": report["query_id"], "text": tok.display_text(report["query_id"])},
+            key_tokens=_tokens(tok, report["key_ids"]), d_head=report["d_head"], scale=report["scale"],
+            kv_head=report["kv_head"], positions=explain.positions_note(cfg),
+            formula="z = softmax(q K^T / sqrt(d_head) + mask) V",
+            **{k: report[k] for k in ("q", "keys", "values", "scores", "scaled", "mask", "masked", "softmax",
+                                      "pattern_row", "z")},
+            tokens=_tokens(tok, tokens["source"] if translated else tokens["tokens"]),
+            target_tokens=_tokens(tok, tokens["target"]) if translated else None, ablate=echo)
+        return answer.model_dump(mode="json")
+
+    return await claimed_json(content, claim, state.settings.send_timeout_s)

@@ -1,0 +1,201 @@
+"""What the explain routes compute, on the model's side, for any family that declares a lens
+(Family.lens, model/families/contract.py): per-position logits (with and without ablated heads),
+the logit lens, and one head's attention step by step. Each returns plain numbers (lists, floats)
+keyed by token id; the service adds the tokens' texts.
+
+Shapes: T = positions of the lens stream (a decoder's or encoder's tokens, an encoder-decoder's
+decoder inputs: start token + target), V = vocabulary, L = layers, H = heads, D = d_head.
+
+    sequence_logits   the (T, V) logits of one forward, hooks applied (ablation, recording)
+    position_logits   per position: top-k, the actual token's probability and log-probability
+    logits_report     position_logits, and with ablations the clean run and per-position KL and
+                      change in the actual token's log-probability
+    lens_report       every block's residual stream (and the embeddings) through the final norm
+                      and the head: top-k and the actual token's rank and probability
+    explain_head      one head's q, keys, values, scores, mask, softmax and z at one query
+
+"Actual" is what the position's logits predict (LensSpec.predicts): the next token of the stream
+(none at the last position), or for a masked-LM head the token at the position itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .families.contract import family_of
+from .hooks import Hooks, ZEdit, hooked
+
+
+@dataclass
+class Sequence:
+    tokens: dict[str, list[int]]  # axis -> ids (a target starts with the decoder's start token)
+    generated: bool  # the target is the model's own greedy output (computed without ablation)
+
+    def stream(self, model) -> list[int]:
+        return self.tokens[family_of(model).lens.stream]
+
+
+def actual_ids(model, stream: list[int]) -> list[int | None]:
+    """What each position's logits predict: the next id (None at the end), or the id itself."""
+    if family_of(model).lens.predicts == "same":
+        return list(stream)
+    return [*stream[1:], None]
+
+
+def sequence_of(model, ids: list[int], target_ids: list[int] | None) -> Sequence:
+    tokens, generated = model.sequence(ids, target_ids)  # a greedy target is the clean model's
+    return Sequence(tokens, generated)
+
+
+def sequence_logits(model, seq: Sequence, hooks: Hooks | None) -> torch.Tensor:
+    """(T, V) float32 logits of one forward of `seq` under `hooks`."""
+    with hooked(model, hooks):
+        return model.stream_logits(seq.tokens).float()
+
+
+def _top(probs: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    return top.indices.tolist(), top.values.tolist()
+
+
+def position_logits(logits: torch.Tensor, actual: list[int | None], positions: list[int], top_k: int) -> list[dict]:
+    """Per position: top-k ids and probabilities, the actual token's probability and log-probability."""
+    logprobs = torch.log_softmax(logits[positions], dim=-1)  # (P, V)
+    ids, probs = _top(logprobs.exp(), top_k)
+    out = []
+    for i, p in enumerate(positions):
+        a = actual[p]
+        lp = None if a is None else float(logprobs[i, a])
+        out.append({"position": p, "top": list(zip(ids[i], probs[i])), "next": a,
+                    "next_prob": None if lp is None else math.exp(lp), "next_logprob": lp})
+    return out
+
+
+@torch.inference_mode()
+def logits_report(model, ids: list[int], target_ids: list[int] | None, ablate: tuple[ZEdit, ...], top_k: int,
+                  last_only: bool) -> dict:
+    seq = sequence_of(model, ids, target_ids)
+    stream = seq.stream(model)
+    actual = actual_ids(model, stream)
+    positions = [len(stream) - 1] if last_only else list(range(len(stream)))
+    clean = sequence_logits(model, seq, None)
+    report = {"tokens": seq.tokens, "generated": seq.generated, "stream": stream}
+    if not ablate:
+        report["positions"] = position_logits(clean, actual, positions, top_k)
+        return report
+    edited = sequence_logits(model, seq, Hooks(ablate=ablate))
+    report["positions"] = position_logits(edited, actual, positions, top_k)
+    report["clean"] = position_logits(clean, actual, positions, top_k)
+    p_clean = torch.log_softmax(clean[positions], dim=-1)  # (P, V)
+    p_edit = torch.log_softmax(edited[positions], dim=-1)
+    kl = (p_clean.exp() * (p_clean - p_edit)).sum(dim=-1).clamp_min(0).tolist()  # KL(clean || ablated)
+    report["effect"] = [
+        {"position": p, "kl": kl[i],
+         "delta_logprob": None if actual[p] is None else float(p_edit[i, actual[p]] - p_clean[i, actual[p]])}
+        for i, p in enumerate(positions)]
+    return report
+
+
+def lens_names(model) -> list[str]:
+    """The residual stream points the lens reads: block 0's input, then every block's output."""
+    stack = family_of(model).lens.stack
+    L = model.config.n_layers
+    return [f"{stack}.0.hook_resid_pre"] + [f"{stack}.{l}.hook_resid_post" for l in range(L)]
+
+
+@torch.inference_mode()
+def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tuple[ZEdit, ...], top_k: int) -> dict:
+    """Rows: the embeddings (index -1), then after every block; each position's top-k and the actual
+    token's rank (0 = the most likely) and probability."""
+    seq = sequence_of(model, ids, target_ids)
+    stream = seq.stream(model)
+    actual = actual_ids(model, stream)
+    names = lens_names(model)
+    hooks = Hooks(record=set(names), ablate=ablate)
+    sequence_logits(model, seq, hooks)
+    known = torch.tensor([a is not None for a in actual])
+    picks = torch.tensor([0 if a is None else a for a in actual], dtype=torch.long)
+    layers = []
+    for index, name in enumerate(names, start=-1):
+        x = hooks.captured[name][0]  # (T, C)
+        probs = torch.softmax(model.unembed(x).float(), dim=-1).cpu()  # (T, V)
+        top_ids, top_probs = _top(probs, top_k)
+        p_actual = probs.gather(1, picks[:, None])[:, 0]  # (T,)
+        ranks = (probs > p_actual[:, None]).sum(dim=-1)  # tokens strictly more likely
+        rows = []
+        for t in range(len(stream)):
+            row = {"top": list(zip(top_ids[t], top_probs[t])), "actual": None}
+            if known[t]:
+                row["actual"] = {"id": actual[t], "rank": int(ranks[t]), "prob": float(p_actual[t])}
+            rows.append(row)
+        layers.append({"index": index, "positions": rows})
+    return {"tokens": seq.tokens, "generated": seq.generated, "stream": stream, "layers": layers}
+
+
+def head_mask(model, group, query: int, n_keys: int) -> list[bool]:
+    """Which keys query `query` may attend to in one unpadded sequence: causality and a sliding window."""
+    if not group.causal:
+        return [True] * n_keys
+    window = model.config.sliding_window  # a decoder's (Mistral); None elsewhere
+    return [k <= query and (window is None or k > query - window) for k in range(n_keys)]
+
+
+def positions_note(config) -> str:
+    """How positions enter the computation, for people."""
+    if config.positional == "rotary":
+        part = "" if config.rotary_pct == 1.0 else f" (the first {config.rotary_dims} of {config.d_head} dims)"
+        return (f"rotary: q and k are rotated by angles of their positions{part} before q.k; the q and keys "
+                "shown are the rotated ones; the embeddings carry no positions")
+    if config.positional == "sinusoidal":
+        return "sinusoidal: a fixed sin/cos table is added to the token embeddings; q and k carry positions only through that"
+    return "learned: a learned position embedding is added to the token embeddings; q and k carry positions only through that"
+
+
+@torch.inference_mode()
+def explain_head(model, ids: list[int], target_ids: list[int] | None, group_name: str, layer: int, head: int,
+                 query: int, ablate: tuple[ZEdit, ...]) -> dict:
+    """One head's attention at one query, recomputed from its q, keys and values, beside the map's row
+    and the head's z as the forward made them (z before any ablation of this head)."""
+    family = family_of(model)
+    group = family.group(group_name)
+    seq = sequence_of(model, ids, target_ids)
+    n_queries = len(seq.tokens[group.queries])
+    if not 0 <= query < n_queries:  # only a generated target's length is not known before this call
+        return {"error": f"query {query} out of range: the {group.queries} have {n_queries} positions "
+                         f"(0..{n_queries - 1})"}
+    module = group.hook.format(layer=layer)
+    rotary = model.config.positional == "rotary" and not group.is_cross
+    qn, kn = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
+    names = {f"{module}.{n}" for n in (qn, kn, "hook_v", "hook_pattern", "hook_z")}
+    hooks = Hooks(record=names, ablate=ablate)
+    sequence_logits(model, seq, hooks)
+    got = {n.rsplit(".", 1)[1]: hooks.captured[n][0] for n in names}  # batch row 0
+    H, K = model.config.n_heads, model.config.kv_heads
+    kv = head // (H // K)  # grouped-query attention: the key/value head this query head reads
+    q = got[qn][query, head].double()  # (D,)
+    keys = got[kn][:, kv].double()  # (S, D)
+    values = got["hook_v"][:, kv].double()  # (S, D)
+    D = q.shape[0]
+    scale = 1.0 / math.sqrt(D)
+    scores = keys @ q  # (S,)
+    scaled = scores * scale
+    mask = head_mask(model, group, query, keys.shape[0])
+    allowed = torch.tensor(mask)
+    softmax = torch.softmax(scaled.masked_fill(~allowed, float("-inf")), dim=-1)
+    z = softmax @ values  # (D,)
+    queries_axis, keys_axis = seq.tokens[group.queries], seq.tokens[group.keys]
+    return {
+        "group": group.name, "layer": layer, "head": head, "query": query,
+        "query_id": queries_axis[query], "key_ids": keys_axis,
+        "d_head": D, "scale": scale, "kv_head": kv,
+        "q": q.tolist(), "keys": keys.tolist(), "values": values.tolist(),
+        "scores": scores.tolist(), "scaled": scaled.tolist(), "mask": mask,
+        "masked": [s if m else None for s, m in zip(scaled.tolist(), mask)],
+        "softmax": softmax.tolist(),
+        "pattern_row": got["hook_pattern"][head, query].double().tolist(),
+        "z": z.tolist(), "z_model": got["hook_z"][query, head].double().tolist(),
+        "tokens": seq.tokens, "generated": seq.generated,
+    }

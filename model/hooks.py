@@ -1,0 +1,232 @@
+"""Named intermediates (TransformerLens's hook names) and head ablation, for every family.
+
+Shapes: B = batch, T = query positions of the call, S = key positions the queries see, C = d_model,
+H = query heads, K = key/value heads, D = d_head.
+
+Hook points live in the shared parts (model/parts/block.py, attention.py), so every family and
+architecture has them. A point's name is its module's place in the stack plus its own:
+
+    {stack}.{l}.hook_resid_pre        [B, T, C]     the block's input (the residual stream)
+    {stack}.{l}.hook_resid_post       [B, T, C]     the block's output
+    {stack}.{l}.hook_attn_out         [B, T, C]     self-attention's output (after its projection)
+    {stack}.{l}.hook_cross_out        [B, T, C]     cross-attention's output (encoder-decoder only)
+    {stack}.{l}.hook_mlp_out          [B, T, C]     the FFN's output
+    {stack}.{l}.{attn}.hook_q         [B, T, H, D]  queries, before rotary positions
+    {stack}.{l}.{attn}.hook_k / hook_v [B, S, K, D] keys / values the queries see (cache included;
+                                                    K = H except with grouped-query attention); a
+                                                    rotary model's hook_k is before rotation, of this
+                                                    call's new positions only (S = T without a cache)
+    {stack}.{l}.{attn}.hook_rot_q     [B, T, H, D]  queries after rotary positions (rotary models only)
+    {stack}.{l}.{attn}.hook_rot_k     [B, S, K, D]  keys after rotary positions (rotary models only)
+    {stack}.{l}.{attn}.hook_pattern   [B, H, T, S]  the probabilities (asking for it takes the
+                                                    explicit path for that module)
+    {stack}.{l}.{attn}.hook_z         [B, T, H, D]  each head's output before the output projection
+                                                    (as computed: recorded before any ablation)
+
+    stack: "blocks" (decoder, encoder), "encoder.blocks" / "decoder.blocks" (encoder-decoder)
+    attn:  "attn" (self-attention), "cross_attn" (the encoder-decoder's cross-attention)
+
+A family's attention group names the module its heads live in (AttentionGroup.hook, e.g.
+"decoder.blocks.{layer}.cross_attn"); `ablation_targets` resolves (group, layer, head) through it.
+
+    with hooked(model, Hooks(record={"blocks.0.hook_resid_post"}, ablate=[...])) as hooks:
+        logits = model(ids).logits          # forward's return type never changes
+    hooks.captured["blocks.0.hook_resid_post"]
+
+Ablation edits hook_z before the output projection: "zero" sets a head's z to 0, "mean" to its
+mean over the row's positions in the call that first sees the row (a prompt's prefill: the
+engine keeps that mean per row, `row_means`, and reuses it at every decode step). Edits are per
+row: `row_ablate` gives each row of a batch its own (an ablated generation shares its decode
+batch with unablated ones). Unused, the hooks cost one context-variable read and a None check
+per block and attention module (bench/bench_explain.py measures the decode rate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Literal
+
+import torch
+import torch.nn as nn
+
+HOW = ("zero", "mean")
+
+_active: contextvars.ContextVar["Hooks | None"] = contextvars.ContextVar("attnlens_hooks", default=None)
+
+
+def active() -> "Hooks | None":
+    """The hooks of the forward running in this context, or None (the common case)."""
+    return _active.get()
+
+
+@dataclass(frozen=True)
+class HeadAblation:
+    """One head to ablate, as a request names it: group None = the family's first generating group."""
+
+    layer: int
+    head: int
+    how: Literal["zero", "mean"] = "zero"
+    group: str | None = None
+
+
+@dataclass(frozen=True)
+class ZEdit:
+    """A resolved ablation: the attention module's hook name and the head."""
+
+    module: str  # e.g. "blocks.2.attn"
+    head: int
+    how: str
+
+
+class AblationError(ValueError):
+    """An ablation names a group, layer, head or kind the model does not have."""
+
+
+def default_group(family) -> str:
+    """The group an ablation without `group` edits: the first a generation steps with, else the first."""
+    if family.generation is not None:
+        return family.generation.step_groups[0]
+    return family.primary.name
+
+
+def ablation_targets(family, config, ablate: Iterable[HeadAblation], *, limit: int | None = None) -> tuple[ZEdit, ...]:
+    """Check each ablation against a model's family declaration and config (group, layer, head, how;
+    no repeats) and name its module."""
+    ablate = list(ablate)
+    if limit is not None and len(ablate) > limit:
+        raise AblationError(f"at most {limit} ablations (got {len(ablate)})")
+    names = [g.name for g in family.groups]
+    out, seen = [], set()
+    for i, a in enumerate(ablate):
+        group = default_group(family) if a.group is None else a.group
+        if group not in names:
+            raise AblationError(f"ablation {i}: this model has no attention group {group!r}; it has {names}")
+        if not 0 <= a.layer < config.n_layers:
+            raise AblationError(f"ablation {i}: layer {a.layer} out of range 0..{config.n_layers - 1}")
+        if not 0 <= a.head < config.n_heads:
+            raise AblationError(f"ablation {i}: head {a.head} out of range 0..{config.n_heads - 1}")
+        if a.how not in HOW:
+            raise AblationError(f"ablation {i}: how must be one of {HOW}, got {a.how!r}")
+        key = (group, a.layer, a.head)
+        if key in seen:
+            raise AblationError(f"ablation {i}: group {group!r} layer {a.layer} head {a.head} is named twice")
+        seen.add(key)
+        out.append(ZEdit(family.group(group).hook.format(layer=a.layer), a.head, a.how))
+    return tuple(out)
+
+
+@dataclass
+class Hooks:
+    """What one forward (or one generation's calls) records and edits.
+
+    record: hook names to keep (a set), or a predicate on names; captured[name] holds each (the
+    tensor as the forward made it: read it before the next call writes into a cache).
+    ablate: edits for every row; row_ablate: each row's own (a batch of generations).
+    row_means: per row, (module, head) -> (D,) mean z held from the first call (filled here).
+    valid: each row's real positions when a call's rows are right-padded to max(valid).
+    """
+
+    record: set[str] | Callable[[str], bool] = field(default_factory=set)
+    ablate: tuple[ZEdit, ...] = ()
+    row_ablate: list[tuple[ZEdit, ...]] | None = None
+    row_means: list[dict] | None = None
+    valid: list[int] | None = None
+    captured: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not callable(self.record):
+            self.record = set(self.record)
+        # module -> [(row or None for every row, head, how)]
+        self._edits: dict[str, list[tuple[int | None, int, str]]] = {}
+        for e in self.ablate:
+            self._edits.setdefault(e.module, []).append((None, e.head, e.how))
+        for b, edits in enumerate(self.row_ablate or []):
+            for e in edits:
+                self._edits.setdefault(e.module, []).append((b, e.head, e.how))
+
+    @property
+    def edits(self) -> bool:
+        return bool(self._edits)
+
+    def wants(self, name: str) -> bool:
+        return self.record(name) if callable(self.record) else name in self.record
+
+    def keep(self, name: str, tensor: torch.Tensor) -> None:
+        if self.wants(name):
+            self.captured[name] = tensor
+
+    def means_of(self, row: int) -> dict:
+        if self.row_means is None:
+            self.row_means = []
+        while len(self.row_means) <= row:
+            self.row_means.append({})
+        return self.row_means[row]
+
+    def edit_z(self, module: str, y: torch.Tensor) -> torch.Tensor:
+        """y (B, H, T, D), each head's output: the ablated heads' rows replaced."""
+        edits = self._edits.get(module)
+        if not edits:
+            return y
+        y = y.clone()
+        B, _, T, _ = y.shape
+        padded = self.valid is not None and len(self.valid) == B and T == max(self.valid)
+        for row, head, how in edits:
+            rows = range(B) if row is None else (row,)
+            for b in rows:
+                if b >= B:
+                    continue
+                if how == "zero":
+                    y[b, head] = 0
+                    continue
+                held = self.means_of(b)
+                key = (module, head)
+                if key not in held:
+                    n = self.valid[b] if padded else T
+                    held[key] = y[b, head, :n].mean(dim=0).detach().clone()  # (D,) over the row's positions
+                y[b, head] = held[key]
+        return y
+
+
+def hook_name(path: str) -> str:
+    """A module's place in the model -> its hook prefix: "encoder_blocks.3" -> "encoder.blocks.3"."""
+    for stack in ("encoder", "decoder"):
+        if path.startswith(f"{stack}_blocks."):
+            return f"{stack}.blocks." + path[len(stack) + len("_blocks."):]
+    return path
+
+
+def name_hook_points(model: nn.Module) -> None:
+    """Give every block and attention module its hook name (once per model)."""
+    if getattr(model, "_hook_points_named", False):
+        return
+    from .parts import Block, MultiHeadAttention
+
+    for path, module in model.named_modules():
+        if isinstance(module, (Block, MultiHeadAttention)):
+            module.hook_name = hook_name(path)
+    model._hook_points_named = True
+
+
+def batch_hooks(row_ablate: list[tuple[ZEdit, ...]], row_means: list[dict], valid: list[int] | None = None,
+                ) -> "Hooks | None":
+    """The hooks of one batched step whose rows each have their own ablations (and held means);
+    None when no row ablates anything (the step then costs nothing more)."""
+    if not any(row_ablate):
+        return None
+    return Hooks(row_ablate=list(row_ablate), row_means=list(row_means), valid=valid)
+
+
+@contextlib.contextmanager
+def hooked(model: nn.Module, hooks: "Hooks | None") -> Iterator["Hooks | None"]:
+    """Forwards of `model` in this block record and edit through `hooks` (None: a no-op)."""
+    if hooks is None:
+        yield None
+        return
+    name_hook_points(model)
+    token = _active.set(hooks)
+    try:
+        yield hooks
+    finally:
+        _active.reset(token)

@@ -1,0 +1,162 @@
+"""POST /logits, /lens, /attention/explain and `ablate` on /attention and /generate, through the
+app, on the three bundled models (a decoder, an encoder, an encoder-decoder)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from helpers import assert_json_close, parse_sse
+
+MODELS = ["default", "encoder", "translator"]
+TEXT = "To be, or not to be"
+ROUTES = {"/logits": {}, "/lens": {}, "/attention/explain": {"layer": 1, "head": 1, "query": 2}}
+GROUPS = {"default": ["self"], "encoder": ["self"], "translator": ["encoder", "decoder", "cross"]}
+
+
+def post(client, route, **body):
+    return client.post(route, json=body)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_logits_all_and_last_and_the_effect_of_an_ablation(bundled_client, model):
+    r = post(bundled_client, "/logits", model=model, text=TEXT, top_k=4)
+    assert r.status_code == 200, r.text
+    a = r.json()
+    stream = a["target_tokens"] or a["tokens"]
+    assert [p["position"] for p in a["positions"]] == list(range(len(stream)))
+    assert a["clean"] is a["effect"] is a["ablate"] is None
+    for p in a["positions"]:
+        assert len(p["top"]) == 4 and p["top"][0]["prob"] >= p["top"][-1]["prob"]
+        assert p["token"] == stream[p["position"]]
+        if a["predicts"] == "same":
+            assert p["next"] == p["token"]
+        elif p["position"] + 1 < len(stream):
+            assert p["next"] == stream[p["position"] + 1]
+            assert math.exp(p["next_logprob"]) == pytest.approx(p["next_prob"], rel=1e-5)
+    assert (a["predicts"] == "same") == (model == "encoder")
+    last = post(bundled_client, "/logits", model=model, text=TEXT, top_k=4, positions="last").json()
+    assert_json_close(last["positions"], a["positions"][-1:])
+    ablate = [{"layer": 0, "head": 1, "how": "mean"}, {"layer": 1, "head": 0}]
+    b = post(bundled_client, "/logits", model=model, text=TEXT, top_k=4, ablate=ablate).json()
+    group = GROUPS[model][1] if model == "translator" else "self"
+    assert b["ablate"] == [{**ablate[0], "group": group}, {**ablate[1], "how": "zero", "group": group}]
+    assert_json_close(b["clean"], a["positions"])
+    assert len(b["effect"]) == len(stream) and all(e["kl"] >= 0 for e in b["effect"])
+    assert max(e["kl"] for e in b["effect"]) > 0
+    # an empty ablation is no ablation
+    assert post(bundled_client, "/logits", model=model, text=TEXT, top_k=4, ablate=[]).json()["positions"] == \
+        a["positions"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_lens_rows_and_its_last_row_is_the_models_output(bundled_client, model):
+    a = post(bundled_client, "/lens", model=model, text=TEXT, top_k=3).json()
+    n_layers = bundled_client.get("/models").json()
+    logits = post(bundled_client, "/logits", model=model, text=TEXT, top_k=3).json()
+    assert [l["index"] for l in a["layers"]][:2] == [-1, 0] and a["layers"][0]["label"] == "embeddings"
+    assert a["layers"][1]["label"] == "block 0"
+    for pos, ref in zip(a["layers"][-1]["positions"], logits["positions"]):
+        assert [t["id"] for t in pos["top"]] == [t["id"] for t in ref["top"]]
+        assert [t["prob"] for t in pos["top"]] == pytest.approx([t["prob"] for t in ref["top"]], abs=1e-5)
+        if ref["next"] is not None:
+            assert pos["actual"]["id"] == ref["next"]["id"]
+            assert pos["actual"]["prob"] == pytest.approx(ref["next_prob"], abs=1e-5)
+    assert n_layers  # /models still answers
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_explain_recomputes_the_attention_maps_row(bundled_client, model):
+    for group in GROUPS[model]:
+        query = 2
+        e = post(bundled_client, "/attention/explain", model=model, text=TEXT, group=group, layer=1, head=2,
+                 query=query).json()
+        assert e["group"] == group and e["scale"] == pytest.approx(1 / math.sqrt(e["d_head"]))
+        assert max(abs(x - y) for x, y in zip(e["softmax"], e["pattern_row"])) < 1e-6
+        z = [sum(w * v[d] for w, v in zip(e["softmax"], e["values"])) for d in range(e["d_head"])]
+        assert z == pytest.approx(e["z"], abs=1e-6)
+        assert e["scores"] == pytest.approx([sum(a * b for a, b in zip(e["q"], k)) for k in e["keys"]], abs=1e-5)
+        assert e["masked"] == [s if m else None for s, m in zip(e["scaled"], e["mask"])]
+        # the same row as /attention's map
+        att = post(bundled_client, "/attention", model=model, text=TEXT, layers=[1], heads=[2]).json()
+        maps = att["attention"] if group in ("self", "encoder") else att["translation"][group]["attention"]
+        assert maps[0][0][query] == pytest.approx(e["pattern_row"], abs=1e-6)
+        assert e["key_tokens"] == (att["tokens"] if group != "decoder" else att["translation"]["target_tokens"])
+    first = post(bundled_client, "/attention/explain", model=model, text=TEXT, layer=0, head=0, query=0).json()
+    assert first["group"] == GROUPS[model][0]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_bad_inputs_are_4xx_naming_the_field(bundled_client, model, route):
+    base = {"model": model, "text": TEXT, **ROUTES[route]}
+    cases = [
+        ({"ablate": [{"layer": 99, "head": 0}]}, 400, "ablate"),
+        ({"ablate": [{"layer": 0, "head": 99}]}, 400, "ablate"),
+        ({"ablate": [{"layer": -1, "head": 0}]}, 400, "ablate"),
+        ({"ablate": [{"layer": 0, "head": 0, "group": "nope"}]}, 400, "ablate"),
+        ({"ablate": [{"layer": 0, "head": 0, "how": "half"}]}, 422, "ablate.0.how"),
+        ({"ablate": [{"layer": 0, "head": 0}, {"layer": 0, "head": 0}]}, 400, "ablate"),
+        ({"ablate": [{"layer": 0, "head": h} for h in range(4)]}, 400, "ablate"),  # the limit is 3 here
+        ({"ids": [1, 2], "text": TEXT}, 422, "ids"),
+        ({"ablate": [{"layer": 0, "head": 0, "extra": 1}]}, 422, "ablate.0.extra"),
+    ]
+    if route == "/attention/explain":
+        cases += [({"layer": 99}, 400, "layer"), ({"head": -1}, 400, "head"), ({"query": 999}, 400, "query"),
+                  ({"query": -1}, 400, "query"), ({"group": "nope"}, 400, "group")]
+    else:
+        cases += [({"top_k": 0}, 422, "top_k"), ({"top_k": 51 if route == "/logits" else 21}, 422, "top_k")]
+    if route == "/logits":
+        cases += [({"positions": "first"}, 422, "positions")]
+    if model != "translator":
+        cases += [({"target": "x"}, 422, "target")]
+    for change, status, param in cases:
+        r = bundled_client.post(route, json={**base, **change})
+        assert (r.status_code, r.json().get("param")) == (status, param), (change, r.text)
+
+
+def test_explain_query_past_a_generated_target(bundled_client):
+    r = post(bundled_client, "/attention/explain", model="translator", text=TEXT, group="decoder", layer=0, head=0,
+             query=47)
+    assert r.status_code == 400 and r.json()["param"] == "query"
+
+
+def test_openapi_keeps_one_of_text_or_ids(bundled_client):
+    schemas = bundled_client.get("/openapi.json").json()["components"]["schemas"]
+    for name in ("AttentionRequest", "LogitsRequest", "LensRequest", "ExplainRequest"):
+        assert schemas[name]["oneOf"] == [{"required": ["text"]}, {"required": ["ids"]}], name
+        assert "ablate" in schemas[name]["properties"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_attention_with_ablate_changes_later_layers_only(bundled_client, model):
+    base = {"model": model, "text": TEXT, "heads": [0, 1]}
+    group = "self" if model != "translator" else "encoder"
+    clean = post(bundled_client, "/attention", **base).json()
+    ablated = post(bundled_client, "/attention", **base, ablate=[{"layer": 1, "head": 0, "group": group}]).json()
+    assert ablated["ablate"] == [{"layer": 1, "head": 0, "how": "zero", "group": group}] and clean.get("ablate") is None
+    assert ablated["attention"][:2] == clean["attention"][:2]  # layers 0 and 1 read nothing the edit changed
+    assert ablated["attention"][2] != clean["attention"][2]
+
+
+def test_generate_with_ablate_streams_and_echoes(bundled_client):
+    body = {"prompt": "To be", "max_new_tokens": 6, "temperature": 0, "logprobs": 1}
+    ablate = [{"layer": 0, "head": 1, "how": "mean"}]
+    clean = post(bundled_client, "/generate", **body).json()
+    plain = post(bundled_client, "/generate", **body, ablate=ablate).json()
+    assert plain["ablate"] == [{**ablate[0], "group": "self"}] and clean["ablate"] is None
+    assert [t["logprob"] for t in plain["tokens"]] != [t["logprob"] for t in clean["tokens"]]
+    r = post(bundled_client, "/generate", **body, ablate=ablate, stream=True)
+    events = parse_sse(r.text)
+    tokens = [json.loads(d) for e, d in events if e == "token"]
+    done = json.loads(events[-1][1])
+    assert [t["id"] for t in tokens] == [t["id"] for t in plain["tokens"]]
+    assert [t["logprob"] for t in tokens] == pytest.approx([t["logprob"] for t in plain["tokens"]], abs=1e-5)
+    assert done["ablate"] == plain["ablate"]
+    r = post(bundled_client, "/generate", **body, ablate=[{"layer": 0, "head": 0, "group": "cross"}])
+    assert (r.status_code, r.json()["param"]) == (400, "ablate")
+    tr = post(bundled_client, "/generate", model="translator", prompt="twenty one", max_new_tokens=5, temperature=0,
+              ablate=[{"layer": 0, "head": 1, "how": "mean", "group": "cross"}])
+    assert tr.status_code == 200 and tr.json()["ablate"][0]["group"] == "cross"

@@ -1,0 +1,291 @@
+"""model/hooks.py: named intermediates and head ablation, checked against transformers on the same
+weights (GPT-2, BERT), TransformerLens's definitions written out here, and full recomputes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnlens.model import load_checkpoint
+from attnlens.model.decoding import generate_tokens, SamplingParams
+from attnlens.model.explain import explain_head, lens_report, logits_report, sequence_logits, sequence_of
+from attnlens.model.families import family_of
+from attnlens.model.hooks import AblationError, HeadAblation, Hooks, ablation_targets, hooked
+from helpers import TINY_TEXT, head_slice_prehook, small_config_model
+
+transformers = pytest.importorskip("transformers")
+
+
+def targets(model, *ablations, limit=None):
+    return ablation_targets(family_of(model), model.config, list(ablations), limit=limit)
+
+
+def ids_for(vocab: int, n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, ckpt):
+    """One model of every family and the parts that change attention: GPT-2-shaped, Llama-shaped
+    (GQA, rotary, RMSNorm, gated FFN, sliding window), GPT-NeoX-shaped (parallel residual, partial
+    rotary), an encoder and an encoder-decoder."""
+    from encoder_helpers import make_tiny_encoder
+    from translator_helpers import make_tiny_translator
+
+    root = tmp_path_factory.mktemp("hooks")
+    return {
+        "gpt2": ckpt.model.eval(),
+        "llama": small_config_model(positional="rotary", n_kv_heads=2, norm_type="rmsnorm", ffn="gated",
+                                    activation="silu", bias=False, tie_embeddings=False, sliding_window=6),
+        "neox": small_config_model(positional="rotary", rotary_pct=0.5, parallel_residual=True),
+        "encoder": load_checkpoint(make_tiny_encoder(root / "enc")).model.eval(),
+        "translator": load_checkpoint(make_tiny_translator(root / "tr")).model.eval(),
+    }
+
+
+def source(model, n=9):
+    return ids_for(model.config.vocab_size, n, seed=n)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "neox", "encoder", "translator"])
+def test_hooks_unused_or_empty_change_nothing_bit_for_bit(models, name):
+    model = models[name]
+    seq = sequence_of(model, source(model), [5, 6, 7] if family_of(model).takes_target else None)
+    with torch.inference_mode():
+        plain = sequence_logits(model, seq, None)
+        empty = sequence_logits(model, seq, Hooks())
+        streams = Hooks(record=lambda name: not name.endswith("hook_pattern"), ablate=())
+        recorded = sequence_logits(model, seq, streams)
+        # asking for the probabilities takes the explicit softmax path instead of SDPA's kernel
+        everything = Hooks(record=lambda name: True)
+        with_patterns = sequence_logits(model, seq, everything)
+    assert torch.equal(plain, empty) and torch.equal(plain, recorded)
+    assert streams.captured and everything.captured  # and it did record
+    torch.testing.assert_close(with_patterns, plain, atol=1e-5, rtol=0)
+
+
+def test_hook_names_and_shapes_gqa_rotary(models):
+    model = models["llama"]
+    T, H, K, D, C = 10, 4, 2, 8, 32
+    hooks = Hooks(record=lambda n: True)
+    with torch.inference_mode(), hooked(model, hooks):
+        model(torch.tensor([ids_for(97, T)]))
+    got = {k: tuple(v.shape) for k, v in hooks.captured.items()}
+    for l in range(2):
+        assert got[f"blocks.{l}.hook_resid_pre"] == got[f"blocks.{l}.hook_resid_post"] == (1, T, C)
+        assert got[f"blocks.{l}.hook_attn_out"] == got[f"blocks.{l}.hook_mlp_out"] == (1, T, C)
+        a = f"blocks.{l}.attn"
+        assert got[f"{a}.hook_q"] == got[f"{a}.hook_rot_q"] == got[f"{a}.hook_z"] == (1, T, H, D)
+        assert got[f"{a}.hook_k"] == got[f"{a}.hook_rot_k"] == got[f"{a}.hook_v"] == (1, T, K, D)
+        assert got[f"{a}.hook_pattern"] == (1, H, T, T)
+    # the residual stream adds up: resid_post = resid_pre + attn_out + mlp_out (pre-LN)
+    c = hooks.captured
+    torch.testing.assert_close(c["blocks.0.hook_resid_post"],
+                               c["blocks.0.hook_resid_pre"] + c["blocks.0.hook_attn_out"] + c["blocks.0.hook_mlp_out"])
+
+
+def test_translator_hook_names(models):
+    model = models["translator"]
+    hooks = Hooks(record=lambda n: True)
+    with torch.inference_mode():
+        sequence_logits(model, sequence_of(model, source(model, 7), [4, 5, 6, 8]), hooks)
+    S, T = 7, 5
+    c = hooks.captured
+    assert c["encoder.blocks.0.attn.hook_pattern"].shape[-2:] == (S, S)
+    assert c["decoder.blocks.0.attn.hook_pattern"].shape[-2:] == (T, T)
+    assert c["decoder.blocks.0.cross_attn.hook_pattern"].shape[-2:] == (T, S)
+    assert c["decoder.blocks.0.hook_cross_out"].shape[:2] == (1, T)
+
+
+def test_ablation_targets_are_checked(models):
+    model = models["translator"]
+    assert targets(model, HeadAblation(1, 2, "mean"))[0].module == "decoder.blocks.1.attn"  # default group
+    assert targets(model, HeadAblation(0, 0, "zero", "cross"))[0].module == "decoder.blocks.0.cross_attn"
+    for bad, match in [(HeadAblation(9, 0), "layer 9"), (HeadAblation(0, 9), "head 9"),
+                       (HeadAblation(0, 0, "half"), "how"), (HeadAblation(0, 0, "zero", "self"), "no attention group")]:
+        with pytest.raises(AblationError, match=match):
+            targets(model, bad)
+    with pytest.raises(AblationError, match="twice"):
+        targets(model, HeadAblation(0, 1), HeadAblation(0, 1, "mean", "decoder"))
+    with pytest.raises(AblationError, match="at most 1"):
+        targets(model, HeadAblation(0, 1), HeadAblation(0, 2), limit=1)
+
+
+# --- ablation against transformers ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["zero", "mean"])
+def test_gpt2_head_ablation_equals_transformers_with_a_c_proj_pre_hook(gpt2_export, how):
+    ours, hf = gpt2_export
+    model = ours.model.eval()
+    ids = ours.tokenizer.encode(TINY_TEXT)[:40]
+    D = model.config.d_model // model.config.n_heads
+    ablations = [(1, 2), (0, 3)]
+    handles = [hf.transformer.h[l].attn.c_proj.register_forward_pre_hook(head_slice_prehook(h, D, how))
+               for l, h in ablations]
+    try:
+        with torch.no_grad():
+            theirs = hf(torch.tensor([ids])).logits[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+    with torch.inference_mode():
+        seq = sequence_of(model, ids, None)
+        mine = sequence_logits(model, seq, Hooks(ablate=targets(model, *(HeadAblation(l, h, how) for l, h in ablations))))
+        clean = sequence_logits(model, seq, None)
+    torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
+    assert (mine - clean).abs().max() > 1e-2  # the ablation did something
+
+
+@pytest.mark.parametrize("how", ["zero", "mean"])
+def test_bert_head_ablation_equals_transformers(tmp_path, how):
+    from attnlens.model.interop.hf_bert import import_bert
+    from test_hf_bert import make_wordpiece_tokenizer_json
+
+    src = tmp_path / "bert"
+    src.mkdir()
+    make_wordpiece_tokenizer_json(src / "tokenizer.json")
+    torch.manual_seed(7)
+    cfg = transformers.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=40)
+    hf = transformers.BertForMaskedLM(cfg).eval()
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    hf.save_pretrained(src)
+    hf = transformers.BertForMaskedLM.from_pretrained(src, attn_implementation="eager").eval()
+    model = load_checkpoint(import_bert(src, tmp_path / "ours")).model.eval()
+    ids = ids_for(120, 17, seed=2)
+    handle = hf.bert.encoder.layer[1].attention.output.dense.register_forward_pre_hook(head_slice_prehook(3, 8, how))
+    try:
+        with torch.no_grad():
+            theirs = hf(input_ids=torch.tensor([ids])).logits[0]
+    finally:
+        handle.remove()
+    with torch.inference_mode():
+        seq = sequence_of(model, ids, None)
+        mine = sequence_logits(model, seq, Hooks(ablate=targets(model, HeadAblation(1, 3, how))))
+        empty = sequence_logits(model, seq, Hooks(ablate=()))
+        plain = sequence_logits(model, seq, None)
+    torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
+    assert torch.equal(empty, plain)
+
+
+# --- the lens ------------------------------------------------------------------------------
+
+
+def test_lens_equals_transformers_hidden_states_through_ln_f_and_lm_head(gpt2_export):
+    ours, hf = gpt2_export
+    model = ours.model.eval()
+    ids = ours.tokenizer.encode(TINY_TEXT)[:30]
+    report = lens_report(model, ids, None, (), top_k=3)
+    torch.set_grad_enabled(False)
+    try:
+        out = hf(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        torch.set_grad_enabled(True)
+    L = model.config.n_layers
+    assert [row["index"] for row in report["layers"]] == list(range(-1, L))
+    for l, row in enumerate(report["layers"]):
+        # transformers' last hidden state already went through ln_f
+        with torch.no_grad():
+            h = out.hidden_states[l] if l == L else hf.transformer.ln_f(out.hidden_states[l])
+            probs = torch.softmax(hf.lm_head(h)[0], dim=-1)
+        top = torch.topk(probs, 3)
+        for t, pos in enumerate(row["positions"]):
+            assert [i for i, _ in pos["top"]] == top.indices[t].tolist()
+            assert [p for _, p in pos["top"]] == pytest.approx(top.values[t].tolist(), abs=1e-5)
+            if t + 1 < len(ids):
+                a = pos["actual"]
+                assert a["id"] == ids[t + 1]
+                assert a["prob"] == pytest.approx(float(probs[t, ids[t + 1]]), abs=1e-5)
+                assert a["rank"] == int((probs[t] > probs[t, ids[t + 1]]).sum())
+            else:
+                assert pos["actual"] is None
+    # the last row is the model's own output
+    final = torch.softmax(out.logits[0], dim=-1)
+    assert [p for _, p in report["layers"][-1]["positions"][4]["top"]] == pytest.approx(
+        torch.topk(final[4], 3).values.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "encoder", "translator"])
+def test_lens_last_row_is_the_models_logits(models, name):
+    model = models[name]
+    ids = source(model)
+    report = lens_report(model, ids, None, (), top_k=4)
+    with torch.inference_mode():
+        probs = torch.softmax(sequence_logits(model, sequence_of(model, ids, None), None), dim=-1)
+    for t, pos in enumerate(report["layers"][-1]["positions"]):
+        assert [i for i, _ in pos["top"]] == torch.topk(probs[t], 4).indices.tolist()
+        assert [p for _, p in pos["top"]] == pytest.approx(torch.topk(probs[t], 4).values.tolist(), abs=1e-5)
+
+
+# --- logits and their effect ---------------------------------------------------------------
+
+
+def test_logits_report_effect_is_kl_and_delta_logprob(models):
+    model = models["gpt2"]
+    ids = source(model, 12)
+    edits = targets(model, HeadAblation(0, 1, "zero"), HeadAblation(1, 3, "mean"))
+    report = logits_report(model, ids, None, edits, top_k=5, last_only=False)
+    with torch.inference_mode():
+        seq = sequence_of(model, ids, None)
+        clean = torch.log_softmax(sequence_logits(model, seq, None), -1).double()
+        edited = torch.log_softmax(sequence_logits(model, seq, Hooks(ablate=edits)), -1).double()
+    for t, e in enumerate(report["effect"]):
+        kl = float((clean[t].exp() * (clean[t] - edited[t])).sum())  # KL(clean || ablated), written out
+        assert e["kl"] == pytest.approx(kl, abs=1e-5)
+        if t + 1 < len(ids):
+            assert e["delta_logprob"] == pytest.approx(float(edited[t, ids[t + 1]] - clean[t, ids[t + 1]]), abs=1e-5)
+        assert report["clean"][t]["next_logprob"] == (None if t + 1 == len(ids) else
+                                                      pytest.approx(float(clean[t, ids[t + 1]]), abs=1e-5))
+    last = logits_report(model, ids, None, (), top_k=2, last_only=True)
+    assert [p["position"] for p in last["positions"]] == [len(ids) - 1] and "effect" not in last
+
+
+# --- explain ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,group,query", [("gpt2", "self", 7), ("llama", "self", 9), ("neox", "self", 4),
+                                              ("encoder", "self", 3), ("translator", "encoder", 2),
+                                              ("translator", "decoder", 3), ("translator", "cross", 1)])
+def test_explain_recomputes_the_maps_row_and_z(models, name, group, query):
+    model = models[name]
+    ids = source(model, 10)
+    target = [4, 5, 6, 7] if family_of(model).takes_target else None
+    e = explain_head(model, ids, target, group, 1, 3, query, ())
+    assert max(abs(a - b) for a, b in zip(e["softmax"], e["pattern_row"])) < 1e-6
+    assert max(abs(a - b) for a, b in zip(e["z"], e["z_model"])) < 1e-5
+    # written out: softmax over the allowed keys of q.k / sqrt(D)
+    q, keys = torch.tensor(e["q"]), torch.tensor(e["keys"])
+    scaled = (keys @ q) / math.sqrt(len(e["q"]))
+    assert e["scale"] == 1 / math.sqrt(e["d_head"])
+    w = torch.softmax(scaled.masked_fill(~torch.tensor(e["mask"]), float("-inf")), -1)
+    assert w.tolist() == pytest.approx(e["softmax"], abs=1e-6)
+    if name == "llama":  # GQA: head 3 reads key/value head 1; the window of 6 masks old keys
+        assert e["kv_head"] == 1 and e["mask"] == [query - 6 < k <= query for k in range(len(ids))]
+
+
+# --- generation ----------------------------------------------------------------------------
+
+
+def full_recompute_ids(model, prompt, n, edits):
+    """Greedy continuation recomputed from scratch every token (no cache) under zero ablation."""
+    seq = list(prompt)
+    for _ in range(n):
+        with torch.inference_mode(), hooked(model, Hooks(ablate=edits)):
+            logits = model(torch.tensor([seq])).logits[0, -1]
+        seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+def test_generate_tokens_zero_ablation_equals_full_recompute(models):
+    model = models["gpt2"]
+    edits = targets(model, HeadAblation(0, 2, "zero"), HeadAblation(1, 0, "zero"))
+    prompt = source(model, 6)
+    with hooked(model, Hooks(ablate=edits)):
+        got = [t.id for t in generate_tokens(model, prompt, 8, SamplingParams(temperature=0))]
+    assert got == full_recompute_ids(model, prompt, 8, edits)
