@@ -200,7 +200,7 @@ export class AblateView {
       })
       .join("");
     host.innerHTML =
-      `<h3>Per token <span class="hint">Δ log p of the ${a.positions?.some((p) => p.next) ? "token that comes next" : "token at each position"}, ablated − clean</span></h3>` +
+      `<h3>Per token <span class="hint">Δ log p of ${a.predicts === "same" ? "the token at each position (what the model predicts there" : "the token that comes next (as predicted"} by ${escapeHTML(a.head ?? "the model")}), ablated − clean</span></h3>` +
       `<p class="abl-summary">mean KL(clean ‖ ablated) <b data-kl>${meanKL == null ? "—" : meanKL.toFixed(4)}</b>${worst ? ` · largest drop <b>${fix(worst.delta_logprob)}</b> at “${escapeHTML(visible((worstPos?.next ?? worstPos?.token)?.text ?? ""))}”` : ""}</p>` +
       `<div class="abl-tokens">${chips}</div>`;
   }

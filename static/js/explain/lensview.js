@@ -59,8 +59,8 @@ export class LensView {
     const abl = this.params.ablation.length ? ` With ${this.params.ablation.map(describeHead).join(", ")} ablated.` : "";
     this.ctx.setLegend(null);
     this.ctx.setCaption(
-      `<b>Logit lens</b>: what the residual stream predicts at each position (columns) after each layer (rows), read through the final norm and the unembedding. ` +
-        `Each cell is the top-1 token, tinted by its probability; <span class="lens-hit-key">outlined</span> where it is the token that actually comes next. ` +
+      `<b>Logit lens</b>: what the residual stream predicts at each position (columns) after each layer (rows), read through ${escapeHTML(a.head ?? "the final norm and the unembedding")}. ` +
+        `Each cell is the top-1 token, tinted by its probability; <span class="lens-hit-key">outlined</span> where it is ${a.predicts === "same" ? "the token actually at that position" : "the token that actually comes next"}. ` +
         `The last row is the model's own prediction. Hover or focus a cell for the top 5.${escapeHTML(abl)}`,
     );
     const table = document.createElement("table");
