@@ -193,6 +193,7 @@ export class AblateView {
     const worstPos = worst && positions.find((p) => p.position === worst.position);
     const chips = positions
       .map((p, i) => {
+        if (a.predicts !== "same" && !p.next) return ""; // the last position: nothing comes next in the text
         const e = effect.get(p.position);
         const shown = p.next ?? p.token; // the token predicted: the next one (an encoder's: the token at the position)
         const d = e?.delta_logprob;

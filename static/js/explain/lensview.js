@@ -66,7 +66,7 @@ export class LensView {
     const table = document.createElement("table");
     table.className = "lens-grid";
     const head = table.createTHead().insertRow();
-    head.append(Object.assign(document.createElement("th"), { className: "lens-corner", textContent: "layer \\ position" }));
+    head.append(Object.assign(document.createElement("th"), { className: "lens-corner", textContent: "layer \\ pos." }));
     cols.forEach((t, i) => {
       const th = document.createElement("th");
       th.scope = "col";
