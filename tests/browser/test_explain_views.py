@@ -12,7 +12,7 @@ import urllib.parse
 import httpx
 import pytest
 
-from .helpers import rendered, screenshot, spill, state, wait_rendered
+from .helpers import download, rendered, screenshot, spill, state, wait_rendered
 
 PROMPT = "To be, or not to be, that is the question:\nWhether"
 SOURCE = "Wednesday, March 3, 2021"
@@ -87,6 +87,11 @@ def test_atlas_colours_every_head_by_its_role_and_opens_it(page, bundled_server)
     page.mouse.move(0, 0)
     page.locator('.atlas-cell[data-layer="1"][data-head="3"]').focus()
     assert "layer 1 · head 3" in page.inner_text("#tooltip")
+    # PNG: the grids with role names; JSON: the answer
+    path, name = download(page, "#export-png")
+    assert name == "attnlens-atlas.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    path, name = download(page, "#export-json")
+    assert name == "attnlens-atlas.json" and '"thresholds"' in path.read_text()
     # a click opens the head in the Head view
     r = rendered(page)
     cell.click()
@@ -160,6 +165,8 @@ def test_lens_grid_shows_each_layers_top_token_and_marks_the_actual_one(page, bu
             assert cell["p"] == pytest.approx(pos["top"][0]["prob"], abs=1e-6)
             assert cell["hit"] == bool(pos["actual"] and pos["actual"]["id"] == pos["top"][0]["id"])
     assert page.locator(".lens-grid tbody th").all_inner_texts() == [layer["label"] for layer in want["layers"]]
+    path, name = download(page, "#export-png")
+    assert name == "attnlens-lens.png" and path.stat().st_size > 1000
     # hover: the top 5 and the actual token's rank
     page.locator(".lens-grid td[data-layer='1'][data-pos='2']").hover()
     tip = page.inner_text("#tooltip")

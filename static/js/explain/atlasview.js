@@ -225,6 +225,52 @@ export class AtlasView {
     return n;
   }
 
+  /** Every group's grid with role names and scores, and the roles' key, for the PNG export. */
+  exportPicture(scale = 1) {
+    const a = this.answer;
+    if (!a) return null;
+    const cell = 60 * scale;
+    const gap = 4 * scale;
+    const left = 36 * scale;
+    const line = 22 * scale;
+    const H = a.groups[0].heads[0].length;
+    const height = a.groups.reduce((y, g) => y + 2 * line + g.heads.length * (cell + gap), line);
+    const c = document.createElement("canvas");
+    c.width = left + H * (cell + gap);
+    c.height = height;
+    const ctx = c.getContext("2d");
+    ctx.textBaseline = "middle";
+    ctx.textAlign = "center";
+    let y = 0;
+    for (const g of a.groups) {
+      ctx.fillStyle = "#111";
+      ctx.font = `600 ${13 * scale}px system-ui, sans-serif`;
+      ctx.textAlign = "left";
+      ctx.fillText(a.groups.length > 1 ? g.name : "heads", 0, y + line / 2);
+      ctx.textAlign = "center";
+      y += line;
+      ctx.font = `${11 * scale}px system-ui, sans-serif`;
+      for (let h = 0; h < H; h++) ctx.fillText(`H${h}`, left + h * (cell + gap) + cell / 2, y + line / 2);
+      y += line;
+      g.heads.forEach((row, l) => {
+        ctx.fillStyle = "#111";
+        ctx.fillText(`L${l}`, left / 2, y + cell / 2);
+        row.forEach((hd, h) => {
+          const x = left + h * (cell + gap);
+          ctx.fillStyle = roleColour(hd.role);
+          ctx.globalAlpha = hd.role === "mixed" ? 0.6 : Math.max(0.25, Math.min(1, hd.role_score ?? 0));
+          ctx.fillRect(x, y, cell, cell);
+          ctx.globalAlpha = 1;
+          ctx.fillStyle = "#111";
+          ctx.fillText(SHORT[hd.role] ?? label(hd.role).slice(0, 5), x + cell / 2, y + cell * 0.36);
+          ctx.fillText(num(hd.role_score), x + cell / 2, y + cell * 0.68);
+        });
+        y += cell + gap;
+      });
+    }
+    return { canvas: c, title: a.probe ? `head atlas on the repeated-random probe (n = ${a.probe.length}, seed ${a.probe.seed})` : "head atlas", legend: null };
+  }
+
   exportData() {
     return this.answer ? { title: "head atlas", ...this.answer } : null;
   }

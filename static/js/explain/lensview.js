@@ -136,6 +136,49 @@ export class LensView {
     next.focus();
   }
 
+  /** The grid as the page draws it (top-1 tokens tinted by probability, hits outlined), for the PNG export. */
+  exportPicture(scale = 1) {
+    const a = this.answer;
+    if (!a) return null;
+    const cols = a.target_tokens ?? a.tokens;
+    const w = 58 * scale;
+    const h = 22 * scale;
+    const left = 84 * scale;
+    const c = document.createElement("canvas");
+    c.width = left + cols.length * w;
+    c.height = (a.layers.length + 2) * h;
+    const ctx = c.getContext("2d");
+    ctx.textBaseline = "middle";
+    ctx.font = `${11 * scale}px ui-monospace, monospace`;
+    const text = (s, x, y, align = "center") => ((ctx.textAlign = align), ctx.fillText(s, x, y));
+    ctx.fillStyle = "#555";
+    cols.forEach((t, i) => text(axisLabel(t.text, 7), left + i * w + w / 2, h / 2));
+    a.layers.forEach((layer, li) => {
+      const y = (li + 1) * h;
+      ctx.fillStyle = "#333";
+      text(layer.label, left - 6 * scale, y + h / 2, "right");
+      layer.positions.forEach((pos, i) => {
+        const top = pos.top?.[0];
+        if (!top) return;
+        const x = left + i * w;
+        ctx.fillStyle = `rgba(67, 56, 202, ${0.08 + 0.85 * top.prob})`;
+        ctx.fillRect(x + scale, y + scale, w - 2 * scale, h - 2 * scale);
+        if (pos.actual && pos.actual.id === top.id) {
+          ctx.strokeStyle = "#d9480f";
+          ctx.lineWidth = 2 * scale;
+          ctx.strokeRect(x + 2 * scale, y + 2 * scale, w - 4 * scale, h - 4 * scale);
+        }
+        ctx.fillStyle = top.prob > 0.55 ? "#fff" : "#111";
+        text(axisLabel(top.text, 7), x + w / 2, y + h / 2);
+      });
+    });
+    const y = (a.layers.length + 1) * h;
+    ctx.fillStyle = "#d9480f";
+    text("actual", left - 6 * scale, y + h / 2, "right");
+    a.layers[0]?.positions.forEach((pos, i) => pos.actual && text(axisLabel(pos.actual.text, 7), left + i * w + w / 2, y + h / 2));
+    return { canvas: c, title: "logit lens: top-1 token per layer and position (outlined: the actual token)", legend: null };
+  }
+
   exportData() {
     return this.answer ? { title: "logit lens", ...this.answer } : null;
   }
