@@ -60,6 +60,11 @@ def probe_note(family: Family) -> str:
     return "probe: BOS (<|endoftext|>) + n random ordinary tokens + the same n (TransformerLens's induction probe)"
 
 
+def maps_bytes(family: Family, axis_lengths: dict[str, int], n_layers: int, n_heads: int) -> int:
+    """The float32 maps the model side holds while it scores them: every group, every head."""
+    return sum(n_layers * n_heads * axis_lengths[g.queries] * axis_lengths[g.keys] * 4 for g in family.groups)
+
+
 # --- the model's side -------------------------------------------------------------------------
 
 

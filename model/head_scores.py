@@ -122,8 +122,19 @@ def bidirectional_patterns(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def row_entropy(rows: torch.Tensor) -> torch.Tensor:
-    """(..., Q, K) -> (..., Q): -sum p log p, with 0 log 0 = 0."""
-    return -torch.where(rows > 0, rows * torch.log(rows), torch.zeros_like(rows)).sum(-1)
+    """(..., Q, K) -> (..., Q): -sum p log p, with 0 log 0 = 0 (0 * log(tiny); log(0) is slow)."""
+    return -(rows * rows.clamp_min(1e-30).log()).sum(-1)
+
+
+def pattern_scores(maps: torch.Tensor, patterns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """mul_score of each (T, T) 0/1 pattern on (..., T, T) maps, reading only the pattern's cells
+    (a pattern marks at most a few cells per row: no T x T products)."""
+    total = maps.sum((-2, -1))
+    out = {}
+    for name, pattern in patterns.items():
+        q, k = pattern.nonzero(as_tuple=True)
+        out[name] = maps[..., q.to(maps.device), k.to(maps.device)].sum(-1) / total
+    return out
 
 
 def self_group_scores(maps: torch.Tensor, tokens: torch.Tensor, causal: bool) -> dict[str, torch.Tensor]:
@@ -132,7 +143,7 @@ def self_group_scores(maps: torch.Tensor, tokens: torch.Tensor, causal: bool) ->
     maps = maps.float()
     T = maps.shape[-1]
     patterns = causal_patterns(tokens) if causal else bidirectional_patterns(tokens)
-    scores = {name: mul_score(maps, p.to(maps.device)) for name, p in patterns.items()}
+    scores = pattern_scores(maps, patterns)
     rows = maps[..., 1:, :]  # (L, H, T-1, T): query rows 1..T-1
     q = torch.arange(1, T, device=maps.device, dtype=maps.dtype)  # (T-1,) query positions
     k = torch.arange(T, device=maps.device, dtype=maps.dtype)  # (T,) key positions

@@ -205,6 +205,15 @@ def test_heads_on_the_probe(client):
     assert default["probe"]["length"] == 31  # min(50, (64 - 1) // 2): the tiny model's context is 64
 
 
+def test_a_one_token_input_answers_with_the_undefined_scores_null(client):
+    r = client.post("/heads", json={"ids": [5]})
+    assert r.status_code == 200, r.text
+    cell = r.json()["heads"][0][0]
+    assert cell["scores"]["previous_token"] == 0.0  # no pattern cell: nothing on it
+    assert all(cell["scores"][k] is None for k in ("first_token", "self", "entropy", "mean_distance"))
+    assert cell["role"] == "mixed"
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({}, 422, "text"),
     ({"text": "a", "ids": [1]}, 422, "ids"),
@@ -224,6 +233,21 @@ def test_heads_refuses_naming_the_field(client, body, status, param):
     r = client.post("/heads", json=body)
     assert r.status_code == status, r.text
     assert r.json()["param"] == param, r.json()
+
+
+def test_maps_larger_than_the_answer_budget_are_refused_naming_the_input(client):
+    budget = client.app.state.attnlens.answers
+    limit = budget.limit
+    budget.limit = 2 * 4 * 20 * 20 * 4  # the tiny model's maps of 20 tokens, float32
+    try:
+        assert client.post("/heads", json={"ids": list(range(1, 21))}).status_code == 200
+        r = client.post("/heads", json={"ids": list(range(1, 22))})
+        assert r.status_code == 400 and r.json()["param"] == "ids" and r.json()["code"] == "answer_too_large"
+        r = client.post("/heads", json={"probe": {"kind": "repeated_random", "length": 10}})
+        assert r.status_code == 400 and r.json()["param"] == "probe.length"
+    finally:
+        budget.limit = limit
+    assert budget.in_use == 0
 
 
 def test_heads_is_in_the_openapi_schema(client):
@@ -277,3 +301,34 @@ def test_every_bundled_model_answers(bundled_client):
     fixed = bundled_client.post("/heads", json={"model": "translator", "text": "March 3, 2021",
                                                 "target": "3 mars 2021"}).json()
     assert fixed["generated_target"] is False
+
+
+def test_encoder_and_translator_scores_equal_the_definitions_on_their_attention_maps(bundled_client):
+    """The groups are wired to the right maps and definitions: the encoder's (bidirectional) and the
+    translator's three groups, against /attention's maps for the same input."""
+    post = bundled_client.post
+    enc = post("/heads", json={"model": "encoder", "text": "to be or not to be"}).json()
+    maps = post("/attention", json={"model": "encoder", "text": "to be or not to be"}).json()
+    ids = [t["id"] for t in enc["tokens"]]
+    assert ids == [t["id"] for t in maps["tokens"]]  # framed as /attention frames it: [CLS] ... [SEP]
+    for layer, row in enumerate(enc["heads"]):
+        for head, cell in enumerate(row):
+            for name, value in ref_self_scores(maps["attention"][layer][head], ids, causal=False).items():
+                assert cell["scores"][name] == pytest.approx(value, abs=1e-5), name
+
+    request = {"model": "translator", "text": "March 3, 2021", "target": "3 mars 2021"}
+    tr, maps = post("/heads", json=request).json(), post("/attention", json=request).json()
+    source = [t["id"] for t in tr["tokens"]]
+    target = [t["id"] for t in tr["target_tokens"]]
+    assert target == [t["id"] for t in maps["translation"]["target_tokens"]]
+    expected = {"encoder": lambda l, h: ref_self_scores(maps["attention"][l][h], source, causal=False),
+                "decoder": lambda l, h: ref_self_scores(maps["translation"]["decoder"]["attention"][l][h], target,
+                                                        causal=True),
+                "cross": lambda l, h: ref_cross_scores(maps["translation"]["cross"]["attention"][l][h])}
+    for group in tr["groups"]:
+        for layer, row in enumerate(group["heads"]):
+            for head, cell in enumerate(row):
+                ref = expected[group["name"]](layer, head)
+                assert set(cell["scores"]) == set(ref)
+                for name, value in ref.items():
+                    assert cell["scores"][name] == pytest.approx(value, abs=1e-5), (group["name"], name)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from functools import partial
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Response
 
 from ..answers import off_loop
 from ..deps import get_state
 from ..encoder_tasks import TaskInputError, framed_ids
 from ..errors import ApiError, field_error
-from ..head_atlas import (DEFAULT_PROBE_LENGTH, atlas_answer, max_probe_length, probe_ids, probe_overhead,
-                          score_heads)
+from ..head_atlas import (DEFAULT_PROBE_LENGTH, atlas_answer, maps_bytes, max_probe_length, probe_ids,
+                          probe_overhead, score_heads)
 from ..heads_schemas import HeadsRequest, HeadsResponse
 from ..prompts import check_text_bytes
 from ..registry import ATTENTION, ServedModel, lookup
@@ -45,13 +45,30 @@ async def _probe(body: HeadsRequest, served: ServedModel) -> tuple[list[int], di
     return ids, {"kind": body.probe.kind, "length": length, "seed": body.probe.seed}
 
 
+async def _ids(body: HeadsRequest, served: ServedModel) -> tuple[list[int], dict | None]:
+    """The ids to score (and the probe's echo): the probe, `text` framed as /attention frames it, or `ids`."""
+    if body.probe is not None:
+        return await _probe(body, served)
+    cfg, tok = served.checkpoint.config, served.checkpoint.tokenizer
+    if served.family.framing == "cls_sep" and body.text is not None:
+        check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
+        try:
+            return await off_loop(framed_ids, served.checkpoint, body.text), None
+        except TaskInputError as e:
+            raise ApiError(400, str(e), param=e.param, code=e.code) from None
+    return await _input_ids(body, tok, cfg.context_length), None
+
+
 @router.post(
     "/heads",
     response_model=HeadsResponse,
-    responses={400: {"description": "text, ids or the probe longer than the model's context (the message "
-                                    "gives the numbers), or a target for a model that takes none"},
+    responses={400: {"description": "text, ids or the probe longer than the model's context, or its attention "
+                                    "maps larger than ATTNLENS_MAX_ANSWER_BYTES (the message gives the numbers)"},
                404: {"description": "unknown model"}, 413: {},
-               429: {"description": "too many requests waiting for the model; see Retry-After"}, 503: {}},
+               429: {"description": "too many model calls running or waiting (ATTNLENS_MAX_ATTENTION_CONCURRENT; "
+                                    "for a model that does not generate ATTNLENS_MAX_ENCODER_CONCURRENT + "
+                                    "ATTNLENS_MAX_QUEUE), or maps in flight over ATTNLENS_MAX_ANSWER_BYTES for "
+                                    "ATTNLENS_ANSWER_WAIT_S; see Retry-After"}, 503: {}},
 )
 async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
     """Per-head scores and roles of every attention group, on `text`, `ids` or `probe` (exactly one).
@@ -68,16 +85,25 @@ async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
     family, cfg, tok = served.family, served.checkpoint.config, served.checkpoint.tokenizer
     _one_input(body)
     target = await _target_ids(body, served)
-    probe = None
-    if body.probe is not None:
-        ids, probe = await _probe(body, served)
-    elif family.framing == "cls_sep" and body.text is not None:
-        check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
-        try:
-            ids = await off_loop(framed_ids, served.checkpoint, body.text)
-        except TaskInputError as e:
-            raise ApiError(400, str(e), param=e.param, code=e.code) from None
-    else:
-        ids = await _input_ids(body, tok, cfg.context_length)
-    result = await served.call_model(partial(score_heads, ids=ids, target_ids=target))
-    return await off_loop(atlas_answer, family, result, tok, served.name, probe)
+    ids, probe = await _ids(body, served)
+    # the maps exist only on the model's side, but they are as large as /attention's: claimed from
+    # the same budget (ATTNLENS_MAX_ANSWER_BYTES) while they are computed and scored
+    lengths = {"tokens": len(ids), "source": len(ids),
+               "target": cfg.context_length if target is None else len(target) + 1}
+    need = maps_bytes(family, lengths, cfg.n_layers, cfg.n_heads)
+    if need > state.answers.limit:
+        field = "probe.length" if probe is not None else "ids" if body.ids is not None else "text"
+        raise ApiError(400, f"{field}: {len(ids)} tokens make {need / 1e6:.1f} MB of attention maps to score, more "
+                            f"than ATTNLENS_MAX_ANSWER_BYTES ({state.answers.limit / 1e6:.1f} MB): use fewer tokens",
+                       param=field, code="answer_too_large")
+    claim = await state.answers.claim(need, what="this input's attention maps")
+    try:
+        result = await served.call_model(partial(score_heads, ids=ids, target_ids=target))
+    finally:
+        await claim.release()
+
+    def answer() -> bytes:  # on a worker thread: built, checked against the schema, encoded
+        fields = atlas_answer(family, result, tok, served.name, probe)
+        return HeadsResponse.model_validate(fields).model_dump_json().encode()
+
+    return Response(await off_loop(answer), media_type="application/json")
