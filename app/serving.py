@@ -93,7 +93,9 @@ async def collect(generation: Generation, metrics: Metrics) -> Outcome:
 def sse(event: str | None, data: BaseModel | dict | str) -> str:
     """One server-sent event; `data` is a schema object, a dict (JSON-encoded) or a ready string."""
     if isinstance(data, BaseModel):
-        payload = data.model_dump_json(exclude_none=isinstance(data, StreamToken))
+        # `ablate` is echoed only by a request that ablates: an answer without it is as it always was
+        absent = {"ablate"} if getattr(data, "ablate", True) is None else None
+        payload = data.model_dump_json(exclude_none=isinstance(data, StreamToken), exclude=absent)
     elif isinstance(data, str):
         payload = data
     else:

@@ -61,15 +61,15 @@ def _top(probs: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]
     return top.indices.tolist(), top.values.tolist()
 
 
-def position_logits(logits: torch.Tensor, actual: list[int | None], positions: list[int], top_k: int) -> list[dict]:
-    """Per position: top-k ids and probabilities, the actual token's probability and log-probability."""
-    logprobs = torch.log_softmax(logits[positions], dim=-1)  # (P, V)
-    ids, probs = _top(logprobs.exp(), top_k)
+def position_logits(logprobs: torch.Tensor, actual: list[int | None], positions: list[int], top_k: int) -> list[dict]:
+    """Per position of (P, V) log-probabilities (rows: `positions`): top-k ids and probabilities, the
+    actual token's probability and log-probability."""
+    ids, probs = _top(logprobs, top_k)
     out = []
     for i, p in enumerate(positions):
         a = actual[p]
         lp = None if a is None else float(logprobs[i, a])
-        out.append({"position": p, "top": list(zip(ids[i], probs[i])), "next": a,
+        out.append({"position": p, "top": [(t, math.exp(v)) for t, v in zip(ids[i], probs[i])], "next": a,
                     "next_prob": None if lp is None else math.exp(lp), "next_logprob": lp})
     return out
 
@@ -81,20 +81,18 @@ def logits_report(model, ids: list[int], target_ids: list[int] | None, ablate: t
     stream = seq.stream(model)
     actual = actual_ids(model, stream)
     positions = [len(stream) - 1] if last_only else list(range(len(stream)))
-    clean = sequence_logits(model, seq, None)
+    clean = torch.log_softmax(sequence_logits(model, seq, None)[positions], dim=-1)  # (P, V)
     report = {"tokens": seq.tokens, "generated": seq.generated, "stream": stream}
     if not ablate:
         report["positions"] = position_logits(clean, actual, positions, top_k)
         return report
-    edited = sequence_logits(model, seq, Hooks(ablate=ablate))
+    edited = torch.log_softmax(sequence_logits(model, seq, Hooks(ablate=ablate))[positions], dim=-1)
     report["positions"] = position_logits(edited, actual, positions, top_k)
     report["clean"] = position_logits(clean, actual, positions, top_k)
-    p_clean = torch.log_softmax(clean[positions], dim=-1)  # (P, V)
-    p_edit = torch.log_softmax(edited[positions], dim=-1)
-    kl = (p_clean.exp() * (p_clean - p_edit)).sum(dim=-1).clamp_min(0).tolist()  # KL(clean || ablated)
+    kl = (clean.exp() * (clean - edited)).sum(dim=-1).clamp_min(0).tolist()  # KL(clean || ablated)
     report["effect"] = [
         {"position": p, "kl": kl[i],
-         "delta_logprob": None if actual[p] is None else float(p_edit[i, actual[p]] - p_clean[i, actual[p]])}
+         "delta_logprob": None if actual[p] is None else float(edited[i, actual[p]] - clean[i, actual[p]])}
         for i, p in enumerate(positions)]
     return report
 
@@ -114,23 +112,20 @@ def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tup
     stream = seq.stream(model)
     actual = actual_ids(model, stream)
     names = lens_names(model)
-    hooks = Hooks(record=set(names), ablate=ablate)
-    sequence_logits(model, seq, hooks)
-    known = torch.tensor([a is not None for a in actual])
-    picks = torch.tensor([0 if a is None else a for a in actual], dtype=torch.long)
+    hooks = Hooks(record=set(names[:-1]), ablate=ablate)
+    final = sequence_logits(model, seq, hooks)  # the last row: the model's own logits, already computed
+    picks = torch.tensor([0 if a is None else a for a in actual], dtype=torch.long, device=final.device)[:, None]
     layers = []
     for index, name in enumerate(names, start=-1):
-        x = hooks.captured[name][0]  # (T, C)
-        probs = torch.softmax(model.unembed(x).float(), dim=-1).cpu()  # (T, V)
-        top_ids, top_probs = _top(probs, top_k)
-        p_actual = probs.gather(1, picks[:, None])[:, 0]  # (T,)
-        ranks = (probs > p_actual[:, None]).sum(dim=-1)  # tokens strictly more likely
-        rows = []
-        for t in range(len(stream)):
-            row = {"top": list(zip(top_ids[t], top_probs[t])), "actual": None}
-            if known[t]:
-                row["actual"] = {"id": actual[t], "rank": int(ranks[t]), "prob": float(p_actual[t])}
-            rows.append(row)
+        logits = final if name == names[-1] else model.unembed(hooks.captured[name][0]).float()  # (T, V)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (T, 1): probabilities are exp(logit - lse)
+        top = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
+        top_probs = (top.values - lse).exp().tolist()
+        chosen = logits.gather(1, picks)  # (T, 1)
+        p_actual = (chosen - lse)[:, 0].exp().tolist()
+        ranks = torch.count_nonzero(logits > chosen, dim=-1).tolist()  # tokens strictly more likely
+        rows = [{"top": list(zip(i, p)), "actual": None if a is None else {"id": a, "rank": r, "prob": pa}}
+                for i, p, a, r, pa in zip(top.indices.tolist(), top_probs, actual, ranks, p_actual)]
         layers.append({"index": index, "positions": rows})
     return {"tokens": seq.tokens, "generated": seq.generated, "stream": stream, "layers": layers}
 

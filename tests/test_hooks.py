@@ -277,7 +277,7 @@ def full_recompute_ids(model, prompt, n, edits):
     seq = list(prompt)
     for _ in range(n):
         with torch.inference_mode(), hooked(model, Hooks(ablate=edits)):
-            logits = model(torch.tensor([seq])).logits[0, -1]
+            logits = model(torch.tensor([seq], device=model.tok_emb.weight.device)).logits[0, -1]
         seq.append(int(logits.argmax()))
     return seq[len(prompt):]
 

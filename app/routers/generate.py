@@ -124,6 +124,6 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
             cross_attention=([t.cross_attention for t in out.tokens]
                              if body.return_attention and streams_cross else None),
             ablate=echo,
-        ).model_dump_json().encode()
+        ).model_dump_json(exclude={"ablate"} if echo is None else None).encode()
 
     return Response(await off_loop(answer), media_type="application/json")

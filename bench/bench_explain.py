@@ -1,0 +1,153 @@
+"""What the explain routes cost beside one forward with attention maps, and what the hooks cost unused.
+
+    .venv/bin/python bench/bench_explain.py                    # checkpoints/default, 256 tokens, 1 thread
+    .venv/bin/python bench/bench_explain.py --reps 9 --main-ref main
+
+Part 1, on the model's side (what each route's model call runs, model/explain.py), over T tokens
+(default 256, the default model's whole context), beside its peer measured in turns in the same
+run: one forward with every layer's and head's attention maps (`model.analyse`, what /attention
+runs). The goal (issue 18): each route at most 2x the peer.
+
+    logits           /logits: one forward, top-k and the next token's log-probability at every position
+    logits + ablate  /logits with one mean-ablated head: the clean and the ablated forward, KL per position
+    lens             /lens: one forward keeping every block's residual stream, each through ln_f + the LM head
+    explain          /attention/explain: one forward keeping one head's q, k, v, pattern and z
+
+Part 2, hooks unused: greedy decoding (model.generate_tokens, N new tokens after a 16-token prompt)
+and a plain forward over T tokens with this branch's model code against the same code of another
+git ref (default `main`, extracted with `git archive` into a temporary folder and imported as a
+package of its own, same weights), in turns in the same process.
+
+Medians of process CPU time and wall time (1 thread by default: CPU time is the steady figure on a
+shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from attnlens.model import explain, load_checkpoint  # noqa: E402
+from attnlens.model.decoding import SamplingParams, generate_tokens  # noqa: E402
+from attnlens.model.families import family_of  # noqa: E402
+from attnlens.model.hooks import HeadAblation, ablation_targets  # noqa: E402
+
+
+def timed(fn) -> tuple[float, float]:
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return (time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3
+
+
+def turns(cases: dict, warmup: int, reps: int) -> dict[str, tuple[float, float]]:
+    """Every case once per repetition, in turns; (median wall ms, median cpu ms) of each."""
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    runs = {name: [] for name in cases}
+    for _ in range(reps):
+        for name, fn in cases.items():
+            runs[name].append(timed(fn))
+    return {name: (statistics.median(w for w, _ in r), statistics.median(c for _, c in r)) for name, r in runs.items()}
+
+
+def main_model_package(ref: str, into: Path):
+    """The model/ package of git `ref`, imported as `ref_model` (model/ uses relative imports only)."""
+    data = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", ref, "model"], check=True,
+                          capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    spec = importlib.util.spec_from_file_location("ref_model", into / "model" / "__init__.py",
+                                                  submodule_search_locations=[str(into / "model")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ref_model"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=REPO_ROOT / "checkpoints" / "default")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--main-ref", default="main", help="the git ref whose model code is the decode peer")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    ck = load_checkpoint(args.model)
+    model = ck.model.eval()
+    cfg = model.config
+    T = min(args.tokens, cfg.context_length)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, cfg.vocab_size, (T,), generator=g).tolist()
+    edits = ablation_targets(family_of(model), cfg, [HeadAblation(min(2, cfg.n_layers - 1), 2 % cfg.n_heads, "mean")])
+    print(f"model     {args.model.name}: {cfg.n_layers} layers x {cfg.n_heads} heads, d_model {cfg.d_model}, "
+          f"vocab {cfg.vocab_size}, context {cfg.context_length}")
+    print(f"runtime   torch {torch.__version__}, {args.threads} thread(s), median of {args.reps} after "
+          f"{args.warmup} warm-up(s), {T} tokens")
+
+    cases = {
+        "peer: forward + attention maps": lambda: model.analyse(ids),
+        "logits (top 5, all positions)": lambda: explain.logits_report(model, ids, None, (), 5, False),
+        "logits + 1 mean ablation": lambda: explain.logits_report(model, ids, None, edits, 5, False),
+        "lens (top 5)": lambda: explain.lens_report(model, ids, None, (), 5),
+        "explain (1 head, 1 query)": lambda: explain.explain_head(model, ids, None, family_of(model).primary.name,
+                                                                  1, 1, T - 1, ()),
+    }
+    got = turns(cases, args.warmup, args.reps)
+    peer = got["peer: forward + attention maps"]
+    print(f"\n{'case':34s} {'wall ms':>9s} {'cpu ms':>9s} {'x peer (cpu)':>13s}")
+    for name, (w, c) in got.items():
+        print(f"{name:34s} {w:9.1f} {c:9.1f} {c / peer[1]:12.2f}x")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = main_model_package(args.main_ref, Path(tmp))
+        theirs = ref.families.decoder.Transformer(ref.config.ModelConfig(**cfg.__dict__)).eval()
+        theirs.load_state_dict(model.state_dict())
+        prompt = ids[:16]
+        greedy = SamplingParams(temperature=0.0)
+
+        def decode(m, gen):
+            return lambda: [t.id for t in gen(m, prompt, args.new_tokens, ref_params(gen))]
+
+        def ref_params(gen):
+            return greedy if gen is generate_tokens else ref.decoding.SamplingParams(temperature=0.0)
+
+        same = decode(model, generate_tokens)() == decode(theirs, ref.decoding.generate_tokens)()
+        inputs = torch.tensor([ids])
+
+        def forward(m):
+            def run():
+                with torch.inference_mode():
+                    m(inputs)
+            return run
+
+        got = turns({f"decode, hooks unused (this branch)": decode(model, generate_tokens),
+                     f"decode, {args.main_ref} (peer)": decode(theirs, ref.decoding.generate_tokens),
+                     "forward, hooks unused (this branch)": forward(model),
+                     f"forward, {args.main_ref} (peer)": forward(theirs)}, args.warmup, args.reps)
+    print(f"\nhooks unused against {args.main_ref}'s model code (same weights; greedy tokens identical: {same})")
+    print(f"{'case':38s} {'wall ms':>9s} {'cpu ms':>9s} {'tok/s (cpu)':>12s}")
+    for name, (w, c) in got.items():
+        rate = f"{args.new_tokens / c * 1e3:12.0f}" if name.startswith("decode") else f"{'':12s}"
+        print(f"{name:38s} {w:9.1f} {c:9.1f} {rate}")
+
+
+if __name__ == "__main__":
+    main()
