@@ -230,6 +230,19 @@ def test_model_view_shift_click_toggles_a_heads_ablation(page, bundled_server):
     assert page.locator(".thumb.ablated").count() == 0
 
 
+def test_encoder_ablation_changes_its_masked_lm_predictions(page, bundled_server):
+    need(bundled_server, "/logits")
+    analyse(page, bundled_server, PROMPT, model="encoder", ablate="0.1m")
+    open_tab(page, "ablate")
+    page.wait_for_selector(".ablate[data-state=done]")
+    assert page.locator(".abl-gens").inner_text() == ""  # an encoder does not generate
+    want = api(bundled_server, "/logits", {"model": "encoder", "text": PROMPT, "top_k": 5, "positions": "all",
+                                           "ablate": [{"layer": 0, "head": 1, "how": "mean", "group": None}]})
+    deltas = page.eval_on_selector_all(".abl-tok", "ts => ts.map(t => t.dataset.delta === '' ? null : +t.dataset.delta)")
+    assert deltas == pytest.approx([e["delta_logprob"] for e in want["effect"]], abs=1e-6)
+    assert "the token at each position" in page.inner_text(".abl-effect h3")
+
+
 def test_translator_ablation_names_its_group(page, bundled_server):
     need(bundled_server, "/heads", "/logits")
     analyse(page, bundled_server, SOURCE, model="translator", view="atlas", ablate="1.2z")
@@ -281,6 +294,13 @@ def test_clicking_a_heatmap_cell_explains_its_row_step_by_step(page, bundled_ser
     page.click(".xp-close")
     page.wait_for_function("() => window.__attnlens.store.state.explain === null")
     assert page.locator("#explain-panel").is_hidden()
+    # from the keyboard: Enter on the focused map explains its row, Escape closes it
+    page.focus("#view-host .heatmap-overlay")
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#explain-panel[data-state=done]")
+    page.keyboard.press("Escape")
+    page.wait_for_function("() => window.__attnlens.store.state.explain === null")
 
 
 # --- widths -------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ export class HeadView extends MatrixView {
     super.mount(host);
     this.explain = new ExplainPanel(this.ctx); // a click on a cell computes its row step by step
     this.explain.mount(host);
+    this.heatmap.opts.onEscape = () => this.ctx.select({ pin: [], explain: null }); // Escape clears the pins and closes it
   }
 
   unmount() {
