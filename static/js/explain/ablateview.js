@@ -14,6 +14,11 @@ import { readSamplingForm, streamGeneration } from "../generation.js";
 import { escapeHTML, visible, axisLabel } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
 
+// the last few pairs of generations, by request: a seeded generation is the same each time, so
+// coming back to the view does not generate again (Re-run does)
+const GENERATED = new Map();
+const KEEP = 8;
+
 const fix = (v, d = 3) => (v == null || Number.isNaN(v) ? "—" : (v > 0 ? "+" : "") + v.toFixed(d));
 
 /** The tint of a change in log-probability: red where the ablation lowers it, blue where it raises it. */
@@ -112,7 +117,6 @@ export class AblateView {
   async render(params, changed, isCurrent = () => true) {
     const prev = this.params;
     this.params = params;
-    this.isCurrent = isCurrent;
     this.fillForm();
     this.showChips();
     this.ctx.setLegend(null);
@@ -164,19 +168,25 @@ export class AblateView {
   }
 
   /** The same request twice, once with `ablate`: the same seed (0 when the form has none). */
-  async generations(signal) {
+  async generations(signal, again = false) {
     const body = { ...readSamplingForm(this.params.prompt || this.params.text), return_attention: false, stream: true, logprobs: 0 };
     const seeded = body.seed != null;
     if (!seeded) body.seed = 0;
+    const key = JSON.stringify([this.params.model.name, body, this.params.ablation]);
+    if (!again && GENERATED.has(key)) return GENERATED.get(key);
     const one = async (extra) => {
       let text = "";
       const r = await streamGeneration({ ...body, ...extra }, { signal, onToken: (t) => (text += t.delta ?? t.text ?? "") });
       if (r.error) throw r.error;
+      if (r.stopped) throw new Error("stopped"); // replaced by a newer run: nothing to show or keep
       return r.done?.text ?? text;
     };
     try {
       const [clean, ablated] = await this.ctx.track(Promise.all([one({}), one({ ablate: ablateField(this.params.ablation) })]));
-      return { clean, ablated, seed: body.seed, seeded, temperature: body.temperature };
+      const pair = { clean, ablated, seed: body.seed, seeded, temperature: body.temperature };
+      GENERATED.set(key, pair);
+      while (GENERATED.size > KEEP) GENERATED.delete(GENERATED.keys().next().value);
+      return pair;
     } catch (err) {
       if (!signal.aborted) this.ctx.showError(err, "Generating with the ablation");
       return null;

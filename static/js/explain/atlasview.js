@@ -210,19 +210,16 @@ export class AtlasView {
 
   markCells() {
     const { ablation, selection } = this.params;
-    let n = 0;
     for (const b of this.root.querySelectorAll(".atlas-cell")) {
       const l = +b.dataset.layer;
       const h = +b.dataset.head;
       const off = isAblated(ablation, l, h, b.dataset.ablgroup || null);
-      n += off;
       b.classList.toggle("ablated", off);
       b.setAttribute("aria-pressed", String(off));
       b.classList.toggle("selected", l === selection.layer && h === selection.head && b.closest(".atlas-group") === this.root.querySelector(".atlas-group"));
     }
     const count = this.params.ablation.length;
     this.root.querySelector(".atlas-ablated").textContent = count ? `${count} head${count > 1 ? "s" : ""} ablated (see the Ablate view)` : "";
-    return n;
   }
 
   /** Every group's grid with role names and scores, and the roles' key, for the PNG export. */
