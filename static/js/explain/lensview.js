@@ -8,6 +8,10 @@ import { fetchLens } from "./api.js";
 import { describeHead } from "./ablation.js";
 import { escapeHTML, visible, axisLabel } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
+import { START_LABEL } from "../translator/translation.js";
+
+/** The positions' tokens: a target's (its first is the decoder's start token, labelled as the other views do), else the text's. */
+const columns = (a) => (a.target_tokens ? [{ ...a.target_tokens[0], text: START_LABEL }, ...a.target_tokens.slice(1)] : a.tokens);
 
 const pct = (p) => (p == null ? "—" : p >= 0.995 ? "100%" : p < 0.001 ? "<0.1%" : `${(100 * p).toFixed(p < 0.1 ? 1 : 0)}%`);
 
@@ -55,7 +59,7 @@ export class LensView {
 
   build() {
     const a = this.answer;
-    const cols = a.target_tokens ?? a.tokens; // a translator's positions are its target's
+    const cols = columns(a); // a translator's positions are its target's
     const abl = this.params.ablation.length ? ` With ${this.params.ablation.map(describeHead).join(", ")} ablated.` : "";
     this.ctx.setLegend(null);
     this.ctx.setCaption(
@@ -114,7 +118,7 @@ export class LensView {
     const layer = this.answer.layers[+td.dataset.layer];
     const i = +td.dataset.pos;
     const pos = layer.positions[i];
-    const cols = this.answer.target_tokens ?? this.answer.tokens;
+    const cols = columns(this.answer);
     const alts = (pos.top ?? [])
       .map((t) => `<span class="${pos.actual && t.id === pos.actual.id ? "chosen" : ""}">${escapeHTML(visible(t.text))}</span><span class="bar" style="width:${Math.max(1, 60 * t.prob)}px"></span><span class="num">${pct(t.prob)}</span>`)
       .join("");
@@ -140,7 +144,7 @@ export class LensView {
   exportPicture(scale = 1) {
     const a = this.answer;
     if (!a) return null;
-    const cols = a.target_tokens ?? a.tokens;
+    const cols = columns(a);
     const w = 58 * scale;
     const h = 22 * scale;
     const left = 84 * scale;
