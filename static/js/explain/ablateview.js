@@ -120,8 +120,9 @@ export class AblateView {
     this.fillForm();
     this.showChips();
     this.ctx.setLegend(null);
+    const generates = params.model.capabilities.has("generation");
     this.ctx.setCaption(
-      `<b>Ablation</b>: remove heads and see what changes — the probability of each next token of this text, and the generation from the same seed. ` +
+      `<b>Ablation</b>: remove heads and see what changes — ${generates ? "the probability of each next token of this text, and the generation from the same seed" : "the probability the model gives each token of this text at its position"}. ` +
         `<span class="abl-key"><i class="down"></i> less likely <i class="up"></i> more likely</span>`,
     );
     const relevant = !prev || !changed || ["ablate", "att", "meta"].some((k) => changed.has(k));
