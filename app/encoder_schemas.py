@@ -25,6 +25,13 @@ class GenerationInfo(BaseModel):
     step_groups: list[str] = Field(description="the groups each generated token's attention rows come from")
 
 
+class LensInfo(BaseModel):
+    stream: str = Field(description="the axis whose positions /logits and /lens score: tokens, or target")
+    predicts: str = Field(description="next: a position's logits predict the next token; same: the token at the "
+                                      "position (a masked-LM head)")
+    head: str
+
+
 class FamilyInfo(BaseModel):
     """A family's declaration (model/families/contract.py): what the page and clients read."""
 
@@ -35,6 +42,9 @@ class FamilyInfo(BaseModel):
     axes: list[str]
     groups: list[AttentionGroupInfo] = Field(description="the attention groups, the primary one first")
     generation: GenerationInfo | None = Field(description="null when the family does not generate")
+    lens: LensInfo | None = Field(None, description="what /logits and /lens read; null: the family has no per-position "
+                                  "logits")
+    ablation_group: str | None = Field(None, description="the group an `ablate` entry without `group` edits")
 
 
 class ModelMemory(BaseModel):

@@ -144,5 +144,8 @@ class ExplainResponse(BaseModel):
     z: list[float] = Field(description="[d_head]: sum of softmax x values, the head's output at this query (before "
                            "the output projection and before any ablation of this head)")
     tokens: list[TokenText] = Field(description="the sequence's tokens (an encoder-decoder's source)")
-    target_tokens: list[TokenText] | None = None
+    target_tokens: list[TokenText] | None = Field(None, description="encoder-decoder only: the decoder's inputs, "
+                                                  "the start token first")
+    generated: bool | None = Field(None, description="encoder-decoder only: the target is the model's own greedy "
+                                   "translation")
     ablate: list[Ablation] | None = None

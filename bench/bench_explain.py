@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from attnlens.model import explain, load_checkpoint  # noqa: E402
 from attnlens.model.decoding import SamplingParams, generate_tokens  # noqa: E402
 from attnlens.model.families import family_of  # noqa: E402
-from attnlens.model.hooks import HeadAblation, ablation_targets  # noqa: E402
+from attnlens.model.hooks import HeadAblation, ablation_targets, active  # noqa: E402
 
 
 def timed(fn) -> tuple[float, float]:
@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--main-ref", default="main", help="the git ref whose model code is the decode peer")
+    ap.add_argument("--part", choices=["all", "routes", "unused"], default="all")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -102,6 +103,14 @@ def main() -> None:
     print(f"runtime   torch {torch.__version__}, {args.threads} thread(s), median of {args.reps} after "
           f"{args.warmup} warm-up(s), {T} tokens")
 
+    if args.part != "unused":
+        routes(model, ids, edits, args)
+    if args.part != "routes":
+        unused(model, ids, args)
+
+
+def routes(model, ids, edits, args) -> None:
+    T = len(ids)
     cases = {
         "peer: forward + attention maps": lambda: model.analyse(ids),
         "logits (top 5, all positions)": lambda: explain.logits_report(model, ids, None, (), 5, False),
@@ -116,10 +125,16 @@ def main() -> None:
     for name, (w, c) in got.items():
         print(f"{name:34s} {w:9.1f} {c:9.1f} {c / peer[1]:12.2f}x")
 
+
+def unused(model, ids, args) -> None:
+    cfg = model.config
     with tempfile.TemporaryDirectory() as tmp:
         ref = main_model_package(args.main_ref, Path(tmp))
+        # both built the same way (fresh modules, then the same state dict): same memory layout
         theirs = ref.families.decoder.Transformer(ref.config.ModelConfig(**cfg.__dict__)).eval()
         theirs.load_state_dict(model.state_dict())
+        model = type(model)(type(cfg)(**cfg.__dict__)).eval()
+        model.load_state_dict(theirs.state_dict())
         prompt = ids[:16]
         greedy = SamplingParams(temperature=0.0)
 
@@ -138,15 +153,28 @@ def main() -> None:
                     m(inputs)
             return run
 
+        # each pair in turns of its own (a forward timed right after a decode runs on colder caches)
         got = turns({f"decode, hooks unused (this branch)": decode(model, generate_tokens),
-                     f"decode, {args.main_ref} (peer)": decode(theirs, ref.decoding.generate_tokens),
-                     "forward, hooks unused (this branch)": forward(model),
-                     f"forward, {args.main_ref} (peer)": forward(theirs)}, args.warmup, args.reps)
+                     f"decode, {args.main_ref} (peer)": decode(theirs, ref.decoding.generate_tokens)},
+                    args.warmup, args.reps)
+        got |= turns({"forward, hooks unused (this branch)": forward(model),
+                      f"forward, {args.main_ref} (peer)": forward(theirs)}, args.warmup, args.reps)
     print(f"\nhooks unused against {args.main_ref}'s model code (same weights; greedy tokens identical: {same})")
     print(f"{'case':38s} {'wall ms':>9s} {'cpu ms':>9s} {'tok/s (cpu)':>12s}")
     for name, (w, c) in got.items():
         rate = f"{args.new_tokens / c * 1e3:12.0f}" if name.startswith("decode") else f"{'':12s}"
         print(f"{name:38s} {w:9.1f} {c:9.1f} {rate}")
+    # what the unused hooks add, counted: one context-variable read and a None check per block and
+    # per attention module of every forward
+    n = 1_000_000
+    c0 = time.process_time()
+    for _ in range(n):
+        if active() is not None:
+            pass
+    per_check = (time.process_time() - c0) / n
+    checks = 2 * cfg.n_layers
+    print(f"the unused check: {per_check * 1e9:.0f} ns x {checks} per forward = {per_check * checks * 1e6:.2f} us "
+          f"per decode step ({per_check * checks * args.new_tokens * 1e3:.3f} ms over {args.new_tokens} tokens)")
 
 
 if __name__ == "__main__":

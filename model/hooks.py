@@ -86,9 +86,7 @@ class AblationError(ValueError):
 
 def default_group(family) -> str:
     """The group an ablation without `group` edits: the first a generation steps with, else the first."""
-    if family.generation is not None:
-        return family.generation.step_groups[0]
-    return family.primary.name
+    return family.ablation_group
 
 
 def ablation_targets(family, config, ablate: Iterable[HeadAblation], *, limit: int | None = None) -> tuple[ZEdit, ...]:

@@ -160,3 +160,10 @@ def test_generate_with_ablate_streams_and_echoes(bundled_client):
     tr = post(bundled_client, "/generate", model="translator", prompt="twenty one", max_new_tokens=5, temperature=0,
               ablate=[{"layer": 0, "head": 1, "how": "mean", "group": "cross"}])
     assert tr.status_code == 200 and tr.json()["ablate"][0]["group"] == "cross"
+
+
+def test_models_declare_the_lens_and_the_ablation_group(bundled_client):
+    info = {m["name"]: m["family_info"] for m in bundled_client.get("/models").json()["models"]}
+    assert info["default"]["lens"]["predicts"] == "next" and info["default"]["ablation_group"] == "self"
+    assert info["encoder"]["lens"]["predicts"] == "same" and info["encoder"]["ablation_group"] == "self"
+    assert info["translator"]["lens"]["stream"] == "target" and info["translator"]["ablation_group"] == "decoder"

@@ -289,3 +289,40 @@ def test_generate_tokens_zero_ablation_equals_full_recompute(models):
     with hooked(model, Hooks(ablate=edits)):
         got = [t.id for t in generate_tokens(model, prompt, 8, SamplingParams(temperature=0))]
     assert got == full_recompute_ids(model, prompt, 8, edits)
+
+
+# --- imported architectures: GQA, rotary (full, partial), sliding window, parallel residual ---------
+
+
+def output_projection(hf, layer: int):
+    """The module of transformers' model that reads the heads' outputs side by side, [B, T, H*D]."""
+    if hasattr(hf, "gpt_neox"):
+        return hf.gpt_neox.layers[layer].attention.dense
+    return hf.model.layers[layer].self_attn.o_proj
+
+
+@pytest.mark.parametrize("case", ["llama3", "qwen2", "mistral", "pythia"])
+def test_imported_architectures_head_ablation_equals_transformers(tmp_path, case):
+    from arch_helpers import CASES, load_hf, write_hf_checkpoint
+    from attnlens.model.interop.convert import import_checkpoint
+
+    src, _ = write_hf_checkpoint(CASES[case], tmp_path / "hf", seed=2)
+    ours, _ = import_checkpoint(src, tmp_path / "ours")
+    model = load_checkpoint(ours).model.eval()
+    hf = load_hf(src, CASES[case])
+    ids = ids_for(min(model.config.vocab_size, 200), 14, seed=5)
+    D = model.config.d_head
+    for how in ("zero", "mean"):
+        handle = output_projection(hf, 1).register_forward_pre_hook(head_slice_prehook(3, D, how))
+        try:
+            with torch.no_grad():
+                theirs = hf(torch.tensor([ids])).logits[0]
+        finally:
+            handle.remove()
+        with torch.inference_mode():
+            mine = sequence_logits(model, sequence_of(model, ids, None),
+                                   Hooks(ablate=targets(model, HeadAblation(1, 3, how))))
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
+    e = explain_head(model, ids, None, "self", 1, 3, 13, ())  # GQA: its kv head; rotary q and k
+    assert max(abs(a - b) for a, b in zip(e["softmax"], e["pattern_row"])) < 1e-6
+    assert e["kv_head"] == 3 // (model.config.n_heads // model.config.kv_heads)

@@ -168,7 +168,8 @@ async def explain_head(state, body: ExplainRequest):
             **{k: report[k] for k in ("q", "keys", "values", "scores", "scaled", "mask", "masked", "softmax",
                                       "pattern_row", "z")},
             tokens=_tokens(tok, tokens["source"] if translated else tokens["tokens"]),
-            target_tokens=_tokens(tok, tokens["target"]) if translated else None, ablate=echo)
+            target_tokens=_tokens(tok, tokens["target"]) if translated else None,
+            generated=report["generated"] if translated else None, ablate=echo)
         return answer.model_dump(mode="json")
 
     return await claimed_json(content, claim, state.settings.send_timeout_s)

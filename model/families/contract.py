@@ -146,6 +146,12 @@ class Family:
         return self.groups[0]
 
     @property
+    def ablation_group(self) -> str:
+        """The group a head ablation names by default (model/hooks.py): the first a generation steps
+        with, else the primary one."""
+        return self.generation.step_groups[0] if self.generation is not None else self.primary.name
+
+    @property
     def axes(self) -> tuple[str, ...]:
         """Every axis its groups use, in AXES order."""
         used = {a for g in self.groups for a in (g.queries, g.keys)}
@@ -176,6 +182,9 @@ class Family:
                         "cross": g.is_cross, "description": g.description} for g in self.groups],
             "generation": None if self.generation is None else {
                 "prompt": self.generation.prompt, "step_groups": list(self.generation.step_groups)},
+            "lens": None if self.lens is None else {
+                "stream": self.lens.stream, "predicts": self.lens.predicts, "head": self.lens.head},
+            "ablation_group": self.ablation_group,
         }
 
 
