@@ -28,10 +28,11 @@ export function formatAblation(list) {
 const same = (a, b) => a.layer === b.layer && a.head === b.head && (a.group ?? null) === (b.group ?? null);
 
 /**
- * The group an entry without one means (the API's rule): the family's first generating group,
- * else its first group.
+ * The group an entry without one means: as the family declares it (GET /models
+ * `ablation_group`), else the API's rule (its first generating group, else its first group).
  */
-export const defaultGroup = (familyInfo) => familyInfo?.generation?.step_groups?.[0] ?? familyInfo?.groups?.[0]?.name ?? null;
+export const defaultGroup = (familyInfo) =>
+  familyInfo?.ablation_group ?? familyInfo?.generation?.step_groups?.[0] ?? familyInfo?.groups?.[0]?.name ?? null;
 
 /**
  * The text kept in range for a model: entries whose layer, head and group the model has, each
