@@ -108,7 +108,7 @@ export class ExplainPanel {
         <button type="button" class="btn small ghost xp-close" aria-label="Close the explanation">✕</button>
       </div>
       <p class="xp-formula"><code>z = softmax(q·Kᵀ / √d + mask) · V</code> — the row of <code>softmax(QKᵀ/√d)V</code> for this query, d = d_head = <b>${a.d_head}</b>, 1/√d = <b data-scale>${f(a.scale, 5)}</b>.</p>
-      <p class="hint">Positions: ${escapeHTML(a.positions ?? "")}</p>
+      <p class="hint">Positions: ${escapeHTML(a.positions ?? "")}${a.kv_head != null && a.kv_head !== a.head ? ` · keys and values: kv head ${a.kv_head} (shared by several query heads)` : ""}</p>
       <ol class="xp-steps">
         <li><b>q</b>, the query of “${escapeHTML(visible(a.query_token.text))}” (${a.d_head} numbers)${vector(a.q)}</li>
         <li><b>q·k</b> with every key, <b>× 1/√d</b>, then the <b>mask</b> (−∞ where the query may not look), then <b>softmax</b>:
