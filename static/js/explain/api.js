@@ -6,9 +6,13 @@
 import { postJSON } from "../api.js";
 import { ablateField } from "./ablation.js";
 
-/** The analysed sequence as these routes read it: its ids (or text) and an encoder-decoder's target. */
+/**
+ * The analysed sequence as these routes read it: its ids (or text) and an encoder-decoder's
+ * target. A conversation (a set with `messages`, rendered by the server's chat template) goes
+ * as the token ids its analysis came back with, so every route reads the same tokens.
+ */
 export function sequenceBody(att) {
-  const body = att.ids ? { ids: att.ids } : { text: att.text };
+  const body = att.ids ? { ids: att.ids } : att.messages && att.tokens ? { ids: att.tokens.map((t) => t.id) } : { text: att.text };
   if (att.targetIds) body.target_ids = att.targetIds;
   return body;
 }
