@@ -303,6 +303,36 @@ def test_clicking_a_heatmap_cell_explains_its_row_step_by_step(page, bundled_ser
     page.wait_for_function("() => window.__attnlens.store.state.explain === null")
 
 
+def test_the_translators_cross_and_decoder_maps_explain_their_rows(page, bundled_server):
+    need(bundled_server, "/attention/explain")
+    analyse(page, bundled_server, SOURCE, model="translator", view="cross", layer=1, head=2)
+    m = page.evaluate("() => { const r = window.__attnlens.current().result; return {rows: r.rows, cols: r.cols}; }")
+    page.evaluate("() => window.__attnlens.current().heatmap.overlay.scrollIntoView()")
+    box = page.evaluate("""() => { const hm = window.__attnlens.current().heatmap; const L = hm.layout;
+        const r = hm.overlay.getBoundingClientRect();
+        return {x: r.left + L.left + 0.5 * L.cellW, y: r.top + L.top + 2.5 * L.cellH}; }""")
+    page.mouse.click(box["x"], box["y"])
+    page.wait_for_selector("#explain-panel[data-state=done]")
+    want = api(bundled_server, "/attention/explain", {"model": "translator", "text": SOURCE, "group": "cross", "layer": 1, "head": 2, "query": 2})
+    assert "(cross)" in page.inner_text("#explain-panel h3")
+    rows = page.eval_on_selector_all(".xp-table tbody tr", "trs => trs.map(tr => +tr.cells[5].textContent)")
+    assert len(rows) == m["cols"] and rows == pytest.approx(want["softmax"], abs=1e-4)
+    drawn = page.evaluate(f"() => Array.from(window.__attnlens.current().result.data.subarray(2 * {m['cols']}, 3 * {m['cols']}))")
+    assert rows == pytest.approx(drawn, abs=1e-3)
+    # a layer's mean is no one head's map: nothing to explain
+    r = rendered(page)
+    page.select_option("#xavg", "layer")
+    wait_rendered(page, r)
+    assert page.locator("#explain-panel").is_hidden()
+    page.select_option("#xavg", "head")
+    open_tab(page, "decoder")
+    page.wait_for_selector("#explain-panel[data-state=done]")
+    assert "(decoder)" in page.inner_text("#explain-panel h3")
+    want = api(bundled_server, "/attention/explain", {"model": "translator", "text": SOURCE, "group": "decoder", "layer": 1, "head": 2, "query": 2})
+    rows = page.eval_on_selector_all(".xp-table tbody tr", "trs => trs.map(tr => +tr.cells[5].textContent)")
+    assert rows == pytest.approx(want["softmax"], abs=1e-4)
+
+
 # --- widths -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("width", [390, 768, 1280])
 def test_the_new_views_fit_the_width(browser, bundled_server, width):

@@ -56,15 +56,14 @@ export class ExplainPanel {
     this.root?.remove();
   }
 
-  /** Show the computation of `query` (null: close) of the chosen head; `col`: the key clicked. */
-  async show(params, query, col = null) {
+  /** Show the computation of `query` (null: close) of the chosen head of `group` (null: the primary); `col`: the key clicked. */
+  async show(params, query, col = null, group = null) {
     if (query == null || !params.attention) {
       this.root.hidden = true;
       this.key = "";
       return;
     }
     const { layer, head } = params.selection;
-    const group = params.model.groups.length > 1 ? params.model.groups[0].name : null;
     const key = JSON.stringify([params.attention.ids ?? params.attention.text, params.attention.targetIds, layer, head, query, group]);
     this.col = col;
     if (key === this.key && this.answer) return this.draw();

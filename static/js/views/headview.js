@@ -2,36 +2,10 @@
 
 import { MatrixView } from "./matrixview.js";
 import { removeSink, headStats, HEAD_STATS_ROWS } from "../attention.js";
-import { ExplainPanel } from "../explain/explainpanel.js";
+import { Explainable } from "../explain/explainable.js";
 
-export class HeadView extends MatrixView {
-  mount(host) {
-    super.mount(host);
-    this.explain = new ExplainPanel(this.ctx); // a click on a cell computes its row step by step
-    this.explain.mount(host);
-    this.heatmap.opts.onEscape = () => this.ctx.select({ pin: [], explain: null }); // Escape clears the pins and closes it
-  }
-
-  unmount() {
-    this.explain?.unmount();
-    super.unmount();
-  }
-
-  async render(params, changed, isCurrent) {
-    const onlyExplain = this.result && changed && changed.size && [...changed].every((k) => k === "explain" || k === "ablate");
-    const drawn = onlyExplain ? ((this.params = params), true) : await super.render(params, changed, isCurrent);
-    const explain = params.model.capabilities.has("server") ? params.selection.explain : null;
-    if (isCurrent?.() !== false) this.explain.show(params, explain, this.clickedCol);
-    return drawn;
-  }
-
-  onCellClick(c) {
-    super.onCellClick(c);
-    this.clickedCol = c.col;
-    const multi = c.event && (c.event.shiftKey || c.event.ctrlKey || c.event.metaKey);
-    if (!multi && this.params.model.capabilities.has("server")) this.ctx.select({ explain: c.row }); // a notebook's view has no server to ask
-  }
-
+// a click on a cell also explains its row step by step (explain/explainable.js)
+export class HeadView extends Explainable(MatrixView) {
   async compute({ attention: att, selection: { layer, head }, settings: { sink }, tokens, boundary, causal, scope }) {
     await att.ensure([layer]);
     let data = att.head(layer, head);

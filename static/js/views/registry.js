@@ -43,9 +43,9 @@ export const VIEWS = [
   { id: "gen", label: "Generation", source: "generation", needs: ["generation"], controls: ["layer", "head", "sink", "cmap", "scale", "zoom"], View: GenView, title: "What each generated token attended to, step by step" },
   // a family with a target and cross-attention (an encoder-decoder): the views above show its
   // primary group, the encoder's self-attention over the source
-  { id: "cross", label: "Cross", source: "analysis", needs: ["cross"], shows: "cross", controls: ["layer", "head", "cmap", "scale", "zoom"], View: CrossView, title: "Cross-attention: target steps down, source tokens across" },
+  { id: "cross", label: "Cross", source: "analysis", needs: ["cross"], shows: "cross", controls: ["layer", "head", "cmap", "scale", "zoom"], keys: ["explain"], View: CrossView, title: "Cross-attention: target steps down, source tokens across" },
   { id: "align", label: "Alignment", source: "analysis", needs: ["cross"], controls: ["layer", "head"], View: AlignView, title: "Lines from each target step to the source tokens it reads" },
-  { id: "decoder", label: "Decoder", source: "analysis", needs: ["target"], shows: "decoder", controls: ["layer", "head", "cmap", "scale", "zoom"], View: DecoderView, title: "The decoder's causal self-attention over the target" },
+  { id: "decoder", label: "Decoder", source: "analysis", needs: ["target"], shows: "decoder", controls: ["layer", "head", "cmap", "scale", "zoom"], keys: ["explain"], View: DecoderView, title: "The decoder's causal self-attention over the target" },
   { id: "lens", needs: ["server"], label: "Lens", source: "analysis", controls: [], keys: ["ablate"], View: LensView, title: "Logit lens: what each layer predicts at each position" },
   { id: "ablate", needs: ["server"], label: "Ablate", source: "analysis", controls: [], keys: ["ablate"], View: AblateView, title: "Remove heads and see what changes" },
 ];
