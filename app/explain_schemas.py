@@ -1,7 +1,8 @@
 """Request and response bodies of the explain routes: POST /logits, POST /lens, POST /attention/explain.
 
 Every request reads one sequence as /attention does: exactly one of `text` (tokenised; an
-encoder's framed as [CLS] text [SEP]) or `ids` (as they are), and for an encoder-decoder a
+encoder's framed as [CLS] text [SEP]), `ids` (as they are) or `messages` (a chat model's
+conversation through its template), and for an encoder-decoder a
 `target` or `target_ids` (default: the unablated model's greedy translation). Positions are
 those of the stream whose logits the family's head reads (model/families/contract.py, LensSpec):
 a decoder's or encoder's tokens, an encoder-decoder's decoder inputs (`target_tokens`, the start
@@ -14,13 +15,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schemas import MODEL_FIELD, Ablate, Ablation, ModelName, Strict, Text, TokenText
+from .schemas import MODEL_FIELD, Ablate, Ablation, Messages, ModelName, Strict, Text, TokenText
 
-ONE_OF_TEXT_OR_IDS = {"oneOf": [{"required": ["text"]}, {"required": ["ids"]}]}
+ONE_OF_TEXT_OR_IDS = {"oneOf": [{"required": ["text"]}, {"required": ["ids"]}, {"required": ["messages"]}]}
 
 
 class SequenceRequest(Strict):
-    """Give exactly one of `text` (tokenised here) or `ids` (used as they are)."""
+    """Give exactly one of `text` (tokenised here), `ids` (used as they are) or `messages` (a
+    conversation, rendered with a chat model's template, as /attention takes it)."""
 
     model_config = ConfigDict(**Strict.model_config, json_schema_extra=ONE_OF_TEXT_OR_IDS)
 
@@ -28,6 +30,7 @@ class SequenceRequest(Strict):
     text: Text | None = Field(None, min_length=1, description="text to tokenise (an encoder's is framed as "
                               "[CLS] text [SEP]); an encoder-decoder's source")
     ids: list[int] | None = Field(None, min_length=1, description="token ids as they are")
+    messages: Messages | None = None
     target: Text | None = Field(None, min_length=1, description="encoder-decoder only: the target text; "
                                 "without target or target_ids, the model's greedy translation (unablated)")
     target_ids: list[int] | None = Field(None, min_length=1, description="encoder-decoder only: the target's "

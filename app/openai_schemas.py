@@ -1,4 +1,6 @@
-"""Bodies of the OpenAI-compatible legacy completions API (/v1/completions, /v1/models)."""
+"""Bodies of the OpenAI-compatible API: what completions and chat share (SamplingRequest), the legacy
+completions (/v1/completions), the model list (/v1/models) and the error shape. Chat's own bodies
+are in chat_schemas.py."""
 
 from __future__ import annotations
 
@@ -14,30 +16,25 @@ MAX_PROMPTS = 2048  # prompts in one request's list (the server's places bound i
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 
-class CompletionRequest(BaseModel):
-    # Every field of OpenAI's completions API is declared; one that changes the answer does what
-    # OpenAI's does, or is refused with a 400 naming it (suffix). Unknown fields are a 422, so a
-    # misspelt or unsupported option never goes unnoticed. Types are strict: "4" or true is no
-    # integer, "yes" no boolean.
+class SamplingRequest(BaseModel):
+    """What /v1/completions and /v1/chat/completions both take: the model, how to sample, how many
+    choices, when to stop, whether to stream."""
+
+    # Every field of OpenAI's API is declared; one that changes the answer does what OpenAI's
+    # does, or is refused with a 400 naming it. Unknown fields are a 422, so a misspelt or
+    # unsupported option never goes unnoticed. Types are strict: "4" or true is no integer,
+    # "yes" no boolean.
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: ModelName | None = Field(None, description="a model id from GET /v1/models (others: 404); "
                                                       "default: the default model")
-    prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of lists of "
-                                       f"token ids (one choice set per prompt, at most {MAX_PROMPTS}), as in "
-                                       "OpenAI's API")
-    max_tokens: int = Field(16, ge=0, description="0 with echo scores the prompt only")
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=1, description="extension (as vLLM)")
     n: int = Field(1, ge=1, le=16)
-    best_of: int | None = Field(None, ge=1, le=20, description="generate this many choices per prompt (at least n) "
-                                "and return the n with the highest log-probability per token; not with stream")
     stop: Stop = None
     stream: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    echo: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False, description=(
         "subtracted from the logit of every token already generated in this choice (as vLLM and OpenAI)"))
     frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False, description=(
@@ -45,10 +42,49 @@ class CompletionRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description=(
         f"token id (as a string) -> a bias in [-100, 100] added to its logit at every step (at most "
         f"{MAX_LOGIT_BIAS} tokens); log-probabilities stay the model's own"))
+    user: Text | None = Field(None, description="accepted, not used")
+    stream_options: dict[str, Any] | None = Field(None, description="with stream: {\"include_usage\": true} "
+                                                                  "adds a last chunk with the usage")
+
+    _count_stops = field_validator("stop", mode="before")(count_stops)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias(cls, v):
+        if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased (got {len(v)})")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_values(cls, v):
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys are token ids written as strings, e.g. \"50256\"; got {key[:20]!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {key} is {bias}: biases run from -100 to 100")
+        return v
+
+    @property
+    def stops(self) -> list[str]:
+        return stop_list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of lists of "
+                                       f"token ids (one choice set per prompt, at most {MAX_PROMPTS}), as in "
+                                       "OpenAI's API")
+    max_tokens: int = Field(16, ge=0, description="0 with echo scores the prompt only")
+    best_of: int | None = Field(None, ge=1, le=20, description="generate this many choices per prompt (at least n) "
+                                "and return the n with the highest log-probability per token; not with stream")
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
     suffix: Text | None = Field(None, description="not supported (no model here fills in a middle): "
                                                   "anything but null or \"\" is a 400")
-    user: Text | None = Field(None, description="accepted, not used")
-    stream_options: dict[str, Any] | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -73,25 +109,6 @@ class CompletionRequest(BaseModel):
             raise ValueError("prompt must not be empty")
         return v
 
-    _count_stops = field_validator("stop", mode="before")(count_stops)
-
-    @field_validator("logit_bias", mode="before")
-    @classmethod
-    def _bias(cls, v):
-        if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased (got {len(v)})")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias_values(cls, v):
-        for key, bias in (v or {}).items():
-            if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"keys are token ids written as strings, e.g. \"50256\"; got {key[:20]!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"the bias of token {key} is {bias}: biases run from -100 to 100")
-        return v
-
     @property
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: its text, or its token ids."""
@@ -99,10 +116,6 @@ class CompletionRequest(BaseModel):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         return list(p)
-
-    @property
-    def stops(self) -> list[str]:
-        return stop_list(self.stop)
 
 
 class LogProbs(BaseModel):

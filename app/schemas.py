@@ -73,10 +73,55 @@ ABLATE_DESCRIPTION = ("heads to ablate, at most ATTNLENS_MAX_ABLATIONS (default 
 Ablate = Annotated[list[Ablation] | None, Field(description=ABLATE_DESCRIPTION)]
 
 
+# --- a conversation (/v1/chat/completions; /generate and /attention as `messages`) ------
+MAX_CONTENT_PARTS = 64  # text parts in one message's content (OpenAI's list form)
+
+
+class TextPart(Strict):
+    """One part of a message's content in OpenAI's list form; only text (no images or audio)."""
+
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(Strict):
+    """One turn of a conversation. `content` is a string or a list of text parts (joined with
+    "\\n", as vLLM joins them); tools and function calls are not supported (no `tool` role)."""
+
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="system, developer, user or assistant (passed to the template as it is)")
+    content: Text | list[TextPart] = Field(description="the turn's text, or a list of text parts")
+    name: Text | None = Field(None, max_length=256, description="passed to the template, which may use it")
+
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, v):
+        if isinstance(v, list) and not 1 <= len(v) <= MAX_CONTENT_PARTS:
+            raise ValueError(f"content as a list holds 1..{MAX_CONTENT_PARTS} text parts (got {len(v)})")
+        return v
+
+    def for_template(self) -> dict:
+        """The message as transformers hands it to a chat template: a plain dict."""
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": self.role, "content": text, **({"name": self.name} if self.name is not None else {})}
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1, description=(
+    "a conversation (OpenAI's messages) for a model with a chat template (GET /models lists `chat` in its "
+    "tasks): rendered with the template, ending in the assistant's turn, and tokenised as transformers' "
+    "apply_chat_template does; at most ATTNLENS_MAX_CHAT_MESSAGES messages"))]
+
+
 # --- /generate ---------------------------------------------------------------
 class GenerateRequest(Strict):
+    """Give exactly one of `prompt` (text to continue) or `messages` (a conversation, for a chat model)."""
+
+    model_config = ConfigDict(**Strict.model_config,
+                              json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
     model: ModelName | None = Field(None, description=MODEL_FIELD)
-    prompt: Text = Field(min_length=1, description="text to continue")
+    prompt: Text | None = Field(None, min_length=1, description="text to continue")
+    messages: Messages | None = None
     max_new_tokens: int = Field(64, ge=1, description="1..ATTNLENS_MAX_NEW_TOKENS")
     temperature: float = Field(0.8, ge=0, allow_inf_nan=False, description="0 = greedy")
     top_k: int | None = Field(None, ge=1)
@@ -185,11 +230,12 @@ class StreamError(BaseModel):
 
 # --- /attention --------------------------------------------------------------
 class AttentionRequest(Strict):
-    """Give exactly one of `text` (tokenised here) or `ids` (used as they are)."""
+    """Give exactly one of `text` (tokenised here), `ids` (used as they are) or `messages` (a
+    conversation rendered with a chat model's template)."""
 
     # the description says so too: exactly one of them (clients and fuzzers generate valid bodies)
-    model_config = ConfigDict(**Strict.model_config,
-                              json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["ids"]}]})
+    model_config = ConfigDict(**Strict.model_config, json_schema_extra={
+        "oneOf": [{"required": ["text"]}, {"required": ["ids"]}, {"required": ["messages"]}]})
 
     model: ModelName | None = Field(None, description=MODEL_FIELD)
     text: Text | None = Field(None, min_length=1, description="text to tokenise and analyse")
@@ -199,6 +245,7 @@ class AttentionRequest(Strict):
         "generated tokens' ids: no re-tokenising, so the maps match the generated sequence even where "
         "its text holds U+FFFD for partial UTF-8 characters",
     )
+    messages: Messages | None = None
     layers: list[int] | None = Field(None, min_length=1, description="layer indices, default all")
     heads: list[int] | None = Field(None, min_length=1, description="head indices, default all")
     format: Literal["json", "f16", "u8"] = "json"

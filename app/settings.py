@@ -50,6 +50,8 @@ class Settings(BaseSettings):
     # None = the model's context length (set once the model is loaded)
     max_prompt_tokens: int | None = Field(None, ge=1)
     max_new_tokens: int = Field(512, ge=1)
+    # messages in one conversation (/v1/chat/completions; /generate and /attention `messages`)
+    max_chat_messages: int = Field(256, ge=1)
     # generations decoded together in one batch (= KV cache rows); see bench/README.md
     max_concurrent: int = Field(32, ge=1)
     # Bytes for each generating model's KV cache (a row holds a whole context's keys and values,

@@ -97,14 +97,16 @@ class _Endpoints:
         return self._families.get(model)
 
     def _attention(self, text: str | None, ids: list[int] | None, model: str | None, layers, heads, format: str,
-                   packing: str | None, target: str | None, target_ids: list[int] | None) -> Endpoint:
+                   packing: str | None, target: str | None, target_ids: list[int] | None,
+                   messages: list[dict] | None = None) -> Endpoint:
         if packing is None:  # the smaller packing the model allows: tril where its family has causal maps
             family = yield from self._family(model)
             packing = "tril" if family and any(g["causal"] for g in family["groups"]) else "full"
         body = _given(model=model, text=text, ids=None if ids is None else list(ids),
                       layers=None if layers is None else list(layers), heads=None if heads is None else list(heads),
                       format=format, packing=packing, target=target,
-                      target_ids=None if target_ids is None else list(target_ids))
+                      target_ids=None if target_ids is None else list(target_ids),
+                      messages=None if messages is None else list(messages))
         answer = yield _Call("POST", "/attention", body)
         return Attention.from_json(answer, text=text)
 
@@ -134,24 +136,28 @@ class _Endpoints:
 
     def attention(self, text: str | None = None, *, ids: list[int] | None = None, model: str | None = None,
                   layers: Iterable[int] | None = None, heads: Iterable[int] | None = None, format: Format = "json",
-                  packing: Packing | None = None, target: str | None = None, target_ids: list[int] | None = None):
-        """POST /attention: every map of `text` (or of token `ids` as they are) -> Attention.
+                  packing: Packing | None = None, target: str | None = None, target_ids: list[int] | None = None,
+                  messages: list[dict] | None = None):
+        """POST /attention: every map of `text` (or of token `ids` as they are, or of a chat model's
+        conversation `messages`, [{"role", "content"}, ...], rendered by its template) -> Attention.
 
         `layers` / `heads` pick a subset (model indices); `format` is the transfer format (json:
         exact to 6 decimals, f16, u8: smaller), `packing` None picks the smaller one the model
         allows. Either way `.maps` is a float32 [layers][heads][query][key] array. An
         encoder-decoder takes `target` (or `target_ids`); without one it translates greedily."""
-        return self._drive(self._attention(text, ids, model, layers, heads, format, packing, target, target_ids))
+        return self._drive(self._attention(text, ids, model, layers, heads, format, packing, target, target_ids,
+                                           messages))
 
-    def generate(self, prompt: str, *, model: str | None = None, max_new_tokens: int | None = None,
-                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, stop: str | list[str] | None = None, logprobs: int | None = None,
-                 return_attention: bool | None = None):
-        """POST /generate -> Generation (text, prompt_tokens, typed tokens, finish_reason, usage).
-        Parameters left None take the server's defaults."""
+    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None, model: str | None = None,
+                 max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, stop: str | list[str] | None = None,
+                 logprobs: int | None = None, return_attention: bool | None = None):
+        """POST /generate -> Generation (text, prompt_tokens, typed tokens, finish_reason, usage), of
+        `prompt` or of a chat model's conversation `messages` (its prompt_tokens: the rendered
+        template's). Parameters left None take the server's defaults."""
         return self._drive(self._generate(_generate_body(
-            prompt, model=model, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            seed=seed, stop=stop, logprobs=logprobs, return_attention=return_attention)))
+            prompt, messages=messages, model=model, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_k=top_k, top_p=top_p, seed=seed, stop=stop, logprobs=logprobs, return_attention=return_attention)))
 
     def fill_mask(self, text: str, *, top_k: int | None = None, model: str | None = None):
         """POST /fill-mask (an encoder): the top-k candidates of each [MASK] -> FillMask."""
@@ -165,8 +171,8 @@ class _Endpoints:
         raise NotImplementedError
 
 
-def _generate_body(prompt: str, **options) -> dict:
-    """/generate's body: the prompt and the options given (a lone stop string as a list)."""
+def _generate_body(prompt: str | None, **options) -> dict:
+    """/generate's body: the prompt (or `messages`) and the options given (a lone stop string as a list)."""
     stop = options.get("stop")
     if isinstance(stop, str):
         options["stop"] = [stop]
@@ -226,7 +232,7 @@ class Client(_Endpoints):
         except StopIteration as done:
             return done.value
 
-    def stream(self, prompt: str, **options) -> TokenStream:
+    def stream(self, prompt: str | None = None, **options) -> TokenStream:
         """POST /generate with stream=true: iterate it for GeneratedToken's as they arrive (with
         `index` and `delta`); afterwards `.done` is the StreamDone. Options as generate()'s."""
         return TokenStream(self, {**_generate_body(prompt, **options), "stream": True})
@@ -338,7 +344,7 @@ class AsyncClient(_Endpoints):
         except StopIteration as done:
             return done.value
 
-    async def stream(self, prompt: str, **options) -> AsyncIterator[GeneratedToken]:
+    async def stream(self, prompt: str | None = None, **options) -> AsyncIterator[GeneratedToken]:
         """POST /generate with stream=true, as an async iterator of GeneratedToken's (the last
         event, StreamDone, ends it; use Client.stream for `.done`). Options as generate()'s."""
         body = {**_generate_body(prompt, **options), "stream": True}

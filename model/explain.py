@@ -145,8 +145,10 @@ def positions_note(config) -> str:
         return (f"rotary: q and k are rotated by angles of their positions{part} before q.k; the q and keys "
                 "shown are the rotated ones; the embeddings carry no positions")
     if config.positional == "sinusoidal":
-        return "sinusoidal: a fixed sin/cos table is added to the token embeddings; q and k carry positions only through that"
-    return "learned: a learned position embedding is added to the token embeddings; q and k carry positions only through that"
+        return ("sinusoidal: a fixed sin/cos table is added to the token embeddings; q and k carry positions only "
+                "through that")
+    return ("learned: a learned position embedding is added to the token embeddings; q and k carry positions only "
+            "through that")
 
 
 @torch.inference_mode()

@@ -184,7 +184,7 @@ def write_hf_checkpoint(case: Case, root: Path, *, seed: int = 0):
     ids = {t: tok.token_to_id(t) for t in ("<s>", "</s>", *case.special) if tok.token_to_id(t) is not None}
     bos, eos = case.tokenizer_config.get("bos_token"), case.tokenizer_config["eos_token"]
     config = getattr(transformers, case.config_class)(
-        vocab_size=tok.get_vocab_size(), **COMMON, **case.config,
+        vocab_size=tok.get_vocab_size(), **{**COMMON, **case.config},
         bos_token_id=ids.get(bos), eos_token_id=ids[eos], pad_token_id=None)
     torch.manual_seed(seed)
     model = getattr(transformers, case.model_class)(config).eval()

@@ -109,3 +109,23 @@ def bundled_client():
     settings = Settings(model=dirs[0], models=dirs, device="cpu", engine_process=False, max_ablations=3)
     with TestClient(create_app(settings)) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory):
+    """A small random Llama 3-style model with a chat template (<|start_header_id|> turns ended by
+    <|eot_id|>, which generation_config.json makes a stop id), built by transformers and imported
+    with import-hf: (the transformers directory, the attnlens checkpoint "llama3-chat"). Its
+    context is 128: the tiny vocabulary spends ~20 tokens on each turn of a conversation."""
+    pytest.importorskip("transformers")
+    from dataclasses import replace
+
+    from arch_helpers import CASES, write_hf_checkpoint
+    from attnlens.model.interop.convert import import_checkpoint
+
+    case = CASES["llama3"]
+    case = replace(case, config={**case.config, "max_position_embeddings": 128})
+    root = tmp_path_factory.mktemp("chat")
+    src, _ = write_hf_checkpoint(case, root / "hf", seed=3)
+    ours, _ = import_checkpoint(src, root / "llama3-chat")
+    return src, ours

@@ -29,6 +29,12 @@ class LiveServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def openai_client(self, timeout: float = 60):
+        """The official `openai` client on this server's /v1, without retries."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="x", max_retries=0, timeout=timeout)
+
 
 @contextlib.contextmanager
 def live_server(model_dir: Path, log_dir: Path, *, env: dict[str, str] | None = None, timeout: float = 90.0,

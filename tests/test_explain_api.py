@@ -123,10 +123,11 @@ def test_explain_query_past_a_generated_target(bundled_client):
     assert r.status_code == 400 and r.json()["param"] == "query"
 
 
-def test_openapi_keeps_one_of_text_or_ids(bundled_client):
+def test_openapi_keeps_one_of_text_ids_or_messages(bundled_client):
     schemas = bundled_client.get("/openapi.json").json()["components"]["schemas"]
     for name in ("AttentionRequest", "LogitsRequest", "LensRequest", "ExplainRequest"):
-        assert schemas[name]["oneOf"] == [{"required": ["text"]}, {"required": ["ids"]}], name
+        assert schemas[name]["oneOf"] == [{"required": ["text"]}, {"required": ["ids"]},
+                                          {"required": ["messages"]}], name
         assert "ablate" in schemas[name]["properties"]
 
 

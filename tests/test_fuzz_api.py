@@ -25,12 +25,13 @@ MODES = ("positive", "negative")
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tmp_path_factory):
+def fuzz_server(tmp_path_factory, chat_checkpoint):
     # context 256 so that the defaults (64 new tokens) fit: positive examples reach the handlers
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("fuzz") / "tiny256", context_length=256)
     encoder = make_tiny_encoder(tmp_path_factory.mktemp("fuzz") / "genre")  # for /fill-mask, /classify
-    env = {"ATTNLENS_MAX_NEW_TOKENS": "64", "ATTNLENS_MODELS": f"{ckpt},{encoder}", "ATTNLENS_LOG_LEVEL": "warning",
-           "OMP_NUM_THREADS": "1"}
+    chat = chat_checkpoint[1]  # the one model with a chat template: /v1/chat/completions' default
+    env = {"ATTNLENS_MAX_NEW_TOKENS": "64", "ATTNLENS_MODELS": f"{ckpt},{encoder},{chat}",
+           "ATTNLENS_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
     with live_server(ckpt, tmp_path_factory.mktemp("fuzz-logs"), env=env) as s:
         yield s
 
@@ -43,8 +44,8 @@ def operations(fuzz_server):
     return {f"{op.method.upper()} {op.path}": op for op in ops}
 
 
-POSTS = ["POST /generate", "POST /attention", "POST /v1/completions", "POST /fill-mask", "POST /classify",
-         "POST /logits", "POST /lens", "POST /attention/explain"]
+POSTS = ["POST /generate", "POST /attention", "POST /v1/completions", "POST /v1/chat/completions", "POST /fill-mask",
+         "POST /classify", "POST /logits", "POST /lens", "POST /attention/explain"]
 GETS = ["GET /v1/models", "GET /v1/models/{model}", "GET /models", "GET /model", "GET /healthz", "GET /readyz",
         "GET /metrics"]  # no inputs: no invalid ones
 POSTS.append("POST /heads")  # the head atlas (app/routers/heads.py)

@@ -133,7 +133,8 @@ def test_gpt2_head_ablation_equals_transformers_with_a_c_proj_pre_hook(gpt2_expo
             handle.remove()
     with torch.inference_mode():
         seq = sequence_of(model, ids, None)
-        mine = sequence_logits(model, seq, Hooks(ablate=targets(model, *(HeadAblation(l, h, how) for l, h in ablations))))
+        edits = targets(model, *(HeadAblation(l, h, how) for l, h in ablations))
+        mine = sequence_logits(model, seq, Hooks(ablate=edits))
         clean = sequence_logits(model, seq, None)
     torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
     assert (mine - clean).abs().max() > 1e-2  # the ablation did something

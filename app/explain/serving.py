@@ -67,7 +67,7 @@ def _positions(tok, stream: list[int], rows: list[dict]) -> list[dict]:
 async def logits(state, body: LogitsRequest):
     served = _served(state, body.model)
     edits, echo = resolve_ablate(served, body.ablate, state.settings)
-    ids, target = await read_sequence(body, served)
+    ids, target = await read_sequence(body, served, state)
     n = 1 if body.positions == "last" else _stream_length(served, ids, target)
     per_position = (body.top_k + 2) * TOKEN_BYTES
     claim = await state.answers.claim(n * per_position * (2 if edits else 1) + len(ids) * TOKEN_BYTES,
@@ -93,7 +93,7 @@ async def logits(state, body: LogitsRequest):
 async def lens(state, body: LensRequest):
     served = _served(state, body.model)
     edits, echo = resolve_ablate(served, body.ablate, state.settings)
-    ids, target = await read_sequence(body, served)
+    ids, target = await read_sequence(body, served, state)
     rows = served.checkpoint.config.n_layers + 1
     claim = await state.answers.claim(rows * _stream_length(served, ids, target) * (body.top_k + 1) * TOKEN_BYTES,
                                       what="this answer")
@@ -135,7 +135,7 @@ async def explain_head(state, body: ExplainRequest):
     _check_index("layer", body.layer, cfg.n_layers, "layers")
     _check_index("head", body.head, cfg.n_heads, "heads")
     edits, echo = resolve_ablate(served, body.ablate, state.settings)
-    ids, target = await read_sequence(body, served)
+    ids, target = await read_sequence(body, served, state)
     g = family.group(group)
     lengths = {"tokens": len(ids), "source": len(ids),
                "target": cfg.context_length if target is None else len(target) + 1}

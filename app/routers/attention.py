@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends
 
 from ..answers import claimed_json, off_loop
 from ..attention_analysis import analyse_attention, answer_bytes, answer_fields
+from ..chat import conversation_ids
 from ..deps import get_state
 from ..encoder_tasks import TaskInputError, framed_ids
 from ..errors import ApiError, field_error
@@ -36,13 +37,21 @@ def _indices(name: str, requested: list[int] | None, n: int) -> list[int]:
     return list(requested)
 
 
-async def _input_ids(body, tok, context_length: int) -> list[int]:
-    """The token ids to analyse: `ids` as given, or `text` tokenised; exactly one of them."""
-    if body.text is not None and body.ids is not None:
-        raise field_error("ids", "give either text or ids, not both", "exclusive")
-    if body.text is None and body.ids is None:
-        raise field_error("text", "give text (to tokenise) or ids (token ids)", "missing")
-    if body.ids is not None:
+async def _input_ids(body, state: AppState, served: ServedModel) -> list[int]:
+    """The token ids to analyse: `ids` as given, `text` tokenised, or `messages` rendered with the
+    model's chat template and tokenised; exactly one of them (a body without `messages`, as the
+    explain routes', has the other two)."""
+    tok, context_length = served.checkpoint.tokenizer, served.checkpoint.config.context_length
+    given = [name for name in ("text", "ids", "messages") if getattr(body, name, None) is not None]
+    if len(given) > 1:
+        raise field_error(given[1], f"give one of text, ids or messages, not both {given[0]} and {given[1]}",
+                          "exclusive")
+    if not given:
+        raise field_error("text", "give text (to tokenise), ids (token ids) or messages (a conversation)", "missing")
+    if getattr(body, "messages", None) is not None:
+        field, ids = "messages", await conversation_ids(state, served, body.messages, context_length,
+                                                        limit_name="the model's context length")
+    elif body.ids is not None:
         field, ids = "ids", check_token_ids(tok, body.ids, field="ids")
     else:
         field = "text"
@@ -87,19 +96,20 @@ async def _target_ids(body, served: ServedModel) -> list[int] | None:
     return ids
 
 
-async def read_sequence(body, served: ServedModel) -> tuple[list[int], list[int] | None]:
-    """The ids a request names (`text` | `ids`, framed as the family frames a text) and its target
-    (`target` | `target_ids`, or None): what /attention and the explain routes analyse."""
+async def read_sequence(body, served: ServedModel, state: AppState) -> tuple[list[int], list[int] | None]:
+    """The ids a request names (`text` | `ids` | `messages`, a text framed as the family frames one) and
+    its target (`target` | `target_ids`, or None): what /attention and the explain routes analyse."""
     family, cfg, tok = served.family, served.checkpoint.config, served.checkpoint.tokenizer
     target = await _target_ids(body, served)
-    if family.framing == "cls_sep" and body.text is not None and body.ids is None:
+    if (family.framing == "cls_sep" and body.text is not None and body.ids is None
+            and getattr(body, "messages", None) is None):
         check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
         try:
             ids = await off_loop(framed_ids, served.checkpoint, body.text)
         except TaskInputError as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
     else:
-        ids = await _input_ids(body, tok, cfg.context_length)
+        ids = await _input_ids(body, state, served)
     return ids, target
 
 
@@ -114,7 +124,8 @@ async def read_sequence(body, served: ServedModel) -> tuple[list[int], list[int]
                503: {}},
 )
 async def attention(body: AttentionRequest, state: AppState = Depends(get_state)):
-    """Attention maps of `text`, or of token `ids` as they are (exactly one of the two).
+    """Attention maps of `text`, of token `ids` as they are, or of a conversation (`messages`,
+    rendered with a chat model's template: the maps show the template's tokens); exactly one.
 
     A decoder's maps are causal (zero above the diagonal). An encoder's are bidirectional,
     full T x T, and its `text` is framed as [CLS] text [SEP] (`ids` are used as they are).
@@ -130,7 +141,7 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
     layers = _indices("layers", body.layers, cfg.n_layers)
     heads = _indices("heads", body.heads, cfg.n_heads)
     edits, echo = resolve_ablate(served, body.ablate, state.settings)
-    ids, target = await read_sequence(body, served)
+    ids, target = await read_sequence(body, served, state)
     # the target's rows: start + target, or at most the context for the model's own output
     lengths = {"tokens": len(ids), "source": len(ids),
                "target": cfg.context_length if target is None else len(target) + 1}

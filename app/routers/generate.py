@@ -1,4 +1,5 @@
-"""POST /generate: continue a prompt, as one JSON answer or as server-sent events."""
+"""POST /generate: continue a prompt (or a chat model's conversation, `messages`), as one JSON answer
+or as server-sent events."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from fastapi.responses import Response, StreamingResponse
 from attnlens.model import SamplingParams
 
 from ..answers import off_loop
+from ..chat import conversation_ids
 from ..deps import get_state
 from ..engine import EngineFront, GenerationParams
-from ..errors import public_message
+from ..errors import field_error, public_message
 from ..explain.ablation import resolve_ablate
 from ..prompts import tokenize_text
 from ..request_limits import check_lengths, check_new_token_limit
@@ -59,10 +61,20 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     check_new_token_limit(settings, body.max_new_tokens, "max_new_tokens")
     edits, echo = resolve_ablate(served, body.ablate, settings)
     tok = engine.tokenizer
-    prompt_ids = await tokenize_text(tok, body.prompt, settings.max_prompt_tokens, field="prompt",
-                                     limit_name="ATTNLENS_MAX_PROMPT_TOKENS", prompt=True)
+    if (body.prompt is None) == (body.messages is None):
+        raise field_error("prompt", "give either prompt (text) or messages (a conversation), not both"
+                          if body.prompt is not None else "give prompt (text) or messages (a conversation)",
+                          "exclusive" if body.prompt is not None else "missing")
+    if body.messages is not None:
+        prompt_field = "messages"
+        prompt_ids = await conversation_ids(state, served, body.messages, settings.max_prompt_tokens,
+                                            limit_name="ATTNLENS_MAX_PROMPT_TOKENS")
+    else:
+        prompt_field = "prompt"
+        prompt_ids = await tokenize_text(tok, body.prompt, settings.max_prompt_tokens, field="prompt",
+                                         limit_name="ATTNLENS_MAX_PROMPT_TOKENS", prompt=True)
     check_lengths(engine.config.context_length, settings, prompt_ids, body.max_new_tokens,
-                  served.family.generation)
+                  served.family.generation, prompt_field=prompt_field)
     params = GenerationParams(
         prompt_ids=prompt_ids,
         max_new_tokens=body.max_new_tokens,

@@ -45,7 +45,7 @@ async def _probe(body: HeadsRequest, served: ServedModel) -> tuple[list[int], di
     return ids, {"kind": body.probe.kind, "length": length, "seed": body.probe.seed}
 
 
-async def _ids(body: HeadsRequest, served: ServedModel) -> tuple[list[int], dict | None]:
+async def _ids(body: HeadsRequest, state: AppState, served: ServedModel) -> tuple[list[int], dict | None]:
     """The ids to score (and the probe's echo): the probe, `text` framed as /attention frames it, or `ids`."""
     if body.probe is not None:
         return await _probe(body, served)
@@ -56,7 +56,7 @@ async def _ids(body: HeadsRequest, served: ServedModel) -> tuple[list[int], dict
             return await off_loop(framed_ids, served.checkpoint, body.text), None
         except TaskInputError as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
-    return await _input_ids(body, tok, cfg.context_length), None
+    return await _input_ids(body, state, served), None
 
 
 @router.post(
@@ -85,7 +85,7 @@ async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
     family, cfg, tok = served.family, served.checkpoint.config, served.checkpoint.tokenizer
     _one_input(body)
     target = await _target_ids(body, served)
-    ids, probe = await _ids(body, served)
+    ids, probe = await _ids(body, state, served)
     # the maps exist only on the model's side, but they are as large as /attention's: claimed from
     # the same budget (ATTNLENS_MAX_ANSWER_BYTES) while they are computed and scored
     lengths = {"tokens": len(ids), "source": len(ids),

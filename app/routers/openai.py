@@ -17,34 +17,26 @@ worker thread that lets go of the GIL.
 
 from __future__ import annotations
 
-import asyncio
 import codecs
-import logging
 import time
 import uuid
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
-
-from attnlens.model import SamplingParams
 
 from ..deps import get_state
-from ..engine import EngineFront, Generation, GenerationParams, RequestTooLarge
-from ..errors import ApiError, public_message
-from ..request_limits import check_lengths, check_new_token_limit
-from ..schemas import GeneratedTokenOut, StreamDone, StreamToken
-from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, note_unfinished, sse
-from ..openai_schemas import Completion, CompletionRequest, ModelCard, ModelList, OpenAIErrorResponse
+from ..engine import EngineFront, Generation, GenerationParams
+from ..errors import ApiError
+from ..openai_schemas import Completion, CompletionRequest, ModelCard, ModelList
+from ..openai_serving import (ERRORS, FINISH, check_capacity, check_logit_bias, collect_choices, lookup_v1,
+                              not_found, sampling, stream_choices, stream_description, usage)
 from ..prompts import check_text_bytes, check_token_ids, tokenize_texts
+from ..request_limits import check_lengths, check_new_token_limit
 from ..registry import COMPLETIONS, ServedModel, lookup
+from ..schemas import GeneratedTokenOut, StreamDone, StreamToken
+from ..serving import sse
 from ..state import AppState
 
-log = logging.getLogger("attnlens.routers")
-
 router = APIRouter(prefix="/v1", tags=["openai"])
-
-ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 401, 404, 408, 413, 422, 429, 503)}
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 def _top(alts: list[dict] | None) -> dict[str, float] | None:
@@ -104,21 +96,6 @@ class Choice:
                 "finish_reason": FINISH[finish_reason]}
 
 
-def _not_found(state: AppState, name: str) -> ApiError:
-    """OpenAI's 404 for a model: it names only the models GET /v1/models lists."""
-    listed = [m.name for m in state.registry.models.values() if COMPLETIONS in m.tasks]
-    return ApiError(404, f"the model {name!r} does not exist; the models here are: {', '.join(listed)} "
-                         f"(GET /v1/models)", param="model", code="model_not_found")
-
-
-def _lookup(state: AppState, name: str | None) -> ServedModel:
-    """The model a /v1 request names: a 404 for a name no loaded model has (naming the /v1
-    models); a loaded model that cannot complete is a 400 that says what it can do."""
-    if name is not None and state.ready and state.registry is not None and name not in state.registry.models:
-        raise _not_found(state, name)
-    return lookup(state, name, COMPLETIONS)
-
-
 def _check_options(body: CompletionRequest, tok) -> None:
     """What OpenAI's API takes but this server cannot do, or does not take in this combination: a 400."""
     if body.suffix:
@@ -130,23 +107,12 @@ def _check_options(body: CompletionRequest, tok) -> None:
     if body.stream and (body.best_of or body.n) > body.n:
         raise ApiError(400, "best_of > n cannot be streamed: the best choices are known only at the end",
                        param="best_of", code="unsupported")
-    for key in body.logit_bias or {}:
-        if int(key) >= tok.vocab_size:
-            raise ApiError(400, f"logit_bias names token {key}, which is not in the vocabulary: ids run "
-                                f"0..{tok.vocab_size - 1}", param="logit_bias", code="invalid_value")
+    check_logit_bias(body, tok)
 
 
-def _count(body: CompletionRequest, engine: EngineFront) -> None:
-    """Prompts x choices the server can never hold at once: a 400 before anything is tokenised."""
-    needed = len(body.prompts) * (body.best_of or body.n)
-    capacity = engine.max_concurrent + engine.max_queue
-    if needed > capacity:
-        param = "best_of" if (body.best_of or 0) > body.n else ("n" if body.n > 1 else "prompt")
-        raise RequestTooLarge(
-            f"this request needs {needed} generations at once ({len(body.prompts)} prompt(s) x "
-            f"{body.best_of or body.n} choices), more than the server can ever hold: {engine.max_concurrent} "
-            f"running + {engine.max_queue} waiting (ATTNLENS_MAX_CONCURRENT + ATTNLENS_MAX_QUEUE); send fewer "
-            "prompts or fewer choices per request", param=param)
+def _choices_param(body: CompletionRequest) -> str:
+    """The field to blame when the choices cannot be held."""
+    return "best_of" if (body.best_of or 0) > body.n else ("n" if body.n > 1 else "prompt")
 
 
 async def _prompt_ids(body: CompletionRequest, tok, limit: int) -> list[list[int]]:
@@ -167,17 +133,13 @@ async def _prompt_ids(body: CompletionRequest, tok, limit: int) -> list[list[int
 
 def _generation_params(body: CompletionRequest, prompts_ids: list[list[int]]) -> list[GenerationParams]:
     """One generation per prompt and candidate (len(prompts) x (best_of or n)), in choice order."""
-    bias = {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None
     jobs = []
     for ids in prompts_ids:
         for k in range(body.best_of or body.n):
-            seed = None if body.seed is None else (body.seed + k) % 2**63
             jobs.append(GenerationParams(
                 prompt_ids=ids,
                 max_new_tokens=body.max_tokens,
-                sampling=SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed,
-                                        logit_bias=bias, presence_penalty=body.presence_penalty,
-                                        frequency_penalty=body.frequency_penalty),
+                sampling=sampling(body, k),
                 stop=body.stops,
                 n_logprobs=body.logprobs or 0,
                 prompt_logprobs=(body.logprobs or 0) if (body.echo and body.logprobs is not None) else None,
@@ -191,23 +153,43 @@ def _logprob_per_token(out, generation: Generation) -> float:
     return sum(lps) / len(lps) if lps else float("-inf")
 
 
-STREAM = {"description": "a Completion, or with stream=true OpenAI's stream: `data:` events each holding a JSON "
-                         "chunk (a Completion whose choices carry the new text), or an `error` object, then "
-                         "`data: [DONE]`",
-          "content": {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
-              "data": {"type": "string", "description": "a JSON Completion chunk, an error object, or [DONE]"}}}}}}
+class _CompletionChunks:
+    """The legacy stream's chunks: a Completion whose one choice carries the new text (openai_serving.ChunkWriter)."""
+
+    def __init__(self, cid: str, created: int, name: str, choices: list[Choice], generations: list[Generation],
+                 echo: bool, prompt_tokens: int):
+        self.head = {"id": cid, "object": "text_completion", "created": created, "model": name}
+        self.choices, self.generations, self.echo, self.prompt_tokens = choices, generations, echo, prompt_tokens
+
+    def _chunk(self, index: int, text: str, logprobs, finish_reason) -> str:
+        return sse(None, {**self.head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                                    "finish_reason": finish_reason}]})
+
+    def first(self) -> str:  # an echo sends the prompts first
+        return "".join(self._chunk(c.index, c.text, None, None) for c in self.choices) if self.echo else ""
+
+    def token(self, index: int, event: StreamToken) -> str:
+        return self._chunk(index, event.delta, self.choices[index].add_token(event), None)
+
+    def done(self, index: int, event: StreamDone) -> str:
+        frag = self.choices[index].add_end(event.delta, self.generations[index].eos_token)
+        return self._chunk(index, event.delta, frag, FINISH[event.finish_reason])
+
+    def usage(self, completion_tokens: int) -> str:
+        return sse(None, {**self.head, "choices": [], "usage": usage(self.prompt_tokens, completion_tokens)})
 
 
 @router.post("/completions", response_model=Completion, response_model_exclude_none=False,
-             responses={**ERRORS, 200: STREAM})
+             responses={**ERRORS, 200: stream_description("Completion", "a Completion whose choices carry the "
+                                                                        "new text")})
 async def completions(body: CompletionRequest, request: Request, state: AppState = Depends(get_state)):
-    served = _lookup(state, body.model)
+    served = lookup_v1(state, body.model, COMPLETIONS)
     engine: EngineFront = served.runner
     settings = state.settings
     check_new_token_limit(settings, body.max_tokens, "max_tokens")
     tok = engine.tokenizer
     _check_options(body, tok)
-    _count(body, engine)
+    check_capacity(engine, len(body.prompts), body.best_of or body.n, _choices_param(body))
     prompts_ids = await _prompt_ids(body, tok, settings.max_prompt_tokens)
     # the text each prompt echoes: as sent, or the ids' text
     prompts = [p if isinstance(p, str) else tok.decode(p) for p in body.prompts]
@@ -221,8 +203,7 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
                        param="echo", code="unsupported")
     # all choices or none: a 429 never leaves part of them running; more than can ever fit is a 400
     candidates = body.best_of or body.n
-    generations = engine.submit_all(_generation_params(body, prompts_ids),
-                                    param="best_of" if candidates > body.n else ("n" if body.n > 1 else "prompt"))
+    generations = engine.submit_all(_generation_params(body, prompts_ids), param=_choices_param(body))
     want_lp = body.logprobs is not None
     cid, created, name = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), served.name
     prompt_tokens = sum(len(ids) for ids in prompts_ids)
@@ -231,73 +212,11 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
     if body.stream:
         choices = [Choice(i, prompts[i // body.n], want_lp, body.echo, tok, body.logprobs or 0)
                    for i in range(len(generations))]
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return stream_choices(generations, metrics, _CompletionChunks(cid, created, name, choices, generations,
+                                                                     body.echo, prompt_tokens),
+                              include_usage=body.include_usage)
 
-        def chunk(index: int, text: str, logprobs, finish_reason) -> str:
-            return sse(None, {"id": cid, "object": "text_completion", "created": created, "model": name,
-                              "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                           "finish_reason": finish_reason}]})
-
-        async def events():
-            merged: asyncio.Queue = asyncio.Queue()
-
-            async def forward(i: int, g: Generation):
-                async for ev in g.events():
-                    await merged.put((i, ev))
-
-            tasks = [asyncio.create_task(forward(i, g)) for i, g in enumerate(generations)]
-            completion_tokens, ended = 0, 0
-            try:
-                if body.echo:
-                    for c in choices:
-                        yield chunk(c.index, c.text, None, None)
-                remaining = len(generations)
-                while remaining:
-                    waiting = [await merged.get()]  # and every event already waiting: one write
-                    while not merged.empty():
-                        waiting.append(merged.get_nowait())
-                    out = []
-                    for i, ev in waiting:
-                        c = choices[i]
-                        if isinstance(ev, StreamToken):
-                            out.append(chunk(i, ev.delta, c.add_token(ev), None))
-                        elif isinstance(ev, StreamDone):
-                            remaining -= 1
-                            ended += 1
-                            completion_tokens += ev.usage.completion_tokens
-                            metrics.observe_generation(ev)
-                            frag = c.add_end(ev.delta, generations[i].eos_token)
-                            out.append(chunk(i, ev.delta, frag, FINISH[ev.finish_reason]))
-                        else:
-                            ended += 1
-                            note_unfinished(metrics, "error")
-                            out.append(sse(None, {"error": {"message": public_message(ev.message),
-                                                            "type": "server_error", "param": None,
-                                                            "code": ev.code or "generation_failed"}}))
-                            yield "".join(out)
-                            return
-                    yield "".join(out)
-                if include_usage:
-                    yield sse(None, {"id": cid, "object": "text_completion", "created": created, "model": name,
-                                     "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                              "completion_tokens": completion_tokens,
-                                                              "total_tokens": prompt_tokens + completion_tokens}})
-                yield "data: [DONE]\n\n"
-            except Exception:
-                log.exception("stream failed")
-                yield sse(None, {"error": {"message": "internal error (see the server log)", "type": "server_error",
-                                           "param": None, "code": "internal_error"}})
-            finally:
-                note_unfinished(metrics, "cancelled", len(generations) - ended)  # their client went away
-                for t in tasks:
-                    t.cancel()
-                for g in generations:
-                    g.cancel()
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-    async with cancel_on_disconnect(request, generations):
-        outcomes = await asyncio.gather(*(collect(g, metrics) for g in generations))
+    outcomes = await collect_choices(request, generations, metrics)
     result = []
     for p in range(len(prompts)):  # each prompt's candidates: all n of them, or the n best of best_of
         picked = list(range(p * candidates, (p + 1) * candidates))
@@ -314,8 +233,7 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
             result.append(c.as_dict(out.done.finish_reason))
     completion_tokens = sum(o.done.usage.completion_tokens for o in outcomes)  # every candidate's
     return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": result,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+            "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def _card(served: ServedModel) -> dict:
@@ -338,5 +256,5 @@ async def model_card(model: str, state: AppState = Depends(get_state)):
     lookup(state, None, None)  # 503 until the models are ready
     served = state.registry.models.get(model)
     if served is None or COMPLETIONS not in served.tasks:
-        raise _not_found(state, model)
+        raise not_found(state, model)
     return _card(served)

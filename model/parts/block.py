@@ -75,7 +75,8 @@ class Block(nn.Module):
     ) -> BlockOutput:
         hooks = _hooks.active()
         if hooks is not None:
-            return self._hooked_forward(hooks, x, mask, kv_update, return_attention, memory, memory_mask, memory_kv, rope)
+            return self._hooked_forward(hooks, x, mask, kv_update, return_attention, memory, memory_mask, memory_kv,
+                                        rope)
         out, self_probs = self.attn(self._input(x, self.ln1), mask=mask, causal=self.causal, kv_update=kv_update,
                                     return_attention=return_attention, rope=rope)
         if self.parallel:  # GPT-NeoX: the FFN reads the block's input too; one residual sum

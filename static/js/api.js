@@ -239,7 +239,8 @@ export function decodeAttention(resp) {
  * where data is Float32Array [layers.length][heads.length][T][T].
  */
 export async function fetchAttention(source, { layers = null, heads = null, format = "json", packing = "tril", targetIds = null, signal } = {}) {
-  const body = Array.isArray(source) ? { ids: source, format } : { text: source, format };
+  // token ids, a text, or {messages} (a conversation, rendered by the model's chat template)
+  const body = Array.isArray(source) ? { ids: source, format } : source?.messages ? { messages: source.messages, format } : { text: source, format };
   if (targetIds?.length) body.target_ids = targetIds;
   if (format !== "json") body.packing = packing;
   if (layers) body.layers = layers;

@@ -26,9 +26,10 @@ export const ALL_LAYERS_BYTES = 16 * 1024 * 1024;
  * answer embedded in their document: inline.js).
  */
 export class AttentionSet {
-  constructor(text, meta, { format = "auto", ids = null, targetIds = null, fetch = fetchAttention } = {}) {
+  constructor(text, meta, { format = "auto", ids = null, targetIds = null, messages = null, fetch = fetchAttention } = {}) {
     this.fetch = fetch;
     this.text = text;
+    this.messages = messages; // a conversation (chat.js) that `text` writes as turns: the server renders it
     this.ids = ids && ids.length ? ids.slice() : null;
     this.targetIds = targetIds && targetIds.length ? targetIds.slice() : null;
     this.meta = meta; // {n_layers, n_heads, ...} from /model
@@ -78,7 +79,8 @@ export class AttentionSet {
       const known = this.T || (this.ids ? this.ids.length : null);
       const format = this.chooseFormat(known || (bytes <= JSON_MAX_TOKENS ? bytes : null));
       this.lastFormat = format;
-      const p = this.fetch(this.ids ?? this.text, { layers: missing, format, packing: this.packing, targetIds: this.targetIds, signal }).then((res) => {
+      const source = this.ids ?? (this.messages ? { messages: this.messages } : this.text);
+      const p = this.fetch(source, { layers: missing, format, packing: this.packing, targetIds: this.targetIds, signal }).then((res) => {
         if (!this.tokens) {
           this.tokens = res.tokens;
           this.T = res.T;

@@ -20,6 +20,7 @@ import { wireTheme } from "./theme.js";
 import { Panels } from "./panels.js";
 import { exampleFor } from "./examples.js";
 import { translationFor } from "./translator/translation.js";
+import { asConversation, chatMode, EXAMPLE_CONVERSATION, parseConversation } from "./chat.js";
 
 const $ = (sel) => document.querySelector(sel);
 
@@ -149,7 +150,13 @@ async function analyse({ text, ids = null, targetIds = null, source = "prompt", 
   const meta = store.get("meta");
   if (!meta) return showError(new ApiError("the model description (/model) is not loaded — is the server running?"), "Analysis");
   if (!text && !ids) return showError(new ApiError("Type a prompt first."), "Analysis", { warn: true });
-  const set = new AttentionSet(text, meta, { ids, targetIds });
+  let messages = null; // a chat model's conversation: the server renders it with the model's template
+  try {
+    if (!ids && chatMode(store.state)) messages = parseConversation(text);
+  } catch (err) {
+    return showError(err, "Analysis", { warn: true });
+  }
+  const set = new AttentionSet(text, meta, { ids, targetIds, messages });
   try {
     await track(set.ensure([store.get("layer")])); // errors leave the old picture
   } catch (err) {
@@ -166,9 +173,9 @@ async function analyse({ text, ids = null, targetIds = null, source = "prompt", 
   return set;
 }
 
-/** Put the model's example in the box and analyse it. */
+/** Put the model's example (a chat model's example conversation, in chat mode) in the box and analyse it. */
 function useExample() {
-  const text = exampleFor(store.get("meta"));
+  const text = chatMode(store.state) ? EXAMPLE_CONVERSATION : exampleFor(store.get("meta"));
   $("#prompt").value = text;
   store.set({ prompt: text });
   return analyse({ text });
@@ -215,6 +222,16 @@ async function generate() {
   clearMessages();
   const prompt = $("#prompt").value;
   const body = readSamplingForm(prompt);
+  let messages = null; // in chat mode /generate gets the conversation, and its prompt_tokens are the template's
+  if (chatMode(store.state)) {
+    try {
+      messages = parseConversation(prompt);
+    } catch (err) {
+      return showError(err, "Generation", { warn: true });
+    }
+    delete body.prompt;
+    body.messages = messages;
+  }
   const meta = store.get("meta");
   const translation = translates();
   output.start(prompt, { translation, model: meta?.name ?? "" });
@@ -269,7 +286,7 @@ async function generate() {
   let promptTokens = stopped ? null : done?.prompt_tokens;
   if (!promptTokens) {
     try {
-      promptTokens = (await fetchAttention(prompt, { layers: [0], heads: [0], format: "u8" })).tokens;
+      promptTokens = (await fetchAttention(messages ? { messages } : prompt, { layers: [0], heads: [0], format: "u8" })).tokens;
     } catch {
       promptTokens = [];
     }
@@ -344,6 +361,13 @@ function wire() {
     }
   });
   $("#prompt").addEventListener("input", () => ($("#prompt-hint").textContent = promptHint()));
+  $("#chat").addEventListener("change", () => {
+    // a conversation from the text in the box (it becomes the user's turn), analysed as the template renders it
+    clearMessages();
+    if (chatMode(store.state)) $("#prompt").value = asConversation($("#prompt").value);
+    store.set({ prompt: $("#prompt").value });
+    analyse({ text: $("#prompt").value });
+  });
   wireExportButtons(currentExportView, showError);
   $("#copy-link").addEventListener("click", async () => {
     writeURL(store.state);
@@ -416,7 +440,7 @@ async function init() {
   if (!meta) return;
   if (!s.prompt) {
     // no text in the link: the chosen model's example
-    $("#prompt").value = exampleFor(meta);
+    $("#prompt").value = chatMode(store.state) ? EXAMPLE_CONVERSATION : exampleFor(meta);
     store.set({ prompt: $("#prompt").value });
   }
   $("#prompt-hint").textContent = promptHint();

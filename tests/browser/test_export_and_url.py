@@ -68,6 +68,7 @@ def test_url_round_trip_of_every_state_key(page, browser, server):
         "model": "tiny",
         "prompt": PROMPT,
         "source": "gen",
+        "chat": True,
         "ids": prompt_ids + gen_ids,
         "plen": len(prompt_ids),
         "view": "diff",

@@ -9,6 +9,8 @@ export const STATE_KEYS = [
   // the prompt box, and what the attention views analyse: "prompt" or "gen" (the generation's ids)
   { key: "prompt", type: "string", def: "", url: true },
   { key: "source", type: "string", def: "prompt", url: true },
+  // the prompt box holds a conversation (role-tagged turns: chat.js), for a model with a chat template
+  { key: "chat", type: "bool", def: false, url: true },
   // a generation: the token ids of prompt + generated text and how many are the prompt, so a
   // link rebuilds exactly the sequence (and the Generation view) its sender saw
   { key: "ids", type: "list", def: null, url: true },
