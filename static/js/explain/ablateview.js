@@ -11,6 +11,7 @@ import { fetchLogits } from "./api.js";
 import { ablateField, describeHead, formatAblation, toggleAblation } from "./ablation.js";
 import { diffWords } from "./textdiff.js";
 import { readSamplingForm, streamGeneration } from "../generation.js";
+import { parseConversation } from "../chat.js";
 import { escapeHTML, visible, axisLabel } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
 
@@ -149,7 +150,7 @@ export class AblateView {
     const controller = new AbortController();
     this.run = { controller };
     const effect = this.ctx.track(fetchLogits(params.attention, { ablation: params.ablation, topK: 5 }));
-    const gens = generates ? this.generations(controller.signal, again) : Promise.resolve(null);
+    const gens = generates ? this.generations(controller.signal, again).catch((err) => (this.ctx.showError(err, "Generating with the ablation"), null)) : Promise.resolve(null);
     if (generates) gensHost.innerHTML = '<p class="hint">generating with and without the ablation…</p>';
     else gensHost.replaceChildren();
     try {
@@ -171,6 +172,11 @@ export class AblateView {
   /** The same request twice, once with `ablate`: the same seed (0 when the form has none). */
   async generations(signal, again = false) {
     const body = { ...readSamplingForm(this.params.prompt || this.params.text), return_attention: false, stream: true, logprobs: 0 };
+    if (this.params.conversation) {
+      // a chat model's conversation goes as messages, as Generate sends it (the server renders its template)
+      delete body.prompt;
+      body.messages = parseConversation(this.params.prompt);
+    }
     const seeded = body.seed != null;
     if (!seeded) body.seed = 0;
     const key = JSON.stringify([this.params.model.name, body, this.params.ablation]);

@@ -6,6 +6,7 @@ import { SEQUENTIAL, DIVERGING } from "../colormap.js";
 import { SCALES } from "../scales.js";
 import { OPS } from "./aggregateview.js";
 import { parseAblation, constrainAblation, defaultGroup } from "../explain/ablation.js";
+import { chatMode } from "../chat.js";
 
 const clamp = (v, n) => Math.max(0, Math.min(n - 1, v | 0));
 
@@ -75,6 +76,7 @@ export function viewParams(s) {
     ablation: Object.freeze(parseAblation(s.ablate).map((a) => Object.freeze(a))),
     text: att ? att.text : s.prompt,
     prompt: s.prompt, // the prompt box (what a generation starts from)
+    conversation: chatMode(s), // the box holds a chat model's conversation (chat.js), not plain text
     tokens: att?.tokens ?? [],
     attention: att,
     causal: att ? att.causal : (meta.attention ?? "causal") === "causal",
