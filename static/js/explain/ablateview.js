@@ -155,16 +155,16 @@ export class AblateView {
     else gensHost.replaceChildren();
     try {
       const answer = await effect;
-      if (this.params !== params) return;
+      if (this.run?.controller !== controller) return; // a newer run replaced this one
       this.effect = answer;
       this.showEffect(effectHost, answer);
     } catch (err) {
-      if (this.params !== params) return;
+      if (this.run?.controller !== controller) return; // a newer run replaced this one
       effectHost.replaceChildren();
       this.ctx.showError(err, "The ablation's effect (/logits)");
     }
     const g = await gens;
-    if (this.params !== params || controller.signal.aborted) return;
+    if (this.run?.controller !== controller) return;
     if (g) this.showGenerations(gensHost, g);
     this.root.dataset.state = "done";
   }
