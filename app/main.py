@@ -41,6 +41,7 @@ from .errors import install_error_handlers, scope_error_response
 from .loader import load_for_serving
 from .memory import cache_row_bytes, cache_rows
 from .metrics import Metrics, MetricsMiddleware
+from .stream_events import events
 from .encoder_tasks import classify_or_fill_warm_up
 from .registry import CLASSIFY, FILL_MASK, ModelRegistry, ModelRunner, ServedModel, model_name, tasks_of
 from .routers import attention, chat, encoder, explain, generate, openai, ops, ui
@@ -60,7 +61,7 @@ async def warm_up(served: ServedModel) -> None:
     if served.generates:
         params = GenerationParams(prompt_ids=ids, max_new_tokens=2, sampling=SamplingParams(temperature=0.0),
                                   n_logprobs=1, return_attention=True)
-        async for event in served.runner.submit(params).events():
+        async for event in events(served.runner.submit(params)):
             if isinstance(event, StreamError):
                 raise RuntimeError(f"warm-up generation failed: {event.message}")
     await served.call_model(partial(analyse_attention, ids=ids, layers=[0], heads=[0]))

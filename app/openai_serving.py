@@ -19,12 +19,13 @@ from fastapi.responses import StreamingResponse
 
 from attnlens.model import SamplingParams
 
-from .engine import EngineFront, Generation, RequestTooLarge
+from .engine import EngineFront, RequestState, RequestTooLarge
 from .errors import ApiError, public_message
 from .metrics import Metrics
 from .openai_schemas import OpenAIErrorResponse, SamplingRequest
 from .registry import COMPLETIONS, ServedModel, lookup
 from .schemas import StreamDone, StreamToken
+from .stream_events import events as request_events
 from .serving import SSE_HEADERS, Outcome, cancel_on_disconnect, collect, note_unfinished, sse
 from .state import AppState
 
@@ -82,7 +83,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def collect_choices(request: Request, generations: list[Generation], metrics: Metrics) -> list[Outcome]:
+async def collect_choices(request: Request, generations: list[RequestState], metrics: Metrics) -> list[Outcome]:
     """Every choice run to its end (a client that goes away cancels them all)."""
     async with cancel_on_disconnect(request, generations):
         return list(await asyncio.gather(*(collect(g, metrics) for g in generations)))
@@ -104,12 +105,12 @@ def _error_chunk(message: str, code: str) -> str:
     return sse(None, {"error": {"message": message, "type": "server_error", "param": None, "code": code}})
 
 
-async def _stream(generations: list[Generation], metrics: Metrics, writer: ChunkWriter,
+async def _stream(generations: list[RequestState], metrics: Metrics, writer: ChunkWriter,
                   include_usage: bool) -> AsyncIterator[str]:
     merged: asyncio.Queue = asyncio.Queue()
 
-    async def forward(i: int, g: Generation):
-        async for ev in g.events():
+    async def forward(i: int, g: RequestState):
+        async for ev in request_events(g):
             await merged.put((i, ev))
 
     tasks = [asyncio.create_task(forward(i, g)) for i, g in enumerate(generations)]
@@ -153,7 +154,7 @@ async def _stream(generations: list[Generation], metrics: Metrics, writer: Chunk
             g.cancel()
 
 
-def stream_choices(generations: list[Generation], metrics: Metrics, writer: ChunkWriter, *,
+def stream_choices(generations: list[RequestState], metrics: Metrics, writer: ChunkWriter, *,
                    include_usage: bool) -> StreamingResponse:
     """OpenAI's stream of the choices' chunks, as `writer` writes them, then `data: [DONE]`."""
     return StreamingResponse(_stream(generations, metrics, writer, include_usage), media_type="text/event-stream",

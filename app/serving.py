@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from pydantic import BaseModel
 
-from .engine import Generation, GenerationCancelled
+from .engine import GenerationCancelled, RequestState
 from .errors import ApiError
 from .metrics import Metrics
 from .schemas import StreamDone, StreamError, StreamToken
+from .stream_events import events
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first": logged and counted, never sent
 
@@ -26,7 +27,7 @@ class Outcome:
     done: StreamDone | None = None
 
 
-async def _cancel_on_disconnect(request: Request, generations: list[Generation]) -> None:
+async def _cancel_on_disconnect(request: Request, generations: list[RequestState]) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
@@ -36,7 +37,7 @@ async def _cancel_on_disconnect(request: Request, generations: list[Generation])
 
 
 @contextlib.asynccontextmanager
-async def cancel_on_disconnect(request: Request, generations: list[Generation]):
+async def cancel_on_disconnect(request: Request, generations: list[RequestState]):
     """While the block runs, a client that goes away cancels these generations (for
     non-streamed answers; a cancelled stream cancels its own generation). Each cancelled
     generation then ends, so the handler ends too (collect raises a 499 ApiError)."""
@@ -70,12 +71,12 @@ def note_unfinished(metrics: Metrics, reason: str, n: int = 1) -> None:
         metrics.generations.labels(metrics.request_model(), reason).inc(n)
 
 
-async def collect(generation: Generation, metrics: Metrics) -> Outcome:
+async def collect(generation: RequestState, metrics: Metrics) -> Outcome:
     """Run a generation to its end; an engine error becomes a 500 (a 503 when the engine is
     restarting or gone), a cancellation a 499."""
     out = Outcome()
     try:
-        async for event in generation.events():
+        async for event in events(generation):
             if isinstance(event, StreamToken):
                 out.tokens.append(event)
             elif isinstance(event, StreamDone):

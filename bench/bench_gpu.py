@@ -154,7 +154,7 @@ def engine_levels(model_dir: Path, dtype: torch.dtype, levels: list[int], n: int
     """The engine in-process (no HTTP): (clients, tokens, aggregate tok/s) per level, median of
     reps; greedy, or every request sampled with `sampling` (its own seed each)."""
     from attnlens.app.engine import Engine, GenerationParams
-    from attnlens.app.schemas import StreamToken
+    from attnlens.app.engine.outputs import TokenEvent
     from bench_service import PROMPTS
 
     from attnlens.app.settings import default_switch_interval_ms
@@ -172,7 +172,7 @@ def engine_levels(model_dir: Path, dtype: torch.dtype, levels: list[int], n: int
         gens = engine.submit_all(params)
 
         async def count(g):
-            return sum([isinstance(e, StreamToken) async for e in g.events()])
+            return sum([isinstance(e, TokenEvent) async for e in g.events()])
 
         tokens = sum(await asyncio.gather(*(count(g) for g in gens)))
         return tokens, tokens / (time.perf_counter() - t0)

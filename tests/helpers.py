@@ -51,6 +51,23 @@ def make_tiny_checkpoint(path: Path, *, seed: int = 0, **overrides) -> Path:
 
 
 
+def sharp_checkpoint(root: Path, *, seed: int, context_length: int) -> Path:
+    """A random GPT-2-shaped checkpoint in root/"ours" whose heads attend sharply (query/key weights
+    scaled up), so head scores are varied and far from uniform: what head-score tests compare."""
+    from attnlens.model import load_checkpoint, save_checkpoint
+
+    make_tiny_checkpoint(root / "seed", seed=seed, context_length=context_length)
+    ck = load_checkpoint(root / "seed")
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in ck.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        for block in ck.model.blocks:
+            block.attn.qkv.weight.mul_(8)
+    save_checkpoint(root / "ours", ck.model, ck.tokenizer)
+    return root / "ours"
+
+
 def never_eos_checkpoint(path: Path, *, context_length: int) -> Path:
     """The tiny random model, edited so that EOS is never sampled: long generations then
     really run until cancelled. With the final LayerNorm's weight all ones, the normalised
@@ -137,12 +154,12 @@ def run_async(coroutine):
 
 
 async def drain(generation):
-    """(token ids, last event) of an engine generation; last is a StreamDone or StreamError."""
-    from attnlens.app.schemas import StreamToken
+    """(token ids, last event) of an engine generation; last is a DoneEvent or ErrorEvent."""
+    from attnlens.app.engine.outputs import TokenEvent
 
     tokens, last = [], None
     async for event in generation.events():
-        if isinstance(event, StreamToken):
+        if isinstance(event, TokenEvent):
             tokens.append(event.id)
         else:
             last = event

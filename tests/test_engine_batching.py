@@ -17,7 +17,7 @@ import torch
 from attnlens.app.engine import Engine, EngineProcess, GenerationCancelled, GenerationParams, QueueFull, RequestTooLarge
 from attnlens.app.engine.scheduler import DrainRate, Scheduler
 from attnlens.app.main import create_app
-from attnlens.app.schemas import StreamDone, StreamError, StreamToken
+from attnlens.app.engine.outputs import DoneEvent, ErrorEvent, TokenEvent
 from attnlens.app.settings import Settings
 from helpers import DEVICES, drain, reference_ids, reference_tokens, run_async
 from attnlens.model import SamplingParams, load_checkpoint
@@ -65,7 +65,7 @@ def run(engine: Engine, params: list[GenerationParams]):
 async def collect_tokens(generation):
     tokens, last = [], None
     async for event in generation.events():
-        if isinstance(event, StreamToken):
+        if isinstance(event, TokenEvent):
             tokens.append(event)
         else:
             last = event
@@ -88,7 +88,7 @@ def test_sixteen_together_equal_each_alone_tokens_and_logprobs(ckpt, tiny_checkp
     finally:
         engine.close()
     for i, (tokens, done) in enumerate(results):
-        assert isinstance(done, StreamDone)
+        assert isinstance(done, DoneEvent)
         ref = reference_tokens(ckpt, PROMPTS[i], 24, n_logprobs=2, **sampling(i))
         assert [t.id for t in tokens] == [t.id for t in ref], f"request {i} differs in the batch"
         for got, want in zip(tokens, ref):
@@ -119,7 +119,7 @@ def test_rows_of_different_lengths_joining_and_leaving_mid_batch(ckpt, tiny_chec
     finally:
         engine.close()
     for i, (tokens, done) in enumerate(results):
-        assert isinstance(done, StreamDone)
+        assert isinstance(done, DoneEvent)
         assert [t.id for t in tokens] == reference_ids(ckpt, PROMPTS[i], budgets[i], **sampling(i)), i
     assert engine.in_flight == 0 and engine.waiting == 0
     if kind == "thread":
@@ -176,7 +176,7 @@ def test_one_forward_per_step_and_prefills_never_longer_than_one_full_prompt(ckp
     finally:
         engine.close()
     for (tokens, done), ids in zip(results, prompts):
-        assert isinstance(done, StreamDone) and [t.id for t in tokens] == reference_ids(ckpt, ids, 10, temperature=0.0)
+        assert isinstance(done, DoneEvent) and [t.id for t in tokens] == reference_ids(ckpt, ids, 10, temperature=0.0)
     prefills = [(i, b, t) for i, (b, t) in enumerate(rec.calls) if t > 1]
     decodes = [b for b, t in rec.calls if t == 1]
     assert all(b == 1 or b * t <= ctx for _, b, t in prefills)  # a batch of prompts costs at most one full one
@@ -209,7 +209,7 @@ def test_cancellation_frees_the_row_for_the_next_request(ckpt):
     finally:
         engine.close()
     assert engine.cancelled == 1 and engine.in_flight == 0
-    assert isinstance(late_done, StreamDone) and isinstance(b_done, StreamDone)
+    assert isinstance(late_done, DoneEvent) and isinstance(b_done, DoneEvent)
     # the reused row holds nothing of the cancelled request; the other stream went on unharmed
     assert [t.id for t in late_tokens] == reference_ids(ckpt, "No more", 12, temperature=1.0, seed=9)
     assert [t.id for t in b_tokens] == reference_ids(ckpt, "The slings", 40, temperature=0.9, seed=3)
@@ -234,10 +234,10 @@ def test_a_failing_request_leaves_the_batch_running(ckpt):
     finally:
         engine.close()
     tokens, last = results[0]
-    assert isinstance(last, StreamError) and last.message.startswith("internal error while generating")
+    assert isinstance(last, ErrorEvent) and last.message.startswith("internal error while generating")
     assert [t.id for t in tokens] == victim[: victim.index(poison) + 1]  # it fails feeding the poison
     for (tokens, last), p in zip(results[1:], others):
-        assert isinstance(last, StreamDone)
+        assert isinstance(last, DoneEvent)
         assert [t.id for t in tokens] == reference_ids(ckpt, p, 15, temperature=0.0)
 
 
@@ -274,7 +274,7 @@ def test_a_cancelled_waiting_request_frees_its_queue_place_at_once(ckpt):
     finally:
         rec.gate.set()
         engine.close()
-    assert isinstance(done, StreamDone) and tokens == reference_ids(ckpt, "To be", 4, temperature=0.0)
+    assert isinstance(done, DoneEvent) and tokens == reference_ids(ckpt, "To be", 4, temperature=0.0)
 
 
 def test_a_request_of_several_generations_is_admitted_whole_or_not_at_all(ckpt):
@@ -494,7 +494,7 @@ def test_per_step_attention_comes_from_the_batched_forward(ckpt):
     assert max(b for b, t in rec.calls if t == 1) == 3
     ref = reference_tokens(ckpt, prompts[1], 8, return_attention=True, temperature=0.0)
     tokens, done = results[1]
-    assert isinstance(done, StreamDone) and [t.id for t in tokens] == [t.id for t in ref]
+    assert isinstance(done, DoneEvent) and [t.id for t in tokens] == [t.id for t in ref]
     for got, want in zip(tokens, ref):
         assert len(got.attention) == ckpt.config.n_layers
         for layer, rows in enumerate(got.attention):
@@ -535,7 +535,7 @@ def test_a_generation_ending_on_eos_keeps_the_eos_score(tmp_path):
         tokens, done, eos = run_async(main())
     finally:
         engine.close()
-    assert done.finish_reason == "eos" and done.usage.completion_tokens == eos_at + 1
+    assert done.finish_reason == "eos" and done.completion_tokens == eos_at + 1
     assert [t.id for t in tokens] == ids[:eos_at]
     assert eos.id == ck.tokenizer.eos_id and eos.logprob == pytest.approx(ref[eos_at].logprob, abs=1e-4)
     assert [a.id for a in eos.top_logprobs] == ref[eos_at].top_ids
@@ -574,7 +574,7 @@ def test_a_random_mix_of_requests_and_cancellations_keeps_every_answer_right(ckp
             if spec["cancel_after"] == 0:
                 g.cancel()
             async for ev in g.events():
-                if isinstance(ev, StreamToken):
+                if isinstance(ev, TokenEvent):
                     tokens.append(ev)
                     if spec["cancel_after"] is not None and len(tokens) >= spec["cancel_after"]:
                         g.cancel()
@@ -603,7 +603,7 @@ def test_a_random_mix_of_requests_and_cancellations_keeps_every_answer_right(ckp
             assert ids == [t.id for t in ref][: len(ids)]
             continue
         finished += 1
-        assert isinstance(last, StreamDone)
+        assert isinstance(last, DoneEvent)
         # the reference, cut where the stop string begins (TextStream is tested on its own)
         ts, want = TextStream(tok, spec["stop"]), []
         for i, t in enumerate(ref):
@@ -629,7 +629,7 @@ def test_events_already_waiting_come_as_one_batch(ckpt):
 
     async def main():
         g = engine.submit(GenerationParams(tok.encode("To be"), 6, SamplingParams(temperature=0.0)))
-        while g.t_end is None:  # let the whole generation finish before reading anything
+        while g.generation.t_end is None:  # let the whole generation finish before reading anything
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)  # its records reach the queue on this loop
         return [batch async for batch in g.event_batches()]
@@ -640,7 +640,7 @@ def test_events_already_waiting_come_as_one_batch(ckpt):
         engine.close()
     assert len(batches) == 1
     *tokens, done = batches[0]
-    assert isinstance(done, StreamDone) and all(isinstance(t, StreamToken) for t in tokens)
+    assert isinstance(done, DoneEvent) and all(isinstance(t, TokenEvent) for t in tokens)
     assert [t.id for t in tokens] == reference_ids(ckpt, "To be", 6, temperature=0.0)
 
 
@@ -657,7 +657,7 @@ def test_a_stream_left_unread_past_its_backlog_bound_ends_with_an_error(ckpt):
         idle, reader = engine.submit_all([params, GenerationParams(tok.encode("The slings"), 40,
                                                                    SamplingParams(temperature=0.0))])
         read = await collect_tokens(reader)
-        while idle.t_end is None:
+        while idle.generation.t_end is None:
             await asyncio.sleep(0.01)
         return await collect_tokens(idle), read
 
@@ -665,9 +665,9 @@ def test_a_stream_left_unread_past_its_backlog_bound_ends_with_an_error(ckpt):
         (tokens, last), (read_tokens, read_done) = run_async(main())
     finally:
         engine.close()
-    assert isinstance(last, StreamError) and "ATTNLENS_MAX_STREAM_BACKLOG_BYTES" in last.message
+    assert isinstance(last, ErrorEvent) and "ATTNLENS_MAX_STREAM_BACKLOG_BYTES" in last.message
     assert 0 < len(tokens) < 40
     assert [t.id for t in tokens] == reference_ids(ckpt, "To be", 40, temperature=0.0)[: len(tokens)]
-    assert isinstance(read_done, StreamDone)
+    assert isinstance(read_done, DoneEvent)
     assert [t.id for t in read_tokens] == reference_ids(ckpt, "The slings", 40, temperature=0.0)
     assert engine.in_flight == 0 and engine.cache.lengths.tolist() == [0, 0]

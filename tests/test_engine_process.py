@@ -20,7 +20,7 @@ import torch
 
 from attnlens.app.attention_analysis import attention_maps
 from attnlens.app.engine import EngineClosed, EngineProcess, GenerationCancelled, GenerationParams, QueueFull
-from attnlens.app.schemas import StreamDone, StreamError
+from attnlens.app.engine.outputs import DoneEvent, ErrorEvent
 from helpers import drain, make_tiny_checkpoint, reference_ids, run_async
 from attnlens.model import SamplingParams
 
@@ -66,7 +66,7 @@ def test_a_cancelled_waiter_frees_its_place_while_the_engine_process_is_busy(ckp
         tokens, done = run_async(main())
     finally:
         engine.close()
-    assert isinstance(done, StreamDone) and tokens == reference_ids(ckpt, "To be", 4, temperature=0.0)
+    assert isinstance(done, DoneEvent) and tokens == reference_ids(ckpt, "To be", 4, temperature=0.0)
 
 
 def test_the_engine_process_dying_ends_what_it_held_with_an_error(ckpt, tiny_checkpoint):
@@ -93,7 +93,7 @@ def test_the_engine_process_dying_ends_what_it_held_with_an_error(ckpt, tiny_che
     finally:
         engine.close()
     for tokens, last in results:
-        assert isinstance(last, StreamError) and "engine process stopped" in last.message
+        assert isinstance(last, ErrorEvent) and "engine process stopped" in last.message
 
 
 def test_model_calls_travel_by_pickle_and_one_that_cannot_fails_alone(ckpt, tiny_checkpoint):
@@ -114,7 +114,7 @@ def test_model_calls_travel_by_pickle_and_one_that_cannot_fails_alone(ckpt, tiny
         engine.close()
     with torch.inference_mode():  # (another process, maybe other threads: the last bits may differ)
         assert np.allclose(maps, attention_maps(ckpt.model, ids, [0, 1], [1, 3]), atol=1e-6)
-    assert isinstance(done, StreamDone) and tokens == reference_ids(ckpt, "To be, or not", 6, temperature=0.0)
+    assert isinstance(done, DoneEvent) and tokens == reference_ids(ckpt, "To be, or not", 6, temperature=0.0)
 
 
 def test_a_stop_string_ends_the_generation_in_the_engine_process(tmp_path):
@@ -142,9 +142,9 @@ def test_a_stop_string_ends_the_generation_in_the_engine_process(tmp_path):
         assert engine.in_flight == 0
     finally:
         engine.close()
-    assert isinstance(done, StreamDone) and done.finish_reason == "stop"
-    assert done.usage.completion_tokens == first + 1 and tokens == ref[: len(tokens)]
-    assert g.produced < budget  # the engine process's own count: it stopped when told
+    assert isinstance(done, DoneEvent) and done.finish_reason == "stop"
+    assert done.completion_tokens == first + 1 and tokens == ref[: len(tokens)]
+    assert g.generation.produced < budget  # the engine process's own count: it stopped when told
 
 
 def test_close_ends_every_generation_and_the_engine_process(ckpt, tiny_checkpoint):
@@ -160,7 +160,7 @@ def test_close_ends_every_generation_and_the_engine_process(ckpt, tiny_checkpoin
     results = run_async(main())
     assert engine.process.returncode == 0
     for tokens, last in results:  # the running one may have finished first; none is left hanging
-        assert isinstance(last, StreamDone) or "shutting down" in last.message
+        assert isinstance(last, DoneEvent) or "shutting down" in last.message
 
 
 def test_a_model_that_cannot_load_fails_start_up_with_the_reason(ckpt, tmp_path):
@@ -220,4 +220,4 @@ def test_a_hand_over_the_server_cannot_take_ends_everything_with_an_error(ckpt, 
     finally:
         engine.close()
     for tokens, last in results:
-        assert isinstance(last, StreamError) and "engine process stopped" in last.message
+        assert isinstance(last, ErrorEvent) and "engine process stopped" in last.message

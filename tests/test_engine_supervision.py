@@ -55,8 +55,10 @@ def test_a_killed_engine_process_is_restarted_and_the_service_heals(tiny_checkpo
     model keeps answering, a request sent while it restarts waits and gets its answer, and the
     new engine process answers; /models and /metrics count the restart."""
     name = tiny_checkpoint.name
+    # a request sent while its engine restarts waits for it: on a loaded 2-core machine a new engine
+    # process can take longer than the default 10 s to load, and this test is about healing
     settings = Settings(model=tiny_checkpoint, models=[tiny_checkpoint, translator_dir], device="cpu",
-                        warmup=False, **FAST)
+                        warmup=False, engine_restart_wait_s=60.0, **FAST)
     with TestClient(create_app(settings)) as c:
         assert c.get("/readyz").json()["models"] == {name: {"state": "running", "restarts": 0, "detail": None},
                                                      "tr": {"state": "running", "restarts": 0, "detail": None}}

@@ -14,7 +14,7 @@ from attnlens.model import SamplingParams, load_checkpoint
 from attnlens.model.decoding import generate_tokens
 from attnlens.model.families import family_of
 from attnlens.model.hooks import HeadAblation, Hooks, ablation_targets, hooked
-from attnlens.app.schemas import StreamToken
+from attnlens.app.engine.outputs import TokenEvent
 from helpers import DEVICES, run_async
 from test_hooks import full_recompute_ids
 
@@ -51,7 +51,7 @@ def assert_same_means(held: dict, reference: dict) -> None:
 
 
 async def tokens_of(generation) -> list[tuple[int, float]]:
-    return [(e.id, e.logprob) async for e in generation.events() if isinstance(e, StreamToken)]
+    return [(e.id, e.logprob) async for e in generation.events() if isinstance(e, TokenEvent)]
 
 
 @pytest.mark.parametrize("kind,how", [("thread", "zero"), ("thread", "mean"), ("process", "mean")])
@@ -84,7 +84,7 @@ def test_an_ablated_row_shares_the_batch_and_equals_itself_alone(ckpt, tiny_chec
         means = []
         ref = alone(model, p, n, e, means, **s)[: len(got)]  # the engine's stream ends at an EOS
         if kind == "thread" and e and how == "mean":  # the prompt's own positions, not the batch's padding
-            assert_same_means(g.ablation_means, means[0])
+            assert_same_means(g.generation.ablation_means, means[0])
         assert [i for i, _ in got] == [i for i, _ in ref]
         assert [lp for _, lp in got] == pytest.approx([lp for _, lp in ref], abs=1e-4)
     if how == "zero":  # the greedy ablated row equals a full recompute of every token
@@ -129,7 +129,7 @@ def test_translator_rows_ablate_each_group_in_one_batch(tmp_path):
         means = []
         ref = alone(model, s, n, e, means, temperature=0.0)[: len(got)]
         if e:
-            assert_same_means(g.ablation_means, means[0])
+            assert_same_means(g.generation.ablation_means, means[0])
         assert [i for i, _ in got] == [i for i, _ in ref]
         assert [lp for _, lp in got] == pytest.approx([lp for _, lp in ref], abs=1e-4)
     for row in (0, 2):  # the ablations changed something

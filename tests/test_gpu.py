@@ -112,7 +112,7 @@ def test_engine_on_cuda_with_graphs_matches_generate_tokens(tiny_checkpoint):
     import asyncio
 
     from attnlens.app.engine import Engine, GenerationParams
-    from attnlens.app.schemas import StreamToken
+    from attnlens.app.engine.outputs import TokenEvent
     from helpers import run_async
 
     ckpt = load_checkpoint(tiny_checkpoint, device="cuda")
@@ -125,7 +125,7 @@ def test_engine_on_cuda_with_graphs_matches_generate_tokens(tiny_checkpoint):
                                   for p in prompts])
 
         async def ids(g):
-            return [e.id for e in [e async for e in g.events()] if isinstance(e, StreamToken)]
+            return [e.id for e in [e async for e in g.events()] if isinstance(e, TokenEvent)]
 
         return await asyncio.gather(*(ids(g) for g in gens))
 
@@ -309,7 +309,7 @@ def test_each_architecture_decodes_in_bf16_on_cuda(imported, name):
     import asyncio
 
     from attnlens.app.engine import Engine, GenerationParams
-    from attnlens.app.schemas import StreamToken
+    from attnlens.app.engine.outputs import TokenEvent
     from helpers import run_async
 
     ckpt = load_checkpoint(imported(name), device="cuda", dtype=torch.bfloat16)
@@ -329,7 +329,7 @@ def test_each_architecture_decodes_in_bf16_on_cuda(imported, name):
         gens = engine.submit_all([GenerationParams([1, 2, 3, 4], 16, params), GenerationParams([5, 6], 16, params)])
 
         async def ids(g):
-            return [e.id for e in [e async for e in g.events()] if isinstance(e, StreamToken)]
+            return [e.id for e in [e async for e in g.events()] if isinstance(e, TokenEvent)]
 
         return await asyncio.gather(*(ids(g) for g in gens))
 

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from attnlens.model.checkpoint import load_checkpoint, save_checkpoint
+from attnlens.model.checkpoint import load_checkpoint
 from attnlens.model.evaluation.decoder import (
     PATTERNS,
     head_scores_and_copying,
@@ -23,7 +23,8 @@ from attnlens.model.evaluation.decoder import (
 )
 from attnlens.model.interop.hf import export_hf
 
-from conftest import TINY_TEXT, make_tiny_checkpoint
+from conftest import TINY_TEXT
+from helpers import sharp_checkpoint
 
 tl_head_detector = pytest.importorskip("transformer_lens.head_detector")
 
@@ -39,17 +40,8 @@ def bridge_for(export_dir):
 def sharp(tmp_path_factory):
     """A random GPT-2-shaped model whose heads attend sharply (varied, non-trivial scores)."""
     root = tmp_path_factory.mktemp("detector")
-    make_tiny_checkpoint(root / "seed", seed=5, context_length=128)
-    ck = load_checkpoint(root / "seed")
-    g = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for p in ck.model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-        for block in ck.model.blocks:
-            block.attn.qkv.weight.mul_(8)
-    save_checkpoint(root / "ours", ck.model, ck.tokenizer)
-    ours = load_checkpoint(root / "ours")
-    return ours, bridge_for(export_hf(root / "ours", root / "gpt2"))
+    ours = sharp_checkpoint(root, seed=5, context_length=128)
+    return load_checkpoint(ours), bridge_for(export_hf(ours, root / "gpt2"))
 
 
 def tl_scores(bridge, sequences: torch.Tensor) -> dict[str, torch.Tensor]:

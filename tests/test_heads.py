@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from attnlens.app.head_atlas import probe_ids, score_heads
-from attnlens.model import family_of, load_checkpoint, save_checkpoint
+from attnlens.model import family_of, load_checkpoint
 from attnlens.model import head_scores as hs
 from attnlens.model.interop.hf import export_hf
 
-from conftest import BUNDLED, REPO_ROOT, make_tiny_checkpoint
+from conftest import BUNDLED, REPO_ROOT
+from helpers import sharp_checkpoint
 
 
 # --- the definitions, written out (TransformerLens head_detector.py, "mul", no exclusions) ---
@@ -126,16 +127,8 @@ def test_roles_pick_the_score_furthest_over_its_threshold():
 @pytest.fixture(scope="module")
 def sharp_gpt2(tmp_path_factory):
     root = tmp_path_factory.mktemp("heads")
-    make_tiny_checkpoint(root / "seed", seed=7, context_length=64)
-    ck = load_checkpoint(root / "seed")
-    g = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for p in ck.model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-        for block in ck.model.blocks:
-            block.attn.qkv.weight.mul_(8)
-    save_checkpoint(root / "ours", ck.model, ck.tokenizer)
-    return load_checkpoint(root / "ours"), export_hf(root / "ours", root / "gpt2")
+    ours = sharp_checkpoint(root, seed=7, context_length=64)
+    return load_checkpoint(ours), export_hf(ours, root / "gpt2")
 
 
 def test_scores_equal_the_definitions_on_transformers_attentions(sharp_gpt2):

@@ -12,7 +12,7 @@ import pytest
 from attnlens.app.attention_codec import decode, encode
 from attnlens.app.engine import Engine, GenerationParams, QueueFull
 from attnlens.app.engine.textstream import TextStream
-from attnlens.app.schemas import StreamDone, StreamError
+from attnlens.app.engine.outputs import DoneEvent, ErrorEvent
 from helpers import drain, reference_ids, run_async
 from attnlens.model import SamplingParams
 
@@ -125,7 +125,7 @@ def test_engine_matches_generate_tokens_for_interleaved_requests(ckpt):
     finally:
         engine.close()
     for (tokens, done), p, kw in zip(results, prompts, params):
-        assert isinstance(done, StreamDone)
+        assert isinstance(done, DoneEvent)
         assert tokens == reference_ids(ckpt, p, 20, **kw)
 
 
@@ -153,8 +153,8 @@ def test_queue_full_error_isolation_and_cancellation(ckpt):
 
     try:
         good_tokens, good_done, bad_done = run_async(main())
-        assert isinstance(bad_done, StreamError) and "poisoned" not in bad_done.message  # details stay in the log
-        assert isinstance(good_done, StreamDone)
+        assert isinstance(bad_done, ErrorEvent) and "poisoned" not in bad_done.message  # details stay in the log
+        assert isinstance(good_done, DoneEvent)
         assert good_tokens == reference_ids(ckpt, "To be", 15, temperature=0.0)
         assert engine.alive and engine.errors == 1
 
@@ -164,7 +164,7 @@ def test_queue_full_error_isolation_and_cancellation(ckpt):
                        for _ in range(3)]
             return await asyncio.gather(*(drain(g) for g in generations))
 
-        assert all(isinstance(done, StreamDone) for _, done in run_async(after()))
+        assert all(isinstance(done, DoneEvent) for _, done in run_async(after()))
         assert engine.in_flight == 0 and engine.waiting == 0
     finally:
         gated.gate.set()

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from attnlens.app.engine import Engine, GenerationParams
 from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.app.main import create_app
-from attnlens.app.schemas import StreamDone, StreamError
+from attnlens.app.engine.outputs import DoneEvent, ErrorEvent
 from attnlens.app.settings import Settings
 from attnlens.model import SamplingParams
 from helpers import parse_sse, run_async
@@ -90,10 +90,10 @@ def test_the_total_budget_sheds_the_stream_holding_most_and_gives_its_bytes_back
         big = engine.submit(GenerationParams(tok.encode("To be"), 40, greedy, return_attention=True))
         small = engine.submit_all([GenerationParams(tok.encode("The slings"), 6, greedy, return_attention=True),
                                    GenerationParams(tok.encode("Whether"), 6, greedy, return_attention=True)])
-        while engine.in_flight or engine.waiting or not small[1].output.closed:
+        while engine.in_flight or engine.waiting or not small[1].closed:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)  # the last records reach the queues
-        assert budget.in_use <= budget.limit and budget.shed == 1 and big.output.shed
+        assert budget.in_use <= budget.limit and budget.shed == 1 and big.shed
         results = []
         for g in (big, *small):
             results.append([e async for e in g.events()])
@@ -104,10 +104,10 @@ def test_the_total_budget_sheds_the_stream_holding_most_and_gives_its_bytes_back
     finally:
         engine.close()
     shed, *finished = results
-    assert len(shed) == 1 and isinstance(shed[0], StreamError) and shed[0].code == "stream_backlog_exceeded"
+    assert len(shed) == 1 and isinstance(shed[0], ErrorEvent) and shed[0].code == "stream_backlog_exceeded"
     assert "ATTNLENS_MAX_STREAM_BACKLOG_TOTAL_BYTES" in shed[0].message
     for events in finished:
-        assert isinstance(events[-1], StreamDone) and len(events) == 7
+        assert isinstance(events[-1], DoneEvent) and len(events) == 7
     gc.collect()
     assert budget.in_use == 0
 
@@ -123,7 +123,7 @@ def test_a_stream_let_go_unread_gives_its_bytes_back(ckpt):
     async def main():
         g = engine.submit(GenerationParams(tok.encode("To be"), 8, SamplingParams(temperature=0.0),
                                            return_attention=True))
-        while g.t_end is None:
+        while g.generation.t_end is None:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
         held = budget.in_use

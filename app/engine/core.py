@@ -46,7 +46,7 @@ from attnlens.model.decoding import RowSampler, decode_step, make_generator
 from attnlens.model.hooks import ZEdit, batch_hooks, hooked
 
 from .front import MODEL_CALL_FAILED, EngineFront
-from .outputs import FinishRecord, GenerationOutput, PromptRecord, Record, TokenRecord
+from .outputs import FinishRecord, PromptRecord, Record, TokenRecord
 
 log = logging.getLogger("attnlens.engine")
 
@@ -70,17 +70,15 @@ class GenerationParams:
 
 
 class Generation:
-    """One generation request, from admission to its last event: the same object in the
-    scheduler, on the model thread (row, sampler, counters) and in the output stage."""
+    """One generation request as the engine sees it, from admission to its end: what to generate
+    and the model thread's state for it (row, sampler, counters, times). The same object in the
+    scheduler and on the model thread; its server-side state (event loop, output stage, client)
+    is a RequestState (outputs.py) that the engine's front finds by `number`."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None, params: GenerationParams, tokenizer, *,
-                 backlog_limit: int = 0):
+    def __init__(self, params: GenerationParams):
         self.number = next(_numbers)
         self.id = f"gen-{uuid.uuid4().hex[:24]}"
-        self.loop = loop  # None in an engine process: there the output stage is the parent's
         self.params = params
-        self.output = (GenerationOutput(self, tokenizer, params.stop, backlog_limit=backlog_limit)
-                       if loop is not None else None)
         self.cancelled = False  # the client went away
         self.stop_requested = False  # the output stage found a stop string
         self.engine: EngineFront | None = None
@@ -95,23 +93,6 @@ class Generation:
         self.t_start: float | None = None
         self.t_first: float | None = None
         self.t_end: float | None = None
-
-    def events(self):
-        """StreamToken events, then one StreamDone or StreamError (see GenerationOutput.events)."""
-        return self.output.events()
-
-    def event_batches(self):
-        """The same events, every one already waiting at once (see GenerationOutput.event_batches)."""
-        return self.output.event_batches()
-
-    @property
-    def prompt_scores(self) -> list[dict] | None:
-        return self.output.prompt_scores
-
-    @property
-    def eos_token(self):
-        """The final EOS token with its log-probabilities (GeneratedTokenOut), if the generation ended on one."""
-        return self.output.eos_token
 
     def cancel(self) -> None:
         """Stop this generation (a no-op once it has finished); a waiting one leaves the line now."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from attnlens.model import Checkpoint
 
-from .outputs import FinishRecord, Record, call_soon, hand_over
+from .outputs import FinishRecord, Record, RequestState, call_soon, hand_over
 from .scheduler import EngineClosed, Scheduler
 from .stream_budget import StreamBudget
 
@@ -66,6 +66,8 @@ class EngineFront:
         self.waiting_cancelled = 0  # generations that left the line before they ran
         # what every stream's unread events may hold between them, shared by all engines (main.py)
         self.stream_budget: StreamBudget | None = None
+        # each admitted generation's server-side state, by number, until its last record
+        self._states: dict[int, RequestState] = {}
         # starting | running | restarting | failed | stopped (an EngineSupervisor reports it)
         self.state = "running"
         self.detail: str | None = None  # why it is not running, when it is not
@@ -88,22 +90,31 @@ class EngineFront:
         return self.scheduler.calls.held
 
     # --- event loop side ---------------------------------------------------
-    def submit(self, params) -> "Generation":
+    def submit(self, params) -> RequestState:
         """Admit one generation (raises QueueFull / EngineClosed); read it with .events()."""
         return self.submit_all([params])[0]
 
-    def submit_all(self, params: list, *, param: str | None = None) -> list["Generation"]:
-        """Admit all of these generations or none (QueueFull, RequestTooLarge, EngineClosed)."""
+    def submit_all(self, params: list, *, param: str | None = None) -> list[RequestState]:
+        """Admit all of these generations or none (QueueFull, RequestTooLarge, EngineClosed): each
+        an engine-side Generation, and its server-side RequestState, which the caller reads."""
         from .core import Generation
 
         loop = asyncio.get_running_loop()
-        generations = [Generation(loop, p, self.tokenizer, backlog_limit=self.max_stream_backlog_bytes)
-                       for p in params]
+        generations = [Generation(p) for p in params]
+        states = [RequestState(g, loop, self.tokenizer, p.stop, backlog_limit=self.max_stream_backlog_bytes)
+                  for g, p in zip(generations, params)]
         if self.stream_budget is not None:
+            for state in states:
+                self.stream_budget.join(state)
+        for g, state in zip(generations, states):
+            self._states[g.number] = state
+        try:
+            self.admit(generations, param=param)
+        except BaseException:
             for g in generations:
-                self.stream_budget.join(g.output)
-        self.admit(generations, param=param)
-        return generations
+                self._states.pop(g.number, None)
+            raise
+        return states
 
     def admit(self, generations: list, *, param: str | None = None) -> None:
         for g in generations:
@@ -170,4 +181,4 @@ class EngineFront:
         """The output stage asks the core to end g at its next step."""
 
     def _emit(self, records: list[Record]) -> None:
-        hand_over(records)
+        hand_over(records, self._states)

@@ -1,10 +1,14 @@
-"""The output stage: typed records from the model thread -> the pydantic events clients get.
+"""The output stage: typed records from the model thread -> each request's events.
 
-The engine core (model thread) only produces records: a generated token (ids, log-probs,
-attention rows as tensors), a prompt's scores, the end of a generation. Everything else
-happens here, on the event loop that submitted the generation: ids -> display text, stop
-strings (TextStream), log-prob alternatives, attention rows -> rounded lists, and the
-StreamToken / StreamDone / StreamError events that the routes send as they are.
+The engine core (model thread) only produces records about its engine-side requests
+(`Generation`, core.py): a generated token (ids, log-probs, attention rows as tensors), a
+prompt's scores, the end of a generation. Everything else happens here, in the request's
+server-side state (`RequestState`: its event loop, its output stage, what its client has not
+read yet), on the event loop that submitted it: ids -> display text, stop strings
+(TextStream), log-prob alternatives, attention rows -> rounded lists, and the events
+`TokenEvent` / `DoneEvent` / `ErrorEvent`. These are the engine's own dataclasses: the
+engine does not know the API's schemas, and the serving layer (app/stream_events.py) turns
+them into the responses the routes send.
 
 When a stop string completes, the output stage asks the core to stop the generation; the
 core retires it at its next step and sends the final record, so a client that sees `done`
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Union
 
@@ -30,8 +33,6 @@ import torch
 
 from attnlens.model.decoding import GeneratedToken
 
-from ..schemas import (Alternative, GeneratedTokenOut, StreamDone, StreamError, StreamToken, Timings, TokenText,
-                       Usage)
 from .stream_budget import Held, StreamBudget
 from .textstream import Released, TextStream
 
@@ -78,13 +79,72 @@ class FinishRecord:
 
 
 Record = Union[TokenRecord, PromptRecord, FinishRecord]
-Event = Union[StreamToken, StreamDone, StreamError]
 
 
-def dispatch(records: list[Record]) -> None:
-    """Deliver one step's records, in order (runs on the generations' event loop)."""
-    for record in records:
-        record.generation.output.handle(record)
+# --- events: what a request's reader gets ------------------------------------------
+@dataclass
+class Alternative:
+    id: int
+    text: str
+    logprob: float
+
+
+@dataclass
+class ScoredToken:
+    """A token with its log-probability and the top alternatives at its step."""
+
+    id: int
+    text: str
+    logprob: float
+    top_logprobs: list[Alternative]
+
+
+@dataclass
+class TokenEvent(ScoredToken):
+    """A generated token the client sees: its place, its text and the exact text it adds."""
+
+    index: int = 0
+    delta: str = ""
+    attention: list[list[list[float]]] | None = None  # [layer][head][key], rounded to 6 places
+    cross_attention: list[list[list[float]]] | None = None
+
+
+@dataclass
+class Timing:
+    queue_ms: float
+    prefill_ms: float
+    decode_ms: float
+    tokens_per_second: float
+    time_to_first_token_ms: float
+
+
+@dataclass
+class DoneEvent:
+    """The end of a generation that ran to its end (length, EOS or a stop string)."""
+
+    id: str
+    finish_reason: str
+    prompt_tokens: list[tuple[int, str]]  # (id, display text) of each prompt token
+    text: str  # the whole generated text
+    delta: str  # text no token event carried (a final partial character, usually empty)
+    completion_tokens: int
+    timings: Timing
+
+
+@dataclass
+class ErrorEvent:
+    message: str
+    code: str
+    retry_after: int | None = None
+
+
+Event = Union[TokenEvent, DoneEvent, ErrorEvent]
+
+
+def dispatch(records: list[Record], states: list["RequestState"]) -> None:
+    """Deliver one step's records to their requests' states, in order (on their event loop)."""
+    for record, state in zip(records, states):
+        state.handle(record)
 
 
 def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
@@ -95,13 +155,20 @@ def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         pass
 
 
-def hand_over(records: list[Record]) -> None:
-    """From any thread: hand records to the output stage, one call per event loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[Record]] = {}
+def hand_over(records: list[Record], states: dict[int, "RequestState"]) -> None:
+    """From any thread: hand records to their requests' states (`states`, by generation number),
+    one call per event loop. A finished generation's state leaves `states` here."""
+    by_loop: dict[asyncio.AbstractEventLoop, tuple[list[Record], list[RequestState]]] = {}
     for r in records:
-        by_loop.setdefault(r.generation.loop, []).append(r)
-    for loop, rs in by_loop.items():
-        call_soon(loop, dispatch, rs)
+        number = r.generation.number
+        state = states.pop(number, None) if isinstance(r, FinishRecord) else states.get(number)
+        if state is None:  # nobody reads it (its state has ended)
+            continue
+        rs, ss = by_loop.setdefault(state.loop, ([], []))
+        rs.append(r)
+        ss.append(state)
+    for loop, (rs, ss) in by_loop.items():
+        call_soon(loop, dispatch, rs, ss)
 
 
 def event_bytes(token: GeneratedToken) -> int:
@@ -118,17 +185,20 @@ def attention_lists(rows: list[torch.Tensor]) -> list[list[list[float]]]:
 
 
 @dataclass(eq=False)  # identity: it is kept in a WeakSet (StreamBudget)
-class GenerationOutput:
-    """One generation's output stage: its text stream, its events, its finished answer."""
+class RequestState:
+    """A generation's server-side state: the event loop it was submitted on, its output stage
+    (text stream, events, finished answer) and what its client has not read yet. The engine-side
+    request (`generation`) holds only what the engine needs; routes hold this."""
 
     generation: "Generation"
+    loop: asyncio.AbstractEventLoop
     tokenizer: Any
     stop: list[str]
     text: TextStream = field(init=False)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     prompt_scores: list[dict] | None = None  # OpenAI echo: each prompt token with its logprob
     seen: int = 0  # generated tokens processed (the EOS included), none after a stop string
-    eos_token: GeneratedTokenOut | None = None  # a final EOS (no text, but scored: /v1 logprobs list it)
+    eos_token: ScoredToken | None = None  # a final EOS (no text, but scored: /v1 logprobs list it)
     closed: bool = False
     backlog_limit: int = 0  # estimated bytes of events a client may leave unread (0: no limit)
     held: Held = field(default_factory=Held)  # estimated bytes of the events queued and not yet taken
@@ -138,18 +208,25 @@ class GenerationOutput:
 
     def __post_init__(self) -> None:
         self.text = TextStream(self.tokenizer, self.stop)
-        # no reference cycle with its generation: once a route lets go of the generation, this
-        # output (and its unread events) is freed at once, not at the next cycle collection; it
-        # only reaches the generation while the engine holds that
-        self.generation = weakref.proxy(self.generation)
+        # the generation does not point back here (the engine finds this state by number in its
+        # front's table until the generation ends): once a route lets go of this state, it and its
+        # unread events are freed at once, not at the next cycle collection
+
+    @property
+    def id(self) -> str:
+        return self.generation.id
 
     @property
     def backlog(self) -> int:
         return self.held.bytes
 
+    def cancel(self) -> None:
+        """The client went away: stop the generation (a waiting one leaves the line now)."""
+        self.generation.cancel()
+
     # --- consumer side -------------------------------------------------------
     async def events(self) -> AsyncIterator[Event]:
-        """StreamToken events, then exactly one StreamDone or StreamError; raises
+        """TokenEvents, then exactly one DoneEvent or ErrorEvent; raises
         GenerationCancelled instead when the generation was cancelled."""
         async for batch in self.event_batches():
             for event in batch:
@@ -162,7 +239,7 @@ class GenerationOutput:
             item = await self.queue.get()
             size = item[1]
             batch = [self._take(item)]
-            while isinstance(batch[-1], StreamToken) and not self.queue.empty() and size < BATCH_BYTES:
+            while isinstance(batch[-1], TokenEvent) and not self.queue.empty() and size < BATCH_BYTES:
                 item = self.queue.get_nowait()
                 size += item[1]
                 batch.append(self._take(item))
@@ -172,7 +249,7 @@ class GenerationOutput:
                     yield batch[:-1]
                 raise last
             yield batch
-            if not isinstance(last, StreamToken):
+            if not isinstance(last, TokenEvent):
                 return
 
     def _take(self, item: tuple[Any, int]):
@@ -201,7 +278,7 @@ class GenerationOutput:
         """Called by the budget: drop this stream's unread events and end it with an error."""
         self.shed = True
         self._drop_queued()
-        self.queue.put_nowait((StreamError(
+        self.queue.put_nowait((ErrorEvent(
             message=f"the server holds more than {limit} bytes of stream events that clients have not read "
                     "(ATTNLENS_MAX_STREAM_BACKLOG_TOTAL_BYTES), and this stream held the most: it was ended",
             code="stream_backlog_exceeded"), 0))
@@ -230,7 +307,7 @@ class GenerationOutput:
             return  # after a stop string (or an overflow): the core stops when told; these do not count
         self.seen += 1
         if token.id in self.tokenizer.eos_ids:  # the end: no text, but its score is kept
-            self.eos_token = GeneratedTokenOut(id=token.id, text=self.tokenizer.display_text(token.id),
+            self.eos_token = ScoredToken(id=token.id, text=self.tokenizer.display_text(token.id),
                                                logprob=token.logprob,
                                                top_logprobs=self._alternatives(token.top_ids, token.top_logprobs))
             return
@@ -244,15 +321,11 @@ class GenerationOutput:
             self.overflowed = True  # the client is not keeping up: end it, free its row
             self.generation.stop()
 
-    def _event(self, r) -> StreamToken:
+    def _event(self, r) -> TokenEvent:
         token: GeneratedToken = r.extra
-        fields = dict(index=r.index, id=r.id, text=r.text, delta=r.delta, logprob=token.logprob,
-                      top_logprobs=self._alternatives(token.top_ids, token.top_logprobs))
-        if token.attention is None and token.cross_attention is None:
-            # validated in pydantic's core: for these few fields faster than model_construct's Python
-            return StreamToken(**fields)
-        return StreamToken.model_construct(  # thousands of attention floats: not validated one by one
-            **fields,
+        return TokenEvent(
+            id=r.id, text=r.text, logprob=token.logprob,
+            top_logprobs=self._alternatives(token.top_ids, token.top_logprobs), index=r.index, delta=r.delta,
             attention=attention_lists(token.attention) if token.attention is not None else None,
             cross_attention=attention_lists(token.cross_attention) if token.cross_attention is not None else None,
         )
@@ -264,7 +337,7 @@ class GenerationOutput:
         for i in range(1, len(ids)):
             top = None
             if k > 0:
-                top = [a.model_dump() for a in self._alternatives(record.top_ids[i - 1], record.top_logprobs[i - 1])]
+                top = [vars(a) for a in self._alternatives(record.top_ids[i - 1], record.top_logprobs[i - 1])]
             items.append({"id": ids[i], "text": tok.display_text(ids[i]), "logprob": record.logprobs[i - 1],
                           "top_logprobs": top})
         self.prompt_scores = items
@@ -279,10 +352,10 @@ class GenerationOutput:
             return
         if record.reason == "error" or self.overflowed:
             if record.reason == "error":
-                error = StreamError(message=record.message, code=record.code or "generation_failed",
-                                    retry_after=record.retry_after)
+                error = ErrorEvent(message=record.message, code=record.code or "generation_failed",
+                                   retry_after=record.retry_after)
             else:
-                error = StreamError(message=f"the client left more than {self.backlog_limit} bytes of this stream "
+                error = ErrorEvent(message=f"the client left more than {self.backlog_limit} bytes of this stream "
                                             "unread (ATTNLENS_MAX_STREAM_BACKLOG_BYTES); the generation was ended",
                                     code="stream_backlog_exceeded")
             self._put(error)
@@ -293,21 +366,20 @@ class GenerationOutput:
                 self._put(r, event_bytes(r.extra))
         self._put(self._done(reason))
 
-    def _done(self, reason: str) -> StreamDone:
+    def _done(self, reason: str) -> DoneEvent:
         g, tok = self.generation, self.tokenizer
         produced = self.seen if reason == "stop" else g.produced  # tokens after a stop string do not count
         now = g.t_end or time.perf_counter()
         t_start = g.t_start or now
         t_first = g.t_first or now
-        n_prompt = len(g.params.prompt_ids)
-        return StreamDone(
+        return DoneEvent(
             id=g.id,
             finish_reason=reason,
-            prompt_tokens=[TokenText(id=i, text=tok.display_text(i)) for i in g.params.prompt_ids],
+            prompt_tokens=[(i, tok.display_text(i)) for i in g.params.prompt_ids],
             text=self.text.text,
             delta=self.text.unsent,
-            usage=Usage(prompt_tokens=n_prompt, completion_tokens=produced, total_tokens=n_prompt + produced),
-            timings=Timings(
+            completion_tokens=produced,
+            timings=Timing(
                 queue_ms=round((t_start - g.t_submit) * 1000, 3),
                 prefill_ms=round((t_first - t_start) * 1000, 3),
                 decode_ms=round((now - t_first) * 1000, 3),

@@ -27,7 +27,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .outputs import GenerationOutput
+    from .outputs import RequestState
 
 log = logging.getLogger("attnlens.engine")
 
@@ -64,9 +64,9 @@ class StreamBudget:
         self.shed = 0  # streams ended to keep within the limit
         self._lock = threading.Lock()  # a finaliser may run on whichever thread collects garbage
         self.high_water = 0  # the most held since the backlogs were last all gone
-        self._outputs: weakref.WeakSet[GenerationOutput] = weakref.WeakSet()
+        self._outputs: weakref.WeakSet[RequestState] = weakref.WeakSet()
 
-    def join(self, output: "GenerationOutput") -> None:
+    def join(self, output: "RequestState") -> None:
         """Count `output`'s queued events from now on."""
         output.budget = self
         self._outputs.add(output)

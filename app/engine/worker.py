@@ -111,7 +111,7 @@ def _serve(engine: _PipedEngine, commands: Connection) -> None:
         kind = message[0]
         if kind == "add":
             _, number, params = message
-            g = Generation(None, params, None)
+            g = Generation(params)
             g.number = number
             g.t_submit = time.perf_counter()
             engine.generations[number] = g

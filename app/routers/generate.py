@@ -20,6 +20,7 @@ from ..prompts import tokenize_text
 from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
 from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, note_unfinished, sse
+from ..stream_events import event_batches
 from ..registry import GENERATE, lookup
 from ..state import AppState
 
@@ -102,7 +103,7 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
 
         async def events():
             try:
-                async for batch in generation.event_batches():  # the events waiting go out in one write
+                async for batch in event_batches(generation):  # the events waiting go out in one write
                     yield "".join(encode(event) for event in batch)
             except Exception:  # anything on our side mid-stream: log it, tell the client
                 log.exception("stream failed")

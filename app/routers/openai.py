@@ -24,7 +24,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 
 from ..deps import get_state
-from ..engine import EngineFront, Generation, GenerationParams
+from ..engine import EngineFront, GenerationParams, RequestState
 from ..errors import ApiError
 from ..openai_schemas import Completion, CompletionRequest, ModelCard, ModelList
 from ..openai_serving import (ERRORS, FINISH, check_capacity, check_logit_bias, collect_choices, lookup_v1,
@@ -35,6 +35,7 @@ from ..registry import COMPLETIONS, ServedModel, lookup
 from ..schemas import GeneratedTokenOut, StreamDone, StreamToken
 from ..serving import sse
 from ..state import AppState
+from ..stream_events import scored_token
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -147,7 +148,7 @@ def _generation_params(body: CompletionRequest, prompts_ids: list[list[int]]) ->
     return jobs
 
 
-def _logprob_per_token(out, generation: Generation) -> float:
+def _logprob_per_token(out, generation: RequestState) -> float:
     """best_of's ranking: the mean log-probability of a candidate's tokens (a final EOS included)."""
     lps = [t.logprob for t in out.tokens] + ([generation.eos_token.logprob] if generation.eos_token else [])
     return sum(lps) / len(lps) if lps else float("-inf")
@@ -156,7 +157,7 @@ def _logprob_per_token(out, generation: Generation) -> float:
 class _CompletionChunks:
     """The legacy stream's chunks: a Completion whose one choice carries the new text (openai_serving.ChunkWriter)."""
 
-    def __init__(self, cid: str, created: int, name: str, choices: list[Choice], generations: list[Generation],
+    def __init__(self, cid: str, created: int, name: str, choices: list[Choice], generations: list[RequestState],
                  echo: bool, prompt_tokens: int):
         self.head = {"id": cid, "object": "text_completion", "created": created, "model": name}
         self.choices, self.generations, self.echo, self.prompt_tokens = choices, generations, echo, prompt_tokens
@@ -172,7 +173,7 @@ class _CompletionChunks:
         return self._chunk(index, event.delta, self.choices[index].add_token(event), None)
 
     def done(self, index: int, event: StreamDone) -> str:
-        frag = self.choices[index].add_end(event.delta, self.generations[index].eos_token)
+        frag = self.choices[index].add_end(event.delta, scored_token(self.generations[index].eos_token))
         return self._chunk(index, event.delta, frag, FINISH[event.finish_reason])
 
     def usage(self, completion_tokens: int) -> str:
@@ -229,7 +230,7 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
                 c.add_prompt_scores(g.prompt_scores)
             for t in out.tokens:
                 c.add_token(t)
-            c.add_end(out.done.delta, g.eos_token)
+            c.add_end(out.done.delta, scored_token(g.eos_token))
             result.append(c.as_dict(out.done.finish_reason))
     completion_tokens = sum(o.done.usage.completion_tokens for o in outcomes)  # every candidate's
     return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": result,
