@@ -29,7 +29,8 @@ from .codec import encode
 from .resources import checkpoints_dir, static_dir
 
 # State keys of the page (state/schema.js) that say what is shown rather than what is analysed
-NOT_OPTIONS = {"model", "prompt", "source", "ids", "plen", "view", "diff", "promptB", "fillk"}
+# (ablate, explain and probe ask the server's analysis routes: the live page's, not a notebook's)
+NOT_OPTIONS = {"model", "prompt", "source", "ids", "plen", "view", "diff", "promptB", "fillk", "ablate", "explain", "probe"}
 
 
 @functools.lru_cache(maxsize=8)

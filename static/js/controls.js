@@ -129,4 +129,5 @@ export function syncControls(s) {
     const fits = !ctl.dataset.needs || ctl.dataset.needs.split(" ").every((n) => caps.has(n)); // e.g. the classifier's pooled rows
     ctl.hidden = !view.controls.includes(ctl.dataset.ctl) || !fits;
   }
+  $(".toolbar").classList.toggle("empty", !view.controls.length); // a view with controls of its own (the atlas, lens, ablate)
 }

@@ -55,6 +55,7 @@ async function track(promise) {
 
 const ctx = {
   select: (patch) => store.set(patch),
+  views: VIEWS, // the registry, for a view that opens another (the atlas opens a head where its group is drawn)
   setCaption: (html) => ($("#caption").innerHTML = html),
   setLegend(spec) {
     $("#legend-wrap").hidden = !spec;

@@ -109,6 +109,7 @@ export async function loadModel(name = "") {
     models: list?.models.length ?? 1,
   };
   meta.capabilities = capabilities(meta.family_info, meta.tasks);
+  meta.capabilities.add("server"); // the live page: the views that ask the server's analysis routes fit (registry `needs`)
   showModelInfo(meta);
   document.body.dataset.family = meta.family; // for display only; what the page does follows `capabilities`
   return meta;

@@ -27,7 +27,7 @@ def test_phone_layout_fits_the_screen(phone, server):
     assert not phone.console_log.errors, phone.console_log.errors
     screenshot(phone, "phone-head-view.png")
     # every view keeps within the screen (wide pictures pan inside their own frame)
-    for view in ("model", "aggregate", "diff", "lines", "gen", "head"):
+    for view in ("model", "aggregate", "diff", "lines", "gen", "atlas", "lens", "ablate", "head"):
         r = rendered(phone)
         phone.tap(f"#tab-{view}")
         wait_rendered(phone, r, prefix=f"{view}:")

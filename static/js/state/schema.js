@@ -52,6 +52,12 @@ export const STATE_KEYS = [
   { key: "layerB", type: "int", def: 0, url: true },
   { key: "headB", type: "int", def: 1, url: true },
   { key: "promptB", type: "string", def: "", url: true },
+  // issue 18: the heads ablated ("[group:]layer.head(z|m)", comma-separated: ablation.js), the
+  // query row the Head view's explain panel computes (null: closed), and whether the atlas
+  // scores the repeated-random probe instead of the text
+  { key: "ablate", type: "string", def: "", url: true },
+  { key: "explain", type: "int", def: null, url: true },
+  { key: "probe", type: "bool", def: false, url: true },
   // data and activity (never in the URL)
   { key: "meta", type: "object", def: null }, // /model, normalised
   { key: "att", type: "object", def: null }, // AttentionSet of the analysed sequence

@@ -5,8 +5,10 @@
 import { MatrixView } from "../views/matrixview.js";
 import { escapeHTML, visible } from "../tokens.js";
 import { translationFor, isTranslator, describeAvg } from "./translation.js";
+import { Explainable } from "../explain/explainable.js";
 
-export class CrossView extends MatrixView {
+// a click on a cell of one head's map also explains its row step by step (the cross group's)
+export class CrossView extends Explainable(MatrixView, { group: "cross", averaged: true }) {
   mount(host) {
     super.mount(host);
     this.onStep = (e) => {

@@ -2,8 +2,10 @@
 
 import { MatrixView } from "../views/matrixview.js";
 import { translationFor, isTranslator, describeAvg } from "./translation.js";
+import { Explainable } from "../explain/explainable.js";
 
-export class DecoderView extends MatrixView {
+// a click on a cell of one head's map also explains its row step by step (the decoder group's)
+export class DecoderView extends Explainable(MatrixView, { group: "decoder", averaged: true }) {
   async render(params, changed, isCurrent) {
     return super.render({ ...params, axes: Object.freeze({ rows: "target query", cols: "target key" }) }, changed, isCurrent);
   }

@@ -2,8 +2,10 @@
 
 import { MatrixView } from "./matrixview.js";
 import { removeSink, headStats, HEAD_STATS_ROWS } from "../attention.js";
+import { Explainable } from "../explain/explainable.js";
 
-export class HeadView extends MatrixView {
+// a click on a cell also explains its row step by step (explain/explainable.js)
+export class HeadView extends Explainable(MatrixView) {
   async compute({ attention: att, selection: { layer, head }, settings: { sink }, tokens, boundary, causal, scope }) {
     await att.ensure([layer]);
     let data = att.head(layer, head);
@@ -26,7 +28,7 @@ export class HeadView extends MatrixView {
         `<b>Layer ${layer} · head ${head}</b>${scope ? ` of ${scope}` : ""} — ${shape} ` +
         `<span class="head-stats" data-self="${stats.self}" data-previous="${stats.previous}" data-first="${stats.first}">` +
         `Mean weight on itself ${pct(stats.self)}, on the previous token ${pct(stats.previous)}, on the first token ${pct(stats.first)}, ${causal ? HEAD_STATS_ROWS : "averaged over query rows 1 … T−1"}</span>` +
-        `${sink ? "; colours with the first-token column hidden and rows renormalised" : ""}. Click a row to pin it; shift-click to add rows.${where}`,
+        `${sink ? "; colours with the first-token column hidden and rows renormalised" : ""}. Click a cell to pin its row and see how the head computes it (below the map); shift-click to add rows.${where}`,
     };
   }
 }

@@ -6,6 +6,7 @@ import { paintMatrix, cssVar, parseColor } from "../paint.js";
 import { removeSink, headStats, JSON_MAX_TOKENS } from "../attention.js";
 import { colourScale, SCALES } from "../scales.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
+import { isAblated, toggleAblation, formatAblation } from "../explain/ablation.js";
 
 export class ModelView {
   constructor(ctx) {
@@ -74,7 +75,11 @@ export class ModelView {
         c.width = att.T;
         c.height = att.T;
         b.append(c);
-        b.addEventListener("click", () => this.ctx.select({ layer: l, head: h, view: "head", pin: [] }));
+        b.addEventListener("click", (e) => {
+          // Alt- or Shift-click: add the head to the ablation (or remove it), of the primary group
+          if (e.altKey || e.shiftKey) this.ctx.select({ ablate: formatAblation(toggleAblation(this.params.ablation, l, h, this.ablationGroup())) });
+          else this.ctx.select({ layer: l, head: h, view: "head", pin: [] });
+        });
         b.addEventListener("mouseenter", () => this.tip(b, l, h));
         b.addEventListener("focus", () => this.tip(b, l, h));
         b.addEventListener("mouseleave", hideTooltip);
@@ -95,17 +100,27 @@ export class ModelView {
     if (m) {
       const s = headStats(m, att.T);
       const pct = (x) => `${(100 * x).toFixed(0)}%`;
-      body = `<div class="tt-muted">self ${pct(s.self)} · previous ${pct(s.previous)} · first token ${pct(s.first)}</div><div class="tt-muted">means over query rows 1 … ${att.T - 1}; click to open in the head view</div>`;
+      body = `<div class="tt-muted">self ${pct(s.self)} · previous ${pct(s.previous)} · first token ${pct(s.first)}</div><div class="tt-muted">means over query rows 1 … ${att.T - 1}; click to open in the head view; Alt/Shift-click to ablate it</div>`;
     }
     showTooltip(`<div class="tt-cell"><b>Layer ${l} · head ${h}</b></div>${body}`, r.right - 6, r.top + 4);
   }
 
+  /** The group the maps here belong to, as an ablation names it (null: the family has one). */
+  ablationGroup() {
+    const groups = this.params.model.groups;
+    return groups.length > 1 ? groups[0].name : null;
+  }
+
   markSelected() {
     const { layer, head } = this.params.selection;
+    const group = this.ablationGroup();
     for (const row of this.thumbs)
       for (const t of row) {
-        const sel = +t.button.dataset.layer === layer && +t.button.dataset.head === head;
+        const l = +t.button.dataset.layer;
+        const h = +t.button.dataset.head;
+        const sel = l === layer && h === head;
         t.button.classList.toggle("selected", sel);
+        t.button.classList.toggle("ablated", isAblated(this.params.ablation, l, h, group));
         t.button.setAttribute("aria-pressed", sel ? "true" : "false");
       }
   }
@@ -135,7 +150,7 @@ export class ModelView {
   async render(params, changed, isCurrent = () => true) {
     const prev = this.params;
     this.params = params;
-    if (prev && prev.attention === params.attention && changed && [...changed].every((k) => ["layer", "head", "pin", "step", "zoom"].includes(k))) {
+    if (prev && prev.attention === params.attention && changed && [...changed].every((k) => ["layer", "head", "pin", "step", "zoom", "ablate", "explain", "probe"].includes(k))) {
       this.markSelected();
       return true;
     }
@@ -153,7 +168,7 @@ export class ModelView {
     this.legend = { cmap: params.settings.cmap, vmin: 0, vmax: 1, gamma: scale === "sqrt" ? 0.5 : 1, label: perMap ? `attention weight, 0 → each map's own top (${SCALES[scale]})` : `attention weight, ${SCALES[scale]}` };
     this.ctx.setLegend(this.legend);
     this.ctx.setCaption(
-      `<b>All ${att.nLayers} layers × ${att.nHeads} heads</b>${params.scope ? ` of ${params.scope}` : ""} on ${att.T} tokens; colours ${perMap ? `per map (${SCALES[scale]})` : SCALES[scale]}. Click a map to open it in the head view.`,
+      `<b>All ${att.nLayers} layers × ${att.nHeads} heads</b>${params.scope ? ` of ${params.scope}` : ""} on ${att.T} tokens; colours ${perMap ? `per map (${SCALES[scale]})` : SCALES[scale]}. Click a map to open it in the head view; Alt- or Shift-click to add the head to the ablation (Ablate view).`,
     );
     const present = [...Array(att.nLayers).keys()].filter((l) => att.has(l));
     perf.drawMs = this.paintLayers(present);

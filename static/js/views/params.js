@@ -5,6 +5,8 @@ import { capabilities, primaryGroup } from "../family.js";
 import { SEQUENTIAL, DIVERGING } from "../colormap.js";
 import { SCALES } from "../scales.js";
 import { OPS } from "./aggregateview.js";
+import { parseAblation, constrainAblation, defaultGroup } from "../explain/ablation.js";
+import { chatMode } from "../chat.js";
 
 const clamp = (v, n) => Math.max(0, Math.min(n - 1, v | 0));
 
@@ -32,9 +34,11 @@ export function constrainState(s, meta, viewIds) {
     if (out.layers) out.layers = out.layers.filter((l) => l < L);
     if (out.heads) out.heads = out.heads.filter((h) => h < H);
     if (out.lheads) out.lheads = out.lheads.filter((h) => h < H);
+    out.ablate = constrainAblation(out.ablate, meta, (meta.family_info?.groups ?? []).map((g) => g.name), defaultGroup(meta.family_info));
   }
   if (out.gen) out.step = Math.min(out.step, Math.max(0, out.gen.tokens.length - 1));
   if (out.att?.T) out.pin = out.pin.filter((r) => r < out.att.T);
+  if (out.att?.T && out.explain != null && out.explain >= out.att.T) out.explain = null;
   return out;
 }
 
@@ -65,8 +69,14 @@ export function viewParams(s) {
       name: meta.name, n_layers: meta.n_layers, n_heads: meta.n_heads, context_length: meta.context_length,
       family: meta.family ?? "decoder", attention: meta.attention ?? "causal", tasks: meta.tasks ?? [], labels: meta.labels ?? null, pooling: meta.pooling ?? null,
       capabilities: meta.capabilities ?? capabilities(meta.family_info, meta.tasks),
+      groups: Object.freeze((meta.family_info?.groups ?? [primaryGroup(null)]).map((g) => Object.freeze({ ...g }))),
+      d_model: meta.d_model ?? null,
     }),
+    // the heads ablated: [{layer, head, how, group}] (ablation.js)
+    ablation: Object.freeze(parseAblation(s.ablate).map((a) => Object.freeze(a))),
     text: att ? att.text : s.prompt,
+    prompt: s.prompt, // the prompt box (what a generation starts from)
+    conversation: chatMode(s), // the box holds a chat model's conversation (chat.js), not plain text
     tokens: att?.tokens ?? [],
     attention: att,
     causal: att ? att.causal : (meta.attention ?? "causal") === "causal",
@@ -82,8 +92,9 @@ export function viewParams(s) {
       layers: (s.layers ?? all(meta.n_layers)).slice().sort((a, b) => a - b),
       heads: (s.heads ?? all(meta.n_heads)).slice().sort((a, b) => a - b),
       lineHeads: s.lheads == null ? null : s.lheads.slice().sort((a, b) => a - b), // null: the chosen head alone
+      explain: s.explain, // the query row the Head view explains, or null
     }),
-    settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom, fillk: s.fillk, xavg: s.xavg }),
+    settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom, fillk: s.fillk, xavg: s.xavg, probe: s.probe }),
     axes: Object.freeze({ rows: "query", cols: "key" }),
     // what the shared views' maps are when the family has other groups too: its primary group's
     // (an encoder-decoder's encoder, over the source)

@@ -10,6 +10,10 @@
 // and the tasks it answers ("fill-mask", "classify"); the page never tests a family's name.
 // PANELS are the same idea for the side panels a model has (an encoder's fill-mask and
 // classify, read from the store's text) and for readouts under the picture (`slot: "frame"`).
+// "server": the live page (model.js), not a notebook's embedded answer: views that call the
+// analysis routes (/heads, /lens, /logits) need it.
+// `shows` (optional) names the attention group a view draws when it is not the family's
+// primary one (the atlas opens a head of that group there).
 
 import { HeadView } from "./headview.js";
 import { ModelView } from "./modelview.js";
@@ -23,20 +27,27 @@ import { AlignView } from "../translator/alignview.js";
 import { FillMaskPanel } from "../encoder/fillmask.js";
 import { ClassifyPanel } from "../encoder/classify.js";
 import { PooledPanel } from "../encoder/pooled.js";
+import { AtlasView } from "../explain/atlasview.js";
+import { LensView } from "../explain/lensview.js";
+import { AblateView } from "../explain/ablateview.js";
 import { fits } from "../family.js";
 
 export const VIEWS = [
-  { id: "head", label: "Head", source: "analysis", controls: ["layer", "head", "sink", "cmap", "scale", "zoom", "pooled"], View: HeadView },
-  { id: "model", label: "Model", source: "analysis", controls: ["sink", "cmap", "scale"], View: ModelView },
+  { id: "head", label: "Head", source: "analysis", controls: ["layer", "head", "sink", "cmap", "scale", "zoom", "pooled"], keys: ["explain"], View: HeadView },
+  { id: "model", label: "Model", source: "analysis", controls: ["sink", "cmap", "scale"], keys: ["ablate"], View: ModelView },
+  // issue 18: what each head does (every group the family has), the logit lens, and ablation
+  { id: "atlas", needs: ["server"], label: "Atlas", source: "analysis", controls: [], keys: ["ablate", "probe"], View: AtlasView, title: "Heads view: every head coloured by its strongest role (probe: repeated random tokens)" },
   { id: "aggregate", label: "Aggregate", source: "analysis", controls: ["sink", "cmap", "scale", "zoom"], View: AggregateView },
   { id: "diff", label: "Difference", source: "analysis", controls: ["layer", "head", "sink", "dcmap", "scale", "zoom"], View: DiffView },
   { id: "lines", label: "Lines", source: "analysis", controls: ["layer", "head", "sink"], keys: ["lheads"], View: LineView },
   { id: "gen", label: "Generation", source: "generation", needs: ["generation"], controls: ["layer", "head", "sink", "cmap", "scale", "zoom"], View: GenView, title: "What each generated token attended to, step by step" },
   // a family with a target and cross-attention (an encoder-decoder): the views above show its
   // primary group, the encoder's self-attention over the source
-  { id: "cross", label: "Cross", source: "analysis", needs: ["cross"], controls: ["layer", "head", "cmap", "scale", "zoom"], View: CrossView, title: "Cross-attention: target steps down, source tokens across" },
+  { id: "cross", label: "Cross", source: "analysis", needs: ["cross"], shows: "cross", controls: ["layer", "head", "cmap", "scale", "zoom"], keys: ["explain"], View: CrossView, title: "Cross-attention: target steps down, source tokens across" },
   { id: "align", label: "Alignment", source: "analysis", needs: ["cross"], controls: ["layer", "head"], View: AlignView, title: "Lines from each target step to the source tokens it reads" },
-  { id: "decoder", label: "Decoder", source: "analysis", needs: ["target"], controls: ["layer", "head", "cmap", "scale", "zoom"], View: DecoderView, title: "The decoder's causal self-attention over the target" },
+  { id: "decoder", label: "Decoder", source: "analysis", needs: ["target"], shows: "decoder", controls: ["layer", "head", "cmap", "scale", "zoom"], keys: ["explain"], View: DecoderView, title: "The decoder's causal self-attention over the target" },
+  { id: "lens", needs: ["server"], label: "Lens", source: "analysis", controls: [], keys: ["ablate"], View: LensView, title: "Logit lens: what each layer predicts at each position" },
+  { id: "ablate", needs: ["server"], label: "Ablate", source: "analysis", controls: [], keys: ["ablate"], View: AblateView, title: "Remove heads and see what changes" },
 ];
 
 /** Whether view or panel `v` applies to a model (its description, with `capabilities`: model.js). */

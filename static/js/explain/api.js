@@ -1,0 +1,67 @@
+// The issue-18 analysis routes the views call: POST /heads (the atlas), /lens (the logit lens),
+// /logits (next-token predictions, with an ablation's effect) and /attention/explain (one
+// attention row computed step by step). Answers are kept per request body (a few), so a view
+// drawn again, or another view on the same text, does not ask twice.
+
+import { postJSON } from "../api.js";
+import { ablateField } from "./ablation.js";
+
+/**
+ * The analysed sequence as these routes read it: its ids (or text) and an encoder-decoder's
+ * target. A conversation (a set with `messages`, rendered by the server's chat template) goes
+ * as the token ids its analysis came back with, so every route reads the same tokens.
+ */
+export function sequenceBody(att) {
+  const body = att.ids ? { ids: att.ids } : att.messages && att.tokens ? { ids: att.tokens.map((t) => t.id) } : { text: att.text };
+  if (att.targetIds) body.target_ids = att.targetIds;
+  return body;
+}
+
+const KEEP = 24;
+const cache = new Map(); // path + body -> Promise of the answer
+
+/** POST once per distinct body (a failed request is forgotten, so trying again asks again). */
+function cachedPost(path, body) {
+  const key = path + " " + JSON.stringify(body);
+  if (cache.has(key)) {
+    const hit = cache.get(key);
+    cache.delete(key);
+    cache.set(key, hit); // most recently used last
+    return hit;
+  }
+  const p = postJSON(path, body);
+  p.catch(() => cache.delete(key));
+  cache.set(key, p);
+  while (cache.size > KEEP) cache.delete(cache.keys().next().value);
+  return p;
+}
+
+const withAblation = (body, ablation) => {
+  const field = ablateField(ablation ?? []);
+  return field ? { ...body, ablate: field } : body;
+};
+
+/** Per-head scores and roles over the analysed sequence, or over the repeated-random probe. */
+export function fetchHeads(att, { probe = null } = {}) {
+  return cachedPost("/heads", probe ? { probe } : sequenceBody(att));
+}
+
+/** The logit lens: every layer's top-k at every position. */
+export const fetchLens = (att, { topK = 5, ablation = [] } = {}) => cachedPost("/lens", withAblation({ ...sequenceBody(att), top_k: topK }, ablation));
+
+/** Next-token predictions; with an ablation also the clean run and the per-position effect. */
+export const fetchLogits = (att, { topK = 5, ablation = [], positions = "all" } = {}) =>
+  cachedPost("/logits", withAblation({ ...sequenceBody(att), top_k: topK, positions }, ablation));
+
+/** One query row of one head, computed step by step. `group`: null = the family's first. */
+export function fetchExplain(att, { layer, head, query, group = null }) {
+  const body = { ...sequenceBody(att), layer, head, query };
+  if (group) body.group = group;
+  return cachedPost("/attention/explain", body);
+}
+
+/** The repeated-random probe for a model: as long as its context allows, at most 50. */
+export function probeFor(meta, seed = 0) {
+  const length = Math.max(2, Math.min(50, Math.floor(((meta.context_length ?? 64) - 3) / 2)));
+  return { kind: "repeated_random", length, seed };
+}

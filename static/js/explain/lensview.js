@@ -1,0 +1,189 @@
+// Lens view (the logit lens, POST /lens): rows are the embeddings and the residual stream
+// after every block, columns the positions; each cell shows the top-1 token that row's
+// residual predicts there (through the final norm and the unembedding), tinted by its
+// probability. A cell whose top-1 is the token that actually comes next is marked; hover or
+// focus a cell for its top-k and the actual token's rank. The current ablation applies.
+
+import { fetchLens } from "./api.js";
+import { describeHead } from "./ablation.js";
+import { escapeHTML, visible, axisLabel } from "../tokens.js";
+import { showTooltip, hideTooltip } from "../tooltip.js";
+import { START_LABEL } from "../translator/translation.js";
+
+/** The positions' tokens: a target's (its first is the decoder's start token, labelled as the other views do), else the text's. */
+const columns = (a) => (a.target_tokens ? [{ ...a.target_tokens[0], text: START_LABEL }, ...a.target_tokens.slice(1)] : a.tokens);
+
+const pct = (p) => (p == null ? "—" : p >= 0.995 ? "100%" : p < 0.001 ? "<0.1%" : `${(100 * p).toFixed(p < 0.1 ? 1 : 0)}%`);
+
+export class LensView {
+  constructor(ctx) {
+    this.ctx = ctx;
+    this.params = null;
+    this.answer = null;
+  }
+
+  mount(host) {
+    this.root = document.createElement("div");
+    this.root.className = "lens";
+    host.append(this.root);
+    this.root.addEventListener("mouseover", (e) => this.tip(e.target.closest("td[data-layer]")));
+    this.root.addEventListener("focusin", (e) => this.tip(e.target.closest("td[data-layer]")));
+    this.root.addEventListener("mouseleave", hideTooltip);
+    this.root.addEventListener("focusout", hideTooltip);
+    this.root.addEventListener("keydown", (e) => this.move(e));
+  }
+
+  unmount() {
+    hideTooltip();
+    this.root?.remove();
+  }
+
+  async render(params, changed, isCurrent = () => true) {
+    this.params = params;
+    if (this.answer && changed && [...changed].every((k) => ["layer", "head", "pin", "zoom", "explain", "probe"].includes(k))) return true;
+    let answer;
+    try {
+      answer = await this.ctx.track(fetchLens(params.attention, { topK: 5, ablation: params.ablation }));
+    } catch (err) {
+      if (!isCurrent()) return false;
+      this.answer = null;
+      this.root.replaceChildren();
+      this.ctx.showError(err, "The logit lens");
+      return false;
+    }
+    if (!isCurrent()) return false;
+    this.answer = answer;
+    this.build();
+    return true;
+  }
+
+  build() {
+    const a = this.answer;
+    const cols = columns(a); // a translator's positions are its target's
+    const abl = this.params.ablation.length ? ` With ${this.params.ablation.map(describeHead).join(", ")} ablated.` : "";
+    this.ctx.setLegend(null);
+    this.ctx.setCaption(
+      `<b>Logit lens</b>: what the residual stream predicts at each position (columns) after each layer (rows), read through ${escapeHTML(a.head ?? "the final norm and the unembedding")}. ` +
+        `Each cell is the top-1 token, tinted by its probability; <span class="lens-hit-key">outlined</span> where it is ${a.predicts === "same" ? "the token actually at that position" : "the token that actually comes next"}. ` +
+        `The last row is the model's own prediction. Hover or focus a cell for the top 5.${escapeHTML(abl)}`,
+    );
+    const table = document.createElement("table");
+    table.className = "lens-grid";
+    const head = table.createTHead().insertRow();
+    head.append(Object.assign(document.createElement("th"), { className: "lens-corner", textContent: "layer \\ pos." }));
+    cols.forEach((t, i) => {
+      const th = document.createElement("th");
+      th.scope = "col";
+      th.textContent = axisLabel(t.text, 10);
+      th.title = `#${i} “${visible(t.text)}”`;
+      head.append(th);
+    });
+    const body = table.createTBody();
+    a.layers.forEach((layer, li) => {
+      const tr = body.insertRow();
+      const th = document.createElement("th");
+      th.scope = "row";
+      th.textContent = layer.label;
+      tr.append(th);
+      layer.positions.forEach((pos, i) => {
+        const td = tr.insertCell();
+        const top = pos.top?.[0];
+        td.dataset.layer = li;
+        td.dataset.pos = i;
+        td.tabIndex = li === 0 && i === 0 ? 0 : -1;
+        td.textContent = top ? axisLabel(top.text, 8) : "";
+        td.style.setProperty("--p", String(top?.prob ?? 0));
+        if (top?.prob > 0.55) td.classList.add("dark");
+        if (top && pos.actual && top.id === pos.actual.id) td.classList.add("hit");
+      });
+    });
+    // the token that comes next at each position, when there is one
+    if (a.layers[0]?.positions.some((p) => p.actual)) {
+      const tr = table.createTFoot().insertRow();
+      tr.append(Object.assign(document.createElement("th"), { scope: "row", textContent: "actual" }));
+      for (const p of a.layers[0].positions) {
+        const td = tr.insertCell();
+        td.textContent = p.actual ? axisLabel(p.actual.text, 8) : "";
+        td.className = "lens-actual";
+      }
+    }
+    const wrap = document.createElement("div");
+    wrap.className = "lens-scroll";
+    wrap.append(table);
+    this.root.replaceChildren(wrap);
+  }
+
+  tip(td) {
+    if (!td || !this.answer) return;
+    const layer = this.answer.layers[+td.dataset.layer];
+    const i = +td.dataset.pos;
+    const pos = layer.positions[i];
+    const cols = columns(this.answer);
+    const alts = (pos.top ?? [])
+      .map((t) => `<span class="${pos.actual && t.id === pos.actual.id ? "chosen" : ""}">${escapeHTML(visible(t.text))}</span><span class="bar" style="width:${Math.max(1, 60 * t.prob)}px"></span><span class="num">${pct(t.prob)}</span>`)
+      .join("");
+    const actual = pos.actual ? `<div class="tt-muted">actual next “${escapeHTML(visible(pos.actual.text))}”: rank ${pos.actual.rank}, ${pct(pos.actual.prob)}</div>` : "";
+    const r = td.getBoundingClientRect();
+    showTooltip(`<div class="tt-cell"><b>${escapeHTML(layer.label)}</b> at #${i} “${escapeHTML(visible(cols[i]?.text))}”</div><div class="tt-alts">${alts}</div>${actual}`, r.right, r.top);
+  }
+
+  /** Arrow keys move the focus between cells (one cell is in the tab order). */
+  move(e) {
+    const td = e.target.closest("td[data-layer]");
+    const d = { ArrowRight: [0, 1], ArrowLeft: [0, -1], ArrowDown: [1, 0], ArrowUp: [-1, 0] }[e.key];
+    if (!td || !d) return;
+    const next = this.root.querySelector(`td[data-layer="${+td.dataset.layer + d[0]}"][data-pos="${+td.dataset.pos + d[1]}"]`);
+    if (!next) return;
+    e.preventDefault();
+    td.tabIndex = -1;
+    next.tabIndex = 0;
+    next.focus();
+  }
+
+  /** The grid as the page draws it (top-1 tokens tinted by probability, hits outlined), for the PNG export. */
+  exportPicture(scale = 1) {
+    const a = this.answer;
+    if (!a) return null;
+    const cols = columns(a);
+    const w = 58 * scale;
+    const h = 22 * scale;
+    const left = 84 * scale;
+    const c = document.createElement("canvas");
+    c.width = left + cols.length * w;
+    c.height = (a.layers.length + 2) * h;
+    const ctx = c.getContext("2d");
+    ctx.textBaseline = "middle";
+    ctx.font = `${11 * scale}px ui-monospace, monospace`;
+    const text = (s, x, y, align = "center") => ((ctx.textAlign = align), ctx.fillText(s, x, y));
+    ctx.fillStyle = "#555";
+    cols.forEach((t, i) => text(axisLabel(t.text, 7), left + i * w + w / 2, h / 2));
+    a.layers.forEach((layer, li) => {
+      const y = (li + 1) * h;
+      ctx.fillStyle = "#333";
+      text(layer.label, left - 6 * scale, y + h / 2, "right");
+      layer.positions.forEach((pos, i) => {
+        const top = pos.top?.[0];
+        if (!top) return;
+        const x = left + i * w;
+        ctx.fillStyle = `rgba(67, 56, 202, ${0.08 + 0.85 * top.prob})`;
+        ctx.fillRect(x + scale, y + scale, w - 2 * scale, h - 2 * scale);
+        if (pos.actual && pos.actual.id === top.id) {
+          ctx.strokeStyle = "#d9480f";
+          ctx.lineWidth = 2 * scale;
+          ctx.strokeRect(x + 2 * scale, y + 2 * scale, w - 4 * scale, h - 4 * scale);
+        }
+        ctx.fillStyle = top.prob > 0.55 ? "#fff" : "#111";
+        text(axisLabel(top.text, 7), x + w / 2, y + h / 2);
+      });
+    });
+    const y = (a.layers.length + 1) * h;
+    ctx.fillStyle = "#d9480f";
+    text("actual", left - 6 * scale, y + h / 2, "right");
+    a.layers[0]?.positions.forEach((pos, i) => pos.actual && text(axisLabel(pos.actual.text, 7), left + i * w + w / 2, y + h / 2));
+    return { canvas: c, title: "logit lens: top-1 token per layer and position (outlined: the actual token)", legend: null };
+  }
+
+  exportData() {
+    return this.answer ? { title: "logit lens", ...this.answer } : null;
+  }
+}

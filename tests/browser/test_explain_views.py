@@ -1,0 +1,362 @@
+"""Issue 18's page against a real `attnlens serve` of the three bundled models: the head atlas
+(every group of the decoder, the encoder and the translator, the probe, hover and keyboard focus,
+a click opens the head), the logit lens, ablation (chosen in the atlas and the Model view, carried
+by the link, its effect per token and on a generation from the same seed) and the Head view's
+explain panel, at desktop and phone widths. Every number on the page is checked against the
+API's own answer for the same input."""
+
+from __future__ import annotations
+
+import urllib.parse
+
+import httpx
+import pytest
+
+from .helpers import download, rendered, screenshot, spill, state, wait_rendered
+
+PROMPT = "To be, or not to be, that is the question:\nWhether"
+SOURCE = "Wednesday, March 3, 2021"
+
+
+def api(server, path: str, body: dict) -> dict:
+    r = httpx.post(f"{server.base_url}{path}", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+def need(server, *paths: str, generate_ablate: bool = False) -> None:
+    """Skip when the server lacks a route this test drives (the backend branches land separately)."""
+    spec = httpx.get(f"{server.base_url}/openapi.json", timeout=30).json()
+    missing = [p for p in paths if p not in spec["paths"]]
+    if generate_ablate and "ablate" not in str(spec["components"]["schemas"].get("GenerateRequest", {})):
+        missing.append("POST /generate with ablate")
+    if missing:
+        pytest.skip(f"the server does not have {missing} yet")
+
+
+def analyse(page, server, text: str, model: str = "default", **query) -> None:
+    """Open the page on `model`, type `text`, press Analyse and wait for the picture."""
+    q = urllib.parse.urlencode({"model": model, **query})
+    page.goto(f"{server.base_url}/?{q}")
+    page.wait_for_function(f"() => window.__attnlens.store.state.meta?.name === '{model}'")
+    r = wait_rendered(page)
+    page.fill("#prompt", text)
+    page.click("#analyse")
+    page.wait_for_function(f"(t) => window.__attnlens.store.state.att?.text === t && window.__attnlens.store.state.att?.T > 0", arg=text)
+    wait_rendered(page, r)
+
+
+def open_tab(page, view: str) -> None:
+    if state(page, "s.view") == view:
+        return
+    r = rendered(page)
+    page.click(f"#tab-{view}")
+    wait_rendered(page, r, prefix=f"{view}:")
+
+
+def fits(page, width: int, what: str) -> None:
+    s = spill(page)
+    assert s["scrollWidth"] <= width and not s["wide"], (what, s)
+
+
+def cells(page, group: str | None = None) -> list[dict]:
+    sel = ".atlas-cell" + (f'[data-group="{group}"]' if group else "")
+    return page.eval_on_selector_all(sel, "bs => bs.map(b => ({layer: +b.dataset.layer, head: +b.dataset.head, group: b.dataset.group, role: b.dataset.role}))")
+
+
+# --- the atlas ------------------------------------------------------------------------------------
+def test_atlas_colours_every_head_by_its_role_and_opens_it(page, bundled_server):
+    need(bundled_server, "/heads")
+    analyse(page, bundled_server, PROMPT)
+    open_tab(page, "atlas")
+    want = api(bundled_server, "/heads", {"text": PROMPT})
+    shown = cells(page)
+    assert len(shown) == 4 * 8
+    assert [c["role"] for c in shown] == [h["role"] for row in want["heads"] for h in row]
+    # every role on screen is in the legend, with its threshold
+    legend = page.inner_text(".atlas-legend")
+    for role, threshold in want["thresholds"].items():
+        assert f"{role.replace('_', ' ')} ≥ {threshold:.2f}" in legend
+    # hover: the scores of that head
+    cell = page.locator('.atlas-cell[data-layer="2"][data-head="2"]')
+    cell.hover()
+    tip = page.inner_text("#tooltip")
+    scores = want["heads"][2][2]["scores"]
+    assert "layer 2 · head 2" in tip and f"{scores['previous_token']:.2f}" in tip
+    # keyboard: focus shows the same
+    page.mouse.move(0, 0)
+    page.locator('.atlas-cell[data-layer="1"][data-head="3"]').focus()
+    assert "layer 1 · head 3" in page.inner_text("#tooltip")
+    # PNG: the grids with role names; JSON: the answer
+    path, name = download(page, "#export-png")
+    assert name == "attnlens-atlas.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    path, name = download(page, "#export-json")
+    assert name == "attnlens-atlas.json" and '"thresholds"' in path.read_text()
+    # a click opens the head in the Head view
+    r = rendered(page)
+    cell.click()
+    wait_rendered(page, r, prefix="head:2:2:")
+    assert state(page, "[s.view, s.layer, s.head]") == ["head", 2, 2]
+    assert "Layer 2 · head 2" in page.inner_text("#caption")
+
+
+def test_the_probe_scores_repeated_random_tokens(page, bundled_server):
+    need(bundled_server, "/heads")
+    analyse(page, bundled_server, PROMPT)
+    open_tab(page, "atlas")
+    bodies = []
+    page.on("request", lambda q: bodies.append(q.post_data_json) if q.url.endswith("/heads") else None)
+    r = rendered(page)
+    page.get_by_role("radio", name="Probe: repeated random tokens").click()
+    wait_rendered(page, r, prefix="atlas:")
+    assert bodies and bodies[-1]["probe"] == {"kind": "repeated_random", "length": 50, "seed": 0}
+    assert state(page, "s.probe") is True and "probe=1" in page.url
+    assert "repeated-random probe (50 random tokens twice, seed 0)" in page.inner_text("#caption")
+    want = api(bundled_server, "/heads", {"probe": {"kind": "repeated_random", "length": 50, "seed": 0}})
+    assert [c["role"] for c in cells(page)] == [h["role"] for row in want["heads"] for h in row]
+    # the link brings the probe back
+    page.reload()
+    page.wait_for_function("() => window.__attnlens.store.state.meta")
+    wait_rendered(page, prefix="atlas:")
+    assert "repeated-random probe" in page.inner_text("#caption")
+
+
+def test_atlas_of_the_encoder_and_of_the_translators_three_groups(page, bundled_server):
+    need(bundled_server, "/heads")
+    analyse(page, bundled_server, SOURCE, model="translator")
+    open_tab(page, "atlas")
+    want = api(bundled_server, "/heads", {"model": "translator", "text": SOURCE})
+    assert [g["name"] for g in want["groups"]] == ["encoder", "decoder", "cross"]
+    for g in want["groups"]:
+        assert [c["role"] for c in cells(page, g["name"])] == [h["role"] for row in g["heads"] for h in row], g["name"]
+    assert page.locator(".atlas-group h3").count() == 3
+    # a cross head opens in the Cross view; a decoder head in the Decoder view
+    r = rendered(page)
+    page.click('.atlas-cell[data-group="cross"][data-layer="1"][data-head="2"]')
+    wait_rendered(page, r, prefix="cross:1:2:")
+    assert state(page, "[s.view, s.layer, s.head, s.xavg]") == ["cross", 1, 2, "head"]
+    open_tab(page, "atlas")
+    r = rendered(page)
+    page.click('.atlas-cell[data-group="decoder"][data-layer="2"][data-head="0"]')
+    wait_rendered(page, r, prefix="decoder:2:0:")
+    screenshot(page, "explain-atlas-translator.png")
+
+    analyse(page, bundled_server, PROMPT, model="encoder")
+    open_tab(page, "atlas")
+    want = api(bundled_server, "/heads", {"model": "encoder", "text": PROMPT})
+    assert [c["role"] for c in cells(page)] == [h["role"] for row in want["heads"] for h in row]
+    page.click(".atlas-notes summary")
+    assert "next token" in page.inner_text(".atlas-notes")  # the bidirectional analogue it names
+
+
+# --- the logit lens -------------------------------------------------------------------------------
+@pytest.mark.parametrize("model, text", [("default", PROMPT), ("encoder", PROMPT), ("translator", SOURCE)])
+def test_lens_grid_shows_each_layers_top_token_and_marks_the_actual_one(page, bundled_server, model, text):
+    need(bundled_server, "/lens")
+    analyse(page, bundled_server, text, model=model)
+    open_tab(page, "lens")
+    body = {"model": model, "text": text, "top_k": 5}
+    want = api(bundled_server, "/lens", body)
+    grid = page.eval_on_selector_all(".lens-grid tbody tr", "trs => trs.map(tr => [...tr.querySelectorAll('td')].map(td => ({hit: td.classList.contains('hit'), p: +td.style.getPropertyValue('--p')})))")
+    assert len(grid) == len(want["layers"])
+    for row, layer in zip(grid, want["layers"]):
+        assert len(row) == len(layer["positions"])
+        for cell, pos in zip(row, layer["positions"]):
+            assert cell["p"] == pytest.approx(pos["top"][0]["prob"], abs=1e-6)
+            assert cell["hit"] == bool(pos["actual"] and pos["actual"]["id"] == pos["top"][0]["id"])
+    assert page.locator(".lens-grid tbody th").all_inner_texts() == [layer["label"] for layer in want["layers"]]
+    path, name = download(page, "#export-png")
+    assert name == "attnlens-lens.png" and path.stat().st_size > 1000
+    # hover: the top 5 and the actual token's rank
+    page.locator(".lens-grid td[data-layer='1'][data-pos='2']").hover()
+    tip = page.inner_text("#tooltip")
+    pos = want["layers"][1]["positions"][2]
+    assert all(t["text"].strip() in tip for t in pos["top"])
+    if pos["actual"]:
+        assert f"rank {pos['actual']['rank']}" in tip
+
+
+# --- ablation -------------------------------------------------------------------------------------
+def test_ablation_chosen_in_the_atlas_runs_and_the_link_carries_it(page, bundled_server):
+    need(bundled_server, "/heads", "/logits", generate_ablate=True)
+    analyse(page, bundled_server, PROMPT)
+    page.fill("#max_new_tokens", "12")
+    page.fill("#seed", "7")
+    page.dispatch_event("#seed", "change")
+    open_tab(page, "atlas")
+    page.click('.atlas-cell[data-layer="2"][data-head="2"]', modifiers=["Alt"])
+    page.get_by_role("button", name="Choose heads to ablate").click()
+    page.click('.atlas-cell[data-layer="0"][data-head="5"]')
+    assert state(page, "s.ablate") == "2.2z,0.5z"
+    assert page.locator(".atlas-cell.ablated").count() == 2
+    assert "ablate=2.2z%2C0.5z" in page.url
+    open_tab(page, "ablate")
+    page.wait_for_selector(".ablate[data-state=done]")
+    ablate = [{"layer": 2, "head": 2, "how": "zero", "group": None}, {"layer": 0, "head": 5, "how": "zero", "group": None}]
+    want = api(bundled_server, "/logits", {"text": PROMPT, "top_k": 5, "positions": "all", "ablate": ablate})
+    deltas = page.eval_on_selector_all(".abl-tok", "ts => ts.map(t => t.dataset.delta === '' ? null : +t.dataset.delta)")
+    assert deltas == pytest.approx([e["delta_logprob"] for e in want["effect"] if e["delta_logprob"] is not None], abs=1e-6)
+    kls = [e["kl"] for e in want["effect"] if e["kl"] is not None]
+    assert page.inner_text("[data-kl]") == f"{sum(kls) / len(kls):.4f}"
+    # the two generations: the same request with and without `ablate`, seed 7
+    texts = page.eval_on_selector_all(".abl-text", "ps => ps.map(p => p.textContent)")
+    gen = {"prompt": PROMPT, "max_new_tokens": 12, "temperature": 0.8, "top_p": 1, "seed": 7, "stream": False}
+    clean = api(bundled_server, "/generate", gen)["text"]
+    ablated = api(bundled_server, "/generate", {**gen, "ablate": ablate})["text"]
+    assert texts == [clean, ablated]
+    marked = page.locator(".abl-text del, .abl-text ins").count()
+    assert (marked > 0) == (clean != ablated)
+    # a head's "how" changes the link; the link restores the ablation
+    page.select_option('.abl-chip[data-head="0.5z"] select', "mean")
+    assert state(page, "s.ablate") == "2.2z,0.5m"
+    url = page.url
+    page.goto("about:blank")
+    page.goto(url)
+    wait_rendered(page, prefix="ablate:")
+    page.wait_for_selector(".ablate[data-state=done]")
+    assert page.locator(".abl-chip").all_inner_texts()[0].startswith("L2 H2")
+    assert page.locator(".abl-chip select").evaluate_all("ss => ss.map(s => s.value)") == ["zero", "mean"]
+    screenshot(page, "explain-ablate.png")
+
+
+def test_model_view_shift_click_toggles_a_heads_ablation(page, bundled_server):
+    analyse(page, bundled_server, PROMPT)
+    open_tab(page, "model")
+    page.click('.thumb[data-layer="1"][data-head="3"]', modifiers=["Shift"])
+    page.wait_for_function("() => window.__attnlens.store.state.ablate === '1.3z'")
+    assert page.locator(".thumb.ablated").count() == 1 and state(page, "s.view") == "model"
+    page.click('.thumb[data-layer="1"][data-head="3"]', modifiers=["Shift"])
+    page.wait_for_function("() => window.__attnlens.store.state.ablate === ''")
+    assert page.locator(".thumb.ablated").count() == 0
+
+
+def test_encoder_ablation_changes_its_masked_lm_predictions(page, bundled_server):
+    need(bundled_server, "/logits")
+    analyse(page, bundled_server, PROMPT, model="encoder", ablate="0.1m")
+    open_tab(page, "ablate")
+    page.wait_for_selector(".ablate[data-state=done]")
+    assert page.locator(".abl-gens").inner_text() == ""  # an encoder does not generate
+    want = api(bundled_server, "/logits", {"model": "encoder", "text": PROMPT, "top_k": 5, "positions": "all",
+                                           "ablate": [{"layer": 0, "head": 1, "how": "mean", "group": None}]})
+    deltas = page.eval_on_selector_all(".abl-tok", "ts => ts.map(t => t.dataset.delta === '' ? null : +t.dataset.delta)")
+    assert deltas == pytest.approx([e["delta_logprob"] for e in want["effect"]], abs=1e-6)
+    assert "the token at each position" in page.inner_text(".abl-effect h3")
+
+
+def test_translator_ablation_names_its_group(page, bundled_server):
+    need(bundled_server, "/heads", "/logits")
+    analyse(page, bundled_server, SOURCE, model="translator", view="atlas", ablate="1.2z")
+    assert state(page, "s.ablate") == "decoder:1.2z"  # no group: the family's first generating group, written out
+    open_tab(page, "atlas")
+    page.click('.atlas-cell[data-group="cross"][data-layer="0"][data-head="1"]', modifiers=["Shift"])
+    assert state(page, "s.ablate") == "decoder:1.2z,cross:0.1z"
+    assert page.locator('.atlas-cell.ablated[data-group="decoder"]').count() == 1
+    open_tab(page, "ablate")
+    page.wait_for_selector(".ablate[data-state=done]")
+    want = api(bundled_server, "/logits", {"model": "translator", "text": SOURCE, "top_k": 5, "positions": "all",
+                                           "ablate": [{"layer": 1, "head": 2, "how": "zero", "group": "decoder"},
+                                                      {"layer": 0, "head": 1, "how": "zero", "group": "cross"}]})
+    deltas = page.eval_on_selector_all(".abl-tok", "ts => ts.map(t => t.dataset.delta === '' ? null : +t.dataset.delta)")
+    assert deltas == pytest.approx([e["delta_logprob"] for e in want["effect"] if e["delta_logprob"] is not None], abs=1e-6)
+
+
+# --- explain ----------------------------------------------------------------------------------------
+def test_clicking_a_heatmap_cell_explains_its_row_step_by_step(page, bundled_server):
+    need(bundled_server, "/attention/explain")
+    analyse(page, bundled_server, PROMPT, layer=2, head=2)
+    T = state(page, "s.att.T")
+    # click the cell of query row 8, key 5
+    page.evaluate("() => window.__attnlens.current().heatmap.overlay.scrollIntoView()")
+    box = page.evaluate("""() => { const hm = window.__attnlens.current().heatmap; const L = hm.layout;
+        const r = hm.overlay.getBoundingClientRect();
+        return {x: r.left + L.left + (5 + 0.5) * L.cellW, y: r.top + L.top + (8 + 0.5) * L.cellH}; }""")
+    page.mouse.click(box["x"], box["y"])
+    page.wait_for_selector("#explain-panel[data-state=done]")
+    assert state(page, "[s.explain, s.pin]") == [8, [8]] and "explain=8" in page.url
+    want = api(bundled_server, "/attention/explain", {"text": PROMPT, "layer": 2, "head": 2, "query": 8})
+    rows = page.eval_on_selector_all(".xp-table tbody tr", "trs => trs.map(tr => [...tr.cells].map(c => c.textContent))")
+    assert len(rows) == T == len(want["key_tokens"])
+    for i, row in enumerate(rows):
+        assert float(row[2]) == pytest.approx(want["scores"][i], abs=1e-3)
+        assert float(row[3]) == pytest.approx(want["scaled"][i], abs=1e-3)
+        assert row[4] == ("✓" if want["mask"][i] else "−∞")
+        assert float(row[5]) == pytest.approx(want["softmax"][i], abs=1e-4)
+    assert page.locator(".xp-table tbody tr.hl td").first.inner_text() == "5"
+    assert page.inner_text("[data-scale]") == f"{want['scale']:.5f}"
+    assert "softmax(QKᵀ/√d)V" in page.inner_text("#explain-panel")
+    assert page.locator("#explain-panel svg rect").count() == 2 * T
+    # the softmax column is the map's row on the page
+    drawn = page.evaluate(f"() => Array.from(window.__attnlens.current().result.data.subarray(8 * {T}, 9 * {T}))")
+    assert [float(r[5]) for r in rows[:9]] == pytest.approx(drawn[:9], abs=1e-3)
+    # the link reopens it; the close button closes it
+    page.reload()
+    page.wait_for_selector("#explain-panel[data-state=done]")
+    page.click(".xp-close")
+    page.wait_for_function("() => window.__attnlens.store.state.explain === null")
+    assert page.locator("#explain-panel").is_hidden()
+    # from the keyboard: Enter on the focused map explains its row, Escape closes it
+    page.focus("#view-host .heatmap-overlay")
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#explain-panel[data-state=done]")
+    page.keyboard.press("Escape")
+    page.wait_for_function("() => window.__attnlens.store.state.explain === null")
+
+
+def test_the_translators_cross_and_decoder_maps_explain_their_rows(page, bundled_server):
+    need(bundled_server, "/attention/explain")
+    analyse(page, bundled_server, SOURCE, model="translator", view="cross", layer=1, head=2)
+    m = page.evaluate("() => { const r = window.__attnlens.current().result; return {rows: r.rows, cols: r.cols}; }")
+    page.evaluate("() => window.__attnlens.current().heatmap.overlay.scrollIntoView()")
+    box = page.evaluate("""() => { const hm = window.__attnlens.current().heatmap; const L = hm.layout;
+        const r = hm.overlay.getBoundingClientRect();
+        return {x: r.left + L.left + 0.5 * L.cellW, y: r.top + L.top + 2.5 * L.cellH}; }""")
+    page.mouse.click(box["x"], box["y"])
+    page.wait_for_selector("#explain-panel[data-state=done]")
+    want = api(bundled_server, "/attention/explain", {"model": "translator", "text": SOURCE, "group": "cross", "layer": 1, "head": 2, "query": 2})
+    assert "(cross)" in page.inner_text("#explain-panel h3")
+    rows = page.eval_on_selector_all(".xp-table tbody tr", "trs => trs.map(tr => +tr.cells[5].textContent)")
+    assert len(rows) == m["cols"] and rows == pytest.approx(want["softmax"], abs=1e-4)
+    drawn = page.evaluate(f"() => Array.from(window.__attnlens.current().result.data.subarray(2 * {m['cols']}, 3 * {m['cols']}))")
+    assert rows == pytest.approx(drawn, abs=1e-3)
+    # a layer's mean is no one head's map: nothing to explain
+    r = rendered(page)
+    page.select_option("#xavg", "layer")
+    wait_rendered(page, r)
+    assert page.locator("#explain-panel").is_hidden()
+    page.select_option("#xavg", "head")
+    open_tab(page, "decoder")
+    page.wait_for_selector("#explain-panel[data-state=done]")
+    assert "(decoder)" in page.inner_text("#explain-panel h3")
+    want = api(bundled_server, "/attention/explain", {"model": "translator", "text": SOURCE, "group": "decoder", "layer": 1, "head": 2, "query": 2})
+    rows = page.eval_on_selector_all(".xp-table tbody tr", "trs => trs.map(tr => +tr.cells[5].textContent)")
+    assert rows == pytest.approx(want["softmax"], abs=1e-4)
+
+
+# --- widths -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("width", [390, 768, 1280])
+def test_the_new_views_fit_the_width(browser, bundled_server, width):
+    need(bundled_server, "/heads", "/lens", "/logits", "/attention/explain")
+    phone = width < 500
+    context = browser.new_context(viewport={"width": width, "height": 844}, is_mobile=phone, has_touch=phone,
+                                  device_scale_factor=2 if phone else 1, color_scheme="light")
+    page = context.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.set_default_timeout(30_000)
+    try:
+        for model, text in (("default", PROMPT), ("translator", SOURCE)):
+            analyse(page, bundled_server, text, model=model, ablate="1.1z")
+            for view in ("atlas", "lens", "ablate"):
+                open_tab(page, view)
+                if view == "ablate":
+                    page.wait_for_selector(".ablate[data-state=done]")
+                fits(page, width, (model, view))
+                screenshot(page, f"explain-{model}-{view}-{width}.png")
+            open_tab(page, "head")
+            page.evaluate("() => window.__attnlens.store.set({explain: 3})")
+            page.wait_for_selector("#explain-panel[data-state=done]")
+            fits(page, width, (model, "explain"))
+        assert not errors, errors
+    finally:
+        context.close()
