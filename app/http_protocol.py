@@ -42,7 +42,6 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def _arm_header_timer(self) -> None:
         self._disarm_header_timer()
         self._request_begun = False
-        self._in_headers, self._header_bytes = True, 0  # the next request's head starts here
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
 
     def data_received(self, data: bytes) -> None:
@@ -57,6 +56,10 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         self._request_begun = True
         self._head_size = 0
+        # the next request's head starts here, not at the previous response's end: the rest of a body
+        # that was answered before it was read (a 413) may still arrive, and it is no head
+        if not self._in_headers:
+            self._in_headers, self._header_bytes = True, 0
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:

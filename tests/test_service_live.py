@@ -137,6 +137,27 @@ def test_413_over_tcp(http):
     assert r.status_code == 413 and "error" in r.json()
 
 
+def test_the_rest_of_a_refused_body_is_not_counted_as_the_next_requests_headers(server):
+    """A body over the limit is answered (413) before it is read; the rest of it still arrives after
+    that answer, and must not count against the header limit (ATTNLENS_MAX_HEADER_BYTES): the next
+    request on the same connection gets its own answer, not a 431."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    body = b'{"prompt": "' + b"a" * 1_100_000 + b'"}'
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b""
+        while reply.count(b"HTTP/1.1 ") < 2:
+            chunk = sock.recv(65536)
+            if not chunk:  # the server may close after the 413: then no second answer at all
+                break
+            reply += chunk
+    text = reply.decode("latin-1")
+    assert text.startswith("HTTP/1.1 413"), text[:200]
+    assert "431" not in text, text
+
+
 def test_declared_oversized_body_is_refused_before_it_is_sent(server):
     """Content-Length over the limit: 413 at once, without waiting for the body."""
     host, port = server.base_url.removeprefix("http://").split(":")
