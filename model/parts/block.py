@@ -22,6 +22,17 @@ from .norms import make_norm
 from .positions import RotaryAngles
 
 
+
+def _skip(point: str, tensor: torch.Tensor) -> None:
+    """No hooks on this forward: nothing is kept."""
+
+
+def _keeper(hooks, name: str | None):
+    """keep(point, tensor): hand `tensor` to the active hooks as f"{name}.{point}"; a no-op when none."""
+    if hooks is None:
+        return _skip
+    return lambda point, tensor: hooks.keep(f"{name}.{point}", tensor)
+
 class BlockOutput(NamedTuple):
     x: torch.Tensor  # (B, T, C)
     self_attention: torch.Tensor | None  # (B, H, T, T or S) with return_attention, else None
@@ -73,38 +84,15 @@ class Block(nn.Module):
         memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         rope: RotaryAngles | None = None,
     ) -> BlockOutput:
-        hooks = _hooks.active()
-        if hooks is not None:
-            return self._hooked_forward(hooks, x, mask, kv_update, return_attention, memory, memory_mask, memory_kv,
-                                        rope)
+        keep = _keeper(_hooks.active(), self.hook_name)  # records named intermediates (model/hooks.py)
+        keep("hook_resid_pre", x)  # (B, T, C)
         out, self_probs = self.attn(self._input(x, self.ln1), mask=mask, causal=self.causal, kv_update=kv_update,
                                     return_attention=return_attention, rope=rope)
+        keep("hook_attn_out", out)
+        cross_probs = None
         if self.parallel:  # GPT-NeoX: the FFN reads the block's input too; one residual sum
-            return BlockOutput(self.ffn(self.ln2(x)) + out + x, self_probs, None)
-        x = self._residual(x, out, self.ln1)
-        cross_probs = None
-        if self.cross_attn is not None:
-            if memory is None and memory_kv is None:
-                raise ValueError("this block has cross-attention: pass the encoder output as memory "
-                                 "(or its projected keys/values as memory_kv)")
-            out, cross_probs = self.cross_attn(self._input(x, self.ln_cross), memory, mask=memory_mask,
-                                               return_attention=return_attention, memory_kv=memory_kv)
-            x = self._residual(x, out, self.ln_cross)
-        x = self._residual(x, self.ffn(self._input(x, self.ln2)), self.ln2)
-        return BlockOutput(x, self_probs, cross_probs)
-
-    def _hooked_forward(self, hooks, x, mask, kv_update, return_attention, memory, memory_mask, memory_kv,
-                        rope) -> BlockOutput:
-        """forward's same arithmetic, keeping the block's named intermediates (model/hooks.py)."""
-        name = self.hook_name
-        hooks.keep(f"{name}.hook_resid_pre", x)  # (B, T, C)
-        out, self_probs = self.attn(self._input(x, self.ln1), mask=mask, causal=self.causal, kv_update=kv_update,
-                                    return_attention=return_attention, rope=rope)
-        hooks.keep(f"{name}.hook_attn_out", out)
-        cross_probs = None
-        if self.parallel:
             mlp = self.ffn(self.ln2(x))
-            hooks.keep(f"{name}.hook_mlp_out", mlp)
+            keep("hook_mlp_out", mlp)
             x = mlp + out + x
         else:
             x = self._residual(x, out, self.ln1)
@@ -114,10 +102,10 @@ class Block(nn.Module):
                                      "(or its projected keys/values as memory_kv)")
                 out, cross_probs = self.cross_attn(self._input(x, self.ln_cross), memory, mask=memory_mask,
                                                    return_attention=return_attention, memory_kv=memory_kv)
-                hooks.keep(f"{name}.hook_cross_out", out)
+                keep("hook_cross_out", out)
                 x = self._residual(x, out, self.ln_cross)
             mlp = self.ffn(self._input(x, self.ln2))
-            hooks.keep(f"{name}.hook_mlp_out", mlp)
+            keep("hook_mlp_out", mlp)
             x = self._residual(x, mlp, self.ln2)
-        hooks.keep(f"{name}.hook_resid_post", x)  # (B, T, C)
+        keep("hook_resid_post", x)  # (B, T, C)
         return BlockOutput(x, self_probs, cross_probs)
