@@ -13,7 +13,7 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 # the tiny checkpoint's maker lives in helpers (test modules import it from there)
-from helpers import REPO_ROOT, TINY_TEXT, make_tiny_checkpoint  # noqa: E402,F401
+from helpers import REPO_ROOT, TINY_TEXT, make_tiny_checkpoint, sharp_checkpoint  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")
@@ -76,22 +76,14 @@ def gpt2_export(tmp_path_factory):
     """(our checkpoint, its export loaded in transformers' GPT2LMHeadModel): random, perturbed
     weights (every LayerNorm and bias non-trivial, sharp attention), float32 on the CPU."""
     transformers = pytest.importorskip("transformers")
-    from attnlens.model import load_checkpoint, save_checkpoint
+    from attnlens.model import load_checkpoint
     from attnlens.model.interop.hf import export_hf
 
     root = tmp_path_factory.mktemp("gpt2-export")
-    make_tiny_checkpoint(root / "seed", seed=3, layer_norm_eps=1e-6)
-    ck = load_checkpoint(root / "seed")
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for p in ck.model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-        for block in ck.model.blocks:
-            block.attn.qkv.weight.mul_(8)
-    save_checkpoint(root / "ours", ck.model, ck.tokenizer)
-    hf_dir = export_hf(root / "ours", root / "hf")
+    ours = sharp_checkpoint(root, seed=3, layer_norm_eps=1e-6)
+    hf_dir = export_hf(ours, root / "hf")
     hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="eager").eval()
-    return load_checkpoint(root / "ours"), hf
+    return load_checkpoint(ours), hf
 
 
 @pytest.fixture(scope="module")

@@ -53,12 +53,12 @@ def make_tiny_checkpoint(path: Path, *, seed: int = 0, **overrides) -> Path:
 
 
 
-def sharp_checkpoint(root: Path, *, seed: int, context_length: int) -> Path:
+def sharp_checkpoint(root: Path, *, seed: int, **overrides) -> Path:
     """A random GPT-2-shaped checkpoint in root/"ours" whose heads attend sharply (query/key weights
     scaled up), so head scores are varied and far from uniform: what head-score tests compare."""
     from attnlens.model import load_checkpoint, save_checkpoint
 
-    make_tiny_checkpoint(root / "seed", seed=seed, context_length=context_length)
+    make_tiny_checkpoint(root / "seed", seed=seed, **overrides)
     ck = load_checkpoint(root / "seed")
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
