@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import vocab_rows
 from .families.contract import family_of
-from .hooks import Hooks, ZEdit, hooked
+from .hooks import Hooks, ZEdit, hooked, run_until
 
 
 @dataclass
@@ -57,8 +58,8 @@ def sequence_logits(model, seq: Sequence, hooks: Hooks | None) -> torch.Tensor:
 
 
 def _top(probs: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
-    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
-    return top.indices.tolist(), top.values.tolist()
+    values, ids = vocab_rows.top_k(probs, k)
+    return ids.tolist(), values.tolist()
 
 
 def position_logits(logprobs: torch.Tensor, actual: list[int | None], positions: list[int], top_k: int) -> list[dict]:
@@ -106,29 +107,33 @@ def lens_names(model) -> list[str]:
 
 @torch.inference_mode()
 def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tuple[ZEdit, ...], top_k: int) -> dict:
-    """Rows: the embeddings (index -1), then after every block; each position's top-k and the actual
-    token's rank (0 = the most likely) and probability."""
+    """Rows: the embeddings (index -1), then after every block. Per row, by position: `top_ids` and
+    `top_probs` (T, k), and the actual token's (report["actual"]) `rank` (0 = the most likely) and
+    `prob` (T,), None where there is no actual token."""
     seq = sequence_of(model, ids, target_ids)
     stream = seq.stream(model)
     actual = actual_ids(model, stream)
     names = lens_names(model)
-    hooks = Hooks(record=set(names[:-1]), ablate=ablate)
-    final = sequence_logits(model, seq, hooks)  # the last row: the model's own logits, already computed
-    picks = torch.tensor([0 if a is None else a for a in actual], dtype=torch.long, device=final.device)[:, None]
+    # the forward stops at the last block's output: the model's own logits are that through unembed
+    hooks = Hooks(record=set(names), ablate=ablate, stop_after=names[-1])
+    run_until(model, hooks, lambda: model.stream_logits(seq.tokens))
+    T = len(stream)
+    residuals = torch.cat([hooks.captured[name][0] for name in names])  # ((L + 1) * T, d_model)
+    device = residuals.device
+    picks = torch.tensor([0 if a is None else a for a in actual], dtype=torch.long, device=device)[:, None]
+    picks = picks.repeat(len(names), 1)  # ((L + 1) * T, 1)
+    # every row through the final norm and the head, a slice of rows at a time
+    stats = vocab_rows.cat_stats([vocab_rows.next_token_stats(model.unembed(residuals[rows]), picks[rows], top_k)
+                                  for rows in vocab_rows.row_slices(len(residuals), model.config.vocab_size)])
+    top_ids, top_probs = stats.top_ids.tolist(), stats.top_logprobs.exp().tolist()
+    ranks, probs = stats.picked_rank.tolist(), stats.picked_logprob.exp().tolist()
     layers = []
-    for index, name in enumerate(names, start=-1):
-        logits = final if name == names[-1] else model.unembed(hooks.captured[name][0]).float()  # (T, V)
-        # one log-softmax pass (cheaper on the CPU than a separate log-sum-exp), then everything from it
-        logprobs = torch.log_softmax(logits, dim=-1)  # (T, V)
-        top = torch.topk(logprobs, min(top_k, logprobs.shape[-1]), dim=-1)
-        top_probs = top.values.exp().tolist()
-        chosen = logprobs.gather(1, picks)  # (T, 1)
-        p_actual = chosen[:, 0].exp().tolist()
-        ranks = torch.gt(logprobs, chosen).sum(-1, dtype=torch.int32).tolist()  # tokens strictly more likely
-        rows = [{"top": list(zip(i, p)), "actual": None if a is None else {"id": a, "rank": r, "prob": pa}}
-                for i, p, a, r, pa in zip(top.indices.tolist(), top_probs, actual, ranks, p_actual)]
-        layers.append({"index": index, "positions": rows})
-    return {"tokens": seq.tokens, "generated": seq.generated, "stream": stream, "layers": layers}
+    for index in range(len(names)):
+        rows = slice(index * T, (index + 1) * T)
+        layers.append({"index": index - 1, "top_ids": top_ids[rows], "top_probs": top_probs[rows],
+                       "rank": [None if a is None else r for a, r in zip(actual, ranks[rows])],
+                       "prob": [None if a is None else p for a, p in zip(actual, probs[rows])]})
+    return {"tokens": seq.tokens, "generated": seq.generated, "stream": stream, "actual": actual, "layers": layers}
 
 
 def head_mask(model, group, query: int, n_keys: int) -> list[bool]:

@@ -80,6 +80,10 @@ class ZEdit:
     how: str
 
 
+class StopForward(Exception):
+    """Raised by Hooks.keep at Hooks.stop_after: the forward has gone as far as it was asked to."""
+
+
 class AblationError(ValueError):
     """An ablation names a group, layer, head or kind the model does not have."""
 
@@ -124,6 +128,9 @@ class Hooks:
     ablate: edits for every row; row_ablate: each row's own (a batch of generations).
     row_means: per row, (module, head) -> (D,) mean z held from the first call (filled here).
     valid: each row's real positions when a call's rows are right-padded to max(valid).
+    stop_after: a hook name at which the forward stops (StopForward is raised once that point is
+    kept), as TransformerLens's stop_at_layer: the logit lens needs the residual streams, not the
+    logits; `run_until` runs a forward that far.
     """
 
     record: set[str] | Callable[[str], bool] = field(default_factory=set)
@@ -131,6 +138,7 @@ class Hooks:
     row_ablate: list[tuple[ZEdit, ...]] | None = None
     row_means: list[dict] | None = None
     valid: list[int] | None = None
+    stop_after: str | None = None
     captured: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -154,6 +162,8 @@ class Hooks:
     def keep(self, name: str, tensor: torch.Tensor) -> None:
         if self.wants(name):
             self.captured[name] = tensor
+        if name == self.stop_after:
+            raise StopForward(name)
 
     def means_of(self, row: int) -> dict:
         if self.row_means is None:
@@ -228,3 +238,16 @@ def hooked(model: nn.Module, hooks: "Hooks | None") -> Iterator["Hooks | None"]:
         yield hooks
     finally:
         _active.reset(token)
+
+
+def run_until(model: nn.Module, hooks: Hooks, forward: Callable[[], object]) -> None:
+    """Run `forward()` under `hooks` until it keeps hooks.stop_after; what it recorded on the way is
+    in hooks.captured. An error if the forward ends without passing that point."""
+    if hooks.stop_after is None:
+        raise ValueError("run_until needs hooks.stop_after")
+    with hooked(model, hooks):
+        try:
+            forward()
+        except StopForward:
+            return
+    raise ValueError(f"the forward never reached {hooks.stop_after!r}")

@@ -10,9 +10,10 @@ import torch
 
 from attnlens.model import load_checkpoint
 from attnlens.model.decoding import generate_tokens, SamplingParams
-from attnlens.model.explain import explain_head, lens_report, logits_report, sequence_logits, sequence_of
+from attnlens.model.explain import (explain_head, lens_names, lens_report, logits_report, sequence_logits,
+                                    sequence_of)
 from attnlens.model.families import family_of
-from attnlens.model.hooks import AblationError, HeadAblation, Hooks, ablation_targets, hooked
+from attnlens.model.hooks import AblationError, HeadAblation, Hooks, ablation_targets, hooked, run_until
 from helpers import TINY_TEXT, head_slice_prehook, small_config_model
 
 transformers = pytest.importorskip("transformers")
@@ -97,6 +98,32 @@ def test_translator_hook_names(models):
     assert c["decoder.blocks.0.attn.hook_pattern"].shape[-2:] == (T, T)
     assert c["decoder.blocks.0.cross_attn.hook_pattern"].shape[-2:] == (T, S)
     assert c["decoder.blocks.0.hook_cross_out"].shape[:2] == (1, T)
+
+
+@pytest.mark.parametrize("name", ["llama", "encoder", "translator"])
+def test_stop_after_keeps_what_came_before_and_never_reaches_the_head(models, name):
+    model = models[name]
+    ids = source(model)
+    seq = sequence_of(model, ids, None)
+    last = lens_names(model)[-1]
+    full = Hooks(record={last})
+    with torch.inference_mode():
+        logits = sequence_logits(model, seq, full)
+    final_norm = model.decoder_norm if name == "translator" else model.ln_f
+    calls = []
+    handle = final_norm.register_forward_hook(lambda *_: calls.append(1))
+    stopped = Hooks(record={last}, stop_after=last)
+    try:
+        with torch.inference_mode():
+            run_until(model, stopped, lambda: model.stream_logits(seq.tokens))
+    finally:
+        handle.remove()
+    assert calls == []  # the final norm (and so the head) never ran
+    assert torch.equal(stopped.captured[last], full.captured[last])
+    with torch.inference_mode():  # the unembedded residual is the model's own logits
+        torch.testing.assert_close(model.unembed(stopped.captured[last][0]).float(), logits, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="never reached"):
+        run_until(model, Hooks(stop_after="blocks.99.hook_resid_post"), lambda: model.stream_logits(seq.tokens))
 
 
 def test_ablation_targets_are_checked(models):
@@ -196,20 +223,18 @@ def test_lens_equals_transformers_hidden_states_through_ln_f_and_lm_head(gpt2_ex
             h = out.hidden_states[l] if l == L else hf.transformer.ln_f(out.hidden_states[l])
             probs = torch.softmax(hf.lm_head(h)[0], dim=-1)
         top = torch.topk(probs, 3)
-        for t, pos in enumerate(row["positions"]):
-            assert [i for i, _ in pos["top"]] == top.indices[t].tolist()
-            assert [p for _, p in pos["top"]] == pytest.approx(top.values[t].tolist(), abs=1e-5)
+        assert row["top_ids"] == top.indices.tolist()
+        assert row["top_probs"] == [pytest.approx(v, abs=1e-5) for v in top.values.tolist()]
+        for t in range(len(ids)):
             if t + 1 < len(ids):
-                a = pos["actual"]
-                assert a["id"] == ids[t + 1]
-                assert a["prob"] == pytest.approx(float(probs[t, ids[t + 1]]), abs=1e-5)
-                assert a["rank"] == int((probs[t] > probs[t, ids[t + 1]]).sum())
+                assert report["actual"][t] == ids[t + 1]
+                assert row["prob"][t] == pytest.approx(float(probs[t, ids[t + 1]]), abs=1e-5)
+                assert row["rank"][t] == int((probs[t] > probs[t, ids[t + 1]]).sum())
             else:
-                assert pos["actual"] is None
+                assert report["actual"][t] is None and row["rank"][t] is None and row["prob"][t] is None
     # the last row is the model's own output
     final = torch.softmax(out.logits[0], dim=-1)
-    assert [p for _, p in report["layers"][-1]["positions"][4]["top"]] == pytest.approx(
-        torch.topk(final[4], 3).values.tolist(), abs=1e-5)
+    assert report["layers"][-1]["top_probs"][4] == pytest.approx(torch.topk(final[4], 3).values.tolist(), abs=1e-5)
 
 
 @pytest.mark.parametrize("name", ["llama", "encoder", "translator"])
@@ -219,9 +244,10 @@ def test_lens_last_row_is_the_models_logits(models, name):
     report = lens_report(model, ids, None, (), top_k=4)
     with torch.inference_mode():
         probs = torch.softmax(sequence_logits(model, sequence_of(model, ids, None), None), dim=-1)
-    for t, pos in enumerate(report["layers"][-1]["positions"]):
-        assert [i for i, _ in pos["top"]] == torch.topk(probs[t], 4).indices.tolist()
-        assert [p for _, p in pos["top"]] == pytest.approx(torch.topk(probs[t], 4).values.tolist(), abs=1e-5)
+    last = report["layers"][-1]
+    for t in range(len(probs)):
+        assert last["top_ids"][t] == torch.topk(probs[t], 4).indices.tolist()
+        assert last["top_probs"][t] == pytest.approx(torch.topk(probs[t], 4).values.tolist(), abs=1e-5)
 
 
 # --- logits and their effect ---------------------------------------------------------------

@@ -107,11 +107,12 @@ async def lens(state, body: LensRequest):
 
     def content() -> dict:
         text = tok.display_text
+        actual = [None if a is None else {"id": a, "text": text(a)} for a in report["actual"]]
         layers = [{"index": layer["index"], "label": "embeddings" if layer["index"] < 0 else f"block {layer['index']}",
-                   "positions": [{"top": [{"id": i, "text": text(i), "prob": p} for i, p in pos["top"]],
-                                  "actual": None if pos["actual"] is None else {**pos["actual"],
-                                                                                "text": text(pos["actual"]["id"])}}
-                                 for pos in layer["positions"]]}
+                   "positions": [{"top": [{"id": i, "text": text(i), "prob": p} for i, p in zip(top_ids, probs)],
+                                  "actual": None if a is None else {**a, "rank": rank, "prob": prob}}
+                                 for top_ids, probs, a, rank, prob in zip(layer["top_ids"], layer["top_probs"], actual,
+                                                                        layer["rank"], layer["prob"])]}
                   for layer in report["layers"]]
         return LensResponse(**_common(served, report, echo), layers=layers).model_dump(mode="json")
 

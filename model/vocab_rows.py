@@ -1,0 +1,92 @@
+"""Per-row statistics over the vocabulary, for the logit lens and the logits report: top-k, a
+chosen token's log-probability and rank, a slice of rows at a time.
+
+The lens unembeds (L + 1) * T rows. At once, that is (L + 1) * T * V floats (800 MB for a 24-layer
+model with a 152K vocabulary over 256 positions); a slice of rows at a time holds SLICE_FLOATS
+(4 MiB), and each pass after the unembedding reads what the one before left in cache. The few
+passes are chosen for the CPU: top-k from a striped candidate search, the rank counted as float
+ones (bench/bench_explain.py measures the lens beside one forward with attention maps).
+
+    row_slices(n, V)            slices of rows with about SLICE_FLOATS logits each
+    top_k(x, k)                 (values, ids) of the k largest per row of (N, V), as torch.topk
+    count_greater(x, floor)     (N,) how many entries of each row are strictly above floor (N, 1)
+    next_token_stats(logits, picks, k)
+                                one slice's log-probabilities: the top k, the picked id's, its rank
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SLICE_FLOATS = 1 << 20  # 4 MiB of float32 logits per slice: few enough calls, each within the L2 and L3 caches
+STRIPES = 8  # top_k's candidate search: ids split into STRIPES stripes of V // STRIPES columns
+
+
+def row_slices(n_rows: int, vocab: int) -> list[slice]:
+    step = max(1, SLICE_FLOATS // max(1, vocab))
+    return [slice(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of each row of x (N, V), descending, and their ids: torch.topk's answer
+    (the order among exactly equal entries aside) at about a third of its cost on the CPU.
+
+    The ids are laid out as STRIPES stripes of w = V // STRIPES columns (id = stripe * w + column;
+    ids past STRIPES * w are always candidates). A column's best is its largest entry over the
+    stripes. Every one of the row's k largest entries lies in one of the k columns with the largest
+    bests: were it in another column, those k columns' bests would be k other entries, each at least
+    as large, and it would not be among the k largest. So the k largest are found among those
+    columns' k * STRIPES entries.
+    """
+    n, vocab = x.shape
+    k = min(k, vocab)
+    w = vocab // STRIPES
+    if w < 4 * k:  # a small vocabulary: nothing to save
+        return torch.topk(x, k, dim=-1)
+    grid = x[:, : w * STRIPES].unflatten(1, (STRIPES, w))  # (N, STRIPES, w), a view
+    columns = torch.topk(grid.amax(dim=1), k, dim=-1).indices  # (N, k)
+    stripes = torch.arange(STRIPES, device=x.device) * w  # (STRIPES,)
+    candidates = (columns[:, :, None] + stripes).flatten(1)  # (N, k * STRIPES)
+    if w * STRIPES < vocab:
+        rest = torch.arange(w * STRIPES, vocab, device=x.device).expand(n, -1)  # (N, V mod STRIPES)
+        candidates = torch.cat([candidates, rest], dim=1)
+    best = torch.topk(x.gather(1, candidates), k, dim=-1)
+    return best.values, candidates.gather(1, best.indices)
+
+
+def count_greater(x: torch.Tensor, floor: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """(N,) int64: per row of x (N, V), the entries strictly greater than floor (N, 1). Counted as
+    float ones written into `scratch` (like x; exact below 2**24 entries), which the CPU sums faster
+    than booleans."""
+    ones = torch.gt(x, floor, out=torch.empty_like(x) if scratch is None else scratch)
+    return ones.sum(dim=-1).long()
+
+
+@dataclass
+class NextTokenStats:
+    top_logprobs: torch.Tensor  # (N, k) descending
+    top_ids: torch.Tensor  # (N, k)
+    picked_logprob: torch.Tensor  # (N,) the log-probability of the picked id
+    picked_rank: torch.Tensor  # (N,) ids strictly more likely than the picked one (0: it is the top)
+
+
+def next_token_stats(logits: torch.Tensor, picks: torch.Tensor, k: int) -> NextTokenStats:
+    """For logits (N, V) and picks (N, 1) ids: the top k log-probabilities and the picked id's, and
+    its rank. Log-probabilities are the logits less the row's log-sum-exp, which is taken about
+    the row's largest logit (the top-1), as log_softmax does; ranks compare the logits themselves."""
+    x = logits.float()
+    values, ids = top_k(x, max(1, k))  # (N, k)
+    picked = x.gather(1, picks)  # (N, 1)
+    scratch = torch.empty_like(x)  # (N, V): the rank's ones, then the exponentials
+    rank = count_greater(x, picked, scratch)
+    largest = values[:, :1]  # (N, 1)
+    lse = torch.sub(x, largest, out=scratch).exp_().sum(dim=-1, keepdim=True).log_().add_(largest)  # (N, 1)
+    return NextTokenStats((values - lse)[:, :k], ids[:, :k], (picked - lse)[:, 0], rank)
+
+
+def cat_stats(parts: list[NextTokenStats]) -> NextTokenStats:
+    """One NextTokenStats from the slices' (in row order)."""
+    return NextTokenStats(*(torch.cat([getattr(p, f) for p in parts]) for f in
+                            ("top_logprobs", "top_ids", "picked_logprob", "picked_rank")))
