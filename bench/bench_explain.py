@@ -13,7 +13,11 @@ runs). The goal (issue 18): each route at most 2x the peer.
     lens             /lens: one forward keeping every block's residual stream, each through ln_f + the LM head
     explain          /attention/explain: one forward keeping one head's q, k, v, pattern and z
 
-Part 2, hooks unused: greedy decoding (model.generate_tokens, N new tokens after a 16-token prompt)
+Part 2, end to end (--part http): the routes through the app in this process (TestClient; the
+model on a worker thread, no engine process), each answer built and serialised, beside POST
+/attention for the same ids with every map (format=f16, the page's; and format=json).
+
+Part 3, hooks unused: greedy decoding (model.generate_tokens, N new tokens after a 16-token prompt)
 and a plain forward over T tokens with this branch's model code against the same code of another
 git ref (default `main`, extracted with `git archive` into a temporary folder and imported as a
 package of its own, same weights), in turns in the same process.
@@ -87,7 +91,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--main-ref", default="main", help="the git ref whose model code is the decode peer")
-    ap.add_argument("--part", choices=["all", "routes", "unused"], default="all")
+    ap.add_argument("--part", choices=["all", "routes", "http", "unused"], default="all")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -103,9 +107,11 @@ def main() -> None:
     print(f"runtime   torch {torch.__version__}, {args.threads} thread(s), median of {args.reps} after "
           f"{args.warmup} warm-up(s), {T} tokens")
 
-    if args.part != "unused":
+    if args.part in ("all", "routes"):
         routes(model, ids, edits, args)
-    if args.part != "routes":
+    if args.part in ("all", "http"):
+        http(ids, args)
+    if args.part in ("all", "unused"):
         unused(model, ids, args)
 
 
@@ -124,6 +130,36 @@ def routes(model, ids, edits, args) -> None:
     print(f"\n{'case':34s} {'wall ms':>9s} {'cpu ms':>9s} {'x peer (cpu)':>13s}")
     for name, (w, c) in got.items():
         print(f"{name:34s} {w:9.1f} {c:9.1f} {c / peer[1]:12.2f}x")
+
+
+def http(ids, args) -> None:
+    from fastapi.testclient import TestClient
+
+    from attnlens.app.main import create_app
+    from attnlens.app.settings import Settings
+
+    settings = Settings(model=args.model, device="cpu", engine_process=False, warmup=False)
+    with TestClient(create_app(settings)) as client:
+        def post(path, body):
+            def run():
+                r = client.post(path, json={"ids": ids, **body})
+                assert r.status_code == 200, r.text
+            return run
+
+        mean = [{"layer": 2, "head": 2, "how": "mean"}]
+        got = turns({"peer: POST /attention f16": post("/attention", {"format": "f16"}),
+                     "POST /attention json": post("/attention", {"format": "json"}),
+                     "POST /logits": post("/logits", {}),
+                     "POST /logits + 1 mean ablation": post("/logits", {"ablate": mean}),
+                     "POST /lens": post("/lens", {}),
+                     "POST /attention/explain": post("/attention/explain", {"layer": 1, "head": 1,
+                                                                             "query": len(ids) - 1})},
+                    args.warmup, args.reps)
+    peer = got["peer: POST /attention f16"]
+    print(f"\nend to end, in-process app (CPU time counts the app's threads too)")
+    print(f"{'case':34s} {'wall ms':>9s} {'cpu ms':>9s} {'x peer (wall)':>14s}")
+    for name, (w, c) in got.items():
+        print(f"{name:34s} {w:9.1f} {c:9.1f} {w / peer[0]:13.2f}x")
 
 
 def unused(model, ids, args) -> None:

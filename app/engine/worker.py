@@ -10,6 +10,7 @@ beside the model's step instead of between its kernels.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
@@ -93,6 +94,7 @@ def main(spec: EngineSpec, commands: Connection, records: Connection) -> None:
     except Exception as e:
         send(records, ("failed", f"{type(e).__name__}: {e}"))
         return
+    gc.freeze()  # the model and engine live as long as the process: out of the collector's full walks
     engine.send(("ready", {"device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
                            "cache_bytes": engine.cache_bytes, "cuda_graphs": engine.graphs is not None}))
     try:
