@@ -234,14 +234,16 @@ export function decodeAttention(resp) {
  * Fetch attention for `source`: a text (the server tokenises it) or an array of token ids
  * (used as they are, e.g. a prompt's tokens plus the generated ones, so nothing is re-tokenised).
  * An encoder-decoder's `targetIds` are the target its decoder reads (e.g. a generated
- * translation); without them the server translates greedily.
+ * translation); without them the server translates greedily. `ablate` (explain/ablation.js's
+ * ablateField) asks for the maps of the run with those heads ablated.
  * Returns { tokens, nLayers, nHeads, layers, heads, T, data }
  * where data is Float32Array [layers.length][heads.length][T][T].
  */
-export async function fetchAttention(source, { layers = null, heads = null, format = "json", packing = "tril", targetIds = null, signal } = {}) {
+export async function fetchAttention(source, { layers = null, heads = null, format = "json", packing = "tril", targetIds = null, ablate = null, signal } = {}) {
   // token ids, a text, or {messages} (a conversation, rendered by the model's chat template)
   const body = Array.isArray(source) ? { ids: source, format } : source?.messages ? { messages: source.messages, format } : { text: source, format };
   if (targetIds?.length) body.target_ids = targetIds;
+  if (ablate?.length) body.ablate = ablate; // [{layer, head, how, group}]: the maps of the run with those heads ablated
   if (format !== "json") body.packing = packing;
   if (layers) body.layers = layers;
   if (heads) body.heads = heads;

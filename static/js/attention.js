@@ -22,12 +22,15 @@ export const ALL_LAYERS_BYTES = 16 * 1024 * 1024;
  * An encoder-decoder's maps here are its encoder's over the source (`text` / `ids`); its
  * `targetIds` (a generated translation) are the target the translator views read
  * (translator/translation.js), or null for the model's own greedy translation.
+ * `ablate` (the request field, explain/ablation.js's ablateField) makes it the maps of the run
+ * with those heads ablated (the Difference view's "with / without the ablation").
  * `fetch` answers like api.js's fetchAttention (the notebook views pass one that reads the
  * answer embedded in their document: inline.js).
  */
 export class AttentionSet {
-  constructor(text, meta, { format = "auto", ids = null, targetIds = null, messages = null, fetch = fetchAttention } = {}) {
+  constructor(text, meta, { format = "auto", ids = null, targetIds = null, messages = null, ablate = null, fetch = fetchAttention } = {}) {
     this.fetch = fetch;
+    this.ablate = ablate;
     this.text = text;
     this.messages = messages; // a conversation (chat.js) that `text` writes as turns: the server renders it
     this.ids = ids && ids.length ? ids.slice() : null;
@@ -80,7 +83,7 @@ export class AttentionSet {
       const format = this.chooseFormat(known || (bytes <= JSON_MAX_TOKENS ? bytes : null));
       this.lastFormat = format;
       const source = this.ids ?? (this.messages ? { messages: this.messages } : this.text);
-      const p = this.fetch(source, { layers: missing, format, packing: this.packing, targetIds: this.targetIds, signal }).then((res) => {
+      const p = this.fetch(source, { layers: missing, format, packing: this.packing, targetIds: this.targetIds, ablate: this.ablate, signal }).then((res) => {
         if (!this.tokens) {
           this.tokens = res.tokens;
           this.T = res.T;

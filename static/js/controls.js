@@ -3,6 +3,7 @@
 // both ways, so a new option is a schema key plus an input in index.html.
 
 import { VIEWS, viewById } from "./views/registry.js";
+import { parseAblation, describeHead } from "./explain/ablation.js";
 
 const $ = (sel) => document.querySelector(sel);
 const $$ = (sel) => [...document.querySelectorAll(sel)];
@@ -115,6 +116,8 @@ export function syncControls(s) {
   $(".opt-group[data-view='diff']").dataset.mode = s.diff;
   $("#diff-a-layer").textContent = s.layer;
   $("#diff-a-head").textContent = s.head;
+  const ablated = parseAblation(s.ablate);
+  $("#diff-ablation").textContent = ablated.length ? ablated.map(describeHead).join(", ") : "no heads";
   if (document.activeElement !== $("#promptB")) $("#promptB").value = s.promptB;
   $("#zoom-level").textContent = `${Math.round(s.zoom * 100)}%`;
   for (const tab of $$('[role="tab"]')) {

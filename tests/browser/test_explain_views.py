@@ -360,3 +360,38 @@ def test_the_new_views_fit_the_width(browser, bundled_server, width):
         assert not errors, errors
     finally:
         context.close()
+
+
+def test_the_difference_view_shows_a_heads_map_without_and_with_the_ablation(page, bundled_server):
+    """Difference view, "Ablation": the chosen head's clean map minus its map with the ablated heads
+    (POST /attention with ablate); a head the ablation cannot reach shows no change."""
+    analyse(page, bundled_server, PROMPT, view="ablate", ablate="1.0z,2.5m", layer=3, head=1)
+    r = rendered(page)
+    page.click(".abl-maps")  # the Ablate view's "Compare maps" opens it
+    wait_rendered(page, r, prefix="diff:")
+    assert page.is_checked('input[name="diff"][value="ablation"]') and "diff=ablation" in page.url
+    assert page.inner_text("#diff-ablation") == "L1 H0 zero, L2 H5 mean"
+    ablate = [{"layer": 1, "head": 0, "how": "zero"}, {"layer": 2, "head": 5, "how": "mean"}]
+
+    def maps(layer: int, head: int, **extra) -> list[list[float]]:
+        a = api(bundled_server, "/attention", {"text": PROMPT, "layers": [layer], "heads": [head], **extra})
+        return a["attention"][0][0]
+
+    clean, ablated = maps(3, 1), maps(3, 1, ablate=ablate)
+    T = len(clean)
+    drawn = page.evaluate("() => Array.from(window.__attnlens.current().result.data)")
+    want = [c - a for rc, ra in zip(clean, ablated) for c, a in zip(rc, ra)]
+    assert len(drawn) == T * T and drawn == pytest.approx(want, abs=1e-5)
+    assert max(abs(v) for v in want) > 1e-3  # the ablation reaches layer 3
+    assert "without (A) and with (B) L1 H0 zero, L2 H5 mean ablated" in page.inner_text("#caption")
+    # layer 1 reads the residual stream before any ablated head writes to it: no change
+    r = rendered(page)
+    page.select_option("#layer", "1")
+    wait_rendered(page, r)
+    assert all(v == 0 for v in page.evaluate("() => Array.from(window.__attnlens.current().result.data)") if v == v)
+    assert "nothing changed" in page.inner_text("#caption")
+    # without an ablation the view says how to choose one, and draws nothing stale
+    r = rendered(page)
+    page.evaluate("() => window.__attnlens.store.set({ ablate: '' })")
+    wait_rendered(page, r)
+    assert "Choose heads to ablate" in page.inner_text("#caption") and "ablate=" not in page.url

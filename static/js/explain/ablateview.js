@@ -51,11 +51,13 @@ export class AblateView {
           <button type="submit" class="btn small">Add head</button>
           <button type="button" class="btn small ghost abl-clear">Clear</button>
           <button type="button" class="btn small primary abl-run">Re-run</button>
+          <button type="button" class="btn small ghost abl-maps" title="The Difference view: a head's map without and with this ablation">Compare maps</button>
         </form>
       </div>
       <section class="abl-effect" aria-label="Per-token effect"></section>
       <section class="abl-gens" aria-label="Generations with and without the ablation"></section>`;
     host.append(this.root);
+    this.root.querySelector(".abl-maps").addEventListener("click", () => this.ctx.select({ view: "diff", diff: "ablation" }));
     const form = this.root.querySelector(".abl-add");
     form.addEventListener("submit", (e) => {
       e.preventDefault();

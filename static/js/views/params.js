@@ -18,7 +18,7 @@ export function constrainState(s, meta, viewIds) {
   if (!SEQUENTIAL.includes(out.cmap)) out.cmap = "viridis";
   if (!DIVERGING.includes(out.dcmap)) out.dcmap = "RdBu";
   if (!Object.hasOwn(OPS, out.op)) out.op = "mean";
-  if (out.diff !== "heads" && out.diff !== "prompts") out.diff = "heads";
+  if (!["heads", "prompts", "ablation"].includes(out.diff)) out.diff = "heads";
   if (!["head", "layer", "all"].includes(out.xavg)) out.xavg = "head";
   out.zoom = Math.max(0.25, Math.min(8, out.zoom || 1));
   out.fillk = Math.max(1, Math.min(100, out.fillk || 5));

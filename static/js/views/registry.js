@@ -38,7 +38,7 @@ export const VIEWS = [
   // issue 18: what each head does (every group the family has), the logit lens, and ablation
   { id: "atlas", needs: ["server"], label: "Atlas", source: "analysis", controls: [], keys: ["ablate", "probe"], View: AtlasView, title: "Heads view: every head coloured by its strongest role (probe: repeated random tokens)" },
   { id: "aggregate", label: "Aggregate", source: "analysis", controls: ["sink", "cmap", "scale", "zoom"], View: AggregateView },
-  { id: "diff", label: "Difference", source: "analysis", controls: ["layer", "head", "sink", "dcmap", "scale", "zoom"], View: DiffView },
+  { id: "diff", label: "Difference", source: "analysis", controls: ["layer", "head", "sink", "dcmap", "scale", "zoom"], keys: ["ablate"], View: DiffView },
   { id: "lines", label: "Lines", source: "analysis", controls: ["layer", "head", "sink"], keys: ["lheads"], View: LineView },
   { id: "gen", label: "Generation", source: "generation", needs: ["generation"], controls: ["layer", "head", "sink", "cmap", "scale", "zoom"], View: GenView, title: "What each generated token attended to, step by step" },
   // a family with a target and cross-attention (an encoder-decoder): the views above show its
