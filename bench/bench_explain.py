@@ -9,7 +9,9 @@ run: one forward with every layer's and head's attention maps (`model.analyse`, 
 runs). The goal (issue 18): each route at most 2x the peer.
 
     logits           /logits: one forward, top-k and the next token's log-probability at every position
-    logits + ablate  /logits with one mean-ablated head: the clean and the ablated forward, KL per position
+    logits + ablate  /logits with one mean-ablated head: the clean forward, then the ablated one from
+                     the first ablated block on (the blocks before it are the clean run's), KL per
+                     position; at layer 2 (of 4) and at layer 0 (the whole second forward)
     lens             /lens: one forward keeping every block's residual stream, each through ln_f + the LM head
     explain          /attention/explain: one forward keeping one head's q, k, v, pattern and z
 
@@ -102,25 +104,28 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, cfg.vocab_size, (T,), generator=g).tolist()
     edits = ablation_targets(family_of(model), cfg, [HeadAblation(min(2, cfg.n_layers - 1), 2 % cfg.n_heads, "mean")])
+    first = ablation_targets(family_of(model), cfg, [HeadAblation(0, 2 % cfg.n_heads, "mean")])
     print(f"model     {args.model.name}: {cfg.n_layers} layers x {cfg.n_heads} heads, d_model {cfg.d_model}, "
           f"vocab {cfg.vocab_size}, context {cfg.context_length}")
     print(f"runtime   torch {torch.__version__}, {args.threads} thread(s), median of {args.reps} after "
           f"{args.warmup} warm-up(s), {T} tokens")
 
     if args.part in ("all", "routes"):
-        routes(model, ids, edits, args)
+        routes(model, ids, edits, first, args)
     if args.part in ("all", "http"):
         http(ids, args)
     if args.part in ("all", "unused"):
         unused(model, ids, args)
 
 
-def routes(model, ids, edits, args) -> None:
+def routes(model, ids, edits, first, args) -> None:
     T = len(ids)
     cases = {
         "peer: forward + attention maps": lambda: model.analyse(ids),
         "logits (top 5, all positions)": lambda: explain.logits_report(model, ids, None, (), 5, False),
-        "logits + 1 mean ablation": lambda: explain.logits_report(model, ids, None, edits, 5, False),
+        f"logits + 1 mean ablation, layer {edits[0].module.split('.')[1]}":
+            lambda: explain.logits_report(model, ids, None, edits, 5, False),
+        "logits + 1 mean ablation, layer 0": lambda: explain.logits_report(model, ids, None, first, 5, False),
         "lens (top 5)": lambda: explain.lens_report(model, ids, None, (), 5),
         "explain (1 head, 1 query)": lambda: explain.explain_head(model, ids, None, family_of(model).primary.name,
                                                                   1, 1, T - 1, ()),

@@ -27,7 +27,7 @@ import torch
 
 from . import vocab_rows
 from .families.contract import family_of
-from .hooks import Hooks, ZEdit, hooked, run_until
+from .hooks import Hooks, ZEdit, hooked, run_until, unchanged_outputs
 
 
 @dataclass
@@ -82,12 +82,16 @@ def logits_report(model, ids: list[int], target_ids: list[int] | None, ablate: t
     stream = seq.stream(model)
     actual = actual_ids(model, stream)
     positions = [len(stream) - 1] if last_only else list(range(len(stream)))
-    clean = torch.log_softmax(sequence_logits(model, seq, None)[positions], dim=-1)  # (P, V)
+    # with an ablation, the clean run keeps its block outputs: the ablated run starts from those
+    # of the blocks before the first ablated head (unchanged_outputs), instead of recomputing them
+    outputs = Hooks(record=lambda name: name.endswith(".hook_resid_post")) if ablate else None
+    clean = torch.log_softmax(sequence_logits(model, seq, outputs)[positions], dim=-1)  # (P, V)
     report = {"tokens": seq.tokens, "generated": seq.generated, "stream": stream}
     if not ablate:
         report["positions"] = position_logits(clean, actual, positions, top_k)
         return report
-    edited = torch.log_softmax(sequence_logits(model, seq, Hooks(ablate=ablate))[positions], dim=-1)
+    given = unchanged_outputs(outputs.captured, ablate)
+    edited = torch.log_softmax(sequence_logits(model, seq, Hooks(ablate=ablate, given=given))[positions], dim=-1)
     report["positions"] = position_logits(edited, actual, positions, top_k)
     report["clean"] = position_logits(clean, actual, positions, top_k)
     kl = (clean.exp() * (clean - edited)).sum(dim=-1).clamp_min(0).tolist()  # KL(clean || ablated)

@@ -131,6 +131,10 @@ class Hooks:
     stop_after: a hook name at which the forward stops (StopForward is raised once that point is
     kept), as TransformerLens's stop_at_layer: the logit lens needs the residual streams, not the
     logits; `run_until` runs a forward that far.
+    given: block outputs to use instead of running the block ("blocks.1.hook_resid_post" ->
+    [B, T, C]), as TransformerLens's start_at_layer: an ablated run takes the clean run's outputs
+    of the blocks before the first ablated one (`unchanged_outputs`), which it would only
+    recompute bit for bit. A given block keeps nothing and returns no attention maps.
     """
 
     record: set[str] | Callable[[str], bool] = field(default_factory=set)
@@ -139,6 +143,7 @@ class Hooks:
     row_means: list[dict] | None = None
     valid: list[int] | None = None
     stop_after: str | None = None
+    given: dict[str, torch.Tensor] = field(default_factory=dict)
     captured: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -251,3 +256,18 @@ def run_until(model: nn.Module, hooks: Hooks, forward: Callable[[], object]) -> 
         except StopForward:
             return
     raise ValueError(f"the forward never reached {hooks.stop_after!r}")
+
+
+def unchanged_outputs(captured: dict[str, torch.Tensor], ablate: Iterable[ZEdit]) -> dict[str, torch.Tensor]:
+    """The block outputs ("*.hook_resid_post", recorded in the order the blocks ran) of a run without
+    `ablate` that a run with it would compute identically: those of the blocks before the first
+    block holding an ablated head. Hooks(given=...) then skips them."""
+    ablated = {e.module.rsplit(".", 1)[0] for e in ablate}  # "decoder.blocks.1.cross_attn" -> "decoder.blocks.1"
+    out = {}
+    for name, tensor in captured.items():
+        if not name.endswith(".hook_resid_post"):
+            continue
+        if name.removesuffix(".hook_resid_post") in ablated:
+            break
+        out[name] = tensor
+    return out

@@ -13,7 +13,8 @@ from attnlens.model.decoding import generate_tokens, SamplingParams
 from attnlens.model.explain import (explain_head, lens_names, lens_report, logits_report, sequence_logits,
                                     sequence_of)
 from attnlens.model.families import family_of
-from attnlens.model.hooks import AblationError, HeadAblation, Hooks, ablation_targets, hooked, run_until
+from attnlens.model.hooks import (AblationError, HeadAblation, Hooks, ablation_targets, hooked, run_until,
+                                  unchanged_outputs)
 from helpers import TINY_TEXT, head_slice_prehook, small_config_model
 
 transformers = pytest.importorskip("transformers")
@@ -251,6 +252,41 @@ def test_lens_last_row_is_the_models_logits(models, name):
 
 
 # --- logits and their effect ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,ablation,skipped", [
+    ("gpt2", HeadAblation(1, 3, "mean"), ["blocks.0"]),
+    ("gpt2", HeadAblation(0, 1, "zero"), []),
+    ("neox", HeadAblation(1, 0, "zero"), ["blocks.0"]),
+    ("encoder", HeadAblation(1, 2, "mean"), ["blocks.0"]),
+    ("translator", HeadAblation(1, 0, "zero", "cross"), ["encoder.blocks.0", "encoder.blocks.1", "decoder.blocks.0"]),
+    ("translator", HeadAblation(1, 1, "mean", "encoder"), ["encoder.blocks.0"]),
+])
+def test_an_ablated_run_from_the_clean_runs_unchanged_blocks_equals_a_full_recompute(models, name, ablation, skipped):
+    """Hooks.given (start_at_layer): the blocks before the first ablated head are taken from the clean
+    run, not run again, and the logits are those of the whole ablated forward, bit for bit."""
+    model = models[name]
+    edits = targets(model, ablation)
+    seq = sequence_of(model, source(model), None)
+    clean = Hooks(record=lambda n: n.endswith(".hook_resid_post"))
+    with torch.inference_mode():
+        sequence_logits(model, seq, clean)
+    given = unchanged_outputs(clean.captured, edits)
+    assert list(given) == [f"{b}.hook_resid_post" for b in skipped]
+    first = model.get_submodule(skipped[0].replace("encoder.blocks", "encoder_blocks").replace(
+        "decoder.blocks", "decoder_blocks")).attn if skipped else None
+    calls = []
+    handle = first.register_forward_hook(lambda *_: calls.append(1)) if first is not None else None
+    try:
+        with torch.inference_mode():
+            resumed = sequence_logits(model, seq, Hooks(ablate=edits, given=given))
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert calls == []  # the given blocks did not run
+    with torch.inference_mode():
+        whole = sequence_logits(model, seq, Hooks(ablate=edits))
+    assert torch.equal(resumed, whole)
 
 
 def test_logits_report_effect_is_kl_and_delta_logprob(models):

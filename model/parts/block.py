@@ -84,7 +84,12 @@ class Block(nn.Module):
         memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         rope: RotaryAngles | None = None,
     ) -> BlockOutput:
-        keep = _keeper(_hooks.active(), self.hook_name)  # records named intermediates (model/hooks.py)
+        hooks = _hooks.active()
+        if hooks is not None and hooks.given:  # this block's output, given (Hooks.given): not recomputed
+            given = hooks.given.get(f"{self.hook_name}.hook_resid_post")
+            if given is not None:
+                return BlockOutput(given, None, None)
+        keep = _keeper(hooks, self.hook_name)  # records named intermediates (model/hooks.py)
         keep("hook_resid_pre", x)  # (B, T, C)
         out, self_probs = self.attn(self._input(x, self.ln1), mask=mask, causal=self.causal, kv_update=kv_update,
                                     return_attention=return_attention, rope=rope)
