@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -45,6 +44,9 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_model import in_process_client, paired_ms  # noqa: E402
 
 from attnlens.model import explain, load_checkpoint  # noqa: E402
 from attnlens.model.decoding import SamplingParams, generate_tokens  # noqa: E402
@@ -52,22 +54,9 @@ from attnlens.model.families import family_of  # noqa: E402
 from attnlens.model.hooks import HeadAblation, ablation_targets, active  # noqa: E402
 
 
-def timed(fn) -> tuple[float, float]:
-    w0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    return (time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3
-
-
 def turns(cases: dict, warmup: int, reps: int) -> dict[str, tuple[float, float]]:
     """Every case once per repetition, in turns; (median wall ms, median cpu ms) of each."""
-    for _ in range(warmup):
-        for fn in cases.values():
-            fn()
-    runs = {name: [] for name in cases}
-    for _ in range(reps):
-        for name, fn in cases.items():
-            runs[name].append(timed(fn))
-    return {name: (statistics.median(w for w, _ in r), statistics.median(c for _, c in r)) for name, r in runs.items()}
+    return dict(zip(cases, paired_ms(list(cases.values()), warmup=warmup, reps=reps)))
 
 
 def main_model_package(ref: str, into: Path):
@@ -138,13 +127,7 @@ def routes(model, ids, edits, first, args) -> None:
 
 
 def http(ids, args) -> None:
-    from fastapi.testclient import TestClient
-
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
-
-    settings = Settings(model=args.model, device="cpu", engine_process=False, warmup=False)
-    with TestClient(create_app(settings)) as client:
+    with in_process_client(args.model) as client:
         def post(path, body):
             def run():
                 r = client.post(path, json={"ids": ids, **body})

@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_model import DEFAULT_MODEL, paired_ms, random_checkpoint  # noqa: E402
+from bench_model import DEFAULT_MODEL, in_process_client, paired_ms, random_checkpoint  # noqa: E402
 
 from attnlens.app.head_atlas import atlas_answer, score_heads  # noqa: E402
 from attnlens.model import family_of, load_checkpoint  # noqa: E402
@@ -66,13 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         "/heads work (scores + answer)": lambda: atlas_answer(family, score_heads(model, ids), tok, "m", None),
     }
     if not args.no_http:
-        from fastapi.testclient import TestClient
-
-        from attnlens.app.main import create_app
-        from attnlens.app.settings import Settings
-
-        settings = Settings(model=src, device="cpu", engine_process=False, warmup=False)
-        client = TestClient(create_app(settings)).__enter__()
+        client = in_process_client(src).__enter__()
 
         def post(path, body):
             r = client.post(path, json=body)

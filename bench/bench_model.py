@@ -57,6 +57,17 @@ def random_checkpoint(out: Path, seed: int = 0, *, shape: dict | None = None, to
     return save_checkpoint(out, model, tokenizer)
 
 
+def in_process_client(model_dir: Path):
+    """The service in this process (TestClient; the model on a worker thread, no engine process),
+    started: the caller closes it (`with in_process_client(d) as client:`)."""
+    from fastapi.testclient import TestClient
+
+    from attnlens.app.main import create_app
+    from attnlens.app.settings import Settings
+
+    return TestClient(create_app(Settings(model=model_dir, device="cpu", engine_process=False, warmup=False)))
+
+
 def paired_ms(fns, *, warmup: int, reps: int) -> list[tuple[float, float]]:
     """Median wall-clock and process-CPU milliseconds of each function in `fns`.
 

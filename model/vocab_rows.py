@@ -16,7 +16,7 @@ ones (bench/bench_explain.py measures the lens beside one forward with attention
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -88,5 +88,4 @@ def next_token_stats(logits: torch.Tensor, picks: torch.Tensor, k: int) -> NextT
 
 def cat_stats(parts: list[NextTokenStats]) -> NextTokenStats:
     """One NextTokenStats from the slices' (in row order)."""
-    return NextTokenStats(*(torch.cat([getattr(p, f) for p in parts]) for f in
-                            ("top_logprobs", "top_ids", "picked_logprob", "picked_rank")))
+    return NextTokenStats(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(NextTokenStats)))
