@@ -227,14 +227,21 @@ def test_a_stream_its_client_leaves_counts_as_499_and_cancelled(server):
 def test_memory_of_unread_streams_is_bounded_and_comes_back(server):
     """64 clients ask for streams with attention and logprobs, then read nothing: the server's RSS
     stays within the streams' total budget (plus its working set), and comes back within a
-    small margin of where it was once they leave."""
+    small margin of where it was once they leave.
+
+    "Where it was" is after a first such burst. The allocators keep part of what the first burst
+    of 64 connections made them hold: malloc_trim runs when the backlogs are gone, but Python's
+    small-object arenas stay partly in use. That is 50-75 MB here, and the same after every later
+    burst (measured over four), so from a quiet start the 60 MB margin below passed by chance (2 of
+    3 runs failed, before and after issue 18's changes alike). Each burst after the first must come
+    back within the margin: memory is reused, not lost. The first burst is held to the peak's bound."""
     host, port = host_port(server)
     body = json.dumps({"model": "dec", "prompt": "To be, or not", "max_new_tokens": 200, "stream": True,
                        "return_attention": True, "logprobs": 20}).encode()
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        c.post("/generate", json=json.loads(body))  # warm: the first answer's allocations are not the clients'
-        time.sleep(1)
-        baseline = rss_bytes(server.process.pid)
+
+    def burst(c) -> tuple[int, int]:
+        """64 unread streams until every generation has ended (finished, or shed by the budget), then
+        the clients leave: (peak RSS, RSS 3 s later)."""
         socks = []
         try:
             for _ in range(64):
@@ -242,8 +249,8 @@ def test_memory_of_unread_streams_is_bounded_and_comes_back(server):
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                 s.sendall(raw_request("/generate", body))
                 socks.append(s)
-            peak, deadline = baseline, time.monotonic() + 90
-            while True:  # until every generation has ended (finished, or shed by the budget)
+            peak, deadline = 0, time.monotonic() + 90
+            while True:
                 peak = max(peak, rss_bytes(server.process.pid))
                 text = c.get("/metrics").text
                 running = [line for line in text.splitlines() if line.startswith("attnlens_requests_in_flight{")]
@@ -257,9 +264,19 @@ def test_memory_of_unread_streams_is_bounded_and_comes_back(server):
             for s in socks:
                 s.close()
         time.sleep(3)  # the routes let go of their generations
-        after = rss_bytes(server.process.pid)
+        return peak, rss_bytes(server.process.pid)
+
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        c.post("/generate", json=json.loads(body))  # warm: the first answer's allocations are not the clients'
+        time.sleep(1)
+        quiet = rss_bytes(server.process.pid)
+        first_peak, baseline = burst(c)
+        peak, after = burst(c)
         assert c.get("/healthz").status_code == 200
-    print(f"\nRSS with 64 unread streams (attention + logprobs 20): baseline {baseline / 1e6:.0f} MB, peak "
-          f"{peak / 1e6:.0f} MB, after they left {after / 1e6:.0f} MB (budget {BACKLOG_TOTAL / 1e6:.0f} MB)")
+    print(f"\nRSS with 64 unread streams (attention + logprobs 20): quiet {quiet / 1e6:.0f} MB, first burst peak "
+          f"{first_peak / 1e6:.0f} MB and after {baseline / 1e6:.0f} MB; second burst peak {peak / 1e6:.0f} MB, "
+          f"after they left {after / 1e6:.0f} MB (budget {BACKLOG_TOTAL / 1e6:.0f} MB)")
+    assert first_peak - quiet < BACKLOG_TOTAL + 100_000_000, (quiet, first_peak)
+    assert baseline - quiet < BACKLOG_TOTAL + 100_000_000, (quiet, baseline)
     assert peak - baseline < BACKLOG_TOTAL + 100_000_000, (baseline, peak)
     assert after - baseline < 60_000_000, (baseline, after)
