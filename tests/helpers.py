@@ -261,3 +261,112 @@ class RecordingTransport(httpx.HTTPTransport):
         if request.content:
             self.bodies.append(json.loads(request.content))
         return super().handle_request(request)
+
+
+# --- GGUF files, written with the `gguf` package's writer as llama.cpp's converter writes them ---
+
+GGUF_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+               "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+               "{% endif %}")
+GGUF_MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ġ", "a"), ("i", "n"), ("Ġ", "s"), ("o", "u"), ("e", "r")]
+GGUF_CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def gguf_vocabulary() -> tuple[list[str], list[str], list[int]]:
+    """A small byte-level BPE vocabulary in llama.cpp's layout: the control tokens, the 256 byte
+    characters, the merged tokens; merges as "a b"; token types (3 = control, 1 = normal)."""
+    from attnlens.model.tokenizer import byte_to_unicode
+
+    byte_chars = [byte_to_unicode()[b] for b in range(256)]
+    tokens = GGUF_CONTROL + byte_chars + ["".join(m) for m in GGUF_MERGES]
+    types = [3] * len(GGUF_CONTROL) + [1] * (len(tokens) - len(GGUF_CONTROL))
+    return tokens, [" ".join(m) for m in GGUF_MERGES], types
+
+
+def llama_cpp_permute(w, n_heads: int):
+    """llama.cpp's convert_hf_to_gguf `permute` of Q/K rows (each head's two rotary halves interleaved)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path: Path, *, arch: str = "llama", name: str = "tiny", qtype: str = "Q8_0", seed: int = 0,
+               n_layers: int = 2, d_model: int = 64, n_heads: int = 4, n_kv: int = 2, d_ff: int = 128,
+               context: int = 128, tied: bool = True, pre: str = "smollm", random_blocks: bool = False,
+               qkv_bias: bool = False, sliding_window: int | None = None, skip: tuple[str, ...] = ()) -> Path:
+    """A random llama / qwen2 (or a llama-architecture Mistral, by `name`) GGUF file: 2-D weights
+    in block format `qtype`, norms in F32, Q and K rows permuted for llama. `random_blocks`: the
+    blocks are random bytes (any format, the K-quants included, which `gguf` cannot quantize), with
+    bit 6 of every byte cleared so that each float16 scale in them is finite. `skip`: tensors left out."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tokens, merges, types = gguf_vocabulary()
+    V, D = len(tokens), d_model // n_heads
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_name(name)
+    w.add_block_count(n_layers)
+    w.add_context_length(context)
+    w.add_embedding_length(d_model)
+    w.add_feed_forward_length(d_ff)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(D)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(V)
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(GGUF_CHATML)
+    qt = gguf.GGMLQuantizationType[qtype]
+
+    def add(tensor_name: str, shape: tuple[int, ...], *, norm: bool = False, permute: int | None = None) -> None:
+        if tensor_name in skip:
+            return
+        if norm:
+            w.add_tensor(tensor_name, (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+            return
+        values = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        if permute is not None and arch == "llama":
+            values = llama_cpp_permute(values, permute)
+        if len(shape) == 1 or qt == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(tensor_name, values)
+        elif random_blocks:
+            block, size = gguf.GGML_QUANT_SIZES[qt]
+            raw = rng.integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8) & 0xBF
+            w.add_tensor(tensor_name, raw, raw_dtype=qt)
+        else:
+            w.add_tensor(tensor_name, gguf.quants.quantize(values, qt), raw_dtype=qt)
+
+    add("token_embd.weight", (V, d_model))
+    add("output_norm.weight", (d_model,), norm=True)
+    if not tied:
+        add("output.weight", (V, d_model))
+    for i in range(n_layers):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", (d_model,), norm=True)
+        add(b + "attn_q.weight", (n_heads * D, d_model), permute=n_heads)
+        add(b + "attn_k.weight", (n_kv * D, d_model), permute=n_kv)
+        add(b + "attn_v.weight", (n_kv * D, d_model))
+        if qkv_bias:
+            add(b + "attn_q.bias", (n_heads * D,), permute=n_heads)
+            add(b + "attn_k.bias", (n_kv * D,), permute=n_kv)
+            add(b + "attn_v.bias", (n_kv * D,))
+        add(b + "attn_output.weight", (d_model, n_heads * D))
+        add(b + "ffn_norm.weight", (d_model,), norm=True)
+        add(b + "ffn_gate.weight", (d_ff, d_model))
+        add(b + "ffn_up.weight", (d_ff, d_model))
+        add(b + "ffn_down.weight", (d_model, d_ff))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

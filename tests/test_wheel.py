@@ -129,7 +129,7 @@ print(len(html), "attnlens/views/headview.js" in html)
     assert done.returncode == 0, done.stderr
     size, has_views = done.stdout.split()
     assert int(size) > 50_000 and has_views == "True"
-    done = run(venv, "from attnlens.app.settings import Settings; s = Settings(); print(s.static_dir, s.model)",
+    done = run(venv, "from attnlens.app.settings import Settings; s = Settings(packaged_models=False); print(s.static_dir, s.model)",
                tmp_path)
     assert done.returncode == 0, done.stderr
     static, model = done.stdout.split()

