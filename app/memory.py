@@ -1,6 +1,11 @@
 """What a served model holds in memory (its weights and its KV cache), and how many KV-cache rows
 (generations decoded at once) a memory budget allows.
 
+On the CPU a decoder's KV cache grows with the tokens in flight (model/kv_cache.py): there the
+budget ATTNLENS_KV_CACHE_BYTES (default 1 GiB a model) bounds what it may hold, every
+MAX_CONCURRENT slot stays open, and prompts wait while the cache is full (app/engine/core.py).
+Elsewhere (CUDA, the encoder-decoder) the rows are allocated whole, as below.
+
 A row of a generating model's KV cache holds keys and values for every layer over the whole
 context: 2 x layers x kv heads x context x d_head x the dtype's bytes (an encoder-decoder adds
 the cross-attention keys and values of a row's source). For the bundled decoder in float32 that
@@ -29,12 +34,24 @@ def cache_row_bytes(model) -> int:
     return model.kv_cache_row_bytes()
 
 
-def cache_rows(name: str, row_bytes: int, max_concurrent: int, budget: int | None) -> int:
+def cache_grows(model, budget: int | None) -> bool:
+    """Whether the engine's KV cache for this model grows with the work (the engine's own test:
+    a budget, the CPU, a family whose cache can grow)."""
+    import inspect
+
+    device = next(model.parameters()).device
+    return (budget is not None and device.type == "cpu"
+            and "grow" in inspect.signature(model.new_kv_cache).parameters)
+
+
+def cache_rows(name: str, row_bytes: int, max_concurrent: int, budget: int | None, *, grows: bool = False) -> int:
     """Rows (generations decoded together) for a model: MAX_CONCURRENT, or fewer if the budget
-    holds fewer; a budget that holds no row at all is a start-up error naming the numbers."""
+    holds fewer whole rows (a growing cache needs room for one); a budget that holds no row at all
+    is a start-up error naming the numbers."""
     if budget is None:
         return max_concurrent
-    rows = min(max_concurrent, budget // row_bytes)
+    whole = budget // row_bytes
+    rows = max_concurrent if grows and whole >= 1 else min(max_concurrent, whole)
     if rows < 1:
         raise RuntimeError(f"ATTNLENS_KV_CACHE_BYTES={budget} holds no row of model {name!r}'s KV cache "
                            f"(one row, a whole context of keys and values, is {row_bytes / 2**20:.1f} MB)")

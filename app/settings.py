@@ -81,10 +81,11 @@ class Settings(BaseSettings):
     max_chat_messages: int = Field(256, ge=1)
     # generations decoded together in one batch (= KV cache rows); see bench/README.md
     max_concurrent: int = Field(32, ge=1)
-    # Bytes for each generating model's KV cache (a row holds a whole context's keys and values,
-    # app/memory.py): the rows are MAX_CONCURRENT or as many as this holds, whichever is fewer.
-    # None: MAX_CONCURRENT rows, whatever they take
-    kv_cache_bytes: int | None = Field(None, ge=1)
+    # Bytes for each generating model's KV cache (app/memory.py). On the CPU a decoder's cache grows
+    # with the tokens in flight up to this, and prompts wait while it is full; elsewhere each row
+    # holds a whole context and the rows are MAX_CONCURRENT or as many as this holds, whichever is
+    # fewer. It must hold one whole-context row (SmolLM2: 0.36 GB in float32)
+    kv_cache_bytes: int | None = Field(1 << 30, ge=1)
     max_queue: int = Field(64, ge=0)  # generations waiting for a slot
     max_attention_concurrent: int = Field(4, ge=1)  # /attention forwards running or waiting
     max_ablations: int = Field(64, ge=0)  # heads one request may ablate (`ablate` entries)

@@ -12,6 +12,14 @@ different lengths decode together in one batch. Each row's positions and its att
 so do its rotary angles and its sliding window (model/families/decoder.py). Keys are stored
 already rotated. Freeing a row sets its length to 0; the memory is reused as it is, never
 reallocated.
+
+A growing cache (`grow=True`, what the engine uses on the CPU) allocates only what the tokens in
+flight need: (rows in use, longest row rounded up to `block` positions), grown in place of the
+old tensors when a forward call needs more, and given back by `trim` when rows finish. Its
+memory follows the work (a lone 8,192-token prompt of a 135M Llama holds 0.36 GB, not 32 rows of
+it); the engine keeps it within a byte budget by admitting work only while
+`bytes_for(rows, positions)` fits (app/engine/core.py). CUDA graphs capture fixed addresses, so on
+a GPU the cache is allocated whole, as before.
 """
 
 from __future__ import annotations
@@ -61,14 +69,73 @@ def bytes_per_row(n_layers: int, n_kv_heads: int, capacity: int, d_head: int, dt
 
 class KVCache:
     def __init__(self, n_layers: int, n_rows: int, n_kv_heads: int, capacity: int, d_head: int, *,
-                 device=None, dtype=None):
-        shape = (n_rows, n_kv_heads, capacity, d_head)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+                 device=None, dtype=None, grow: bool = False, block: int = 256):
+        self.n_layers, self.n_kv_heads, self.d_head = n_layers, n_kv_heads, d_head
+        self.dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.lengths = torch.zeros(n_rows, dtype=torch.long)
         self.n_rows = n_rows
-        self.capacity = capacity
+        self.capacity = capacity  # the context length: positions a row may hold
         self.device = device
+        self.grow, self.block = grow, block
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._allocate(0, 0) if grow else self._allocate(n_rows, capacity)
+
+    # --- memory --------------------------------------------------------------
+    @property
+    def allocated(self) -> tuple[int, int]:
+        """(rows, positions) the tensors hold now: (n_rows, capacity) unless the cache grows."""
+        return self._allocated
+
+    def bytes_for(self, rows: int, positions: int) -> int:
+        """Bytes of keys and values for `rows` rows of `positions` (rounded up to a block when growing)."""
+        if self.grow:
+            positions = min(self.capacity, -(-positions // self.block) * self.block)
+        return rows * bytes_per_row(self.n_layers, self.n_kv_heads, positions, self.d_head, self.dtype)
+
+    @property
+    def bytes_held(self) -> int:
+        return self.bytes_for(*self.allocated) if self.grow else self.n_rows * bytes_per_row(
+            self.n_layers, self.n_kv_heads, self.capacity, self.d_head, self.dtype)
+
+    def _allocate(self, rows: int, positions: int) -> None:
+        """New (rows, K, positions, D) tensors holding what the old ones held where both reach."""
+        shape = (rows, self.n_kv_heads, positions, self.d_head)
+        old_k, old_v = self.keys, self.values
+        new_k: list[torch.Tensor] = []
+        new_v: list[torch.Tensor] = []
+        for layer in range(self.n_layers):  # layer by layer, each old tensor dropped once copied
+            for old, new in ((old_k, new_k), (old_v, new_v)):
+                t = torch.zeros(shape, device=self.device, dtype=self.dtype)
+                if old:
+                    r, p = min(rows, old[layer].shape[0]), min(positions, old[layer].shape[2])
+                    t[:r, :, :p] = old[layer][:r, :, :p]
+                    old[layer] = t  # the old one's last reference
+                new.append(t)
+        self.keys, self.values = new_k, new_v
+        self._allocated = (rows, positions)
+
+    def reserve(self, rows: int, positions: int) -> None:
+        """Make room for `rows` rows of `positions` positions (a growing cache grows to it, in
+        whole blocks; a whole cache always has it)."""
+        if not self.grow:
+            return
+        have_rows, have_positions = self.allocated
+        positions = min(self.capacity, -(-positions // self.block) * self.block)
+        if rows > have_rows or positions > have_positions:
+            self._allocate(max(rows, have_rows), max(positions, have_positions))
+
+    def trim(self, active_rows: int) -> None:
+        """Give back what rows 0 .. active_rows - 1 no longer need (a growing cache): everything when
+        none is active, else the rows past them and the positions past the longest, when that halves
+        the memory or more."""
+        if not self.grow:
+            return
+        longest = int(self.lengths[:active_rows].max()) if active_rows else 0
+        rows, positions = self.allocated
+        want = (active_rows, min(self.capacity, -(-longest // self.block) * self.block) if active_rows else 0)
+        if want != (rows, positions) and (active_rows == 0 or 2 * want[0] * want[1] <= rows * positions):
+            self._allocate(*want)
 
     # --- one forward call ----------------------------------------------------
     def row_slice(self, rows: slice | None, batch: int) -> slice:
@@ -88,6 +155,7 @@ class KVCache:
                 f"sequence of {longest + n_new} tokens exceeds the context length {self.capacity}"
             )
         S = longest + n_new
+        self.reserve(rows.stop, S)
         if min(starts) == longest:  # every row continues from the same position: slices, causal
             return CacheWrite(self, rows, longest, None, None, S)
         # rows of different lengths: query t of row b sits at starts[b] + t, sees keys 0 .. starts[b] + t
@@ -95,7 +163,7 @@ class KVCache:
         mask = torch.arange(S)[None, None, :] <= positions[:, :, None]  # (B, T, S)
         mask = mask[:, None].to(self.device)  # (B, T, S) -> (B, 1, T, S): the same for every head
         # one flat index for every layer's keys and values: (row, head, position) -> (row * H + head) * P + position
-        K, P = self.keys[0].shape[1], self.capacity  # K: the key/value heads the cache holds
+        K, P = self.keys[0].shape[1], self.keys[0].shape[2]  # K: the key/value heads; P: positions held
         heads = (torch.arange(rows.start, rows.stop)[:, None] * K + torch.arange(K)[None, :]) * P  # (B, K)
         slots = (heads[:, :, None] + positions[:, None, :]).reshape(-1)  # (B, K, T) -> (B*K*T,)
         return CacheWrite(self, rows, -1, positions.to(self.device), mask, S, slots.to(self.device))

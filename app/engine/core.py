@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import itertools
 import logging
 import threading
@@ -118,14 +119,21 @@ class Engine(EngineFront):
     def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 32, max_queue: int = 64,
                  max_attention_concurrent: int = 4, cuda_graphs: bool = True,
                  max_stream_backlog_bytes: int = 64_000_000, overlap_outputs: bool | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 kv_cache_bytes: int | None = None, clock: Callable[[], float] = time.monotonic):
         super().__init__(checkpoint, max_concurrent=max_concurrent, max_queue=max_queue,
                          max_attention_concurrent=max_attention_concurrent,
                          max_stream_backlog_bytes=max_stream_backlog_bytes, clock=clock)
         self.model = checkpoint.model
         self.device = self.model.tok_emb.weight.device
         self.dtype = self.model.tok_emb.weight.dtype
-        self.cache = self.model.new_kv_cache(max_concurrent)  # one row per slot, reused
+        # On the CPU, with a byte budget, the KV cache holds only what the generations in flight need
+        # and prompts are prefilled while it fits (_fits); on CUDA (graphs capture fixed addresses),
+        # or for a family whose cache cannot grow, one row per slot is allocated whole and reused
+        self.kv_budget = kv_cache_bytes
+        grows = (kv_cache_bytes is not None and self.device.type == "cpu"
+                 and "grow" in inspect.signature(self.model.new_kv_cache).parameters)
+        self.cache = self.model.new_kv_cache(max_concurrent, grow=True) if grows \
+            else self.model.new_kv_cache(max_concurrent)
         # a vocabulary padded past the tokenizer's last id (Qwen2): those ids are never sampled
         vocab = checkpoint.tokenizer.vocab_size
         self.vocab_limit = vocab if vocab < checkpoint.config.vocab_size else None
@@ -158,9 +166,28 @@ class Engine(EngineFront):
         return self.waiting_cancelled + self.running_cancelled
 
     @property
+    def cache_grows(self) -> bool:
+        return bool(getattr(self.cache, "grow", False))
+
+    @property
     def cache_bytes(self) -> int:
-        """Memory of the KV cache: MAX_CONCURRENT rows x the context, every layer."""
+        """The most the KV cache may hold: the budget when it grows with the work, else what it
+        holds (MAX_CONCURRENT rows x the context, every layer)."""
+        if self.cache_grows:
+            return int(self.kv_budget or 0)
         return sum(t.numel() * t.element_size() for t in self.cache.keys + self.cache.values)
+
+    def _reserved(self, g: Generation) -> int:
+        """Positions g may come to hold: its prompt and every token it may generate."""
+        return min(self.cache.capacity, len(g.params.prompt_ids) + g.params.max_new_tokens)
+
+    def _fits(self, batch: list[Generation]) -> bool:
+        """Whether the decoding generations and `batch` fit the KV budget at their longest
+        (a growing cache holds rows x the longest row); a batch alone always does."""
+        gens = self._decoding + batch
+        if not self.cache_grows or len(gens) == 1:
+            return True
+        return self.cache.bytes_for(len(gens), max(self._reserved(g) for g in gens)) <= self.kv_budget
 
     @property
     def alive(self) -> bool:
@@ -207,8 +234,8 @@ class Engine(EngineFront):
             records = []
         if self.scheduler.calls.held:
             self._run_call()
-        if self._prefill:
-            self._run_prefills(self._next_prefills(), records)
+        if self._prefill and (batch := self._next_prefills()):
+            self._run_prefills(batch, records)
             self._retire_finished(records)
         if self._decoding:
             t0 = time.perf_counter()
@@ -252,14 +279,18 @@ class Engine(EngineFront):
     def _next_prefills(self) -> list[Generation]:
         """The prompts to prefill in this step: the oldest one, plus more while the padded batch
         holds no more tokens than one full-context prompt (so the running streams never wait
-        longer than one long prefill). A prompt to score (echo) goes alone."""
+        longer than one long prefill). A prompt to score (echo) goes alone. None while the oldest
+        does not fit the KV budget beside the decoding ones: it waits for some of them to finish."""
+        if not self._fits([self._prefill[0]]):
+            return []
         batch = [self._prefill.popleft()]
         if batch[0].params.prompt_logprobs is not None:
             return batch
         longest = len(batch[0].params.prompt_ids)
         while self._prefill and self._prefill[0].params.prompt_logprobs is None:
             n = len(self._prefill[0].params.prompt_ids)
-            if (len(batch) + 1) * max(longest, n) > self.config.context_length:
+            if (len(batch) + 1) * max(longest, n) > self.config.context_length \
+                    or not self._fits(batch + [self._prefill[0]]):
                 break
             batch.append(self._prefill.popleft())
             longest = max(longest, n)
@@ -399,6 +430,8 @@ class Engine(EngineFront):
             else:
                 self.cache.free(row)
             self._decoding.pop()
+            if self.cache_grows:
+                self.cache.trim(len(self._decoding))  # give back what the finished rows held
         g.t_end = time.perf_counter()
         with self._lock:
             if reason == "cancelled":

@@ -45,6 +45,22 @@ def positions(cfg: dict) -> str:
             + (f", {scaling.get('rope_type', scaling.get('type'))} scaling" if scaling else "") + ")")
 
 
+KV_BUDGET_DEFAULT = 1 << 30  # app/settings.py's KV_CACHE_BYTES default
+
+
+def kv_cache_line(cfg: dict) -> str:
+    """What the KV cache takes a token (float32, keys and values of every layer; the translator's
+    decoder holds its cross-attention keys and values as much again), and how many tokens in
+    flight the server's default budget holds."""
+    kv = cfg.get("n_kv_heads") or cfg["n_heads"]
+    d_head = cfg.get("head_dim") or cfg["d_model"] // cfg["n_heads"]
+    per_token = 2 * cfg["n_layers"] * kv * d_head * 4 * (2 if cfg.get("family") == "encoder-decoder" else 1)
+    return (f"KV cache     {per_token / 1024:,.1f} KB a token in float32; the server's budget "
+            f"(ATTNLENS_KV_CACHE_BYTES, default {KV_BUDGET_DEFAULT / 2**30:.0f} GiB) holds "
+            f"{KV_BUDGET_DEFAULT // per_token:,} tokens in flight, a full context is "
+            f"{per_token * cfg['context_length'] / 2**20:,.0f} MB")
+
+
 def describe(ckpt_dir: str | Path) -> str:
     info = summary(ckpt_dir)
     cfg = info["config"]
@@ -65,6 +81,8 @@ def describe(ckpt_dir: str | Path) -> str:
     ]
     if cfg.get("architecture"):
         lines.insert(2, f"imported     from a transformers {cfg['architecture']}")
+    if cfg.get("family", "decoder") != "encoder":
+        lines.append(kv_cache_line(cfg))
     rep = info.get("report")
     if rep:
         lines.append("training     " + ", ".join(f"{k}={v}" for k, v in rep.items()))

@@ -87,11 +87,13 @@ class Transformer(Embeddings, nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def new_kv_cache(self, n_rows: int = 1) -> KVCache:
+    def new_kv_cache(self, n_rows: int = 1, *, grow: bool = False) -> KVCache:
         """An empty cache with `n_rows` rows (slots), each up to the context length, holding the
-        key/value heads (n_kv_heads: fewer than the query heads with grouped-query attention)."""
+        key/value heads (n_kv_heads: fewer than the query heads with grouped-query attention).
+        `grow`: memory for the tokens in flight only (model/kv_cache.py), else all of it at once."""
         c, p = self.config, self.tok_emb.weight
-        return KVCache(c.n_layers, n_rows, c.kv_heads, c.context_length, c.d_head, device=p.device, dtype=p.dtype)
+        return KVCache(c.n_layers, n_rows, c.kv_heads, c.context_length, c.d_head, device=p.device, dtype=p.dtype,
+                       grow=grow)
 
     def kv_cache_row_bytes(self) -> int:
         """What one row of new_kv_cache takes, without allocating it."""

