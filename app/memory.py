@@ -15,6 +15,8 @@ about 64 MB, so 32 rows are 2 GB: ATTNLENS_KV_CACHE_BYTES caps it, and the rows 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -37,8 +39,6 @@ def cache_row_bytes(model) -> int:
 def cache_grows(model, budget: int | None) -> bool:
     """Whether the engine's KV cache for this model grows with the work (the engine's own test:
     a budget, the CPU, a family whose cache can grow)."""
-    import inspect
-
     device = next(model.parameters()).device
     return (budget is not None and device.type == "cpu"
             and "grow" in inspect.signature(model.new_kv_cache).parameters)

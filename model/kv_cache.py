@@ -87,16 +87,19 @@ class KVCache:
         """(rows, positions) the tensors hold now: (n_rows, capacity) unless the cache grows."""
         return self._allocated
 
+    def _in_blocks(self, positions: int) -> int:
+        """`positions` rounded up to whole blocks, at most the context (what a growing cache allocates)."""
+        return min(self.capacity, -(-positions // self.block) * self.block)
+
     def bytes_for(self, rows: int, positions: int) -> int:
         """Bytes of keys and values for `rows` rows of `positions` (rounded up to a block when growing)."""
         if self.grow:
-            positions = min(self.capacity, -(-positions // self.block) * self.block)
+            positions = self._in_blocks(positions)
         return rows * bytes_per_row(self.n_layers, self.n_kv_heads, positions, self.d_head, self.dtype)
 
     @property
     def bytes_held(self) -> int:
-        return self.bytes_for(*self.allocated) if self.grow else self.n_rows * bytes_per_row(
-            self.n_layers, self.n_kv_heads, self.capacity, self.d_head, self.dtype)
+        return self.bytes_for(*self.allocated)
 
     def _allocate(self, rows: int, positions: int) -> None:
         """New (rows, K, positions, D) tensors holding what the old ones held where both reach."""
@@ -110,7 +113,7 @@ class KVCache:
                 if old:
                     r, p = min(rows, old[layer].shape[0]), min(positions, old[layer].shape[2])
                     t[:r, :, :p] = old[layer][:r, :, :p]
-                    old[layer] = t  # the old one's last reference
+                    old[layer] = t  # drops the old tensor now: at most one layer's old and new at once
                 new.append(t)
         self.keys, self.values = new_k, new_v
         self._allocated = (rows, positions)
@@ -121,7 +124,7 @@ class KVCache:
         if not self.grow:
             return
         have_rows, have_positions = self.allocated
-        positions = min(self.capacity, -(-positions // self.block) * self.block)
+        positions = self._in_blocks(positions)
         if rows > have_rows or positions > have_positions:
             self._allocate(max(rows, have_rows), max(positions, have_positions))
 
@@ -133,7 +136,7 @@ class KVCache:
             return
         longest = int(self.lengths[:active_rows].max()) if active_rows else 0
         rows, positions = self.allocated
-        want = (active_rows, min(self.capacity, -(-longest // self.block) * self.block) if active_rows else 0)
+        want = (active_rows, self._in_blocks(longest) if active_rows else 0)
         if want != (rows, positions) and (active_rows == 0 or 2 * want[0] * want[1] <= rows * positions):
             self._allocate(*want)
 

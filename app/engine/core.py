@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import itertools
 import logging
 import threading
@@ -46,6 +45,7 @@ from attnlens.model.families.contract import FixedShapeDecoder
 from attnlens.model.decoding import RowSampler, decode_step, make_generator
 from attnlens.model.hooks import ZEdit, batch_hooks, hooked
 
+from .. import memory
 from .front import MODEL_CALL_FAILED, EngineFront
 from .outputs import FinishRecord, PromptRecord, Record, TokenRecord
 
@@ -130,10 +130,8 @@ class Engine(EngineFront):
         # and prompts are prefilled while it fits (_fits); on CUDA (graphs capture fixed addresses),
         # or for a family whose cache cannot grow, one row per slot is allocated whole and reused
         self.kv_budget = kv_cache_bytes
-        grows = (kv_cache_bytes is not None and self.device.type == "cpu"
-                 and "grow" in inspect.signature(self.model.new_kv_cache).parameters)
-        self.cache = self.model.new_kv_cache(max_concurrent, grow=True) if grows \
-            else self.model.new_kv_cache(max_concurrent)
+        self.cache = self.model.new_kv_cache(max_concurrent, grow=True) \
+            if memory.cache_grows(self.model, kv_cache_bytes) else self.model.new_kv_cache(max_concurrent)
         # a vocabulary padded past the tokenizer's last id (Qwen2): those ids are never sampled
         vocab = checkpoint.tokenizer.vocab_size
         self.vocab_limit = vocab if vocab < checkpoint.config.vocab_size else None

@@ -79,9 +79,10 @@ def _source_record(model: PackagedModel, path: Path, version: str) -> dict:
             "size": path.stat().st_size, "converter": CONVERTER_VERSION}
 
 
-def cached_checkpoint(model: PackagedModel) -> Path | None:
-    """The converted folder if it is there and was made from the installed file, else None."""
-    found = locate(model)
+def cached_checkpoint(model: PackagedModel, found: tuple[Path, str] | None = None) -> Path | None:
+    """The converted folder if it is there and was made from the installed file (`found`: what
+    `locate` gave, else it is asked), else None."""
+    found = found or locate(model)
     if found is None:
         return None
     out = cache_root() / model.name
@@ -111,11 +112,11 @@ def ensure_checkpoint(model: PackagedModel, *, progress: bool = True) -> Path | 
     found = locate(model)
     if found is None:
         return None
-    if (ready := cached_checkpoint(model)) is not None:
+    if (ready := cached_checkpoint(model, found)) is not None:
         return ready
     root = cache_root()
     with _lock(root / f".{model.name}.lock"):
-        if (ready := cached_checkpoint(model)) is not None:  # another process made it meanwhile
+        if (ready := cached_checkpoint(model, found)) is not None:  # another process made it meanwhile
             return ready
         from .convert import import_checkpoint
 
