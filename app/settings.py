@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     # holds a whole context and the rows are MAX_CONCURRENT or as many as this holds, whichever is
     # fewer. It must hold one whole-context row (SmolLM2: 0.36 GB in float32)
     kv_cache_bytes: int | None = Field(1 << 30, ge=1)
+    # A prompt longer than this is prefilled this many tokens an engine step, the decoding streams
+    # getting a token between its pieces (app/engine/core.py); one such prompt at a time
+    prefill_chunk_tokens: int = Field(256, ge=1)
     max_queue: int = Field(64, ge=0)  # generations waiting for a slot
     max_attention_concurrent: int = Field(4, ge=1)  # /attention forwards running or waiting
     max_ablations: int = Field(64, ge=0)  # heads one request may ablate (`ablate` entries)

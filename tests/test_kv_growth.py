@@ -65,12 +65,13 @@ def sampling(i: int) -> dict:
     return dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.8, seed=7 + i, top_k=20)
 
 
-async def _collect(generation, live: list[int], engine: Engine):
+async def _collect(generation, on_event=lambda: None):
+    """(token events, the last event) of a generation; on_event() runs at each event."""
     tokens, last = [], None
     async for event in generation.events():
-        live.append(engine.cache.allocated[0])
+        on_event()
         if isinstance(event, TokenEvent):
-            tokens.append(event.id)
+            tokens.append(event)
         else:
             last = event
     return tokens, last
@@ -93,7 +94,7 @@ def test_the_engine_keeps_the_growing_cache_in_its_budget(ckpt, rows_in_budget):
 
     async def main():
         gens = engine.submit_all(params)
-        return await asyncio.gather(*(_collect(g, seen, engine) for g in gens))
+        return await asyncio.gather(*(_collect(g, lambda: seen.append(engine.cache.allocated[0])) for g in gens))
 
     try:
         results = run_async(main())
@@ -101,8 +102,81 @@ def test_the_engine_keeps_the_growing_cache_in_its_budget(ckpt, rows_in_budget):
         engine.close()
     for i, (tokens, done) in enumerate(results):
         assert isinstance(done, DoneEvent), done
-        assert tokens == [t.id for t in reference_tokens(ckpt, PROMPTS[i], n_new, **sampling(i))], i
+        assert [t.id for t in tokens] == [t.id for t in reference_tokens(ckpt, PROMPTS[i], n_new, **sampling(i))], i
     assert max(seen) <= rows_in_budget
     if rows_in_budget == 8:
         assert max(seen) > 2  # they did decode together
     assert engine.cache.allocated == (0, 0)
+
+
+LONG = ["Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous fortune",
+        "Or to take arms against a sea of troubles, and by opposing end them: to die, to sleep"]
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_long_prompts_are_prefilled_in_pieces_between_decode_steps(ckpt, tiny_checkpoint, kind):
+    """Prompts longer than `prefill_chunk` go in 6-token pieces, one a step, into the row after the
+    decoding ones, while short generations decode and finish beside them (their rows move under
+    the long one's): every request's tokens and log-probabilities are what it gives alone."""
+    from attnlens.app.engine import EngineProcess
+
+    tok = ckpt.tokenizer
+    prompts = [PROMPTS[0], PROMPTS[2], LONG[0], PROMPTS[4], LONG[1], PROMPTS[6]]
+    lengths = [3, 2, 12, 4, 10, 20]
+    assert all(len(tok.encode(p)) > 3 * 6 for p in LONG)
+    params = [GenerationParams(tok.encode(p), n, SamplingParams(**sampling(i)), n_logprobs=2)
+              for i, (p, n) in enumerate(zip(prompts, lengths))]
+    kw = dict(max_concurrent=8, max_queue=8, kv_cache_bytes=1 << 30, prefill_chunk=6)
+    engine = Engine(ckpt, **kw) if kind == "thread" else EngineProcess(
+        ckpt, model_dir=tiny_checkpoint, device="cpu", dtype="float32", **kw)
+    chunked: list[int] = []
+    if kind == "thread":
+        engine._chunked_then = engine._run_chunk
+
+        def spy(records):
+            chunked.append(int(engine.cache.lengths[len(engine._decoding)]))
+            engine._chunked_then(records)
+        engine._run_chunk = spy
+
+    async def main():
+        gens = engine.submit_all(params)
+        return await asyncio.gather(*(_collect(g) for g in gens))
+
+    try:
+        results = run_async(main())
+    finally:
+        engine.close()
+    for i, (tokens, done) in enumerate(results):
+        assert isinstance(done, DoneEvent), done
+        ref = reference_tokens(ckpt, prompts[i], lengths[i], n_logprobs=2, **sampling(i))
+        assert [t.id for t in tokens] == [t.id for t in ref], i
+        for got, want in zip(tokens, ref):
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+    if kind == "thread":
+        # piece by piece from position 0, each prompt over 6 tokens once: a short one finishing beside it
+        # moves its row down with what it holds (a lost row would start again from 0)
+        assert chunked.count(0) == sum(len(p.prompt_ids) > 6 for p in params) == 3
+        assert 6 in chunked and 12 in chunked
+        assert engine.cache.allocated == (0, 0)
+
+
+def test_a_long_prefill_alone_reports_progress_each_piece(ckpt):
+    """With nothing else decoding, each piece but the last still hands something over (an empty
+    step), so an engine process's watchdog sees progress through a long prefill."""
+    tok = ckpt.tokenizer
+    engine = Engine(ckpt, max_concurrent=2, max_queue=2, kv_cache_bytes=1 << 30, prefill_chunk=4)
+    emitted: list[int] = []
+    real = engine._emit
+    engine._emit = lambda records: (emitted.append(len(records)), real(records))
+    ids = tok.encode(LONG[0])
+
+    async def main():
+        return await _collect(engine.submit(GenerationParams(ids, 2, SamplingParams(temperature=0.0))))
+
+    try:
+        tokens, done = run_async(main())
+    finally:
+        engine.close()
+    assert isinstance(done, DoneEvent)
+    pieces = -(-len(ids) // 4)
+    assert emitted[:pieces - 1] == [0] * (pieces - 1)

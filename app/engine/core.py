@@ -119,7 +119,8 @@ class Engine(EngineFront):
     def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 32, max_queue: int = 64,
                  max_attention_concurrent: int = 4, cuda_graphs: bool = True,
                  max_stream_backlog_bytes: int = 64_000_000, overlap_outputs: bool | None = None,
-                 kv_cache_bytes: int | None = None, clock: Callable[[], float] = time.monotonic):
+                 kv_cache_bytes: int | None = None, prefill_chunk: int = 256,
+                 clock: Callable[[], float] = time.monotonic):
         super().__init__(checkpoint, max_concurrent=max_concurrent, max_queue=max_queue,
                          max_attention_concurrent=max_attention_concurrent,
                          max_stream_backlog_bytes=max_stream_backlog_bytes, clock=clock)
@@ -153,6 +154,11 @@ class Engine(EngineFront):
         self._held: list[Record] = []
         self._prefill: collections.deque[Generation] = collections.deque()  # in a slot, no row yet
         self._decoding: list[Generation] = []  # generation i owns cache row i
+        # A long prompt is prefilled `prefill_chunk` tokens a step into the row after the decoding
+        # ones, so the streams decoding beside it keep getting tokens between its pieces and the
+        # watchdog sees progress (_run_chunk)
+        self.prefill_chunk = prefill_chunk
+        self._chunking: Generation | None = None
         self.errors = 0  # requests failed by an exception on the model thread
         self.running_cancelled = 0  # generations dropped from a slot because their client went away
         self._thread = threading.Thread(target=self._run, name="attnlens-engine", daemon=True)
@@ -182,7 +188,7 @@ class Engine(EngineFront):
     def _fits(self, batch: list[Generation]) -> bool:
         """Whether the decoding generations and `batch` fit the KV budget at their longest
         (a growing cache holds rows x the longest row); a batch alone always does."""
-        gens = self._decoding + batch
+        gens = self._decoding + ([self._chunking] if self._chunking else []) + batch
         if not self.cache_grows or len(gens) == 1:
             return True
         return self.cache.bytes_for(len(gens), max(self._reserved(g) for g in gens)) <= self.kv_budget
@@ -232,8 +238,14 @@ class Engine(EngineFront):
             records = []
         if self.scheduler.calls.held:
             self._run_call()
-        if self._prefill and (batch := self._next_prefills()):
-            self._run_prefills(batch, records)
+        if self._chunking is not None:
+            self._run_chunk(records)
+        elif self._prefill and (batch := self._next_prefills()):
+            if self._chunked(batch[0]):
+                self._start_chunking(batch[0])
+                self._run_chunk(records)
+            else:
+                self._run_prefills(batch, records)
             self._retire_finished(records)
         if self._decoding:
             t0 = time.perf_counter()
@@ -251,6 +263,8 @@ class Engine(EngineFront):
         for g in [g for g in self._prefill if g.cancelled]:
             self._prefill.remove(g)
             self._retire(g, "cancelled", records)
+        if self._chunking is not None and self._chunking.cancelled:
+            self._end_chunking("cancelled", records)
         if self.scheduler.generations.waiting:  # read without the lock: a stale answer only waits one step
             with self._lock:
                 self._prefill.extend(self.scheduler.generations.take())
@@ -282,17 +296,61 @@ class Engine(EngineFront):
         if not self._fits([self._prefill[0]]):
             return []
         batch = [self._prefill.popleft()]
-        if batch[0].params.prompt_logprobs is not None:
+        if batch[0].params.prompt_logprobs is not None or self._chunked(batch[0]):
             return batch
         longest = len(batch[0].params.prompt_ids)
         while self._prefill and self._prefill[0].params.prompt_logprobs is None:
             n = len(self._prefill[0].params.prompt_ids)
-            if (len(batch) + 1) * max(longest, n) > self.config.context_length \
+            if (len(batch) + 1) * max(longest, n) > self.config.context_length or self._chunked(self._prefill[0]) \
                     or not self._fits(batch + [self._prefill[0]]):
                 break
             batch.append(self._prefill.popleft())
             longest = max(longest, n)
         return batch
+
+    def _chunked(self, g: Generation) -> bool:
+        """Whether g's prompt is prefilled in pieces: longer than one piece, and nothing that needs
+        the whole prompt in one forward (prompt scores; a mean ablation's mean over the prompt)."""
+        p = g.params
+        return len(p.prompt_ids) > self.prefill_chunk and p.prompt_logprobs is None and not p.ablate
+
+    def _start_chunking(self, g: Generation) -> None:
+        p = g.params
+        row = len(self._decoding)
+        self.cache.free(row)
+        g.t_start = time.perf_counter()
+        g.sampler = RowSampler(p.sampling, make_generator(p.sampling.seed), p.n_logprobs, p.return_attention,
+                               vocab_limit=self.vocab_limit)
+        self._chunking = g
+
+    def _run_chunk(self, records: list[Record]) -> None:
+        """The next piece of the long prompt being prefilled into row len(decoding); the last piece
+        samples its first token and the generation joins the decoding ones."""
+        g = self._chunking
+        row = len(self._decoding)
+        ids = g.params.prompt_ids
+        done = int(self.cache.lengths[row])
+        piece = torch.tensor([ids[done:done + self.prefill_chunk]], dtype=torch.long, device=self.device)
+        rows = slice(row, row + 1)
+        try:
+            if done + self.prefill_chunk < len(ids):
+                self.model(piece, kv_cache=self.cache, rows=rows, last_only=True)
+                if not records and not self._held:
+                    self._emit([])  # progress for the watchdog while nothing else decodes
+                return
+            step = decode_step(self.model, self.cache, piece, [g.sampler], rows=rows, last_only=True)
+        except Exception as e:
+            self._fail(g, e)
+            self._end_chunking("error", records)
+            return
+        self._chunking = None
+        self._decoding.append(g)  # owns row `row`, the one after the decoding rows
+        self._prefilled(g, step, 0, row, records)
+
+    def _end_chunking(self, reason: str, records: list[Record]) -> None:
+        g, self._chunking = self._chunking, None
+        self.cache.free(len(self._decoding))
+        self._retire(g, reason, records)
 
     def _run_prefills(self, batch: list[Generation], records: list[Record]) -> None:
         """Prefill these prompts into the next free rows (one right-padded forward); each
@@ -428,8 +486,10 @@ class Engine(EngineFront):
             else:
                 self.cache.free(row)
             self._decoding.pop()
-            if self.cache_grows:
-                self.cache.trim(len(self._decoding))  # give back what the finished rows held
+            if self._chunking is not None:  # the long prompt's row follows the decoding ones down
+                self.cache.move(last + 1, last)
+            if self.cache_grows:  # give back what the finished rows held
+                self.cache.trim(len(self._decoding) + (self._chunking is not None))
         g.t_end = time.perf_counter()
         with self._lock:
             if reason == "cancelled":

@@ -114,7 +114,7 @@ class EngineProcess(EngineFront):
                  dtype: str = "auto", max_concurrent: int = 32, max_queue: int = 64,
                  max_attention_concurrent: int = 4, cuda_graphs: bool = True,
                  max_stream_backlog_bytes: int = 64_000_000, overlap_outputs: bool | None = None,
-                 kv_cache_bytes: int | None = None, log_level: str = "info", start_timeout_s: float = 600.0,
+                 kv_cache_bytes: int | None = None, prefill_chunk: int = 256, log_level: str = "info", start_timeout_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic):
         super().__init__(checkpoint, max_concurrent=max_concurrent, max_queue=max_queue,
                          max_attention_concurrent=max_attention_concurrent,
@@ -124,7 +124,8 @@ class EngineProcess(EngineFront):
             raise ValueError("an engine process loads its model from a checkpoint directory; this one has none")
         self.spec = worker.EngineSpec(Path(model_dir), device, dtype, dict(
             max_concurrent=max_concurrent, max_queue=max_concurrent, max_attention_concurrent=max_attention_concurrent,
-            cuda_graphs=cuda_graphs, overlap_outputs=overlap_outputs, kv_cache_bytes=kv_cache_bytes), log_level)
+            cuda_graphs=cuda_graphs, overlap_outputs=overlap_outputs, kv_cache_bytes=kv_cache_bytes,
+            prefill_chunk=prefill_chunk), log_level)
         self.start_timeout_s = start_timeout_s
         self.clock = clock
         self.state = "starting"
