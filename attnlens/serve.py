@@ -1,6 +1,6 @@
 """attnlens.Server: `attnlens serve` in a child process, for a notebook or a script.
 
-    with attnlens.Server() as server:          # every bundled checkpoint, on a free port
+    with attnlens.Server() as server:          # the default models (SmolLM2 and the bundled ones), on a free port
         client = server.client()
         ...
 
@@ -29,7 +29,8 @@ def free_port() -> int:
 
 class Server:
     """An attnlens server in a child process. `models`: checkpoint directories (the first is the
-    default model; none: the server's defaults, every bundled checkpoint). `env`: more
+    default model; none: the server's defaults, the packaged SmolLM2 and every bundled
+    checkpoint). `env`: more
     ATTNLENS_* settings. Its output goes to `log` (a file path; default a temporary file)."""
 
     def __init__(self, *models: str | Path, port: int | None = None, env: dict[str, str] | None = None,
