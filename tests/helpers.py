@@ -272,15 +272,15 @@ GGUF_MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ġ", "a"), ("i", "n"), 
 GGUF_CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def gguf_vocabulary() -> tuple[list[str], list[str], list[int]]:
+def gguf_vocabulary(merges=GGUF_MERGES) -> tuple[list[str], list[str], list[int]]:
     """A small byte-level BPE vocabulary in llama.cpp's layout: the control tokens, the 256 byte
     characters, the merged tokens; merges as "a b"; token types (3 = control, 1 = normal)."""
     from attnlens.model.tokenizer import byte_to_unicode
 
     byte_chars = [byte_to_unicode()[b] for b in range(256)]
-    tokens = GGUF_CONTROL + byte_chars + ["".join(m) for m in GGUF_MERGES]
+    tokens = GGUF_CONTROL + byte_chars + ["".join(m) for m in merges]
     types = [3] * len(GGUF_CONTROL) + [1] * (len(tokens) - len(GGUF_CONTROL))
-    return tokens, [" ".join(m) for m in GGUF_MERGES], types
+    return tokens, [" ".join(m) for m in merges], types
 
 
 def llama_cpp_permute(w, n_heads: int):
@@ -291,7 +291,8 @@ def llama_cpp_permute(w, n_heads: int):
 def write_gguf(path: Path, *, arch: str = "llama", name: str = "tiny", qtype: str = "Q8_0", seed: int = 0,
                n_layers: int = 2, d_model: int = 64, n_heads: int = 4, n_kv: int = 2, d_ff: int = 128,
                context: int = 128, tied: bool = True, pre: str = "smollm", random_blocks: bool = False,
-               qkv_bias: bool = False, sliding_window: int | None = None, skip: tuple[str, ...] = ()) -> Path:
+               qkv_bias: bool = False, sliding_window: int | None = None, skip: tuple[str, ...] = (),
+               merges: tuple[tuple[str, str], ...] | list = GGUF_MERGES) -> Path:
     """A random llama / qwen2 (or a llama-architecture Mistral, by `name`) GGUF file: 2-D weights
     in block format `qtype`, norms in F32, Q and K rows permuted for llama. `random_blocks`: the
     blocks are random bytes (any format, the K-quants included, which `gguf` cannot quantize), with
@@ -300,7 +301,7 @@ def write_gguf(path: Path, *, arch: str = "llama", name: str = "tiny", qtype: st
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    tokens, merges, types = gguf_vocabulary()
+    tokens, merges, types = gguf_vocabulary(merges)
     V, D = len(tokens), d_model // n_heads
     w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_name(name)

@@ -162,3 +162,24 @@ def test_cli_imports_a_gguf_file_and_refuses_a_bad_one_in_one_line(good, tmp_pat
     bad = subprocess.run(run + ["--src", str(cut)], capture_output=True, text=True)
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+DIGIT_MERGES = [("1", "2"), ("12", "3"), ("Ġ", "1"), ("Ġ", "w"), ("Ġw", "o")]
+
+
+@pytest.mark.parametrize("pre, want", [
+    ("smollm", [["1", "2", "3", "4"], ["Ġ", "1"]]),  # every digit alone, then GPT-2's split
+    ("qwen2", [["1", "2", "3", "4"], ["Ġ", "1"]]),  # Qwen2's regex: \p{N} one at a time
+    ("llama-bpe", [["123", "4"], ["Ġ", "1"]]),  # Llama 3's: numbers in runs of up to three
+    ("gpt2", [["123", "4"], ["Ġ1"]]),  # GPT-2's regex keeps " 1234" whole
+])
+def test_each_pre_tokenizer_splits_numbers_as_llama_cpp_does(pre, want, tmp_path):
+    """A vocabulary that *can* merge digits ("12", "123", "Ġ1"), so the split before the merges shows:
+    the pieces of "1234" and of " 1" under each `tokenizer.ggml.pre` (llama.cpp's llama-vocab.cpp)."""
+    from attnlens.model.interop.gguf_file import metadata, open_reader
+    from attnlens.model.interop.gguf_tokenizer import tokenizer_from_metadata
+
+    path = write_gguf(tmp_path / "digits.gguf", pre=pre, merges=DIGIT_MERGES)
+    tok = tokenizer_from_metadata(metadata(open_reader(path)), path)
+    pieces = [[tok.backend.id_to_token(i) for i in tok.encode(text)] for text in ("1234", " 1")]
+    assert pieces == want
