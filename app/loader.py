@@ -7,6 +7,8 @@ import logging
 import torch
 
 from attnlens.model import Checkpoint, load_checkpoint
+from attnlens.model.checkpoint import load_config
+from attnlens.model.families import family_named
 
 log = logging.getLogger("attnlens.loader")
 
@@ -32,8 +34,14 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     return DTYPES[setting]
 
 
-def load_for_serving(model_dir, device_setting: str, dtype_setting: str) -> Checkpoint:
+def load_for_serving(model_dir, device_setting: str, dtype_setting: str, *, engine_process: bool = False
+                     ) -> Checkpoint:
+    """The checkpoint to serve. With `engine_process`, a model that generates is served by an engine
+    process that loads its weights itself: here only its shapes are built (on the meta device), so
+    the weights are held once."""
     device = resolve_device(device_setting)
     dtype = resolve_dtype(dtype_setting, device)
-    log.info("loading checkpoint %s onto %s as %s", model_dir, device, str(dtype).removeprefix("torch."))
-    return load_checkpoint(model_dir, device=device, dtype=dtype)
+    weights = not (engine_process and family_named(load_config(model_dir).family).generation is not None)
+    log.info("loading checkpoint %s onto %s as %s%s", model_dir, device, str(dtype).removeprefix("torch."),
+             "" if weights else " (its shapes: its engine process holds the weights)")
+    return load_checkpoint(model_dir, device=device, dtype=dtype, weights=weights)

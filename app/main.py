@@ -77,7 +77,7 @@ async def start_runner(s: Settings, ckpt: Checkpoint, name: str):
     if family_of(ckpt.model).generation is None:
         return ModelRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)
     rows = cache_rows(name, cache_row_bytes(ckpt.model), s.max_concurrent, s.kv_cache_bytes,
-                      grows=cache_grows(ckpt.model, s.kv_cache_bytes))
+                      grows=cache_grows(ckpt.model, s.kv_cache_bytes, ckpt.weights_device))
     limits = dict(max_concurrent=rows, max_queue=s.max_queue,
                   max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs,
                   max_stream_backlog_bytes=s.max_stream_backlog_bytes, kv_cache_bytes=s.kv_cache_bytes,
@@ -109,7 +109,8 @@ async def lifespan(app: FastAPI):
             ckpt = state.preloaded.pop(str(model_dir), None)  # `attnlens serve` loads them first
             try:
                 if ckpt is None:
-                    ckpt = await asyncio.to_thread(load_for_serving, model_dir, s.device, s.dtype)
+                    ckpt = await asyncio.to_thread(load_for_serving, model_dir, s.device, s.dtype,
+                                                   engine_process=s.engine_process)
             except Exception as e:
                 state.status = "failed"
                 log.error("cannot load the model from %s: %s", model_dir, e)
@@ -134,7 +135,7 @@ async def lifespan(app: FastAPI):
             s = state.settings = s.model_copy(update={"max_prompt_tokens": longest})
         default = registry.get(None)
         state.registry = registry
-        device = next(default.checkpoint.model.parameters()).device
+        device = default.checkpoint.weights_device
         interval = s.switch_interval_ms or default_switch_interval_ms(device.type)
         sys.setswitchinterval(interval / 1000)  # process-wide: see Settings.switch_interval_ms
         state.metrics.bind_registry(registry)  # every loaded model's gauges, each labelled with its name

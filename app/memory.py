@@ -24,8 +24,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters and buffers, each tensor counted once (tied weights too)."""
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+        key = id(t) if t.is_meta else t.data_ptr()  # meta tensors (shapes alone) have no data to share
+        if key not in seen:
+            seen.add(key)
             total += t.numel() * t.element_size()
     return total
 
@@ -36,10 +37,9 @@ def cache_row_bytes(model) -> int:
     return model.kv_cache_row_bytes()
 
 
-def cache_grows(model, budget: int | None) -> bool:
-    """Whether the engine's KV cache for this model grows with the work (the engine's own test:
-    a budget, the CPU, a family whose cache can grow)."""
-    device = next(model.parameters()).device
+def cache_grows(model, budget: int | None, device: torch.device) -> bool:
+    """Whether the engine's KV cache for this model, on `device`, grows with the work (the engine's
+    own test: a budget, the CPU, a family whose cache can grow)."""
     return (budget is not None and device.type == "cpu"
             and "grow" in inspect.signature(model.new_kv_cache).parameters)
 

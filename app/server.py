@@ -89,7 +89,8 @@ def serve(model: str | None = None, host: str | None = None, port: int | None = 
     preloaded = {}
     for model_dir in settings.model_dirs():
         try:
-            preloaded[str(model_dir)] = load_for_serving(model_dir, settings.device, settings.dtype)
+            preloaded[str(model_dir)] = load_for_serving(model_dir, settings.device, settings.dtype,
+                                                         engine_process=settings.engine_process)
         except Exception as e:  # one line that says what to fix, not a traceback
             print(f"attnlens: cannot load the model from {model_dir}: {e}", file=sys.stderr)
             sys.exit(STARTUP_FAILED)

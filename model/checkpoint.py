@@ -15,6 +15,7 @@ names the file and what is wrong with it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,14 @@ class Checkpoint:
     config: ModelConfig
     path: Path | None = None
     report: dict[str, Any] | None = field(default=None)
+    # where the weights are: the model's own device, or for a checkpoint loaded without its
+    # weights (load_checkpoint(weights=False): the model on the meta device, its weights held by an
+    # engine process) the device that process holds them on
+    device: torch.device | None = None
+
+    @property
+    def weights_device(self) -> torch.device:
+        return self.device if self.device is not None else next(self.model.parameters()).device
 
 
 def model_state(model: Transformer, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -110,6 +119,10 @@ def _require(path: Path) -> Path:
 
 
 def load_config(ckpt_dir: str | Path) -> ModelConfig:
+    """config.json of a checkpoint directory (the first file a load reads: a directory that is not
+    there is said to be so here)."""
+    if not Path(ckpt_dir).is_dir():
+        raise CheckpointError(f"{ckpt_dir}: checkpoint directory does not exist")
     path = _require(Path(ckpt_dir) / CONFIG_FILE)
     try:
         return ModelConfig.from_json(path.read_text(encoding="utf-8"))
@@ -176,11 +189,13 @@ def load_checkpoint(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    weights: bool = True,
 ) -> Checkpoint:
+    """The checkpoint in `ckpt_dir`, its model on `device` in `dtype`. `weights=False`: the model's
+    shapes alone, on the meta device (no memory), for a process that hands every model call to
+    another that holds the weights (the server beside its engine processes)."""
     ckpt = Path(ckpt_dir)
-    if not ckpt.is_dir():
-        raise CheckpointError(f"{ckpt}: checkpoint directory does not exist")
-    config = load_config(ckpt)
+    config = load_config(ckpt)  # says so if the directory is not there
     tokenizer = load_tokenizer(ckpt)
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(
@@ -188,9 +203,15 @@ def load_checkpoint(
             f"config.json says vocab_size={config.vocab_size}"
         )
     try:
-        model = build_model(config)
+        with torch.device("meta") if not weights else contextlib.nullcontext():
+            model = build_model(config)
     except ValueError as e:
         raise CheckpointError(f"{ckpt / CONFIG_FILE}: {e}") from e
+    if not weights:
+        _require(ckpt / WEIGHTS_FILE)
+        model.to(dtype=dtype).eval()
+        return Checkpoint(model=model, tokenizer=tokenizer, config=config, path=ckpt, report=load_report(ckpt),
+                          device=torch.device(device))
     load_weights(model, ckpt / WEIGHTS_FILE)
     model.to(device=device, dtype=dtype).eval()
     store_linear_weights_transposed(model)  # CPU: the layout one-token steps stream fastest

@@ -65,3 +65,19 @@ def test_a_budget_that_holds_no_row_is_a_start_up_error(tiny_checkpoint, ckpt):
     with pytest.raises(RuntimeError, match="holds no row of model 'tiny'"):
         with TestClient(create_app(settings)):
             pass
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_the_weights_are_held_once(tiny_checkpoint, ckpt, engine_process):
+    """With an engine process, that process holds the generating model's weights; the server's own
+    copy is its shapes on the meta device. What the routes say about the model stays the same."""
+    settings = Settings(model=tiny_checkpoint, device="cpu", engine_process=engine_process, warmup=False)
+    with TestClient(create_app(settings)) as c:
+        served = c.app.state.attnlens.registry.get(None)
+        assert served.checkpoint.model.tok_emb.weight.is_meta == engine_process
+        info = c.get("/model").json()
+        assert (info["device"], info["dtype"], info["parameters"]) == ("cpu", "float32", ckpt.model.num_parameters())
+        memory = c.get("/models").json()["models"][0]["memory"]
+        assert memory["weights_bytes"] == sum(p.numel() * 4 for p in ckpt.model.parameters())
+        r = c.post("/attention", json={"text": "To be", "layers": [0], "heads": [0]})  # the engine holds them
+        assert r.status_code == 200

@@ -132,7 +132,7 @@ class Engine(EngineFront):
         # or for a family whose cache cannot grow, one row per slot is allocated whole and reused
         self.kv_budget = kv_cache_bytes
         self.cache = self.model.new_kv_cache(max_concurrent, grow=True) \
-            if memory.cache_grows(self.model, kv_cache_bytes) else self.model.new_kv_cache(max_concurrent)
+            if memory.cache_grows(self.model, kv_cache_bytes, self.device) else self.model.new_kv_cache(max_concurrent)
         # a vocabulary padded past the tokenizer's last id (Qwen2): those ids are never sampled
         vocab = checkpoint.tokenizer.vocab_size
         self.vocab_limit = vocab if vocab < checkpoint.config.vocab_size else None

@@ -71,7 +71,7 @@ async def model_info(registry: RegistryDep, state: StateDep, model: str | None =
         "architecture": cfg.to_dict(),
         "parameters": ckpt.model.num_parameters(),
         "parameters_without_embeddings": ckpt.model.num_parameters(exclude_embeddings=True),
-        "device": str(weights.device),
+        "device": str(ckpt.weights_device),
         "dtype": str(weights.dtype).removeprefix("torch."),
         "context_length": cfg.context_length,
         "vocab_size": cfg.vocab_size,
