@@ -15,9 +15,23 @@ about 64 MB, so 32 rows are 2 GB: ATTNLENS_KV_CACHE_BYTES caps it, and the rows 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import inspect
 
 import torch
+
+
+def _malloc_trim():
+    """glibc's malloc_trim(0), or None where there is none (musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+# gives freed heap pages back to the system (large freed tensors otherwise stay in the process's RSS)
+MALLOC_TRIM = _malloc_trim()
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -128,17 +128,19 @@ class KVCache:
         if rows > have_rows or positions > have_positions:
             self._allocate(max(rows, have_rows), max(positions, have_positions))
 
-    def trim(self, active_rows: int) -> None:
+    def trim(self, active_rows: int) -> bool:
         """Give back what rows 0 .. active_rows - 1 no longer need (a growing cache): everything when
         none is active, else the rows past them and the positions past the longest, when that halves
-        the memory or more."""
+        the memory or more. Whether it gave anything back."""
         if not self.grow:
-            return
+            return False
         longest = int(self.lengths[:active_rows].max()) if active_rows else 0
         rows, positions = self.allocated
         want = (active_rows, self._in_blocks(longest) if active_rows else 0)
         if want != (rows, positions) and (active_rows == 0 or 2 * want[0] * want[1] <= rows * positions):
             self._allocate(*want)
+            return True
+        return False
 
     # --- one forward call ----------------------------------------------------
     def row_slice(self, rows: slice | None, batch: int) -> slice:

@@ -43,12 +43,12 @@ def test_a_growing_cache_gives_a_full_recomputes_logits_for_rows_of_different_le
     held = cache.bytes_held
     cache.move(2, 0)  # row 0 finished: the last row takes its place
     cache.free(2)
-    cache.trim(2)  # 2 rows of 50 positions still need 2 x 64: not half of 3 x 64, kept
+    assert not cache.trim(2)  # 2 rows of 50 positions still need 2 x 64: not half of 3 x 64, kept
     assert cache.allocated == (3, 64) and cache.bytes_held == held
     cache.move(1, 0)
     cache.free(1)  # only the 37-position row is left: 1 x 48 is under half of 3 x 64
     cache.lengths[0] = 37
-    cache.trim(1)
+    assert cache.trim(1)
     assert cache.allocated == (1, 48)
     seqs = [seqs[1]]
     with torch.no_grad():  # what the kept row holds survived the move and the trim
@@ -57,7 +57,7 @@ def test_a_growing_cache_gives_a_full_recomputes_logits_for_rows_of_different_le
     full = model(torch.tensor([seqs[0] + [int(nxt[0, 0])]])).logits[0, -1]
     torch.testing.assert_close(out, full, atol=1e-4, rtol=0)
     cache.free(0)
-    cache.trim(0)
+    assert cache.trim(0)
     assert cache.allocated == (0, 0) and cache.bytes_held == 0
 
 

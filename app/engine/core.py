@@ -488,8 +488,10 @@ class Engine(EngineFront):
             self._decoding.pop()
             if self._chunking is not None:  # the long prompt's row follows the decoding ones down
                 self.cache.move(last + 1, last)
-            if self.cache_grows:  # give back what the finished rows held
-                self.cache.trim(len(self._decoding) + (self._chunking is not None))
+            # give back what the finished rows held, to the system too (freed tensors stay in the heap)
+            if self.cache_grows and self.cache.trim(len(self._decoding) + (self._chunking is not None)) \
+                    and memory.MALLOC_TRIM is not None:
+                memory.MALLOC_TRIM(0)
         g.t_end = time.perf_counter()
         with self._lock:
             if reason == "cancelled":

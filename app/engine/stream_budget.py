@@ -19,12 +19,12 @@ malloc_trim gives the free pages back to the system, so the server's RSS comes b
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import threading
 import weakref
 from typing import TYPE_CHECKING
+
+from ..memory import MALLOC_TRIM
 
 if TYPE_CHECKING:
     from .outputs import RequestState
@@ -32,17 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("attnlens.engine")
 
 TRIM_AFTER_BYTES = 16_000_000
-
-
-def _malloc_trim():
-    """glibc's malloc_trim(0), or None where there is none (musl, macOS)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-MALLOC_TRIM = _malloc_trim()
 
 
 class Held:
