@@ -155,22 +155,37 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from e
 
 
-def load_weights(model: Transformer, path: Path) -> None:
-    tensors = read_tensors(path)
-    expected = model_state(model)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's name and shape from a safetensors file's header, reading no tensor data
+    (a file cut short or not safetensors at all is a CheckpointError, as for read_tensors)."""
+    _require(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as e:  # safetensors raises SafetensorError / OSError on bad files
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from e
+
+
+def check_weights(want: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]], path: Path) -> None:
+    """That the file's tensors (`got`: name -> shape) are exactly the ones the model stores (`want`)."""
+    missing = sorted(set(want) - set(got))
+    unexpected = sorted(set(got) - set(want))
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:8])}")
     if unexpected:
         raise CheckpointError(f"{path}: unexpected tensor(s) {', '.join(unexpected[:8])}")
-    for name, want in expected.items():
-        got = tensors[name]
-        if tuple(got.shape) != tuple(want.shape):
+    for name, shape in want.items():
+        if tuple(got[name]) != tuple(shape):
             raise CheckpointError(
-                f"{path}: tensor {name} has shape {list(got.shape)} but config.json implies "
-                f"{list(want.shape)}"
+                f"{path}: tensor {name} has shape {list(got[name])} but config.json implies {list(shape)}"
             )
+
+
+def load_weights(model: Transformer, path: Path) -> None:
+    tensors = read_tensors(path)
+    expected = model_state(model)
+    check_weights({k: tuple(v.shape) for k, v in expected.items()}, {k: tuple(v.shape) for k, v in tensors.items()},
+                  path)
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()}, strict=False)
 
 
@@ -207,8 +222,8 @@ def load_checkpoint(
             model = build_model(config)
     except ValueError as e:
         raise CheckpointError(f"{ckpt / CONFIG_FILE}: {e}") from e
-    if not weights:
-        _require(ckpt / WEIGHTS_FILE)
+    if not weights:  # the file is still checked (its header: names and shapes), so a bad one fails here
+        check_weights(state_shapes(config), read_shapes(ckpt / WEIGHTS_FILE), ckpt / WEIGHTS_FILE)
         model.to(dtype=dtype).eval()
         return Checkpoint(model=model, tokenizer=tokenizer, config=config, path=ckpt, report=load_report(ckpt),
                           device=torch.device(device))

@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 from attnlens.app.main import create_app
 from attnlens.app.memory import cache_row_bytes
 from attnlens.app.settings import Settings
+from helpers import REPO_ROOT
 
 
 def one_row(ckpt) -> int:
@@ -81,3 +82,24 @@ def test_the_weights_are_held_once(tiny_checkpoint, ckpt, engine_process):
         assert memory["weights_bytes"] == sum(p.numel() * 4 for p in ckpt.model.parameters())
         r = c.post("/attention", json={"text": "To be", "layers": [0], "heads": [0]})  # the engine holds them
         assert r.status_code == 200
+
+
+def test_a_checkpoint_loaded_as_shapes_still_checks_its_weights_file(tiny_checkpoint, tmp_path):
+    """load_checkpoint(weights=False) reads no tensor data but the file's header: a file cut short, or
+    one whose tensors are not the model's, fails there (in the server), not later in an engine."""
+    import shutil
+
+    from attnlens.model import CheckpointError, load_checkpoint
+
+    assert load_checkpoint(tiny_checkpoint, weights=False).model.tok_emb.weight.is_meta
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_checkpoint, cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_checkpoint(cut, weights=False)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_checkpoint, other)
+    shutil.copy(REPO_ROOT / "checkpoints" / "translator" / "model.safetensors", other / "model.safetensors")
+    with pytest.raises(CheckpointError, match="missing tensor|unexpected tensor|has shape"):
+        load_checkpoint(other, weights=False)

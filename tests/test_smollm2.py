@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +141,71 @@ def test_the_openai_client_chats_with_it_on_a_live_server(smollm2, tmp_path):
         assert "Paris" in r.choices[0].message.content
         models = client.models.list()
         assert [m.id for m in models.data] == [SMOLLM2.name]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc/*/stat: the parent is its fourth field)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_long_prompts_wait_for_the_kv_budget_on_a_live_server(smollm2, tmp_path):
+    """Six ~2,000-token prompts of 48 new tokens each, at once, against a KV budget that holds three
+    of them (it must hold one whole 8,192-token row, 360 MB): all are answered, none restarts the
+    engine, and the engine process's memory rises by no more than the budget plus 200 MB (a growing
+    cache holds one layer's old and new tensors at a time; activations). Measured: +0.50 GB with
+    the budget, +0.82 GB with a 4 GB one (six rows at once)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from live_server import live_server
+
+    budget = 400_000_000  # three rows of 2,304 positions (45 KB each a position) but not four
+    env = {"ATTNLENS_KV_CACHE_BYTES": str(budget)}
+    with live_server(smollm2.path, tmp_path, env=env, timeout=180) as server:
+        engine = _children(server.process.pid)[0]  # the only model's engine process
+        base = _rss_bytes(engine)
+        peak, done = [base], threading.Event()
+
+        def watch():
+            while not done.is_set():
+                peak.append(_rss_bytes(engine))
+                time.sleep(0.1)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+
+        def ask(i: int):
+            text = " ".join(words[(i + j) % len(words)] + str(j % 7) for j in range(1000))
+            return httpx.post(server.base_url + "/generate", json={"prompt": text, "max_new_tokens": 48,
+                                                                   "temperature": 0}, timeout=300)
+
+        try:
+            with ThreadPoolExecutor(6) as pool:
+                answers = list(pool.map(ask, range(6)))
+        finally:
+            done.set()
+            watcher.join()
+        assert [a.status_code for a in answers] == [200] * 6, [a.text[:200] for a in answers]
+        assert all(len(a.json()["prompt_tokens"]) > 1900 for a in answers)
+        models = httpx.get(server.base_url + "/models").json()["models"]
+        assert models[0]["memory"]["kv_cache_bytes"] == budget and models[0]["restarts"] == 0
+        assert max(peak) - base <= budget + 200_000_000, (base, max(peak))
