@@ -51,15 +51,29 @@ from attnlens.model.tokenizer import Tokenizer  # noqa: E402
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def llama_dir(out: Path, *, layers: int, vocab: int, seed: int = 0) -> Path:
+# the shapes a run can take (--preset); --layers and --vocab override the preset's
+PRESETS = {
+    "default": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                    num_key_value_heads=4, vocab_size=32000, rope_theta=500000.0),
+    # SmolLM2-135M-Instruct's shape (the packaged default model), for a device its file cannot reach
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0),
+}
+
+
+def llama_dir(out: Path, *, layers: int | None = None, vocab: int | None = None, preset: str = "default",
+              seed: int = 0) -> Path:
     """A transformers Llama directory with random weights (norms and biases-free projections a
     little away from their init, like a trained model) and a small byte-level tokenizer."""
     import transformers
 
+    shape = dict(PRESETS[preset])
+    theta = shape.pop("rope_theta")
+    shape["num_hidden_layers"] = layers or shape["num_hidden_layers"]
+    shape["vocab_size"] = vocab or shape["vocab_size"]
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=768, intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=12,
-        num_key_value_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, bos_token_id=0, eos_token_id=0)
+        **shape, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": theta}, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
@@ -95,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: CPUs are shared)")
-    p.add_argument("--layers", type=int, default=12, help="decoder layers (12: about 100M parameters)")
-    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--preset", default="default", choices=sorted(PRESETS),
+                   help="default: about 100M parameters; smollm2: SmolLM2-135M's shape, random weights")
+    p.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens in the forward benchmark")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens to decode greedily")
     p.add_argument("--prompt-len", type=int, default=16)
@@ -111,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     device, dtype = args.device, DTYPES[args.dtype]
     tmp = tempfile.TemporaryDirectory()
-    src = llama_dir(Path(tmp.name) / "hf", layers=args.layers, vocab=args.vocab)
+    src = llama_dir(Path(tmp.name) / "hf", layers=args.layers, vocab=args.vocab, preset=args.preset)
     t0 = time.perf_counter()
     ours_dir, _ = import_checkpoint(src, Path(tmp.name) / "ours")
     import_s = time.perf_counter() - t0

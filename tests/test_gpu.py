@@ -140,6 +140,43 @@ def test_engine_on_cuda_with_graphs_matches_generate_tokens(tiny_checkpoint):
         assert tokens == ref
 
 
+def test_long_prompts_prefilled_in_pieces_on_cuda_beside_graphed_decode_steps(tiny_checkpoint):
+    """Chunked prefill on CUDA: prompts longer than `prefill_chunk` go in 5-token pieces into the
+    row after the decoding ones while short ones decode from the captured graphs; each request's
+    greedy tokens are what the model gives it alone."""
+    import asyncio
+
+    from attnlens.app.engine import Engine, GenerationParams
+    from attnlens.app.engine.outputs import TokenEvent
+    from helpers import run_async
+
+    ckpt = load_checkpoint(tiny_checkpoint, device="cuda")
+    engine = Engine(ckpt, max_concurrent=4, max_queue=8, prefill_chunk=5)
+    assert engine.graphs is not None
+    prompts = ["To be", "Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous fortune",
+               "Or not", "Or to take arms against a sea of troubles, and by opposing end them", "The slings"]
+
+    async def main():
+        gens = engine.submit_all([GenerationParams(ckpt.tokenizer.encode(p), 12, SamplingParams(temperature=0))
+                                  for p in prompts])
+
+        async def ids(g):
+            return [e.id for e in [e async for e in g.events()] if isinstance(e, TokenEvent)]
+
+        return await asyncio.gather(*(ids(g) for g in gens))
+
+    assert sum(len(ckpt.tokenizer.encode(p)) > 3 * 5 for p in prompts) == 2
+    try:
+        got = run_async(main())
+    finally:
+        engine.close()
+    eos = ckpt.tokenizer.eos_id
+    for p, tokens in zip(prompts, got):
+        ref = [t.id for t in generate_tokens(ckpt.model, ckpt.tokenizer.encode(p), 12, SamplingParams(temperature=0))]
+        ref = ref[: ref.index(eos)] if eos in ref else ref
+        assert tokens == ref, p
+
+
 def test_every_bundled_family_serves_on_cuda_as_on_the_cpu(default_checkpoint):
     """The bundled decoder, encoder and translator served on CUDA (auto: bf16; the decoder's steps
     from CUDA graphs) answer like the same models in fp32 on the CPU: the same translation, the
