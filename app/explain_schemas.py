@@ -11,9 +11,9 @@ token first).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .schemas import MODEL_FIELD, Ablate, Ablation, Messages, ModelName, Strict, Text, TokenText
 
@@ -45,6 +45,18 @@ class LogitsRequest(SequenceRequest):
 
 class LensRequest(SequenceRequest):
     top_k: int = Field(5, ge=1, le=20, description="tokens per position and layer, 1..20")
+    positions: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, description="the positions to read, in this order, each once (default: every "
+        "position); only these are unembedded: the cost is (layers + 1) x positions rows through the head")
+    rank: bool = Field(False, description="also the actual token's rank at every layer and position (one more "
+                       "pass over the vocabulary per row)")
+
+    @field_validator("positions")
+    @classmethod
+    def _each_once(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError("each position at most once")
+        return v
 
 
 class ExplainRequest(SequenceRequest):
@@ -99,11 +111,13 @@ class LogitsResponse(ExplainAnswer):
 
 
 class LensActual(TokenText):
-    rank: int = Field(description="0 = the most likely token at this layer")
+    rank: int | None = Field(description="0 = the most likely token at this layer; null unless the request "
+                             "asked for `rank`")
     prob: float
 
 
 class LensPosition(BaseModel):
+    position: int = Field(description="the position in the stream (the request's `positions`, in order)")
     top: list[TokenProb]
     actual: LensActual | None = Field(description="the token the position predicts (see `predicts`); null at a "
                                       "decoder's last position")
@@ -130,7 +144,7 @@ class ExplainResponse(BaseModel):
     query_token: TokenText
     key_tokens: list[TokenText]
     d_head: int
-    scale: float = Field(description="1/sqrt(d_head)")
+    scale: float = Field(description="what the model multiplies q.k by (its attention module's scale: 1/sqrt(d_head))")
     kv_head: int = Field(description="the key/value head this query head reads (grouped-query attention: "
                          "head // (n_heads / n_kv_heads); else the head itself)")
     positions: str = Field(description="how positions enter the computation")

@@ -558,13 +558,15 @@ class LogitsAnswer:
 @dataclass(frozen=True, eq=False)
 class LensAnswer:
     """A /lens answer: one row per point of the residual stream (`labels`: "embeddings", then
-    "block 0".."block L-1"; `indices` -1, 0..L-1), one column per position of the stream read
-    (`positions`: a decoder's or encoder's tokens, the translator's target_tokens).
+    "block 0".."block L-1"; `indices` -1, 0..L-1), one column per position read (`columns`: their
+    indices in the stream, every position unless the request named some; `positions`: the
+    stream's tokens, a decoder's or encoder's tokens, the translator's target_tokens).
 
-    `top[row][position]` the top-k tokens, `top1` their first as a [rows][T] grid of Tokens and
-    `prob` [rows, T] its probability; `actual[position]` the token the position predicts (see
-    `predicts`; None where there is none) and `actual_rank` / `actual_prob` [rows, T] its rank
-    (0 = top; -1 where none) and probability (nan where none). The last row is the model's output."""
+    `top[row][column]` the top-k tokens, `top1` their first as a [rows][P] grid of Tokens and
+    `prob` [rows, P] its probability; `actual[column]` the token the position predicts (see
+    `predicts`; None where there is none), `actual_prob` [rows, P] its probability (nan where
+    none) and, when the request asked for `rank`, `actual_rank` [rows, P] its rank (0 = top; -1
+    where none; None when not asked). The last row is the model's output."""
 
     model: str
     family: str
@@ -575,8 +577,9 @@ class LensAnswer:
     indices: list[int]
     top: list[list[list[TokenProb]]]
     actual: list[Token | None]
-    actual_rank: np.ndarray  # (rows, T) int, -1 where none
-    actual_prob: np.ndarray  # (rows, T) float, nan where none
+    actual_rank: np.ndarray | None  # (rows, P) int, -1 where none; None: not asked for
+    actual_prob: np.ndarray  # (rows, P) float, nan where none
+    columns: list[int]  # the stream positions read, in the order of the answer's columns
     target_tokens: list[Token] | None = None
     generated: bool | None = None
     ablate: list[Ablation] | None = None
@@ -589,10 +592,12 @@ class LensAnswer:
         grid = lambda key, empty, dtype: np.array(
             [[empty if p["actual"] is None else p["actual"][key] for p in row["positions"]] for row in layers],
             dtype=dtype).reshape(len(layers), len(first))
+        ranked = any(p["actual"] is not None and p["actual"]["rank"] is not None for p in first)
         return cls(body["model"], body["family"], body["predicts"], body["head"], _tokens(body["tokens"]),
                    [row["label"] for row in layers], [int(row["index"]) for row in layers],
                    [[[TokenProb.from_json(t) for t in p["top"]] for p in row["positions"]] for row in layers],
-                   actual, grid("rank", -1, np.int64), grid("prob", np.nan, np.float64),
+                   actual, grid("rank", -1, np.int64) if ranked else None, grid("prob", np.nan, np.float64),
+                   [int(p["position"]) for p in first],
                    _tokens(body["target_tokens"]) if body.get("target_tokens") is not None else None,
                    body.get("generated"), _ablations(body))
 
@@ -613,7 +618,7 @@ class LensAnswer:
             len(self.top), len(self.actual))
 
     def __repr__(self) -> str:
-        return f"LensAnswer(model={self.model!r}, rows={len(self.labels)}, T={len(self.actual)})"
+        return f"LensAnswer(model={self.model!r}, rows={len(self.labels)}, columns={len(self.actual)})"
 
 
 # --- /attention/explain ------------------------------------------------------------------------

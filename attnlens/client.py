@@ -232,11 +232,14 @@ class _Endpoints:
 
     def lens(self, text: str | None = None, *, ids: list[int] | None = None, messages: list[dict] | None = None,
              target: str | None = None, target_ids: list[int] | None = None, model: str | None = None,
-             top_k: int | None = None, ablate: AblateSpec = None):
+             top_k: int | None = None, positions: list[int] | None = None, rank: bool | None = None,
+             ablate: AblateSpec = None):
         """POST /lens, the logit lens: the residual stream at the embeddings and after every block
-        through the final norm and the head -> LensAnswer (`labels`, `top1` grid, `prob`,
-        `actual_rank`, `actual_prob` [rows, T])."""
-        body = {**_sequence(text, ids, messages, target, target_ids, model, ablate), **_given(top_k=top_k)}
+        through the final norm and the head, at every position or at `positions` (only those are
+        computed) -> LensAnswer (`labels`, `columns`, `top1` grid, `prob`, `actual_prob` [rows, P],
+        and with `rank=True` `actual_rank`)."""
+        body = {**_sequence(text, ids, messages, target, target_ids, model, ablate),
+                **_given(top_k=top_k, positions=positions, rank=rank)}
         return self._drive(self._post("/lens", body, LensAnswer))
 
     def explain(self, text: str | None = None, *, layer: int, head: int, query: int, group: str | None = None,

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_explain.py                    # checkpoints/default, 256 tokens, 1 thread
     .venv/bin/python bench/bench_explain.py --reps 9 --main-ref main
+    .venv/bin/python bench/bench_explain.py --model smollm2 --tokens 40 --part routes   # the packaged SmolLM2
 
 Part 1, on the model's side (what each route's model call runs, model/explain.py), over T tokens
 (default 256, the default model's whole context), beside its peer measured in turns in the same
@@ -13,6 +14,9 @@ runs). The goal (issue 18): each route at most 2x the peer.
                      the first ablated block on (the blocks before it are the clean run's), KL per
                      position; at layer 2 (of 4) and at layer 0 (the whole second forward)
     lens             /lens: one forward keeping every block's residual stream, each through ln_f + the LM head
+                     (every position; and the page's request: a window of 16 positions with ranks)
+Each is also given as a multiple of a plain prefill (one forward, no maps): the lens's goal on
+SmolLM2 (issue 30) is the page's request at most 3x a prefill.
     explain          /attention/explain: one forward keeping one head's q, k, v, pattern and z
 
 Part 2, end to end (--part http): the routes through the app in this process (TestClient; the
@@ -75,7 +79,8 @@ def main_model_package(ref: str, into: Path):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=REPO_ROOT / "checkpoints" / "default")
+    ap.add_argument("--model", default=str(REPO_ROOT / "checkpoints" / "default"),
+                    help="a checkpoint directory, or a packaged model's name (smollm2)")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
@@ -86,6 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
+    args.model = packaged_or_path(args.model)
     ck = load_checkpoint(args.model)
     model = ck.model.eval()
     cfg = model.config
@@ -107,23 +113,44 @@ def main() -> None:
         unused(model, ids, args)
 
 
+def packaged_or_path(name: str) -> Path:
+    from attnlens.model.interop.packaged import PACKAGED, ensure_checkpoint
+
+    packaged = {m.name.lower(): m for m in PACKAGED} | {m.name.lower().split("-")[0]: m for m in PACKAGED}
+    if name.lower() in packaged:
+        found = ensure_checkpoint(packaged[name.lower()])
+        if found is None:
+            raise SystemExit(f"{name}: its package is not installed")
+        return found
+    return Path(name)
+
+
 def routes(model, ids, edits, first, args) -> None:
     T = len(ids)
+    window = list(range(max(0, T - 16), T))
+
+    @torch.inference_mode()
+    def prefill():
+        model(torch.tensor([ids]))
+
     cases = {
         "peer: forward + attention maps": lambda: model.analyse(ids),
+        "prefill (a forward, no maps)": prefill,
         "logits (top 5, all positions)": lambda: explain.logits_report(model, ids, None, (), 5, False),
         f"logits + 1 mean ablation, layer {edits[0].module.split('.')[1]}":
             lambda: explain.logits_report(model, ids, None, edits, 5, False),
         "logits + 1 mean ablation, layer 0": lambda: explain.logits_report(model, ids, None, first, 5, False),
-        "lens (top 5)": lambda: explain.lens_report(model, ids, None, (), 5),
+        "lens (top 5, every position)": lambda: explain.lens_report(model, ids, None, (), 5),
+        f"lens, the page's {len(window)} positions + rank": lambda: explain.lens_report(model, ids, None, (), 5,
+                                                                                      window, True),
         "explain (1 head, 1 query)": lambda: explain.explain_head(model, ids, None, family_of(model).primary.name,
                                                                   1, 1, T - 1, ()),
     }
     got = turns(cases, args.warmup, args.reps)
-    peer = got["peer: forward + attention maps"]
-    print(f"\n{'case':34s} {'wall ms':>9s} {'cpu ms':>9s} {'x peer (cpu)':>13s}")
+    peer, plain = got["peer: forward + attention maps"], got["prefill (a forward, no maps)"]
+    print(f"\n{'case':40s} {'wall ms':>9s} {'cpu ms':>9s} {'x peer (cpu)':>13s} {'x prefill (cpu)':>16s}")
     for name, (w, c) in got.items():
-        print(f"{name:34s} {w:9.1f} {c:9.1f} {c / peer[1]:12.2f}x")
+        print(f"{name:40s} {w:9.1f} {c:9.1f} {c / peer[1]:12.2f}x {c / plain[1]:15.2f}x")
 
 
 def http(ids, args) -> None:

@@ -11,7 +11,8 @@ decoder inputs: start token + target), V = vocabulary, L = layers, H = heads, D 
     logits_report     position_logits, and with ablations the clean run and per-position KL and
                       change in the actual token's log-probability
     lens_report       every block's residual stream (and the embeddings) through the final norm
-                      and the head: top-k and the actual token's rank and probability
+                      and the head, at the positions asked for: top-k and the actual token's
+                      probability (and its rank when asked)
     explain_head      one head's q, keys, values, scores, mask, softmax and z at one query
 
 "Actual" is what the position's logits predict (LensSpec.predicts): the next token of the stream
@@ -110,10 +111,14 @@ def lens_names(model) -> list[str]:
 
 
 @torch.inference_mode()
-def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tuple[ZEdit, ...], top_k: int) -> dict:
-    """Rows: the embeddings (index -1), then after every block. Per row, by position: `top_ids` and
-    `top_probs` (T, k), and the actual token's (report["actual"]) `rank` (0 = the most likely) and
-    `prob` (T,), None where there is no actual token."""
+def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tuple[ZEdit, ...], top_k: int,
+                positions: list[int] | None = None, rank: bool = False) -> dict:
+    """Rows: the embeddings (index -1), then after every block. Per row, at each of `positions`
+    (default: every position of the stream, T; else positions in 0..T-1, in the order given):
+    `top_ids` and `top_probs` (P, k), the actual token's (report["actual"], per position) `prob`
+    (P,) and, with `rank`, its `rank` (0 = the most likely); None where there is no actual token
+    (a rank not asked for is None too). Only the positions asked for are unembedded: the cost is
+    (L + 1) * P rows through the (V, C) head."""
     seq = sequence_of(model, ids, target_ids)
     stream = seq.stream(model)
     actual = actual_ids(model, stream)
@@ -121,23 +126,34 @@ def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tup
     # the forward stops at the last block's output: the model's own logits are that through unembed
     hooks = Hooks(record=set(names), ablate=ablate, stop_after=names[-1])
     run_until(model, hooks, lambda: model.stream_logits(seq.tokens))
-    T = len(stream)
-    residuals = torch.cat([hooks.captured[name][0] for name in names])  # ((L + 1) * T, d_model)
-    device = residuals.device
-    picks = torch.tensor([0 if a is None else a for a in actual], dtype=torch.long, device=device)[:, None]
-    picks = picks.repeat(len(names), 1)  # ((L + 1) * T, 1)
-    # every row through the final norm and the head, a slice of rows at a time
-    stats = vocab_rows.cat_stats([vocab_rows.next_token_stats(model.unembed(residuals[rows]), picks[rows], top_k)
-                                  for rows in vocab_rows.row_slices(len(residuals), model.config.vocab_size)])
+    at = list(range(len(stream))) if positions is None else list(positions)
+    if at and max(at) >= len(stream):  # only a generated target's length is not known before this call
+        return {"error": f"positions {max(at)} out of range: the {family_of(model).lens.stream} have "
+                         f"{len(stream)} positions (0..{len(stream) - 1})"}
+    actual_at = [actual[p] for p in at]
+    P = len(at)
+    device = hooks.captured[names[0]].device
+    index = torch.tensor(at, dtype=torch.long, device=device)
+    residuals = torch.cat([hooks.captured[name][0].index_select(0, index) for name in names])  # ((L + 1) * P, C)
+    picks = torch.tensor([0 if a is None else a for a in actual_at], dtype=torch.long, device=device)[:, None]
+    picks = picks.repeat(len(names), 1)  # ((L + 1) * P, 1)
+    stats = vocab_rows.unembedded_stats(model.unembed, residuals, picks, model.config.vocab_size, top_k, rank)
     top_ids, top_probs = stats.top_ids.tolist(), stats.top_logprobs.exp().tolist()
-    ranks, probs = stats.picked_rank.tolist(), stats.picked_logprob.exp().tolist()
+    probs = stats.picked_logprob.exp().tolist()
+    ranks = stats.picked_rank.tolist() if rank else [None] * len(probs)
     layers = []
     for index in range(len(names)):
-        rows = slice(index * T, (index + 1) * T)
+        rows = slice(index * P, (index + 1) * P)
         layers.append({"index": index - 1, "top_ids": top_ids[rows], "top_probs": top_probs[rows],
-                       "rank": [None if a is None else r for a, r in zip(actual, ranks[rows])],
-                       "prob": [None if a is None else p for a, p in zip(actual, probs[rows])]})
-    return {"tokens": seq.tokens, "generated": seq.generated, "stream": stream, "actual": actual, "layers": layers}
+                       "rank": [None if a is None else r for a, r in zip(actual_at, ranks[rows])],
+                       "prob": [None if a is None else p for a, p in zip(actual_at, probs[rows])]})
+    return {"tokens": seq.tokens, "generated": seq.generated, "stream": stream, "actual": actual_at,
+            "positions": at, "layers": layers}
+
+
+def _attention_module(model, hook_name: str):
+    """The attention module whose hook points are named `hook_name` ("blocks.2.attn")."""
+    return next(m for m in model.modules() if getattr(m, "hook_name", None) == hook_name and hasattr(m, "scale"))
 
 
 def head_mask(model, group, query: int, n_keys: int) -> list[bool]:
@@ -186,7 +202,7 @@ def explain_head(model, ids: list[int], target_ids: list[int] | None, group_name
     keys = got[kn][:, kv].double()  # (S, D)
     values = got["hook_v"][:, kv].double()  # (S, D)
     D = q.shape[0]
-    scale = 1.0 / math.sqrt(D)
+    scale = _attention_module(model, module).scale  # what the forward multiplied q.k by
     scores = keys @ q  # (S,)
     scaled = scores * scale
     mask = head_mask(model, group, query, keys.shape[0])

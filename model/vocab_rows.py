@@ -1,13 +1,18 @@
 """Per-row statistics over the vocabulary, for the logit lens and the logits report: top-k, a
 chosen token's log-probability and rank, a slice of rows at a time.
 
-The lens unembeds (L + 1) * T rows. At once, that is (L + 1) * T * V floats (800 MB for a 24-layer
-model with a 152K vocabulary over 256 positions); a slice of rows at a time holds SLICE_FLOATS
-(4 MiB), and each pass after the unembedding reads what the one before left in cache. The few
-passes are chosen for the CPU: top-k from a striped candidate search, the rank counted as float
-ones (bench/bench_explain.py measures the lens beside one forward with attention maps).
+The lens unembeds (L + 1) * P rows (P positions). At once, that is (L + 1) * P * V floats (800 MB
+for a 24-layer model with a 152K vocabulary over 256 positions). The unembedding runs a block of
+rows at a time (BLOCK_FLOATS logits, 64 MiB): the head's (V, C) weights (113 MB for SmolLM2) are
+read once per block, not once per small slice, which made SmolLM2's lens 4x slower. Within a
+block, a slice of rows at a time (SLICE_FLOATS, 4 MiB) goes through the statistics, each pass
+reading what the one before left in cache. The few passes are chosen for the CPU: top-k from a
+striped candidate search, the rank (only when asked) counted as float ones
+(bench/bench_explain.py measures the lens beside a prefill).
 
-    row_slices(n, V)            slices of rows with about SLICE_FLOATS logits each
+    row_slices(n, V, floats)    slices of rows with about `floats` logits each (SLICE_FLOATS)
+    unembedded_stats(unembed, rows, picks, V, k, rank)
+                                next_token_stats of unembed(rows), block by block, slice by slice
     top_k(x, k)                 (values, ids) of the k largest per row of (N, V), as torch.topk
     count_greater(x, floor)     (N,) how many entries of each row are strictly above floor (N, 1)
     next_token_stats(logits, picks, k)
@@ -21,11 +26,12 @@ from dataclasses import dataclass, fields
 import torch
 
 SLICE_FLOATS = 1 << 20  # 4 MiB of float32 logits per slice: few enough calls, each within the L2 and L3 caches
+BLOCK_FLOATS = 1 << 24  # 64 MiB of float32 logits per unembedding: the head's weights read once a block
 STRIPES = 8  # top_k's candidate search: ids split into STRIPES stripes of V // STRIPES columns
 
 
-def row_slices(n_rows: int, vocab: int) -> list[slice]:
-    step = max(1, SLICE_FLOATS // max(1, vocab))
+def row_slices(n_rows: int, vocab: int, floats: int = SLICE_FLOATS) -> list[slice]:
+    step = max(1, floats // max(1, vocab))
     return [slice(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
 
 
@@ -69,23 +75,38 @@ class NextTokenStats:
     top_logprobs: torch.Tensor  # (N, k) descending
     top_ids: torch.Tensor  # (N, k)
     picked_logprob: torch.Tensor  # (N,) the log-probability of the picked id
-    picked_rank: torch.Tensor  # (N,) ids strictly more likely than the picked one (0: it is the top)
+    picked_rank: torch.Tensor | None  # (N,) ids strictly more likely than the picked one (0: the top); None: not asked
 
 
-def next_token_stats(logits: torch.Tensor, picks: torch.Tensor, k: int) -> NextTokenStats:
+def next_token_stats(logits: torch.Tensor, picks: torch.Tensor, k: int, rank: bool = True) -> NextTokenStats:
     """For logits (N, V) and picks (N, 1) ids: the top k log-probabilities and the picked id's, and
-    its rank. Log-probabilities are the logits less the row's log-sum-exp, which is taken about
-    the row's largest logit (the top-1), as log_softmax does; ranks compare the logits themselves."""
+    (with `rank`) its rank. Log-probabilities are the logits less the row's log-sum-exp, which is
+    taken about the row's largest logit (the top-1), as log_softmax does; ranks compare the logits
+    themselves."""
     x = logits.float()
     values, ids = top_k(x, max(1, k))  # (N, k)
     picked = x.gather(1, picks)  # (N, 1)
     scratch = torch.empty_like(x)  # (N, V): the rank's ones, then the exponentials
-    rank = count_greater(x, picked, scratch)
+    ranks = count_greater(x, picked, scratch) if rank else None
     largest = values[:, :1]  # (N, 1)
     lse = torch.sub(x, largest, out=scratch).exp_().sum(dim=-1, keepdim=True).log_().add_(largest)  # (N, 1)
-    return NextTokenStats((values - lse)[:, :k], ids[:, :k], (picked - lse)[:, 0], rank)
+    return NextTokenStats((values - lse)[:, :k], ids[:, :k], (picked - lse)[:, 0], ranks)
 
 
 def cat_stats(parts: list[NextTokenStats]) -> NextTokenStats:
     """One NextTokenStats from the slices' (in row order)."""
-    return NextTokenStats(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(NextTokenStats)))
+    def cat(name):
+        got = [getattr(p, name) for p in parts]
+        return None if got[0] is None else torch.cat(got)
+    return NextTokenStats(*(cat(f.name) for f in fields(NextTokenStats)))
+
+
+def unembedded_stats(unembed, rows: torch.Tensor, picks: torch.Tensor, vocab: int, k: int,
+                     rank: bool = True) -> NextTokenStats:
+    """next_token_stats of unembed(rows) (N, vocab) for rows (N, C) and picks (N, 1): unembedded a
+    block of rows at a time (BLOCK_FLOATS logits), the statistics a slice of the block at a time."""
+    parts = []
+    for block in row_slices(len(rows), vocab, BLOCK_FLOATS):
+        logits = unembed(rows[block])  # (n, V)
+        parts += [next_token_stats(logits[s], picks[block][s], k, rank) for s in row_slices(len(logits), vocab)]
+    return cat_stats(parts)

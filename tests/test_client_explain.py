@@ -149,7 +149,10 @@ def assert_lens_is(answer: attnlens.LensAnswer, body: dict) -> None:
     same_tokens(answer.tokens, body["tokens"])
     same_tokens(answer.target_tokens, body["target_tokens"])
     T = len(layers[0]["positions"])
-    assert len(answer.positions) == T and answer.prob.shape == answer.actual_rank.shape == (len(layers), T)
+    assert answer.columns == [p["position"] for p in layers[0]["positions"]]
+    ranked = any(p["actual"] and p["actual"]["rank"] is not None for p in layers[0]["positions"])
+    assert (answer.actual_rank is not None) == ranked
+    assert answer.prob.shape == answer.actual_prob.shape == (len(layers), T)
     for r, layer in enumerate(layers):
         for t, p in enumerate(layer["positions"]):
             assert [(x.id, x.text, x.prob) for x in answer.top[r][t]] == [(x["id"], x["text"], x["prob"])
@@ -158,10 +161,12 @@ def assert_lens_is(answer: attnlens.LensAnswer, body: dict) -> None:
             assert answer.prob[r, t] == p["top"][0]["prob"]
             a = p["actual"]
             if a is None:
-                assert answer.actual[t] is None and answer.actual_rank[r, t] == -1 and np.isnan(answer.actual_prob[r, t])
+                assert answer.actual[t] is None and np.isnan(answer.actual_prob[r, t])
+                assert not ranked or answer.actual_rank[r, t] == -1
             else:
                 assert (answer.actual[t].id, answer.actual[t].text) == (a["id"], a["text"])
-                assert (answer.actual_rank[r, t], answer.actual_prob[r, t]) == (a["rank"], a["prob"])
+                assert answer.actual_prob[r, t] == a["prob"]
+                assert (answer.actual_rank[r, t] if ranked else None) == a["rank"]
     assert (answer.ablate and [a.to_json() for a in answer.ablate]) == body["ablate"]
 
 
@@ -171,6 +176,7 @@ def test_lens_is_the_routes_json(sent, raw):
              (dict(ids=[408, 306, 12], ablate="1.3m"),
               {"ids": [408, 306, 12], "ablate": [{"layer": 1, "head": 3, "how": "mean", "group": None}]}),
              (dict(text=ENCODER_TEXT, model="encoder", top_k=1), {"model": "encoder", "text": ENCODER_TEXT, "top_k": 1}),
+             (dict(text=TEXT, positions=[4, 0, 2], rank=True), {"text": TEXT, "positions": [4, 0, 2], "rank": True}),
              (dict(text=SOURCE, model="translator", target="vingt et un"),
               {"model": "translator", "text": SOURCE, "target": "vingt et un"})]
     for kwargs, body in cases:
@@ -178,6 +184,7 @@ def test_lens_is_the_routes_json(sent, raw):
         assert bodies[-1] == body
         assert_lens_is(answer, raw("/lens", body))
     assert answer.positions == answer.target_tokens and answer.labels[0] == "embeddings"
+    assert client.lens(TEXT, positions=[4, 0, 2], rank=True).columns == [4, 0, 2]
 
 
 EXPLAIN_ARRAYS = ("q", "keys", "values", "scores", "scaled", "softmax", "pattern_row", "z")

@@ -110,11 +110,41 @@ def test_bad_inputs_are_4xx_naming_the_field(bundled_client, model, route):
         cases += [({"top_k": 0}, 422, "top_k"), ({"top_k": 51 if route == "/logits" else 21}, 422, "top_k")]
     if route == "/logits":
         cases += [({"positions": "first"}, 422, "positions")]
+    if route == "/lens":
+        cases += [({"positions": [0, 0]}, 422, "positions"), ({"positions": []}, 422, "positions"),
+                  ({"positions": [-1]}, 422, "positions.0"), ({"rank": "often"}, 422, "rank")]
+        if model != "translator":  # the translator's default target is generated: checked once it is made
+            cases += [({"positions": [0, 999]}, 400, "positions")]
     if model != "translator":
         cases += [({"target": "x"}, 422, "target")]
     for change, status, param in cases:
         r = bundled_client.post(route, json={**base, **change})
         assert (r.status_code, r.json().get("param")) == (status, param), (change, r.text)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_lens_at_chosen_positions_is_those_columns_of_the_whole(bundled_client, model):
+    """`positions` reads only those columns (in the order asked) and each equals the whole lens's;
+    `rank` comes only when asked."""
+    whole = post(bundled_client, "/lens", model=model, text=TEXT, top_k=3, rank=True).json()
+    T = len(whole["layers"][0]["positions"])
+    at = [T - 1, 0, T // 2]
+    part = post(bundled_client, "/lens", model=model, text=TEXT, top_k=3, positions=at).json()
+    assert [p["position"] for p in whole["layers"][0]["positions"]] == list(range(T))
+    for w, p in zip(whole["layers"], part["layers"]):
+        assert [c["position"] for c in p["positions"]] == at
+        for c, i in zip(p["positions"], at):
+            assert [t["id"] for t in c["top"]] == [t["id"] for t in w["positions"][i]["top"]]
+            assert [t["prob"] for t in c["top"]] == pytest.approx([t["prob"] for t in w["positions"][i]["top"]],
+                                                                   abs=1e-6)
+            if c["actual"] is not None:
+                assert c["actual"]["rank"] is None and w["positions"][i]["actual"]["rank"] >= 0
+                assert c["actual"]["prob"] == pytest.approx(w["positions"][i]["actual"]["prob"], abs=1e-6)
+
+
+def test_lens_position_past_a_generated_target(bundled_client):
+    r = post(bundled_client, "/lens", model="translator", text=TEXT, positions=[0, 47])
+    assert r.status_code == 400 and r.json()["param"] == "positions"
 
 
 def test_explain_query_past_a_generated_target(bundled_client):

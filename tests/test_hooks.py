@@ -210,7 +210,7 @@ def test_lens_equals_transformers_hidden_states_through_ln_f_and_lm_head(gpt2_ex
     ours, hf = gpt2_export
     model = ours.model.eval()
     ids = ours.tokenizer.encode(TINY_TEXT)[:30]
-    report = lens_report(model, ids, None, (), top_k=3)
+    report = lens_report(model, ids, None, (), top_k=3, rank=True)
     torch.set_grad_enabled(False)
     try:
         out = hf(torch.tensor([ids]), output_hidden_states=True)
@@ -249,6 +249,30 @@ def test_lens_last_row_is_the_models_logits(models, name):
     for t in range(len(probs)):
         assert last["top_ids"][t] == torch.topk(probs[t], 4).indices.tolist()
         assert last["top_probs"][t] == pytest.approx(torch.topk(probs[t], 4).values.tolist(), abs=1e-5)
+
+
+def test_lens_at_chosen_positions_is_the_full_lens_at_those_columns(models, monkeypatch):
+    """`positions` unembeds only those columns, in the order asked, and each is the full report's
+    column; a rank not asked for is None. Blocks of 7 rows (BLOCK_FLOATS) and slices of 3
+    (SLICE_FLOATS) across the rows give the same numbers as one block."""
+    from attnlens.model import vocab_rows
+
+    model = models["llama"]
+    ids = source(model)
+    full = lens_report(model, ids, None, (), top_k=3, rank=True)
+    V = model.config.vocab_size
+    monkeypatch.setattr(vocab_rows, "BLOCK_FLOATS", 7 * V)
+    monkeypatch.setattr(vocab_rows, "SLICE_FLOATS", 3 * V)
+    at = [len(ids) - 1, 0, 3]
+    part = lens_report(model, ids, None, (), top_k=3, positions=at, rank=True)
+    bare = lens_report(model, ids, None, (), top_k=3, positions=at)
+    assert part["positions"] == at and part["actual"] == [full["actual"][p] for p in at]
+    for f, p, b in zip(full["layers"], part["layers"], bare["layers"]):
+        assert p["top_ids"] == [f["top_ids"][i] for i in at]
+        assert p["top_probs"] == [pytest.approx(f["top_probs"][i], abs=1e-6) for i in at]
+        assert p["rank"] == [f["rank"][i] for i in at]
+        assert p["prob"] == [pytest.approx(f["prob"][i], abs=1e-6) if f["prob"][i] is not None else None for i in at]
+        assert b["rank"] == [None] * len(at) and b["prob"] == p["prob"]
 
 
 # --- logits and their effect ---------------------------------------------------------------
@@ -330,6 +354,30 @@ def test_explain_recomputes_the_maps_row_and_z(models, name, group, query):
     assert w.tolist() == pytest.approx(e["softmax"], abs=1e-6)
     if name == "llama":  # GQA: head 3 reads key/value head 1; the window of 6 masks old keys
         assert e["kv_head"] == 1 and e["mask"] == [query - 6 < k <= query for k in range(len(ids))]
+
+
+def test_explain_takes_the_scale_from_the_model_not_from_d_head(models):
+    """A model whose attention multiplies q.k by another factor (here layer 1's, changed by hand):
+    the forward's maps follow it, and the step-by-step row reports that scale and still equals
+    the map's row, on every attention path (SDPA and the maps' own product)."""
+    model = models["llama"]
+    ids = source(model, 10)
+    attn = model.get_submodule("blocks.1.attn")
+    before = explain_head(model, ids, None, "self", 1, 3, 7, ())
+    attn.scale = 40.0  # sharp enough to change a random model's near-uniform rows
+    try:
+        e = explain_head(model, ids, None, "self", 1, 3, 7, ())
+        with torch.inference_mode():
+            plain = model(torch.tensor([ids])).logits
+            mapped = model(torch.tensor([ids]), return_attention=True)
+    finally:
+        attn.scale = 1 / math.sqrt(model.config.d_head)
+    assert e["scale"] == 40.0 and before["scale"] == 1 / math.sqrt(e["d_head"])
+    assert e["scaled"] == pytest.approx([x * 40.0 for x in e["scores"]], abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(e["softmax"], e["pattern_row"])) < 1e-6
+    assert max(abs(a - b) for a, b in zip(e["softmax"], before["softmax"])) > 1e-2
+    torch.testing.assert_close(mapped.logits, plain, atol=1e-5, rtol=0)
+    assert mapped.attentions[1][0, 3, 7].tolist() == pytest.approx(e["softmax"], abs=1e-6)
 
 
 # --- generation ----------------------------------------------------------------------------

@@ -95,28 +95,42 @@ async def lens(state, body: LensRequest):
     edits, echo = resolve_ablate(served, body.ablate, state.settings)
     ids, target = await read_sequence(body, served, state)
     rows = served.checkpoint.config.n_layers + 1
-    claim = await state.answers.claim(rows * _stream_length(served, ids, target) * (body.top_k + 1) * TOKEN_BYTES,
-                                      what="this answer")
+    n = _stream_length(served, ids, target)
+    if body.positions is not None and max(body.positions) >= n and not _unknown_length(served, target):
+        raise ApiError(400, f"positions {max(body.positions)} out of range: the sequence has {n} positions "
+                       f"(0..{n - 1})", param="positions", code="out_of_range")
+    claim = await state.answers.claim(rows * (n if body.positions is None else len(body.positions))
+                                      * (body.top_k + 2) * TOKEN_BYTES, what="this answer")
     try:
         report = await served.call_model(partial(explain.lens_report, ids=ids, target_ids=target, ablate=edits,
-                                                 top_k=body.top_k))
+                                                 top_k=body.top_k, positions=body.positions, rank=body.rank))
     except BaseException:
         await claim.release()
         raise
+    if "error" in report:  # a position past the end of a generated target
+        await claim.release()
+        raise ApiError(400, report["error"], param="positions", code="out_of_range")
     tok = served.checkpoint.tokenizer
 
     def content() -> dict:
         text = tok.display_text
         actual = [None if a is None else {"id": a, "text": text(a)} for a in report["actual"]]
         layers = [{"index": layer["index"], "label": "embeddings" if layer["index"] < 0 else f"block {layer['index']}",
-                   "positions": [{"top": [{"id": i, "text": text(i), "prob": p} for i, p in zip(top_ids, probs)],
+                   "positions": [{"position": at, "top": [{"id": i, "text": text(i), "prob": p}
+                                                          for i, p in zip(top_ids, probs)],
                                   "actual": None if a is None else {**a, "rank": rank, "prob": prob}}
-                                 for top_ids, probs, a, rank, prob in zip(layer["top_ids"], layer["top_probs"], actual,
-                                                                        layer["rank"], layer["prob"])]}
+                                 for at, top_ids, probs, a, rank, prob in zip(
+                                     report["positions"], layer["top_ids"], layer["top_probs"], actual,
+                                     layer["rank"], layer["prob"])]}
                   for layer in report["layers"]]
         return LensResponse(**_common(served, report, echo), layers=layers).model_dump(mode="json")
 
     return await claimed_json(content, claim, state.settings.send_timeout_s)
+
+
+def _unknown_length(served: ServedModel, target: list[int] | None) -> bool:
+    """An encoder-decoder's generated target: its length is known only once the model made it."""
+    return served.family.lens.stream == "target" and target is None
 
 
 def _check_index(name: str, value: int, n: int, what: str) -> None:

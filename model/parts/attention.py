@@ -76,7 +76,8 @@ def sliding_window_mask(query_positions: torch.Tensor, n_keys: int, window: int)
 
 
 class MultiHeadAttention(nn.Module):
-    """softmax(Q K^T / sqrt(D) + mask) V per query head, then an output projection.
+    """softmax(Q K^T * scale + mask) V per query head (scale = 1/sqrt(D), the `scale` attribute),
+    then an output projection.
 
     The input projection is one fused ((H + 2K) D, C) matrix `qkv` (rows: q, then k, then v),
     the layout of GPT-2's c_attn and of nn.MultiheadAttention's in_proj_weight when K = H.
@@ -104,6 +105,7 @@ class MultiHeadAttention(nn.Module):
         self.n_kv_heads = config.kv_heads
         self.groups = self.n_heads // self.n_kv_heads
         self.d_head = config.d_head
+        self.scale = 1.0 / math.sqrt(config.d_head)  # the scores' factor: every path here and the explain view read it
         self.dropout = config.dropout
         H, K, D = self.n_heads, self.n_kv_heads, self.d_head
         self.qkv = nn.Linear(config.d_model, (H + 2 * K) * D, bias=config.bias_of("qkv"))
@@ -178,11 +180,12 @@ class MultiHeadAttention(nn.Module):
         else:
             probs = None
             if mask is None and causal and S == T:
-                y = sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa)
+                y = sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.scale, **gqa)
             elif (T == 1 and (mask is not None or self.groups > 1) and not q.is_cuda and dropout_p == 0.0):
-                y = self.one_query_attention(q, k, v, mask)  # a decode step on the CPU
+                y = self.one_query_attention(q, k, v, mask, self.scale)  # a decode step on the CPU
             else:
-                y = sdpa(q, k, v, attn_mask=self.full_mask(mask, causal, T, S, q.device), dropout_p=dropout_p, **gqa)
+                y = sdpa(q, k, v, attn_mask=self.full_mask(mask, causal, T, S, q.device), dropout_p=dropout_p,
+                         scale=self.scale, **gqa)
 
         if hooks is not None:
             if probs is not None:
@@ -215,27 +218,29 @@ class MultiHeadAttention(nn.Module):
         return tri if mask is None else mask & tri
 
     @staticmethod
-    def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                            scale: float | None = None) -> torch.Tensor:
         """One query per row over keys (rows of different lengths decoding together, with a mask;
         or a grouped-query step): (B, H, 1, D). On the CPU, MKL's batched products (scale and mask
         fused into one baddbmm) run this faster than SDPA's kernel: the default model's batch-16
         step, 7.08 against 7.52 ms (bench/README.md). The G query heads of a key/value head are
         the G rows of one product, so grouped keys are read once, never repeated. Keys and values
-        stay views of the cache (B and K merge without a copy)."""
+        stay views of the cache (B and K merge without a copy). `scale`: 1/sqrt(D) unless given."""
         B, H, _, D = q.shape
+        scale = 1.0 / math.sqrt(D) if scale is None else scale
         K, S = k.shape[1], k.shape[2]
         G = H // K
         qg = q.reshape(B * K, G, D)  # (B, H, 1, D) -> (B*K, G, D): a group's queries side by side
         keys_t = k.reshape(B * K, S, D).transpose(1, 2)  # (B*K, D, S)
         if mask is None:
-            scores = torch.bmm(qg, keys_t).mul_(1.0 / math.sqrt(D))  # (B*K, G, S)
+            scores = torch.bmm(qg, keys_t).mul_(scale)  # (B*K, G, S)
         else:
             blocked = ~mask
             if blocked.dim() == 4 and blocked.shape[1] != 1:  # a mask per query head: (B, H, 1, S) -> (B, K, G, S)
                 blocked = blocked.expand(B, H, 1, S).reshape(B, K, G, S)
             bias = torch.zeros(B, K, G, S, dtype=q.dtype, device=q.device).masked_fill_(blocked, float("-inf"))
             scores = torch.baddbmm(bias.view(B * K, G, S), qg, keys_t,
-                                   alpha=1.0 / math.sqrt(D))  # (B*K, G, S): q k^T / sqrt(D) + mask
+                                   alpha=scale)  # (B*K, G, S): q k^T * scale + mask
         return torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * K, S, D)).view(B, H, 1, D)
 
     def explicit_attention(self, q, k, v, mask, causal: bool, dropout_p: float):
@@ -244,9 +249,9 @@ class MultiHeadAttention(nn.Module):
         K, S = k.shape[1], k.shape[2]
         G = H // K
         if G == 1:
-            scores = (q @ k.transpose(-2, -1)).mul_(1.0 / math.sqrt(self.d_head))  # (B, H, T, S)
+            scores = (q @ k.transpose(-2, -1)).mul_(self.scale)  # (B, H, T, S)
         else:  # a group's G x T queries in one product with its keys: (B, K, G*T, S) -> (B, H, T, S)
-            scores = (q.reshape(B, K, G * T, D) @ k.transpose(-2, -1)).mul_(1.0 / math.sqrt(self.d_head))
+            scores = (q.reshape(B, K, G * T, D) @ k.transpose(-2, -1)).mul_(self.scale)
             scores = scores.view(B, H, T, S)
         full = self.full_mask(mask, causal, T, S, q.device)
         if full is not None:

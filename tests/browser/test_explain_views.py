@@ -155,8 +155,10 @@ def test_lens_grid_shows_each_layers_top_token_and_marks_the_actual_one(page, bu
     need(bundled_server, "/lens")
     analyse(page, bundled_server, text, model=model)
     open_tab(page, "lens")
-    body = {"model": model, "text": text, "top_k": 5}
+    body = {"model": model, "text": text, "top_k": 5, "rank": True}
     want = api(bundled_server, "/lens", body)
+    for layer in want["layers"]:  # the encoder's 18 positions ([CLS] text [SEP]): the page reads the last 16
+        layer["positions"] = layer["positions"][-16:]
     grid = page.eval_on_selector_all(".lens-grid tbody tr", "trs => trs.map(tr => [...tr.querySelectorAll('td')].map(td => ({hit: td.classList.contains('hit'), p: +td.style.getPropertyValue('--p')})))")
     assert len(grid) == len(want["layers"])
     for row, layer in zip(grid, want["layers"]):
@@ -168,12 +170,48 @@ def test_lens_grid_shows_each_layers_top_token_and_marks_the_actual_one(page, bu
     path, name = download(page, "#export-png")
     assert name == "attnlens-lens.png" and path.stat().st_size > 1000
     # hover: the top 5 and the actual token's rank
-    page.locator(".lens-grid td[data-layer='1'][data-pos='2']").hover()
+    page.locator(".lens-grid td[data-layer='1'][data-pos='2']").hover()  # the window's third column
     tip = page.inner_text("#tooltip")
     pos = want["layers"][1]["positions"][2]
     assert all(t["text"].strip() in tip for t in pos["top"])
     if pos["actual"]:
         assert f"rank {pos['actual']['rank']}" in tip
+
+
+def test_lens_on_a_long_prompt_reads_a_window_of_positions_and_moves_it(page, bundled_server):
+    """A prompt longer than the window: the page asks /lens for the last 16 positions only, labels
+    the columns with their positions, and the window's buttons move it (a link keeps it)."""
+    need(bundled_server, "/lens")
+    text = " ".join([PROMPT] * 3)
+    T = len(api(bundled_server, "/attention", {"text": text, "format": "json"})["tokens"])
+    assert T > 32
+    analyse(page, bundled_server, text)
+    open_tab(page, "lens")
+
+    def shown():
+        return page.eval_on_selector_all(".lens-grid thead th[scope=col]", "ths => ths.map(th => th.title)")
+
+    def window_of(start):
+        want = api(bundled_server, "/lens", {"text": text, "top_k": 5, "rank": True,
+                                              "positions": list(range(start, start + 16))})
+        grid = page.eval_on_selector_all(".lens-grid tbody tr", "trs => trs.map(tr => [...tr.querySelectorAll('td')].map(td => +td.style.getPropertyValue('--p')))")
+        assert [row for row in grid] == [[pytest.approx(p["top"][0]["prob"], abs=1e-6) for p in layer["positions"]]
+                                          for layer in want["layers"]]
+        assert [t.split(" ")[0] for t in shown()] == [f"#{i}" for i in range(start, start + 16)]
+        assert page.inner_text(".lens-window span") == f"positions {start}–{start + 15} of {T}"
+
+    window_of(T - 16)
+    assert page.is_disabled(".lens-window button:has-text('later')")
+    r = rendered(page)
+    page.click(".lens-window button:has-text('earlier')")
+    wait_rendered(page, r, prefix="lens:")
+    window_of(T - 32)
+    assert f"lensat={T - 32}" in page.url
+    r = rendered(page)
+    page.click(".lens-window button:has-text('first')")
+    wait_rendered(page, r, prefix="lens:")
+    window_of(0)
+    assert page.is_disabled(".lens-window button:has-text('earlier')")
 
 
 # --- ablation -------------------------------------------------------------------------------------

@@ -46,8 +46,9 @@ export function fetchHeads(att, { probe = null } = {}) {
   return cachedPost("/heads", probe ? { probe } : sequenceBody(att));
 }
 
-/** The logit lens: every layer's top-k at every position. */
-export const fetchLens = (att, { topK = 5, ablation = [] } = {}) => cachedPost("/lens", withAblation({ ...sequenceBody(att), top_k: topK }, ablation));
+/** The logit lens: every layer's top-k (and the actual token's rank) at `positions` (null: every position). */
+export const fetchLens = (att, { topK = 5, ablation = [], positions = null } = {}) =>
+  cachedPost("/lens", withAblation({ ...sequenceBody(att), top_k: topK, ...(positions ? { positions } : {}), rank: true }, ablation));
 
 /** Next-token predictions; with an ablation also the clean run and the per-position effect. */
 export const fetchLogits = (att, { topK = 5, ablation = [], positions = "all" } = {}) =>

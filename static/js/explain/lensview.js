@@ -3,6 +3,9 @@
 // residual predicts there (through the final norm and the unembedding), tinted by its
 // probability. A cell whose top-1 is the token that actually comes next is marked; hover or
 // focus a cell for its top-k and the actual token's rank. The current ablation applies.
+// A sequence longer than WINDOW positions is read a window of WINDOW columns at a time (the
+// state's `lensat`, its first position; null: the last window): the server unembeds only the
+// positions asked for, (layers + 1) x WINDOW rows through the head, whatever the length.
 
 import { fetchLens } from "./api.js";
 import { describeHead } from "./ablation.js";
@@ -12,6 +15,16 @@ import { START_LABEL } from "../translator/translation.js";
 
 /** The positions' tokens: a target's (its first is the decoder's start token, labelled as the other views do), else the text's. */
 const columns = (a) => (a.target_tokens ? [{ ...a.target_tokens[0], text: START_LABEL }, ...a.target_tokens.slice(1)] : a.tokens);
+
+export const WINDOW = 16;
+
+/** The window of positions [start, end) to read of a stream of T tokens, or null to read them all
+ * (a short stream, or T unknown: a translator's target is read whole). */
+export function lensWindow(T, at) {
+  if (!(T > WINDOW)) return null;
+  const start = at == null ? T - WINDOW : Math.max(0, Math.min(at, T - WINDOW));
+  return { start, end: start + WINDOW, T };
+}
 
 const pct = (p) => (p == null ? "—" : p >= 0.995 ? "100%" : p < 0.001 ? "<0.1%" : `${(100 * p).toFixed(p < 0.1 ? 1 : 0)}%`);
 
@@ -41,9 +54,13 @@ export class LensView {
   async render(params, changed, isCurrent = () => true) {
     this.params = params;
     if (this.answer && changed && [...changed].every((k) => ["layer", "head", "pin", "zoom", "explain", "probe"].includes(k))) return true;
+    // a translator's columns are its target's (read whole); a decoder's or encoder's its tokens
+    this.window = params.attention?.targetIds || params.model.capabilities?.has?.("target") ? null : lensWindow(params.tokens.length, params.settings.lensat);
+    const w = this.window;
+    const positions = w ? Array.from({ length: w.end - w.start }, (_, i) => w.start + i) : null;
     let answer;
     try {
-      answer = await this.ctx.track(fetchLens(params.attention, { topK: 5, ablation: params.ablation }));
+      answer = await this.ctx.track(fetchLens(params.attention, { topK: 5, ablation: params.ablation, positions }));
     } catch (err) {
       if (!isCurrent()) return false;
       this.answer = null;
@@ -71,13 +88,14 @@ export class LensView {
     table.className = "lens-grid";
     const head = table.createTHead().insertRow();
     head.append(Object.assign(document.createElement("th"), { className: "lens-corner", textContent: "layer \\ pos." }));
-    cols.forEach((t, i) => {
+    for (const { position } of a.layers[0]?.positions ?? []) {
+      const t = cols[position];
       const th = document.createElement("th");
       th.scope = "col";
-      th.textContent = axisLabel(t.text, 10);
-      th.title = `#${i} “${visible(t.text)}”`;
+      th.textContent = axisLabel(t?.text ?? "", 10);
+      th.title = `#${position} “${visible(t?.text ?? "")}”`;
       head.append(th);
-    });
+    }
     const body = table.createTBody();
     a.layers.forEach((layer, li) => {
       const tr = body.insertRow();
@@ -110,14 +128,37 @@ export class LensView {
     const wrap = document.createElement("div");
     wrap.className = "lens-scroll";
     wrap.append(table);
-    this.root.replaceChildren(wrap);
+    this.root.replaceChildren(...(this.window ? [this.windowBar(this.window)] : []), wrap);
+  }
+
+  /** "positions a–b of T", and buttons that move the window a window's width. */
+  windowBar({ start, end, T }) {
+    const bar = document.createElement("div");
+    bar.className = "lens-window";
+    const go = (at) => this.ctx.select({ lensat: at });
+    const button = (label, title, at) => {
+      const b = Object.assign(document.createElement("button"), { type: "button", className: "btn small", textContent: label, title });
+      b.disabled = at == null;
+      if (at != null) b.addEventListener("click", () => go(at));
+      return b;
+    };
+    const text = Object.assign(document.createElement("span"), { textContent: `positions ${start}–${end - 1} of ${T}` });
+    text.title = `the lens reads ${WINDOW} positions at a time: each is (layers + 1) rows through the unembedding`;
+    bar.append(
+      button("⏮ first", "the first positions", start > 0 ? 0 : null),
+      button("◀ earlier", `the ${WINDOW} positions before`, start > 0 ? Math.max(0, start - WINDOW) : null),
+      text,
+      button("later ▶", `the ${WINDOW} positions after`, end < T ? Math.min(T - WINDOW, start + WINDOW) : null),
+      button("last ⏭", "the last positions", end < T ? T - WINDOW : null),
+    );
+    return bar;
   }
 
   tip(td) {
     if (!td || !this.answer) return;
     const layer = this.answer.layers[+td.dataset.layer];
-    const i = +td.dataset.pos;
-    const pos = layer.positions[i];
+    const pos = layer.positions[+td.dataset.pos];
+    const i = pos.position;
     const cols = columns(this.answer);
     const alts = (pos.top ?? [])
       .map((t) => `<span class="${pos.actual && t.id === pos.actual.id ? "chosen" : ""}">${escapeHTML(visible(t.text))}</span><span class="bar" style="width:${Math.max(1, 60 * t.prob)}px"></span><span class="num">${pct(t.prob)}</span>`)
@@ -149,14 +190,15 @@ export class LensView {
     const h = 22 * scale;
     const left = 84 * scale;
     const c = document.createElement("canvas");
-    c.width = left + cols.length * w;
+    const at = (a.layers[0]?.positions ?? []).map((p) => p.position);
+    c.width = left + at.length * w;
     c.height = (a.layers.length + 2) * h;
     const ctx = c.getContext("2d");
     ctx.textBaseline = "middle";
     ctx.font = `${11 * scale}px ui-monospace, monospace`;
     const text = (s, x, y, align = "center") => ((ctx.textAlign = align), ctx.fillText(s, x, y));
     ctx.fillStyle = "#555";
-    cols.forEach((t, i) => text(axisLabel(t.text, 7), left + i * w + w / 2, h / 2));
+    at.forEach((p, i) => text(axisLabel(cols[p]?.text ?? "", 7), left + i * w + w / 2, h / 2));
     a.layers.forEach((layer, li) => {
       const y = (li + 1) * h;
       ctx.fillStyle = "#333";

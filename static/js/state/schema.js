@@ -58,6 +58,8 @@ export const STATE_KEYS = [
   { key: "ablate", type: "string", def: "", url: true },
   { key: "explain", type: "int", def: null, url: true },
   { key: "probe", type: "bool", def: false, url: true },
+  // the lens view's first column when a long sequence is read a window at a time (null: the last window)
+  { key: "lensat", type: "int", def: null, url: true },
   // data and activity (never in the URL)
   { key: "meta", type: "object", def: null }, // /model, normalised
   { key: "att", type: "object", def: null }, // AttentionSet of the analysed sequence

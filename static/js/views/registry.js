@@ -46,7 +46,7 @@ export const VIEWS = [
   { id: "cross", label: "Cross", source: "analysis", needs: ["cross"], shows: "cross", controls: ["layer", "head", "cmap", "scale", "zoom"], keys: ["explain"], View: CrossView, title: "Cross-attention: target steps down, source tokens across" },
   { id: "align", label: "Alignment", source: "analysis", needs: ["cross"], controls: ["layer", "head"], View: AlignView, title: "Lines from each target step to the source tokens it reads" },
   { id: "decoder", label: "Decoder", source: "analysis", needs: ["target"], shows: "decoder", controls: ["layer", "head", "cmap", "scale", "zoom"], keys: ["explain"], View: DecoderView, title: "The decoder's causal self-attention over the target" },
-  { id: "lens", needs: ["server"], label: "Lens", source: "analysis", controls: [], keys: ["ablate"], View: LensView, title: "Logit lens: what each layer predicts at each position" },
+  { id: "lens", needs: ["server"], label: "Lens", source: "analysis", controls: [], keys: ["ablate", "lensat"], View: LensView, title: "Logit lens: what each layer predicts at each position" },
   { id: "ablate", needs: ["server"], label: "Ablate", source: "analysis", controls: [], keys: ["ablate"], View: AblateView, title: "Remove heads and see what changes" },
 ];
 
