@@ -209,3 +209,116 @@ def test_long_prompts_wait_for_the_kv_budget_on_a_live_server(smollm2, tmp_path)
         models = httpx.get(server.base_url + "/models").json()["models"]
         assert models[0]["memory"]["kv_cache_bytes"] == budget and models[0]["restarts"] == 0
         assert max(peak) - base <= budget + 200_000_000, (base, max(peak))
+
+
+# --- the explain tools on it, against transformers' forward on the same weights -----------------
+class _eager:
+    """transformers' model with eager attention (its maps: output_attentions) for a block."""
+
+    def __init__(self, hf):
+        self.hf = hf
+
+    def __enter__(self):
+        self.was = self.hf.config._attn_implementation
+        self.hf.set_attn_implementation("eager")
+        return self.hf
+
+    def __exit__(self, *exc):
+        self.hf.set_attn_implementation(self.was)
+
+
+def test_heads_finds_its_induction_heads_as_transformer_lens_scores_them(smollm2, smollm2_transformers):
+    """/heads' scores (head_scores_and_copying) on the repeated-random probe equal TransformerLens's
+    head-detector definition applied to transformers' own attention maps, on all 270 heads; the
+    strongest induction head is L18H6, and the second copy is predicted (in-context copying)."""
+    tl = pytest.importorskip("transformer_lens.head_detector")
+    from attnlens.model.evaluation.decoder import PATTERNS, head_scores_and_copying, repeated_random_tokens
+
+    hf, _ = smollm2_transformers
+    sequences = repeated_random_tokens(smollm2.tokenizer, n=2, length=25, seed=3)
+    mine = head_scores_and_copying(smollm2.model, sequences)
+    makers = {"induction": tl.get_induction_head_detection_pattern,
+              "previous_token": tl.get_previous_token_head_detection_pattern,
+              "duplicate_token": tl.get_duplicate_token_head_detection_pattern}
+    L, H = smollm2.config.n_layers, smollm2.config.n_heads
+    theirs = {name: torch.zeros(L, H) for name in makers}
+    with _eager(hf), torch.no_grad():
+        for seq in sequences:
+            maps = hf(seq[None], output_attentions=True).attentions  # L x (1, H, T, T)
+            for name, make in makers.items():
+                pattern = make(seq[None])
+                for layer in range(L):
+                    for head in range(H):
+                        theirs[name][layer, head] += tl.compute_head_attention_similarity_score(
+                            maps[layer][0, head], pattern, exclude_bos=False, exclude_current_token=False,
+                            error_measure="mul") / len(sequences)
+    for name in PATTERNS:
+        torch.testing.assert_close(mine["scores"][name], theirs[name], atol=2e-4, rtol=0)
+    induction = mine["scores"]["induction"]
+    assert divmod(int(induction.argmax()), H) == (18, 6) and float(induction.max()) > 0.3
+    assert mine["second_copy_loss"] < mine["first_copy_loss"] / 2
+
+
+@pytest.mark.parametrize("how", ["zero", "mean"])
+def test_logits_with_an_ablation_equal_a_hooked_transformers_forward(smollm2, smollm2_transformers, how):
+    """/logits' model call with head L18H6 ablated (its z zeroed, or replaced by its mean over the
+    positions) against transformers with the same edit made by a hook on o_proj's input."""
+    from attnlens.model.explain import logits_report
+    from attnlens.model.families import family_of
+    from attnlens.model.hooks import HeadAblation, ablation_targets
+
+    hf, _ = smollm2_transformers
+    ids = smollm2.tokenizer.encode("Mr and Mrs Dursley, of number four, Privet Drive, were proud to say that Mr Dursley")
+    D = smollm2.config.d_head
+    cols = slice(6 * D, 7 * D)
+
+    def edit(module, args):
+        x = args[0].clone()  # (1, T, H * D): the heads' z side by side
+        x[..., cols] = 0 if how == "zero" else x[..., cols].mean(dim=1, keepdim=True)
+        return (x,)
+
+    handle = hf.model.layers[18].self_attn.o_proj.register_forward_pre_hook(edit)
+    try:
+        with torch.no_grad():
+            want = torch.softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    finally:
+        handle.remove()
+    edits = ablation_targets(family_of(smollm2.model), smollm2.config, [HeadAblation(18, 6, how)])
+    got = logits_report(smollm2.model, ids, None, edits, 5, False)
+    for t, pos in enumerate(got["positions"]):
+        top = torch.topk(want[t], 5)
+        assert [i for i, _ in pos["top"]] == top.indices.tolist()
+        assert [p for _, p in pos["top"]] == pytest.approx(top.values.tolist(), abs=2e-5)
+        if t + 1 < len(ids):
+            assert pos["next_prob"] == pytest.approx(float(want[t, ids[t + 1]]), abs=2e-5)
+    assert max(e["kl"] for e in got["effect"]) > 1e-4  # the head matters here
+
+
+def test_lens_and_step_by_step_view_equal_transformers(smollm2, smollm2_transformers):
+    """The lens's rows are transformers' hidden states through the final norm and the head; the
+    step-by-step view of a grouped head (query head 7 reads KV head 7 // 3 = 2) reproduces
+    transformers' attention row from q and k after rotary, at the model's scale."""
+    import math
+
+    from attnlens.model.explain import explain_head, lens_report
+
+    hf, _ = smollm2_transformers
+    ids = smollm2.tokenizer.encode("One, two, three, four, five, six, seven, eight, nine, ten")
+    positions = [len(ids) - 1, 3, 0]
+    report = lens_report(smollm2.model, ids, None, (), 3, positions=positions, rank=True)
+    with _eager(hf), torch.no_grad():
+        out = hf(torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
+        L = smollm2.config.n_layers
+        for index, row in enumerate(report["layers"]):
+            h = out.hidden_states[index] if index == L else hf.model.norm(out.hidden_states[index])
+            probs = torch.softmax(hf.lm_head(h)[0, positions].float(), dim=-1)
+            assert row["top_ids"] == torch.topk(probs, 3).indices.tolist()
+            assert row["top_probs"] == [pytest.approx(v, abs=1e-4) for v in torch.topk(probs, 3).values.tolist()]
+            for i, p in enumerate(positions):
+                if p + 1 < len(ids):
+                    assert row["rank"][i] == int((probs[i] > probs[i, ids[p + 1]]).sum())
+    query = len(ids) - 1
+    e = explain_head(smollm2.model, ids, None, "self", 12, 7, query, ())
+    assert e["kv_head"] == 2 and e["scale"] == pytest.approx(1 / math.sqrt(64))
+    assert e["softmax"] == pytest.approx(out.attentions[12][0, 7, query].tolist(), abs=1e-5)
+    assert "rotary" in smollm2.config.positional
