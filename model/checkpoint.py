@@ -6,8 +6,8 @@ the same tokenizer with bos/eos set. attnlens reads them too: an imported checkp
 special tokens, add_bos_token and chat_template live there (and, when ids other than EOS end
 a generation, in generation_config.json), as in the transformers directory it came from.
 
-A loaded model is in eval mode; on the CPU its Linear weights are stored transposed
-(model/weight_layout.py: same names, shapes and values, faster one-token steps).
+A loaded model is in eval mode; its Linear weights stay row-major (out, in), the layout
+model/parts/linear.py's CPU product reads fastest.
 
 Loading never unpickles anything. Every problem is reported as a CheckpointError that
 names the file and what is wrong with it.
@@ -29,7 +29,6 @@ from .config import ConfigError, ModelConfig
 from .tokenizer import Tokenizer
 from .families import build_model
 from .families.decoder import Transformer
-from .weight_layout import store_linear_weights_transposed
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -229,5 +228,5 @@ def load_checkpoint(
                           device=torch.device(device))
     load_weights(model, ckpt / WEIGHTS_FILE)
     model.to(device=device, dtype=dtype).eval()
-    store_linear_weights_transposed(model)  # CPU: the layout one-token steps stream fastest
+    # Linear weights stay row-major (out, in): model/parts/linear.py takes W x^T from that layout
     return Checkpoint(model=model, tokenizer=tokenizer, config=config, path=ckpt, report=load_report(ckpt))

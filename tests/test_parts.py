@@ -429,3 +429,34 @@ def test_the_new_parts_train_on_a_tiny_repeated_batch(overrides):
         opt.step()
         losses.append(loss.item())
     assert math.isfinite(losses[-1]) and losses[-1] < 0.7 * losses[0], losses
+
+
+# --- Linear: y^T = W x^T in float32 inference on the CPU ------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cpu_linear_equals_torchs_linear(rows, bias):
+    """Linear's inference path on the CPU (model/parts/linear.py: W x^T, one row padded to two)
+    against nn.Linear on the same weights, for 2-d and 3-d inputs; with autograd on it is
+    nn.Linear's own product, and its gradients are."""
+    from attnlens.model.parts.linear import Linear, cpu_linear, fast_cpu_path
+
+    torch.manual_seed(rows)
+    ours, ref = Linear(48, 80, bias=bias), nn.Linear(48, 80, bias=bias)
+    ref.load_state_dict(ours.state_dict())
+    for x in (torch.randn(rows, 48), torch.randn(2, rows, 48)):
+        with torch.no_grad():
+            assert fast_cpu_path(x, ours.weight)
+            got = ours(x)
+            assert got.shape == x.shape[:-1] + (80,) and got.is_contiguous()
+            torch.testing.assert_close(got, ref(x), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(cpu_linear(x, ours.weight, ours.bias), ref(x), atol=1e-5, rtol=1e-5)
+    x = torch.randn(rows, 48, requires_grad=True)
+    assert not fast_cpu_path(x, ours.weight) or not torch.is_grad_enabled()
+    assert torch.equal(ours(x), ref(x))  # autograd on: F.linear itself
+    ours(x).sum().backward()
+    assert ours.weight.grad is not None and x.grad is not None
+    with torch.no_grad():
+        assert not fast_cpu_path(x.double(), ours.weight.double())  # float32 only
+        assert not fast_cpu_path(torch.randn(65, 48), ours.weight)  # a prefill's many rows: F.linear

@@ -119,7 +119,7 @@ class Engine(EngineFront):
     def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 32, max_queue: int = 64,
                  max_attention_concurrent: int = 4, cuda_graphs: bool = True,
                  max_stream_backlog_bytes: int = 64_000_000, overlap_outputs: bool | None = None,
-                 kv_cache_bytes: int | None = None, prefill_chunk: int = 256,
+                 kv_cache_bytes: int | None = None, prefill_chunk: int = 256, own_thread: bool = True,
                  clock: Callable[[], float] = time.monotonic):
         super().__init__(checkpoint, max_concurrent=max_concurrent, max_queue=max_queue,
                          max_attention_concurrent=max_attention_concurrent,
@@ -159,10 +159,18 @@ class Engine(EngineFront):
         # watchdog sees progress (_run_chunk)
         self.prefill_chunk = prefill_chunk
         self._chunking: Generation | None = None
+        self._finished = False  # run() has returned (own_thread=False)
         self.errors = 0  # requests failed by an exception on the model thread
         self.running_cancelled = 0  # generations dropped from a slot because their client went away
-        self._thread = threading.Thread(target=self._run, name="attnlens-engine", daemon=True)
-        self._thread.start()
+        # The model runs on a thread of the engine's own, or (own_thread=False) on whichever thread
+        # calls run(): an engine process gives it its main thread, where the CPU's OpenMP workers
+        # spin between a step's many small parallel regions; from a second thread of a process whose
+        # main thread has used them, every region pays a wake-up (SmolLM2's one-row step: 28 ms on
+        # the main thread, 55-60 ms on another; bench/README.md)
+        self._thread = threading.Thread(target=self._run, name="attnlens-engine", daemon=True) if own_thread \
+            else None
+        if self._thread is not None:
+            self._thread.start()
 
     @property
     def cancelled(self) -> int:
@@ -195,7 +203,15 @@ class Engine(EngineFront):
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() if self._thread is not None else not self._finished
+
+    def run(self) -> None:
+        """Run the model on the calling thread until close() (an engine made with own_thread=False)."""
+        assert self._thread is None, "this engine runs on a thread of its own"
+        try:
+            self._run()
+        finally:
+            self._finished = True
 
     def _admitted(self) -> None:
         self._wakeup.notify()
@@ -204,7 +220,8 @@ class Engine(EngineFront):
         with self._lock:
             self.scheduler.closed = True
             self._wakeup.notify()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     # --- model thread ------------------------------------------------------
     def _deliver(self, records: list[Record]) -> None:

@@ -31,6 +31,7 @@ from ..kv_cache import ContextLengthError
 from ..parts import Block, Embeddings, activate
 from .contract import AttentionAnalysis, AttentionGroup, Family, LensSpec, TaskSpec, TrainingSpec
 from .decoder import Transformer
+from ..parts.linear import Linear
 
 TASKS = ("mlm", "classify", "hidden")
 
@@ -86,14 +87,14 @@ class Encoder(Embeddings, nn.Module):
             else nn.Identity()
         )
         # masked-LM head (BERT's "transform" then a decoder tied to the token embedding)
-        self.mlm_dense = nn.Linear(C, C, bias=config.bias)
+        self.mlm_dense = Linear(C, C, bias=config.bias)
         self.mlm_norm = nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
         self.mlm_bias = nn.Parameter(torch.zeros(V))
-        self.mlm_decoder = None if config.tie_embeddings else nn.Linear(C, V, bias=False)
+        self.mlm_decoder = None if config.tie_embeddings else Linear(C, V, bias=False)
         # classification head on the pooled representation
         if config.labels:
-            self.pooler = nn.Linear(C, C, bias=config.bias)
-            self.classifier = nn.Linear(C, len(config.labels), bias=True)
+            self.pooler = Linear(C, C, bias=config.bias)
+            self.classifier = Linear(C, len(config.labels), bias=True)
         else:
             self.pooler = self.classifier = None
         self.apply(Transformer._init_weights)

@@ -33,6 +33,7 @@ from ..kv_cache import ContextLengthError, KVCache, bytes_per_row, move_row
 from ..parts import Block, Embeddings
 from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, LensSpec, TaskSpec, TrainingSpec
 from .decoder import Transformer
+from ..parts.linear import Linear
 
 
 class EncoderDecoderOutput(NamedTuple):
@@ -175,7 +176,7 @@ class EncoderDecoder(Embeddings, nn.Module):
         self.decoder_blocks = nn.ModuleList(
             Block(config, causal=True, cross_attention=True) for _ in range(config.n_layers))
         self.decoder_norm = nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
-        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
+        self.lm_head = Linear(C, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.apply(Transformer._init_weights)

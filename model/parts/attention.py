@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import hooks as _hooks
 from ..config import ModelConfig
 from .positions import RotaryAngles, apply_rotary
+from .linear import Linear
 
 # Stores this call's new (B, K, T, D) keys/values and returns all (B, K, S, D) keys/values
 # the queries may see (see KVCache.begin): how a cache reaches one attention module.
@@ -108,8 +109,8 @@ class MultiHeadAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(config.d_head)  # the scores' factor: every path here and the explain view read it
         self.dropout = config.dropout
         H, K, D = self.n_heads, self.n_kv_heads, self.d_head
-        self.qkv = nn.Linear(config.d_model, (H + 2 * K) * D, bias=config.bias_of("qkv"))
-        self.proj = nn.Linear(H * D, config.d_model, bias=config.bias_of("attn_out"))
+        self.qkv = Linear(config.d_model, (H + 2 * K) * D, bias=config.bias_of("qkv"))
+        self.proj = Linear(H * D, config.d_model, bias=config.bias_of("attn_out"))
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def project(self, x: torch.Tensor, memory: torch.Tensor | None, memory_kv=None, rope: RotaryAngles | None = None,

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from .linear import Linear
 
 
 def activate(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -36,8 +37,8 @@ class FeedForward(nn.Module):
         super().__init__()
         self.gated = config.ffn == "gated"
         bias = config.bias_of("ffn")
-        self.fc = nn.Linear(config.d_model, (2 if self.gated else 1) * config.d_ff, bias=bias)
-        self.proj = nn.Linear(config.d_ff, config.d_model, bias=bias)
+        self.fc = Linear(config.d_model, (2 if self.gated else 1) * config.d_ff, bias=bias)
+        self.proj = Linear(config.d_ff, config.d_model, bias=bias)
         self.activation = config.activation
         self.dropout = nn.Dropout(config.dropout)
 
