@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import inspect
 
 import torch
+
+from attnlens.model.kv_cache import growable
 
 
 def _malloc_trim():
@@ -54,8 +55,7 @@ def cache_row_bytes(model) -> int:
 def cache_grows(model, budget: int | None, device: torch.device) -> bool:
     """Whether the engine's KV cache for this model, on `device`, grows with the work (the engine's
     own test: a budget, the CPU, a family whose cache can grow)."""
-    return (budget is not None and device.type == "cpu"
-            and "grow" in inspect.signature(model.new_kv_cache).parameters)
+    return budget is not None and device.type == "cpu" and growable(model)
 
 
 def cache_rows(name: str, row_bytes: int, max_concurrent: int, budget: int | None, *, grows: bool = False) -> int:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, growable
 from .sampling import draw_uniforms, sample_batch
 
 from .families.contract import GenerativeModel, family_of
@@ -271,7 +271,7 @@ def generate_tokens(
     sampler = RowSampler(params, make_generator(params.seed), n_logprobs, return_attention)
     # on the CPU the cache grows with the tokens (a block at a time) instead of zeroing the whole
     # context up front: SmolLM2's 8,192 positions are 377 MB, 100 ms of memset before the first token
-    cache = model.new_kv_cache(1, grow=device.type == "cpu")
+    cache = model.new_kv_cache(1, grow=True) if device.type == "cpu" and growable(model) else model.new_kv_cache(1)
     inputs = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     remaining = min(max_new_tokens, model.config.context_length - len(prompt_ids) + 1)
     for step in range(remaining):

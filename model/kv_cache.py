@@ -24,6 +24,8 @@ a GPU the cache is allocated whole, as before.
 
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import dataclass
 from functools import partial
 
@@ -216,3 +218,8 @@ class KVCache:
 
     def reset(self) -> None:
         self.lengths.zero_()
+
+
+def growable(model) -> bool:
+    """Whether a model's family can make a growing cache (its new_kv_cache takes `grow`)."""
+    return "grow" in inspect.signature(model.new_kv_cache).parameters

@@ -94,6 +94,7 @@ def test_url_round_trip_of_every_state_key(page, browser, server):
         "ablate": "1.2z,0.3m",
         "explain": 2,
         "probe": True,
+        "lensat": 3,
         "probs": [120, 998],
         "max_new_tokens": "40",
         "temperature": "0.5",
