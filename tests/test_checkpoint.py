@@ -42,7 +42,8 @@ def tok() -> Tokenizer:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"norm": "post", "activation": "relu", "positional": "sinusoidal", "tie_embeddings": False, "bias": False}],
+    [{}, {"norm": "post", "activation": "relu", "positional": "sinusoidal", "tie_embeddings": False, "bias": False},
+     {"positional": "rotary", "n_kv_heads": 2, "norm_type": "rmsnorm", "ffn": "gated", "activation": "silu"}],
 )
 def test_round_trip_is_exact(tmp_path, tok, overrides):
     model = random_model(tok, **overrides)
@@ -63,6 +64,10 @@ def test_round_trip_is_exact(tmp_path, tok, overrides):
         assert got[name].dtype == torch.float32
         assert torch.equal(got[name], want[name]), name
     assert (loaded.model.lm_head.weight is loaded.model.tok_emb.weight) == model.config.tie_embeddings
+    # the load skips the random initialisation the file overwrites, never a computed buffer
+    buffers = {n: b.tolist() for n, b in model.named_buffers()}
+    assert {n: b.tolist() for n, b in loaded.model.named_buffers()} == buffers
+    assert bool(buffers) == (model.config.positional != "learned")  # rotary frequencies, a sinusoidal table
     assert loaded.tokenizer.to_str() == tok.to_str()
     ids = torch.tensor([tok.encode("hello 東京")])
     with torch.no_grad():  # the same weights laid out alike: exactly the same numbers

@@ -28,11 +28,13 @@ from ..config import ModelConfig
 
 
 def sinusoidal_table(n_positions: int, d_model: int) -> torch.Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d))."""
-    pos = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
-    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (C/2,)
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)). Computed on
+    the CPU whatever the default device (a model built on the meta device for its shapes alone
+    would otherwise run these through torch's Python references, 1.5 s of imports)."""
+    pos = torch.arange(n_positions, dtype=torch.float64, device="cpu").unsqueeze(1)  # (P, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device="cpu")  # (C/2,)
     angle = pos / torch.pow(10000.0, two_i / d_model)  # (P, C/2)
-    table = torch.zeros(n_positions, d_model, dtype=torch.float64)
+    table = torch.zeros(n_positions, d_model, dtype=torch.float64, device="cpu")
     table[:, 0::2] = torch.sin(angle)
     table[:, 1::2] = torch.cos(angle)
     return table.float()
@@ -44,9 +46,10 @@ def rotary_inv_freq(rotary_dims: int, base: float, scaling: dict | None = None) 
     "linear" divides every frequency by `factor` (positions stretched by factor). "llama3"
     (Llama 3.1) keeps wavelengths shorter than original_max_position_embeddings /
     high_freq_factor, divides those longer than original / low_freq_factor by `factor`, and
-    interpolates smoothly in between. Computed in float32 as transformers computes them.
+    interpolates smoothly in between. Computed in float32 as transformers computes them, on the
+    CPU whatever the default device (as sinusoidal_table).
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dims, 2, dtype=torch.int64).float() / rotary_dims))
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dims, 2, dtype=torch.int64, device="cpu").float() / rotary_dims))
     if scaling is None:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
