@@ -9,7 +9,9 @@ Cases (issue 30's goals in brackets), each side with the same threads, taking tu
 * batch-1 greedy decode of N new tokens after a short prompt: our `generate_tokens` against
   `generate(do_sample=False, min_new_tokens=N, max_new_tokens=N)` [ours >= 1.5x];
 * 16 streams: the engine process (app/engine, what the server runs: one batched forward a step)
-  with 16 sampled generations at once against the same engine with one, in generated tokens per second
+  with 16 sampled generations at once against the same engine with one, in generated tokens per
+  second, every stream running its N tokens (GenerationParams.ignore_eos, as transformers' side
+  runs with min_new_tokens)
   [16 streams >= 4x one]; transformers' `generate()` on the 16 prompts as one padded batch beside;
 * a 2,048-token prefill as the engine runs it (into a KV cache row, the last position's logits)
   against transformers' forward with its cache and `logits_to_keep=1` [ours no slower].
@@ -70,7 +72,7 @@ def engine_tokens_per_s(ckpt, prompts: list[list[int]], n_new: int) -> tuple[flo
                            max_queue=len(prompts), kv_cache_bytes=1 << 30)
 
     async def run() -> int:
-        gens = engine.submit_all([GenerationParams(p, n_new, SamplingParams(temperature=1.0, seed=i))
+        gens = engine.submit_all([GenerationParams(p, n_new, SamplingParams(temperature=1.0, seed=i), ignore_eos=True)
                                   for i, p in enumerate(prompts)])
 
         async def count(g):
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{hf_pre[0] / pre[0]:7.2f}x")
     print(f"{'engine, 1 stream (generated tok/s)':44s} {one:12.1f} {'':>14s}")
     print(f"{'engine, 16 streams (generated tok/s)':44s} {many:12.1f} {hf_many:14.1f} {many / hf_many:7.2f}x")
-    print(f"\n16 streams / 1 stream: {many / one:.2f}x (tokens: {n_many} and {n_one}; sampled, EOS ends a stream early)")
+    print(f"\n16 streams / 1 stream: {many / one:.2f}x (tokens: {n_many} and {n_one}; sampled, each stream its "
+          f"{n} tokens past any EOS, as transformers' min_new_tokens)")
     print(f"decode: attnlens {1000 * n / dec[0]:.1f} tok/s, transformers generate() {1000 * n / hf_dec[0]:.1f} tok/s")
     return 0
 

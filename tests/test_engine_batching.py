@@ -671,3 +671,35 @@ def test_a_stream_left_unread_past_its_backlog_bound_ends_with_an_error(ckpt):
     assert isinstance(read_done, DoneEvent)
     assert [t.id for t in read_tokens] == reference_ids(ckpt, "The slings", 40, temperature=0.0)
     assert engine.in_flight == 0 and engine.cache.lengths.tolist() == [0, 0]
+
+
+def test_ignore_eos_runs_to_max_new_tokens_past_an_eos(tmp_path):
+    """GenerationParams.ignore_eos (vLLM's, for benchmarks): the EOS the same seed ends on is a
+    token like the others, and the generation runs to its max_new_tokens, as generate_tokens does."""
+    from helpers import make_tiny_checkpoint
+    from attnlens.model import generate_tokens, load_checkpoint, save_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "eos", tie_embeddings=False, seed=3)
+    ck = load_checkpoint(path)
+    with torch.no_grad():  # EOS has probability about 1/2 at every step
+        ck.model.ln_f.weight.zero_()
+        ck.model.ln_f.bias.fill_(1.0)
+        ck.model.lm_head.weight.normal_(0, 0.01)
+        ck.model.lm_head.weight[ck.tokenizer.eos_id].fill_(math.log(ck.config.vocab_size) / ck.config.d_model)
+    save_checkpoint(path, ck.model, ck.tokenizer)
+    ck = load_checkpoint(path)
+    params = SamplingParams(temperature=1.0, seed=4)
+    ids = [t.id for t in generate_tokens(ck.model, ck.tokenizer.encode("To be"), 20, params)]
+    assert ck.tokenizer.eos_id in ids[:-1]
+    engine = Engine(ck, max_concurrent=2, max_queue=0)
+
+    async def main():
+        return await collect_tokens(engine.submit(GenerationParams(ck.tokenizer.encode("To be"), 20, params,
+                                                                   ignore_eos=True)))
+
+    try:
+        tokens, done = run_async(main())
+    finally:
+        engine.close()
+    assert done.finish_reason == "length" and done.completion_tokens == 20
+    assert [t.id for t in tokens] == ids

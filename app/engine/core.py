@@ -68,6 +68,8 @@ class GenerationParams:
     # heads to ablate in this generation's row only (model/hooks.py, resolved and checked by the caller);
     # a mean ablation holds the prompt positions' mean, taken at prefill, for every decode step
     ablate: tuple[ZEdit, ...] = ()
+    # run to max_new_tokens past an EOS (vLLM's ignore_eos): benchmarks that need every stream's length
+    ignore_eos: bool = False
 
 
 class Generation:
@@ -477,7 +479,7 @@ class Engine(EngineFront):
             g.t_first = time.perf_counter()
         g.last_token = token.id
         records.append(TokenRecord(g, token))
-        if token.id in self.tokenizer.eos_ids:  # EOS, or another end the checkpoint names (Llama 3's <|eot_id|>)
+        if token.id in self.tokenizer.eos_ids and not g.params.ignore_eos:  # EOS, or another end (Llama 3's <|eot_id|>)
             g.finish_reason = "eos"
         elif g.produced >= g.params.max_new_tokens or length >= self.cache.capacity:
             g.finish_reason = "length"

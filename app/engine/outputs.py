@@ -306,7 +306,7 @@ class RequestState:
         if self.text.stopped or self.overflowed or self.shed:
             return  # after a stop string (or an overflow): the core stops when told; these do not count
         self.seen += 1
-        if token.id in self.tokenizer.eos_ids:  # the end: no text, but its score is kept
+        if token.id in self.tokenizer.eos_ids and not self.generation.params.ignore_eos:  # the end: no text, scored
             self.eos_token = ScoredToken(id=token.id, text=self.tokenizer.display_text(token.id),
                                                logprob=token.logprob,
                                                top_logprobs=self._alternatives(token.top_ids, token.top_logprobs))
