@@ -145,11 +145,11 @@ export class LensView {
     const text = Object.assign(document.createElement("span"), { textContent: `positions ${start}–${end - 1} of ${T}` });
     text.title = `the lens reads ${WINDOW} positions at a time: each is (layers + 1) rows through the unembedding`;
     bar.append(
-      button("⏮ first", "the first positions", start > 0 ? 0 : null),
-      button("◀ earlier", `the ${WINDOW} positions before`, start > 0 ? Math.max(0, start - WINDOW) : null),
+      button("« first", "the first positions", start > 0 ? 0 : null),
+      button("‹ earlier", `the ${WINDOW} positions before`, start > 0 ? Math.max(0, start - WINDOW) : null),
       text,
-      button("later ▶", `the ${WINDOW} positions after`, end < T ? Math.min(T - WINDOW, start + WINDOW) : null),
-      button("last ⏭", "the last positions", end < T ? T - WINDOW : null),
+      button("later ›", `the ${WINDOW} positions after`, end < T ? Math.min(T - WINDOW, start + WINDOW) : null),
+      button("last »", "the last positions", end < T ? T - WINDOW : null),
     );
     return bar;
   }
