@@ -371,3 +371,26 @@ def write_gguf(path: Path, *, arch: str = "llama", name: str = "tiny", qtype: st
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# --- processes ----------------------------------------------------------------------------------
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a server's engine processes), from /proc/*/stat: the
+    parent is the fourth field."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")

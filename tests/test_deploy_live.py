@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from helpers import never_eos_checkpoint, run_async, sse_events
+from helpers import child_pids, never_eos_checkpoint, run_async, sse_events
 from live_server import free_port, live_server
 from nginx_front import NGINX, nginx_front
 
@@ -37,19 +37,6 @@ BACKLOG = 8_000_000  # bytes of a stream its client may leave unread (ATTNLENS_M
 ENV = {"ATTNLENS_API_KEY": KEY, "ATTNLENS_MAX_CONCURRENT": "8", "ATTNLENS_MAX_QUEUE": "16",
        "ATTNLENS_MAX_NEW_TOKENS": str(LONG), "ATTNLENS_SHUTDOWN_GRACE_S": "120", "OMP_NUM_THREADS": "1",
        "ATTNLENS_MAX_STREAM_BACKLOG_BYTES": str(BACKLOG), "ATTNLENS_LOG_LEVEL": "info"}
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (a replica's engine process)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 class Replicas:
@@ -183,7 +170,7 @@ def clients(base_url: str):
 
 
 def engine_processes(replicas) -> list[int]:
-    pids = [pid for server in replicas.servers for pid in children(server.process.pid)
+    pids = [pid for server in replicas.servers for pid in child_pids(server.process.pid)
             if b"attnlens.app.engine" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(pids) == 2, pids
     return pids
@@ -298,7 +285,7 @@ def test_a_killed_replica_costs_only_the_streams_it_held(replicas):
             held = await asyncio.to_thread(replicas.held, 0)
             assert 1 <= held <= 5, held  # nginx spread them (least_conn)
             victim = replicas.servers[0].process
-            for pid in [victim.pid, *children(victim.pid)]:
+            for pid in [victim.pid, *child_pids(victim.pid)]:
                 os.kill(pid, signal.SIGKILL)
             victim.wait(30)
             failures = await quick_requests(client, oai, 12)
@@ -324,7 +311,7 @@ def test_a_sigtermed_replica_drains_without_cutting_a_stream(replicas):
             streams = [await open_stream(client, max_new_tokens=300, prompt=f"Or not {k}") for k in range(4)]
             held = await asyncio.to_thread(replicas.held, 0)
             assert held >= 1
-            engine = children(replicas.servers[0].process.pid)
+            engine = child_pids(replicas.servers[0].process.pid)
             replicas.servers[0].process.send_signal(signal.SIGTERM)
             for _ in range(100):  # the signal is handled between two steps of its event loop
                 ready = await client.get(replicas.servers[0].base_url + "/readyz")

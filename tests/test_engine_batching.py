@@ -505,10 +505,10 @@ def test_per_step_attention_comes_from_the_batched_forward(ckpt):
         assert [t.id for t in results[i][0]] == reference_ids(ckpt, prompts[i], 8, temperature=0.0)
 
 
-def test_a_generation_ending_on_eos_keeps_the_eos_score(tmp_path):
-    """EOS is not text, but it is a generated token: its log-probability is kept for /v1 logprobs."""
+def eos_prone_checkpoint(tmp_path):
+    """A tiny checkpoint whose every step gives EOS about half the probability."""
     from helpers import make_tiny_checkpoint
-    from attnlens.model import generate_tokens, load_checkpoint, save_checkpoint
+    from attnlens.model import load_checkpoint, save_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "eos", tie_embeddings=False, seed=3)
     ck = load_checkpoint(path)
@@ -519,6 +519,14 @@ def test_a_generation_ending_on_eos_keeps_the_eos_score(tmp_path):
         ck.model.lm_head.weight[ck.tokenizer.eos_id].fill_(math.log(ck.config.vocab_size) / ck.config.d_model)
     save_checkpoint(path, ck.model, ck.tokenizer)
     ck = load_checkpoint(path)
+    return ck
+
+
+def test_a_generation_ending_on_eos_keeps_the_eos_score(tmp_path):
+    """EOS is not text, but it is a generated token: its log-probability is kept for /v1 logprobs."""
+    from attnlens.model import generate_tokens
+
+    ck = eos_prone_checkpoint(tmp_path)
     params = SamplingParams(temperature=1.0, seed=4)
     ref = list(generate_tokens(ck.model, ck.tokenizer.encode("To be"), 20, params, n_logprobs=2))
     ids = [t.id for t in ref]
@@ -676,18 +684,9 @@ def test_a_stream_left_unread_past_its_backlog_bound_ends_with_an_error(ckpt):
 def test_ignore_eos_runs_to_max_new_tokens_past_an_eos(tmp_path):
     """GenerationParams.ignore_eos (vLLM's, for benchmarks): the EOS the same seed ends on is a
     token like the others, and the generation runs to its max_new_tokens, as generate_tokens does."""
-    from helpers import make_tiny_checkpoint
-    from attnlens.model import generate_tokens, load_checkpoint, save_checkpoint
+    from attnlens.model import generate_tokens
 
-    path = make_tiny_checkpoint(tmp_path / "eos", tie_embeddings=False, seed=3)
-    ck = load_checkpoint(path)
-    with torch.no_grad():  # EOS has probability about 1/2 at every step
-        ck.model.ln_f.weight.zero_()
-        ck.model.ln_f.bias.fill_(1.0)
-        ck.model.lm_head.weight.normal_(0, 0.01)
-        ck.model.lm_head.weight[ck.tokenizer.eos_id].fill_(math.log(ck.config.vocab_size) / ck.config.d_model)
-    save_checkpoint(path, ck.model, ck.tokenizer)
-    ck = load_checkpoint(path)
+    ck = eos_prone_checkpoint(tmp_path)
     params = SamplingParams(temperature=1.0, seed=4)
     ids = [t.id for t in generate_tokens(ck.model, ck.tokenizer.encode("To be"), 20, params)]
     assert ck.tokenizer.eos_id in ids[:-1]

@@ -108,20 +108,17 @@ def test_cuda_graph_decode_equals_the_eager_step(pair):
             last = torch.tensor([[t.id] for t in a.tokens], device="cuda")
 
 
-def test_engine_on_cuda_with_graphs_matches_generate_tokens(tiny_checkpoint):
+def _greedy_engine_answers_are_each_alone(ckpt, engine, prompts: list[str], n: int) -> None:
+    """Greedy generations of `prompts` submitted to `engine` at once give the tokens the model gives
+    each alone (up to EOS); the engine is closed after."""
     import asyncio
 
-    from attnlens.app.engine import Engine, GenerationParams
+    from attnlens.app.engine import GenerationParams
     from attnlens.app.engine.outputs import TokenEvent
-    from helpers import run_async
-
-    ckpt = load_checkpoint(tiny_checkpoint, device="cuda")
-    engine = Engine(ckpt, max_concurrent=4, max_queue=4)
-    assert engine.graphs is not None
-    prompts = ["To be", "Or not", "The slings", "No more", "Whether"]
+    from helpers import reference_ids, run_async
 
     async def main():
-        gens = engine.submit_all([GenerationParams(ckpt.tokenizer.encode(p), 16, SamplingParams(temperature=0))
+        gens = engine.submit_all([GenerationParams(ckpt.tokenizer.encode(p), n, SamplingParams(temperature=0))
                                   for p in prompts])
 
         async def ids(g):
@@ -133,48 +130,32 @@ def test_engine_on_cuda_with_graphs_matches_generate_tokens(tiny_checkpoint):
         got = run_async(main())
     finally:
         engine.close()
-    eos = ckpt.tokenizer.eos_id
     for p, tokens in zip(prompts, got):
-        ref = [t.id for t in generate_tokens(ckpt.model, ckpt.tokenizer.encode(p), 16, SamplingParams(temperature=0))]
-        ref = ref[: ref.index(eos)] if eos in ref else ref
-        assert tokens == ref
+        assert tokens == reference_ids(ckpt, p, n, temperature=0.0), p
+
+
+def test_engine_on_cuda_with_graphs_matches_generate_tokens(tiny_checkpoint):
+    from attnlens.app.engine import Engine
+
+    ckpt = load_checkpoint(tiny_checkpoint, device="cuda")
+    engine = Engine(ckpt, max_concurrent=4, max_queue=4)
+    assert engine.graphs is not None
+    _greedy_engine_answers_are_each_alone(ckpt, engine, ["To be", "Or not", "The slings", "No more", "Whether"], 16)
 
 
 def test_long_prompts_prefilled_in_pieces_on_cuda_beside_graphed_decode_steps(tiny_checkpoint):
     """Chunked prefill on CUDA: prompts longer than `prefill_chunk` go in 5-token pieces into the
     row after the decoding ones while short ones decode from the captured graphs; each request's
     greedy tokens are what the model gives it alone."""
-    import asyncio
-
-    from attnlens.app.engine import Engine, GenerationParams
-    from attnlens.app.engine.outputs import TokenEvent
-    from helpers import run_async
+    from attnlens.app.engine import Engine
 
     ckpt = load_checkpoint(tiny_checkpoint, device="cuda")
     engine = Engine(ckpt, max_concurrent=4, max_queue=8, prefill_chunk=5)
     assert engine.graphs is not None
     prompts = ["To be", "Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous fortune",
                "Or not", "Or to take arms against a sea of troubles, and by opposing end them", "The slings"]
-
-    async def main():
-        gens = engine.submit_all([GenerationParams(ckpt.tokenizer.encode(p), 12, SamplingParams(temperature=0))
-                                  for p in prompts])
-
-        async def ids(g):
-            return [e.id for e in [e async for e in g.events()] if isinstance(e, TokenEvent)]
-
-        return await asyncio.gather(*(ids(g) for g in gens))
-
     assert sum(len(ckpt.tokenizer.encode(p)) > 3 * 5 for p in prompts) == 2
-    try:
-        got = run_async(main())
-    finally:
-        engine.close()
-    eos = ckpt.tokenizer.eos_id
-    for p, tokens in zip(prompts, got):
-        ref = [t.id for t in generate_tokens(ckpt.model, ckpt.tokenizer.encode(p), 12, SamplingParams(temperature=0))]
-        ref = ref[: ref.index(eos)] if eos in ref else ref
-        assert tokens == ref, p
+    _greedy_engine_answers_are_each_alone(ckpt, engine, prompts, 12)
 
 
 def test_every_bundled_family_serves_on_cuda_as_on_the_cpu(default_checkpoint):

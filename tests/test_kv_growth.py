@@ -77,6 +77,19 @@ async def _collect(generation, on_event=lambda: None):
     return tokens, last
 
 
+def _run_all(engine, params, on_event=lambda: None) -> list:
+    """Every generation of `params` submitted at once, each (token events, last event); the engine
+    is closed after."""
+    async def main():
+        gens = engine.submit_all(params)
+        return await asyncio.gather(*(_collect(g, on_event) for g in gens))
+
+    try:
+        return run_async(main())
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("rows_in_budget", [8, 2], ids=["all-fit", "two-fit"])
 def test_the_engine_keeps_the_growing_cache_in_its_budget(ckpt, rows_in_budget):
     """Eight requests of up to 24 new tokens: with a budget for eight whole reservations they decode
@@ -92,14 +105,7 @@ def test_the_engine_keeps_the_growing_cache_in_its_budget(ckpt, rows_in_budget):
     assert engine.cache_grows and engine.cache_bytes == budget
     seen: list[int] = []
 
-    async def main():
-        gens = engine.submit_all(params)
-        return await asyncio.gather(*(_collect(g, lambda: seen.append(engine.cache.allocated[0])) for g in gens))
-
-    try:
-        results = run_async(main())
-    finally:
-        engine.close()
+    results = _run_all(engine, params, lambda: seen.append(engine.cache.allocated[0]))
     for i, (tokens, done) in enumerate(results):
         assert isinstance(done, DoneEvent), done
         assert [t.id for t in tokens] == [t.id for t in reference_tokens(ckpt, PROMPTS[i], n_new, **sampling(i))], i
@@ -138,14 +144,7 @@ def test_long_prompts_are_prefilled_in_pieces_between_decode_steps(ckpt, tiny_ch
             engine._chunked_then(records)
         engine._run_chunk = spy
 
-    async def main():
-        gens = engine.submit_all(params)
-        return await asyncio.gather(*(_collect(g) for g in gens))
-
-    try:
-        results = run_async(main())
-    finally:
-        engine.close()
+    results = _run_all(engine, params)
     for i, (tokens, done) in enumerate(results):
         assert isinstance(done, DoneEvent), done
         ref = reference_tokens(ckpt, prompts[i], lengths[i], n_logprobs=2, **sampling(i))

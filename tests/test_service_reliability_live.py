@@ -15,13 +15,12 @@ import asyncio
 import json
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from conftest import make_tiny_checkpoint
-from helpers import run_async
+from helpers import rss_bytes, run_async
 from live_server import live_server
 
 pytestmark = pytest.mark.slow
@@ -42,13 +41,6 @@ def server(tmp_path_factory):
            "ATTNLENS_BODY_TIMEOUT_S": str(BODY_TIMEOUT), "ATTNLENS_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
     with live_server(ckpt, tmp_path_factory.mktemp("rel-live-logs"), env=env) as s:
         yield s
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def host_port(server) -> tuple[str, int]:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from attnlens.model.interop import packaged
 from attnlens.model.interop.packaged import SMOLLM2
+from helpers import child_pids, rss_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -143,26 +143,6 @@ def test_the_openai_client_chats_with_it_on_a_live_server(smollm2, tmp_path):
         assert [m.id for m in models.data] == [SMOLLM2.name]
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (from /proc/*/stat: the parent is its fourth field)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _rss_bytes(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def test_long_prompts_wait_for_the_kv_budget_on_a_live_server(smollm2, tmp_path):
     """Six ~2,000-token prompts of 48 new tokens each, at once, against a KV budget that holds three
     of them (it must hold one whole 8,192-token row, 360 MB): all are answered, none restarts the
@@ -180,13 +160,13 @@ def test_long_prompts_wait_for_the_kv_budget_on_a_live_server(smollm2, tmp_path)
     budget = 400_000_000  # three rows of 2,304 positions (45 KB each a position) but not four
     env = {"ATTNLENS_KV_CACHE_BYTES": str(budget)}
     with live_server(smollm2.path, tmp_path, env=env, timeout=180) as server:
-        engine = _children(server.process.pid)[0]  # the only model's engine process
-        base = _rss_bytes(engine)
+        engine = child_pids(server.process.pid)[0]  # the only model's engine process
+        base = rss_bytes(engine)
         peak, done = [base], threading.Event()
 
         def watch():
             while not done.is_set():
-                peak.append(_rss_bytes(engine))
+                peak.append(rss_bytes(engine))
                 time.sleep(0.1)
 
         watcher = threading.Thread(target=watch)
