@@ -40,7 +40,7 @@ from .engine.supervisor import EngineSupervisor, RestartPolicy, Supervision
 from .docs import install_docs
 from .errors import install_error_handlers, scope_error_response
 from .loader import load_for_serving
-from .memory import cache_grows, cache_row_bytes, cache_rows
+from .memory import cache_paged, cache_row_bytes, cache_rows
 from .metrics import Metrics, MetricsMiddleware
 from .stream_events import events
 from .encoder_tasks import classify_or_fill_warm_up
@@ -77,7 +77,7 @@ async def start_runner(s: Settings, ckpt: Checkpoint, name: str):
     if family_of(ckpt.model).generation is None:
         return ModelRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)
     rows = cache_rows(name, cache_row_bytes(ckpt.model), s.max_concurrent, s.kv_cache_bytes,
-                      grows=cache_grows(ckpt.model, s.kv_cache_bytes, ckpt.weights_device))
+                      paged=cache_paged(ckpt.model, s.kv_cache_bytes, ckpt.weights_device))
     limits = dict(max_concurrent=rows, max_queue=s.max_queue,
                   max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs,
                   max_stream_backlog_bytes=s.max_stream_backlog_bytes, kv_cache_bytes=s.kv_cache_bytes,

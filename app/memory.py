@@ -1,9 +1,10 @@
 """What a served model holds in memory (its weights and its KV cache), and how many KV-cache rows
 (generations decoded at once) a memory budget allows.
 
-On the CPU a decoder's KV cache grows with the tokens in flight (model/kv_cache.py): there the
-budget ATTNLENS_KV_CACHE_BYTES (default 1 GiB a model) bounds what it may hold, every
-MAX_CONCURRENT slot stays open, and prompts wait while the cache is full (app/engine/core.py).
+On the CPU a decoder's KV cache is handed out in blocks from one pool (model/paged_kv_cache.py):
+there the budget ATTNLENS_KV_CACHE_BYTES (default 1 GiB a model) is the pool, memory follows the
+tokens in flight, every MAX_CONCURRENT slot stays open, and prompts wait while the reservations
+of the generations in flight fill it (app/engine/core.py).
 Elsewhere (CUDA, the encoder-decoder) the rows are allocated whole, as below.
 
 A row of a generating model's KV cache holds keys and values for every layer over the whole
@@ -20,7 +21,7 @@ import ctypes.util
 
 import torch
 
-from attnlens.model.kv_cache import growable
+from attnlens.model.kv_cache import pageable
 
 
 def _malloc_trim():
@@ -52,20 +53,20 @@ def cache_row_bytes(model) -> int:
     return model.kv_cache_row_bytes()
 
 
-def cache_grows(model, budget: int | None, device: torch.device) -> bool:
-    """Whether the engine's KV cache for this model, on `device`, grows with the work (the engine's
-    own test: a budget, the CPU, a family whose cache can grow)."""
-    return budget is not None and device.type == "cpu" and growable(model)
+def cache_paged(model, budget: int | None, device: torch.device) -> bool:
+    """Whether the engine's KV cache for this model, on `device`, is in blocks from one pool (the
+    engine's own test: a budget, the CPU, a family whose cache can be)."""
+    return budget is not None and device.type == "cpu" and pageable(model)
 
 
-def cache_rows(name: str, row_bytes: int, max_concurrent: int, budget: int | None, *, grows: bool = False) -> int:
+def cache_rows(name: str, row_bytes: int, max_concurrent: int, budget: int | None, *, paged: bool = False) -> int:
     """Rows (generations decoded together) for a model: MAX_CONCURRENT, or fewer if the budget
-    holds fewer whole rows (a growing cache needs room for one); a budget that holds no row at all
+    holds fewer whole rows (a cache in blocks needs room for one); a budget that holds no row at all
     is a start-up error naming the numbers."""
     if budget is None:
         return max_concurrent
     whole = budget // row_bytes
-    rows = max_concurrent if grows and whole >= 1 else min(max_concurrent, whole)
+    rows = max_concurrent if paged and whole >= 1 else min(max_concurrent, whole)
     if rows < 1:
         raise RuntimeError(f"ATTNLENS_KV_CACHE_BYTES={budget} holds no row of model {name!r}'s KV cache "
                            f"(one row, a whole context of keys and values, is {row_bytes / 2**20:.1f} MB)")

@@ -50,7 +50,7 @@ ENGINE_GAUGES = (
     ("attnlens_attention_in_flight", "Attention requests running or waiting for the model",
      lambda e: e.attention_in_flight),
     ("attnlens_kv_cache_budget_bytes", "The most the model's KV cache may hold (ATTNLENS_KV_CACHE_BYTES; on the "
-     "CPU it grows with the tokens in flight up to this)", lambda e: e.cache_bytes),
+     "CPU its blocks are handed out with the tokens in flight up to this)", lambda e: e.cache_bytes),
 )
 
 

@@ -81,8 +81,9 @@ class Settings(BaseSettings):
     max_chat_messages: int = Field(256, ge=1)
     # generations decoded together in one batch (= KV cache rows); see bench/README.md
     max_concurrent: int = Field(32, ge=1)
-    # Bytes for each generating model's KV cache (app/memory.py). On the CPU a decoder's cache grows
-    # with the tokens in flight up to this, and prompts wait while it is full; elsewhere each row
+    # Bytes for each generating model's KV cache (app/memory.py). On the CPU a decoder's cache is a
+    # pool of this many bytes handed out in 64-position blocks with the tokens in flight, and prompts
+    # wait while the generations in flight may fill it; elsewhere each row
     # holds a whole context and the rows are MAX_CONCURRENT or as many as this holds, whichever is
     # fewer. It must hold one whole-context row (SmolLM2: 0.36 GB in float32)
     kv_cache_bytes: int | None = Field(1 << 30, ge=1)

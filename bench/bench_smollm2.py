@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     # a long prompt: SmolLM2's own words repeated to the length asked for
     text = " ".join(PROMPTS)
     long_ids = (tok.encode(text) * (args.prefill // len(tok.encode(text)) + 1))[:args.prefill]
-    cache = model.new_kv_cache(1, grow=True)
+    cache = model.new_kv_cache(1, paged=True)
 
     def ours_prefill():
         with torch.inference_mode():

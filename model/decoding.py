@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from .kv_cache import KVCache, growable
+from .kv_cache import KVCache, pageable
 from .sampling import draw_uniforms, sample_batch
 
 from .families.contract import GenerativeModel, family_of
@@ -269,9 +269,9 @@ def generate_tokens(
         raise ValueError("prompt_ids must not be empty")
     device = model.tok_emb.weight.device
     sampler = RowSampler(params, make_generator(params.seed), n_logprobs, return_attention)
-    # on the CPU the cache grows with the tokens (a block at a time) instead of zeroing the whole
-    # context up front: SmolLM2's 8,192 positions are 377 MB, 100 ms of memset before the first token
-    cache = model.new_kv_cache(1, grow=True) if device.type == "cpu" and growable(model) else model.new_kv_cache(1)
+    # on the CPU the cache takes blocks as the tokens come instead of zeroing the whole context up
+    # front: SmolLM2's 8,192 positions are 377 MB, 100 ms of memset before the first token
+    cache = model.new_kv_cache(1, paged=True) if device.type == "cpu" and pageable(model) else model.new_kv_cache(1)
     inputs = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     remaining = min(max_new_tokens, model.config.context_length - len(prompt_ids) + 1)
     for step in range(remaining):

@@ -13,13 +13,9 @@ so do its rotary angles and its sliding window (model/families/decoder.py). Keys
 already rotated. Freeing a row sets its length to 0; the memory is reused as it is, never
 reallocated.
 
-A growing cache (`grow=True`, what the engine uses on the CPU) allocates only what the tokens in
-flight need: (rows in use, longest row rounded up to `block` positions), grown in place of the
-old tensors when a forward call needs more, and given back by `trim` when rows finish. Its
-memory follows the work (a lone 8,192-token prompt of a 135M Llama holds 0.36 GB, not 32 rows of
-it); the engine keeps it within a byte budget by admitting work only while
-`bytes_for(rows, positions)` fits (app/engine/core.py). CUDA graphs capture fixed addresses, so on
-a GPU the cache is allocated whole, as before.
+The engine's cache on the CPU holds only what the tokens in flight need, in blocks from one pool
+(model/paged_kv_cache.py, the same contract). CUDA graphs capture fixed addresses, so on a GPU the
+cache is this one, allocated whole.
 """
 
 from __future__ import annotations
@@ -64,6 +60,15 @@ class CacheWrite:
         return partial(self.cache.update, self, index)
 
 
+def rows_of(rows: slice | None, batch: int, n_rows: int) -> slice:
+    """A call's rows as a plain slice (rows 0 .. batch-1 by default), checked against its batch."""
+    rows = slice(0, batch) if rows is None else rows
+    start, stop, step = rows.indices(n_rows)
+    if step != 1 or stop - start != batch:
+        raise ValueError(f"rows {rows} do not match a batch of {batch}")
+    return slice(start, stop)
+
+
 def bytes_per_row(n_layers: int, n_kv_heads: int, capacity: int, d_head: int, dtype: torch.dtype) -> int:
     """Memory one cache row takes: keys and values of every layer, K heads x P positions x D."""
     return 2 * n_layers * n_kv_heads * capacity * d_head * torch.empty((), dtype=dtype).element_size()
@@ -71,86 +76,20 @@ def bytes_per_row(n_layers: int, n_kv_heads: int, capacity: int, d_head: int, dt
 
 class KVCache:
     def __init__(self, n_layers: int, n_rows: int, n_kv_heads: int, capacity: int, d_head: int, *,
-                 device=None, dtype=None, grow: bool = False, block: int = 256):
+                 device=None, dtype=None):
         self.n_layers, self.n_kv_heads, self.d_head = n_layers, n_kv_heads, d_head
         self.dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.lengths = torch.zeros(n_rows, dtype=torch.long)
         self.n_rows = n_rows
         self.capacity = capacity  # the context length: positions a row may hold
         self.device = device
-        self.grow, self.block = grow, block
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self._allocate(0, 0) if grow else self._allocate(n_rows, capacity)
-
-    # --- memory --------------------------------------------------------------
-    @property
-    def allocated(self) -> tuple[int, int]:
-        """(rows, positions) the tensors hold now: (n_rows, capacity) unless the cache grows."""
-        return self._allocated
-
-    def _in_blocks(self, positions: int) -> int:
-        """`positions` rounded up to whole blocks, at most the context (what a growing cache allocates)."""
-        return min(self.capacity, -(-positions // self.block) * self.block)
-
-    def bytes_for(self, rows: int, positions: int) -> int:
-        """Bytes of keys and values for `rows` rows of `positions` (rounded up to a block when growing)."""
-        if self.grow:
-            positions = self._in_blocks(positions)
-        return rows * bytes_per_row(self.n_layers, self.n_kv_heads, positions, self.d_head, self.dtype)
-
-    @property
-    def bytes_held(self) -> int:
-        return self.bytes_for(*self.allocated)
-
-    def _allocate(self, rows: int, positions: int) -> None:
-        """New (rows, K, positions, D) tensors holding what the old ones held where both reach."""
-        shape = (rows, self.n_kv_heads, positions, self.d_head)
-        old_k, old_v = self.keys, self.values
-        new_k: list[torch.Tensor] = []
-        new_v: list[torch.Tensor] = []
-        for layer in range(self.n_layers):  # layer by layer, each old tensor dropped once copied
-            for old, new in ((old_k, new_k), (old_v, new_v)):
-                t = torch.zeros(shape, device=self.device, dtype=self.dtype)
-                if old:
-                    r, p = min(rows, old[layer].shape[0]), min(positions, old[layer].shape[2])
-                    t[:r, :, :p] = old[layer][:r, :, :p]
-                    old[layer] = t  # drops the old tensor now: at most one layer's old and new at once
-                new.append(t)
-        self.keys, self.values = new_k, new_v
-        self._allocated = (rows, positions)
-
-    def reserve(self, rows: int, positions: int) -> None:
-        """Make room for `rows` rows of `positions` positions (a growing cache grows to it, in
-        whole blocks; a whole cache always has it)."""
-        if not self.grow:
-            return
-        have_rows, have_positions = self.allocated
-        positions = self._in_blocks(positions)
-        if rows > have_rows or positions > have_positions:
-            self._allocate(max(rows, have_rows), max(positions, have_positions))
-
-    def trim(self, active_rows: int) -> bool:
-        """Give back what rows 0 .. active_rows - 1 no longer need (a growing cache): everything when
-        none is active, else the rows past them and the positions past the longest, when that halves
-        the memory or more. Whether it gave anything back."""
-        if not self.grow:
-            return False
-        longest = int(self.lengths[:active_rows].max()) if active_rows else 0
-        rows, positions = self.allocated
-        want = (active_rows, self._in_blocks(longest) if active_rows else 0)
-        if want != (rows, positions) and (active_rows == 0 or 2 * want[0] * want[1] <= rows * positions):
-            self._allocate(*want)
-            return True
-        return False
+        shape = (n_rows, n_kv_heads, capacity, d_head)
+        self.keys = [torch.zeros(shape, device=device, dtype=self.dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=self.dtype) for _ in range(n_layers)]
 
     # --- one forward call ----------------------------------------------------
     def row_slice(self, rows: slice | None, batch: int) -> slice:
-        rows = slice(0, batch) if rows is None else rows
-        start, stop, step = rows.indices(self.n_rows)
-        if step != 1 or stop - start != batch:
-            raise ValueError(f"rows {rows} do not match a batch of {batch}")
-        return slice(start, stop)
+        return rows_of(rows, batch, self.n_rows)
 
     def begin(self, rows: slice | None, batch: int, n_new: int) -> CacheWrite:
         """Check that n_new tokens fit in every row; positions and mask for the call."""
@@ -162,7 +101,6 @@ class KVCache:
                 f"sequence of {longest + n_new} tokens exceeds the context length {self.capacity}"
             )
         S = longest + n_new
-        self.reserve(rows.stop, S)
         if min(starts) == longest:  # every row continues from the same position: slices, causal
             return CacheWrite(self, rows, longest, None, None, S)
         # rows of different lengths: query t of row b sits at starts[b] + t, sees keys 0 .. starts[b] + t
@@ -220,6 +158,6 @@ class KVCache:
         self.lengths.zero_()
 
 
-def growable(model) -> bool:
-    """Whether a model's family can make a growing cache (its new_kv_cache takes `grow`)."""
-    return "grow" in inspect.signature(model.new_kv_cache).parameters
+def pageable(model) -> bool:
+    """Whether a model's family can make a cache in blocks (its new_kv_cache takes `paged`)."""
+    return "paged" in inspect.signature(model.new_kv_cache).parameters

@@ -34,12 +34,12 @@ def test_models_say_what_each_model_holds(tiny_checkpoint, ckpt):
         memory = c.get("/models").json()["models"][0]["memory"]
     params = sum(p.numel() * 4 for p in ckpt.model.parameters())  # the tied LM head counted once
     assert memory["weights_bytes"] == params
-    # on the CPU the cache grows with the work: what it may hold is the budget (1 GiB by default)
+    # on the CPU the cache is a pool of blocks: what it may hold is the budget (1 GiB by default)
     assert memory == {"weights_bytes": params, "kv_cache_rows": 5, "kv_cache_bytes": 1 << 30}
 
 
 @pytest.mark.parametrize("engine_process", [False, True])
-def test_on_the_cpu_the_budget_bounds_a_growing_cache_and_every_slot_stays_open(tiny_checkpoint, ckpt,
+def test_on_the_cpu_the_budget_bounds_a_cache_in_blocks_and_every_slot_stays_open(tiny_checkpoint, ckpt,
                                                                                 engine_process):
     budget = int(3.5 * one_row(ckpt))
     settings = Settings(model=tiny_checkpoint, device="cpu", max_concurrent=32, kv_cache_bytes=budget,
@@ -50,14 +50,14 @@ def test_on_the_cpu_the_budget_bounds_a_growing_cache_and_every_slot_stays_open(
         engine = c.app.state.attnlens.registry.get(None).runner
         assert engine.max_concurrent == 32
         if not engine_process:
-            assert engine.cache_grows and engine.cache.allocated == (0, 0)  # nothing in flight: nothing held
+            assert engine.cache_paged and engine.cache.blocks_in_use == 0  # nothing in flight: nothing held
 
 
-def test_whole_rows_are_as_many_as_the_budget_holds_where_the_cache_cannot_grow():
+def test_whole_rows_are_as_many_as_the_budget_holds_where_the_cache_is_not_in_blocks():
     from attnlens.app.memory import cache_rows
 
     assert cache_rows("m", 100, 32, 350) == 3
-    assert cache_rows("m", 100, 32, 350, grows=True) == 32
+    assert cache_rows("m", 100, 32, 350, paged=True) == 32
     assert cache_rows("m", 100, 32, None) == 32
 
 

@@ -129,12 +129,13 @@ class Engine(EngineFront):
         self.model = checkpoint.model
         self.device = self.model.tok_emb.weight.device
         self.dtype = self.model.tok_emb.weight.dtype
-        # On the CPU, with a byte budget, the KV cache holds only what the generations in flight need
-        # and prompts are prefilled while it fits (_fits); on CUDA (graphs capture fixed addresses),
-        # or for a family whose cache cannot grow, one row per slot is allocated whole and reused
+        # On the CPU, with a byte budget, the KV cache hands out blocks from one pool of that many
+        # bytes (model/paged_kv_cache.py) and prompts are admitted while their reservations fit
+        # (_fits); on CUDA (graphs capture fixed addresses), or for a family whose cache is not in
+        # blocks, one row per slot is allocated whole and reused
         self.kv_budget = kv_cache_bytes
-        self.cache = self.model.new_kv_cache(max_concurrent, grow=True) \
-            if memory.cache_grows(self.model, kv_cache_bytes, self.device) else self.model.new_kv_cache(max_concurrent)
+        self.cache = self.model.new_kv_cache(max_concurrent, paged=True, pool_bytes=kv_cache_bytes) \
+            if memory.cache_paged(self.model, kv_cache_bytes, self.device) else self.model.new_kv_cache(max_concurrent)
         # a vocabulary padded past the tokenizer's last id (Qwen2): those ids are never sampled
         vocab = checkpoint.tokenizer.vocab_size
         self.vocab_limit = vocab if vocab < checkpoint.config.vocab_size else None
@@ -180,14 +181,14 @@ class Engine(EngineFront):
         return self.waiting_cancelled + self.running_cancelled
 
     @property
-    def cache_grows(self) -> bool:
-        return bool(getattr(self.cache, "grow", False))
+    def cache_paged(self) -> bool:
+        return hasattr(self.cache, "tables")
 
     @property
     def cache_bytes(self) -> int:
-        """The most the KV cache may hold: the budget when it grows with the work, else what it
+        """The most the KV cache may hold: the budget when it is in blocks, else what it
         holds (MAX_CONCURRENT rows x the context, every layer)."""
-        if self.cache_grows:
+        if self.cache_paged:
             return int(self.kv_budget or 0)
         return sum(t.numel() * t.element_size() for t in self.cache.keys + self.cache.values)
 
@@ -196,12 +197,18 @@ class Engine(EngineFront):
         return min(self.cache.capacity, len(g.params.prompt_ids) + g.params.max_new_tokens)
 
     def _fits(self, batch: list[Generation]) -> bool:
-        """Whether the decoding generations and `batch` fit the KV budget at their longest
-        (a growing cache holds rows x the longest row); a batch alone always does."""
-        gens = self._decoding + ([self._chunking] if self._chunking else []) + batch
-        if not self.cache_grows or len(gens) == 1:
+        """Whether the decoding generations and the prompts of `batch` (prefilled together) fit the KV
+        budget, each at the most it may come to hold (its prompt and every token it may generate, in
+        whole blocks): admitted work never runs out of blocks. One generation alone always does (the
+        pool holds a whole context)."""
+        running = self._decoding + ([self._chunking] if self._chunking else [])
+        if not self.cache_paged or len(running) + len(batch) == 1:
             return True
-        return self.cache.bytes_for(len(gens), max(self._reserved(g) for g in gens)) <= self.kv_budget
+        # prompts prefilled together are right-padded to the longest: each holds that much until the
+        # forward ends (the padding's blocks go back then)
+        padded = max(len(g.params.prompt_ids) for g in batch) if len(batch) > 1 else 0
+        lengths = [self._reserved(g) for g in running] + [max(self._reserved(g), padded) for g in batch]
+        return self.cache.bytes_for_lengths(lengths) <= self.kv_budget
 
     @property
     def alive(self) -> bool:
@@ -508,7 +515,7 @@ class Engine(EngineFront):
             if self._chunking is not None:  # the long prompt's row follows the decoding ones down
                 self.cache.move(last + 1, last)
             # give back what the finished rows held, to the system too (freed tensors stay in the heap)
-            if self.cache_grows and self.cache.trim(len(self._decoding) + (self._chunking is not None)) \
+            if self.cache_paged and self.cache.trim(len(self._decoding) + (self._chunking is not None)) \
                     and memory.MALLOC_TRIM is not None:
                 memory.MALLOC_TRIM(0)
         g.t_end = time.perf_counter()

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from ..config import ModelConfig
 from ..kv_cache import ContextLengthError, KVCache, bytes_per_row
+from ..paged_kv_cache import PagedKVCache
 from ..parts import Block, Embeddings, KVUpdate, RotaryAngles, make_norm, sinusoidal_table, sliding_window_mask
 from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, LensSpec, TaskSpec, TrainingSpec
 from ..parts.linear import Linear
@@ -88,13 +89,16 @@ class Transformer(Embeddings, nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def new_kv_cache(self, n_rows: int = 1, *, grow: bool = False) -> KVCache:
+    def new_kv_cache(self, n_rows: int = 1, *, paged: bool = False, pool_bytes: int | None = None):
         """An empty cache with `n_rows` rows (slots), each up to the context length, holding the
         key/value heads (n_kv_heads: fewer than the query heads with grouped-query attention).
-        `grow`: memory for the tokens in flight only (model/kv_cache.py), else all of it at once."""
+        `paged`: blocks from one pool of `pool_bytes` (model/paged_kv_cache.py), memory for the tokens
+        in flight only; else every row's whole context at once (model/kv_cache.py)."""
         c, p = self.config, self.tok_emb.weight
-        return KVCache(c.n_layers, n_rows, c.kv_heads, c.context_length, c.d_head, device=p.device, dtype=p.dtype,
-                       grow=grow)
+        if paged:
+            return PagedKVCache(c.n_layers, n_rows, c.kv_heads, c.context_length, c.d_head, device=p.device,
+                                dtype=p.dtype, pool_bytes=pool_bytes)
+        return KVCache(c.n_layers, n_rows, c.kv_heads, c.context_length, c.d_head, device=p.device, dtype=p.dtype)
 
     def kv_cache_row_bytes(self) -> int:
         """What one row of new_kv_cache takes, without allocating it."""

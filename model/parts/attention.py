@@ -165,10 +165,17 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         hooks = _hooks.active()
         q, k, v = self.project(x, memory, memory_kv, rope, hooks)
-        if kv_update is not None:
-            k, v = kv_update(k, v)  # (B, K, S, D): the cached keys/values followed by the new ones
-        S = k.shape[2]
         keep_probs = return_attention
+        in_place = None
+        if kv_update is not None:
+            # a decode step over a cache in blocks attends where the keys lie (model/paged_kv_cache.py),
+            # unless hooks read the keys or the family narrowed the rows' mask (a sliding window)
+            decode = getattr(kv_update, "decode_in_place", None)
+            if decode is not None and T == 1 and hooks is None and not self.training and mask is kv_update.mask:
+                in_place = decode(q, k, v, self.scale, return_attention)
+            if in_place is None:
+                k, v = kv_update(k, v)  # (B, K, S, D): the cached keys/values followed by the new ones
+        S = k.shape[2]
         if hooks is not None:
             return_attention = return_attention or self._record_inputs(hooks, q, k, v, rope is not None)
         dropout_p = self.dropout if self.training else 0.0
@@ -176,7 +183,9 @@ class MultiHeadAttention(nn.Module):
         causal = causal and T > 1
         gqa = {"enable_gqa": True} if self.groups > 1 else {}
 
-        if return_attention:
+        if in_place is not None:
+            y, probs = in_place
+        elif return_attention:
             y, probs = self.explicit_attention(q, k, v, mask, causal, dropout_p)
         else:
             probs = None

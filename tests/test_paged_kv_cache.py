@@ -1,7 +1,7 @@
-"""A KV cache that holds only what the tokens in flight need (model/kv_cache.py, grow=True) and an
-engine that keeps it within its byte budget (app/engine/core.py): the same logits as a full
-recompute while it grows, the same tokens as each request alone, prompts that wait while the
-cache is full, and memory given back when the work ends."""
+"""The KV cache in blocks from one pool (model/paged_kv_cache.py) and an engine that keeps it within
+its byte budget (app/engine/core.py): the same logits and attention as a full recompute, rows
+moving and the pool packing without losing a key, the same tokens as each request alone, prompts
+that wait while the cache is full, and memory given back when the work ends."""
 
 from __future__ import annotations
 
@@ -13,52 +13,110 @@ import torch
 from attnlens.app.engine import Engine, GenerationParams
 from attnlens.app.engine.outputs import DoneEvent, TokenEvent
 from attnlens.model import SamplingParams
-from helpers import reference_tokens, run_async
+from attnlens.model.paged_kv_cache import PagedKVCache
+from helpers import reference_tokens, run_async, small_config_model
 
 PROMPTS = ["To be", "Whether 'tis nobler in the mind", "The slings", "Or to take arms against a sea",
            "And by opposing", "No more; and by a sleep to say we end", "Café", "東京 and emoji"]
 
 
-def test_a_growing_cache_gives_a_full_recomputes_logits_for_rows_of_different_lengths(ckpt):
-    model = ckpt.model
-    torch.manual_seed(0)
-    V = ckpt.config.vocab_size
+def _paged(model, rows: int, block: int = 16) -> PagedKVCache:
+    c = model.config
+    return PagedKVCache(c.n_layers, rows, c.kv_heads, c.context_length, c.d_head, block=block)
+
+
+def _full(model, seq: list[int], attention: bool = False):
+    out = model(torch.tensor([seq]), return_attention=attention)
+    return out.logits[0, -1], (None if not attention else [a[0, :, -1] for a in out.attentions])
+
+
+GQA = dict(context_length=160, d_model=48, n_heads=6, n_kv_heads=2, positional="rotary", norm_type="rmsnorm", ffn="gated",
+           activation="silu", bias=False)
+
+
+@pytest.mark.parametrize("overrides", [GQA, dict(context_length=160), dict(GQA, sliding_window=24)],
+                         ids=["llama-gqa", "gpt", "mistral-window"])
+def test_blocks_give_a_full_recomputes_logits_and_attention(overrides):
+    """Rows of 5, 17 and 30 tokens (a right-padded prefill) decode together across many blocks of
+    16, recording attention: each step's logits and each row's attention row equal a full forward
+    of that row alone. Then the first row finishes: the last moves into its place (its table, not
+    its keys), the pool packs the two left from block 0, and they go on as before."""
+    model = small_config_model(**overrides)
+    V = model.config.vocab_size
+    torch.manual_seed(1)
     prompts = [torch.randint(0, V, (n,)).tolist() for n in (5, 17, 30)]
-    cache = model.new_kv_cache(4, grow=True)
-    cache.block = 16
-    assert cache.allocated == (0, 0)
+    cache = _paged(model, 4)
     seqs = [list(p) for p in prompts]
+    T = max(map(len, prompts))
+    padded = torch.tensor([p + [0] * (T - len(p)) for p in prompts])
     with torch.no_grad():
-        for i, p in enumerate(prompts):  # prefilled one by one into rows 0, 1, 2
-            model(torch.tensor([p]), kv_cache=cache, rows=slice(i, i + 1))
-        assert cache.allocated == (3, 32)  # the longest row, 30, in blocks of 16
-        for step in range(20):  # decoded together: rows at 5.., 17.., 30.. grow past 32 and 48
+        model(padded, kv_cache=cache, rows=slice(0, 3), valid=torch.tensor([len(p) for p in prompts]))
+        assert cache.lengths[:3].tolist() == [5, 17, 30]
+        assert [len(t) for t in cache.tables[:3]] == [1, 2, 2]  # the padding's blocks went back
+        for step in range(40):
             nxt = torch.randint(0, V, (3, 1))
-            out = model(nxt, kv_cache=cache, rows=slice(0, 3)).logits[:, -1]
+            out = model(nxt, kv_cache=cache, rows=slice(0, 3), return_attention=True)
             for r in range(3):
                 seqs[r].append(int(nxt[r, 0]))
-                full = model(torch.tensor([seqs[r]])).logits[0, -1]
-                torch.testing.assert_close(out[r], full, atol=1e-4, rtol=0)
-    assert cache.allocated == (3, 64) and cache.lengths[:3].tolist() == [25, 37, 50]
-    held = cache.bytes_held
-    cache.move(2, 0)  # row 0 finished: the last row takes its place
-    cache.free(2)
-    assert not cache.trim(2)  # 2 rows of 50 positions still need 2 x 64: not half of 3 x 64, kept
-    assert cache.allocated == (3, 64) and cache.bytes_held == held
-    cache.move(1, 0)
-    cache.free(1)  # only the 37-position row is left: 1 x 48 is under half of 3 x 64
-    cache.lengths[0] = 37
-    assert cache.trim(1)
-    assert cache.allocated == (1, 48)
-    seqs = [seqs[1]]
-    with torch.no_grad():  # what the kept row holds survived the move and the trim
+                logits, rows = _full(model, seqs[r], attention=True)
+                torch.testing.assert_close(out.logits[r, -1], logits, atol=1e-4, rtol=0)
+                n = len(seqs[r])
+                for layer, full_row in enumerate(rows):
+                    got = out.attentions[layer][r, :, -1]
+                    torch.testing.assert_close(got[:, :n], full_row, atol=1e-5, rtol=0)
+                    assert not got[:, n:].any()  # past the row's length: nothing
+        assert cache.lengths[:3].tolist() == [45, 57, 70]
+        assert cache.blocks_in_use == 3 + 4 + 5
+        cache.move(2, 0)  # row 0 finished: the last row takes its place
+        seqs = [seqs[2], seqs[1]]
+        cache.trim(2)  # row 0's blocks went back: not scattered enough to pack
+        assert min(b for t in cache.tables for b in t) > 0
+        cache.compact()
+        assert sorted(b for t in cache.tables for b in t) == list(range(9))  # packed from block 0
+        for step in range(20):
+            nxt = torch.randint(0, V, (2, 1))
+            out = model(nxt, kv_cache=cache, rows=slice(0, 2)).logits[:, -1]
+            for r in range(2):
+                seqs[r].append(int(nxt[r, 0]))
+                torch.testing.assert_close(out[r], _full(model, seqs[r])[0], atol=1e-4, rtol=0)
+        cache.free(1)  # one row left, one run of blocks: the step's one-row path
+        cache.trim(1)
+        assert cache.tables[0] == list(range(len(cache.tables[0])))
         nxt = torch.randint(0, V, (1, 1))
         out = model(nxt, kv_cache=cache, rows=slice(0, 1)).logits[0, -1]
-    full = model(torch.tensor([seqs[0] + [int(nxt[0, 0])]])).logits[0, -1]
-    torch.testing.assert_close(out, full, atol=1e-4, rtol=0)
+        torch.testing.assert_close(out, _full(model, seqs[0] + [int(nxt[0, 0])])[0], atol=1e-4, rtol=0)
+        # a prompt continuing a row (the next piece of a long prompt) reads the row's blocks gathered
+        piece = torch.randint(0, V, (1, 20)).tolist()[0]
+        out = model(torch.tensor([piece]), kv_cache=cache, rows=slice(0, 1)).logits[0, -1]
+        torch.testing.assert_close(out, _full(model, seqs[0] + [int(nxt[0, 0])] + piece)[0], atol=1e-4, rtol=0)
     cache.free(0)
-    assert cache.trim(0)
-    assert cache.allocated == (0, 0) and cache.bytes_held == 0
+    assert cache.blocks_in_use == 0 and cache.bytes_held == 0
+
+
+def test_a_scattered_row_and_a_full_pool():
+    """Two rows growing in turns take interleaved blocks; the step's path for blocks that are not
+    one run gives the full recompute's logits. A pool with no free block refuses with a clear error."""
+    from attnlens.model.paged_kv_cache import KVCacheFullError
+
+    model = small_config_model(**GQA)
+    V = model.config.vocab_size
+    torch.manual_seed(2)
+    cache = _paged(model, 2, block=4)
+    seqs = [torch.randint(0, V, (3,)).tolist() for _ in range(2)]
+    with torch.no_grad():
+        for r in range(2):
+            model(torch.tensor([seqs[r]]), kv_cache=cache, rows=slice(r, r + 1))
+        for step in range(12):  # one row at a time: each takes the next free block in turn
+            r = step % 2
+            nxt = torch.randint(0, V, (1, 1))
+            seqs[r].append(int(nxt[0, 0]))
+            out = model(nxt, kv_cache=cache, rows=slice(r, r + 1)).logits[0, -1]
+            torch.testing.assert_close(out, _full(model, seqs[r])[0], atol=1e-4, rtol=0)
+        assert cache.tables[0] != list(range(cache.tables[0][0], cache.tables[0][0] + len(cache.tables[0])))
+    small = PagedKVCache(1, 2, 1, 8, 4, block=4, pool_bytes=1)  # the least pool: one context, 2 blocks
+    small.reserve(0, 8)
+    with pytest.raises(KVCacheFullError, match="blocks are all held"):
+        small.reserve(1, 1)
 
 
 def sampling(i: int) -> dict:
@@ -91,28 +149,28 @@ def _run_all(engine, params, on_event=lambda: None) -> list:
 
 
 @pytest.mark.parametrize("rows_in_budget", [8, 2], ids=["all-fit", "two-fit"])
-def test_the_engine_keeps_the_growing_cache_in_its_budget(ckpt, rows_in_budget):
+def test_the_engine_keeps_the_cache_in_its_budget(ckpt, rows_in_budget):
     """Eight requests of up to 24 new tokens: with a budget for eight whole reservations they decode
     together; with one for two, the others wait their turn. Each request's tokens are what it
     generates alone; the cache never holds more rows than the budget admits and is empty after."""
     tok = ckpt.tokenizer
     n_new = 24
     params = [GenerationParams(tok.encode(p), n_new, SamplingParams(**sampling(i))) for i, p in enumerate(PROMPTS)]
-    probe = ckpt.model.new_kv_cache(1, grow=True)
+    probe = ckpt.model.new_kv_cache(1, paged=True)
     longest = max(len(p.prompt_ids) for p in params) + n_new
     budget = probe.bytes_for(rows_in_budget, longest)
     engine = Engine(ckpt, max_concurrent=8, max_queue=8, kv_cache_bytes=budget)
-    assert engine.cache_grows and engine.cache_bytes == budget
+    assert engine.cache_paged and engine.cache_bytes == budget
     seen: list[int] = []
 
-    results = _run_all(engine, params, lambda: seen.append(engine.cache.allocated[0]))
+    results = _run_all(engine, params, lambda: seen.append(sum(1 for t in engine.cache.tables if t)))
     for i, (tokens, done) in enumerate(results):
         assert isinstance(done, DoneEvent), done
         assert [t.id for t in tokens] == [t.id for t in reference_tokens(ckpt, PROMPTS[i], n_new, **sampling(i))], i
     assert max(seen) <= rows_in_budget
     if rows_in_budget == 8:
         assert max(seen) > 2  # they did decode together
-    assert engine.cache.allocated == (0, 0)
+    assert engine.cache.blocks_in_use == 0
 
 
 LONG = ["Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous fortune",
@@ -156,7 +214,7 @@ def test_long_prompts_are_prefilled_in_pieces_between_decode_steps(ckpt, tiny_ch
         # moves its row down with what it holds (a lost row would start again from 0)
         assert chunked.count(0) == sum(len(p.prompt_ids) > 6 for p in params) == 3
         assert 6 in chunked and 12 in chunked
-        assert engine.cache.allocated == (0, 0)
+        assert engine.cache.blocks_in_use == 0
 
 
 def test_a_long_prefill_alone_reports_progress_each_piece(ckpt):

@@ -1,0 +1,394 @@
+"""The KV cache in blocks from one pool (vLLM's block table): memory follows the tokens in flight.
+
+    keys[layer], values[layer]: (N, K, P, D)   N = blocks in the pool, K = key/value heads,
+                                               P = positions a block holds (`block`), D = d_head
+    tables[row]: list of block ids              row r's position p sits in block tables[r][p // P],
+                                                at offset p % P
+    lengths: (R,) int64 on the CPU              positions filled in each row
+
+A row takes a block when its tokens reach it (the block after its last one when that is free, so
+a row is usually one run of blocks) and gives its blocks back when it is freed; moving a row (the
+engine keeps its active rows 0 .. n-1) moves its table, not its keys. The memory held is the
+blocks in use: the sum of the rows' lengths, each rounded up to a block, never rows x the longest.
+
+The pool is one allocation of N blocks (`pool_bytes`: the engine's byte budget, and at least one
+whole context) that the operating system backs only where blocks have been written. `release`
+hands the pages of blocks no row holds back to it (madvise), after moving the rows that remain
+into one packed run when they are scattered (`compact`): a process's memory follows the tokens in
+flight, up and down.
+
+A forward call over the rows `rows` (the same contract as model/kv_cache.py's KVCache):
+  - its new keys and values go to their slots in one indexed copy per tensor;
+  - a decode step (one new token a row) attends over the blocks where they lie (`BlockAttention`):
+    each block against its row's queries in one batched product, a softmax per row from the blocks'
+    maxima and sums, each block's weighted values added into its row. No key or value is copied;
+  - a prompt from position 0 attends over its own new keys and values;
+  - any other call (the next piece of a long prompt; a forward whose hooks read the keys) gets its
+    rows' keys and values gathered into (B, K, S, D) tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import heapq
+import mmap
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import CacheWrite, ContextLengthError, rows_of
+
+BLOCK = 64  # positions per block: at most 63 positions of memory a row holds unused (bench/README.md)
+_MADV_DONTNEED = 4
+_SMALL_POOL = 64 << 20  # below this the pool is zero-filled up front (it may come from the heap) and kept
+
+
+def _madvise():
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+MADVISE = _madvise()
+
+
+class KVCacheFullError(RuntimeError):
+    """Every block of the pool is held (the engine's admission keeps within the pool; this is for
+    callers that do not)."""
+
+
+def blocks_for(positions: int, block: int) -> int:
+    """Blocks that hold `positions` positions."""
+    return -(-positions // block)
+
+
+class BlockAttention:
+    """One decode step's attention over the pool's blocks, where they lie (shared by every layer).
+
+    The step spans blocks lo .. hi-1 (every block of the call's rows; blocks of other rows or none
+    between them are computed and dropped: `compact` keeps them few):
+        owner (n,)        the call's row of each block, B for a block that is not the call's
+        bias  (n*K, 1, P) 0 where a block's position is filled (this token's included), else -inf
+        single            one row whose blocks are exactly lo .. hi-1: no row bookkeeping
+    """
+
+    def __init__(self, lo: int, hi: int, owner: torch.Tensor, bias: torch.Tensor, single: bool,
+                 n_rows: int, n_keys: int, probs_index: torch.Tensor | None):
+        self.lo, self.hi, self.owner, self.bias, self.single = lo, hi, owner, bias, single
+        self.n_rows, self.n_keys = n_rows, n_keys
+        self.probs_index = probs_index  # (owned blocks,) and (owned*P,) flat (row, position): see probabilities
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, want_probs: bool):
+        """q (B, H, 1, D) over the pool's (N, K, P, D) keys and values: (B, H, 1, D) and, with
+        want_probs, the (B, H, 1, S) probabilities (S = the longest row; 0 past a row's length)."""
+        B, H, _, D = q.shape
+        K, P = keys.shape[1], keys.shape[2]
+        G, n = H // K, self.hi - self.lo
+        kb = keys[self.lo:self.hi].view(n * K, P, D)
+        vb = values[self.lo:self.hi].view(n * K, P, D)
+        qr = q.view(B, K, G, D)  # query head h = k * G + g reads key/value head k
+        if self.single:
+            qb = qr.expand(n, K, G, D).reshape(n * K, G, D)
+        else:
+            qb = torch.cat([qr, qr.new_zeros(1, K, G, D)]).index_select(0, self.owner).view(n * K, G, D)
+        s = torch.baddbmm(self.bias, qb, kb.transpose(1, 2), alpha=scale).view(n, K, G, P)  # scores, masked
+        if self.single:
+            e = s.sub_(s.amax(dim=(0, 3), keepdim=True)).exp_()  # (n, K, G, P)
+            total = e.sum(dim=(0, 3))[None]  # (1, K, G)
+            y = torch.bmm(e.view(n * K, G, P), vb).view(n, K, G, D).sum(0, keepdim=True)  # (1, K, G, D)
+            owner_total = total.expand(n, K, G) if want_probs else None
+        else:
+            rows = self.owner[:, None, None].expand(n, K, G)
+            top = torch.full((B + 1, K, G), float("-inf"), dtype=s.dtype).scatter_reduce_(0, rows, s.amax(-1), "amax")
+            e = s.sub_(top.index_select(0, self.owner)[..., None]).exp_()  # (n, K, G, P)
+            total = torch.zeros(B + 1, K, G, dtype=s.dtype).index_add_(0, self.owner, e.sum(-1))
+            o = torch.bmm(e.view(n * K, G, P), vb).view(n, K, G, D)
+            y = torch.zeros(B + 1, K, G, D, dtype=s.dtype).index_add_(0, self.owner, o)[:B]
+            total = total[:B]
+            owner_total = torch.cat([total, total.new_ones(1, K, G)]).index_select(0, self.owner) if want_probs else None
+        y = (y / total[..., None]).view(B, H, 1, D)
+        if not want_probs:
+            return y, None
+        return y, self.probabilities(e / owner_total[..., None], B, H)
+
+    def probabilities(self, p: torch.Tensor, B: int, H: int) -> torch.Tensor:
+        """Blocks' (n, K, G, P) probabilities -> each row's (B, H, 1, S), in position order."""
+        blocks, flat = self.probs_index
+        n_owned, K, G, P = len(blocks), p.shape[1], p.shape[2], p.shape[3]
+        S_pad = blocks_for(self.n_keys, P) * P
+        src = p.index_select(0, blocks).permute(1, 2, 0, 3).reshape(K * G, n_owned * P)  # (H, owned*P)
+        out = torch.zeros(K * G, B * S_pad, dtype=p.dtype).index_copy_(1, flat, src)
+        return out.view(H, B, S_pad).transpose(0, 1)[:, :, None, :self.n_keys]  # (B, H, 1, S)
+
+
+class PagedLayer:
+    """Layer `index`'s view of a call (model/parts/attention.py's KVUpdate, and the in-place decode)."""
+
+    def __init__(self, write: "PagedWrite", index: int):
+        self.write, self.index = write, index
+        self.mask = write.mask  # the rows' own mask: a family that narrows it (a window) gets the gathered path
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor):
+        return self.write.cache.update(self.write, self.index, k, v)
+
+    def decode_in_place(self, q, k, v, scale: float, want_probs: bool):
+        """Store this step's keys/values, then attend over the blocks: (B, H, 1, D), probs or None.
+        None when the call is not a decode step (the caller uses __call__)."""
+        w = self.write
+        if w.blocks is None:
+            return None
+        w.cache.store(w, self.index, k, v)
+        return w.blocks(q, w.cache.keys[self.index], w.cache.values[self.index], scale, want_probs)
+
+
+@dataclass
+class PagedWrite(CacheWrite):
+    fresh: bool = False  # every row starts at 0: the call's own keys are all it sees
+    blocks: BlockAttention | None = None  # a decode step's attention over the blocks
+    gather: torch.Tensor | None = None  # (B, nb) the rows' blocks, padded, for the gathered path
+
+    def layer(self, index: int) -> PagedLayer:
+        return PagedLayer(self, index)
+
+
+class PagedKVCache:
+    """The KV cache in blocks (the module docstring); the engine's on the CPU."""
+
+    def __init__(self, n_layers: int, n_rows: int, n_kv_heads: int, capacity: int, d_head: int, *,
+                 device=None, dtype=None, pool_bytes: int | None = None, block: int = BLOCK):
+        self.n_layers, self.n_kv_heads, self.d_head = n_layers, n_kv_heads, d_head
+        self.dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.n_rows, self.capacity, self.block = n_rows, capacity, block
+        self.lengths = torch.zeros(n_rows, dtype=torch.long)
+        self.tables: list[list[int]] = [[] for _ in range(n_rows)]
+        element = torch.empty((), dtype=self.dtype).element_size()
+        self.block_elements = n_kv_heads * block * d_head
+        self.block_bytes = 2 * n_layers * self.block_elements * element  # keys and values, every layer
+        context_blocks = blocks_for(capacity, block)
+        wanted = pool_bytes // self.block_bytes if pool_bytes is not None else n_rows * context_blocks
+        self.n_blocks = max(int(wanted), context_blocks)  # one whole context always fits
+        shape = (n_layers, 2, self.n_blocks, n_kv_heads, block, d_head)
+        small = self.n_blocks * self.block_bytes < _SMALL_POOL or self.device.type != "cpu"
+        # torch.empty of a large size is fresh anonymous memory: zero, and backed only where written
+        self._storage = (torch.zeros if small else torch.empty)(shape, dtype=self.dtype, device=self.device)
+        self._releases = not small and MADVISE is not None
+        self.keys = [self._storage[i, 0] for i in range(n_layers)]  # (N, K, P, D) views
+        self.values = [self._storage[i, 1] for i in range(n_layers)]
+        self._free = set(range(self.n_blocks))
+        self._lowest = list(range(self.n_blocks))  # a heap of free-block candidates (stale ones skipped)
+        self._dirty: set[int] = set()  # free blocks written since their pages were last released
+
+    # --- memory --------------------------------------------------------------
+    @property
+    def blocks_in_use(self) -> int:
+        return self.n_blocks - len(self._free)
+
+    @property
+    def bytes_held(self) -> int:
+        return self.blocks_in_use * self.block_bytes
+
+    def bytes_for(self, rows: int, positions: int) -> int:
+        """Bytes of keys and values for `rows` rows of `positions` each, in whole blocks."""
+        return rows * blocks_for(positions, self.block) * self.block_bytes
+
+    def bytes_for_lengths(self, lengths: list[int]) -> int:
+        """Bytes for rows of these lengths: what admitting them may come to hold."""
+        return sum(blocks_for(n, self.block) for n in lengths) * self.block_bytes
+
+    def _take(self, after: int | None) -> int:
+        """A free block: the one after `after` when free (a row stays one run), else the lowest."""
+        if after is not None and after + 1 in self._free:
+            b = after + 1
+        else:
+            while self._lowest and self._lowest[0] not in self._free:
+                heapq.heappop(self._lowest)
+            if not self._lowest:
+                raise KVCacheFullError(f"the KV cache's {self.n_blocks} blocks are all held")
+            b = heapq.heappop(self._lowest)
+        self._free.discard(b)
+        return b
+
+    def _give(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._free.add(b)
+            self._dirty.add(b)
+            heapq.heappush(self._lowest, b)
+
+    def reserve(self, row: int, positions: int) -> None:
+        """Blocks for `positions` positions in `row` (taking more as needed)."""
+        table = self.tables[row]
+        for _ in range(blocks_for(positions, self.block) - len(table)):
+            table.append(self._take(table[-1] if table else None))
+
+    def _shrink(self, row: int) -> None:
+        """Give back the blocks past the row's length (a right-padded prompt's padding)."""
+        table, keep = self.tables[row], blocks_for(int(self.lengths[row]), self.block)
+        if len(table) > keep:
+            self._give(table[keep:])
+            del table[keep:]
+
+    def trim(self, active_rows: int) -> bool:
+        """Rows active_rows .. are free: pack the remaining rows when they are scattered, and give
+        the pages of the free blocks back to the system. Whether any went back."""
+        for row in range(active_rows, self.n_rows):
+            if self.tables[row]:
+                self.free(row)
+        if self._scattered():
+            self.compact()
+        return self.release()
+
+    def _scattered(self) -> bool:
+        """Whether the blocks in use span twice their number and more, or a lone row is not one run."""
+        held = [t for t in self.tables if t]
+        if not held:
+            return False
+        span = max(max(t) for t in held) + 1 - min(min(t) for t in held)
+        used = sum(len(t) for t in held)
+        lone = len(held) == 1 and held[0] != list(range(held[0][0], held[0][0] + len(held[0])))
+        return lone or span > 2 * used + 4
+
+    def compact(self) -> None:
+        """Move every row's blocks into one packed run from block 0, each row one run."""
+        order = [(row, t) for row, t in enumerate(self.tables) if t]
+        src = [b for _, t in order for b in t]
+        if src == list(range(len(src))):
+            return
+        index = torch.tensor(src, device=self.device)
+        for plane in self.keys + self.values:  # via a copy: sources and destinations may overlap
+            plane[: len(src)] = plane.index_select(0, index)
+        self._dirty |= set(src) - set(range(len(src)))
+        start = 0
+        for row, t in order:
+            self.tables[row] = list(range(start, start + len(t)))
+            start += len(t)
+        self._free = set(range(start, self.n_blocks))
+        self._lowest = list(range(start, self.n_blocks))
+
+    def release(self) -> bool:
+        """Hand the pages of free, written blocks back to the system (they read as zeros after)."""
+        dirty = sorted(self._dirty & self._free)
+        self._dirty.clear()
+        if not dirty or not self._releases:
+            return False
+        element = self._storage.element_size()
+        base = self._storage.data_ptr()
+        runs, start = [], dirty[0]
+        for a, b in zip(dirty, dirty[1:] + [None]):
+            if b != a + 1:
+                runs.append((start, a + 1))
+                start = b
+        page = mmap.PAGESIZE
+        for plane in range(2 * self.n_layers):
+            for lo, hi in runs:
+                first = base + ((plane * self.n_blocks + lo) * self.block_elements) * element
+                last = base + ((plane * self.n_blocks + hi) * self.block_elements) * element
+                first, last = -(-first // page) * page, last // page * page
+                if last > first:
+                    MADVISE(first, last - first, _MADV_DONTNEED)
+        return True
+
+    # --- one forward call ----------------------------------------------------
+    def row_slice(self, rows: slice | None, batch: int) -> slice:
+        return rows_of(rows, batch, self.n_rows)
+
+    def begin(self, rows: slice | None, batch: int, n_new: int) -> PagedWrite:
+        """Blocks for n_new more tokens in every row; the call's positions, mask, slots and, for a
+        decode step, its attention over the blocks."""
+        rows = self.row_slice(rows, batch)
+        starts = self.lengths[rows].tolist()  # (B,)
+        longest = max(starts)
+        if longest + n_new > self.capacity:
+            raise ContextLengthError(
+                f"sequence of {longest + n_new} tokens exceeds the context length {self.capacity}")
+        S = longest + n_new
+        for row, start in zip(range(rows.start, rows.stop), starts):
+            self.reserve(row, start + n_new)
+        tables = [self.tables[r] for r in range(rows.start, rows.stop)]
+        P, K = self.block, self.n_kv_heads
+        positions = torch.tensor(starts)[:, None] + torch.arange(n_new)[None, :]  # (B, T)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables])  # (B, nb), padded with a real block
+        block_of = table.gather(1, positions // P)  # (B, T)
+        heads = torch.arange(K)[None, :, None]
+        slots = ((block_of[:, None, :] * K + heads) * P + (positions % P)[:, None, :]).reshape(-1)  # (B*K*T,)
+        same = min(starts) == longest
+        mask = None
+        if not same:
+            mask = (torch.arange(S)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
+        blocks = self._block_attention(tables, [s + n_new for s in starts], S) if n_new == 1 else None
+        return PagedWrite(self, rows, longest if same else -1, None if same else positions, mask, S, slots,
+                          fresh=longest == 0, blocks=blocks, gather=table)
+
+    def _block_attention(self, tables: list[list[int]], lengths: list[int], S: int) -> BlockAttention:
+        B, P = len(tables), self.block
+        lo = min(min(t) for t in tables)
+        hi = max(max(t) for t in tables) + 1
+        n = hi - lo
+        single = B == 1 and tables[0] == list(range(lo, hi))
+        owner = torch.full((n,), B, dtype=torch.long)
+        filled = torch.zeros(n, dtype=torch.long)  # positions of each block that are filled
+        owned, flat = [], []
+        for b, (t, length) in enumerate(zip(tables, lengths)):
+            idx = torch.tensor(t) - lo
+            owner[idx] = b
+            counts = torch.clamp(length - torch.arange(len(t)) * P, 0, P)
+            filled[idx] = counts
+            owned.append(idx)
+            flat.append(b * blocks_for(S, P) * P + torch.arange(len(t) * P))
+        bias = torch.where(torch.arange(P)[None, :] < filled[:, None], 0.0, float("-inf")).to(self.dtype)  # (n, P)
+        bias = bias[:, None, None, :].expand(n, self.n_kv_heads, 1, P).reshape(n * self.n_kv_heads, 1, P)
+        probs_index = (torch.cat(owned), torch.cat(flat))
+        return BlockAttention(lo, hi, owner, bias, single, B, S, probs_index)
+
+    def store(self, write: PagedWrite, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put the call's (B, K, T, D) keys/values in their slots."""
+        D = k.shape[-1]
+        self.keys[layer].view(-1, D).index_copy_(0, write.slots, k.reshape(-1, D))
+        self.values[layer].view(-1, D).index_copy_(0, write.slots, v.reshape(-1, D))
+
+    def update(self, write: PagedWrite, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store (B, K, T, D) keys/values; return the (B, K, S, D) keys/values the queries see."""
+        self.store(write, layer, k, v)
+        if write.fresh:  # a prompt from position 0 sees its own keys alone
+            return k, v
+        return self._gathered(self.keys[layer], write), self._gathered(self.values[layer], write)
+
+    def _gathered(self, plane: torch.Tensor, write: PagedWrite) -> torch.Tensor:
+        """The rows' blocks of one (N, K, P, D) plane as (B, K, S, D), in position order."""
+        B, nb = write.gather.shape
+        K, P, D = plane.shape[1:]
+        blocks = plane.index_select(0, write.gather.reshape(-1).to(plane.device))  # (B*nb, K, P, D)
+        return blocks.view(B, nb, K, P, D).transpose(1, 2).reshape(B, K, nb * P, D)[:, :, :write.n_keys]
+
+    def commit(self, write: PagedWrite, n_new: int | torch.Tensor) -> None:
+        """Advance the rows by n_new tokens (an int, or (B,) per row when rows were right-padded);
+        the padding's blocks go back."""
+        self.lengths[write.rows] += n_new
+        if not isinstance(n_new, int):
+            for row in range(write.rows.start, write.rows.stop):
+                self._shrink(row)
+
+    # --- rows ----------------------------------------------------------------
+    def free(self, row: int) -> None:
+        """Forget a row's tokens; its blocks go back to the pool."""
+        self._give(self.tables[row])
+        self.tables[row] = []
+        self.lengths[row] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Row src becomes row dst (dst's own blocks go back): its table moves, not its keys."""
+        if src == dst:
+            return
+        self.free(dst)
+        self.tables[dst], self.tables[src] = self.tables[src], []
+        self.lengths[dst] = self.lengths[src]
+        self.lengths[src] = 0
+
+    def reset(self) -> None:
+        for row in range(self.n_rows):
+            self.free(row)
