@@ -237,3 +237,34 @@ def test_a_long_prefill_alone_reports_progress_each_piece(ckpt):
     assert isinstance(done, DoneEvent)
     pieces = -(-len(ids) // 4)
     assert emitted[:pieces - 1] == [0] * (pieces - 1)
+
+
+def test_short_prompts_start_while_a_long_one_goes_in_pieces(ckpt):
+    """A long prompt in 8-token pieces, then four short ones sent after it: the short ones are
+    prefilled beside it (the long one's row moves up to make room) and finish before its first token,
+    each with the tokens it gives alone, and so does the long one."""
+    tok = ckpt.tokenizer
+    long_ids = tok.encode(LONG[0])
+    prompts = [long_ids] + [tok.encode(p) for p in PROMPTS[0:7:2]]
+    assert len(long_ids) > 3 * 8 and max(len(p) for p in prompts[1:]) <= 8
+    params = [GenerationParams(p, 3, SamplingParams(**sampling(i))) for i, p in enumerate(prompts)]
+    engine = Engine(ckpt, max_concurrent=5, max_queue=5, kv_cache_bytes=1 << 30, prefill_chunk=8)
+    order: list[int] = []
+
+    async def main():
+        gens = engine.submit_all(params)
+
+        async def one(i, g):
+            return await _collect(g, lambda: order.append(i))
+        return await asyncio.gather(*(one(i, g) for i, g in enumerate(gens)))
+
+    try:
+        results = run_async(main())
+    finally:
+        engine.close()
+    for i, (tokens, done) in enumerate(results):
+        assert isinstance(done, DoneEvent), done
+        assert [t.id for t in tokens] == [t.id for t in reference_tokens(ckpt, prompts[i], 3, **sampling(i))], i
+    first_long = order.index(0)
+    assert all(order[:first_long].count(i) == 4 for i in (1, 2, 3, 4)), order  # 3 tokens and the end each
+    assert engine.cache.blocks_in_use == 0

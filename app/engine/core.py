@@ -5,9 +5,11 @@ Each iteration (`Engine._step`):
   1. schedule  drop cancelled and stopped generations (their cache rows are freed and the
                rows kept contiguous), move waiting generations into free slots;
   2. call      run at most one model call (an /attention forward), bounded on its own line;
-  3. prefill   run the prompts of newly admitted generations into free cache rows: the oldest,
-               plus more (right-padded, one forward) while they hold no more tokens than
-               one full-context prompt, so the running streams wait one long prefill at most;
+  3. prefill   the next piece of a long prompt (one over `prefill_chunk` tokens, prefilled a
+               piece a step into the row after the decoding ones, one such prompt at a time);
+               then the prompts of newly admitted generations into free cache rows: the
+               oldest, plus more (right-padded, one forward) while they hold no more tokens
+               than one full-context prompt, so the running streams wait one long prefill at most;
   4. decode    ONE batched forward over every decoding generation's row of the KV cache,
                each row at its own length (on CUDA a replayed CUDA graph of it), then sample
                every row with that generation's own parameters and seeded generator
@@ -266,13 +268,13 @@ class Engine(EngineFront):
             self._run_call()
         if self._chunking is not None:
             self._run_chunk(records)
-        elif self._prefill and (batch := self._next_prefills()):
+        if self._prefill and (batch := self._next_prefills()):
             if self._chunked(batch[0]):
                 self._start_chunking(batch[0])
                 self._run_chunk(records)
             else:
                 self._run_prefills(batch, records)
-            self._retire_finished(records)
+        self._retire_finished(records)
         if self._decoding:
             t0 = time.perf_counter()
             self._run_decode(records)
@@ -318,9 +320,11 @@ class Engine(EngineFront):
         """The prompts to prefill in this step: the oldest one, plus more while the padded batch
         holds no more tokens than one full-context prompt (so the running streams never wait
         longer than one long prefill). A prompt to score (echo) goes alone. None while the oldest
-        does not fit the KV budget beside the decoding ones: it waits for some of them to finish."""
-        if not self._fits([self._prefill[0]]):
-            return []
+        does not fit the KV budget beside the decoding ones (it waits for some of them to finish),
+        or is a long prompt while another is prefilled in pieces. Short prompts are prefilled
+        while a long one goes in pieces."""
+        if not self._fits([self._prefill[0]]) or (self._chunking is not None and self._chunked(self._prefill[0])):
+            return []  # it waits for room, or for the long prompt in pieces to finish (one at a time)
         batch = [self._prefill.popleft()]
         if batch[0].params.prompt_logprobs is not None or self._chunked(batch[0]):
             return batch
@@ -382,6 +386,8 @@ class Engine(EngineFront):
         """Prefill these prompts into the next free rows (one right-padded forward); each
         generation then decodes with the others."""
         first = len(self._decoding)
+        if self._chunking is not None:  # the long prompt's row (after the decoding ones) makes room
+            self.cache.move(first, first + len(batch))
         for i, g in enumerate(batch):
             p = g.params
             self.cache.free(first + i)
