@@ -41,6 +41,7 @@ from .kv_cache import CacheWrite, ContextLengthError, rows_of
 
 BLOCK = 64  # positions per block: at most 63 positions of memory a row holds unused (bench/README.md)
 _MADV_DONTNEED = 4
+_MADV_NOHUGEPAGE = 15
 _SMALL_POOL = 64 << 20  # below this the pool is zero-filled up front (it may come from the heap) and kept
 
 
@@ -177,6 +178,10 @@ class PagedKVCache:
         # torch.empty of a large size is fresh anonymous memory: zero, and backed only where written
         self._storage = (torch.zeros if small else torch.empty)(shape, dtype=self.dtype, device=self.device)
         self._releases = not small and MADVISE is not None
+        if self._releases:
+            # small pages: a 2 MB huge page (THP_MEM_ALLOC_ENABLE, app/cli.py) would hold ~40 blocks of
+            # one layer's keys, so a one-block row would keep 2 MB of each of the 2 x layers planes
+            self._advise(0, self._storage.numel() * self._storage.element_size(), _MADV_NOHUGEPAGE)
         self.keys = [self._storage[i, 0] for i in range(n_layers)]  # (N, K, P, D) views
         self.values = [self._storage[i, 1] for i in range(n_layers)]
         self._free = set(range(self.n_blocks))
@@ -276,21 +281,23 @@ class PagedKVCache:
         if not dirty or not self._releases:
             return False
         element = self._storage.element_size()
-        base = self._storage.data_ptr()
         runs, start = [], dirty[0]
         for a, b in zip(dirty, dirty[1:] + [None]):
             if b != a + 1:
                 runs.append((start, a + 1))
                 start = b
-        page = mmap.PAGESIZE
         for plane in range(2 * self.n_layers):
             for lo, hi in runs:
-                first = base + ((plane * self.n_blocks + lo) * self.block_elements) * element
-                last = base + ((plane * self.n_blocks + hi) * self.block_elements) * element
-                first, last = -(-first // page) * page, last // page * page
-                if last > first:
-                    MADVISE(first, last - first, _MADV_DONTNEED)
+                start = (plane * self.n_blocks + lo) * self.block_elements * element
+                self._advise(start, (hi - lo) * self.block_elements * element, _MADV_DONTNEED)
         return True
+
+    def _advise(self, start: int, length: int, advice: int) -> None:
+        """madvise the whole pages within bytes start .. start+length of the pool."""
+        page, base = mmap.PAGESIZE, self._storage.data_ptr()
+        first, last = -(-(base + start) // page) * page, (base + start + length) // page * page
+        if last > first:
+            MADVISE(first, last - first, advice)
 
     # --- one forward call ----------------------------------------------------
     def row_slice(self, rows: slice | None, batch: int) -> slice:
