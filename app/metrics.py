@@ -51,6 +51,8 @@ ENGINE_GAUGES = (
      lambda e: e.attention_in_flight),
     ("attnlens_kv_cache_budget_bytes", "The most the model's KV cache may hold (ATTNLENS_KV_CACHE_BYTES; on the "
      "CPU its blocks are handed out with the tokens in flight up to this)", lambda e: e.cache_bytes),
+    ("attnlens_kv_cache_used_bytes", "What the model's KV cache holds now: the blocks in use on the CPU "
+     "(whole rows elsewhere: all of it)", lambda e: e.cache_held),
 )
 
 

@@ -60,7 +60,7 @@ def test_every_series_carries_a_model_and_every_model_has_its_gauges(three_model
         assert value(text, "attnlens_model_info", model=model, family=family, default=default) == 1
     for name in ("attnlens_requests_in_flight", "attnlens_queue_depth", "attnlens_generations_running_or_waiting",
                  "attnlens_attention_in_flight", "attnlens_engine_step_errors",
-                 "attnlens_engine_cancelled_requests"):
+                 "attnlens_engine_cancelled_requests", "attnlens_kv_cache_used_bytes"):
         assert value(text, name, model="first") == 0 and value(text, name, model="second") == 0
         assert not [ls for n, ls, _ in every if n == name and ls["model"] == "words"]  # an encoder has no engine
     # what each request counted is labelled with the model it named, or the default one
@@ -92,7 +92,7 @@ def test_the_load_gauge_is_running_plus_waiting_per_model(three_models):
     c = three_models
     engine = c.app.state.attnlens.registry.get("second").runner
     real = engine.model
-    held = engine.model = HeldModel(real, hold_at=1)  # every generation stays where it is
+    held = engine.model = HeldModel(real, hold_at=2)  # after the first forward (the prompts), everything stays
     ids = engine.tokenizer.encode("To be")
 
     async def submit():
@@ -110,6 +110,9 @@ def test_the_load_gauge_is_running_plus_waiting_per_model(three_models):
         assert running >= 1 and running + waiting == 3
         assert value(text, "attnlens_generations_running_or_waiting", model="second") == 3
         assert value(text, "attnlens_generations_running_or_waiting", model="first") == 0
+        # the running generations' blocks of the KV cache, within its budget
+        assert 0 < value(text, "attnlens_kv_cache_used_bytes", model="second") \
+            < value(text, "attnlens_kv_cache_budget_bytes", model="second")
         full = c.post("/generate", json={"prompt": "To be", "max_new_tokens": 2, "model": "second"})
         assert full.status_code == 429
         text = c.get("/metrics").text
@@ -119,4 +122,6 @@ def test_the_load_gauge_is_running_plus_waiting_per_model(three_models):
         held.release.set()
     assert all(last.finish_reason == "length" for _, last in c.portal.call(finish, generations))
     engine.model = real
-    assert value(c.get("/metrics").text, "attnlens_generations_running_or_waiting", model="second") == 0
+    text = c.get("/metrics").text
+    assert value(text, "attnlens_generations_running_or_waiting", model="second") == 0
+    assert value(text, "attnlens_kv_cache_used_bytes", model="second") == 0  # the blocks went back

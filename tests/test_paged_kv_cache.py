@@ -209,6 +209,7 @@ def test_long_prompts_are_prefilled_in_pieces_between_decode_steps(ckpt, tiny_ch
         assert [t.id for t in tokens] == [t.id for t in ref], i
         for got, want in zip(tokens, ref):
             assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+    assert engine.cache_held == 0  # every block went back (a process reports it with its last hand-over)
     if kind == "thread":
         # piece by piece from position 0, each prompt over 6 tokens once: a short one finishing beside it
         # moves its row down with what it holds (a lost row would start again from 0)

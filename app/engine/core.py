@@ -194,6 +194,11 @@ class Engine(EngineFront):
             return int(self.kv_budget or 0)
         return sum(t.numel() * t.element_size() for t in self.cache.keys + self.cache.values)
 
+    @property
+    def cache_held(self) -> int:
+        """Bytes the KV cache holds now: the blocks in use when it is in blocks, else all of it."""
+        return self.cache.bytes_held if self.cache_paged else self.cache_bytes
+
     def _reserved(self, g: Generation) -> int:
         """Positions g may come to hold: its prompt and every token it may generate."""
         return min(self.cache.capacity, len(g.params.prompt_ids) + g.params.max_new_tokens)

@@ -223,6 +223,11 @@ class EngineProcess(EngineFront):
         return self.waiting_cancelled + self._earlier.cancelled + self.counters.cancelled
 
     @property
+    def cache_held(self) -> int:
+        """Bytes the engine process's KV cache holds, as of its last hand-over."""
+        return self.counters.cache_held
+
+    @property
     def alive(self) -> bool:
         return self.state == "running" and self._reader.is_alive() and self.process.poll() is None
 

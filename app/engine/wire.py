@@ -41,6 +41,7 @@ class Counters:
     step_seconds: float  # moving average of one decode step
     errors: int  # requests failed by an exception on the model thread
     cancelled: int  # generations cancelled in the engine process (their client went away)
+    cache_held: int = 0  # bytes the KV cache holds now (blocks in use; whole rows: all of it)
 
 
 def dumps(message: tuple) -> bytes:

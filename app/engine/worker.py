@@ -52,7 +52,7 @@ class _PipedEngine(Engine):
         for r in records:
             if isinstance(r, FinishRecord):
                 self.generations.pop(r.generation.number, None)
-        counters = Counters(self.scheduler.drain.step_seconds, self.errors, self.cancelled)
+        counters = Counters(self.scheduler.drain.step_seconds, self.errors, self.cancelled, self.cache_held)
         self.send(("step", counters, encode_records(records)))
 
     def send(self, message: tuple) -> None:
