@@ -114,13 +114,18 @@ Messages = Annotated[list[ChatMessage], Field(min_length=1, description=(
 
 # --- /generate ---------------------------------------------------------------
 class GenerateRequest(Strict):
-    """Give exactly one of `prompt` (text to continue) or `messages` (a conversation, for a chat model)."""
+    """Give exactly one of `prompt` (text to continue), `ids` (token ids to continue, as they are) or
+    `messages` (a conversation, for a chat model)."""
 
     model_config = ConfigDict(**Strict.model_config,
-                              json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+                              json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["ids"]},
+                                                           {"required": ["messages"]}]})
 
     model: ModelName | None = Field(None, description=MODEL_FIELD)
     prompt: Text | None = Field(None, min_length=1, description="text to continue")
+    ids: list[int] | None = Field(None, min_length=1, description="token ids to continue, as they are (nothing "
+                                  "added: a model whose tokenizer adds BOS to a text gets none here); at most "
+                                  "ATTNLENS_MAX_PROMPT_TOKENS")
     messages: Messages | None = None
     max_new_tokens: int = Field(64, ge=1, description="1..ATTNLENS_MAX_NEW_TOKENS")
     temperature: float = Field(0.8, ge=0, allow_inf_nan=False, description="0 = greedy")

@@ -188,16 +188,18 @@ class _Endpoints:
         return self._drive(self._attention(text, ids, model, layers, heads, format, packing, target, target_ids,
                                            messages, ablate))
 
-    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None, model: str | None = None,
+    def generate(self, prompt: str | None = None, *, ids: list[int] | None = None, messages: list[dict] | None = None,
+                 model: str | None = None,
                  max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop: str | list[str] | None = None,
                  logprobs: int | None = None, return_attention: bool | None = None, ablate: AblateSpec = None):
         """POST /generate -> Generation (text, prompt_tokens, typed tokens, finish_reason, usage), of
-        `prompt` or of a chat model's conversation `messages` (its prompt_tokens: the rendered
-        template's). Parameters left None take the server's defaults. `ablate`: generate with
-        those heads ablated ("mean": over the prompt's positions); the answer echoes them."""
+        `prompt`, of token `ids` as they are, or of a chat model's conversation `messages` (its
+        prompt_tokens: the rendered template's). Parameters left None take the server's defaults.
+        `ablate`: generate with those heads ablated ("mean": over the prompt's positions); the
+        answer echoes them."""
         return self._drive(self._generate(_generate_body(
-            prompt, messages=messages, model=model, max_new_tokens=max_new_tokens, temperature=temperature,
+            prompt, ids=_listed(ids), messages=messages, model=model, max_new_tokens=max_new_tokens, temperature=temperature,
             top_k=top_k, top_p=top_p, seed=seed, stop=stop, logprobs=logprobs, return_attention=return_attention,
             ablate=ablate)))
 

@@ -246,10 +246,10 @@ def client_tiny(tiny_checkpoint, tmp_path_factory):
 
 
 def test_openapi_says_exactly_one_input(client_tiny):
-    """Generated clients and fuzzers build valid bodies: text | ids | messages, prompt | messages."""
+    """Generated clients and fuzzers build valid bodies: text | ids | messages, prompt | ids | messages."""
     schemas = client_tiny.get("/openapi.json").json()["components"]["schemas"]
     assert schemas["AttentionRequest"]["oneOf"] == [{"required": [k]} for k in ("text", "ids", "messages")]
-    assert schemas["GenerateRequest"]["oneOf"] == [{"required": [k]} for k in ("prompt", "messages")]
+    assert schemas["GenerateRequest"]["oneOf"] == [{"required": [k]} for k in ("prompt", "ids", "messages")]
     assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
 
 

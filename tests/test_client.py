@@ -147,6 +147,9 @@ def test_generate_and_stream_give_typed_tokens(client):
     assert stream.done.finish_reason == gen.finish_reason and stream.text == gen.text
     assert "".join(t.delta for t in tokens) + stream.done.delta == stream.done.text
     np.testing.assert_allclose(tokens[-1].attention, gen.tokens[-1].attention, atol=1e-6)
+    prompt_ids = [t.id for t in gen.prompt_tokens]  # the same prompt as token ids: the same tokens
+    assert [t.id for t in client.generate(ids=prompt_ids, **options).tokens] == [t.id for t in gen.tokens]
+    assert [t.id for t in client.stream(ids=prompt_ids, **options)] == [t.id for t in gen.tokens]
     translated = client.generate("seven", model="translator", max_new_tokens=8, temperature=0, return_attention=True)
     assert translated.tokens[0].cross_attention.shape == (3, 4, len(translated.prompt_tokens))
 

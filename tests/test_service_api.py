@@ -282,6 +282,29 @@ def test_generate_invalid_field_is_422_naming_it(client, patch, field):
     assert all(e["msg"] for e in detail)
 
 
+def test_generate_takes_token_ids_as_its_prompt(client, ckpt):
+    """`ids` continue as they are: the same answer as the text they tokenise to, streamed or not;
+    one of prompt, ids or messages; ids outside the vocabulary, or too many, are named."""
+    ids = ckpt.tokenizer.encode("To be, or not")
+    by_text = client.post("/generate", json={"prompt": "To be, or not", "max_new_tokens": 5, "temperature": 0}).json()
+    by_ids = client.post("/generate", json={"ids": ids, "max_new_tokens": 5, "temperature": 0}).json()
+    assert by_ids["tokens"] == by_text["tokens"] and by_ids["text"] == by_text["text"]
+    assert [t["id"] for t in by_ids["prompt_tokens"]] == ids
+    streamed = client.post("/generate", json={"ids": ids, "max_new_tokens": 5, "temperature": 0, "stream": True})
+    assert streamed.status_code == 200 and by_ids["text"] in "".join(
+        json.loads(d).get("text", "") for e, d in parse_sse(streamed.text) if e == "done")
+    both = client.post("/generate", json={"prompt": "x", "ids": ids, "max_new_tokens": 2})
+    assert both.status_code == 422 and both.json()["param"] == "ids"
+    assert "not both prompt and ids" in both.json()["detail"][0]["msg"]
+    bad = client.post("/generate", json={"ids": [1, ckpt.tokenizer.vocab_size], "max_new_tokens": 2})
+    assert bad.status_code == 422 and bad.json()["param"] == "ids" and "position 1" in bad.json()["detail"][0]["msg"]
+    empty = client.post("/generate", json={"ids": []})
+    assert empty.status_code == 422
+    limit = client.app.state.attnlens.settings.max_prompt_tokens
+    long = client.post("/generate", json={"ids": [1] * (limit + 1), "max_new_tokens": 2})
+    assert long.status_code == 400 and long.json()["param"] == "ids" and long.json()["code"] == "prompt_too_long"
+
+
 def test_generate_body_that_is_not_json(client):
     r = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 422

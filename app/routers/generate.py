@@ -1,5 +1,5 @@
-"""POST /generate: continue a prompt (or a chat model's conversation, `messages`), as one JSON answer
-or as server-sent events."""
+"""POST /generate: continue a prompt (text, or token `ids` as they are; or a chat model's
+conversation, `messages`), as one JSON answer or as server-sent events."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..deps import get_state
 from ..engine import EngineFront, GenerationParams
 from ..errors import field_error, public_message
 from ..explain.ablation import resolve_ablate
-from ..prompts import tokenize_text
+from ..prompts import check_token_ids, tokenize_text
 from ..request_limits import check_lengths, check_new_token_limit
 from ..schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
 from ..serving import SSE_HEADERS, cancel_on_disconnect, collect, note_unfinished, sse
@@ -62,14 +62,20 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     check_new_token_limit(settings, body.max_new_tokens, "max_new_tokens")
     edits, echo = resolve_ablate(served, body.ablate, settings)
     tok = engine.tokenizer
-    if (body.prompt is None) == (body.messages is None):
-        raise field_error("prompt", "give either prompt (text) or messages (a conversation), not both"
-                          if body.prompt is not None else "give prompt (text) or messages (a conversation)",
-                          "exclusive" if body.prompt is not None else "missing")
+    given = [name for name in ("prompt", "ids", "messages") if getattr(body, name) is not None]
+    if len(given) != 1:
+        raise field_error(given[1] if given else "prompt",
+                          f"give one of prompt (text), ids (token ids) or messages (a conversation), not both "
+                          f"{given[0]} and {given[1]}" if given else
+                          "give prompt (text), ids (token ids) or messages (a conversation)",
+                          "exclusive" if given else "missing")
     if body.messages is not None:
         prompt_field = "messages"
         prompt_ids = await conversation_ids(state, served, body.messages, settings.max_prompt_tokens,
                                             limit_name="ATTNLENS_MAX_PROMPT_TOKENS")
+    elif body.ids is not None:
+        prompt_field = "ids"
+        prompt_ids = check_token_ids(tok, body.ids, field="ids", limit=settings.max_prompt_tokens)
     else:
         prompt_field = "prompt"
         prompt_ids = await tokenize_text(tok, body.prompt, settings.max_prompt_tokens, field="prompt",
