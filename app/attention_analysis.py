@@ -36,7 +36,10 @@ def analyse_attention(model, ids: list[int], layers: list[int], heads: list[int]
                       target_ids: list[int] | None = None, ablate: tuple = ()) -> AnalysisMaps:
     """Runs on the model's side: every group's maps (with `ablate`, model/hooks.py's ZEdits, those of
     the ablated model; a default target is still the unablated model's output), then the asked
-    layers and heads."""
+    layers and heads. A decoder computes the asked heads alone (its `analyse_heads`)."""
+    if hasattr(model, "analyse_heads") and target_ids is None:  # a decoder: the asked heads alone
+        maps = model.analyse_heads(ids, layers, heads, ablate)
+        return AnalysisMaps({"tokens": list(ids)}, {family_of(model).primary.name: maps.cpu().numpy()})
     generated = False
     if ablate and target_ids is None and family_of(model).takes_target:
         tokens, generated = model.sequence(ids, None)  # the clean translation, before any edit

@@ -159,6 +159,11 @@ class RecordingModel:
         self.calls.append((1, len(ids)))
         return self._model.analyse(ids, target_ids)
 
+    def analyse_heads(self, ids, layers, heads, ablate=()):  # a decoder's /attention call: likewise
+        assert self.gate.wait(30)
+        self.calls.append((1, len(ids)))
+        return self._model.analyse_heads(ids, layers, heads, ablate)
+
 
 def test_one_forward_per_step_and_prefills_never_longer_than_one_full_prompt(ckpt):
     """Eight requests at once: three long prompts (each alone, a decode step between them)

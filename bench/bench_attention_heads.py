@@ -1,0 +1,89 @@
+"""/attention's model call for a decoder at real length, beside a prefill of the same prompt, in one
+process, taking turns (the packaged SmolLM2, or --model):
+
+    .venv/bin/python bench/bench_attention_heads.py                  # 2,048 tokens, 2 threads
+    .venv/bin/python bench/bench_attention_heads.py --tokens 8192 --skip-full
+
+Cases: a prefill (the peer: one forward, the last position's logits); one head's full map (what
+/attention runs now, `analyse_heads`: the fast forward keeping the asked layer's queries and keys,
+then that head's softmax(q k^T)); one layer's every head; and, unless --skip-full, the explicit
+forward that makes every head's map and then picks one (what /attention ran before). Each prints
+wall ms, its ratio to the prefill, and the process's peak RSS growth over the run (Linux: the peak
+is reset before each case through /proc/self/clear_refs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def rss_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--skip-full", action="store_true", help="skip the every-head explicit forward (8k: 72 GB)")
+    p.add_argument("--model", help="a checkpoint directory (default: the packaged SmolLM2)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from attnlens.model import load_checkpoint
+    from attnlens.model.interop.packaged import SMOLLM2, ensure_checkpoint
+
+    model = load_checkpoint(args.model or ensure_checkpoint(SMOLLM2, progress=False)).model
+    c = model.config
+    torch.manual_seed(0)
+    ids = torch.randint(0, c.vocab_size, (min(args.tokens, c.context_length),)).tolist()
+    layer, head = c.n_layers * 2 // 3, 0
+    cases = {
+        "prefill (the peer)": lambda: model(torch.tensor([ids]), last_only=True),
+        f"one head's map (L{layer}H{head})": lambda: model.analyse_heads(ids, [layer], [head]),
+        f"layer {layer}'s {c.n_heads} heads": lambda: model.analyse_heads(ids, [layer], list(range(c.n_heads))),
+    }
+    if not args.skip_full:
+        cases["every head made, one picked (before)"] = lambda: model.analyse(ids).maps["self"][layer, head].clone()
+    print(f"model     {c.n_layers} layers x {c.n_heads} heads ({c.kv_heads} KV), {len(ids)} tokens")
+    print(f"runtime   torch {torch.__version__}, {args.threads} thread(s), median of {args.reps} after a warm-up\n")
+    print(f"{'case':<40}{'wall ms':>10}{'x prefill':>11}{'peak RSS +MB':>14}")
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    peaks: dict[str, float] = {name: 0.0 for name in cases}
+    with torch.inference_mode():
+        for name, run in cases.items():
+            run()  # warm-up
+        for _ in range(args.reps):
+            for name, run in cases.items():
+                base = rss_mb("VmRSS")
+                reset_peak()
+                t0 = time.perf_counter()
+                out = run()
+                times[name].append(time.perf_counter() - t0)
+                peaks[name] = max(peaks[name], rss_mb("VmHWM") - base)
+                del out
+    prefill = statistics.median(times["prefill (the peer)"])
+    for name in cases:
+        t = statistics.median(times[name])
+        print(f"{name:<40}{t * 1000:>10.0f}{t / prefill:>10.2f}x{peaks[name]:>14.0f}")
+
+
+if __name__ == "__main__":
+    main()
