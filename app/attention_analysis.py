@@ -23,6 +23,7 @@ from attnlens.model import Family, family_of
 from attnlens.model.hooks import Hooks, hooked
 
 from .attention_codec import encode, encoded_bytes
+from .engine import progress
 
 
 @dataclass
@@ -38,13 +39,13 @@ def analyse_attention(model, ids: list[int], layers: list[int], heads: list[int]
     the ablated model; a default target is still the unablated model's output), then the asked
     layers and heads. A decoder computes the asked heads alone (its `analyse_heads`)."""
     if hasattr(model, "analyse_heads") and target_ids is None:  # a decoder: the asked heads alone
-        maps = model.analyse_heads(ids, layers, heads, ablate)
+        maps = model.analyse_heads(ids, layers, heads, ablate, progress=progress.report)
         return AnalysisMaps({"tokens": list(ids)}, {family_of(model).primary.name: maps.cpu().numpy()})
     generated = False
     if ablate and target_ids is None and family_of(model).takes_target:
         tokens, generated = model.sequence(ids, None)  # the clean translation, before any edit
         target_ids = tokens["target"][1:]
-    with hooked(model, Hooks(ablate=ablate) if ablate else None):
+    with hooked(model, Hooks(ablate=ablate, progress=progress.report)):
         analysis = model.analyse(ids, target_ids)
     analysis.generated_target = analysis.generated_target or generated
     pick = lambda a: a[layers][:, heads].float().cpu().numpy()  # (L, H, Q, K) -> (L', H', Q, K)

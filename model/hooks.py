@@ -135,6 +135,7 @@ class Hooks:
     [B, T, C]), as TransformerLens's start_at_layer: an ablated run takes the clean run's outputs
     of the blocks before the first ablated one (`unchanged_outputs`), which it would only
     recompute bit for bit. A given block keeps nothing and returns no attention maps.
+    progress: called after each block (a long forward tells a watchdog it is working).
     """
 
     record: set[str] | Callable[[str], bool] = field(default_factory=set)
@@ -145,6 +146,7 @@ class Hooks:
     stop_after: str | None = None
     given: dict[str, torch.Tensor] = field(default_factory=dict)
     captured: dict[str, torch.Tensor] = field(default_factory=dict)
+    progress: Callable[[], None] | None = None  # called as each block's output is kept: a long forward's heartbeat
 
     def __post_init__(self) -> None:
         if not callable(self.record):
@@ -167,6 +169,8 @@ class Hooks:
     def keep(self, name: str, tensor: torch.Tensor) -> None:
         if self.wants(name):
             self.captured[name] = tensor
+        if self.progress is not None and name.endswith("hook_resid_post"):
+            self.progress()
         if name == self.stop_after:
             raise StopForward(name)
 

@@ -159,10 +159,10 @@ class RecordingModel:
         self.calls.append((1, len(ids)))
         return self._model.analyse(ids, target_ids)
 
-    def analyse_heads(self, ids, layers, heads, ablate=()):  # a decoder's /attention call: likewise
+    def analyse_heads(self, ids, layers, heads, ablate=(), progress=None):  # a decoder's /attention call: likewise
         assert self.gate.wait(30)
         self.calls.append((1, len(ids)))
-        return self._model.analyse_heads(ids, layers, heads, ablate)
+        return self._model.analyse_heads(ids, layers, heads, ablate, progress)
 
 
 def test_one_forward_per_step_and_prefills_never_longer_than_one_full_prompt(ckpt):
@@ -436,6 +436,36 @@ def test_attention_bound_answers_429_when_full(tiny_checkpoint):
         assert engine.attention_in_flight == 0
 
     in_process(tiny_checkpoint, scenario, max_attention_concurrent=1)
+
+
+def test_a_long_model_call_hands_over_heartbeats(ckpt):
+    """A model call that reports progress (an /attention analysis: after each block and each map)
+    makes the engine hand over an empty step at most once a second, which an engine process's
+    watchdog counts as progress; a call that does not report hands over nothing until it ends."""
+    from attnlens.app.engine import Engine, progress
+
+    engine = Engine(ckpt, max_concurrent=2, max_queue=2)
+    emitted: list[int] = []
+    real = engine._emit
+    engine._emit = lambda records: (emitted.append(len(records)), real(records))
+
+    def slow(model, reports: bool):
+        for _ in range(5):
+            time.sleep(0.3)
+            if reports:
+                progress.report()
+        return "done"
+
+    try:
+        assert run_async(engine.call(lambda m: slow(m, True))) == "done"
+        beats = emitted.count(0)
+        assert 1 <= beats <= 2  # 1.5 s of work, one beat a second at most
+        emitted.clear()
+        assert run_async(engine.call(lambda m: slow(m, False))) == "done"
+        assert emitted.count(0) == 0
+    finally:
+        engine.close()
+    progress.report()  # outside a call: nothing happens
 
 
 @pytest.mark.parametrize("route,body", [

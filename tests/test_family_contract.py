@@ -213,7 +213,10 @@ def test_a_decoders_asked_heads_alone_are_its_full_analysis_picked(part):
     ids = torch.randint(0, 50, (19,)).tolist()
     layers, heads = [2, 0], [3, 1]
     full = model.analyse(ids).maps["self"]
-    torch.testing.assert_close(model.analyse_heads(ids, layers, heads), full[layers][:, heads], atol=1e-6, rtol=0)
+    beats = []
+    torch.testing.assert_close(model.analyse_heads(ids, layers, heads, progress=lambda: beats.append(1)),
+                               full[layers][:, heads], atol=1e-6, rtol=0)
+    assert len(beats) == 3 + 2 * 2  # after each block of the forward, then each map
     edits = (ZEdit("blocks.0.attn", 2, "zero"),)
     with hooked(model, Hooks(ablate=edits)):
         ablated = model.analyse(ids).maps["self"]

@@ -48,6 +48,7 @@ from attnlens.model.decoding import RowSampler, decode_step, make_generator
 from attnlens.model.hooks import ZEdit, batch_hooks, hooked
 
 from .. import memory
+from . import progress
 from .front import MODEL_CALL_FAILED, EngineFront
 from .outputs import FinishRecord, PromptRecord, Record, TokenRecord
 
@@ -312,7 +313,9 @@ class Engine(EngineFront):
         t0 = time.perf_counter()
         try:
             if not work.cancelled:
-                work.settle(result=work.fn(self.model))
+                with progress.reporting(lambda: self._emit([])):  # a long call's heartbeat for the watchdog
+                    result = work.fn(self.model)
+                work.settle(result=result)
         except Exception:  # the call's failure is its own
             self.errors += 1
             log.exception("model call failed")

@@ -220,18 +220,21 @@ class Transformer(Embeddings, nn.Module):
         return AttentionAnalysis({"tokens": list(ids)}, {"self": torch.stack([a[0] for a in attentions])})
 
     @torch.inference_mode()
-    def analyse_heads(self, ids: list[int], layers: list[int], heads: list[int], ablate: tuple = ()) -> torch.Tensor:
+    def analyse_heads(self, ids: list[int], layers: list[int], heads: list[int], ablate: tuple = (),
+                      progress: Callable[[], None] | None = None) -> torch.Tensor:
         """The (L', H', T, T) maps of the asked layers and heads alone, of one sequence: one forward on
         the fast path that keeps the asked layers' queries and keys (hook points, after rotary
         positions), then softmax(q k^T * scale) of each asked head, masked as the forward masks
         (causal; a sliding window). The other heads' maps are never made: memory follows the answer.
-        `ablate` (model/hooks.py's ZEdits) edits this forward, as it would `analyse`'s. Under hooks of
-        a caller's (`hooked`), which this forward's own would replace, it is `analyse` then a pick."""
+        `ablate` (model/hooks.py's ZEdits) edits this forward, as it would `analyse`'s; `progress` is
+        called after each block of the forward and each map. Under hooks of a caller's (`hooked`),
+        which this forward's own would replace, it is `analyse` then a pick."""
         if active_hooks() is not None:
             return self.analyse(ids).maps["self"][layers][:, heads].float()
         rotary = self.rotary is not None
         q_name, k_name = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
-        hooks = Hooks(record={f"blocks.{l}.attn.{n}" for l in layers for n in (q_name, k_name)}, ablate=tuple(ablate))
+        hooks = Hooks(record={f"blocks.{l}.attn.{n}" for l in layers for n in (q_name, k_name)}, ablate=tuple(ablate),
+                      progress=progress)
         inputs = torch.tensor([ids], dtype=torch.long, device=self.tok_emb.weight.device)
         with hooked(self, hooks):
             self(inputs, last_only=True)
@@ -248,6 +251,8 @@ class Transformer(Embeddings, nn.Module):
             for j, h in enumerate(heads):  # one (T, T) map at a time: query head h reads key/value head h // G
                 scores = (q[:, h] @ k[:, h // attn.groups].T).mul_(attn.scale).masked_fill_(~allowed, float("-inf"))
                 maps[i, j] = torch.softmax(scores.float(), dim=-1)
+                if progress is not None:
+                    progress()
         return maps
 
     def sequence(self, ids: list[int], target_ids: list[int] | None = None) -> tuple[dict[str, list[int]], bool]:
