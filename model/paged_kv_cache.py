@@ -75,13 +75,17 @@ class BlockAttention:
         owner (n,)        the call's row of each block, B for a block that is not the call's
         bias  (n*K, 1, P) 0 where a block's position is filled (this token's included), else -inf
         single            one row whose blocks are exactly lo .. hi-1: no row bookkeeping
+    A block that is not the call's gets -inf everywhere, so its exp is NaN (-inf minus -inf): it
+    lands in the dropped row B only.
     """
 
     def __init__(self, lo: int, hi: int, owner: torch.Tensor, bias: torch.Tensor, single: bool,
-                 n_rows: int, n_keys: int, probs_index: torch.Tensor | None):
+                 n_rows: int, n_keys: int, probs_index: tuple[torch.Tensor, torch.Tensor]):
         self.lo, self.hi, self.owner, self.bias, self.single = lo, hi, owner, bias, single
         self.n_rows, self.n_keys = n_rows, n_keys
-        self.probs_index = probs_index  # (owned blocks,) and (owned*P,) flat (row, position): see probabilities
+        # the call's blocks (offsets from lo, row by row) and, for each of their positions, its place in
+        # a (B, S_pad) row-major layout of the rows' probabilities: see probabilities
+        self.probs_index = probs_index
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, want_probs: bool):
         """q (B, H, 1, D) over the pool's (N, K, P, D) keys and values: (B, H, 1, D) and, with
