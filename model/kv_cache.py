@@ -69,6 +69,26 @@ def rows_of(rows: slice | None, batch: int, n_rows: int) -> slice:
     return slice(start, stop)
 
 
+def keys_seen(starts: list[int], n_new: int, capacity: int) -> int:
+    """S, the keys the call's queries see (the longest row's and its new tokens); a
+    ContextLengthError when they do not fit the context."""
+    S = max(starts) + n_new
+    if S > capacity:
+        raise ContextLengthError(f"sequence of {S} tokens exceeds the context length {capacity}")
+    return S
+
+
+def new_positions(starts: list[int], n_new: int) -> torch.Tensor:
+    """(B, T): token t of row b goes to position starts[b] + t."""
+    return torch.tensor(starts)[:, None] + torch.arange(n_new)[None, :]
+
+
+def rows_mask(positions: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """(B, 1, T, S) for rows of different lengths: the query at position p sees keys 0 .. p (its own
+    row's; the same for every head)."""
+    return (torch.arange(n_keys)[None, None, :] <= positions[:, :, None])[:, None]
+
+
 def bytes_per_row(n_layers: int, n_kv_heads: int, capacity: int, d_head: int, dtype: torch.dtype) -> int:
     """Memory one cache row takes: keys and values of every layer, K heads x P positions x D."""
     return 2 * n_layers * n_kv_heads * capacity * d_head * torch.empty((), dtype=dtype).element_size()
@@ -95,18 +115,11 @@ class KVCache:
         """Check that n_new tokens fit in every row; positions and mask for the call."""
         rows = self.row_slice(rows, batch)
         starts = self.lengths[rows].tolist()  # (B,) as ints: few small tensor ops per step
-        longest = max(starts)
-        if longest + n_new > self.capacity:
-            raise ContextLengthError(
-                f"sequence of {longest + n_new} tokens exceeds the context length {self.capacity}"
-            )
-        S = longest + n_new
-        if min(starts) == longest:  # every row continues from the same position: slices, causal
-            return CacheWrite(self, rows, longest, None, None, S)
-        # rows of different lengths: query t of row b sits at starts[b] + t, sees keys 0 .. starts[b] + t
-        positions = torch.tensor(starts)[:, None] + torch.arange(n_new)[None, :]  # (B, T)
-        mask = torch.arange(S)[None, None, :] <= positions[:, :, None]  # (B, T, S)
-        mask = mask[:, None].to(self.device)  # (B, T, S) -> (B, 1, T, S): the same for every head
+        S = keys_seen(starts, n_new, self.capacity)
+        if min(starts) == max(starts):  # every row continues from the same position: slices, causal
+            return CacheWrite(self, rows, starts[0], None, None, S)
+        positions = new_positions(starts, n_new)
+        mask = rows_mask(positions, S).to(self.device)
         # one flat index for every layer's keys and values: (row, head, position) -> (row * H + head) * P + position
         K, P = self.keys[0].shape[1], self.keys[0].shape[2]  # K: the key/value heads; P: positions held
         heads = (torch.arange(rows.start, rows.stop)[:, None] * K + torch.arange(K)[None, :]) * P  # (B, K)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import CacheWrite, ContextLengthError, rows_of
+from .kv_cache import CacheWrite, keys_seen, new_positions, rows_mask, rows_of
 
 BLOCK = 64  # positions per block: at most 63 positions of memory a row holds unused (bench/README.md)
 _MADV_DONTNEED = 4
@@ -80,9 +80,9 @@ class BlockAttention:
     """
 
     def __init__(self, lo: int, hi: int, owner: torch.Tensor, bias: torch.Tensor, single: bool,
-                 n_rows: int, n_keys: int, probs_index: tuple[torch.Tensor, torch.Tensor]):
+                 n_keys: int, probs_index: tuple[torch.Tensor, torch.Tensor]):
         self.lo, self.hi, self.owner, self.bias, self.single = lo, hi, owner, bias, single
-        self.n_rows, self.n_keys = n_rows, n_keys
+        self.n_keys = n_keys
         # the call's blocks (offsets from lo, row by row) and, for each of their positions, its place in
         # a (B, S_pad) row-major layout of the rows' probabilities: see probabilities
         self.probs_index = probs_index
@@ -313,24 +313,19 @@ class PagedKVCache:
         rows = self.row_slice(rows, batch)
         starts = self.lengths[rows].tolist()  # (B,)
         longest = max(starts)
-        if longest + n_new > self.capacity:
-            raise ContextLengthError(
-                f"sequence of {longest + n_new} tokens exceeds the context length {self.capacity}")
-        S = longest + n_new
+        S = keys_seen(starts, n_new, self.capacity)
         for row, start in zip(range(rows.start, rows.stop), starts):
             self.reserve(row, start + n_new)
         tables = [self.tables[r] for r in range(rows.start, rows.stop)]
         P, K = self.block, self.n_kv_heads
-        positions = torch.tensor(starts)[:, None] + torch.arange(n_new)[None, :]  # (B, T)
+        positions = new_positions(starts, n_new)  # (B, T)
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables])  # (B, nb), padded with a real block
         block_of = table.gather(1, positions // P)  # (B, T)
         heads = torch.arange(K)[None, :, None]
         slots = ((block_of[:, None, :] * K + heads) * P + (positions % P)[:, None, :]).reshape(-1)  # (B*K*T,)
         same = min(starts) == longest
-        mask = None
-        if not same:
-            mask = (torch.arange(S)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
+        mask = None if same else rows_mask(positions, S)
         blocks = self._block_attention(tables, [s + n_new for s in starts], S) if n_new == 1 else None
         return PagedWrite(self, rows, longest if same else -1, None if same else positions, mask, S, slots,
                           fresh=longest == 0, blocks=blocks, gather=table)
@@ -354,7 +349,7 @@ class PagedKVCache:
         bias = torch.where(torch.arange(P)[None, :] < filled[:, None], 0.0, float("-inf")).to(self.dtype)  # (n, P)
         bias = bias[:, None, None, :].expand(n, self.n_kv_heads, 1, P).reshape(n * self.n_kv_heads, 1, P)
         probs_index = (torch.cat(owned), torch.cat(flat))
-        return BlockAttention(lo, hi, owner, bias, single, B, S, probs_index)
+        return BlockAttention(lo, hi, owner, bias, single, S, probs_index)
 
     def store(self, write: PagedWrite, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put the call's (B, K, T, D) keys/values in their slots."""
