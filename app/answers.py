@@ -44,11 +44,14 @@ class AnswerBudget:
         self._cond = asyncio.Condition()
         self._freed_at: list[float] = []  # recent release times, for Retry-After
 
-    async def claim(self, n: int, *, what: str) -> "Claim":
+    async def claim(self, n: int, *, what: str,
+                    instead: str = "ask for fewer layers or heads, a shorter text, or format f16/u8 with packing tril",
+                    ) -> "Claim":
+        """Hold n bytes until the claim is released; over the whole budget a 400 that says what to ask
+        `instead`."""
         if n > self.limit:
             raise ApiError(400, f"{what} would be about {n / 1e6:.1f} MB, more than the whole budget for answers "
-                                f"in flight ({self.limit / 1e6:.1f} MB, ATTNLENS_MAX_ANSWER_BYTES): ask for fewer "
-                                f"layers or heads, a shorter text, or format f16/u8 with packing tril",
+                                f"in flight ({self.limit / 1e6:.1f} MB, ATTNLENS_MAX_ANSWER_BYTES): {instead}",
                            code="answer_too_large")
         async with self._cond:
             try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attnlens.codec import U8_SCALE, decode, encode, tril_pack  # noqa: F401  (the server's wire format)
+from attnlens.codec import U8_SCALE, decode, encode, encode_positions, tril_pack  # noqa: F401  (the server's wire format)
 
 
 def attention_maps(model, ids: list[int], layers: list[int], heads: list[int]) -> np.ndarray:

@@ -267,9 +267,44 @@ class AttentionRequest(Strict):
                                          "token ids as they are (without the decoder's start token)")
     ablate: Ablate = Field(None, description=ABLATE_DESCRIPTION + "; the maps are those of the ablated model "
                            "(an encoder-decoder's default target is still the unablated model's translation)")
+    # what each map becomes, computed a block of query rows at a time (never the whole map held)
+    pool: int | None = Field(None, ge=1, le=4096, description=(
+        "each map as an N x N grid over contiguous, near-equal bins (fewer where a window is shorter; "
+        "the answer's row_edges / col_edges give them): cell (i, j) is the mean, over the queries in "
+        "row bin i, of the total attention they give to the keys in column bin j, so pooled rows "
+        "still sum to 1; a causal map's empty upper cells are 0. Not with top_k"))
+    top_k: int | None = Field(None, ge=1, le=1024, description=(
+        "for every query row its k heaviest keys, heaviest first: `positions` (key positions, -1 "
+        "where the weight is 0) and the weights as the maps, shape [L][H][rows][k]. Not with pool"))
+    rows: list[int] | None = Field(None, min_length=2, max_length=2, description=(
+        "[a, b]: query positions a .. b-1 only, at full resolution (or pooled, or top-k); each "
+        "group's window is clipped to its own axis"))
+    cols: list[int] | None = Field(None, min_length=2, max_length=2, description=(
+        "[c, d]: key positions c .. d-1 only (the weights are still those of the whole row's softmax)"))
+
+    @field_validator("rows", "cols")
+    @classmethod
+    def _window(cls, v):
+        if v is not None and not 0 <= v[0] < v[1]:
+            raise ValueError(f"a window [start, end] needs 0 <= start < end, got {v}")
+        return v
 
 
-class AttentionGroup(BaseModel):
+class ReducedMaps(BaseModel):
+    """What a group's answer states beside its maps: the window it covers; a pooled answer's bins; a
+    top-k answer's keys."""
+
+    rows: list[int] | None = Field(None, description="[a, b]: the query positions the maps cover")
+    cols: list[int] | None = Field(None, description="[c, d]: the key positions the maps cover")
+    row_edges: list[int] | None = Field(None, description="pool: the row bins' edges (bin i is edges[i] .. edges[i+1]-1)")
+    col_edges: list[int] | None = Field(None, description="pool: the column bins' edges")
+    positions: list[list[list[list[int]]]] | str | None = Field(
+        None, description="top_k: each row's keys, heaviest first (-1: none); json nested lists, "
+        "else base64 of little-endian int32")
+    positions_dtype: Literal["int32"] | None = None
+
+
+class AttentionGroup(ReducedMaps):
     """One group of maps in the format asked for (the same fields as the top level's)."""
 
     shape: list[int] = Field(description="[len(layers), len(heads), rows, columns]")
@@ -302,7 +337,7 @@ class AttentionGroupAxes(BaseModel):
     causal: bool
 
 
-class AttentionResponse(BaseModel):
+class AttentionResponse(ReducedMaps):
     model: str
     family: str = Field("decoder", description="the model's family (GET /models describes its attention groups)")
     groups: list[AttentionGroupAxes] = Field(default_factory=list, description=(
@@ -319,7 +354,8 @@ class AttentionResponse(BaseModel):
     layers: list[int]
     heads: list[int]
     format: Literal["json", "f16", "u8"]
-    shape: list[int] = Field(description="[len(layers), len(heads), T, T]")
+    shape: list[int] = Field(description="[len(layers), len(heads), T, T]; pooled [.., N, N], top_k [.., rows, k], "
+                                         "a window [.., b - a, d - c]")
     attention: list[list[list[list[float]]]] | None = Field(None, description="format=json")
     data: str | None = Field(None, description="f16/u8: base64 of the row-major array")
     dtype: Literal["float16", "uint8"] | None = Field(None, description="element type of data (little-endian)")

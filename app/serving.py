@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 from dataclasses import dataclass, field
+from typing import Awaitable, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -16,6 +17,7 @@ from .metrics import Metrics
 from .schemas import StreamDone, StreamError, StreamToken
 from .stream_events import events
 
+T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first": logged and counted, never sent
 
 
@@ -50,6 +52,31 @@ async def cancel_on_disconnect(request: Request, generations: list[RequestState]
             await watcher
         for g in generations:
             g.cancel()  # a no-op once finished; stops the work if we were interrupted
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` (a model call); a client that goes away first cancels it (the call stops at its
+    next report point, app/engine/progress.py) and the handler ends with a 499 that is never sent."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watcher
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():  # the client went first
+        raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed")
+    return task.result()
 
 
 # errors of the engine rather than of the request: a 503 (with Retry-After when known), not a 500

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .ablation import Ablation
-from .codec import decode
+from .codec import decode, decode_positions
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,14 @@ def _ablations(body: dict) -> list[Ablation] | None:
 
 
 # --- /attention ----------------------------------------------------------------------------
+def _reduced(fields: dict) -> dict:
+    """A group's window, bins and top-k positions, as its answer states them."""
+    span = lambda name: None if fields.get(name) is None else (int(fields[name][0]), int(fields[name][1]))
+    edges = lambda name: None if fields.get(name) is None else [int(e) for e in fields[name]]
+    return {"query_range": span("rows"), "key_range": span("cols"), "row_edges": edges("row_edges"),
+            "col_edges": edges("col_edges"), "positions": decode_positions(fields)}
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionGroup:
     """One group of maps: `maps` [layers][heads][rows][cols]; rows attend to columns.
@@ -56,12 +64,22 @@ class AttentionGroup:
     source columns). `queries` / `keys` are the axes the rows and columns run over."""
 
     name: str
-    maps: np.ndarray  # (L', H', rows, cols) float32
+    maps: np.ndarray  # (L', H', rows, cols) float32; pooled (.., Nr, Nc); top-k weights (.., rows, k)
     rows: list[Token]
     cols: list[Token]
     causal: bool  # zero above the diagonal
     queries: str = "tokens"  # the rows' axis: tokens | source | target
     keys: str = "tokens"  # the columns' axis
+    query_range: tuple[int, int] | None = None  # [a, b): the query positions the maps cover (a window)
+    key_range: tuple[int, int] | None = None  # [c, d): the key positions
+    row_edges: list[int] | None = None  # pool: row bin i is query positions edges[i] .. edges[i+1]-1
+    col_edges: list[int] | None = None  # pool: the key bins
+    positions: np.ndarray | None = None  # top_k: (L', H', rows, k) key positions, heaviest first; -1 none
+
+    @property
+    def kind(self) -> str:
+        """What `maps` holds: "map" (full resolution, perhaps a window), "pool" or "top_k"."""
+        return "pool" if self.row_edges is not None else "top_k" if self.positions is not None else "map"
 
 
 @dataclass(frozen=True)
@@ -112,6 +130,7 @@ class Attention:
             tokens=_tokens(body["tokens"]), n_layers=body["n_layers"], n_heads=body["n_heads"],
             layers=list(body["layers"]), heads=list(body["heads"]), format=body["format"], text=text,
             specs=specs, maps={specs[0].name: decode(body), **{s.name: decode(translation[s.name]) for s in specs[1:]}},
+            reduced={specs[0].name: _reduced(body), **{s.name: _reduced(translation[s.name]) for s in specs[1:]}},
             target_tokens=_tokens(translation["target_tokens"]) if "target_tokens" in translation else None,
             generated=bool(translation["generated"]) if "generated" in translation else None,
             ablate=_ablations(body))
@@ -120,12 +139,16 @@ class Attention:
     def from_arrays(cls, *, model: str, family: str, direction: str, tokens: list[Token], n_layers: int,
                     n_heads: int, layers: list[int], heads: list[int], format: str, specs: list[GroupSpec],
                     maps: dict[str, np.ndarray], text: str | None = None, target_tokens: list[Token] | None = None,
-                    generated: bool | None = None, ablate: list[Ablation] | None = None) -> Attention:
+                    generated: bool | None = None, ablate: list[Ablation] | None = None,
+                    reduced: dict[str, dict] | None = None) -> Attention:
         """From maps in hand, group by group (`specs`, the primary first, over `tokens`; a group
-        over the target axis has `target_tokens` as its rows or columns)."""
+        over the target axis has `target_tokens` as its rows or columns). `reduced`: a group's
+        query_range, key_range, row_edges, col_edges, positions (a window, pooled or top-k maps)."""
         along = {"tokens": tokens, "source": tokens, "target": target_tokens}
+        reduced = reduced or {}
         groups = {s.name: AttentionGroup(s.name, np.asarray(maps[s.name], dtype=np.float32), along[s.queries],
-                                         along[s.keys], s.causal, s.queries, s.keys) for s in specs}
+                                         along[s.keys], s.causal, s.queries, s.keys, **reduced.get(s.name, {}))
+                  for s in specs}
         return cls(model, family, direction, tokens, n_layers, n_heads, list(layers), list(heads), format,
                    groups[specs[0].name].maps, groups, text, target_tokens, generated, ablate)
 

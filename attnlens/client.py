@@ -132,15 +132,21 @@ class _Endpoints:
 
     def _attention(self, text: str | None, ids: list[int] | None, model: str | None, layers, heads, format: str,
                    packing: str | None, target: str | None, target_ids: list[int] | None,
-                   messages: list[dict] | None = None, ablate: AblateSpec = None) -> Endpoint:
-        if packing is None:  # the smaller packing the model allows: tril where its family has causal maps
-            family = yield from self._family(model)
-            packing = "tril" if family and any(g["causal"] for g in family["groups"]) else "full"
+                   messages: list[dict] | None = None, ablate: AblateSpec = None, pool: int | None = None,
+                   top_k: int | None = None, rows=None, cols=None) -> Endpoint:
+        whole = pool is None and top_k is None and rows is None and cols is None
+        if packing is None:  # the smaller packing the model allows: tril for whole maps where a group is causal
+            packing = "full"
+            if whole:
+                family = yield from self._family(model)
+                packing = "tril" if family and any(g["causal"] for g in family["groups"]) else "full"
         body = _given(model=model, text=text, ids=None if ids is None else list(ids),
                       layers=None if layers is None else list(layers), heads=None if heads is None else list(heads),
                       format=format, packing=packing, target=target,
                       target_ids=None if target_ids is None else list(target_ids),
-                      messages=None if messages is None else list(messages), ablate=ablate_body(ablate))
+                      messages=None if messages is None else list(messages), ablate=ablate_body(ablate),
+                      pool=pool, top_k=top_k, rows=None if rows is None else list(rows),
+                      cols=None if cols is None else list(cols))
         answer = yield _Call("POST", "/attention", body)
         return Attention.from_json(answer, text=text)
 
@@ -174,7 +180,8 @@ class _Endpoints:
     def attention(self, text: str | None = None, *, ids: list[int] | None = None, model: str | None = None,
                   layers: Iterable[int] | None = None, heads: Iterable[int] | None = None, format: Format = "json",
                   packing: Packing | None = None, target: str | None = None, target_ids: list[int] | None = None,
-                  messages: list[dict] | None = None, ablate: AblateSpec = None):
+                  messages: list[dict] | None = None, ablate: AblateSpec = None, pool: int | None = None,
+                  top_k: int | None = None, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
         """POST /attention: every map of `text` (or of token `ids` as they are, or of a chat model's
         conversation `messages`, [{"role", "content"}, ...], rendered by its template) -> Attention.
 
@@ -184,9 +191,14 @@ class _Endpoints:
         encoder-decoder takes `target` (or `target_ids`); without one it translates greedily.
         `ablate` gives the maps of the model with those heads ablated (as in every method that
         takes it: [{"layer", "head", "how", "group"}] dicts, attnlens.Ablation's, or the text
-        form "2.2z,3.1m,cross:0.1z"; see attnlens.ablation); the answer echoes them."""
+        form "2.2z,3.1m,cross:0.1z"; see attnlens.ablation); the answer echoes them.
+
+        Long inputs: `pool=N` gives each map as an N x N grid of bins (each group's `row_edges`,
+        `col_edges`), `top_k=K` each row's K heaviest keys (weights in `maps`, key positions in
+        the group's `positions`), `rows=(a, b)` / `cols=(c, d)` a window at full resolution (or
+        pooled, or top-k); each group's `query_range` / `key_range` say what it covers."""
         return self._drive(self._attention(text, ids, model, layers, heads, format, packing, target, target_ids,
-                                           messages, ablate))
+                                           messages, ablate, pool, top_k, rows, cols))
 
     def generate(self, prompt: str | None = None, *, ids: list[int] | None = None, messages: list[dict] | None = None,
                  model: str | None = None,

@@ -6,6 +6,9 @@ bytes with value = byte * scale (scale = 1/255). With packing="tril" each T x T 
 keeps only the cells on or below the diagonal (row i has i + 1 values), since causal
 attention is zero above it: about half the bytes.
 
+A reduced answer (top_k) also has key `positions` [layers][heads][rows][k]: json nested lists,
+otherwise base64 of little-endian int32 (`positions_dtype` "int32"); -1 marks no key.
+
 The server encodes with it (attnlens.app.attention_codec) and the client decodes with it, so
 the format is written once and a client install needs no torch.
 """
@@ -42,6 +45,9 @@ def encode(a: np.ndarray, fmt: str, packing: str = "full") -> dict:
             return {"shape": shape, "attention": nested, "packing": packing}
         return {"shape": shape, "attention": rounded, "packing": packing}
     flat = tril_pack(a) if packing == "tril" else a
+    if fmt == "u8" and a.dtype == np.uint8:  # already in steps of U8_SCALE (attnlens.app keeps maps so)
+        return {"shape": shape, "data": base64.b64encode(np.ascontiguousarray(flat).tobytes()).decode("ascii"),
+                "dtype": "uint8", "packing": packing, "scale": U8_SCALE}
     if fmt == "f16":
         raw = np.ascontiguousarray(flat, dtype="<f2").tobytes()
         return {"shape": shape, "data": base64.b64encode(raw).decode("ascii"), "dtype": "float16",
@@ -80,3 +86,22 @@ def decode(fields: dict) -> np.ndarray:
         out[..., rows, cols] = flat.reshape(*shape[:-2], len(rows))
         return out
     return flat.reshape(shape)
+
+
+def encode_positions(p: np.ndarray, fmt: str) -> dict:
+    """A top_k answer's key positions (int, -1 = none) in the answer's format."""
+    if fmt == "json":
+        return {"positions": np.asarray(p, dtype=np.int32)}
+    raw = np.ascontiguousarray(p, dtype="<i4").tobytes()
+    return {"positions": base64.b64encode(raw).decode("ascii"), "positions_dtype": "int32"}
+
+
+def decode_positions(fields: dict) -> np.ndarray | None:
+    """The inverse of encode_positions (None when the fields hold none), shaped as `shape`."""
+    positions = fields.get("positions")
+    if positions is None:
+        return None
+    shape = [int(n) for n in fields["shape"]]
+    if isinstance(positions, str):
+        return np.frombuffer(base64.b64decode(positions), dtype="<i4").astype(np.int32).reshape(shape)
+    return np.asarray(positions, dtype=np.int32).reshape(shape)

@@ -39,13 +39,16 @@ def _indices(name: str, requested, n: int) -> list[int]:
 
 
 def attention(text: str, model: str | Path = "checkpoints/default", *, layers=None, heads=None,
-              target: str | None = None, device: str = "cpu") -> Attention:
+              target: str | None = None, device: str = "cpu", pool: int | None = None, top_k: int | None = None,
+              rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> Attention:
     """Every attention map of `text` by the checkpoint in directory `model` (or the `layers` /
     `heads` given): what POST /attention answers, computed here. An encoder frames the text as
-    [CLS] text [SEP]; an encoder-decoder translates it greedily unless `target` is given."""
+    [CLS] text [SEP]; an encoder-decoder translates it greedily unless `target` is given.
+    `pool`, `top_k`, `rows`, `cols` reduce each map as /attention's do (a long text's overview,
+    strongest links, or a window)."""
     import torch
 
-    from attnlens.app.attention_analysis import analyse_attention
+    from attnlens.app.attention_analysis import MapRequest, analyse_attention
     from attnlens.app.encoder_tasks import framed_ids
     from attnlens.model import family_of
 
@@ -67,9 +70,19 @@ def attention(text: str, model: str | Path = "checkpoints/default", *, layers=No
     if target_ids is not None and len(target_ids) + 1 > cfg.context_length:
         raise ValueError(f"target has {len(target_ids)} tokens; with the decoder's start token that is more than "
                          f"the model's context length of {cfg.context_length}")
+    if pool is not None and top_k is not None:
+        raise ValueError("give pool or top_k, not both")
+    for name, window in (("rows", rows), ("cols", cols)):
+        if window is not None and not 0 <= window[0] < min(window[1], len(ids) + 1):
+            raise ValueError(f"{name}: a window [start, end) of the text's {len(ids)} positions, got {window}")
+    want = MapRequest(pool=pool, top_k=top_k, rows=None if rows is None else tuple(rows),
+                      cols=None if cols is None else tuple(cols))
     with torch.inference_mode():
-        analysis = analyse_attention(ckpt.model, ids, layers, heads, target_ids)
+        analysis = analyse_attention(ckpt.model, ids, layers, heads, target_ids, want=want)
     maps, axes = analysis.maps, analysis.tokens
+    reduced = {name: {"query_range": tuple(e["rows"]), "key_range": tuple(e["cols"]),
+                      "row_edges": e.get("row_edges"), "col_edges": e.get("col_edges"),
+                      "positions": e.get("positions")} for name, e in analysis.extras.items()}
 
     def as_tokens(ids: list[int]) -> list[Token]:
         return [Token(i, tok.display_text(i)) for i in ids]
@@ -80,4 +93,4 @@ def attention(text: str, model: str | Path = "checkpoints/default", *, layers=No
         n_heads=cfg.n_heads, layers=layers, heads=heads, format="float32", text=text, specs=specs, maps=maps,
         tokens=as_tokens(axes[family.primary.queries]),
         target_tokens=as_tokens(axes["target"]) if family.takes_target else None,
-        generated=analysis.generated_target if family.takes_target else None)
+        generated=analysis.generated_target if family.takes_target else None, reduced=reduced)

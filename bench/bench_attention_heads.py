@@ -1,15 +1,17 @@
-"""/attention's model call for a decoder at real length, beside a prefill of the same prompt, in one
-process, taking turns (the packaged SmolLM2, or --model):
+"""/attention's model call at real length, beside a prefill of the same prompt, in one process,
+taking turns (the packaged SmolLM2, or --model):
 
     .venv/bin/python bench/bench_attention_heads.py                  # 2,048 tokens, 2 threads
-    .venv/bin/python bench/bench_attention_heads.py --tokens 8192 --skip-full
+    .venv/bin/python bench/bench_attention_heads.py --tokens 8192 --skip-full --reps 1
 
-Cases: a prefill (the peer: one forward, the last position's logits); one head's full map (what
-/attention runs now, `analyse_heads`: the fast forward keeping the asked layer's queries and keys,
-then that head's softmax(q k^T)); one layer's every head; and, unless --skip-full, the explicit
-forward that makes every head's map and then picks one (what /attention ran before). Each prints
-wall ms, its ratio to the prefill, and the process's peak RSS growth over the run (Linux: the peak
-is reset before each case through /proc/self/clear_refs).
+Cases, each the call /attention makes (app/attention_analysis.py: one forward keeping the asked
+layers' queries and keys, then the maps a block of query rows at a time, reduced at once):
+a prefill (the peer: one forward, the last position's logits); one head's full map (u8, as the
+page asks); one layer's every head; every head pooled to --pool bins (the model view's overview);
+every head's top-8 keys; and, unless --skip-full, the explicit forward that makes every head's
+map and then picks one (what /attention ran before). Each prints wall ms, its ratio to the
+prefill, and the process's peak RSS growth over the run (Linux: the peak is reset before each
+case through /proc/self/clear_refs).
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-full", action="store_true", help="skip the every-head explicit forward (8k: 72 GB)")
     p.add_argument("--model", help="a checkpoint directory (default: the packaged SmolLM2)")
+    p.add_argument("--pool", type=int, default=64, help="the overview's bins (default 64)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
+    from attnlens.app.attention_analysis import MapRequest, analyse_attention
     from attnlens.model import load_checkpoint
     from attnlens.model.interop.packaged import SMOLLM2, ensure_checkpoint
 
@@ -55,10 +59,16 @@ def main() -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, c.vocab_size, (min(args.tokens, c.context_length),)).tolist()
     layer, head = c.n_layers * 2 // 3, 0
+    every_layer, every_head = list(range(c.n_layers)), list(range(c.n_heads))
+    call = lambda layers, heads, want=MapRequest(), fmt="u8": analyse_attention(model, ids, layers, heads, want=want,
+                                                                               fmt=fmt)
     cases = {
         "prefill (the peer)": lambda: model(torch.tensor([ids]), last_only=True),
-        f"one head's map (L{layer}H{head})": lambda: model.analyse_heads(ids, [layer], [head]),
-        f"layer {layer}'s {c.n_heads} heads": lambda: model.analyse_heads(ids, [layer], list(range(c.n_heads))),
+        f"one head's map (L{layer}H{head}, u8)": lambda: call([layer], [head]),
+        f"layer {layer}'s {c.n_heads} heads (u8)": lambda: call([layer], every_head),
+        f"all {c.n_layers * c.n_heads} heads, pool {args.pool}": lambda: call(every_layer, every_head,
+                                                                        MapRequest(pool=args.pool)),
+        f"all {c.n_layers * c.n_heads} heads, top_k 8": lambda: call(every_layer, every_head, MapRequest(top_k=8)),
     }
     if not args.skip_full:
         cases["every head made, one picked (before)"] = lambda: model.analyse(ids).maps["self"][layer, head].clone()

@@ -159,10 +159,10 @@ class RecordingModel:
         self.calls.append((1, len(ids)))
         return self._model.analyse(ids, target_ids)
 
-    def analyse_heads(self, ids, layers, heads, ablate=(), progress=None):  # a decoder's /attention call: likewise
+    def run_sequence(self, tokens):  # the forward of an /attention call (model/attention_blocks.py): likewise
         assert self.gate.wait(30)
-        self.calls.append((1, len(ids)))
-        return self._model.analyse_heads(ids, layers, heads, ablate, progress)
+        self.calls.append((1, len(tokens["tokens"])))
+        return self._model.run_sequence(tokens)
 
 
 def test_one_forward_per_step_and_prefills_never_longer_than_one_full_prompt(ckpt):

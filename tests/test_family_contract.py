@@ -196,30 +196,3 @@ def test_training_is_read_from_each_family_declaration(tmp_path):
         with pytest.raises(ValueError, match="declares no training"):
             train_module.train(train_module.load_run_config(REPO_ROOT / "configs" / "default.toml",
                                                             ["train.max_steps=1", "train.threads=0"]), tmp_path / "out")
-
-
-@pytest.mark.parametrize("part", ["plain", "rotary", "sliding_window", "grouped_query"])
-def test_a_decoders_asked_heads_alone_are_its_full_analysis_picked(part):
-    """analyse_heads (what /attention runs for a decoder: the asked heads' maps alone, from the fast
-    forward's queries and keys) equals the explicit forward's maps picked, ablated or not."""
-    from attnlens.model.hooks import Hooks, ZEdit, hooked
-
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=50, context_length=32, d_model=32, n_layers=3, n_heads=4, d_ff=32)
-    cfg.update(PART_CONFIGS.get(part, {}))
-    if part == "grouped_query":
-        cfg.update(n_kv_heads=2, positional="rotary")
-    model = Transformer(ModelConfig(**cfg)).eval()
-    ids = torch.randint(0, 50, (19,)).tolist()
-    layers, heads = [2, 0], [3, 1]
-    full = model.analyse(ids).maps["self"]
-    beats = []
-    torch.testing.assert_close(model.analyse_heads(ids, layers, heads, progress=lambda: beats.append(1)),
-                               full[layers][:, heads], atol=1e-6, rtol=0)
-    assert len(beats) == 3 + 2 * 2  # after each block of the forward, then each map
-    edits = (ZEdit("blocks.0.attn", 2, "zero"),)
-    with hooked(model, Hooks(ablate=edits)):
-        ablated = model.analyse(ids).maps["self"]
-    assert not torch.allclose(ablated[2], full[2])
-    torch.testing.assert_close(model.analyse_heads(ids, layers, heads, edits), ablated[layers][:, heads],
-                               atol=1e-6, rtol=0)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from functools import partial
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
 from ..answers import claimed_json, off_loop
-from ..attention_analysis import analyse_attention, answer_bytes, answer_fields
+from ..attention_analysis import MapRequest, analyse_attention, answer_bytes, answer_fields, smaller_answer
 from ..chat import conversation_ids
 from ..deps import get_state
 from ..encoder_tasks import TaskInputError, framed_ids
@@ -20,6 +20,7 @@ from ..explain.ablation import resolve_ablate
 from ..prompts import check_text_bytes, check_token_ids, tokenize_text
 from ..registry import ATTENTION, ServedModel, lookup
 from ..schemas import AttentionRequest, AttentionResponse
+from ..serving import unless_disconnected
 from ..state import AppState
 
 router = APIRouter(tags=["attention"])
@@ -113,6 +114,21 @@ async def read_sequence(body, served: ServedModel, state: AppState) -> tuple[lis
     return ids, target
 
 
+def _map_request(body, family, lengths: dict[str, int]) -> MapRequest:
+    """The request's pool / top_k / rows / cols; a window must start within the primary group's axis."""
+    if body.pool is not None and body.top_k is not None:
+        raise field_error("top_k", "give pool (an overview) or top_k (each row's strongest keys), not both",
+                          "exclusive")
+    primary = family.primary
+    for name, axis in (("rows", primary.queries), ("cols", primary.keys)):
+        window = getattr(body, name)
+        if window is not None and window[0] >= lengths[axis]:
+            raise ApiError(400, f"{name} starts at {window[0]}, past the last of the {lengths[axis]} positions "
+                                f"of the maps' {axis}", param=name, code="out_of_range")
+    return MapRequest(pool=body.pool, top_k=body.top_k, rows=None if body.rows is None else tuple(body.rows),
+                      cols=None if body.cols is None else tuple(body.cols))
+
+
 @router.post(
     "/attention",
     response_model=AttentionResponse,
@@ -123,7 +139,7 @@ async def read_sequence(body, served: ServedModel, state: AppState) -> tuple[lis
                                     "ATTNLENS_MAX_ANSWER_BYTES for ATTNLENS_ANSWER_WAIT_S; see Retry-After"},
                503: {}},
 )
-async def attention(body: AttentionRequest, state: AppState = Depends(get_state)):
+async def attention(body: AttentionRequest, request: Request, state: AppState = Depends(get_state)):
     """Attention maps of `text`, of token `ids` as they are, or of a conversation (`messages`,
     rendered with a chat model's template: the maps show the template's tokens); exactly one.
 
@@ -132,6 +148,10 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
     An encoder-decoder's `text` / `ids` are the source: the encoder's maps are at the top level,
     the decoder's and the cross maps under `translation`, for `target` / `target_ids` or the
     model's own greedy translation. GET /models gives each model's groups and their axes.
+
+    Long inputs: `pool` gives an N x N overview of each map, `top_k` each row's strongest links,
+    `rows` / `cols` a window at full resolution. Maps are made a block of query rows at a time and
+    reduced at once, so a request's memory follows its answer, not T x T.
     """
     served = lookup(state, body.model, ATTENTION)
     family, cfg, tok = served.family, served.checkpoint.config, served.checkpoint.tokenizer
@@ -145,12 +165,15 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
     # the target's rows: start + target, or at most the context for the model's own output
     lengths = {"tokens": len(ids), "source": len(ids),
                "target": cfg.context_length if target is None else len(target) + 1}
+    want = _map_request(body, family, lengths)
     # held from before the forward until the answer's last byte is sent: bounded memory
-    claim = await state.answers.claim(answer_bytes(family, lengths, len(layers), len(heads), body.format,
-                                                   body.packing), what="this answer")
+    claim = await state.answers.claim(answer_bytes(family, lengths, len(layers), len(heads), body.format, body.packing,
+                                                   want), what="this answer", instead=smaller_answer(
+        family, lengths, len(layers), len(heads), body.format, body.packing, want, state.answers.limit))
     try:
-        analysis = await served.call_model(partial(analyse_attention, ids=ids, layers=layers, heads=heads,
-                                                   target_ids=target, ablate=edits))
+        analysis = await unless_disconnected(request, served.call_model(partial(
+            analyse_attention, ids=ids, layers=layers, heads=heads, target_ids=target, ablate=edits, want=want,
+            fmt=body.format)))
     except BaseException:
         await claim.release()
         raise
@@ -158,7 +181,7 @@ async def attention(body: AttentionRequest, state: AppState = Depends(get_state)
     def content() -> dict:  # runs on a worker thread, as does its encoding
         return {"model": served.name, "family": family.name, "direction": family.attention_kind,
                 "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "layers": layers, "heads": heads,
-                "format": body.format, **answer_fields(family, analysis, tok, body.format, body.packing),
+                "format": body.format, **answer_fields(family, analysis, tok, body.format, body.packing, want),
                 **({"ablate": [a.model_dump() for a in echo]} if echo is not None else {})}
 
     # Already the documented shape: no re-validating millions of floats.

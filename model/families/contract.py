@@ -12,7 +12,9 @@ and their axes, how it generates, what its forward returns); none of them tests 
 
 What a family's module offers, as Protocols (vLLM's model interfaces, interfaces_base.py):
 
-    AnalysableModel   analyse(ids, target_ids) -> AttentionAnalysis: every group's maps in one call
+    AnalysableModel   analyse(ids, target_ids) -> AttentionAnalysis: every group's maps in one call;
+                      sequence(ids, target_ids) -> the ids by axis; run_sequence(tokens): one forward of
+                      them (model/attention_blocks.py reduces its maps block by block)
     GenerativeModel   new_kv_cache(rows), kv_cache_row_bytes(); forward(ids, kv_cache=, rows=, ...) -> output;
                       step_attention(output, cache, rows, queries) -> each row's step maps by group
     FixedShapeDecoder decode_fixed(ids, cache, lengths): a decode step of fixed shapes (CUDA graphs)
@@ -207,6 +209,15 @@ class AnalysableModel(Protocol):
     family: ClassVar[Family]
 
     def analyse(self, ids: list[int], target_ids: list[int] | None = None) -> AttentionAnalysis: ...
+
+    def sequence(self, ids: list[int], target_ids: list[int] | None = None) -> tuple[dict[str, list[int]], bool]:
+        """The ids along each axis (a default target: the model's own output) and whether it made them."""
+        ...
+
+    def run_sequence(self, tokens: dict[str, list[int]]) -> None:
+        """One forward of `tokens` (as `sequence` gives them), for the intermediates hooks keep
+        (model/attention_blocks.py makes every group's maps from its queries and keys)."""
+        ...
 
 
 @runtime_checkable

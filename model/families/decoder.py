@@ -28,10 +28,7 @@ import torch.nn as nn
 from ..config import ModelConfig
 from ..kv_cache import ContextLengthError, KVCache, bytes_per_row
 from ..paged_kv_cache import PagedKVCache
-from ..hooks import Hooks, hooked
-from ..hooks import active as active_hooks
 from ..parts import Block, Embeddings, KVUpdate, RotaryAngles, make_norm, sinusoidal_table, sliding_window_mask
-from ..parts.attention import causal_mask
 from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, LensSpec, TaskSpec, TrainingSpec
 from ..parts.linear import Linear
 
@@ -220,40 +217,10 @@ class Transformer(Embeddings, nn.Module):
         return AttentionAnalysis({"tokens": list(ids)}, {"self": torch.stack([a[0] for a in attentions])})
 
     @torch.inference_mode()
-    def analyse_heads(self, ids: list[int], layers: list[int], heads: list[int], ablate: tuple = (),
-                      progress: Callable[[], None] | None = None) -> torch.Tensor:
-        """The (L', H', T, T) maps of the asked layers and heads alone, of one sequence: one forward on
-        the fast path that keeps the asked layers' queries and keys (hook points, after rotary
-        positions), then softmax(q k^T * scale) of each asked head, masked as the forward masks
-        (causal; a sliding window). The other heads' maps are never made: memory follows the answer.
-        `ablate` (model/hooks.py's ZEdits) edits this forward, as it would `analyse`'s; `progress` is
-        called after each block of the forward and each map. Under hooks of a caller's (`hooked`),
-        which this forward's own would replace, it is `analyse` then a pick."""
-        if active_hooks() is not None:
-            return self.analyse(ids).maps["self"][layers][:, heads].float()
-        rotary = self.rotary is not None
-        q_name, k_name = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
-        hooks = Hooks(record={f"blocks.{l}.attn.{n}" for l in layers for n in (q_name, k_name)}, ablate=tuple(ablate),
-                      progress=progress)
-        inputs = torch.tensor([ids], dtype=torch.long, device=self.tok_emb.weight.device)
-        with hooked(self, hooks):
-            self(inputs, last_only=True)
-        T = len(ids)
-        allowed = causal_mask(T, T, device=inputs.device)  # (T, T)
-        band = self.window_mask(T, T)
-        if band is not None:
-            allowed = allowed & band
-        maps = torch.empty(len(layers), len(heads), T, T, dtype=torch.float32, device=inputs.device)
-        for i, layer in enumerate(layers):
-            attn = self.blocks[layer].attn
-            q = hooks.captured[f"blocks.{layer}.attn.{q_name}"][0]  # (T, H, D)
-            k = hooks.captured[f"blocks.{layer}.attn.{k_name}"][0]  # (T, K, D)
-            for j, h in enumerate(heads):  # one (T, T) map at a time: query head h reads key/value head h // G
-                scores = (q[:, h] @ k[:, h // attn.groups].T).mul_(attn.scale).masked_fill_(~allowed, float("-inf"))
-                maps[i, j] = torch.softmax(scores.float(), dim=-1)
-                if progress is not None:
-                    progress()
-        return maps
+    def run_sequence(self, tokens: dict[str, list[int]]) -> None:
+        """One forward of an analysed sequence for its intermediates (model/attention_blocks.py), to
+        the cheapest output: the last position's logits."""
+        self(torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.tok_emb.weight.device), last_only=True)
 
     def sequence(self, ids: list[int], target_ids: list[int] | None = None) -> tuple[dict[str, list[int]], bool]:
         if target_ids is not None:

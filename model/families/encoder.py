@@ -180,6 +180,12 @@ class Encoder(Embeddings, nn.Module):
         attentions = self(inputs, return_attention=True, task="hidden").attentions
         return AttentionAnalysis({"tokens": list(ids)}, {"self": torch.stack([a[0] for a in attentions])})
 
+    @torch.inference_mode()
+    def run_sequence(self, tokens: dict[str, list[int]]) -> None:
+        """One forward of an analysed sequence for its intermediates (model/attention_blocks.py), to
+        the cheapest output: the hidden states, no head."""
+        self(torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.tok_emb.weight.device), task="hidden")
+
     def sequence(self, ids: list[int], target_ids: list[int] | None = None) -> tuple[dict[str, list[int]], bool]:
         if target_ids is not None:
             raise ValueError("an encoder reads one sequence: it takes no target")

@@ -345,6 +345,14 @@ class EncoderDecoder(Embeddings, nn.Module):
                                               max_new_tokens=self.config.context_length - 1)[0]
         return {"source": list(ids), "target": [start, *target_ids]}, generated
 
+    @torch.inference_mode()
+    def run_sequence(self, tokens: dict[str, list[int]]) -> None:
+        """One forward of a source and its target (start token first) for their intermediates
+        (model/attention_blocks.py), to the cheapest output: the last target position's logits."""
+        device = self.tok_emb.weight.device
+        self(torch.tensor([tokens["target"]], dtype=torch.long, device=device),
+             source=torch.tensor([tokens["source"]], dtype=torch.long, device=device), last_only=True)
+
     def stream_logits(self, tokens: dict[str, list[int]]) -> torch.Tensor:
         """(T, V): decoder position t's logits for target token t + 1 (position 0 is the start token)."""
         device = self.tok_emb.weight.device

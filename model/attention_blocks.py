@@ -1,0 +1,253 @@
+"""Attention maps made a block of query rows at a time, each block reduced at once: what /attention
+runs, for every family and group, so that a request's memory grows with T x block, never T x T.
+
+Shapes: L' asked layers, H' asked heads, Q query positions and S key positions of a group, B rows
+of a block, n the keys a block's rows can see (a causal block's rows see keys up to their own).
+
+    bin_edges(n, bins)      bins + 1 contiguous, near-equal bin edges from 0 to n
+    Window                  rows [a, b) x columns [c, d) of each map at full resolution (the whole
+                            map by default), kept as float32, float16 or uint8 steps of a scale
+    Pool                    each map as a grid of bins: cell (i, j) is the mean, over the queries in
+                            row bin i, of the attention they give to the keys in column bin j
+    TopK                    each query row's k heaviest keys (in the column window): positions
+                            and weights, heaviest first; a weight of 0 is no link (position -1)
+    blocked_maps            one forward of the sequence that keeps the asked layers' queries and
+                            keys (hook points), then per layer and block of query rows the asked
+                            heads' probabilities, masked as the forward masks them, fed to each
+                            group's reduction and dropped
+
+A map's rows are computed over every key they see (a softmax needs them all), whatever the
+column window; a block's keys past its last row are skipped when the group is causal.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .families.contract import family_of
+from .hooks import Hooks, hooked
+from .hooks import active as active_hooks
+
+BLOCK_BYTES = 64 << 20  # a block's scores (H' x B x n float32); its softmax and reduction take as much again
+_QK = ("hook_rot_q", "hook_rot_k", "hook_q", "hook_k")
+
+
+def bin_edges(n: int, bins: int) -> list[int]:
+    """bins + 1 edges from 0 to n, bin i = [edges[i], edges[i + 1]): contiguous, sizes differing by
+    at most one; at most n bins (a bin holds one position at least)."""
+    bins = max(1, min(bins, n))
+    return [i * n // bins for i in range(bins + 1)]
+
+
+class Reduction:
+    """What a group's maps become: `add` takes a block of probabilities as it is made; `result` the
+    answer's arrays once every block is in. rows (a, b) and cols (c, d): the query and key positions
+    it covers."""
+
+    def __init__(self, n_layers: int, n_heads: int, rows: tuple[int, int], cols: tuple[int, int]):
+        self.shape = (n_layers, n_heads)
+        self.rows, self.cols = rows, cols
+
+    def add(self, layer: int, probs: torch.Tensor, row0: int, key0: int) -> None:
+        """probs (H', B, n): the asked heads' probabilities of query rows row0.. over keys key0..
+        (every key outside [key0, key0 + n) has probability 0 for these rows)."""
+        raise NotImplementedError
+
+    def _key_overlap(self, key0: int, n: int) -> tuple[int, int]:
+        """The key positions [lo, hi) a block holds within the column window (lo >= hi: none)."""
+        return max(self.cols[0], key0), min(self.cols[1], key0 + n)
+
+    def result(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class Window(Reduction):
+    """The maps' rows [a, b) x columns [c, d) at full resolution: (L', H', b - a, d - c), kept as
+    `store` (float32, float16, or uint8 counting steps of `scale`)."""
+
+    def __init__(self, n_layers, n_heads, rows, cols, store: torch.dtype = torch.float32, scale: float = 1.0):
+        super().__init__(n_layers, n_heads, rows, cols)
+        self.store, self.scale = store, scale
+        self.maps = torch.zeros(n_layers, n_heads, rows[1] - rows[0], cols[1] - cols[0], dtype=store)
+
+    def add(self, layer, probs, row0, key0):
+        lo, hi = self._key_overlap(key0, probs.shape[-1])
+        if lo >= hi:
+            return
+        part = probs[:, :, lo - key0:hi - key0]  # (H', B, hi - lo)
+        if self.store == torch.uint8:
+            part = part.div(self.scale).round_().clamp_(0, 255)
+        r = row0 - self.rows[0]
+        self.maps[layer, :, r:r + probs.shape[1], lo - self.cols[0]:hi - self.cols[0]] = part.to(self.store).cpu()
+
+    def result(self):
+        return {"maps": self.maps}
+
+
+class Pool(Reduction):
+    """Each map pooled to a grid (L', H', Nr, Nc) over bin_edges of the rows' and the columns' windows:
+    cell (i, j) = mean over the queries of row bin i of the sum of their weights on the keys of
+    column bin j. Pooled rows sum to 1 when the columns are every key; cells no query of the bin
+    can see (a causal map's upper cells) are exactly 0."""
+
+    def __init__(self, n_layers, n_heads, rows, cols, bins: int):
+        super().__init__(n_layers, n_heads, rows, cols)
+        self.row_edges = [rows[0] + e for e in bin_edges(rows[1] - rows[0], bins)]
+        self.col_edges = [cols[0] + e for e in bin_edges(cols[1] - cols[0], bins)]
+        self.grid = torch.zeros(n_layers, n_heads, len(self.row_edges) - 1, len(self.col_edges) - 1)
+        self._row_bin: torch.Tensor | None = None  # query position - a -> its row bin
+
+    def add(self, layer, probs, row0, key0):
+        H, B, n = probs.shape
+        device = probs.device
+        if self._row_bin is None or self._row_bin.device != device:
+            edges = torch.tensor(self.row_edges, device=device)
+            positions = torch.arange(self.rows[0], self.rows[1], device=device)
+            self._row_bin = torch.searchsorted(edges, positions, right=True) - 1
+        # the sum over each column bin from running sums: S[e] - S[s], the key positions clipped to the block
+        running = torch.zeros(H, B, n + 1, device=device)
+        torch.cumsum(probs, dim=-1, out=running[:, :, 1:])
+        at = (torch.tensor(self.col_edges, device=device) - key0).clamp_(0, n)  # (Nc + 1,)
+        sums = (running[:, :, at[1:]] - running[:, :, at[:-1]]).clamp_(min=0)  # (H', B, Nc); rounding never below 0
+        bins = self._row_bin[row0 - self.rows[0]:row0 - self.rows[0] + B]
+        grid = self.grid[layer].to(device) if device.type != "cpu" else self.grid[layer]
+        grid.index_add_(1, bins, sums)  # rows of a bin summed into its row of the grid
+        if device.type != "cpu":
+            self.grid[layer] = grid.cpu()
+
+    def result(self):
+        counts = torch.tensor(self.row_edges[1:]) - torch.tensor(self.row_edges[:-1])  # (Nr,)
+        return {"maps": self.grid / counts[:, None], "row_edges": self.row_edges, "col_edges": self.col_edges}
+
+
+class TopK(Reduction):
+    """Each query row's k heaviest keys within the column window, heaviest first: weights
+    (L', H', b - a, k) float32 and key positions (int32); a weight of 0 (a masked key, or fewer
+    keys than k) has position -1."""
+
+    def __init__(self, n_layers, n_heads, rows, cols, k: int):
+        super().__init__(n_layers, n_heads, rows, cols)
+        self.k = k
+        self.weights = torch.zeros(n_layers, n_heads, rows[1] - rows[0], k)
+        self.positions = torch.full((n_layers, n_heads, rows[1] - rows[0], k), -1, dtype=torch.int32)
+
+    def add(self, layer, probs, row0, key0):
+        lo, hi = self._key_overlap(key0, probs.shape[-1])
+        if lo >= hi:
+            return
+        k = min(self.k, hi - lo)
+        weights, index = torch.topk(probs[:, :, lo - key0:hi - key0], k, dim=-1)  # (H', B, k), sorted
+        positions = torch.where(weights > 0, index + lo, -1).to(torch.int32)
+        r = row0 - self.rows[0]
+        self.weights[layer, :, r:r + probs.shape[1], :k] = weights.cpu()
+        self.positions[layer, :, r:r + probs.shape[1], :k] = positions.cpu()
+
+    def result(self):
+        return {"maps": self.weights, "positions": self.positions}
+
+
+def _visible(causal: bool, window: int | None, row0: int, row1: int, n_keys: int, device
+             ) -> tuple[int, int, torch.Tensor | None]:
+    """The keys [lo, hi) rows row0..row1-1 can see, and the (B, hi - lo) mask of those they cannot
+    (None: they see all of them). Causal: up to the row itself; a window: the last `window` too."""
+    if not causal:
+        return 0, n_keys, None
+    lo = 0 if window is None else max(0, row0 - window + 1)
+    hi = min(row1, n_keys)
+    rows = torch.arange(row0, row1, device=device)[:, None]  # (B, 1)
+    keys = torch.arange(lo, hi, device=device)[None, :]  # (1, n)
+    hidden = keys > rows
+    if window is not None:
+        hidden |= keys <= rows - window
+    return lo, hi, hidden
+
+
+def reduce_layer(reduction: Reduction, layer: int, q: torch.Tensor, k: torch.Tensor, heads: list[int],
+                 groups: int, scale: float, causal: bool, window: int | None, *,
+                 block_bytes: int = BLOCK_BYTES, progress: Callable[[], None] | None = None) -> None:
+    """One layer's asked heads, q (Q, H, D) over k (S, K, D) (K = H / groups key heads), made in
+    blocks of query rows within reduction.rows and fed to `reduction` as `layer`."""
+    a, b = reduction.rows
+    S = k.shape[0]
+    kv = torch.tensor([h // groups for h in heads], device=k.device)
+    q_heads = q[a:b].index_select(1, torch.tensor(heads, device=q.device)).float().transpose(0, 1)  # (H', Qw, D)
+    k_heads = k.index_select(1, kv).float().permute(1, 2, 0).contiguous()  # (H', D, S)
+    rows_per_block = max(1, block_bytes // (4 * len(heads) * max(S, 1)))
+    for row0 in range(a, b, rows_per_block):
+        row1 = min(b, row0 + rows_per_block)
+        lo, hi, hidden = _visible(causal, window, row0, row1, S, q.device)
+        scores = torch.bmm(q_heads[:, row0 - a:row1 - a], k_heads[:, :, lo:hi]).mul_(scale)  # (H', B, n)
+        if hidden is not None:
+            scores.masked_fill_(hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        del scores
+        reduction.add(layer, probs, row0, lo)
+        if progress is not None:
+            progress()
+
+
+def _reduce_whole(reduction: Reduction, maps: torch.Tensor, layers: list[int], heads: list[int]) -> None:
+    """Full (L, H, Q, S) maps, already made, through a reduction: its rows as one block."""
+    a, b = reduction.rows
+    for i, layer in enumerate(layers):
+        reduction.add(i, maps[layer][heads][:, a:b].float(), a, 0)
+
+
+def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: list[int],
+                 reductions: dict[str, Reduction], ablate: tuple = (), progress: Callable[[], None] | None = None,
+                 block_bytes: int = BLOCK_BYTES) -> None:
+    """Feed the asked layers' and heads' maps of every group in `reductions` (group name ->
+    Reduction) of one analysed sequence (`tokens`, as model.sequence gives them) to its reduction.
+
+    One forward (model.run_sequence) under hooks that keep the asked layers' queries and keys, and
+    edit it with `ablate` (model/hooks.py's ZEdits). As each block of the forward ends, the layers
+    whose queries and keys are in are reduced and let go: one layer's are held at a time.
+    `progress` is called after each block of the forward and each block of query rows.
+    Under hooks of a caller's (`hooked`), which these would replace, the family's `analyse` makes
+    the full maps, then they are reduced."""
+    family = family_of(model)
+    if active_hooks() is not None:
+        target = tokens["target"][1:] if family.takes_target else None
+        analysis = model.analyse(tokens[family.primary.queries], target)
+        for name, reduction in reductions.items():
+            _reduce_whole(reduction, analysis.maps[name], layers, heads)
+        return
+    window = model.config.sliding_window
+    pending = {}  # attention module's hook name -> (group, index of the layer among the asked ones)
+    for name in reductions:
+        for i, layer in enumerate(layers):
+            pending[family.group(name).hook.format(layer=layer)] = (family.group(name), i)
+    hooks: Hooks
+
+    def after_block() -> None:
+        for module, (group, i) in list(pending.items()):
+            kept = hooks.captured
+            rotary = f"{module}.hook_rot_q" in kept
+            q_name, k_name = (f"{module}.hook_rot_q", f"{module}.hook_rot_k") if rotary else (
+                f"{module}.hook_q", f"{module}.hook_k")
+            if q_name not in kept or k_name not in kept:
+                continue
+            attn = model.get_submodule(_module_path(module))
+            reduce_layer(reductions[group.name], i, kept[q_name][0], kept[k_name][0], heads, attn.groups, attn.scale,
+                         group.causal, window if group.causal else None, block_bytes=block_bytes, progress=progress)
+            for n in _QK:
+                kept.pop(f"{module}.{n}", None)
+            del pending[module]
+        if progress is not None:
+            progress()
+
+    hooks = Hooks(record={f"{m}.{n}" for m in pending for n in _QK}, ablate=tuple(ablate), progress=after_block)
+    with hooked(model, hooks):
+        model.run_sequence(tokens)
+    if pending:
+        raise RuntimeError(f"the forward never ran {sorted(pending)}")
+
+
+def _module_path(hook: str) -> str:
+    """A hook name -> the module's path: "decoder.blocks.1.cross_attn" -> "decoder_blocks.1.cross_attn"."""
+    for stack in ("encoder", "decoder"):
+        if hook.startswith(f"{stack}.blocks."):
+            return f"{stack}_blocks." + hook[len(f"{stack}.blocks."):]
+    return hook
