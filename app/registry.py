@@ -12,13 +12,14 @@ engine's admission limits.
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from attnlens.model import Checkpoint, Family, family_of
 
-from .engine import QueueFull
+from .engine import QueueFull, progress
 from .errors import ApiError
 from .metrics import note_request_model
 from .memory import weight_bytes
@@ -61,10 +62,17 @@ class ModelRunner:
         if self._in_flight >= self.max_concurrent + self.max_queue:
             raise QueueFull(self.max_concurrent + self.max_queue, retry_after=1)
         self._in_flight += 1
+        abandoned = threading.Event()
+
+        def run(checkpoint: Checkpoint) -> Any:  # a caller that goes away stops fn at its next report point
+            with progress.reporting(cancelled=abandoned.is_set):
+                return fn(checkpoint)
+
         try:
             async with self._slots:
-                return await asyncio.to_thread(fn, self.checkpoint)
+                return await asyncio.to_thread(run, self.checkpoint)
         finally:
+            abandoned.set()
             self._in_flight -= 1
 
 

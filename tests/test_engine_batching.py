@@ -468,6 +468,83 @@ def test_a_long_model_call_hands_over_heartbeats(ckpt):
     progress.report()  # outside a call: nothing happens
 
 
+def test_generations_take_turns_with_a_long_model_call(ckpt):
+    """A long model call (an /attention analysis) gives the generations decoding beside it a step
+    at each of its report points: their tokens keep coming, and they finish before it does."""
+    from attnlens.app.engine import Engine, progress
+    from attnlens.model.hooks import active as active_hooks
+
+    engine = Engine(ckpt, max_concurrent=2, max_queue=2)
+    call_done, seen_hooks = [], []
+
+    def long_call(model):
+        for _ in range(60):
+            time.sleep(0.05)
+            progress.report()
+        call_done.append(time.perf_counter())
+        return "done"
+
+    real_forward = engine.model.forward
+
+    def forward(*a, **kw):  # the turn's steps run without the call's hooks or reporter
+        seen_hooks.append(active_hooks())
+        return real_forward(*a, **kw)
+
+    engine.model.forward = forward
+
+    async def main():
+        call = asyncio.ensure_future(engine.call(long_call))
+        await asyncio.sleep(0.2)  # the call runs
+        params = GenerationParams(ckpt.tokenizer.encode("To be"), 12, SamplingParams(temperature=0.0))
+        tokens, done = await collect_tokens(engine.submit_all([params])[0])
+        finished = time.perf_counter()
+        assert await call == "done"
+        return tokens, done, finished
+
+    try:
+        tokens, done, finished = run_async(main())
+    finally:
+        engine.model.forward = real_forward
+        engine.close()
+    assert isinstance(done, DoneEvent) and len(tokens) == 12
+    assert finished < call_done[0]  # all 12 tokens came while the call still worked
+    assert [t.id for t in tokens] == reference_ids(ckpt, "To be", 12, temperature=0.0)
+    assert seen_hooks and all(h is None for h in seen_hooks)
+
+
+def test_a_model_call_stops_at_its_next_report_point_when_its_caller_goes(ckpt):
+    from attnlens.app.engine import Engine, progress
+
+    engine = Engine(ckpt, max_concurrent=2, max_queue=2)
+    reports = []
+
+    def endless(model):
+        while True:
+            time.sleep(0.02)
+            reports.append(1)
+            progress.report()
+
+    async def main():
+        call = asyncio.ensure_future(engine.call(endless))
+        await asyncio.sleep(0.3)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        for _ in range(100):
+            if engine.calls_cancelled:
+                break
+            await asyncio.sleep(0.02)
+        n = len(reports)
+        assert await engine.call(lambda m: "next") == "next"  # the engine goes on serving
+        return n
+
+    try:
+        n = run_async(main())
+    finally:
+        engine.close()
+    assert engine.calls_cancelled == 1 and len(reports) == n
+
+
 @pytest.mark.parametrize("route,body", [
     ("/generate", {"prompt": "To be", "max_new_tokens": 60}),
     ("/v1/completions", {"prompt": ["To be", "Or"], "max_tokens": 60}),

@@ -4,7 +4,11 @@ or of an engine process of its own: process.py and worker.py run this same class
 Each iteration (`Engine._step`):
   1. schedule  drop cancelled and stopped generations (their cache rows are freed and the
                rows kept contiguous), move waiting generations into free slots;
-  2. call      run at most one model call (an /attention forward), bounded on its own line;
+  2. call      run at most one model call (an /attention analysis), bounded on its own line.
+               A long one reports after each block of its work (progress.py): there the
+               generations get a step of their own (3-5, `_generations_turn`), so their streams
+               keep their tokens coming beside it; a heartbeat goes to the watchdog; and a call
+               whose caller went away stops;
   3. prefill   the next piece of a long prompt (one over `prefill_chunk` tokens, prefilled a
                piece a step into the row after the decoding ones, one such prompt at a time);
                then the prompts of newly admitted generations into free cache rows: the
@@ -168,6 +172,7 @@ class Engine(EngineFront):
         self._finished = False  # run() has returned (own_thread=False)
         self.errors = 0  # requests failed by an exception on the model thread
         self.running_cancelled = 0  # generations dropped from a slot because their client went away
+        self.calls_cancelled = 0  # model calls stopped at a report point because their caller went away
         # The model runs on a thread of the engine's own, or (own_thread=False) on whichever thread
         # calls run(): an engine process gives it its main thread, where the CPU's OpenMP workers
         # spin between a step's many small parallel regions; from a second thread of a process whose
@@ -264,13 +269,14 @@ class Engine(EngineFront):
                 self._step()
         self._shut_down()
 
-    def _step(self) -> None:
+    def _step(self, calls: bool = True) -> None:
+        """One step: schedule, a model call (when `calls`), a prefill piece, a decode step."""
         records: list[Record] = []
         self._schedule(records)
         if records:
             self._deliver(records)
             records = []
-        if self.scheduler.calls.held:
+        if calls and self.scheduler.calls.held:
             self._run_call()
         if self._chunking is not None:
             self._run_chunk(records)
@@ -313,9 +319,16 @@ class Engine(EngineFront):
         t0 = time.perf_counter()
         try:
             if not work.cancelled:
-                with progress.reporting(lambda: self._emit([])):  # a long call's heartbeat for the watchdog
+                # at each of a long call's report points: a heartbeat for the watchdog, a stop once its
+                # caller has gone, and a step of the generations decoding beside it
+                with progress.reporting(lambda: self._emit([]), cancelled=lambda: work.cancelled,
+                                        turn=self._generations_turn):
                     result = work.fn(self.model)
                 work.settle(result=result)
+        except progress.CallCancelled as e:
+            self.calls_cancelled += 1
+            log.info("a model call stopped after %.1f s: its caller went away", time.perf_counter() - t0)
+            work.settle(error=e)
         except Exception:  # the call's failure is its own
             self.errors += 1
             log.exception("model call failed")
@@ -323,6 +336,12 @@ class Engine(EngineFront):
         finally:
             with self._lock:
                 self.scheduler.call_finished(work, time.perf_counter() - t0)
+
+    def _generations_turn(self) -> None:
+        """Inside a long model call, at one of its report points: one step of the generations (a
+        prefill piece, a decode step), so their streams keep their tokens coming while it works."""
+        if self._decoding or self._prefill or self._chunking is not None or self.scheduler.generations.waiting:
+            self._step(calls=False)
 
     def _next_prefills(self) -> list[Generation]:
         """The prompts to prefill in this step: the oldest one, plus more while the padded batch

@@ -129,8 +129,15 @@ class EngineFront:
         self.admit_call(work)
         try:
             return await work.future
+        except asyncio.CancelledError:  # the caller went away (its future is cancelled with it)
+            self._call_abandoned(work)
+            raise
         finally:
             work.cancelled = True  # if we were interrupted, a call still waiting is skipped
+
+    def _call_abandoned(self, work) -> None:
+        """Its caller left while `work` waited or ran: a running call stops at its next report point
+        (app/engine/progress.py), where the core reads `cancelled`."""
 
     def admit_call(self, work) -> None:
         with self._lock:

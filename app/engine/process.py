@@ -267,6 +267,14 @@ class EngineProcess(EngineFront):
                 work.settle(error=RuntimeError(MODEL_CALL_FAILED))
                 continue
             self._calls[number] = work
+            work.number = number
+
+    def _call_abandoned(self, work) -> None:
+        """The engine process holds its own copy of the call: tell it to stop at its next report point."""
+        with self._lock:
+            number = getattr(work, "number", None)
+            if number is not None and self._calls.get(number) is work and self.state == "running":
+                self._send(("cancel_call", number))
 
     def _cancel_running(self, g) -> None:
         with self._lock:

@@ -46,6 +46,7 @@ class _PipedEngine(Engine):
         self._records = records
         self._send_lock = threading.Lock()  # the model (main) thread and the reader thread both send
         self.generations: dict[int, Generation] = {}  # by the server's number, until finished
+        self.calls: dict[int, _PipedCall] = {}  # model calls by the server's number, until answered
         super().__init__(checkpoint, **kw)
 
     def _emit(self, records: list[Record]) -> None:
@@ -74,6 +75,7 @@ class _PipedCall:
         self.cancelled = False
 
     def settle(self, result=None, error: BaseException | None = None) -> None:
+        self.engine.calls.pop(self.number, None)
         try:
             data = dumps(("result", self.number, error is None, result if error is None else error))
         except Exception as e:
@@ -135,9 +137,13 @@ def _serve(engine: _PipedEngine, commands: Connection) -> None:
             g = engine.generations.get(message[1])
             if g is not None:
                 g.cancel() if kind == "cancel" else g.stop()
+        elif kind == "cancel_call":  # its caller went away: it stops at its next report point
+            call = engine.calls.get(message[1])
+            if call is not None:
+                call.cancelled = True
         elif kind == "call":
             _, number, fn = message
-            call = _PipedCall(engine, number, fn)
+            call = engine.calls[number] = _PipedCall(engine, number, fn)
             try:
                 engine.admit_call(call)
             except Exception as e:
