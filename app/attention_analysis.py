@@ -20,13 +20,14 @@ other map is sent full.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from attnlens.model import Family, family_of
-from attnlens.model.attention_blocks import Pool, Reduction, TopK, Window, blocked_maps
+from attnlens.model.attention_blocks import KeptQK, Pool, Reduction, TopK, Window, blocked_maps
 
 from .attention_codec import U8_SCALE, encode, encode_positions
 from .engine import progress
@@ -74,19 +75,34 @@ class AnalysisMaps:
     extras: dict[str, dict] = field(default_factory=dict)
 
 
+_kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> KeptQK (in the process that runs it)
+
+
+def kept_for(model, limit: int) -> KeptQK | None:
+    """The model's store of recently analysed queries and keys, `limit` bytes (0: none)."""
+    if limit <= 0:
+        return None
+    kept = _kept.get(model)
+    if kept is None or kept.limit != limit:
+        kept = _kept[model] = KeptQK(limit)
+    return kept
+
+
 def analyse_attention(model, ids: list[int], layers: list[int], heads: list[int],
                       target_ids: list[int] | None = None, ablate: tuple = (), want: MapRequest = MapRequest(),
-                      fmt: str = "json") -> AnalysisMaps:
+                      fmt: str = "json", keep_bytes: int = 0) -> AnalysisMaps:
     """Runs on the model's side: the asked layers' and heads' maps of every group, made in blocks of
     query rows and reduced as `want` asks (model/attention_blocks.py); with `ablate`, model/hooks.py's
     ZEdits, those of the ablated model (a default target is still the unablated model's output).
     A whole map is kept in `fmt`'s type (float32 for json, float16, uint8 steps): no float32 copy of
-    a long map is ever held for a smaller answer."""
+    a long map is ever held for a smaller answer. `keep_bytes`: the queries and keys kept of recent
+    sequences (kept_for), so another window of a layer already analysed runs no forward."""
     tokens, generated = model.sequence(ids, target_ids)  # the clean translation, before any edit
     family = family_of(model)
     reductions = {g.name: want.reduction(len(layers), len(heads), len(tokens[g.queries]), len(tokens[g.keys]), fmt)
                   for g in family.groups}
-    blocked_maps(model, tokens, layers, heads, reductions, ablate, progress=progress.report)
+    blocked_maps(model, tokens, layers, heads, reductions, ablate, progress=progress.report,
+                 kept=kept_for(model, keep_bytes))
     maps, extras = {}, {}
     for name, reduction in reductions.items():
         result = reduction.result()

@@ -128,6 +128,9 @@ class Settings(BaseSettings):
     # Attention answers: bytes held for answers computed but not yet read by their clients
     max_answer_bytes: int = Field(256_000_000, ge=1)
     answer_wait_s: float = Field(10.0, ge=0)  # wait this long for room, then 429
+    # /attention keeps the queries and keys of recently analysed sequences (per model, in its engine),
+    # so another window of a layer already analysed (the page's zoom) runs no forward; 0: none
+    attention_keep_bytes: int = Field(256_000_000, ge=0)
     send_timeout_s: float = Field(30.0, gt=0)  # drop a client that takes < 1 MB of an answer in this long
     # Reading requests: the headers (from connect, or from the previous answer), then the body
     header_timeout_s: float = Field(10.0, gt=0)  # else 408 (if begun) and the connection is closed

@@ -15,6 +15,9 @@ of a block, n the keys a block's rows can see (a causal block's rows see keys up
                             keys (hook points), then per layer and block of query rows the asked
                             heads' probabilities, masked as the forward masks them, fed to each
                             group's reduction and dropped
+    KeptQK                  the queries and keys of recently analysed sequences, within a byte
+                            budget: another window of a layer already analysed (a zoom) is made
+                            from them, without a forward
 
 A map's rows are computed over every key they see (a softmax needs them all), whatever the
 column window; a block's keys past its last row are skipped when the group is causal.
@@ -22,7 +25,8 @@ column window; a block's keys past its last row are skipped when the group is ca
 
 from __future__ import annotations
 
-from typing import Callable
+from collections import OrderedDict
+from typing import Callable, Hashable
 
 import torch
 
@@ -148,6 +152,45 @@ class TopK(Reduction):
         return {"maps": self.weights, "positions": self.positions}
 
 
+class KeptQK:
+    """Queries and keys ((Q, H, D), (S, K, D)) by (sequence, attention module), the most recently
+    used last, within `limit` bytes (the oldest go first; a pair larger than the limit is not kept)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.bytes = 0
+        self._items: OrderedDict[Hashable, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    @staticmethod
+    def _size(pair) -> int:
+        return sum(t.numel() * t.element_size() for t in pair)
+
+    def get(self, key: Hashable) -> tuple[torch.Tensor, torch.Tensor] | None:
+        pair = self._items.get(key)
+        if pair is not None:
+            self._items.move_to_end(key)
+        return pair
+
+    def put(self, key: Hashable, q: torch.Tensor, k: torch.Tensor) -> None:
+        pair = (_alone(q), _alone(k))
+        size = self._size(pair)
+        if size > self.limit or key in self._items:
+            return
+        while self._items and self.bytes + size > self.limit:
+            self.bytes -= self._size(self._items.popitem(last=False)[1])
+        self._items[key] = pair
+        self.bytes += size
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _alone(t: torch.Tensor) -> torch.Tensor:
+    """t itself when it is all its storage holds (a rotary model's q is), else a copy: a view of a
+    fused projection would keep the whole projection alive."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.contiguous()
+
+
 def _visible(causal: bool, window: int | None, row0: int, row1: int, n_keys: int, device
              ) -> tuple[int, int, torch.Tensor | None]:
     """The keys [lo, hi) rows row0..row1-1 can see, and the (B, hi - lo) mask of those they cannot
@@ -197,16 +240,17 @@ def _reduce_whole(reduction: Reduction, maps: torch.Tensor, layers: list[int], h
 
 def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: list[int],
                  reductions: dict[str, Reduction], ablate: tuple = (), progress: Callable[[], None] | None = None,
-                 block_bytes: int = BLOCK_BYTES) -> None:
+                 block_bytes: int = BLOCK_BYTES, kept: KeptQK | None = None) -> None:
     """Feed the asked layers' and heads' maps of every group in `reductions` (group name ->
     Reduction) of one analysed sequence (`tokens`, as model.sequence gives them) to its reduction.
 
     One forward (model.run_sequence) under hooks that keep the asked layers' queries and keys, and
     edit it with `ablate` (model/hooks.py's ZEdits). As each block of the forward ends, the layers
     whose queries and keys are in are reduced and let go: one layer's are held at a time.
-    `progress` is called after each block of the forward and each block of query rows.
-    Under hooks of a caller's (`hooked`), which these would replace, the family's `analyse` makes
-    the full maps, then they are reduced."""
+    `progress` is called after each block of the forward and each block of query rows. With
+    `kept`, the layers' queries and keys are kept there too, and a call whose layers are all
+    there runs no forward. Under hooks of a caller's (`hooked`), which these would replace, the
+    family's `analyse` makes the full maps, then they are reduced."""
     family = family_of(model)
     if active_hooks() is not None:
         target = tokens["target"][1:] if family.takes_target else None
@@ -219,21 +263,36 @@ def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: 
     for name in reductions:
         for i, layer in enumerate(layers):
             pending[family.group(name).hook.format(layer=layer)] = (family.group(name), i)
+    sequence = (tuple(tuple(tokens[axis]) for axis in family.axes), tuple(ablate))
+
+    def reduce(module: str, group, i: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        attn = model.get_submodule(_module_path(module))
+        reduce_layer(reductions[group.name], i, q, k, heads, attn.groups, attn.scale, group.causal,
+                     window if group.causal else None, block_bytes=block_bytes, progress=progress)
+
+    for module, (group, i) in list(pending.items()):  # layers analysed before: no forward for them
+        pair = kept.get((sequence, module)) if kept is not None else None
+        if pair is not None:
+            reduce(module, group, i, *pair)
+            del pending[module]
+    if not pending:
+        return
     hooks: Hooks
 
     def after_block() -> None:
         for module, (group, i) in list(pending.items()):
-            kept = hooks.captured
-            rotary = f"{module}.hook_rot_q" in kept
+            captured = hooks.captured
+            rotary = f"{module}.hook_rot_q" in captured
             q_name, k_name = (f"{module}.hook_rot_q", f"{module}.hook_rot_k") if rotary else (
                 f"{module}.hook_q", f"{module}.hook_k")
-            if q_name not in kept or k_name not in kept:
+            if q_name not in captured or k_name not in captured:
                 continue
-            attn = model.get_submodule(_module_path(module))
-            reduce_layer(reductions[group.name], i, kept[q_name][0], kept[k_name][0], heads, attn.groups, attn.scale,
-                         group.causal, window if group.causal else None, block_bytes=block_bytes, progress=progress)
+            q, k = captured[q_name][0], captured[k_name][0]  # (Q, H, D), (S, K, D)
+            if kept is not None:
+                kept.put((sequence, module), q, k)
+            reduce(module, group, i, q, k)
             for n in _QK:
-                kept.pop(f"{module}.{n}", None)
+                captured.pop(f"{module}.{n}", None)
             del pending[module]
         if progress is not None:
             progress()

@@ -183,3 +183,29 @@ def test_whole_maps_kept_in_the_wires_type(store):
         assert (got.float() - maps * 255).abs().max() <= 0.5 + 1e-4
     else:
         torch.testing.assert_close(got.float(), maps, atol=2.5e-4, rtol=0)
+
+
+def test_a_layer_kept_needs_no_forward_for_another_window():
+    """KeptQK: the queries and keys of an analysed layer make another window (a zoom) without a
+    forward, equal to a fresh one; another sequence or an ablation runs one; the oldest go first."""
+    from attnlens.model.attention_blocks import KeptQK
+
+    model = build("grouped_query")
+    tokens = sequence(model)
+    forwards = []
+    real = model.run_sequence
+    model.run_sequence = lambda t: (forwards.append(1), real(t))
+    kept = KeptQK(10**8)
+    run(model, tokens, lambda Q, K: Pool(2, 2, (0, Q), (0, K), 4), kept=kept)
+    assert len(forwards) == 1 and len(kept) == 2
+    zoomed = run(model, tokens, lambda Q, K: Window(2, 2, (10, 20), (3, 15)), kept=kept)["self"]["maps"]
+    assert len(forwards) == 1  # made from the kept queries and keys
+    torch.testing.assert_close(zoomed, full_maps(model, tokens)["self"][..., 10:20, 3:15], atol=1e-6, rtol=0)
+    edits = (ZEdit("blocks.0.attn", 1, "zero"),)
+    ablated = run(model, tokens, lambda Q, K: Window(2, 2, (0, Q), (0, K)), kept=kept, ablate=edits)["self"]["maps"]
+    assert len(forwards) == 2  # an ablated run is another sequence's
+    torch.testing.assert_close(ablated, full_maps(model, tokens, edits)["self"], atol=1e-6, rtol=0)
+    small = KeptQK(kept.bytes // 4 * 3)  # room for three of the four pairs
+    for key in range(4):
+        small.put(key, torch.ones(37, 4, 8), torch.ones(37, 2, 8))
+    assert small.get(0) is None and small.get(3) is not None and len(small) == 3

@@ -173,7 +173,7 @@ async def attention(body: AttentionRequest, request: Request, state: AppState = 
     try:
         analysis = await unless_disconnected(request, served.call_model(partial(
             analyse_attention, ids=ids, layers=layers, heads=heads, target_ids=target, ablate=edits, want=want,
-            fmt=body.format)))
+            fmt=body.format, keep_bytes=state.settings.attention_keep_bytes)))
     except BaseException:
         await claim.release()
         raise
