@@ -268,3 +268,36 @@ export async function fetchAttention(source, { layers = null, heads = null, form
     data,
   };
 }
+
+/**
+ * A reduced /attention answer (long inputs, longmaps.js): `pool` bins, or a window `rows` × `cols`
+ * ([start, end) positions), or both, of the given layers and heads. Returns {tokens, T, data
+ * (Float32Array, [layers][heads][rows][cols]), shape, rows, cols, rowEdges, colEdges, direction,
+ * bytes (the answer's size as received)}.
+ */
+export async function fetchAttentionWindow(source, { layers = null, heads = null, pool = null, rows = null, cols = null, format = "f16", targetIds = null, ablate = null, signal } = {}) {
+  const body = Array.isArray(source) ? { ids: source, format } : source?.messages ? { messages: source.messages, format } : { text: source, format };
+  if (targetIds?.length) body.target_ids = targetIds;
+  if (ablate?.length) body.ablate = ablate;
+  if (layers) body.layers = layers;
+  if (heads) body.heads = heads;
+  if (pool) body.pool = pool;
+  if (rows) body.rows = rows;
+  if (cols) body.cols = cols;
+  const resp = await postJSON("/attention", body, { signal });
+  const data = decodeAttention(resp);
+  const cells = resp.shape.reduce((a, b) => a * b, 1);
+  if (data.length !== cells) throw new ApiError(`Unexpected attention payload: ${data.length} values for shape ${resp.shape.join(" × ")}`, { status: 0 });
+  return {
+    tokens: resp.tokens,
+    T: resp.tokens.length,
+    data,
+    shape: resp.shape,
+    rows: resp.rows,
+    cols: resp.cols,
+    rowEdges: resp.row_edges ?? null,
+    colEdges: resp.col_edges ?? null,
+    direction: resp.direction ?? "causal",
+    bytes: (resp.data ?? "").length,
+  };
+}

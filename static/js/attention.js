@@ -2,7 +2,7 @@
 // rollout (Abnar & Zuidema 2020), first-token-sink removal, differences and row sums.
 // Matrices are flat Float32Arrays, row-major, rows = queries, cols = keys.
 
-import { fetchAttention } from "./api.js";
+import { fetchAttention, fetchAttentionWindow, ApiError } from "./api.js";
 
 /** Compact transfer formats for long inputs: JSON up to this many tokens, then f16. */
 export const JSON_MAX_TOKENS = 64;
@@ -13,6 +13,17 @@ export const JSON_MAX_TOKENS = 64;
  * default model at its full 256 tokens is 2 MB). Larger models are fetched layer by layer.
  */
 export const ALL_LAYERS_BYTES = 16 * 1024 * 1024;
+
+/**
+ * Past this many tokens the page never fetches whole maps (2,048 tokens: 38 MB a layer in f16):
+ * it reads every head pooled (`overview`, the model view) and one head a window at a time
+ * (`window`, the head view), each reduced on the server (POST /attention's pool, rows, cols).
+ */
+export const LONG_TOKENS = 512;
+/** The overview's bins a side: 270 heads of 64 × 64 in f16 are 2.2 MB. */
+export const OVERVIEW_BINS = 64;
+/** The windows a long input's head view keeps (zooming back needs no request). */
+const WINDOWS_KEPT = 24;
 
 /**
  * All attention for one text, fetched layer by layer as views need them.
@@ -28,8 +39,13 @@ export const ALL_LAYERS_BYTES = 16 * 1024 * 1024;
  * answer embedded in their document: inline.js).
  */
 export class AttentionSet {
-  constructor(text, meta, { format = "auto", ids = null, targetIds = null, messages = null, ablate = null, fetch = fetchAttention } = {}) {
+  constructor(text, meta, { format = "auto", ids = null, targetIds = null, messages = null, ablate = null, fetch = fetchAttention, fetchWindow = fetchAttentionWindow } = {}) {
     this.fetch = fetch;
+    this.fetchWindow = fetchWindow;
+    this.long = false; // more than LONG_TOKENS tokens: read reduced (overview, window), never whole
+    this.overviewMaps = null; // {bins, rowEdges, colEdges, data}: every head pooled
+    this.windows = new Map(); // "layer.head:rows:cols:pool" -> a window (the last WINDOWS_KEPT)
+    this.bytesFetched = 0; // attention payload bytes received (base64), for the perf readout
     this.ablate = ablate;
     this.text = text;
     this.messages = messages; // a conversation (chat.js) that `text` writes as turns: the server renders it
@@ -70,8 +86,85 @@ export class AttentionSet {
     return 2 * cells <= ALL_LAYERS_BYTES;
   }
 
+  /** What a request names: the ids, the conversation, or the text. */
+  source() {
+    return this.ids ?? (this.messages ? { messages: this.messages } : this.text);
+  }
+
+  /** Whether the input may be longer than LONG_TOKENS (before an answer says how long it is). */
+  mayBeLong() {
+    if (this.T) return this.T > LONG_TOKENS;
+    if (this.ids) return this.ids.length > LONG_TOKENS;
+    if (this.targetIds) return false; // a translator's source and target: short by construction
+    const text = this.messages ? this.messages.map((m) => m.content).join("") : this.text;
+    return new TextEncoder().encode(text).length > LONG_TOKENS - 16; // a token is a byte at least; framing adds a few
+  }
+
+  /** The first request of an analysis: a long input's overview, else the maps of `layer`. */
+  async begin(layer, opts = {}) {
+    if (this.mayBeLong()) {
+      await this.overview(opts);
+      if (this.long) return;
+    }
+    await this.ensure([layer], opts);
+  }
+
+  /** Every layer's and head's map pooled to OVERVIEW_BINS a side, in one request: {bins, rowEdges, colEdges, data}. */
+  async overview({ signal } = {}) {
+    if (this.overviewMaps) return this.overviewMaps;
+    if (!this.overviewPending) {
+      this.overviewPending = this.fetchWindow(this.source(), { pool: OVERVIEW_BINS, format: "f16", targetIds: this.targetIds, ablate: this.ablate, signal })
+        .then((res) => {
+          if (!this.tokens) {
+            this.tokens = res.tokens;
+            this.T = res.T;
+            this.causal = res.direction === "causal";
+          }
+          this.long = res.T > LONG_TOKENS;
+          this.bytesFetched += res.bytes;
+          this.overviewMaps = { bins: res.shape[2], rowEdges: res.rowEdges, colEdges: res.colEdges, data: res.data };
+          return this.overviewMaps;
+        })
+        .finally(() => {
+          this.overviewPending = null;
+        });
+    }
+    return this.overviewPending;
+  }
+
+  /** One head's pooled map from the overview (bins × bins), or null before it is here. */
+  pooledHead(layer, head) {
+    const o = this.overviewMaps;
+    if (!o) return null;
+    const n = o.bins * o.bins;
+    const i = layer * this.nHeads + head;
+    return o.data.subarray(i * n, (i + 1) * n);
+  }
+
+  /**
+   * One head's window, query rows × key cols ([start, end) positions), at full resolution when
+   * it spans at most `pixels` positions, else pooled to `pixels` bins a side:
+   * {data, nr, nc, rows, cols, rowEdges, colEdges, pooled}. Kept (the last WINDOWS_KEPT).
+   */
+  async window(layer, head, { rows, cols, pixels, signal } = {}) {
+    const span = Math.max(rows[1] - rows[0], cols[1] - cols[0]);
+    const pool = span > pixels ? Math.max(1, Math.floor(pixels)) : null;
+    const key = `${layer}.${head}:${rows}:${cols}:${pool}`;
+    const kept = this.windows.get(key);
+    if (kept) return kept;
+    const res = await this.fetchWindow(this.source(), { layers: [layer], heads: [head], pool, rows, cols, format: "f16", targetIds: this.targetIds, ablate: this.ablate, signal });
+    this.bytesFetched += res.bytes;
+    const edges = (w) => Array.from({ length: w[1] - w[0] + 1 }, (_, i) => w[0] + i);
+    const out = { data: res.data, nr: res.shape[2], nc: res.shape[3], rows: res.rows, cols: res.cols, rowEdges: res.rowEdges ?? edges(res.rows), colEdges: res.colEdges ?? edges(res.cols), pooled: !!pool };
+    this.windows.set(key, out);
+    while (this.windows.size > WINDOWS_KEPT) this.windows.delete(this.windows.keys().next().value);
+    return out;
+  }
+
   /** Fetch the given layers (all heads) unless already here. Resolves when all are present. */
   async ensure(layers, { signal } = {}) {
+    if (this.long)
+      throw new ApiError(`This view draws whole maps, and ${this.T} tokens are too many for that (the page reads at most ${LONG_TOKENS} whole): the Model and Head views read long inputs pooled and in windows.`, { status: 0 });
     const absent = (l) => !this.layers.has(l) && !this.pending.has(l);
     let missing = layers.filter(absent);
     if (missing.length && this.smallEnough()) missing = [...Array(this.nLayers).keys()].filter(absent);
@@ -82,8 +175,7 @@ export class AttentionSet {
       const known = this.T || (this.ids ? this.ids.length : null);
       const format = this.chooseFormat(known || (bytes <= JSON_MAX_TOKENS ? bytes : null));
       this.lastFormat = format;
-      const source = this.ids ?? (this.messages ? { messages: this.messages } : this.text);
-      const p = this.fetch(source, { layers: missing, format, packing: this.packing, targetIds: this.targetIds, ablate: this.ablate, signal }).then((res) => {
+      const p = this.fetch(this.source(), { layers: missing, format, packing: this.packing, targetIds: this.targetIds, ablate: this.ablate, signal }).then((res) => {
         if (!this.tokens) {
           this.tokens = res.tokens;
           this.T = res.T;

@@ -134,7 +134,7 @@ const translates = () => !!store.get("meta")?.capabilities?.has("target"); // it
 
 /** What the analysis label says: tokens, and for an encoder-decoder the target its views read. */
 function analysedLabel(set, note = "") {
-  const fmt = set.lastFormat && set.lastFormat !== "json" ? ` · ${set.lastFormat}` : "";
+  const fmt = set.long ? " · pooled and in windows" : set.lastFormat && set.lastFormat !== "json" ? ` · ${set.lastFormat}` : "";
   if (!translates()) return `${set.T} tokens analysed${note}${fmt}`;
   const target = set.targetIds ? `the generated translation (${set.targetIds.length} tokens)` : "the model's greedy translation";
   return `${set.T} source tokens → ${target}${note}${fmt}`;
@@ -158,7 +158,7 @@ async function analyse({ text, ids = null, targetIds = null, source = "prompt", 
   }
   const set = new AttentionSet(text, meta, { ids, targetIds, messages });
   try {
-    await track(set.ensure([store.get("layer")])); // errors leave the old picture
+    await track(set.begin(store.get("layer"))); // errors leave the old picture; a long input: its overview
   } catch (err) {
     if (orExample && err.code === "context_length_exceeded" && !ids && text !== exampleFor(meta)) {
       showError(new Error(`The text in the box is longer than ${meta.name} reads (${meta.context_length} tokens): here is its example instead.`), "Analysing your text", { warn: true });
@@ -167,7 +167,7 @@ async function analyse({ text, ids = null, targetIds = null, source = "prompt", 
     showError(err, "Attention");
     return null;
   }
-  store.set(keepPin ? { att: set, source } : { att: set, source, pin: [] });
+  store.set(keepPin ? { att: set, source } : { att: set, source, pin: [], win: null });
   $("#analysed").textContent = analysedLabel(set);
   if (source === "prompt") $("#prompt-hint").textContent = `${set.T} tokens · ${Math.max(0, meta.context_length - set.T)} free in the context`;
   return set;

@@ -95,6 +95,8 @@ def test_url_round_trip_of_every_state_key(page, browser, server):
         "explain": 2,
         "probe": True,
         "lensat": 3,
+        "morder": "induction",
+        "win": [8, 40, 0, 32],
         "probs": [120, 998],
         "max_new_tokens": "40",
         "temperature": "0.5",

@@ -60,6 +60,11 @@ export const STATE_KEYS = [
   { key: "probe", type: "bool", def: false, url: true },
   // the lens view's first column when a long sequence is read a window at a time (null: the last window)
   { key: "lensat", type: "int", def: null, url: true },
+  // the model view's order of a long input's heads: "grid" (layer by layer), or an atlas score
+  // (first_token, previous_token, induction), highest first
+  { key: "morder", type: "string", def: "grid", url: true },
+  // the head view's window on a long input: [row start, row end, column start, column end] (null: the whole map)
+  { key: "win", type: "list", def: null, url: true },
   // data and activity (never in the URL)
   { key: "meta", type: "object", def: null }, // /model, normalised
   { key: "att", type: "object", def: null }, // AttentionSet of the analysed sequence

@@ -1,9 +1,13 @@
 // Model view: every layer × head as a small heatmap. Each thumbnail is a button holding a
 // canvas of T×T pixels (one per cell) that CSS scales; layers are fetched as they scroll
-// into view when the input is long.
+// into view when the input is long. Past LONG_TOKENS every head comes pooled in one request
+// (the AttentionSet's overview, OVERVIEW_BINS a side), and the heads can be ordered by the
+// atlas's scores on its probe (state key `morder`: grid | first_token | previous_token |
+// induction), so hundreds of thumbnails are browsable.
 
 import { paintMatrix, cssVar, parseColor } from "../paint.js";
 import { removeSink, headStats, JSON_MAX_TOKENS } from "../attention.js";
+import { fetchHeads, probeFor } from "../explain/api.js";
 import { colourScale, SCALES } from "../scales.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
 import { isAblated, toggleAblation, formatAblation } from "../explain/ablation.js";
@@ -28,6 +32,7 @@ export class ModelView {
   unmount() {
     hideTooltip();
     this.observer?.disconnect();
+    this.orderBar?.remove();
     this.root?.remove();
   }
 
@@ -42,6 +47,9 @@ export class ModelView {
     const H = att.nHeads;
     const size = this.thumbSize(H);
     this.root.replaceChildren();
+    this.orderBar?.remove();
+    this.orderBar = null;
+    this.root.classList.remove("model-list");
     this.root.style.setProperty("--thumb", `${size}px`);
     this.root.style.gridTemplateColumns = `40px repeat(${H}, var(--thumb))`;
     const corner = document.createElement("div");
@@ -65,35 +73,89 @@ export class ModelView {
       this.rowEls.push(lab);
       const row = [];
       for (let h = 0; h < H; h++) {
-        const b = document.createElement("button");
-        b.type = "button";
-        b.className = "thumb loading";
-        b.dataset.layer = l;
-        b.dataset.head = h;
-        b.setAttribute("aria-label", `Layer ${l}, head ${h}: open in head view`);
-        const c = document.createElement("canvas");
-        c.width = att.T;
-        c.height = att.T;
-        b.append(c);
-        b.addEventListener("click", (e) => {
-          // Alt- or Shift-click: add the head to the ablation (or remove it), of the primary group
-          if (e.altKey || e.shiftKey) this.ctx.select({ ablate: formatAblation(toggleAblation(this.params.ablation, l, h, this.ablationGroup())) });
-          else this.ctx.select({ layer: l, head: h, view: "head", pin: [] });
-        });
-        b.addEventListener("mouseenter", () => this.tip(b, l, h));
-        b.addEventListener("focus", () => this.tip(b, l, h));
-        b.addEventListener("mouseleave", hideTooltip);
-        b.addEventListener("blur", hideTooltip);
-        this.root.append(b);
-        row.push({ button: b, canvas: c, drawn: false });
+        const t = this.thumb(l, h, att.long ? att.overviewMaps.bins : att.T);
+        this.root.append(t.button);
+        row.push(t);
       }
       this.thumbs.push(row);
     }
     this.markSelected();
   }
 
+  /** One head's thumbnail: a button holding a canvas of px × px. */
+  thumb(l, h, px) {
+    const b = document.createElement("button");
+    b.type = "button";
+    b.className = "thumb loading";
+    b.dataset.layer = l;
+    b.dataset.head = h;
+    b.setAttribute("aria-label", `Layer ${l}, head ${h}: open in head view`);
+    const c = document.createElement("canvas");
+    c.width = px;
+    c.height = px;
+    b.append(c);
+    b.addEventListener("click", (e) => {
+      // Alt- or Shift-click: add the head to the ablation (or remove it), of the primary group
+      if (e.altKey || e.shiftKey) this.ctx.select({ ablate: formatAblation(toggleAblation(this.params.ablation, l, h, this.ablationGroup())) });
+      else this.ctx.select({ layer: l, head: h, view: "head", pin: [] });
+    });
+    b.addEventListener("mouseenter", () => this.tip(b, l, h));
+    b.addEventListener("focus", () => this.tip(b, l, h));
+    b.addEventListener("mouseleave", hideTooltip);
+    b.addEventListener("blur", hideTooltip);
+    return { button: b, canvas: c, drawn: false };
+  }
+
+  /**
+   * A long input's heads as one list ordered by an atlas score (highest first), each thumbnail
+   * captioned with its layer, head and score; `scores[l][h]` (null: no score).
+   */
+  buildOrdered(scores, name) {
+    const att = this.params.attention;
+    this.root.replaceChildren();
+    this.orderBar?.remove();
+    this.orderBar = null;
+    this.root.classList.add("model-list");
+    this.root.style.gridTemplateColumns = "";
+    this.root.style.setProperty("--thumb", `${Math.max(56, Math.min(96, this.thumbSize(att.nHeads)))}px`);
+    const heads = [];
+    for (let l = 0; l < att.nLayers; l++) for (let h = 0; h < att.nHeads; h++) heads.push({ l, h, score: scores[l]?.[h] ?? null });
+    heads.sort((a, b) => (b.score ?? -Infinity) - (a.score ?? -Infinity));
+    this.thumbs = [...Array(att.nLayers)].map(() => []);
+    this.rowEls = [];
+    for (const { l, h, score } of heads) {
+      const t = this.thumb(l, h, att.overviewMaps.bins);
+      const fig = document.createElement("figure");
+      fig.className = "thumb-item";
+      const cap = document.createElement("figcaption");
+      cap.textContent = `L${l}H${h} ${score == null ? "—" : score.toFixed(2)}`;
+      cap.title = `layer ${l}, head ${h}: ${name} score ${score == null ? "undefined" : score.toFixed(3)}`;
+      fig.append(t.button, cap);
+      this.root.append(fig);
+      this.thumbs[l][h] = t;
+    }
+    this.markSelected();
+  }
+
+  /** The order control of a long input's overview (state key `morder`). */
+  orderControl(order) {
+    const bar = document.createElement("div");
+    bar.className = "model-order";
+    bar.innerHTML = '<label>Order heads <select aria-label="Order heads"><option value="grid">by layer and head</option><option value="first_token">by attention to the first token (sinks)</option><option value="previous_token">by previous-token score</option><option value="induction">by induction score</option></select></label> <span class="tt-muted">scores: the atlas\'s, on its repeated-random probe</span>';
+    const select = bar.querySelector("select");
+    select.value = order;
+    select.addEventListener("change", () => this.ctx.select({ morder: select.value }));
+    return bar;
+  }
+
   tip(b, l, h) {
     const att = this.params.attention;
+    if (att.long) {
+      const r = b.getBoundingClientRect();
+      const o = att.overviewMaps;
+      showTooltip(`<div class="tt-cell"><b>Layer ${l} · head ${h}</b></div><div class="tt-muted">${att.T} tokens pooled to ${o.bins} × ${o.bins} bins of about ${Math.round(att.T / o.bins)} tokens; click to open it in the head view (zoom there for every token); Alt/Shift-click to ablate it</div>`, r.right - 6, r.top + 4);
+      return;
+    }
     const m = att.head(l, h);
     const r = b.getBoundingClientRect();
     let body = '<div class="tt-muted">loading…</div>';
@@ -129,13 +191,13 @@ export class ModelView {
   paintLayers(layers) {
     const att = this.params.attention;
     const state = this.params.settings;
-    const T = att.T;
+    const T = att.long ? att.overviewMaps.bins : att.T;
     const maskColor = parseColor(cssVar("--heat-masked", "#e5e7eb"));
     const t0 = performance.now();
     for (const l of layers) {
-      if (!att.has(l)) continue;
+      if (!att.long && !att.has(l)) continue;
       for (let h = 0; h < att.nHeads; h++) {
-        let m = att.head(l, h);
+        let m = att.long ? att.pooledHead(l, h) : att.head(l, h);
         if (state.sink) m = removeSink(m, T);
         const sc = colourScale(m, T, state.scale);
         const t = this.thumbs[l][h];
@@ -157,6 +219,9 @@ export class ModelView {
     const att = params.attention;
     const started = performance.now();
     const perf = (window.__attnlens.perf.modelView = { started, T: 0, drawMs: null, totalMs: null, layers: 0, heads: 0 });
+    if (att.mayBeLong()) await att.overview();
+    if (!isCurrent()) return false;
+    if (att.long) return this.renderLong(params, perf, started, isCurrent);
     // We need T to size the canvases: fetch the first layer (or all of them for short inputs).
     const lazy = att.T ? att.T > JSON_MAX_TOKENS : att.text.length > 3 * JSON_MAX_TOKENS;
     if (!att.T) await att.ensure(lazy ? [0] : [...Array(att.nLayers).keys()]);
@@ -177,6 +242,42 @@ export class ModelView {
     perf.layers = present.length;
     if (att.hasAll()) perf.totalMs = performance.now() - started;
     else this.observe(perf, started);
+    return true;
+  }
+
+  /** A long input: every head from the pooled overview, in the order the state asks for. */
+  async renderLong(params, perf, started, isCurrent) {
+    const att = params.attention;
+    const order = params.settings.morder;
+    const o = att.overviewMaps;
+    let scores = null;
+    if (order !== "grid") {
+      let atlas;
+      try {
+        atlas = await this.ctx.track(fetchHeads(att, { probe: probeFor(params.model) }));
+      } catch (err) {
+        this.ctx.showError(err, "Scoring the heads");
+      }
+      if (!isCurrent()) return false;
+      scores = atlas?.groups?.[0]?.heads.map((row) => row.map((h) => h.scores?.[order] ?? null));
+    }
+    if (scores) this.buildOrdered(scores, order.replace("_", " "));
+    else this.build();
+    this.orderBar = this.orderControl(scores ? order : "grid");
+    this.root.before(this.orderBar);
+    const scale = params.settings.scale;
+    const perMap = scale !== "unit" && scale !== "row";
+    this.legend = { cmap: params.settings.cmap, vmin: 0, vmax: 1, gamma: scale === "sqrt" ? 0.5 : 1, label: perMap ? `pooled attention, 0 → each map's own top (${SCALES[scale]})` : `pooled attention, ${SCALES[scale]}` };
+    this.ctx.setLegend(this.legend);
+    this.ctx.setCaption(
+      `<b>All ${att.nLayers} layers × ${att.nHeads} heads</b>${params.scope ? ` of ${params.scope}` : ""} on ${att.T} tokens, each pooled to ${o.bins} × ${o.bins} bins of about ${Math.round(att.T / o.bins)} tokens: a cell is the mean, over the queries of its row bin, of the attention they give to the keys of its column bin (rows still sum to 1). Click a map to open it in the head view, where zooming fetches every token.`,
+    );
+    perf.drawMs = this.paintLayers([...Array(att.nLayers).keys()]);
+    perf.T = att.T;
+    perf.heads = att.nHeads;
+    perf.layers = att.nLayers;
+    perf.bytes = att.bytesFetched;
+    perf.totalMs = performance.now() - started;
     return true;
   }
 
@@ -246,6 +347,19 @@ export class ModelView {
   exportData() {
     const att = this.params?.attention;
     if (!att?.T) return null;
+    if (att.long) {
+      const o = att.overviewMaps;
+      const n = o.bins;
+      const heads = [];
+      for (let l = 0; l < att.nLayers; l++)
+        for (let h = 0; h < att.nHeads; h++) {
+          const m = att.pooledHead(l, h);
+          const rows = [];
+          for (let r = 0; r < n; r++) rows.push(Array.from(m.subarray(r * n, (r + 1) * n), (v) => +v.toFixed(5)));
+          heads.push({ layer: l, head: h, pooled: rows });
+        }
+      return { title: `all heads pooled to ${n} × ${n}`, tokens: att.tokens, row_edges: o.rowEdges, col_edges: o.colEdges, heads };
+    }
     const state = this.params.settings;
     const T = att.T;
     const heads = [];

@@ -94,7 +94,7 @@ export function viewParams(s) {
       lineHeads: s.lheads == null ? null : s.lheads.slice().sort((a, b) => a - b), // null: the chosen head alone
       explain: s.explain, // the query row the Head view explains, or null
     }),
-    settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom, fillk: s.fillk, xavg: s.xavg, probe: s.probe, lensat: s.lensat }),
+    settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom, fillk: s.fillk, xavg: s.xavg, probe: s.probe, lensat: s.lensat, morder: s.morder, win: s.win }),
     axes: Object.freeze({ rows: "query", cols: "key" }),
     // what the shared views' maps are when the family has other groups too: its primary group's
     // (an encoder-decoder's encoder, over the source)

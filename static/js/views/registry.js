@@ -33,8 +33,8 @@ import { AblateView } from "../explain/ablateview.js";
 import { fits } from "../family.js";
 
 export const VIEWS = [
-  { id: "head", label: "Head", source: "analysis", controls: ["layer", "head", "sink", "cmap", "scale", "zoom", "pooled"], keys: ["explain"], View: HeadView },
-  { id: "model", label: "Model", source: "analysis", controls: ["sink", "cmap", "scale"], keys: ["ablate"], View: ModelView },
+  { id: "head", label: "Head", source: "analysis", controls: ["layer", "head", "sink", "cmap", "scale", "zoom", "pooled"], keys: ["explain", "win"], View: HeadView },
+  { id: "model", label: "Model", source: "analysis", controls: ["sink", "cmap", "scale"], keys: ["ablate", "morder"], View: ModelView },
   // issue 18: what each head does (every group the family has), the logit lens, and ablation
   { id: "atlas", needs: ["server"], label: "Atlas", source: "analysis", controls: [], keys: ["ablate", "probe"], View: AtlasView, title: "Heads view: every head coloured by its strongest role (probe: repeated random tokens)" },
   { id: "aggregate", label: "Aggregate", source: "analysis", controls: ["sink", "cmap", "scale", "zoom"], View: AggregateView },
