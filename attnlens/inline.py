@@ -115,12 +115,44 @@ def view_options(root: Path | None = None) -> set[str]:
     return set(keys) - NOT_OPTIONS
 
 
+def _pooled_overview(answer: Attention) -> dict:
+    """A pooled answer's primary group as the page's overview: every layer and head (NaN where the
+    answer holds none), in f16, with its bins."""
+    g = answer.groups[next(iter(answer.groups))]
+    full = np.full((answer.n_layers, answer.n_heads, *g.maps.shape[2:]), np.nan, dtype=np.float32)
+    full[np.ix_(answer.layers, answer.heads)] = g.maps
+    return {**encode(full, "f16", "full"), "row_edges": g.row_edges, "col_edges": g.col_edges,
+            "rows": list(g.query_range), "cols": list(g.key_range),
+            "layers": list(range(answer.n_layers)), "heads": list(range(answer.n_heads))}
+
+
+def _reduction(answer: Attention) -> str:
+    """What the answer's maps are: "map" (whole), "pool" (an overview), "top_k" or "window"."""
+    def kind(g) -> str:
+        if g.kind != "map":
+            return g.kind
+        whole = g.query_range in (None, (0, len(g.rows))) and g.key_range in (None, (0, len(g.cols)))
+        return "map" if whole else "window"
+
+    kinds = {kind(g) for g in answer.groups.values()}
+    return next((k for k in ("top_k", "window", "pool") if k in kinds), "map")
+
+
 def _wire(answer: Attention) -> dict:
     """The answer as /attention sends it, in f16 (causal maps lower-triangle only): what the
     embedded document decodes with the page's own decoder. Its groups as declared: the primary
-    at the top level, the others (over a target) under `translation`."""
+    at the top level, the others (over a target) under `translation`. A pooled answer: its
+    primary group's overview alone (the model view draws it)."""
     def group(g) -> dict:
         return encode(g.maps, "f16", "tril" if g.causal else "full")
+
+    if _reduction(answer) == "pool":
+        primary = next(iter(answer.groups.values()))
+        return {"model": answer.model, "family": answer.family, "direction": answer.direction,
+                "groups": [{"name": primary.name, "queries": primary.queries, "keys": primary.keys,
+                            "causal": primary.causal}],
+                "tokens": [{"id": t.id, "text": t.text} for t in answer.tokens], "n_layers": answer.n_layers,
+                "n_heads": answer.n_heads, "format": "f16", **_pooled_overview(answer)}
 
     as_list = lambda tokens: [{"id": t.id, "text": t.text} for t in tokens]
     primary, *others = answer.groups.values()
@@ -227,6 +259,14 @@ def show(answer: Attention | Generation | FillMask | Classification | None = Non
         layers, heads = list(range(shape["n_layers"])), list(range(shape["n_heads"]))
         payload = {"generation": generation, "text": answer.text}
     elif isinstance(answer, Attention):
+        reduction = _reduction(answer)
+        if reduction not in ("map", "pool"):
+            raise ValueError(f"show() draws whole maps, or a pooled overview (pool=N) in the model view; this answer "
+                             f"holds a {'top-k' if reduction == 'top_k' else 'window'} (read its arrays: "
+                             f"answer.groups[name].maps, .positions, .query_range, .key_range)")
+        if reduction == "pool" and view not in (None, "model"):
+            raise ValueError(f"a pooled answer (pool=N) is drawn in the model view, not {view!r}")
+        view = "model" if reduction == "pool" else view
         shape = {"name": answer.model, "family": answer.family, "family_info": family_info(answer),
                  "attention": answer.direction, "n_layers": answer.n_layers, "n_heads": answer.n_heads}
         kind = "attention"

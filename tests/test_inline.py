@@ -211,3 +211,34 @@ def test_two_views_in_one_page_keep_their_own_state_and_follow_clicks(tmp_path, 
 
     in_browser(work)
     no_request_left(visit, path.as_uri())
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_a_pooled_answer_draws_offline_in_the_model_view(tmp_path):
+    """show() of an answer made with pool=N (a long input's overview) draws every head's grid in
+    the model view (NaN for the heads it does not hold); a top-k or windowed answer is refused
+    with what to read instead."""
+    text = TEXTS["default"] * 3
+    pooled = local.attention(text, CKPT / "default", pool=8, layers=[0, 3])
+    view = attnlens.show(pooled)
+    assert view.spec["view"] == "model" and view.spec["answer"]["row_edges"][-1] == len(pooled.tokens)
+    with pytest.raises(ValueError, match="drawn in the model view"):
+        attnlens.show(pooled, view="head")
+    for reduced, what in ((dict(top_k=3), "top-k"), (dict(rows=(2, 6)), "window")):
+        with pytest.raises(ValueError, match=what):
+            attnlens.show(local.attention(text, CKPT / "default", **reduced))
+    path = write_page(tmp_path, "pooled", [view])
+    visit = Visit()
+
+    def work(context):
+        page = open_offline(context, path, visit)
+        frame = view_frames(page)[0]
+        wait_drawn(frame)
+        state = frame_state(frame)
+        assert state["rendered"].startswith("model:") and state["canvases"]
+        assert frame.evaluate("() => document.querySelectorAll('.thumb:not(.loading)').length") == 32
+        assert frame.evaluate("() => document.querySelectorAll('.model-order').length") == 0  # no server to score
+
+    in_browser(work)
+    no_request_left(visit, path.as_uri())

@@ -76,6 +76,13 @@ function embeddedFetch(answer) {
   };
 }
 
+/** A pooled answer's overview, as AttentionSet.overview asks for it (fetchAttentionWindow's shape). */
+function embeddedOverview(answer) {
+  const data = decodeAttention(answer);
+  return async () => ({ tokens: answer.tokens, T: answer.tokens.length, data, shape: answer.shape, rows: answer.rows, cols: answer.cols,
+    rowEdges: answer.row_edges, colEdges: answer.col_edges, direction: answer.direction, bytes: 0 });
+}
+
 const same = (a, b) => (Array.isArray(a) && Array.isArray(b) ? a.length === b.length && a.every((x, i) => x === b[i]) : a === b);
 
 /** One view with its own small state (the page's keys, constrained as the page does), drawn
@@ -97,10 +104,12 @@ class InlineView {
       labels: null,
       pooling: null,
     };
-    this.views = inlineViews(this.meta, spec.generation ? "generation" : "analysis");
-    this.viewIds = this.views.map((v) => v.id);
     const a = spec.answer;
-    this.att = a ? new AttentionSet(spec.text ?? "", this.meta, { fetch: embeddedFetch(a) }) : null;
+    // a pooled answer (pool=N: every head as N x N bins) is the model view's overview, and only that
+    this.pooled = !!a?.row_edges;
+    this.views = inlineViews(this.meta, spec.generation ? "generation" : "analysis").filter((v) => !this.pooled || v.id === "model");
+    this.viewIds = this.views.map((v) => v.id);
+    this.att = a ? new AttentionSet(spec.text ?? "", this.meta, { fetch: embeddedFetch(a), fetchWindow: this.pooled ? embeddedOverview(a) : undefined }) : null;
     if (a?.translation) keepTranslation(a);
     const g = spec.generation;
     this.gen = g ? new GenerationRecord({ promptTokens: g.prompt_tokens, tokens: g.tokens, rows: g.rows, done: true }) : null;
@@ -163,7 +172,10 @@ class InlineView {
   }
 
   async start() {
-    if (this.att) await this.att.ensure([...Array(this.meta.n_layers).keys()]); // every layer now: nothing is fetched later
+    if (this.att && this.pooled) {
+      await this.att.overview(); // the embedded pooled maps, drawn as a long input's are
+      this.att.long = true;
+    } else if (this.att) await this.att.ensure([...Array(this.meta.n_layers).keys()]); // every layer now: nothing is fetched later
     const first = { layer: this.layers[0], head: this.heads[0], step: this.gen ? this.gen.tokens.length - 1 : 0 };
     const state = { ...defaults(), ...first, ...this.spec.state, view: this.spec.view, meta: this.meta, att: this.att, gen: this.gen,
       prompt: this.att?.text ?? this.spec.text ?? "", diff: "heads" };

@@ -251,7 +251,8 @@ export class ModelView {
     const order = params.settings.morder;
     const o = att.overviewMaps;
     let scores = null;
-    if (order !== "grid") {
+    const scored = params.model.capabilities?.has?.("server"); // the atlas's scores need the live page's server
+    if (order !== "grid" && scored) {
       let atlas;
       try {
         atlas = await this.ctx.track(fetchHeads(att, { probe: probeFor(params.model) }));
@@ -263,14 +264,16 @@ export class ModelView {
     }
     if (scores) this.buildOrdered(scores, order.replace("_", " "));
     else this.build();
-    this.orderBar = this.orderControl(scores ? order : "grid");
-    this.root.before(this.orderBar);
+    if (scored) {
+      this.orderBar = this.orderControl(scores ? order : "grid");
+      this.root.before(this.orderBar);
+    }
     const scale = params.settings.scale;
     const perMap = scale !== "unit" && scale !== "row";
     this.legend = { cmap: params.settings.cmap, vmin: 0, vmax: 1, gamma: scale === "sqrt" ? 0.5 : 1, label: perMap ? `pooled attention, 0 → each map's own top (${SCALES[scale]})` : `pooled attention, ${SCALES[scale]}` };
     this.ctx.setLegend(this.legend);
     this.ctx.setCaption(
-      `<b>All ${att.nLayers} layers × ${att.nHeads} heads</b>${params.scope ? ` of ${params.scope}` : ""} on ${att.T} tokens, each pooled to ${o.bins} × ${o.bins} bins of about ${Math.round(att.T / o.bins)} tokens: a cell is the mean, over the queries of its row bin, of the attention they give to the keys of its column bin (rows still sum to 1). Click a map to open it in the head view, where zooming fetches every token.`,
+      `<b>All ${att.nLayers} layers × ${att.nHeads} heads</b>${params.scope ? ` of ${params.scope}` : ""} on ${att.T} tokens, each pooled to ${o.bins} × ${o.bins} bins of about ${Math.round(att.T / o.bins)} token${Math.round(att.T / o.bins) === 1 ? "" : "s"}: a cell is the mean, over the queries of its row bin, of the attention they give to the keys of its column bin (rows still sum to 1).${scored ? " Click a map to open it in the head view, where zooming fetches every token." : ""}`,
     );
     perf.drawMs = this.paintLayers([...Array(att.nLayers).keys()]);
     perf.T = att.T;
