@@ -101,7 +101,7 @@ def test_a_2048_token_prompt_in_the_model_and_head_views(page, long_context):
           f"{head['drawMs']:.0f} ms")
 
 
-def test_the_heads_in_the_order_of_an_atlas_score(page, long_context):
+def test_the_heads_in_the_order_of_an_atlas_score_or_grouped_by_role(page, long_context):
     server, text, n = long_context
     page.goto(f"{server.base_url}/?view=model&morder=induction")
     r = wait_rendered(page)
@@ -113,6 +113,12 @@ def test_the_heads_in_the_order_of_an_atlas_score(page, long_context):
     scores = [float(c.split()[-1]) for c in captions if c.split()[-1] != "—"]
     assert scores == sorted(scores, reverse=True) and len(scores) == 32
     assert page.eval_on_selector(".model-order select", "s => s.value") == "induction"
+    r = rendered(page)
+    page.select_option(".model-order select", "role")
+    wait_rendered(page, r, prefix="model:")
+    headings = page.eval_on_selector_all("#view-host .role-heading", "hs => hs.map(h => h.textContent)")
+    assert headings and sum(int(h.split(" · ")[1].split()[0]) for h in headings) == 32, headings
+    assert "morder=role" in page.url
     r = rendered(page)
     page.select_option(".model-order select", "grid")
     wait_rendered(page, r, prefix="model:")

@@ -61,7 +61,7 @@ export const STATE_KEYS = [
   // the lens view's first column when a long sequence is read a window at a time (null: the last window)
   { key: "lensat", type: "int", def: null, url: true },
   // the model view's order of a long input's heads: "grid" (layer by layer), or an atlas score
-  // (first_token, previous_token, induction), highest first
+  // (first_token, previous_token, induction), highest first, or "role": grouped by the atlas's roles
   { key: "morder", type: "string", def: "grid", url: true },
   // the head view's window on a long input: [row start, row end, column start, column end] (null: the whole map)
   { key: "win", type: "list", def: null, url: true },

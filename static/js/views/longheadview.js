@@ -190,7 +190,7 @@ export class LongHeadView {
 
   draw(tile, plot) {
     const { settings } = this.params;
-    const sc = colourScale(tile.data, tile.nc, settings.scale);
+    const sc = colourScale(this.params.causal && tile.pooled ? maskedPool(tile) : tile.data, tile.nc, settings.scale);
     const [r0, , c0] = this.window();
     const causal = this.params.causal && !tile.pooled;
     paintMatrix(sc.data, tile.nr, tile.nc, { cmap: settings.cmap, vmin: sc.vmin, vmax: sc.vmax, gamma: sc.gamma, causal, rowOffset: r0 - c0, maskColor: parseColor(cssVar("--heat-masked", "#e5e7eb")), canvas: this.bitmap });
@@ -280,4 +280,15 @@ export class LongHeadView {
     for (let r = 0; r < t.nr; r++) matrix.push(Array.from(t.data.subarray(r * t.nc, (r + 1) * t.nc), (v) => +v.toFixed(6)));
     return { title: this.status.textContent, row_edges: t.rowEdges, col_edges: t.colEdges, pooled: t.pooled, matrix };
   }
+}
+
+/** A causal map's pooled tile with the cells no query of the row bin can see (every key of the
+ * column bin after the bin's last query) as NaN, drawn in the masked colour. */
+function maskedPool(tile) {
+  const out = Float32Array.from(tile.data);
+  for (let r = 0; r < tile.nr; r++) {
+    const last = tile.rowEdges[r + 1] - 1;
+    for (let c = 0; c < tile.nc; c++) if (tile.colEdges[c] > last) out[r * tile.nc + c] = NaN;
+  }
+  return out;
 }

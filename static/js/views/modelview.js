@@ -2,8 +2,8 @@
 // canvas of T×T pixels (one per cell) that CSS scales; layers are fetched as they scroll
 // into view when the input is long. Past LONG_TOKENS every head comes pooled in one request
 // (the AttentionSet's overview, OVERVIEW_BINS a side), and the heads can be ordered by the
-// atlas's scores on its probe (state key `morder`: grid | first_token | previous_token |
-// induction), so hundreds of thumbnails are browsable.
+// atlas's scores on its probe, or grouped by its roles (state key `morder`: grid | first_token |
+// previous_token | induction | role), so hundreds of thumbnails are browsable.
 
 import { paintMatrix, cssVar, parseColor } from "../paint.js";
 import { removeSink, headStats, JSON_MAX_TOKENS } from "../attention.js";
@@ -108,9 +108,11 @@ export class ModelView {
 
   /**
    * A long input's heads as one list ordered by an atlas score (highest first), each thumbnail
-   * captioned with its layer, head and score; `scores[l][h]` (null: no score).
+   * captioned with its layer, head and score: `heads` [{l, h, score, role?}] (score null: none).
+   * With roles, the heads are grouped under a heading per role (the strongest group first,
+   * "mixed" last), each group in the order of its role's score.
    */
-  buildOrdered(scores, name) {
+  buildOrdered(heads, name) {
     const att = this.params.attention;
     this.root.replaceChildren();
     this.orderBar?.remove();
@@ -118,21 +120,35 @@ export class ModelView {
     this.root.classList.add("model-list");
     this.root.style.gridTemplateColumns = "";
     this.root.style.setProperty("--thumb", `${Math.max(56, Math.min(96, this.thumbSize(att.nHeads)))}px`);
-    const heads = [];
-    for (let l = 0; l < att.nLayers; l++) for (let h = 0; h < att.nHeads; h++) heads.push({ l, h, score: scores[l]?.[h] ?? null });
-    heads.sort((a, b) => (b.score ?? -Infinity) - (a.score ?? -Infinity));
+    const byScore = (a, b) => (b.score ?? -Infinity) - (a.score ?? -Infinity);
+    const groups = new Map();
+    for (const e of [...heads].sort(byScore)) {
+      const key = e.role ?? "";
+      if (!groups.has(key)) groups.set(key, []);
+      groups.get(key).push(e);
+    }
+    const order = [...groups.keys()].sort((a, b) => (a === "mixed") - (b === "mixed") || byScore(groups.get(a)[0], groups.get(b)[0]));
     this.thumbs = [...Array(att.nLayers)].map(() => []);
     this.rowEls = [];
-    for (const { l, h, score } of heads) {
-      const t = this.thumb(l, h, att.overviewMaps.bins);
-      const fig = document.createElement("figure");
-      fig.className = "thumb-item";
-      const cap = document.createElement("figcaption");
-      cap.textContent = `L${l}H${h} ${score == null ? "—" : score.toFixed(2)}`;
-      cap.title = `layer ${l}, head ${h}: ${name} score ${score == null ? "undefined" : score.toFixed(3)}`;
-      fig.append(t.button, cap);
-      this.root.append(fig);
-      this.thumbs[l][h] = t;
+    for (const key of order) {
+      const members = groups.get(key);
+      if (key) {
+        const heading = document.createElement("h4");
+        heading.className = "role-heading";
+        heading.textContent = `${key.replace("_", " ")} · ${members.length} head${members.length === 1 ? "" : "s"}`;
+        this.root.append(heading);
+      }
+      for (const { l, h, score, role } of members) {
+        const t = this.thumb(l, h, att.overviewMaps.bins);
+        const fig = document.createElement("figure");
+        fig.className = "thumb-item";
+        const cap = document.createElement("figcaption");
+        cap.textContent = `L${l}H${h} ${score == null ? "—" : score.toFixed(2)}`;
+        cap.title = `layer ${l}, head ${h}: ${role ? `role ${role}, ` : ""}${name} score ${score == null ? "undefined" : score.toFixed(3)}`;
+        fig.append(t.button, cap);
+        this.root.append(fig);
+        this.thumbs[l][h] = t;
+      }
     }
     this.markSelected();
   }
@@ -141,7 +157,7 @@ export class ModelView {
   orderControl(order) {
     const bar = document.createElement("div");
     bar.className = "model-order";
-    bar.innerHTML = '<label>Order heads <select aria-label="Order heads"><option value="grid">by layer and head</option><option value="first_token">by attention to the first token (sinks)</option><option value="previous_token">by previous-token score</option><option value="induction">by induction score</option></select></label> <span class="tt-muted">scores: the atlas\'s, on its repeated-random probe</span>';
+    bar.innerHTML = '<label>Order heads <select aria-label="Order heads"><option value="grid">by layer and head</option><option value="first_token">by attention to the first token (sinks)</option><option value="previous_token">by previous-token score</option><option value="induction">by induction score</option><option value="role">grouped by role</option></select></label> <span class="tt-muted">scores: the atlas\'s, on its repeated-random probe</span>';
     const select = bar.querySelector("select");
     select.value = order;
     select.addEventListener("change", () => this.ctx.select({ morder: select.value }));
@@ -260,9 +276,15 @@ export class ModelView {
         this.ctx.showError(err, "Scoring the heads");
       }
       if (!isCurrent()) return false;
-      scores = atlas?.groups?.[0]?.heads.map((row) => row.map((h) => h.scores?.[order] ?? null));
+      const rows = atlas?.groups?.[0]?.heads;
+      if (rows) {
+        scores = [];
+        rows.forEach((row, l) =>
+          row.forEach((h, i) => scores.push(order === "role" ? { l, h: i, score: h.role_score ?? null, role: h.role } : { l, h: i, score: h.scores?.[order] ?? null })),
+        );
+      }
     }
-    if (scores) this.buildOrdered(scores, order.replace("_", " "));
+    if (scores) this.buildOrdered(scores, order === "role" ? "role" : order.replace("_", " "));
     else this.build();
     if (scored) {
       this.orderBar = this.orderControl(scores ? order : "grid");
