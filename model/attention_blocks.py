@@ -245,9 +245,11 @@ def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: 
     Reduction) of one analysed sequence (`tokens`, as model.sequence gives them) to its reduction.
 
     One forward (model.run_sequence) under hooks that keep the asked layers' queries and keys, and
-    edit it with `ablate` (model/hooks.py's ZEdits). As each block of the forward ends, the layers
-    whose queries and keys are in are reduced and let go: one layer's are held at a time.
-    `progress` is called after each block of the forward and each block of query rows. With
+    edit it with `ablate` (model/hooks.py's ZEdits). At each progress point of the forward (after an
+    attention, after a block), the layers whose queries and keys are in are reduced and let go: one
+    layer's are held at a time.
+    `progress` is called after each attention and each block of the forward, and after each
+    block of query rows (model/hooks.py's progress points). With
     `kept`, the layers' queries and keys are kept there too, and a call whose layers are all
     there runs no forward. Under hooks of a caller's (`hooked`), which these would replace, the
     family's `analyse` makes the full maps, then they are reduced."""

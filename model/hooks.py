@@ -53,6 +53,9 @@ import torch.nn as nn
 
 HOW = ("zero", "mean")
 
+# where Hooks.progress is called: after a block's (self- or cross-) attention, and after the block
+_PROGRESS_POINTS = ("hook_attn_out", "hook_cross_out", "hook_resid_post")
+
 _active: contextvars.ContextVar["Hooks | None"] = contextvars.ContextVar("attnlens_hooks", default=None)
 
 
@@ -135,7 +138,8 @@ class Hooks:
     [B, T, C]), as TransformerLens's start_at_layer: an ablated run takes the clean run's outputs
     of the blocks before the first ablated one (`unchanged_outputs`), which it would only
     recompute bit for bit. A given block keeps nothing and returns no attention maps.
-    progress: called after each block (a long forward tells a watchdog it is working).
+    progress: called after each attention and each block (_PROGRESS_POINTS): a long forward tells
+    a watchdog it is working, and lets other work take a turn, about twice a block.
     """
 
     record: set[str] | Callable[[str], bool] = field(default_factory=set)
@@ -146,7 +150,7 @@ class Hooks:
     stop_after: str | None = None
     given: dict[str, torch.Tensor] = field(default_factory=dict)
     captured: dict[str, torch.Tensor] = field(default_factory=dict)
-    progress: Callable[[], None] | None = None  # called as each block's output is kept: a long forward's heartbeat
+    progress: Callable[[], None] | None = None  # called at each of _PROGRESS_POINTS: a long forward's heartbeat
 
     def __post_init__(self) -> None:
         if not callable(self.record):
@@ -169,7 +173,7 @@ class Hooks:
     def keep(self, name: str, tensor: torch.Tensor) -> None:
         if self.wants(name):
             self.captured[name] = tensor
-        if self.progress is not None and name.endswith("hook_resid_post"):
+        if self.progress is not None and name.endswith(_PROGRESS_POINTS):
             self.progress()
         if name == self.stop_after:
             raise StopForward(name)

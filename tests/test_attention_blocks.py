@@ -150,14 +150,14 @@ def test_ablated_maps_are_the_ablated_models(name):
     assert changed
 
 
-def test_progress_after_each_block_of_the_forward_and_each_block_of_rows():
+def test_progress_after_each_attention_and_block_of_the_forward_and_each_block_of_rows():
     model = build("rotary")
     tokens = sequence(model)
     beats = []
     run(model, tokens, lambda Q, K: Window(2, 2, (0, Q), (0, K)), progress=lambda: beats.append(1))
     rows_per_block = TINY_BLOCKS // (4 * 2 * 37)
     blocks = -(-37 // rows_per_block)
-    assert len(beats) == 3 + 2 * blocks
+    assert len(beats) == 3 * 2 + 2 * blocks  # 3 blocks, each after its attention and at its end
 
 
 def test_under_a_callers_hooks_the_full_maps_are_reduced():
