@@ -29,13 +29,16 @@ class Outcome:
     done: StreamDone | None = None
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the request's body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _cancel_on_disconnect(request: Request, generations: list[RequestState]) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            for g in generations:
-                g.cancel()
-            return
+    await _disconnected(request)
+    for g in generations:
+        g.cancel()
 
 
 @contextlib.asynccontextmanager
@@ -52,11 +55,6 @@ async def cancel_on_disconnect(request: Request, generations: list[RequestState]
             await watcher
         for g in generations:
             g.cancel()  # a no-op once finished; stops the work if we were interrupted
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -31,7 +31,7 @@ from typing import Callable, Hashable
 import torch
 
 from .families.contract import family_of
-from .hooks import Hooks, hooked
+from .hooks import Hooks, hooked, hooked_module
 from .hooks import active as active_hooks
 
 BLOCK_BYTES = 64 << 20  # a block's scores (H' x B x n float32); its softmax and reduction take as much again
@@ -268,7 +268,7 @@ def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: 
     sequence = (tuple(tuple(tokens[axis]) for axis in family.axes), tuple(ablate))
 
     def reduce(module: str, group, i: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        attn = model.get_submodule(_module_path(module))
+        attn = hooked_module(model, module)
         reduce_layer(reductions[group.name], i, q, k, heads, attn.groups, attn.scale, group.causal,
                      window if group.causal else None, block_bytes=block_bytes, progress=progress)
 
@@ -304,11 +304,3 @@ def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: 
         model.run_sequence(tokens)
     if pending:
         raise RuntimeError(f"the forward never ran {sorted(pending)}")
-
-
-def _module_path(hook: str) -> str:
-    """A hook name -> the module's path: "decoder.blocks.1.cross_attn" -> "decoder_blocks.1.cross_attn"."""
-    for stack in ("encoder", "decoder"):
-        if hook.startswith(f"{stack}.blocks."):
-            return f"{stack}_blocks." + hook[len(f"{stack}.blocks."):]
-    return hook

@@ -218,6 +218,15 @@ def hook_name(path: str) -> str:
     return path
 
 
+def hooked_module(model: nn.Module, name: str) -> nn.Module:
+    """The block or attention module whose hook name is `name` (e.g. "decoder.blocks.1.cross_attn")."""
+    name_hook_points(model)
+    for module in model.modules():
+        if getattr(module, "hook_name", None) == name:
+            return module
+    raise KeyError(f"no module has the hook name {name!r}")
+
+
 def name_hook_points(model: nn.Module) -> None:
     """Give every block and attention module its hook name (once per model)."""
     if getattr(model, "_hook_points_named", False):

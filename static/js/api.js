@@ -239,14 +239,20 @@ export function decodeAttention(resp) {
  * Returns { tokens, nLayers, nHeads, layers, heads, T, data }
  * where data is Float32Array [layers.length][heads.length][T][T].
  */
-export async function fetchAttention(source, { layers = null, heads = null, format = "json", packing = "tril", targetIds = null, ablate = null, signal } = {}) {
+/** An /attention request's body: what it analyses (`source`), in `format`, and the fields given. */
+function attentionBody(source, { format, layers = null, heads = null, targetIds = null, ablate = null }) {
   // token ids, a text, or {messages} (a conversation, rendered by the model's chat template)
   const body = Array.isArray(source) ? { ids: source, format } : source?.messages ? { messages: source.messages, format } : { text: source, format };
   if (targetIds?.length) body.target_ids = targetIds;
   if (ablate?.length) body.ablate = ablate; // [{layer, head, how, group}]: the maps of the run with those heads ablated
-  if (format !== "json") body.packing = packing;
   if (layers) body.layers = layers;
   if (heads) body.heads = heads;
+  return body;
+}
+
+export async function fetchAttention(source, { layers = null, heads = null, format = "json", packing = "tril", targetIds = null, ablate = null, signal } = {}) {
+  const body = attentionBody(source, { format, layers, heads, targetIds, ablate });
+  if (format !== "json") body.packing = packing;
   const resp = await postJSON("/attention", body, { signal });
   const data = decodeAttention(resp);
   const T = resp.tokens.length;
@@ -276,11 +282,7 @@ export async function fetchAttention(source, { layers = null, heads = null, form
  * bytes (the answer's size as received)}.
  */
 export async function fetchAttentionWindow(source, { layers = null, heads = null, pool = null, rows = null, cols = null, format = "f16", targetIds = null, ablate = null, signal } = {}) {
-  const body = Array.isArray(source) ? { ids: source, format } : source?.messages ? { messages: source.messages, format } : { text: source, format };
-  if (targetIds?.length) body.target_ids = targetIds;
-  if (ablate?.length) body.ablate = ablate;
-  if (layers) body.layers = layers;
-  if (heads) body.heads = heads;
+  const body = attentionBody(source, { format, layers, heads, targetIds, ablate });
   if (pool) body.pool = pool;
   if (rows) body.rows = rows;
   if (cols) body.cols = cols;
