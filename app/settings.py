@@ -44,7 +44,7 @@ def default_model_dir(packaged: bool) -> Path:
     if packaged:
         from attnlens.model.interop.packaged import PACKAGED, ensure_checkpoint, install_hint
 
-        for model in PACKAGED:
+        for model in (m for m in PACKAGED if m.default):
             path = ensure_checkpoint(model)
             if path is not None:
                 return path
@@ -53,6 +53,22 @@ def default_model_dir(packaged: bool) -> Path:
                 log.info("%s is not installed, so the bundled models are served; to add it: %s", model.title,
                          install_hint(model))
     return DEFAULT_MODEL_DIR
+
+
+def packaged_beside_dirs() -> list[Path]:
+    """The installed packaged models served beside the default (all-MiniLM-L6-v2), converted at
+    their first use; says once per process how to add one that is not installed."""
+    from attnlens.model.interop.packaged import PACKAGED, ensure_checkpoint, install_hint
+
+    dirs = []
+    for model in (m for m in PACKAGED if not m.default):
+        path = ensure_checkpoint(model)
+        if path is not None:
+            dirs.append(path)
+        elif model.name not in _told_missing:
+            _told_missing.add(model.name)
+            log.info("%s is not installed, so it is not served; to add it: %s", model.title, install_hint(model))
+    return dirs
 
 
 class Settings(BaseSettings):
@@ -67,7 +83,8 @@ class Settings(BaseSettings):
     packaged_models: bool = True  # serve the pip-installed pretrained models when no model is named
     # Every checkpoint to serve, comma-separated directories (each served under its directory
     # name). Empty: every bundled checkpoint in checkpoints/ — unless ATTNLENS_MODEL is set, then
-    # that one alone. The default model is always served.
+    # that one alone. The default model is always served, and with PACKAGED_MODELS on the installed
+    # packaged models served beside it (all-MiniLM-L6-v2) when no model is named.
     models: Annotated[list[Path], NoDecode] = []
     max_encoder_concurrent: int = Field(2, ge=1)  # encoder forwards at once, per encoder model
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -181,6 +198,8 @@ class Settings(BaseSettings):
             from .registry import bundled_checkpoints
 
             dirs = bundled_checkpoints(CHECKPOINTS_DIR)
+            if self.packaged_models:
+                dirs += packaged_beside_dirs()
         out, seen = [], set()
         for d in [self.model, *dirs]:
             key = Path(d).resolve()

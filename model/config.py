@@ -51,6 +51,12 @@ class ModelConfig:
     # encoder only: the classification head's labels (none: no head) and how it pools
     labels: list[str] = field(default_factory=list)
     pooling: str = "mean"  # "mean" over non-padding positions | "cls" (the first position)
+    # encoder only: False when the weights came without a masked-LM head (a transformers BertModel,
+    # e.g. a sentence-transformers model): fill-mask is then not offered
+    mlm_head: bool = True
+    # encoder only: the classification head's own copies of the top blocks, fine-tuned for it (0:
+    # none). classify runs the shared blocks below them, then these; every other task is unchanged
+    classifier_layers: int = 0
     # encoder-decoder only: the token the decoder starts every target with (the tokenizer's EOS)
     decoder_start_id: int = 0
     # --- the parts of newer decoders (defaults: GPT-2's) ---------------------------------------
@@ -130,6 +136,9 @@ class ModelConfig:
 
         if self.family not in FAMILIES:
             raise ConfigError(f"family must be one of {tuple(FAMILIES)}, got {self.family!r}")
+        if not 0 <= self.classifier_layers <= self.n_layers or (self.classifier_layers and not self.labels):
+            raise ConfigError(f"classifier_layers must be 0..n_layers ({self.n_layers}) and needs labels, "
+                              f"got {self.classifier_layers}")
         if self.pooling not in POOLINGS:
             raise ConfigError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if not isinstance(self.labels, list) or not all(isinstance(x, str) and x for x in self.labels):

@@ -210,6 +210,10 @@ class Tokenizer:
     """A thin wrapper around a `tokenizers.Tokenizer`, with the checkpoint's special tokens."""
 
     def __init__(self, backend: HFTokenizer, special: SpecialTokens | None = None):
+        # a tokenizer.json may pad and truncate every text (sentence-transformers' pad to 128):
+        # texts are framed, padded and measured against the context by their callers instead
+        backend.no_padding()
+        backend.no_truncation()
         self.backend = backend
         self.special_tokens = special or SpecialTokens()
         self._token_bytes: dict[int, bytes] = {}

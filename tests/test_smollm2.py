@@ -73,8 +73,10 @@ def test_settings_serve_it_by_default_and_fall_back_to_the_bundled_decoder(smoll
 
     s = Settings()
     assert s.model.name == SMOLLM2.name and s.model_dirs()[0] == s.model
-    assert [d.name for d in s.model_dirs()[1:]] == ["default", "encoder", "translator"]
+    beside = [packaged.MINILM.name] if packaged.locate(packaged.MINILM) else []  # served beside the default
+    assert [d.name for d in s.model_dirs()[1:]] == ["default", "encoder", "translator", *beside]
     assert Settings(packaged_models=False).model == DEFAULT_MODEL_DIR
+    assert [d.name for d in Settings(packaged_models=False).model_dirs()] == ["default", "encoder", "translator"]
     monkeypatch.setattr(packaged, "locate", lambda model: None)
     monkeypatch.setattr(settings_module, "_told_missing", set())
     with caplog.at_level(logging.INFO, logger="attnlens.settings"):

@@ -7,6 +7,11 @@ Shapes: B = batch, T = positions, C = d_model, H = heads, V = vocab, L = labels.
     hidden -> MLM head: Linear(C, C) -> activation -> LayerNorm -> tied embedding^T + bias -> (B, T, V)
     hidden -> pool -> classification head: Linear(C, C) -> tanh -> Linear(C, L) -> (B, L)
 
+With config.classifier_layers = k > 0 the classification head has its own k blocks, copies of
+the top k fine-tuned for it (all-MiniLM-L6-v2's genre head): classify reads the state after the
+shared blocks 0..n-k-1 through those instead, so the encoder's other answers (embeddings,
+fill-mask, attention) stay the pretrained model's own.
+
 The Blocks, attention, FFN and norms are the shared ones in model/parts.py, built with
 causal=False: every position sees every other, and a padding mask (`attention_mask`,
 True/1 for real tokens as in Hugging Face) gives padded keys exactly zero weight.
@@ -49,13 +54,13 @@ FAMILY = Family(
     name="encoder",
     description="an encoder-only model (BERT): bidirectional self-attention, a masked-LM head and, "
                 "with labels, a classification head",
-    tasks=(TaskSpec("fill-mask"), TaskSpec("classify", needs="labels"), TaskSpec("attention")),
+    tasks=(TaskSpec("fill-mask", needs="mlm_head"), TaskSpec("classify", needs="labels"), TaskSpec("attention")),
     groups=(AttentionGroup("self", "tokens", "tokens", causal=False,
                            description="bidirectional self-attention: every token over every other"),),
     attention_kind="bidirectional",
     output=EncoderOutput,
     framing="cls_sep",
-    features=("labels",),
+    features=("labels", "mlm_head"),
     builds=("classifier", "grouped_query", "parallel_residual"),
     # masked-LM pretraining over the works, then the genre head
     training=TrainingSpec("encoder:EncoderObjective", tokenizer="corpus_specials"),
@@ -97,6 +102,7 @@ class Encoder(Embeddings, nn.Module):
             self.classifier = Linear(C, len(config.labels), bias=True)
         else:
             self.pooler = self.classifier = None
+        self.classifier_blocks = nn.ModuleList(Block(config, causal=False) for _ in range(config.classifier_layers))
         self.apply(Transformer._init_weights)
 
     # --- the stack -------------------------------------------------------------------
@@ -106,21 +112,40 @@ class Encoder(Embeddings, nn.Module):
 
         Rows of padded query positions in the maps are zero: they are not results.
         """
-        B, T = ids.shape
-        if T > self.config.context_length:
-            raise ContextLengthError(
-                f"sequence of {T} tokens exceeds the context length {self.config.context_length}"
-            )
+        self.check_length(ids.shape[1])
         x = self.embed(ids, norm=self.emb_norm)  # (B, T, C): LayerNorm(tokens + positions)
+        x, attentions = self.run_blocks(x, self.blocks, attention_mask, return_attention)
+        return self.ln_f(x), attentions
+
+    def check_length(self, T: int) -> None:
+        if T > self.config.context_length:
+            raise ContextLengthError(f"sequence of {T} tokens exceeds the context length {self.config.context_length}")
+
+    @staticmethod
+    def run_blocks(x: torch.Tensor, blocks, attention_mask: torch.Tensor | None, return_attention: bool = False
+                   ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """(B, T, C) through `blocks`, and their (B, H, T, T) maps if asked."""
         key_mask = padding_mask(attention_mask)  # (B, 1, 1, T) or None
         attentions = [] if return_attention else None
-        for block in self.blocks:
+        for block in blocks:
             x, probs, _ = block(x, mask=key_mask, return_attention=return_attention)
             if return_attention:
                 if attention_mask is not None:  # padded query rows are not results
                     probs = probs * attention_mask.to(probs.dtype)[:, None, :, None]
                 attentions.append(probs)
-        return self.ln_f(x), attentions
+        return x, attentions
+
+    def classifier_hidden(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) -> (B, T, C): the states the classification head pools (through its own top
+        blocks when it has them)."""
+        k = len(self.classifier_blocks)
+        if not k:
+            return self.encode(ids, attention_mask)[0]
+        self.check_length(ids.shape[1])
+        x = self.embed(ids, norm=self.emb_norm)
+        x, _ = self.run_blocks(x, self.blocks[: len(self.blocks) - k], attention_mask)
+        x, _ = self.run_blocks(x, self.classifier_blocks, attention_mask)
+        return self.ln_f(x)
 
     # --- heads -----------------------------------------------------------------------
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -160,6 +185,10 @@ class Encoder(Embeddings, nn.Module):
         """
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        if task == "classify" and len(self.classifier_blocks):  # the maps asked are the shared model's
+            attentions = self.encode(ids, attention_mask, True)[1] if return_attention else None
+            return EncoderOutput(self.classify_logits(self.classifier_hidden(ids, attention_mask), attention_mask),
+                                 attentions)
         hidden, attentions = self.encode(ids, attention_mask, return_attention)
         if task == "mlm":
             logits = self.mlm_logits(hidden if positions is None else hidden[positions])

@@ -52,6 +52,8 @@ _GLOBAL = [
     ("pos_emb.weight", "bert.embeddings.position_embeddings.weight"),
     ("emb_norm.weight", "bert.embeddings.LayerNorm.weight"),
     ("emb_norm.bias", "bert.embeddings.LayerNorm.bias"),
+]
+_MLM_HEAD = [  # BertForMaskedLM's; a BertModel (e.g. a sentence-transformers model) has none
     ("mlm_dense.weight", "cls.predictions.transform.dense.weight"),
     ("mlm_dense.bias", "cls.predictions.transform.dense.bias"),
     ("mlm_norm.weight", "cls.predictions.transform.LayerNorm.weight"),
@@ -60,9 +62,9 @@ _GLOBAL = [
 ]
 
 
-def name_pairs(n_layers: int) -> list[tuple[str, str]]:
+def name_pairs(n_layers: int, mlm_head: bool = True) -> list[tuple[str, str]]:
     """(our name, BERT name) for every tensor that copies unchanged."""
-    pairs = list(_GLOBAL)
+    pairs = _GLOBAL + (_MLM_HEAD if mlm_head else [])
     for i in range(n_layers):
         for ours, theirs in _PER_LAYER:
             for suffix in ("weight", "bias"):
@@ -170,10 +172,18 @@ def config_from_bert(data: dict[str, Any], path: Path) -> ModelConfig:
         raise CheckpointError(f"{path}: invalid BERT config ({e})") from e
 
 
+def has_mlm_head(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether the weights hold BertForMaskedLM's head (a BertModel's do not)."""
+    return any(k.startswith("cls.predictions.") for k in tensors)
+
+
 def state_from_bert(tensors: dict[str, torch.Tensor], config: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+    """Our tensors from BERT's; without a masked-LM head (config.mlm_head False) its tensors are
+    left out, for the model's own initialisation."""
     # some checkpoints store names without the "bert." prefix
     t = {(k if k.startswith(("bert.", "cls.")) else "bert." + k): v for k, v in tensors.items()}
-    need = [theirs for _, theirs in name_pairs(config.n_layers)]
+    pairs = name_pairs(config.n_layers, config.mlm_head)
+    need = [theirs for _, theirs in pairs]
     need.append("bert.embeddings.token_type_embeddings.weight")
     for i in range(config.n_layers):
         for part in ("query", "key", "value"):
@@ -182,7 +192,7 @@ def state_from_bert(tensors: dict[str, torch.Tensor], config: ModelConfig, path:
     missing = [n for n in need if n not in t]
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:8])}")
-    state = {mine: t[theirs].float() for mine, theirs in name_pairs(config.n_layers)}
+    state = {mine: t[theirs].float() for mine, theirs in pairs}
     # every input here has token_type 0: its embedding row is a constant added to each position
     state["pos_emb.weight"] = state["pos_emb.weight"] + t["bert.embeddings.token_type_embeddings.weight"][0].float()
     for i in range(config.n_layers):
@@ -212,11 +222,14 @@ def read_bert_tokenizer(src: Path) -> Tokenizer:
 
 
 def import_bert(src_dir: str | Path, out_dir: str | Path) -> Path:
-    """Convert the BertForMaskedLM directory `src_dir` into an attnlens encoder checkpoint."""
+    """Convert the BertForMaskedLM (or BertModel) directory `src_dir` into an attnlens encoder
+    checkpoint. A BertModel has no masked-LM head: the checkpoint then says so (config.mlm_head
+    False) and its head keeps the model's initialisation until one is trained."""
     src = Path(src_dir)
     data, config_path = read_hf_config(src)
     config = config_from_bert(data, config_path)
     tensors, weights_path = read_hf_weights(src)  # the same file layouts as any HF model
+    config.mlm_head = has_mlm_head(tensors)
     state = state_from_bert(tensors, config, weights_path)
     tokenizer = read_bert_tokenizer(src)
     if tokenizer.vocab_size > config.vocab_size:
@@ -227,7 +240,8 @@ def import_bert(src_dir: str | Path, out_dir: str | Path) -> Path:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a shape that config.json does not imply
         raise CheckpointError(f"{weights_path}: tensors do not match config.json ({e})") from e
-    if result.unexpected_keys or result.missing_keys:
+    untrained = {mine for mine, _ in _MLM_HEAD} if not config.mlm_head else set()
+    if result.unexpected_keys or set(result.missing_keys) - untrained:
         raise CheckpointError(f"{weights_path}: tensors do not match config.json ({result})")
     save_checkpoint(out_dir, model, tokenizer)
     return Path(out_dir)

