@@ -71,7 +71,8 @@ class ModelSummary(BaseModel):
         description="the family's attention kind: causal (a decoder), bidirectional (an encoder), or "
         "encoder-decoder (bidirectional encoder, causal decoder, and cross-attention from the target to the source)")
     labels: list[str] | None = Field(None, description="a classifier's labels, in the head's order")
-    pooling: str | None = Field(None, description="how the classification head pools the positions")
+    pooling: str | None = Field(None, description="how the classification head and the embeddings "
+                                                        "(/v1/embeddings) pool the positions: mean or cls")
     state: Literal["starting", "running", "restarting", "failed", "stopped"] = Field(
         "running", description="its engine's state: a model that is not running answers 503 for now "
                                "(restarting) or for good (failed)")

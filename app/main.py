@@ -45,7 +45,7 @@ from .metrics import Metrics, MetricsMiddleware
 from .stream_events import events
 from .encoder_tasks import classify_or_fill_warm_up
 from .registry import CLASSIFY, FILL_MASK, ModelRegistry, ModelRunner, ServedModel, model_name, tasks_of
-from .routers import attention, chat, encoder, explain, generate, openai, ops, ui
+from .routers import attention, chat, embeddings, encoder, explain, generate, openai, ops, ui
 from .schemas import StreamDone, StreamError, StreamToken
 from .settings import Settings, default_switch_interval_ms
 from .shutdown import DrainMiddleware
@@ -211,7 +211,7 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
                                   preloaded=dict(preloaded or {}))
     install_error_handlers(app)
     install_docs(app)
-    for module in (generate, attention, explain, encoder, openai, chat, ops, ui):
+    for module in (generate, attention, explain, encoder, openai, chat, embeddings, ops, ui):
         app.include_router(module.router)
     add_stream_schemas(app)
     app.include_router(heads_router.router)

@@ -1,6 +1,6 @@
 """Bodies of the OpenAI-compatible API: what completions and chat share (SamplingRequest), the legacy
-completions (/v1/completions), the model list (/v1/models) and the error shape. Chat's own bodies
-are in chat_schemas.py."""
+completions (/v1/completions), the embeddings (/v1/embeddings), the model list (/v1/models) and the
+error shape. Chat's own bodies are in chat_schemas.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .schemas import ModelName, Stop, Text, count_stops, stop_list
+from .schemas import ModelName, NonEmptyText, Stop, Text, count_stops, stop_list
 
 TokenIds = list[int]
 Prompt = Text | list[Text] | TokenIds | list[TokenIds]
@@ -157,6 +157,65 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --- /v1/embeddings ------------------------------------------------------------
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings request. Every field of OpenAI's API is declared; unknown fields are a
+    422, and types are strict, as on the other /v1 routes."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: ModelName | None = Field(None, description="an encoder's id (GET /models lists `embeddings` in its tasks); "
+                                                      "default: the default model if it is an encoder, else the one "
+                                                      "loaded encoder")
+    input: NonEmptyText | list[NonEmptyText] | TokenIds | list[TokenIds] = Field(description=(
+        "a string or a list of strings (each embedded on its own, at most ATTNLENS_MAX_EMBEDDING_INPUTS); token ids "
+        "are refused (400): the server's models use their own tokenizers, so send the text"))
+    encoding_format: Literal["float", "base64"] = Field("float", description=(
+        "float: each embedding a list of numbers; base64: the little-endian float32 bytes, base64-encoded"))
+    dimensions: int | None = Field(None, ge=1, description="only the model's own width (d_model) is accepted: "
+                                                           "an encoder's embeddings cannot be shortened")
+    user: Text | None = Field(None, description="accepted, not used")
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("input must not be an empty list")
+        return v
+
+    @property
+    def texts(self) -> list[str] | None:
+        """The texts to embed, in order; None when the input is token ids."""
+        v = self.input
+        if isinstance(v, str):
+            return [v]
+        return v if all(isinstance(x, str) for x in v) else None
+
+    @property
+    def many(self) -> bool:
+        """A list of inputs (each one's errors name it as input.{index}), not one string."""
+        return not isinstance(self.input, str)
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str = Field(description="the unit-length vector, or with encoding_format base64 its "
+                                                     "little-endian float32 bytes base64-encoded")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = Field(description="tokens the encoder read, [CLS] and [SEP] included")
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class OpenAIError(BaseModel):

@@ -26,9 +26,10 @@ from .memory import weight_bytes
 
 # Task names (a family declares which it has), as /models lists them and error messages name them.
 GENERATE, COMPLETIONS, CHAT, ATTENTION = "generate", "completions", "chat", "attention"
-FILL_MASK, CLASSIFY = "fill-mask", "classify"
+FILL_MASK, CLASSIFY, EMBEDDINGS = "fill-mask", "classify", "embeddings"
 TASK_ENDPOINTS = {GENERATE: "POST /generate", COMPLETIONS: "POST /v1/completions", CHAT: "POST /v1/chat/completions",
-                  ATTENTION: "POST /attention", FILL_MASK: "POST /fill-mask", CLASSIFY: "POST /classify"}
+                  ATTENTION: "POST /attention", FILL_MASK: "POST /fill-mask", CLASSIFY: "POST /classify",
+                  EMBEDDINGS: "POST /v1/embeddings"}
 
 
 def checkpoint_features(ckpt: Checkpoint) -> set[str]:

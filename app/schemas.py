@@ -19,6 +19,8 @@ def _utf8_text(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_utf8_text)]
 """A str that is valid Unicode (encodes to UTF-8): what every text field of a request is."""
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_utf8_text)]
+"""A Text that is not "" (e.g. one item of a list of texts)."""
 
 
 class Strict(BaseModel):

@@ -87,6 +87,7 @@ class Settings(BaseSettings):
     # packaged models served beside it (all-MiniLM-L6-v2) when no model is named.
     models: Annotated[list[Path], NoDecode] = []
     max_encoder_concurrent: int = Field(2, ge=1)  # encoder forwards at once, per encoder model
+    max_embedding_inputs: int = Field(256, ge=1)  # texts in one /v1/embeddings request's `input`
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     host: str = "127.0.0.1"

@@ -24,10 +24,10 @@ __version__ = "0.1.0"
 # attnlens.model, never pay for httpx or the client.
 _EXPORTS = {
     "ablation": ("Ablation", "format_ablation", "parse_ablation"),
-    "answers": ("Attention", "AttentionGroup", "Classification", "FillMask", "FillMaskCandidate", "GeneratedToken",
-                "Generation", "GroupSpec", "HeadAtlas", "HeadExplanation", "HeadGroupScores", "LabelScore",
-                "LensAnswer", "LogitsAnswer", "LogitsEffect", "ModelSummary", "PositionLogits", "RankedHead",
-                "Recomputed", "StreamDone", "Token", "TokenProb"),
+    "answers": ("Attention", "AttentionGroup", "Classification", "Embeddings", "FillMask", "FillMaskCandidate",
+                "GeneratedToken", "Generation", "GroupSpec", "HeadAtlas", "HeadExplanation", "HeadGroupScores",
+                "LabelScore", "LensAnswer", "LogitsAnswer", "LogitsEffect", "ModelSummary", "PositionLogits",
+                "RankedHead", "Recomputed", "StreamDone", "Token", "TokenProb"),
     "client": ("AsyncClient", "Client", "TokenStream"),
     "errors": ("APIConnectionError", "APIError", "AttnlensError", "AuthenticationError", "BadRequestError",
                "InternalServerError", "NotFoundError", "PayloadTooLargeError", "RateLimitError", "RequestTimeoutError",

@@ -7,6 +7,7 @@ decoded from whichever format and packing the server sent.
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -376,6 +377,28 @@ class Classification:
     def label(self) -> str:
         """The most probable label."""
         return self.labels[0].label
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """A /v1/embeddings answer: one unit-length sentence embedding per input, in input order."""
+
+    model: str
+    vectors: np.ndarray  # (inputs, width) float32, each row of norm 1
+    prompt_tokens: int  # tokens the encoder read, [CLS] and [SEP] included
+
+    @classmethod
+    def from_json(cls, body: dict) -> Embeddings:
+        rows = sorted(body["data"], key=lambda d: d["index"])
+        vectors = np.stack([_embedding(d["embedding"]) for d in rows]) if rows else np.zeros((0, 0), np.float32)
+        return cls(body["model"], vectors, int(body["usage"]["prompt_tokens"]))
+
+
+def _embedding(value: list[float] | str) -> np.ndarray:
+    """One embedding as OpenAI sends it: a list of numbers, or base64 of little-endian float32 bytes."""
+    if isinstance(value, str):
+        return np.frombuffer(base64.b64decode(value), dtype="<f4").astype(np.float32)
+    return np.asarray(value, dtype=np.float32)
 
 
 # --- /heads: the head atlas ------------------------------------------------------------------

@@ -10,7 +10,7 @@
 Every endpoint is written once, as a generator of requests (`_Call`s) that receives each answer's
 JSON and returns the typed answer; Client drives it with blocking httpx calls, AsyncClient with
 awaited ones, so both have the same methods (AsyncClient's are awaited): models, attention,
-generate, stream, fill_mask, classify, and the explain routes heads (HeadAtlas), logits
+generate, stream, fill_mask, classify, embeddings, and the explain routes heads (HeadAtlas), logits
 (LogitsAnswer), lens (LensAnswer) and explain (HeadExplanation). Errors are exceptions
 carrying the server's status, message, `param`, `code` and Retry-After (attnlens.errors).
 """
@@ -30,6 +30,7 @@ from .ablation import AblateSpec, ablate_body
 from .answers import (
     Attention,
     Classification,
+    Embeddings,
     FillMask,
     GeneratedToken,
     Generation,
@@ -222,6 +223,13 @@ class _Endpoints:
     def classify(self, text: str, *, model: str | None = None):
         """POST /classify (an encoder with labels): every label's probability -> Classification."""
         return self._drive(self._classify(text, model))
+
+    def embeddings(self, input: str | Iterable[str], *, model: str | None = None):
+        """POST /v1/embeddings (an encoder): each text's unit-length sentence embedding ->
+        Embeddings, `.vectors` a (texts, width) float32 array (one row for one string)."""
+        texts = input if isinstance(input, str) else list(input)
+        body = _given(model=model, input=texts, encoding_format="base64")
+        return self._drive(self._post("/v1/embeddings", body, Embeddings))
 
     # --- the explain routes: which heads do what, and whether they matter ------------------------
     def heads(self, text: str | None = None, *, ids: list[int] | None = None, probe: Probe = None,

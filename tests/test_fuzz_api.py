@@ -45,7 +45,7 @@ def operations(fuzz_server):
 
 
 POSTS = ["POST /generate", "POST /attention", "POST /v1/completions", "POST /v1/chat/completions", "POST /fill-mask",
-         "POST /classify", "POST /logits", "POST /lens", "POST /attention/explain"]
+         "POST /classify", "POST /logits", "POST /lens", "POST /attention/explain", "POST /v1/embeddings"]
 GETS = ["GET /v1/models", "GET /v1/models/{model}", "GET /models", "GET /model", "GET /healthz", "GET /readyz",
         "GET /metrics"]  # no inputs: no invalid ones
 POSTS.append("POST /heads")  # the head atlas (app/routers/heads.py)

@@ -64,10 +64,10 @@ def test_models_lists_every_model_with_family_tasks_and_labels(client, tiny_chec
     assert dec["family"] == "decoder" and dec["default"] and dec["attention"] == "causal"
     assert set(dec["tasks"]) == {"generate", "completions", "attention"} and dec["labels"] is None
     assert genre["family"] == "encoder" and genre["attention"] == "bidirectional"
-    assert genre["tasks"] == ["fill-mask", "classify", "attention"]
+    assert genre["tasks"] == ["fill-mask", "classify", "attention", "embeddings"]
     assert genre["labels"] == ["comedy", "history", "tragedy"] and genre["pooling"] == "mean"
     assert (genre["n_layers"], genre["n_heads"], genre["context_length"]) == (2, 4, 64)
-    assert bare["tasks"] == ["fill-mask", "attention"] and bare["labels"] is None
+    assert bare["tasks"] == ["fill-mask", "attention", "embeddings"] and bare["labels"] is None
     # /v1/models: only the models that generate
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [tiny_checkpoint.name]
 

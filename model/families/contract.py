@@ -85,7 +85,7 @@ class LensSpec:
 
 @dataclass(frozen=True)
 class TaskSpec:
-    name: str  # generate, completions, chat, attention, fill-mask, classify
+    name: str  # generate, completions, chat, attention, fill-mask, classify, embeddings
     needs: str | None = None  # a feature the checkpoint must have: "labels", "chat_template"
 
 

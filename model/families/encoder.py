@@ -6,6 +6,7 @@ Shapes: B = batch, T = positions, C = d_model, H = heads, V = vocab, L = labels.
                -> [final norm if pre-LN] -> hidden (B, T, C)
     hidden -> MLM head: Linear(C, C) -> activation -> LayerNorm -> tied embedding^T + bias -> (B, T, V)
     hidden -> pool -> classification head: Linear(C, C) -> tanh -> Linear(C, L) -> (B, L)
+    hidden -> pool -> L2 normalise -> sentence embeddings (B, C) (sentence_embeddings, /v1/embeddings)
 
 With config.classifier_layers = k > 0 the classification head has its own k blocks, copies of
 the top k fine-tuned for it (all-MiniLM-L6-v2's genre head): classify reads the state after the
@@ -54,7 +55,8 @@ FAMILY = Family(
     name="encoder",
     description="an encoder-only model (BERT): bidirectional self-attention, a masked-LM head and, "
                 "with labels, a classification head",
-    tasks=(TaskSpec("fill-mask", needs="mlm_head"), TaskSpec("classify", needs="labels"), TaskSpec("attention")),
+    tasks=(TaskSpec("fill-mask", needs="mlm_head"), TaskSpec("classify", needs="labels"), TaskSpec("attention"),
+           TaskSpec("embeddings")),
     groups=(AttentionGroup("self", "tokens", "tokens", causal=False,
                            description="bidirectional self-attention: every token over every other"),),
     attention_kind="bidirectional",
@@ -162,6 +164,15 @@ class Encoder(Embeddings, nn.Module):
             return hidden.mean(dim=1)
         w = attention_mask.to(hidden.dtype).unsqueeze(-1)  # (B, T, 1)
         return (hidden * w).sum(dim=1) / w.sum(dim=1).clamp(min=1.0)
+
+    def sentence_embeddings(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) framed ids, right-padded, and their (B, T) 1/0 real-token mask -> (B, C) float32
+        embeddings of unit length: the hidden states pooled as config.pooling says (the mean over
+        real positions, [CLS] and [SEP] included, or the [CLS] position), then L2-normalised, as a
+        sentence-transformers model's Pooling and Normalize modules do. Padding changes nothing."""
+        hidden, _ = self.encode(ids, attention_mask)  # (B, T, C)
+        pooled = self.pool(hidden.float(), attention_mask)  # (B, C), in float32 whatever the weights' dtype
+        return F.normalize(pooled, p=2.0, dim=-1)  # (B, C), each row's norm 1
 
     def classify_logits(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.classifier is None:

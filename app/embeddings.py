@@ -1,0 +1,151 @@
+"""Serving OpenAI's embeddings: POST /v1/embeddings, for every encoder (a family that declares the
+`embeddings` task: model/families/encoder.py).
+
+Each text is framed as the encoder reads a text elsewhere ([CLS] text [SEP], as /classify and
+/fill-mask frame it) and the model's sentence embedding is its hidden states pooled as its config
+says (`pooling` "mean": over the real positions, [CLS] and [SEP] included; "cls": the first
+position), then L2-normalised: what a sentence-transformers model's Transformer, Pooling and
+Normalize modules give (Encoder.sentence_embeddings). The texts are checked (their count, then
+each one's bytes), tokenised together off the event loop, checked against the context (an
+over-long text is a 400 naming its index, as OpenAI refuses one; nothing is truncated), then run
+on the model's runner (ATTNLENS_MAX_ENCODER_CONCURRENT forwards at once) in right-padded
+batches of similar lengths, each with its attention mask, so padding never changes a vector.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import torch
+
+from attnlens.model import Checkpoint
+
+from .engine import progress
+from .errors import ApiError
+from .openai_schemas import EmbeddingRequest
+from .prompts import check_text_bytes, tokenize_texts
+from .registry import EMBEDDINGS, ServedModel, lookup
+from .state import AppState
+
+MAX_BATCH_TOKENS = 8192  # padded positions in one forward (at least one input a forward, whatever its length)
+
+
+def encoders(state: AppState) -> list[str]:
+    return [m.name for m in state.registry.models.values() if EMBEDDINGS in m.tasks]
+
+
+def embedding_model(state: AppState, name: str | None) -> ServedModel:
+    """The encoder a request names; with no name, the default model, or else the one loaded
+    encoder. An unknown name is OpenAI's 404 and a model that is no encoder a 400, both naming
+    the encoders served here."""
+    try:
+        return lookup(state, name, EMBEDDINGS)  # 503 until ready
+    except ApiError as e:
+        if e.code not in ("model_not_found", "unsupported_task"):
+            raise
+        able = encoders(state)
+        listed = f"the encoders served here are: {', '.join(able)}" if able else "no encoder is served here"
+        if e.code == "model_not_found":
+            raise ApiError(404, f"the model {name!r} does not exist; {listed}", param="model",
+                           code="model_not_found") from None
+        served = state.registry.models[name or state.registry.default]
+        which = "" if name else "the default "
+        raise ApiError(400, f"embeddings need an encoder: {which}{served.describe()} is not one; {listed} "
+                            f"(name one in `model`)", param="model", code="unsupported_task") from None
+
+
+def check_request(body: EmbeddingRequest, served: ServedModel, max_inputs: int) -> list[str]:
+    """The texts to embed, once the request's options and count are ones this server can answer."""
+    width = served.checkpoint.config.d_model
+    if body.dimensions is not None and body.dimensions != width:
+        raise ApiError(400, f"dimensions is {body.dimensions}, but {served.describe()} gives {width}-dimensional "
+                            f"embeddings and cannot shorten them: leave dimensions out or set it to {width}",
+                       param="dimensions", code="invalid_value")
+    texts = body.texts
+    if texts is None:
+        raise ApiError(400, "input as token ids is not supported: each model here reads its own tokenizer's "
+                            "ids, which a client's tokenizer (e.g. tiktoken) does not give; send the text "
+                            "(LangChain's OpenAIEmbeddings: check_embedding_ctx_length=False)",
+                       param="input", code="unsupported")
+    if len(texts) > max_inputs:
+        raise ApiError(400, f"input holds {len(texts)} texts, more than the limit of {max_inputs} in one request "
+                            "(ATTNLENS_MAX_EMBEDDING_INPUTS): send them in several requests",
+                       param="input", code="too_many_inputs")
+    return texts
+
+
+async def framed_inputs(body: EmbeddingRequest, served: ServedModel, texts: list[str]) -> list[list[int]]:
+    """[CLS] + tokens + [SEP] of each text: every text checked by its bytes first, then all
+    tokenised together off the event loop, then each checked against the model's context."""
+    ckpt = served.checkpoint
+    tok, context = ckpt.tokenizer, ckpt.config.context_length
+    limit = context - 2
+    fields = [f"input.{i}" if body.many else "input" for i in range(len(texts))]
+    where = f"the context of {context} tokens of {served.describe()}, with [CLS] and [SEP]"
+    for field, text in zip(fields, texts):
+        check_text_bytes(tok, text, limit, field=field, limit_name=where)
+    rows = await tokenize_texts(tok, texts)
+    for field, ids in zip(fields, rows):
+        if len(ids) > limit:
+            raise ApiError(400, f"{field} has {len(ids)} tokens, more than the {limit} that fit in {where}; "
+                                "send a shorter text (nothing is truncated)",
+                           param=field, code="context_length_exceeded")
+    return [[tok.cls_id, *ids, tok.sep_id] for ids in rows]
+
+
+def length_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices of the inputs in batches of similar lengths (longest first), each at most
+    `max_tokens` padded positions (rows x its longest) unless one input alone is longer."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids (B, T) and the real-token mask (B, T) of `rows`."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for j, row in enumerate(rows):
+        ids[j, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[j, : len(row)] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def embed_rows(ckpt: Checkpoint, rows: list[list[int]], max_tokens: int = MAX_BATCH_TOKENS) -> np.ndarray:
+    """(N, C) float32 unit vectors of the framed `rows`, in their order (on the runner's thread)."""
+    model, tok = ckpt.model, ckpt.tokenizer
+    device = model.tok_emb.weight.device
+    pad = tok.pad_id if tok.pad_id is not None else 0  # padded positions are masked: any id will do
+    out = np.empty((len(rows), ckpt.config.d_model), dtype=np.float32)
+    for batch in length_batches([len(r) for r in rows], max_tokens):
+        progress.report()  # a caller that went away stops here
+        ids, mask = padded([rows[i] for i in batch], pad, device)
+        out[batch] = model.sentence_embeddings(ids, mask).cpu().numpy()  # (b, C)
+    return out
+
+
+def encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+    """One embedding as OpenAI sends it: a list of numbers, or base64 of its little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+async def create_embeddings(body: EmbeddingRequest, state: AppState) -> dict:
+    """OpenAI's embedding list for the request: one unit vector per input, in input order."""
+    served = embedding_model(state, body.model)
+    texts = check_request(body, served, state.settings.max_embedding_inputs)
+    rows = await framed_inputs(body, served, texts)
+    vectors = await served.runner.call(lambda ckpt: embed_rows(ckpt, rows))
+    tokens = sum(map(len, rows))
+    return {"object": "list", "model": served.name,
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(v, body.encoding_format)}
+                     for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
