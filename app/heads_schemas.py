@@ -45,7 +45,8 @@ class HeadScores(BaseModel):
     scores: dict[str, float | None] = Field(description="score name -> value (null: undefined for this input, "
                                             "e.g. a one-token sequence has no query rows 1..T-1)")
     role: str = Field(description="previous_token | next_token | duplicate_token | induction | first_token | self | "
-                                  "broad | alignment | mixed (nothing over its threshold)")
+                                  "broad | alignment | cls | sep | punctuation (an encoder's: Clark et al.'s scores) | "
+                                  "mixed (nothing over its threshold)")
     role_score: float | None = Field(description="the score the role was given for (see definitions.role)")
 
 
@@ -81,3 +82,6 @@ class HeadsResponse(BaseModel):
     definitions: dict[str, str] = Field(description="score name (and 'role') -> one line; where the family's "
                                                     "groups define a score differently, each group's is named")
     notes: list[str] = Field(default_factory=list, description="how the input was built (the probe's framing)")
+    clark_sentences: list[str] | None = Field(None, description="an encoder: the fixed English sentences its "
+                                              "clark_* scores (Clark et al. 2019) average over, each framed "
+                                              "[CLS] sentence [SEP]; the same whatever the input")

@@ -472,6 +472,7 @@ class HeadAtlas:
     generated_target: bool | None = None
     probe: dict | None = None  # {"kind", "length", "seed"} when the probe was scored
     notes: list[str] = field(default_factory=list)
+    clark_sentences: list[str] | None = None  # an encoder: the sentences its clark_* scores average over
 
     @classmethod
     def from_json(cls, body: dict) -> HeadAtlas:
@@ -481,7 +482,7 @@ class HeadAtlas:
         groups = [HeadGroupScores.from_json(g, along) for g in body["groups"]]
         return cls(body["model"], body["family"], tokens, {g.name: g for g in groups}, dict(body["thresholds"]),
                    dict(body["definitions"]), target, body.get("generated_target"), body.get("probe"),
-                   list(body.get("notes", [])))
+                   list(body.get("notes", [])), body.get("clark_sentences"))
 
     @property
     def first(self) -> HeadGroupScores:

@@ -19,6 +19,13 @@ the number of keys it can see), mean_distance (sum_j p_j |i - j|, in tokens). A 
 (target rows over source columns) scores every row: first_token, entropy, and alignment (the
 attention within one source token of the row's proportional diagonal position).
 
+Clark et al. 2019 ("What Does BERT Look At?", section 3) measure an encoder's heads on real
+text, not on a probe: each head's attention to [CLS], to [SEP], to punctuation, to the previous
+and to the next token, and its rows' entropy in nats, each the mean over every query row (all T
+tokens) of one text, then over the texts. `clark_text_scores` scores one text's maps,
+`mean_over_texts` averages them; CLARK_SENTENCES are the fixed English sentences the service's
+atlas uses (`framed_sentences` frames them as an encoder frames a text, [CLS] text [SEP]).
+
 Roles: each candidate score over its threshold; the one furthest over (score / threshold)
 wins; none over -> "mixed". See ROLE_THRESHOLDS and `roles`.
 """
@@ -26,6 +33,7 @@ wins; none over -> "mixed". See ROLE_THRESHOLDS and `roles`.
 from __future__ import annotations
 
 import math
+import unicodedata
 
 import torch
 
@@ -45,6 +53,45 @@ def repeated_random_tokens(tokenizer, n: int, length: int, seed: int) -> torch.T
     draws = ordinary[torch.randint(0, len(ordinary), (n, length), generator=g)]
     bos = torch.full((n, 1), tokenizer.eos_id, dtype=torch.long)
     return torch.cat([bos, draws, draws], dim=1)
+
+
+# --- inputs: real English sentences (Clark et al.'s measures) ----------------------------------
+
+# short, ordinary modern sentences with the usual punctuation (commas, full stops, a question
+# mark, a semicolon, an apostrophe); the last holds two sentences, so a full stop falls mid-text
+CLARK_SENTENCES = (
+    "The bus was late again, so we walked to work.",
+    "She opened the window, and cold air filled the room.",
+    "After lunch, the team met to plan the next release.",
+    "My brother lives in Chicago; he works at a small bakery.",
+    "Can you send me Anna's report before Friday?",
+    "The museum is closed on Mondays, but the park is open.",
+    "We bought apples, bread, and milk at the corner store.",
+    "It rained all night. By morning, the streets were flooded.",
+)
+
+
+def framed_sentences(tokenizer, context_length: int, sentences=CLARK_SENTENCES) -> list[list[int]]:
+    """Each sentence as an encoder frames a text: [CLS] + its tokens + [SEP] (one segment; a
+    sentence too long for the context keeps its first context_length - 2 tokens)."""
+    keep = max(0, context_length - 2)
+    return [[tokenizer.cls_id, *tokenizer.encode(s)[:keep], tokenizer.sep_id] for s in sentences]
+
+
+def is_punctuation(text: str) -> bool:
+    """Whether a token's text, whitespace taken off, is non-empty and only Unicode punctuation
+    (every character in a category P*: Pc Pd Ps Pe Pi Pf Po)."""
+    text = text.strip()
+    return bool(text) and all(unicodedata.category(c).startswith("P") for c in text)
+
+
+def punctuation_mask(tokenizer, ids: list[int]) -> list[bool]:
+    """(T,) whether each token is punctuation: no special token, and its text (the tokenizer's
+    token string as text: a byte-level token's bytes, a WordPiece token without its "##")
+    `is_punctuation`."""
+    special = tokenizer.special_ids
+    return [i not in special and is_punctuation(tokenizer.token_bytes(i).decode("utf-8", errors="replace"))
+            for i in ids]
 
 
 # --- TransformerLens's detection patterns (head_detector.py) ----------------------------------
@@ -155,6 +202,33 @@ def self_group_scores(maps: torch.Tensor, tokens: torch.Tensor, causal: bool) ->
     return scores
 
 
+def key_attention(maps: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """(..., T, T) maps and (T,) bool marks on the keys -> (...): the attention each query row
+    gives the marked keys (summed over them), averaged over every query row (0: none marked)."""
+    return maps[..., keys.to(maps.device)].sum(-1).mean(-1)
+
+
+def clark_text_scores(maps: torch.Tensor, tokens: torch.Tensor, cls_id: int, sep_id: int,
+                      punctuation: torch.Tensor) -> dict[str, torch.Tensor]:
+    """(L, H, T, T) maps of one real text over `tokens` (T,) ([CLS] ... [SEP]), with (T,) bool
+    `punctuation` marks -> Clark et al.'s scores -> (L, H): each the mean over every query row
+    (all T tokens, [CLS] and [SEP] rows included). clark_previous / clark_next are previous_token /
+    next_token's measure (sum(map * pattern) / sum(map), the same thing: rows sum to 1)."""
+    maps = maps.float()
+    neighbours = pattern_scores(maps, {"clark_previous": previous_token_pattern(tokens),
+                                       "clark_next": next_token_pattern(tokens)})
+    return {"clark_cls": key_attention(maps, tokens == cls_id),
+            "clark_sep": key_attention(maps, tokens == sep_id),
+            "clark_punctuation": key_attention(maps, punctuation.bool()),
+            **neighbours,
+            "clark_entropy": row_entropy(maps).mean(-1)}  # nats
+
+
+def mean_over_texts(per_text: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """[score -> (L, H)] of each text -> score -> (L, H): the mean over the texts."""
+    return {name: torch.stack([s[name] for s in per_text]).mean(0) for name in per_text[0]}
+
+
 def diagonal_positions(n_rows: int, n_columns: int) -> torch.Tensor:
     """(n_rows,) the source position round(t (S-1) / (T-1)) of each target row t (0 if T == 1)."""
     if n_rows == 1:
@@ -208,22 +282,47 @@ CROSS_DEFINITIONS = {
     "entropy": "mean over target rows of the row's entropy divided by log(S): 0 = one source token, 1 = uniform",
 }
 
+CLARK = ("Clark et al. 2019 ('What Does BERT Look At?'), on fixed English sentences (clark_sentences), not on "
+         "the input: each framed [CLS] sentence [SEP]; the mean over every query row (all T tokens, [CLS] and "
+         "[SEP] included), then over the sentences, of")
+CLARK_DEFINITIONS = {
+    "clark_cls": f"{CLARK} the attention given to [CLS]",
+    "clark_sep": f"{CLARK} the attention given to [SEP] tokens (summed over them)",
+    "clark_punctuation": f"{CLARK} the attention given to punctuation tokens (summed over them): tokens, no special "
+                         "one, whose text (whitespace and a WordPiece '##' taken off) is only Unicode punctuation "
+                         "(categories P*: . , ; ? ' and the like)",
+    "clark_previous": f"{CLARK} the attention of query i to key i-1 (row 0 gives 0): previous_token's measure",
+    "clark_next": f"{CLARK} the attention of query i to key i+1 (the last row gives 0): next_token's measure",
+    "clark_entropy": f"{CLARK} the row's entropy in nats, -sum p ln p (0: one key; ln T: uniform over T keys; "
+                     "Clark smooths p first, here 0 ln 0 = 0): low = focused, high = broad",
+}
 
-def definitions(kind: str) -> dict[str, str]:
+
+def definitions(kind: str, clark: bool = False) -> dict[str, str]:
     """The one-line definition of each score a group of this kind ("causal" | "bidirectional" |
-    "cross") carries."""
+    "cross") carries; `clark`: with Clark et al.'s real-text scores (an encoder's self group)."""
     if kind == "cross":
         return dict(CROSS_DEFINITIONS)
-    return {**(CAUSAL_DEFINITIONS if kind == "causal" else BIDIRECTIONAL_DEFINITIONS), **SHAPE_DEFINITIONS}
+    out = {**(CAUSAL_DEFINITIONS if kind == "causal" else BIDIRECTIONAL_DEFINITIONS), **SHAPE_DEFINITIONS}
+    return {**out, **CLARK_DEFINITIONS} if clark else out
 
 
 # role -> (the score it reads, its threshold)
+# (cls, sep, punctuation: an encoder's, from Clark et al.'s scores on the fixed sentences)
 ROLE_THRESHOLDS = {"previous_token": 0.3, "next_token": 0.3, "duplicate_token": 0.2, "induction": 0.2,
-                   "first_token": 0.5, "self": 0.4, "broad": 0.85, "alignment": 0.5}
-ROLE_SCORE = {"broad": "entropy"}  # every other role reads the score of its own name
+                   "first_token": 0.5, "self": 0.4, "broad": 0.85, "alignment": 0.5,
+                   "cls": 0.5, "sep": 0.5, "punctuation": 0.3}
+# every other role reads the score of its own name
+ROLE_SCORE = {"broad": "entropy", "cls": "clark_cls", "sep": "clark_sep", "punctuation": "clark_punctuation"}
 ROLE_DEFINITION = ("a head's role is the candidate whose score is furthest over its threshold (largest "
                    "score / threshold); role_score is that score; 'broad' reads entropy; with none over, the "
                    "role is 'mixed' and role_score the score nearest its threshold (largest score / threshold)")
+CLARK_ROLE_DEFINITION = ("; 'cls', 'sep' and 'punctuation' (attends to [CLS], to [SEP], to punctuation) read "
+                         "clark_cls, clark_sep and clark_punctuation, Clark et al.'s scores on the fixed sentences")
+
+
+def role_definition(clark: bool = False) -> str:
+    return ROLE_DEFINITION + (CLARK_ROLE_DEFINITION if clark else "")
 
 
 def roles(scores: dict[str, float | None], thresholds: dict[str, float] = ROLE_THRESHOLDS) -> tuple[str, float | None]:

@@ -71,6 +71,7 @@ def assert_atlas_is(atlas: attnlens.HeadAtlas, body: dict) -> None:
         np.testing.assert_array_equal(got.role_scores,
                                       numbers([h["role_score"] for row in g["heads"] for h in row]).reshape(L, H))
     assert atlas.scores is atlas.groups[body["groups"][0]["name"]].scores
+    assert atlas.clark_sentences == body.get("clark_sentences")  # an encoder's: Clark et al.'s sentences
 
 
 def test_heads_is_the_routes_json_and_top_ranks_it(sent, raw):

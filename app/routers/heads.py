@@ -12,8 +12,8 @@ from ..answers import off_loop
 from ..deps import get_state
 from ..encoder_tasks import TaskInputError, framed_ids
 from ..errors import ApiError, field_error
-from ..head_atlas import (DEFAULT_PROBE_LENGTH, atlas_answer, maps_bytes, max_probe_length, probe_ids,
-                          probe_overhead, score_heads)
+from ..head_atlas import (DEFAULT_PROBE_LENGTH, atlas_answer, clark_probe, maps_bytes, max_probe_length,
+                          probe_ids, probe_overhead, score_heads)
 from ..heads_schemas import HeadsRequest, HeadsResponse
 from ..prompts import check_text_bytes
 from ..registry import ATTENTION, ServedModel, lookup
@@ -77,7 +77,10 @@ async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
     induction are TransformerLens's head detector ("mul", no exclusions) on a causal group, their
     bidirectional analogues (and next_token) on an encoder's; every self group also has
     first_token, self, entropy and mean_distance; a cross group alignment, first_token and
-    entropy. `definitions` says each in one line and `thresholds` which score a role needed.
+    entropy. An encoder's heads also get Clark et al.'s (2019) scores, clark_cls, clark_sep,
+    clark_punctuation, clark_previous, clark_next and clark_entropy (nats), on fixed English
+    sentences (`clark_sentences`) whatever the input, and the roles cls, sep and punctuation.
+    `definitions` says each in one line and `thresholds` which score a role needed.
     The probe {"kind": "repeated_random", "length": n, "seed": s} is BOS + n random tokens + the
     same n, where an induction head shows (about 0.5 at most on a causal model).
     """
@@ -90,7 +93,10 @@ async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
     # the same budget (ATTNLENS_MAX_ANSWER_BYTES) while they are computed and scored
     lengths = {"tokens": len(ids), "source": len(ids),
                "target": cfg.context_length if target is None else len(target) + 1}
+    clark = await off_loop(clark_probe, family, tok, cfg.context_length)  # None: not an encoder
     need = maps_bytes(family, lengths, cfg.n_layers, cfg.n_heads)
+    if clark is not None:  # the sentences' maps come one at a time, after the input's go
+        need = max(need, clark.maps_bytes(family, cfg.n_layers, cfg.n_heads))
     if need > state.answers.limit:
         field = "probe.length" if probe is not None else "ids" if body.ids is not None else "text"
         raise ApiError(400, f"{field}: {len(ids)} tokens make {need / 1e6:.1f} MB of attention maps to score, more "
@@ -98,12 +104,12 @@ async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
                        param=field, code="answer_too_large")
     claim = await state.answers.claim(need, what="this input's attention maps")
     try:
-        result = await served.call_model(partial(score_heads, ids=ids, target_ids=target))
+        result = await served.call_model(partial(score_heads, ids=ids, target_ids=target, clark=clark))
     finally:
         await claim.release()
 
     def answer() -> bytes:  # on a worker thread: built, checked against the schema, encoded
-        fields = atlas_answer(family, result, tok, served.name, probe)
+        fields = atlas_answer(family, result, tok, served.name, probe, clark)
         return HeadsResponse.model_validate(fields).model_dump_json().encode()
 
     return Response(await off_loop(answer), media_type="application/json")

@@ -149,6 +149,45 @@ def test_atlas_of_the_encoder_and_of_the_translators_three_groups(page, bundled_
     assert "next token" in page.inner_text(".atlas-notes")  # the bidirectional analogue it names
 
 
+def test_the_atlas_ranks_the_heads_by_any_score_clarks_among_them(page, bundled_server):
+    need(bundled_server, "/heads")
+    analyse(page, bundled_server, PROMPT, model="encoder")
+    open_tab(page, "atlas")
+    want = api(bundled_server, "/heads", {"model": "encoder", "text": PROMPT})
+    if not want.get("clark_sentences"):
+        pytest.skip("the server does not give Clark et al.'s scores yet")
+    heads = [h for row in want["heads"] for h in row]
+    assert "attends to [SEP] ≥ 0.50" in page.inner_text(".atlas-legend")
+    page.click(".atlas-rank summary")
+    headers = page.eval_on_selector_all(".atlas-sort", "bs => bs.map(b => b.dataset.sort)")
+    assert headers == ["head", "role", "role_score", *want["heads"][0][0]["scores"]]
+    for name in ("clark_cls", "clark_sep", "clark_punctuation", "clark_previous", "clark_next", "clark_entropy"):
+        assert name in headers
+    text = page.inner_text(".atlas-table thead")
+    assert "Clark: to [SEP]" in text and "Clark: entropy (nats)" in text
+    order = lambda: page.eval_on_selector_all(".atlas-table tbody tr", "rs => rs.map(r => [+r.dataset.layer, +r.dataset.head])")
+    assert order() == [[h["layer"], h["head"]] for h in heads]  # layer and head order at first
+    for name in ("clark_sep", "clark_entropy", "previous_token"):
+        page.click(f'.atlas-sort[data-sort="{name}"]')  # highest first
+        by = sorted(heads, key=lambda h: (-h["scores"][name], h["layer"], h["head"]))
+        assert order() == [[h["layer"], h["head"]] for h in by], name
+        assert page.get_attribute(f'.atlas-table th:has(.atlas-sort[data-sort="{name}"])', "aria-sort") == "descending"
+        shown = page.eval_on_selector_all(f'.atlas-table tbody td[data-score="{name}"]', "ds => ds.map(d => d.textContent)")
+        assert shown[0] == f"{by[0]['scores'][name]:.2f}"
+    page.click('.atlas-sort[data-sort="previous_token"]')  # again: lowest first
+    by = sorted(heads, key=lambda h: (h["scores"]["previous_token"], h["layer"], h["head"]))
+    assert order() == [[h["layer"], h["head"]] for h in by]
+    screenshot(page, "explain-atlas-ranked.png")
+    # the definitions name Clark's sentences; a head's row opens it
+    page.click(".atlas-notes summary")
+    assert want["clark_sentences"][0] in page.inner_text(".atlas-notes")
+    first = by[0]
+    r = rendered(page)
+    page.click(f'.atlas-table tr[data-layer="{first["layer"]}"][data-head="{first["head"]}"] .atlas-open')
+    wait_rendered(page, r, prefix=f"head:{first['layer']}:{first['head']}:")
+    assert not page.console_log.errors
+
+
 # --- the logit lens -------------------------------------------------------------------------------
 @pytest.mark.parametrize("model, text", [("default", PROMPT), ("encoder", PROMPT), ("translator", SOURCE)])
 def test_lens_grid_shows_each_layers_top_token_and_marks_the_actual_one(page, bundled_server, model, text):

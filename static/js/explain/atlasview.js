@@ -3,6 +3,8 @@
 // opens the head in the view that draws its group; in "choose heads to ablate" mode (or with
 // Alt / Shift held) a click adds the head to the ablation instead. "Probe" scores the
 // repeated-random sequence (BOS, n random tokens, the same n again), where induction heads show.
+// "Rank the heads" lists one group's heads as a table, a column per score the server gives (an
+// encoder's Clark et al. scores among them), sorted by the column whose header is clicked.
 
 import { fetchHeads, probeFor } from "./api.js";
 import { isAblated, toggleAblation, formatAblation } from "./ablation.js";
@@ -19,9 +21,23 @@ export const ROLE_COLOURS = {
   broad: "#d97706",
   alignment: "#0891b2",
   next_token: "#db2777",
+  cls: "#0f766e",
+  sep: "#65a30d",
+  punctuation: "#a16207",
   mixed: "#cbd5e1",
 };
-const SHORT = { previous_token: "prev", duplicate_token: "dup", induction: "ind", first_token: "first", self: "self", broad: "broad", alignment: "align", next_token: "next", mixed: "mix" };
+const SHORT = { previous_token: "prev", duplicate_token: "dup", induction: "ind", first_token: "first", self: "self", broad: "broad", alignment: "align", next_token: "next", cls: "CLS", sep: "SEP", punctuation: "punct", mixed: "mix" };
+// an encoder's roles and Clark et al.'s scores (on the server's fixed sentences), named for people
+const ROLE_LABELS = { cls: "attends to [CLS]", sep: "attends to [SEP]", punctuation: "attends to punctuation" };
+const SCORE_LABELS = {
+  clark_cls: "Clark: to [CLS]",
+  clark_sep: "Clark: to [SEP]",
+  clark_punctuation: "Clark: to punctuation",
+  clark_previous: "Clark: to previous",
+  clark_next: "Clark: to next",
+  clark_entropy: "Clark: entropy (nats)",
+  role_score: "role score",
+};
 
 export function roleColour(role) {
   if (ROLE_COLOURS[role]) return ROLE_COLOURS[role];
@@ -30,7 +46,11 @@ export function roleColour(role) {
   return `hsl(${h} 60% 45%)`;
 }
 
+const ROLE_SCORE = { broad: "entropy", cls: "clark_cls", sep: "clark_sep", punctuation: "clark_punctuation" }; // the server's ROLE_SCORE
 const label = (role) => String(role).replace(/_/g, " ");
+const roleLabel = (role) => ROLE_LABELS[role] ?? label(role);
+const scoreLabel = (name) => SCORE_LABELS[name] ?? label(name);
+const missing = (v) => v == null || Number.isNaN(v);
 const num = (v) => (v == null || Number.isNaN(v) ? "—" : Math.abs(v) >= 10 ? v.toFixed(1) : v.toFixed(2));
 
 export class AtlasView {
@@ -39,6 +59,8 @@ export class AtlasView {
     this.params = null;
     this.answer = null;
     this.choosing = false; // a click toggles ablation instead of opening the head
+    this.sort = { key: "head", desc: false }; // the ranking's column and direction
+    this.rankGroup = 0;
   }
 
   mount(host) {
@@ -56,6 +78,7 @@ export class AtlasView {
       </div>
       <div class="atlas-legend" aria-label="Roles"></div>
       <div class="atlas-groups"></div>
+      <details class="atlas-rank"><summary>Rank the heads by a score</summary><div class="atlas-rank-body"></div></details>
       <div class="atlas-notes hint"></div>`;
     host.append(this.root);
     for (const b of this.root.querySelectorAll("[data-probe]")) b.addEventListener("click", () => this.ctx.select({ probe: b.dataset.probe === "1" }));
@@ -65,6 +88,8 @@ export class AtlasView {
       this.chooseBtn.setAttribute("aria-pressed", String(this.choosing));
       this.root.classList.toggle("choosing", this.choosing);
     });
+    this.rankDetails = this.root.querySelector(".atlas-rank");
+    this.rankDetails.addEventListener("toggle", () => this.buildRank());
   }
 
   unmount() {
@@ -122,7 +147,7 @@ export class AtlasView {
     for (const g of a.groups) for (const row of g.heads) for (const h of row) roles.add(h.role);
     roles.add("mixed");
     this.root.querySelector(".atlas-legend").innerHTML = [...roles]
-      .map((r) => `<span class="atlas-role" data-role="${escapeHTML(r)}"><i style="background:${roleColour(r)}"></i>${escapeHTML(label(r))}${a.thresholds?.[r] != null ? ` ≥ ${num(a.thresholds[r])}` : ""}</span>`)
+      .map((r) => `<span class="atlas-role" data-role="${escapeHTML(r)}"><i style="background:${roleColour(r)}"></i>${escapeHTML(roleLabel(r))}${a.thresholds?.[r] != null ? ` ≥ ${num(a.thresholds[r])}` : ""}</span>`)
       .join("");
     const host = this.root.querySelector(".atlas-groups");
     host.replaceChildren();
@@ -165,15 +190,8 @@ export class AtlasView {
           b.style.setProperty("--strength", String(cell.role === "mixed" ? 0.5 : strength));
           b.classList.toggle("faint", cell.role === "mixed" || strength < 0.55); // dark text on a pale cell
           b.innerHTML = `<span class="atlas-abbr">${escapeHTML(SHORT[cell.role] ?? label(cell.role).slice(0, 5))}</span><span class="atlas-score">${num(cell.role_score)}</span>`;
-          b.setAttribute("aria-label", `${several ? g.name + " " : ""}layer ${l}, head ${h}: ${label(cell.role)} ${num(cell.role_score)}`);
-          b.addEventListener("click", (e) => {
-            if (this.choosing || e.altKey || e.shiftKey) {
-              const list = toggleAblation(this.params.ablation, l, h, ablGroup);
-              this.ctx.select({ ablate: formatAblation(list) });
-            } else if (target) {
-              this.ctx.select({ layer: l, head: h, view: target, pin: [], xavg: "head" });
-            }
-          });
+          b.setAttribute("aria-label", `${several ? g.name + " " : ""}layer ${l}, head ${h}: ${roleLabel(cell.role)} ${num(cell.role_score)}`);
+          b.addEventListener("click", (e) => this.activate(e, l, h, ablGroup, target));
           b.addEventListener("mouseenter", () => this.tip(b, g, cell));
           b.addEventListener("focus", () => this.tip(b, g, cell));
           b.addEventListener("mouseleave", hideTooltip);
@@ -185,23 +203,101 @@ export class AtlasView {
       host.append(section);
     });
     // how each score is defined (a group's own definitions where it has them: an encoder's bidirectional analogues)
-    const defs = (d) => Object.entries(d ?? {}).map(([k, v]) => `<b>${escapeHTML(label(k))}</b>: ${escapeHTML(v)}`).join("<br>");
+    const defs = (d) => Object.entries(d ?? {}).map(([k, v]) => `<b>${escapeHTML(scoreLabel(k))}</b>: ${escapeHTML(v)}`).join("<br>");
     const notes = [a.notes ?? []].flat().map(escapeHTML).join("<br>");
+    const sentences = a.clark_sentences?.length ? `<p>Clark et al.'s sentences: ${a.clark_sentences.map((t) => `“${escapeHTML(t)}”`).join(" ")}</p>` : "";
     const perGroup = a.groups.filter((g) => g.definitions && JSON.stringify(g.definitions) !== JSON.stringify(a.definitions));
     this.root.querySelector(".atlas-notes").innerHTML =
       (notes ? `<p>${notes}</p>` : "") +
-      `<details><summary>How the scores are defined</summary>${defs(a.definitions)}${perGroup.map((g) => `<p><b>${escapeHTML(g.name)}</b>:<br>${defs(g.definitions)}</p>`).join("")}</details>`;
+      `<details><summary>How the scores are defined</summary>${defs(a.definitions)}${perGroup.map((g) => `<p><b>${escapeHTML(g.name)}</b>:<br>${defs(g.definitions)}</p>`).join("")}${sentences}</details>`;
+    this.buildRank();
     this.markCells();
+  }
+
+  /** A head's cell or row clicked: open it in `target`'s view, or (choosing, Alt, Shift) toggle its ablation. */
+  activate(e, l, h, ablGroup, target) {
+    if (this.choosing || e.altKey || e.shiftKey) {
+      const list = toggleAblation(this.params.ablation, l, h, ablGroup);
+      this.ctx.select({ ablate: formatAblation(list) });
+    } else if (target) {
+      this.ctx.select({ layer: l, head: h, view: target, pin: [], xavg: "head" });
+    }
+  }
+
+  /**
+   * The ranking (drawn while its <details> is open): one group's heads, one row each, a column
+   * per score; a header's button sorts by that column (highest first; again: lowest first),
+   * undefined scores always last, ties in layer and head order.
+   */
+  buildRank() {
+    const body = this.root.querySelector(".atlas-rank-body");
+    const a = this.answer;
+    if (!a || !this.rankDetails.open) {
+      body.replaceChildren();
+      return;
+    }
+    const gi = Math.min(this.rankGroup, a.groups.length - 1);
+    const g = a.groups[gi];
+    const several = a.groups.length > 1;
+    const heads = g.heads.flat();
+    const names = [...new Set(heads.flatMap((h) => Object.keys(h.scores ?? {})))];
+    const columns = ["head", "role", "role_score", ...names];
+    if (!columns.includes(this.sort.key)) this.sort = { key: "head", desc: false };
+    const { key, desc } = this.sort;
+    const value = (h, k) => (k === "head" ? h.layer * 65536 + h.head : k === "role" ? roleLabel(h.role) : k === "role_score" ? h.role_score : h.scores?.[k]);
+    const rows = [...heads].sort((x, y) => {
+      const vx = value(x, key);
+      const vy = value(y, key);
+      if (missing(vx) || missing(vy)) return missing(vx) - missing(vy) || x.layer - y.layer || x.head - y.head;
+      const c = typeof vx === "string" ? vx.localeCompare(vy) : vx - vy;
+      return (desc ? -c : c) || x.layer - y.layer || x.head - y.head;
+    });
+    const defs = g.definitions ?? a.definitions ?? {};
+    const th = (k) => {
+      const sorted = k === key ? (desc ? "descending" : "ascending") : "none";
+      const title = k === "head" ? "layer, then head" : k === "role_score" ? defs.role ?? "" : defs[k] ?? "";
+      const arrow = k === key ? (desc ? " ▼" : " ▲") : "";
+      return `<th scope="col" aria-sort="${sorted}"><button type="button" class="atlas-sort" data-sort="${escapeHTML(k)}" title="${escapeHTML(title)}">${escapeHTML(k === "head" ? "head" : scoreLabel(k))}${arrow}</button></th>`;
+    };
+    const target = this.viewFor(g.name, gi);
+    const ablGroup = several ? g.name : "";
+    const tr = (h) =>
+      `<tr data-layer="${h.layer}" data-head="${h.head}" data-role="${escapeHTML(h.role)}"><th scope="row"><button type="button" class="atlas-open" title="open this head (Alt/Shift-click: ablate it)">L${h.layer} H${h.head}</button></th>` +
+      `<td class="role"><i style="background:${roleColour(h.role)}"></i>${escapeHTML(roleLabel(h.role))}</td><td>${num(h.role_score)}</td>` +
+      names.map((n) => `<td data-score="${escapeHTML(n)}">${num(h.scores?.[n])}</td>`).join("") +
+      "</tr>";
+    const pick = several
+      ? `<label class="atlas-rank-group">Group <select aria-label="Group to rank">${a.groups.map((x, i) => `<option value="${i}"${i === gi ? " selected" : ""}>${escapeHTML(x.name)}</option>`).join("")}</select></label>`
+      : "";
+    const focused = document.activeElement?.closest?.(".atlas-rank") ? document.activeElement.dataset.sort : null;
+    body.innerHTML =
+      `${pick}<p class="hint">${heads.length} heads${several ? ` of the ${escapeHTML(g.name)} group` : ""}; click a column's header to sort by it (again: the other way), a head to open it.</p>` +
+      `<div class="atlas-rank-scroll"><table class="atlas-table"><thead><tr>${columns.map(th).join("")}</tr></thead><tbody>${rows.map(tr).join("")}</tbody></table></div>`;
+    body.querySelector(".atlas-rank-group select")?.addEventListener("change", (e) => {
+      this.rankGroup = +e.target.value;
+      this.buildRank();
+    });
+    for (const b of body.querySelectorAll(".atlas-sort"))
+      b.addEventListener("click", () => {
+        const k = b.dataset.sort;
+        this.sort = k === this.sort.key ? { key: k, desc: !this.sort.desc } : { key: k, desc: k !== "head" && k !== "role" };
+        this.buildRank();
+      });
+    for (const b of body.querySelectorAll(".atlas-open")) {
+      const row = b.closest("tr");
+      b.addEventListener("click", (e) => this.activate(e, +row.dataset.layer, +row.dataset.head, ablGroup || null, target));
+    }
+    if (focused) body.querySelector(`.atlas-sort[data-sort="${CSS.escape(focused)}"]`)?.focus();
   }
 
   tip(b, g, cell) {
     const r = b.getBoundingClientRect();
     const rows = Object.entries(cell.scores ?? {})
-      .map(([k, v]) => `<div class="tt-row"><span${k === cell.role ? ' class="chosen"' : ""}>${escapeHTML(label(k))}</span><b>${num(v)}</b></div>`)
+      .map(([k, v]) => `<div class="tt-row"><span${k === (ROLE_SCORE[cell.role] ?? cell.role) ? ' class="chosen"' : ""}>${escapeHTML(scoreLabel(k))}</span><b>${num(v)}</b></div>`)
       .join("");
     const abl = isAblated(this.params.ablation, cell.layer, cell.head, b.dataset.ablgroup || null) ? '<div class="tt-muted">in the ablation</div>' : "";
     showTooltip(
-      `<div class="tt-cell"><b>${this.answer.groups.length > 1 ? escapeHTML(g.name) + " · " : ""}layer ${cell.layer} · head ${cell.head}</b>: ${escapeHTML(label(cell.role))}</div>${rows}${abl}` +
+      `<div class="tt-cell"><b>${this.answer.groups.length > 1 ? escapeHTML(g.name) + " · " : ""}layer ${cell.layer} · head ${cell.head}</b>: ${escapeHTML(roleLabel(cell.role))}</div>${rows}${abl}` +
         `<div class="tt-muted">click: open it · Alt/Shift-click: ablate it</div>`,
       r.right - 4,
       r.top + 4,
