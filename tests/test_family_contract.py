@@ -89,8 +89,9 @@ def test_task_needs_are_read_from_the_checkpoint_features():
     decoder, encoder = FAMILIES["decoder"], FAMILIES["encoder"]
     assert decoder.task_names() == ["generate", "completions", "attention"]
     assert decoder.task_names({"chat_template"}) == ["generate", "completions", "chat", "attention"]
-    assert encoder.task_names() == ["fill-mask", "attention", "embeddings"]
-    assert encoder.task_names({"labels"}) == ["fill-mask", "classify", "attention", "embeddings"]
+    assert encoder.task_names() == ["attention", "embeddings"]  # no masked-LM head (a BertModel), no labels
+    assert encoder.task_names({"mlm_head"}) == ["fill-mask", "attention", "embeddings"]
+    assert encoder.task_names({"mlm_head", "labels"}) == ["fill-mask", "classify", "attention", "embeddings"]
 
 
 def test_a_declaration_that_names_an_unknown_step_group_is_refused():
