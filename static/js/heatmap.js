@@ -25,11 +25,12 @@ export function runs(set, n) {
 export class Heatmap {
   /**
    * opts: maxCell, minCell, minRowHeight (rows taller than columns are wide, e.g. the
-   * generation view), labelMax, zoom; events onHover({row, col, value, masked, x, y} | null),
+   * generation view), labelMax, zoom, minWidth (the narrowest width laid out, px; a small map in
+   * a side panel asks for less than 160); events onHover({row, col, value, masked, x, y} | null),
    * onCellClick({row, col, event}), onLabelHover({axis, index, x, y} | null), onZoom(factor).
    */
   constructor(container, opts = {}) {
-    this.opts = { maxCell: 30, minCell: 1, minRowHeight: 0, labelMax: 12, zoom: 1, ...opts };
+    this.opts = { maxCell: 30, minCell: 1, minRowHeight: 0, labelMax: 12, zoom: 1, minWidth: 160, ...opts };
     this.container = container;
     this.wrap = document.createElement("div");
     this.wrap.className = "heatmap";
@@ -103,7 +104,7 @@ export class Heatmap {
     const colLabels = lab(m.colLabels);
     const rowLabels2 = lab(m.rowLabels2);
     const colLabels2 = lab(m.colLabels2);
-    const avail = Math.max(160, this.container.clientWidth || 600);
+    const avail = Math.max(this.opts.minWidth, this.container.clientWidth || 600);
     const fit = (left, right) => {
       let c = Math.min(this.opts.maxCell, (avail - left - right) / m.cols);
       if (this.opts.maxHeight) c = Math.min(c, this.opts.maxHeight / m.rows);

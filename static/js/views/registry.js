@@ -9,7 +9,8 @@
 // others): what its family declares, read by family.js ("generation", "target", "cross", ...),
 // and the tasks it answers ("fill-mask", "classify"); the page never tests a family's name.
 // PANELS are the same idea for the side panels a model has (an encoder's fill-mask and
-// classify, read from the store's text) and for readouts under the picture (`slot: "frame"`).
+// classify, read from the store's text; its compare panel, on two sentences of its own) and
+// for readouts under the picture (`slot: "frame"`).
 // "server": the live page (model.js), not a notebook's embedded answer: views that call the
 // analysis routes (/heads, /lens, /logits) need it.
 // `shows` (optional) names the attention group a view draws when it is not the family's
@@ -27,6 +28,7 @@ import { AlignView } from "../translator/alignview.js";
 import { FillMaskPanel } from "../encoder/fillmask.js";
 import { ClassifyPanel } from "../encoder/classify.js";
 import { PooledPanel } from "../encoder/pooled.js";
+import { ComparePanel } from "../encoder/compare.js";
 import { AtlasView } from "../explain/atlasview.js";
 import { LensView } from "../explain/lensview.js";
 import { AblateView } from "../explain/ablateview.js";
@@ -58,6 +60,7 @@ export const PANELS = [
   { id: "fill-mask", needs: ["fill-mask"], slot: "sidebar", Panel: FillMaskPanel },
   { id: "classify", needs: ["classify"], slot: "sidebar", Panel: ClassifyPanel },
   { id: "pooled", needs: ["classify"], slot: "frame", Panel: PooledPanel }, // the rows the classifier pools
+  { id: "compare", needs: ["embeddings"], slot: "sidebar", Panel: ComparePanel }, // two sentences' cosine and maps
 ];
 
 export const VIEW_IDS = VIEWS.map((v) => v.id);
