@@ -54,6 +54,13 @@ class ModelMemory(BaseModel):
                                            "fewer when ATTNLENS_KV_CACHE_BYTES holds fewer rows")
 
 
+class HeadFigure(BaseModel):
+    figure: str = Field(description="what was measured, on held-out text")
+    value: float
+    baseline: float | None = Field(None, description="a simple baseline measured on the same examples")
+    weak: bool = Field(description="fill-mask: top-1 under 0.30; classify: not above its bag-of-words baseline")
+
+
 class ModelSummary(BaseModel):
     name: str = Field(description="the value to pass as a request's `model`")
     family: str = Field(description="the family's name; `family_info` is its declaration")
@@ -73,6 +80,12 @@ class ModelSummary(BaseModel):
     labels: list[str] | None = Field(None, description="a classifier's labels, in the head's order")
     pooling: str | None = Field(None, description="how the classification head and the embeddings "
                                                         "(/v1/embeddings) pool the positions: mean or cls")
+    head_figures: dict[str, HeadFigure] = Field(
+        default_factory=dict, description="an encoder head's held-out figure from its report, by task "
+                                          "(fill-mask, classify): how far to trust its answers")
+    classifier_layers: int = Field(0, description="the classification head's own fine-tuned copies of the top "
+                                   "blocks (all-MiniLM-L6-v2's genre head): classify reads them instead of the "
+                                   "model's, whose maps /attention shows")
     state: Literal["starting", "running", "restarting", "failed", "stopped"] = Field(
         "running", description="its engine's state: a model that is not running answers 503 for now "
                                "(restarting) or for good (failed)")

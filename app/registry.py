@@ -11,6 +11,8 @@ engine's admission limits.
 
 from __future__ import annotations
 
+import functools
+
 import asyncio
 import threading
 from dataclasses import dataclass, field
@@ -105,6 +107,15 @@ class ServedModel:
     @property
     def labels(self) -> list[str] | None:
         return list(self.checkpoint.config.labels) or None
+
+    @functools.cached_property
+    def head_figures(self) -> dict[str, dict]:
+        """An encoder's heads' held-out figures, from the reports beside its weights."""
+        if self.family.name != "encoder" or self.checkpoint.path is None:
+            return {}
+        from attnlens.model.evaluation.encoder import head_figures
+
+        return {task: f for task, f in head_figures(self.checkpoint.path).items() if task in self.tasks}
 
     def memory(self) -> dict[str, int]:
         """What the model holds: its weights and, when it generates, its KV cache (rows x a context)."""

@@ -4,6 +4,8 @@ Answers are checked against the encoder run directly (softmax of its own logits)
 
 from __future__ import annotations
 
+import json
+
 import math
 
 import httpx
@@ -68,8 +70,23 @@ def test_models_lists_every_model_with_family_tasks_and_labels(client, tiny_chec
     assert genre["labels"] == ["comedy", "history", "tragedy"] and genre["pooling"] == "mean"
     assert (genre["n_layers"], genre["n_heads"], genre["context_length"]) == (2, 4, 64)
     assert bare["tasks"] == ["fill-mask", "attention", "embeddings"] and bare["labels"] is None
+    assert genre["head_figures"] == {} and genre["classifier_layers"] == 0  # no reports beside its weights
     # /v1/models: only the models that generate
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [tiny_checkpoint.name]
+
+
+def test_models_gives_each_heads_reported_figure_and_calls_a_poor_one_weak(tmp_path):
+    """The reports beside an encoder's weights (model/training/encoder_heads.py writes them) reach
+    /models, where the page reads them: a fill-mask head under 0.30 top-1, or a genre head not above
+    bag of words, is weak."""
+    model_dir = make_tiny_encoder(tmp_path / "reported", seed=6)
+    (model_dir / "mlm_report.json").write_text(json.dumps({"fill_mask_common_words": {"top1": 0.12}}))
+    (model_dir / "genre_report.json").write_text(json.dumps(
+        {"held_out_genre": {"balanced_accuracy": 0.84}, "bow_baseline": {"balanced_accuracy": 0.81}}))
+    with TestClient(create_app(Settings(model=model_dir, models=[model_dir], device="cpu"))) as c:
+        figures = c.get("/models").json()["models"][0]["head_figures"]
+    assert figures["fill-mask"]["value"] == 0.12 and figures["fill-mask"]["weak"]
+    assert figures["classify"] == {"figure": figures["classify"]["figure"], "value": 0.84, "baseline": 0.81, "weak": False}
 
 
 def test_fill_mask_matches_the_model_and_hf_pipeline_shape(client, enc):

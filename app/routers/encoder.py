@@ -30,7 +30,7 @@ def summary(served: ServedModel, default: str) -> ModelSummary:
         n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=cfg.d_model, context_length=cfg.context_length,
         vocab_size=cfg.vocab_size, parameters=served.checkpoint.model.num_parameters(), memory=served.memory(),
         tasks=served.tasks, attention=family.attention_kind,
-        labels=served.labels, pooling=cfg.pooling if {CLASSIFY, EMBEDDINGS} & set(served.tasks) else None,
+        labels=served.labels, head_figures=served.head_figures, classifier_layers=getattr(cfg, "classifier_layers", 0), pooling=cfg.pooling if {CLASSIFY, EMBEDDINGS} & set(served.tasks) else None,
         state=served.state, restarts=served.supervisor.restarts if served.supervisor is not None else 0,
         detail=served.supervisor.detail if served.supervisor is not None else None,
     )

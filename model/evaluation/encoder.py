@@ -337,3 +337,36 @@ def refresh_report(ckpt_dir, data_dir="data/shakespeare") -> dict:
     path = Path(ckpt_dir) / REPORT_FILE
     path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report
+
+
+# --- what an encoder's heads scored, from its reports ----------------------------------------
+FILL_MASK_GOAL = 0.30  # held-out top-1 on common words under which the page calls the head weak
+
+
+def head_figures(ckpt_dir) -> dict[str, dict]:
+    """Each head's held-out figure from the reports beside the weights (`mlm_report.json` and
+    `genre_report.json` of heads trained by model/training/encoder_heads.py, else the training's
+    `train_report.json`): {"fill-mask": {...}, "classify": {...}}, each with `figure`, `value`,
+    `baseline` (or None) and `weak` (fill-mask: top-1 under FILL_MASK_GOAL; classify: not above
+    the bag-of-words baseline on the same passages). A head without a report is left out."""
+    import json
+    from pathlib import Path
+
+    def read(name: str) -> dict:
+        try:
+            return json.loads((Path(ckpt_dir) / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+
+    trained = read("train_report.json")
+    mlm, genre = read("mlm_report.json") or trained, read("genre_report.json") or trained
+    out = {}
+    if "top1" in (fill := mlm.get("fill_mask_common_words") or {}):
+        out["fill-mask"] = {"figure": "held-out top-1 on common words", "value": fill["top1"], "baseline": None,
+                            "weak": fill["top1"] < FILL_MASK_GOAL}
+    if "balanced_accuracy" in (held := genre.get("held_out_genre") or {}):
+        bow = (genre.get("bow_baseline") or {}).get("balanced_accuracy")
+        out["classify"] = {"figure": "held-out balanced accuracy (bag of words beside it)",
+                           "value": held["balanced_accuracy"], "baseline": bow,
+                           "weak": bow is not None and held["balanced_accuracy"] <= bow}
+    return out

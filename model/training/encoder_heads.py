@@ -46,10 +46,10 @@ HEADS_FILE, HEADS_CONFIG = "heads.safetensors", "heads.json"
 SAVE_DTYPE = torch.float16  # the shipped heads' precision; every figure is measured after rounding to it
 
 
-def _bar(total: int, desc: str):
+def _bar(total: int, desc: str, unit: str = "step"):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="row", file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr)
 
 
 @torch.inference_mode()
@@ -57,7 +57,7 @@ def states_after(model: Encoder, rows: torch.Tensor, n_blocks: int, *, batch: in
     """(N, T) framed rows -> (N, T, C): the state after the first `n_blocks` blocks (no padding)."""
     model.eval()
     out = torch.empty(rows.shape[0], rows.shape[1], model.config.d_model)
-    with _bar(len(rows), desc) as bar:
+    with _bar(len(rows), desc, "row") as bar:
         for i in range(0, len(rows), batch):
             x = model.embed(rows[i : i + batch], norm=model.emb_norm)
             out[i : i + batch] = model.run_blocks(x, model.blocks[:n_blocks], None)[0]

@@ -3,7 +3,7 @@
 
 import { postJSON } from "../api.js";
 import { escapeHTML } from "../tokens.js";
-import { probRow, ResultsBox } from "./probs.js";
+import { headFigureHTML, probRow, ResultsBox } from "./probs.js";
 
 export class ClassifyPanel {
   /** ctx: {showError(err, what)} */
@@ -18,6 +18,7 @@ export class ClassifyPanel {
     this.root.id = "classify-panel";
     this.root.innerHTML = `
       <div class="panel-head"><h2>Classify</h2><span class="hint"></span></div>
+      <div class="head-figure-box"></div>
       <div class="actions"><button type="button" id="classify" class="btn primary">Classify</button></div>
       <div id="classify-results" class="enc-results" aria-live="polite"></div>`;
     host.append(this.root);
@@ -33,6 +34,7 @@ export class ClassifyPanel {
     this.params = params;
     if (changed && !changed.has("att") && !changed.has("meta")) return;
     this.root.querySelector(".hint").innerHTML = escapeHTML((params.model.labels ?? []).join(" · "));
+    this.root.querySelector(".head-figure-box").innerHTML = headFigureHTML(params.model.head_figures?.classify);
     this.results.clear();
     if (params.attention?.tokens) this.run();
   }

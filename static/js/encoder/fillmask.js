@@ -4,7 +4,7 @@
 
 import { postJSON } from "../api.js";
 import { visible } from "../tokens.js";
-import { probRow, ResultsBox } from "./probs.js";
+import { headFigureHTML, probRow, ResultsBox } from "./probs.js";
 
 export const MASK = "[MASK]";
 
@@ -31,6 +31,7 @@ export class FillMaskPanel {
     this.root.id = "fill-mask-panel";
     this.root.innerHTML = `
       <div class="panel-head"><h2>Fill mask</h2><span class="hint">click a token to mask it, or type ${MASK}</span></div>
+      <div class="head-figure-box"></div>
       <div class="enc-chips" id="enc-chips" aria-label="Tokens: click one to mask it"></div>
       <div class="actions">
         <label class="ctl">Top-k <input id="fill-top-k" type="number" min="1" max="100" step="1" inputmode="numeric"></label>
@@ -52,6 +53,7 @@ export class FillMaskPanel {
     this.params = params;
     if (document.activeElement !== this.topK) this.topK.value = String(params.settings.fillk);
     if (changed && !["att", "meta", "fillk"].some((k) => changed.has(k))) return;
+    if (!changed || changed.has("meta")) this.root.querySelector(".head-figure-box").innerHTML = headFigureHTML(params.model.head_figures?.["fill-mask"]);
     if (!changed || changed.has("att") || changed.has("meta")) {
       this.showTokens(params.attention?.tokens ?? []);
       this.results.clear();

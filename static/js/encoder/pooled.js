@@ -71,8 +71,11 @@ export class PooledPanel {
     if (!mat) return;
     const row = pooledRow(mat, att.T, rows);
     const top = Math.max(...row) || 1;
+    const own = params.model.classifier_layers ?? 0, n = params.model.n_layers;
+    const note = own && layer >= n - own
+      ? `<p class="hint">The classifier reads its own fine-tuned copies of layers ${n - own}–${n - 1}; these are the pretrained model's.</p>` : "";
     this.root.innerHTML =
-      `<h3>Attention of ${what}, layer ${layer}, head ${head}</h3>` +
+      `<h3>Attention of ${what}, layer ${layer}, head ${head}</h3>` + note +
       [...row].map((v, i) => probRow(visible(att.tokens[i].text), v, { width: v / top, attrs: `data-index="${i}"` })).join("");
   }
 }

@@ -40,3 +40,13 @@ export class ResultsBox {
     }
   }
 }
+
+/** A head's held-out figure from /models (`head_figures[task]`), as a short line; "weak" when its
+ * report says so (fill-mask under 0.30 top-1, classify not above bag of words). */
+export function headFigureHTML(figure) {
+  if (!figure) return "";
+  const pct = (v) => `${(100 * v).toFixed(1)}%`;
+  const base = figure.baseline == null ? "" : ` (bag of words ${pct(figure.baseline)})`;
+  const badge = figure.weak ? `<span class="badge weak" title="its held-out figure is low: read its answers with care">weak head</span> ` : "";
+  return `<p class="head-figure">${badge}${figure.figure}: <b>${pct(figure.value)}</b>${base}</p>`;
+}
