@@ -226,7 +226,7 @@ def fill_mask_top1(model, tokenizer: Tokenizer, examples: FillMaskExamples) -> d
     model.eval()
     device = next(model.parameters()).device
     special = sorted(tokenizer.special_ids)
-    correct, per_word = 0, Counter()
+    correct, in_top5, per_word = 0, 0, Counter()
     for i in range(0, len(examples.rows), BATCH):
         rows = examples.rows[i : i + BATCH]
         width = max(map(len, rows))
@@ -240,11 +240,13 @@ def fill_mask_top1(model, tokenizer: Tokenizer, examples: FillMaskExamples) -> d
         logits = model.mlm_logits(hidden[torch.arange(len(rows), device=device), at]).float()  # (b, V)
         logits = logits[:, : tokenizer.vocab_size]
         logits[:, special] = float("-inf")
-        best = logits.argmax(-1).cpu().tolist()
-        for b, answer, word in zip(best, examples.answers[i : i + BATCH], examples.words[i : i + BATCH]):
-            correct += b == answer
-            per_word[word] += b == answer
-    return {"top1": correct / max(1, len(examples.rows)), "examples": len(examples.rows),
+        five = logits.topk(5, dim=-1).indices.cpu().tolist()
+        for top, answer, word in zip(five, examples.answers[i : i + BATCH], examples.words[i : i + BATCH]):
+            correct += top[0] == answer
+            in_top5 += answer in top
+            per_word[word] += top[0] == answer
+    return {"top1": correct / max(1, len(examples.rows)), "top5": in_top5 / max(1, len(examples.rows)),
+            "examples": len(examples.rows),
             "most_often_right": [w for w, k in per_word.most_common(10) if k]}
 
 
