@@ -92,16 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_info)
 
     s = sub.add_parser("export-hf", help="write a checkpoint as a transformers directory (GPT-2, BertForMaskedLM, "
-                                         "Llama, Qwen2, Mistral or GPT-NeoX, as its shape allows)")
+                                         "Llama, Qwen2, Qwen3, Mistral or GPT-NeoX, as its shape allows)")
     s.add_argument("--model", default=str(DEFAULT_MODEL), help="attnlens checkpoint directory")
     s.add_argument("--out", required=True, help="output directory")
     s.add_argument("--architecture", default=None,
-                   help="gpt2 | bert | llama | qwen2 | mistral | gpt_neox (default: the one the checkpoint was "
+                   help="gpt2 | bert | llama | qwen2 | mistral | gpt_neox | qwen3 (default: the one the checkpoint was "
                         "imported from, else the first that can express it)")
     s.set_defaults(func=cmd_export_hf)
 
     s = sub.add_parser("import-hf", help="convert a transformers checkpoint on disk (GPT-2, BERT, Llama, Qwen2, "
-                                         "Mistral, GPT-NeoX) into an attnlens one; nothing is downloaded")
+                                         "Qwen3, Mistral, GPT-NeoX) into an attnlens one; nothing is downloaded")
     s.add_argument("--src", required=True, help="transformers directory: config.json, weights, tokenizer.json")
     s.add_argument("--out", required=True, help="output checkpoint directory")
     s.add_argument("--context-length", type=int, default=None,

@@ -2,8 +2,9 @@
 
 An architecture is a config choosing parts (model/parts): GPT-2 is the defaults; Llama is
 rotary positions, RMSNorm, a gated SiLU FFN (SwiGLU), no biases, grouped-query attention and
-an untied head; Qwen2 adds biases to q/k/v only; Mistral adds a sliding window; GPT-NeoX
-(Pythia) is partial rotary positions, LayerNorm and the parallel attention + FFN residual.
+an untied head; Qwen2 adds biases to q/k/v only; Mistral adds a sliding window; Qwen3 drops
+the biases and adds an RMSNorm over each head's queries and keys (qk_norm); GPT-NeoX (Pythia)
+is partial rotary positions, LayerNorm and the parallel attention + FFN residual.
 Every field added since the first checkpoints has a default that means "as before", so their
 config.json files still load.
 """
@@ -76,6 +77,10 @@ class ModelConfig:
     rope_theta: float = 10000.0  # the base of the rotary frequencies
     rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear" | "llama3", ...} (ROPE_SCALINGS)
     sliding_window: int | None = None  # Mistral: a query sees only the last `sliding_window` positions
+    # Qwen3: an RMSNorm (eps layer_norm_eps, weights q_norm / k_norm of d_head) over each head's D dims
+    # of the queries and of the keys, after their projection and before rotary positions (every
+    # attention module: model/parts/attention.py)
+    qk_norm: bool = False
     # the transformers class this model was imported from (e.g. "LlamaForCausalLM"): what it is
     # called, and the architecture `export-hf` writes back by default; None for attnlens' own
     architecture: str | None = None
@@ -149,7 +154,7 @@ class ModelConfig:
             raise ConfigError(f"decoder_start_id must be a token id below vocab_size, got {self.decoder_start_id!r}")
         if not self.layer_norm_eps > 0:
             raise ConfigError(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
-        for name in ("parallel_residual", "bias", "tie_embeddings", "scale_embeddings"):
+        for name in ("parallel_residual", "bias", "tie_embeddings", "scale_embeddings", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("qkv_bias", "attn_out_bias", "ffn_bias"):
@@ -294,4 +299,6 @@ class ModelConfig:
             reasons.append(f"{name} has biases on every linear layer or none (qkv_bias, attn_out_bias, ffn_bias)")
         if self.sliding_window is not None:
             reasons.append(f"{name} attends to every earlier position (sliding_window=None)")
+        if self.qk_norm:
+            reasons.append(f"{name} does not normalise queries and keys (qk_norm=False)")
         return reasons

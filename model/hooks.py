@@ -11,7 +11,9 @@ architecture has them. A point's name is its module's place in the stack plus it
     {stack}.{l}.hook_attn_out         [B, T, C]     self-attention's output (after its projection)
     {stack}.{l}.hook_cross_out        [B, T, C]     cross-attention's output (encoder-decoder only)
     {stack}.{l}.hook_mlp_out          [B, T, C]     the FFN's output
-    {stack}.{l}.{attn}.hook_q         [B, T, H, D]  queries, before rotary positions
+    {stack}.{l}.{attn}.hook_q         [B, T, H, D]  queries, before rotary positions (after the
+                                                    per-head q/k norm where config.qk_norm, as
+                                                    are hook_k and the maps: Qwen3)
     {stack}.{l}.{attn}.hook_k / hook_v [B, S, K, D] keys / values the queries see (cache included;
                                                     K = H except with grouped-query attention); a
                                                     rotary model's hook_k is before rotation, of this

@@ -3,7 +3,7 @@
 Each case is a transformers config (a few layers; GQA where the architecture has it; rotary
 positions, full or partial, with and without scaling; tied and untied heads) and a tokenizer
 built here with the `tokenizers` library in the layout of the real model's tokenizer.json:
-byte-level BPE (Llama 3, Qwen2, Pythia) or SentencePiece-style BPE with byte fallback
+byte-level BPE (Llama 3, Qwen2, Qwen3, Pythia) or SentencePiece-style BPE with byte fallback
 (Llama 2, TinyLlama, Mistral). Nothing is downloaded.
 """
 
@@ -140,6 +140,16 @@ CASES = {
                     "sentencepiece", [],
                     {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
                      "chat_template": LLAMA2_CHAT}),
+    # Qwen3: an RMSNorm per head on queries and keys (q_norm, k_norm), GQA, head_dim 32 given
+    # explicitly with hidden 64 / 4 heads (q/k/v wider than the residual), no biases, an untied
+    # head, the Qwen2 tokenizer and ChatML
+    "qwen3": Case("qwen3", "Qwen3Config", "Qwen3ForCausalLM",
+                  dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=32, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+                  "byte_level", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                  {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML},
+                  ["<|im_end|>", "<|endoftext|>"]),
     # Pythia: a quarter of each head rotary (16 dims, 4 rotated), LayerNorm, the parallel residual,
     # an untied embed_out, exact GELU, biases everywhere
     "pythia": Case("pythia", "GPTNeoXConfig", "GPTNeoXForCausalLM",
@@ -168,7 +178,7 @@ def perturb_(model: torch.nn.Module, seed: int) -> None:
 def build_tokenizer(case: Case) -> HFTokenizer:
     if case.tokenizer == "sentencepiece":
         return sentencepiece_tokenizer()
-    if case.name == "qwen2":
+    if case.name in ("qwen2", "qwen3"):
         return byte_level_tokenizer(case.special, split=QWEN2_SPLIT, nfc=True)
     if case.name == "pythia":
         return byte_level_tokenizer(case.special, split=None, nfc=True)

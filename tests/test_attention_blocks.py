@@ -1,7 +1,8 @@
 """Maps made in blocks of query rows and reduced at once (model/attention_blocks.py), against the
 full maps of the family's explicit forward (`analyse`), reduced here the plain way: every family
-and group (decoder plain, rotary, sliding window, grouped-query; encoder; translator's encoder,
-decoder and cross), odd lengths, bins that do not divide T, windows, ablation, blocks of a few rows."""
+and group (decoder plain, rotary, sliding window, grouped-query, q/k norm; encoder; translator's
+encoder, decoder and cross, with and without q/k norm), odd lengths, bins that do not divide T,
+windows, ablation, blocks of a few rows."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ MODELS = {  # name -> (family, config extras)
     "grouped_query": ("decoder", dict(positional="rotary", n_kv_heads=2)),
     "encoder": ("encoder", dict(labels=["a", "b"])),
     "translator": ("encoder-decoder", {}),
+    # the per-head q/k norm (Qwen3's): the blocks' q and k must be the normalised ones
+    "qk_norm": ("decoder", dict(positional="rotary", n_kv_heads=2, qk_norm=True)),
+    "translator_qk_norm": ("encoder-decoder", dict(qk_norm=True)),
 }
 LAYERS, HEADS = [2, 0], [3, 1]
 TINY_BLOCKS = 4 * 2 * 48 * 3  # three rows of two heads' scores over 48 keys: many blocks per map

@@ -254,7 +254,7 @@ def test_serving_on_cuda_sets_a_short_gil_switch_interval(tiny_checkpoint):
         sys.setswitchinterval(before)
 
 
-# --- imported architectures (Llama 3, Llama 2, Qwen2, Mistral, Pythia) -----------------------------
+# --- imported architectures (Llama 3, Llama 2, Qwen2, Mistral, Qwen3, Pythia) ----------------------
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +277,7 @@ def imported(tmp_path_factory):
     return get
 
 
-ARCH_NAMES = ["llama3", "llama2", "qwen2", "mistral", "pythia"]
+ARCH_NAMES = ["llama3", "llama2", "qwen2", "mistral", "qwen3", "pythia"]
 
 
 @pytest.mark.parametrize("name", ARCH_NAMES)

@@ -1,4 +1,4 @@
-"""Real architectures from disk: a small random Llama 3, Llama 2, Qwen2, Mistral and Pythia built
+"""Real architectures from disk: a small random Llama 3, Llama 2, Qwen2, Mistral, Qwen3 and Pythia built
 by transformers (tests/arch_helpers.py), saved with their tokenizers, imported with import-hf,
 and checked against transformers on the same weights (logits, every attention map, greedy
 generation), against our own full recompute (incremental decoding, batched rows of different
@@ -29,6 +29,7 @@ EXPECTED = {
     "llama2": ("LlamaForCausalLM", None, 8, 1.0, True, None, (True, True, True)),
     "qwen2": ("Qwen2ForCausalLM", 1, 8, 1.0, True, None, (True, False, False)),
     "mistral": ("MistralForCausalLM", 2, 16, 1.0, False, 8, (False, False, False)),
+    "qwen3": ("Qwen3ForCausalLM", 2, 32, 1.0, False, None, (False, False, False)),
     "pythia": ("GPTNeoXForCausalLM", None, 16, 0.25, False, None, (True, True, True)),
 }
 
@@ -68,6 +69,7 @@ def test_import_reads_the_architecture_and_its_parts(arch):
     assert (cfg.norm_type, cfg.ffn, cfg.parallel_residual) == (
         ("layernorm", "plain", True) if arch.case.name == "pythia" else ("rmsnorm", "gated", False))
     assert (arch.ckpt.model.lm_head.weight is arch.ckpt.model.tok_emb.weight) == tied
+    assert cfg.qk_norm == (arch.case.name == "qwen3")
     assert arch.ckpt.model.new_kv_cache(2).keys[0].shape == (2, n_kv or cfg.n_heads, 64, head_dim)
 
 
@@ -216,10 +218,11 @@ def test_export_loads_in_transformers_and_imports_back_exactly(arch, tmp_path):
 
 
 def test_export_refuses_an_architecture_that_cannot_express_the_model(arch):
-    names = {"llama3": "gpt_neox", "llama2": "qwen2", "qwen2": "mistral", "mistral": "llama", "pythia": "llama"}
+    names = {"llama3": "gpt_neox", "llama2": "qwen2", "qwen2": "mistral", "mistral": "llama", "pythia": "llama",
+             "qwen3": "llama"}
     reason = {"llama3": "GPT-NeoX uses LayerNorm", "llama2": "Qwen2 has biases on q, k, v only",
               "qwen2": "Mistral has no biases", "mistral": "Llama attends to every earlier position",
-              "pythia": "Llama uses RMSNorm"}
+              "pythia": "Llama uses RMSNorm", "qwen3": r"Llama does not normalise queries and keys \(qk_norm=False\)"}
     with pytest.raises(ValueError, match=f"cannot export as .*{reason[arch.case.name]}"):
         find_for_export(arch.ckpt.config, names[arch.case.name])
 
@@ -297,7 +300,7 @@ def edit_config(src: Path, **changes) -> None:
 
 
 SUPPORTED = ("GPT2LMHeadModel, BertForMaskedLM, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, "
-             "GPTNeoXForCausalLM")
+             "GPTNeoXForCausalLM, Qwen3ForCausalLM")
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -327,11 +330,59 @@ def test_import_refuses_what_it_cannot_run_naming_it(damaged, tmp_path, changes,
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
-def test_qwen2_sliding_window_layers_are_refused(tmp_path):
-    src, _ = write_hf_checkpoint(CASES["qwen2"], tmp_path / "qwen2")
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_layers_are_refused(tmp_path, name):
+    src, _ = write_hf_checkpoint(CASES[name], tmp_path / name)
     edit_config(src, use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    with pytest.raises(CheckpointError, match="use_sliding_window=true"):
+    with pytest.raises(CheckpointError, match=f"cannot import this {name.title()}: use_sliding_window=true"):
         import_checkpoint(src, tmp_path / "out")
+
+
+def test_qwen3_hooks_see_the_normalised_queries_and_keys_and_leave_the_output_alone(tmp_path):
+    """hook_q / hook_k are what Qwen3's q_norm / k_norm give (before rotary positions), hook_rot_*
+    what the maps are made of; recording them changes no logit; head_dim defaults to 128 (as
+    Qwen3Config) when config.json leaves it out, and the export refusals name the q/k norm."""
+    from attnlens.model.hooks import Hooks, hooked
+
+    case = CASES["qwen3"]
+    src, _ = write_hf_checkpoint(case, tmp_path / "hf", seed=5)
+    out, _ = import_checkpoint(src, tmp_path / "ours")
+    ckpt, hf = load_checkpoint(out), load_hf(src, case)
+    ids = ids_for(ckpt, 2, 20, seed=6)
+    seen = {}
+    handles = [getattr(hf.model.layers[1].self_attn, n).register_forward_hook(
+        lambda m, i, o, n=n: seen.__setitem__(n, o)) for n in ("q_norm", "k_norm")]
+    try:
+        with torch.no_grad():
+            want = hf(ids).logits
+    finally:
+        for h in handles:
+            h.remove()
+    names = {f"blocks.1.attn.{n}" for n in ("hook_q", "hook_k", "hook_rot_q", "hook_rot_k")}
+    with torch.no_grad():
+        plain = ckpt.model(ids).logits
+        with hooked(ckpt.model, Hooks(record=names)) as hooks:
+            recorded = ckpt.model(ids).logits
+    assert torch.equal(recorded, plain)
+    torch.testing.assert_close(plain, want, atol=1e-4, rtol=0)
+    got = hooks.captured
+    assert got["blocks.1.attn.hook_q"].shape == seen["q_norm"].shape == (2, 20, 4, 32)  # [B, T, H, D]
+    assert got["blocks.1.attn.hook_k"].shape == seen["k_norm"].shape == (2, 20, 2, 32)  # [B, S, K, D]
+    torch.testing.assert_close(got["blocks.1.attn.hook_q"], seen["q_norm"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["blocks.1.attn.hook_k"], seen["k_norm"], atol=1e-5, rtol=0)
+    assert not torch.allclose(got["blocks.1.attn.hook_rot_q"], got["blocks.1.attn.hook_q"])
+
+    edit_config(src, head_dim=None)
+    with pytest.raises(CheckpointError, match=r"self_attn\.q_proj\.weight has shape \[128, 64\] but config\.json "
+                                              r"implies \[512, 64\]"):
+        import_checkpoint(src, tmp_path / "no-head-dim")
+    llama = load_checkpoint(import_checkpoint(write_hf_checkpoint(CASES["llama3"], tmp_path / "llama")[0],
+                                              tmp_path / "llama-ours")[0]).config
+    with pytest.raises(ValueError, match=r"cannot export as Qwen3: Qwen3 normalises each head's queries and keys "
+                                         r"\(qk_norm=True\)"):
+        find_for_export(llama, "qwen3")
+    with pytest.raises(ValueError, match=r"cannot export as GPT-2: .*GPT-2 does not normalise queries and keys"):
+        find_for_export(ckpt.config, "gpt2")
 
 
 def test_import_refuses_missing_tokenizer_weights_and_an_untied_head_under_a_tied_config(damaged, tmp_path):

@@ -402,7 +402,7 @@ def test_generate_tokens_zero_ablation_equals_full_recompute(models):
     assert got == full_recompute_ids(model, prompt, 8, edits)
 
 
-# --- imported architectures: GQA, rotary (full, partial), sliding window, parallel residual ---------
+# --- imported architectures: GQA, rotary (full, partial), sliding window, q/k norm, parallel residual
 
 
 def output_projection(hf, layer: int):
@@ -412,7 +412,7 @@ def output_projection(hf, layer: int):
     return hf.model.layers[layer].self_attn.o_proj
 
 
-@pytest.mark.parametrize("case", ["llama3", "qwen2", "mistral", "pythia"])
+@pytest.mark.parametrize("case", ["llama3", "qwen2", "mistral", "qwen3", "pythia"])
 def test_imported_architectures_head_ablation_equals_transformers(tmp_path, case):
     from arch_helpers import CASES, load_hf, write_hf_checkpoint
     from attnlens.model.interop.convert import import_checkpoint

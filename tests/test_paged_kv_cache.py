@@ -34,8 +34,9 @@ GQA = dict(context_length=160, d_model=48, n_heads=6, n_kv_heads=2, positional="
            activation="silu", bias=False)
 
 
-@pytest.mark.parametrize("overrides", [GQA, dict(context_length=160), dict(GQA, sliding_window=24)],
-                         ids=["llama-gqa", "gpt", "mistral-window"])
+@pytest.mark.parametrize("overrides", [GQA, dict(context_length=160), dict(GQA, sliding_window=24),
+                                       dict(GQA, qk_norm=True, head_dim=16)],
+                         ids=["llama-gqa", "gpt", "mistral-window", "qwen3-qk-norm"])
 def test_blocks_give_a_full_recomputes_logits_and_attention(overrides):
     """Rows of 5, 17 and 30 tokens (a right-padded prefill) decode together across many blocks of
     16, recording attention: each step's logits and each row's attention row equal a full forward

@@ -1,8 +1,8 @@
 """The parts of newer decoders, each checked on its own against an independent reference:
 PyTorch's modules, or transformers' own implementation of that part on identical weights
 (rotary positions and their scalings, RMSNorm, grouped- and multi-query attention, gated
-FFNs, the GPT-NeoX parallel block, Mistral's sliding window), plus what their config fields
-accept and refuse."""
+FFNs, the GPT-NeoX parallel block, Mistral's sliding window, Qwen3's per-head q/k norm), plus
+what their config fields accept and refuse."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from attnlens.model.parts import (
 transformers = pytest.importorskip("transformers")
 from transformers.models.gpt_neox import modeling_gpt_neox as neox  # noqa: E402
 from transformers.models.llama import modeling_llama as llama  # noqa: E402
+from transformers.models.qwen3 import modeling_qwen3 as qwen3  # noqa: E402
 
 SMALL = dict(vocab_size=50, context_length=40, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 LLAMA_PARTS = dict(positional="rotary", norm_type="rmsnorm", ffn="gated", activation="silu", bias=False)
@@ -247,6 +248,81 @@ def test_the_kv_cache_holds_the_key_value_heads():
     assert model.blocks[0].attn.proj.weight.shape == (32, 4 * 16)
 
 
+# --- Qwen3's q/k norm -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_kv", [4, 2], ids=["multi-head", "grouped-query"])
+def test_qk_norm_attention_equals_transformers_qwen3(n_kv):
+    """config.qk_norm: an RMSNorm over each head's D dims on q and on k, after the projection and
+    before rotary positions, against Qwen3Attention (eager) on the same weights, head_dim 16 wider
+    than d_model / n_heads; the fast path, the explicit path and its maps."""
+    torch.manual_seed(4)
+    cfg = ModelConfig(**{**SMALL, **LLAMA_PARTS, "n_kv_heads": n_kv, "head_dim": 16, "qk_norm": True,
+                         "layer_norm_eps": 1e-6})
+    ours = MultiHeadAttention(cfg).eval()
+    hf_config = transformers.Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=n_kv, head_dim=16,
+                                         max_position_embeddings=64, rms_norm_eps=1e-6)
+    hf_config._attn_implementation = "eager"
+    ref = qwen3.Qwen3Attention(hf_config, layer_idx=0).eval()
+    assert ours.q_norm.weight.shape == ours.k_norm.weight.shape == (16,) and ours.q_norm.eps == 1e-6
+    with torch.no_grad():
+        ours.q_norm.weight.copy_(torch.rand(16) + 0.5)
+        ours.k_norm.weight.copy_(torch.rand(16) * 4 + 1)  # sharp maps: the norm leaves q.k at most D * |w|^2
+        q, k, v = ours.qkv.weight.split([64, 16 * n_kv, 16 * n_kv])
+        for lin, w in ((ref.q_proj, q), (ref.k_proj, k), (ref.v_proj, v), (ref.o_proj, ours.proj.weight)):
+            lin.weight.copy_(w)
+        ref.q_norm.weight.copy_(ours.q_norm.weight)
+        ref.k_norm.weight.copy_(ours.k_norm.weight)
+    x = torch.randn(2, 9, 32) * 3
+    positions = torch.arange(9)[None].expand(2, 9)
+    rope = RotaryEmbedding(cfg)
+    cos, sin = qwen3.Qwen3RotaryEmbedding(hf_config)(x, positions)
+    blocked = torch.full((9, 9), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        want, want_probs = ref(x, position_embeddings=(cos, sin), attention_mask=blocked)
+        got, probs = ours(x, causal=True, return_attention=True, rope=rope(positions[0], x.dtype))
+        fast, _ = ours(x, causal=True, rope=rope(positions[0], x.dtype))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(probs, want_probs, atol=1e-6, rtol=0)
+    assert (probs[:, 0] - probs[:, 1]).abs().max() > 1e-3
+
+
+def test_qk_norm_applies_to_cross_attention_and_exists_only_when_asked():
+    """Every attention module normalises what it projects: the encoder-decoder's cross-attention
+    its queries (from x) and its keys (from memory, project_memory: what the cross K/V cache keeps);
+    without qk_norm there is no q_norm / k_norm, and no tensor for them in the state."""
+    torch.manual_seed(6)
+    attn = MultiHeadAttention(ModelConfig(**{**SMALL, "qk_norm": True})).eval()
+    with torch.no_grad():
+        attn.q_norm.weight.copy_(torch.rand(8) + 0.5)
+        attn.k_norm.weight.copy_(torch.rand(8) + 0.5)
+    x, memory = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+
+    def rms(t, w):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+    with torch.no_grad():
+        q, k, v = attn.qkv(x).split(32, dim=-1)[0], *attn.qkv(memory).split(32, dim=-1)[1:]
+        q, k, v = (t.view(2, -1, 4, 8).transpose(1, 2) for t in (q, k, v))
+        q, k = rms(q, attn.q_norm.weight), rms(k, attn.k_norm.weight)
+        want = attn.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 5, 32))
+        got, _ = attn(x, memory)
+        cached, _ = attn(x, memory_kv=attn.project_memory(memory))
+        self_q, self_k, _ = attn.project(x, None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cached, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(self_q, rms(attn.qkv(x)[..., :32].view(2, 5, 4, 8).transpose(1, 2),
+                                           attn.q_norm.weight), atol=1e-6, rtol=0)
+    plain = MultiHeadAttention(ModelConfig(**SMALL))
+    assert plain.q_norm is None and plain.k_norm is None
+    assert not any("norm" in n for n in plain.state_dict())
+    assert {n for n in attn.state_dict() if "norm" in n} == {"q_norm.weight", "k_norm.weight"}
+    ModelConfig(**{**SMALL, "family": "encoder", "qk_norm": True})  # a part of every family's attention
+    ModelConfig(**{**SMALL, "family": "encoder-decoder", "qk_norm": True})
+
+
 # --- gated FFNs, biases, untied embeddings -------------------------------------------------------
 
 
@@ -382,6 +458,7 @@ def test_a_sliding_window_model_forgets_what_is_out_of_its_window():
     ({"parallel_residual": True, "norm": "post"}, "parallel_residual .* needs norm='pre'"),
     ({"sliding_window": 0}, "sliding_window must be a positive integer"),
     ({"qkv_bias": "yes"}, "qkv_bias must be true, false or null"),
+    ({"qk_norm": 1}, "qk_norm must be true or false"),
     ({"family": "encoder", "positional": "rotary"}, "the encoder family does not build rotary"),
     ({"family": "encoder-decoder", "n_kv_heads": 2}, "the encoder-decoder family does not build grouped_query"),
     ({"family": "encoder", "norm_type": "rmsnorm"}, "the encoder family does not build rmsnorm"),
@@ -403,6 +480,7 @@ def test_old_config_json_loads_with_every_new_field_at_its_default():
     assert (config.kv_heads, config.d_head, config.norm_type, config.ffn, config.rotary_dims) == (8, 32, "layernorm",
                                                                                                   "plain", 0)
     assert not config.parallel_residual and config.sliding_window is None and config.architecture is None
+    assert not config.qk_norm
     assert config.is_gpt2_shaped() == []
     llama_like = ModelConfig(**{**SMALL, **LLAMA_PARTS, "n_kv_heads": 2})
     assert ModelConfig.from_json(llama_like.to_json()) == llama_like
@@ -413,10 +491,11 @@ def test_old_config_json_loads_with_every_new_field_at_its_default():
     {**LLAMA_PARTS, "n_kv_heads": 2, "sliding_window": 6, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     {"d_model": 64, "positional": "rotary", "rotary_pct": 0.25, "parallel_residual": True, "tie_embeddings": False},
     {**LLAMA_PARTS, "n_kv_heads": 1, "head_dim": 16, "qkv_bias": True, "dropout": 0.1},
-], ids=["llama-gqa-window", "neox-parallel", "qwen-mqa-dropout"])
+    {**LLAMA_PARTS, "n_kv_heads": 2, "head_dim": 16, "qk_norm": True},
+], ids=["llama-gqa-window", "neox-parallel", "qwen-mqa-dropout", "qwen3-qk-norm"])
 def test_the_new_parts_train_on_a_tiny_repeated_batch(overrides):
     """Gradients flow through rotary angles, grouped heads, RMSNorm, gated FFNs, the parallel
-    residual and the window mask: a decoder built from them learns a repeated batch."""
+    residual, the window mask and the q/k norm: a decoder built from them learns a repeated batch."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**{**SMALL, "context_length": 16, **overrides})).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

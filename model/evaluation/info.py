@@ -77,7 +77,8 @@ def describe(ckpt_dir: str | Path) -> str:
         f"{'gated ' if cfg.get('ffn') == 'gated' else ''}{cfg['activation']}, "
         f"bias={cfg['bias']}, tied={cfg['tie_embeddings']}, scaled emb={cfg['scale_embeddings']}"
         + (", parallel residual" if cfg.get("parallel_residual") else "")
-        + (f", sliding window {cfg['sliding_window']}" if cfg.get("sliding_window") else ""),
+        + (f", sliding window {cfg['sliding_window']}" if cfg.get("sliding_window") else "")
+        + (", q/k norm" if cfg.get("qk_norm") else ""),
     ]
     if cfg.get("architecture"):
         lines.insert(2, f"imported     from a transformers {cfg['architecture']}")

@@ -10,7 +10,8 @@ H = query heads, K = key/value heads, D = d_head, R = rotary dims, F = d_ff.
                  RotaryEmbedding     rotary angles (full or partial, base and scaling from the
                  apply_rotary        config: linear, llama3), applied to queries and keys
     attention    MultiHeadAttention  self- or cross-attention; multi-head, grouped-query or
-                                     multi-query (n_kv_heads); a boolean mask broadcastable to
+                                     multi-query (n_kv_heads); an optional RMSNorm per head
+                                     on queries and keys (qk_norm: Qwen3); a boolean mask broadcastable to
                                      (B, H, T, S), True = may attend, and/or `causal`; the SDPA
                                      fast path, or the explicit path that also returns the
                                      (B, H, T, S) probabilities, one map per query head

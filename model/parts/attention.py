@@ -9,7 +9,8 @@ multi-query attention), G = H / K query heads per key/value head, D = d_head.
     sliding_window_mask  (..., T, S) a query sees only its last `window` positions (Mistral)
     sdpa                 F.scaled_dot_product_attention, with the CUDA backends chosen below
     MultiHeadAttention   self-attention (keys/values from x) or cross-attention (from `memory`);
-                         rotary positions on queries and keys; grouped-query attention; the SDPA
+                         an optional RMSNorm per head on queries and keys (Qwen3's q_norm /
+                         k_norm); rotary positions on queries and keys; grouped-query attention; the SDPA
                          fast path, or the explicit path that also returns the (B, H, T, S)
                          probabilities: one map per query head
 """
@@ -30,6 +31,7 @@ from .. import hooks as _hooks
 from ..config import ModelConfig
 from .positions import RotaryAngles, apply_rotary
 from .linear import Linear
+from .norms import RMSNorm
 
 # Stores this call's new (B, K, T, D) keys/values and returns all (B, K, S, D) keys/values
 # the queries may see (see KVCache.begin): how a cache reaches one attention module.
@@ -90,6 +92,12 @@ class MultiHeadAttention(nn.Module):
     one group side by side, as transformers' repeat_kv lays them out. Keys and values are never
     repeated: the cache holds K heads, and the G queries of a group meet its keys in one product.
 
+    Q/K norm (config.qk_norm, Qwen3): `q_norm` and `k_norm`, RMSNorms over the D dims of each
+    head (weights of size D, eps config.layer_norm_eps), normalise every query and key right
+    after the projection (`project`, `project_memory`): before rotary positions, the cache,
+    the hook points (hook_q / hook_k and what follows see the normalised ones) and every path
+    below. Without it both are None.
+
     Rotary positions (`rope`, the angles of this call's positions) rotate queries and keys
     before the keys reach the cache.
 
@@ -112,13 +120,17 @@ class MultiHeadAttention(nn.Module):
         self.qkv = Linear(config.d_model, (H + 2 * K) * D, bias=config.bias_of("qkv"))
         self.proj = Linear(H * D, config.d_model, bias=config.bias_of("attn_out"))
         self.resid_dropout = nn.Dropout(config.dropout)
+        # Qwen3's q/k norm: one RMSNorm over each head's D dims for the queries, one for the keys
+        self.q_norm = RMSNorm(D, eps=config.layer_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(D, eps=config.layer_norm_eps) if config.qk_norm else None
 
     def project(self, x: torch.Tensor, memory: torch.Tensor | None, memory_kv=None, rope: RotaryAngles | None = None,
                 hooks=None):
         """q (B, H, T, D) from x; k, v (B, K, S, D) from x, or from memory for cross-attention
         (or `memory_kv`, memory's keys and values already projected by `project_memory`);
         with `rope`, q and k of self-attention rotated by their positions (with `hooks`, q and
-        k before rotation are kept as hook_q / hook_k of this call's new positions)."""
+        k before rotation are kept as hook_q / hook_k of this call's new positions). With
+        q_norm / k_norm, q and k are normalised per head first: every caller sees them so."""
         B, T, _ = x.shape
         H, K, D = self.n_heads, self.n_kv_heads, self.d_head
         if memory is None and memory_kv is None:
@@ -127,6 +139,8 @@ class MultiHeadAttention(nn.Module):
             else:  # (B, T, (H + 2K) D) -> q (B, T, HD), k and v (B, T, KD) -> (B, heads, T, D) views
                 q, k, v = self.qkv(x).split((H * D, K * D, K * D), dim=-1)
                 q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:
                 if hooks is not None:
                     hooks.keep(f"{self.hook_name}.hook_q", q.transpose(1, 2))
@@ -136,6 +150,8 @@ class MultiHeadAttention(nn.Module):
         w, b = self.qkv.weight, self.qkv.bias
         q = F.linear(x, w[:H * D], None if b is None else b[:H * D])  # (B, T, HD)
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, T, HD) -> (B, H, T, D)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
         k, v = memory_kv if memory_kv is not None else self.project_memory(memory)
         return q, k, v
 
@@ -147,6 +163,8 @@ class MultiHeadAttention(nn.Module):
         w, b = self.qkv.weight, self.qkv.bias
         kv = F.linear(memory, w[HD:], None if b is None else b[HD:])  # (B, S, 2KD)
         k, v = kv.view(B, S, 2, K, D).permute(2, 0, 3, 1, 4).unbind(0)  # 2 x (B, K, S, D)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         return k, v
 
     def forward(

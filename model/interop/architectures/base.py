@@ -196,9 +196,10 @@ def context_length(cfg: HFConfig, cap: int | None, default: int) -> int:
     return n
 
 
-def common_export_reasons(config: ModelConfig, title: str) -> list[str]:
+def common_export_reasons(config: ModelConfig, title: str, *, qk_norm: bool = False) -> list[str]:
     """What no transformers decoder here can express: another family, learned positions beside
-    rotary ones, scaled embeddings, post-LN."""
+    rotary ones, scaled embeddings, post-LN; and a q/k norm (config.qk_norm) where the
+    architecture has none, or none where it has one (`qk_norm`: Qwen3)."""
     reasons = []
     if config.family != "decoder":
         reasons.append(f"{title} is a decoder (family='decoder'), this is {config.family!r}")
@@ -208,4 +209,7 @@ def common_export_reasons(config: ModelConfig, title: str) -> list[str]:
         reasons.append(f"{title} is pre-LN (norm='pre')")
     if config.scale_embeddings:
         reasons.append(f"{title} does not scale embeddings (scale_embeddings=False)")
+    if config.qk_norm != qk_norm:
+        reasons.append(f"{title} normalises each head's queries and keys (qk_norm=True)" if qk_norm
+                       else f"{title} does not normalise queries and keys (qk_norm=False)")
     return reasons

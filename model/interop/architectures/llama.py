@@ -8,6 +8,8 @@ lm_head unless tie_word_embeddings. Names (ours <- Llama's)::
     tok_emb                <- model.embed_tokens
     blocks.i.ln1           <- model.layers.i.input_layernorm
     blocks.i.attn.qkv      <- model.layers.i.self_attn.{q,k,v}_proj   (rows fused: q, k, v)
+    blocks.i.attn.q_norm   <- model.layers.i.self_attn.q_norm         (with config.qk_norm: Qwen3)
+    blocks.i.attn.k_norm   <- model.layers.i.self_attn.k_norm         (with config.qk_norm: Qwen3)
     blocks.i.attn.proj     <- model.layers.i.self_attn.o_proj
     blocks.i.ln2           <- model.layers.i.post_attention_layernorm
     blocks.i.ffn.fc        <- model.layers.i.mlp.{gate,up}_proj       (rows fused: gate, up)
@@ -15,8 +17,9 @@ lm_head unless tie_word_embeddings. Names (ours <- Llama's)::
     ln_f                   <- model.norm
     lm_head                <- lm_head (absent when tied)
 
-Qwen2 and Mistral are Llamas with other biases or a sliding window: their modules call
-`rotary_decoder_config`, `rotary_decoder_hf` and `llama_tensors` with their differences.
+Qwen2, Mistral and Qwen3 are Llamas with other biases, a sliding window or a per-head q/k
+norm: their modules call `rotary_decoder_config`, `rotary_decoder_hf`, `rotary_decoder_reasons`
+and `llama_tensors` with their differences.
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ from .base import (
 
 
 def rotary_decoder_config(cfg: HFConfig, cap: int | None, *, architecture: str, qkv_bias: bool, attn_out_bias: bool,
-                          ffn_bias: bool, sliding_window: int | None = None) -> ModelConfig:
-    """The ModelConfig of a Llama-shaped config.json (Llama, Qwen2, Mistral): their differences
-    are the biases and the sliding window, passed in."""
+                          ffn_bias: bool, sliding_window: int | None = None, qk_norm: bool = False) -> ModelConfig:
+    """The ModelConfig of a Llama-shaped config.json (Llama, Qwen2, Mistral, Qwen3): their
+    differences are the biases, the sliding window and the q/k norm, passed in."""
     rope = rope_from_hf(cfg)
     if rope["rotary_pct"] != 1.0:
         cfg.refuse(f"partial_rotary_factor {rope['rotary_pct']} is not supported by {cfg.title} (it rotates whole heads)")
@@ -76,6 +79,7 @@ def rotary_decoder_config(cfg: HFConfig, cap: int | None, *, architecture: str, 
         tie_embeddings=cfg.flag("tie_word_embeddings", False),
         layer_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         sliding_window=sliding_window,
+        qk_norm=qk_norm,
         architecture=architecture,
         **rope,
     )
@@ -104,9 +108,10 @@ def rotary_decoder_hf(config: ModelConfig, hf_class: str, model_type: str) -> di
     }
 
 
-def rotary_decoder_reasons(config: ModelConfig, title: str) -> list[str]:
-    """Why a config is not a Llama-shaped decoder at all (before each one's own biases)."""
-    reasons = common_export_reasons(config, title)
+def rotary_decoder_reasons(config: ModelConfig, title: str, *, qk_norm: bool = False) -> list[str]:
+    """Why a config is not a Llama-shaped decoder at all (before each one's own biases);
+    `qk_norm`: whether this one normalises queries and keys (Qwen3)."""
+    reasons = common_export_reasons(config, title, qk_norm=qk_norm)
     if config.norm_type != "rmsnorm":
         reasons.append(f"{title} uses RMSNorm (norm_type='rmsnorm')")
     if config.ffn != "gated":
@@ -128,6 +133,8 @@ def llama_tensors(config: ModelConfig) -> list[Rule]:
         kinds = ["weight"] + (["bias"] if config.bias_of("qkv") else [])
         rules += [fused(ours + f"attn.qkv.{k}", [attn + f"{p}_proj.{k}" for p in "qkv"], [H * D, K * D, K * D])
                   for k in kinds]
+        if config.qk_norm:
+            rules += [same(ours + f"attn.{n}.weight", attn + f"{n}.weight") for n in ("q_norm", "k_norm")]
         rules += [same(ours + f"attn.proj.{k}", attn + f"o_proj.{k}")
                   for k in ["weight"] + (["bias"] if config.bias_of("attn_out") else [])]
         for k in ["weight"] + (["bias"] if config.bias_of("ffn") else []):
