@@ -368,7 +368,7 @@ def head_figures(ckpt_dir) -> dict[str, dict]:
                             "weak": fill["top1"] < FILL_MASK_GOAL}
     if "balanced_accuracy" in (held := genre.get("held_out_genre") or {}):
         bow = (genre.get("bow_baseline") or {}).get("balanced_accuracy")
-        out["classify"] = {"figure": "held-out balanced accuracy (bag of words beside it)",
+        out["classify"] = {"figure": "held-out balanced accuracy",
                            "value": held["balanced_accuracy"], "baseline": bow,
                            "weak": bow is not None and held["balanced_accuracy"] <= bow}
     return out

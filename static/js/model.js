@@ -105,6 +105,8 @@ export async function loadModel(name = "") {
     tasks: summary?.tasks ?? ["generate", "attention"],
     labels: summary?.labels ?? null,
     pooling: summary?.pooling ?? null,
+    head_figures: summary?.head_figures ?? {},
+    classifier_layers: summary?.classifier_layers ?? 0,
     family_info: summary?.family_info ?? null,
     models: list?.models.length ?? 1,
   };

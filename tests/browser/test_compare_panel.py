@@ -144,3 +144,15 @@ def test_compare_panel_fits_a_phone(phone, server):
     phone.locator("#compare-panel").screenshot(path=str(SHOTS / "compare-panel-phone.png"))
     phone.locator("#compare-panel").scroll_into_view_if_needed()
     phone.screenshot(path=str(SHOTS / "compare-phone.png"))
+
+
+def test_a_heads_reported_figure_is_shown_and_a_weak_one_marked(page, server):
+    """The bundled encoder's training report: its genre head (73.4% balanced) loses to bag of words
+    (80.2%), so /models calls it weak and the classify panel says so, with both figures."""
+    figures = httpx.get(server.base_url + "/models").json()["models"]
+    encoder = next(m for m in figures if m["name"] == "encoder")["head_figures"]["classify"]
+    assert encoder["weak"] and encoder["value"] < encoder["baseline"]
+    open_encoder(page, server)
+    text = page.inner_text("#classify-panel .head-figure")
+    assert "weak head" in text and f"{100 * encoder['value']:.1f}%" in text and f"{100 * encoder['baseline']:.1f}%" in text
+    assert page.locator("#fill-mask-panel .head-figure").count() == 0  # no fill-mask figure in its report

@@ -44,7 +44,8 @@ export function constrainState(s, meta, viewIds) {
 
 /**
  * {model, text, tokens, attention, causal, generation, boundary, selection, settings, axes, scope, live}
- *  - model: name, layer / head counts, family, attention kind, tasks, labels, pooling
+ *  - model: name, layer / head counts, family, attention kind, tasks, labels, pooling, head_figures
+ *    (each encoder head's held-out figure, /models), classifier_layers
  *  - text: the text the analysis shows (the store's prompt, or the generation's text)
  *  - causal: whether the maps are causal (a decoder's) or full squares (an encoder's)
  *  - attention: the AttentionSet of the analysed sequence ([layer][head][query][key], fetched
@@ -68,6 +69,7 @@ export function viewParams(s) {
     model: Object.freeze({
       name: meta.name, n_layers: meta.n_layers, n_heads: meta.n_heads, context_length: meta.context_length,
       family: meta.family ?? "decoder", attention: meta.attention ?? "causal", tasks: meta.tasks ?? [], labels: meta.labels ?? null, pooling: meta.pooling ?? null,
+      head_figures: meta.head_figures ?? {}, classifier_layers: meta.classifier_layers ?? 0,
       capabilities: meta.capabilities ?? capabilities(meta.family_info, meta.tasks),
       groups: Object.freeze((meta.family_info?.groups ?? [primaryGroup(null)]).map((g) => Object.freeze({ ...g }))),
       d_model: meta.d_model ?? null,
