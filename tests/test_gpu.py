@@ -356,3 +356,36 @@ def test_each_architecture_decodes_in_bf16_on_cuda(imported, name):
     finally:
         engine.close()
     assert first == second and all(len(t) >= 1 for t in first)
+
+
+def test_encoder_embeddings_clark_scores_and_a_classifier_with_its_own_blocks_on_cuda(tmp_path):
+    """/v1/embeddings, /heads' Clark scores and /classify through a genre head's own top block
+    (classifier_layers) answer on CUDA in float32 as on the CPU."""
+    from fastapi.testclient import TestClient
+
+    from attnlens.app.main import create_app
+    from attnlens.app.settings import Settings
+    from attnlens.model import load_checkpoint
+    from attnlens.model.checkpoint import save_checkpoint
+    from attnlens.model.training.encoder_heads import genre_model
+
+    base = load_checkpoint("checkpoints/encoder")
+    torch.manual_seed(0)
+    branched = genre_model(base.model, 1)
+    with torch.no_grad():
+        for p in branched.classifier_blocks.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # its own block differs from the shared one
+    path = save_checkpoint(tmp_path / "branched", branched, base.tokenizer)
+    texts = ["O Romeo, Romeo! wherefore art thou Romeo?", "My liege, the French are landed."]
+    answers = {}
+    for device in ("cpu", "cuda"):
+        settings = Settings(model=path, models=[path], device=device, dtype="float32", warmup=False)
+        with TestClient(create_app(settings)) as client:
+            emb = client.post("/v1/embeddings", json={"model": "branched", "input": texts}).json()
+            heads = client.post("/heads", json={"model": "branched", "text": texts[0]}).json()
+            cls = client.post("/classify", json={"model": "branched", "text": texts[1]}).json()
+        clark = [[h["scores"]["clark_cls"], h["scores"]["clark_entropy"]] for row in heads["groups"][0]["heads"] for h in row]
+        answers[device] = (torch.tensor([d["embedding"] for d in emb["data"]]), torch.tensor(clark),
+                           torch.tensor([label["score"] for label in cls["labels"]]))
+    for cpu, cuda in zip(answers["cpu"], answers["cuda"]):
+        assert torch.allclose(cpu, cuda, atol=1e-4), (cpu - cuda).abs().max()
