@@ -159,6 +159,7 @@ def test_the_atlas_ranks_the_heads_by_any_score_clarks_among_them(page, bundled_
     heads = [h for row in want["heads"] for h in row]
     assert "attends to [SEP] ≥ 0.50" in page.inner_text(".atlas-legend")
     page.click(".atlas-rank summary")
+    page.wait_for_selector(".atlas-sort")  # the table is drawn when the panel opens (its toggle event)
     headers = page.eval_on_selector_all(".atlas-sort", "bs => bs.map(b => b.dataset.sort)")
     assert headers == ["head", "role", "role_score", *want["heads"][0][0]["scores"]]
     for name in ("clark_cls", "clark_sep", "clark_punctuation", "clark_previous", "clark_next", "clark_entropy"):
