@@ -19,7 +19,7 @@ from ..errors import ApiError
 from ..explain_schemas import (ExplainRequest, ExplainResponse, LensRequest, LensResponse, LogitsRequest,
                                LogitsResponse)
 from ..registry import ATTENTION, ServedModel, lookup
-from ..routers.attention import read_sequence
+from ..sequences import read_sequence
 from .ablation import resolve_ablate
 
 FLOAT_BYTES = 24  # a float in JSON, with its separator, at most

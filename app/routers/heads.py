@@ -17,8 +17,8 @@ from ..head_atlas import (DEFAULT_PROBE_LENGTH, atlas_answer, clark_probe, maps_
 from ..heads_schemas import HeadsRequest, HeadsResponse
 from ..prompts import check_text_bytes
 from ..registry import ATTENTION, ServedModel, lookup
+from ..sequences import input_ids, target_ids
 from ..state import AppState
-from .attention import _input_ids, _target_ids
 
 router = APIRouter(tags=["heads"])
 
@@ -56,7 +56,7 @@ async def _ids(body: HeadsRequest, state: AppState, served: ServedModel) -> tupl
             return await off_loop(framed_ids, served.checkpoint, body.text), None
         except TaskInputError as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
-    return await _input_ids(body, state, served), None
+    return await input_ids(body, state, served), None
 
 
 @router.post(
@@ -87,7 +87,7 @@ async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
     served = lookup(state, body.model, ATTENTION)
     family, cfg, tok = served.family, served.checkpoint.config, served.checkpoint.tokenizer
     _one_input(body)
-    target = await _target_ids(body, served)
+    target = await target_ids(body, served)
     ids, probe = await _ids(body, state, served)
     # the maps exist only on the model's side, but they are as large as /attention's: claimed from
     # the same budget (ATTNLENS_MAX_ANSWER_BYTES) while they are computed and scored
