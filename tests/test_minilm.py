@@ -15,6 +15,7 @@ import torch
 
 from attnlens.model.interop import packaged
 from attnlens.model.interop.packaged import MINILM
+from helpers import installed_packaged_file, packaged_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -28,17 +29,12 @@ SENTENCES = ["A man is playing a guitar.", "Someone plays an instrument on stage
 
 @pytest.fixture(scope="session")
 def minilm_zip():
-    found = packaged.locate(MINILM)
-    if found is None:
-        pytest.skip(f"{MINILM.distribution} is not installed ({packaged.install_hint(MINILM)})")
-    return found[0]
+    return installed_packaged_file(MINILM)
 
 
 @pytest.fixture(scope="session")
 def minilm(minilm_zip):
-    from attnlens.model import load_checkpoint
-
-    return load_checkpoint(packaged.ensure_checkpoint(MINILM, progress=False))
+    return packaged_checkpoint(MINILM)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import torch
 
 from attnlens.model.interop import packaged
 from attnlens.model.interop.packaged import SMOLLM2
-from helpers import child_pids, rss_bytes
+from helpers import child_pids, installed_packaged_file, packaged_checkpoint, rss_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +25,12 @@ AWKWARD = ["12345 apples, 3.14159 and 1,000,000", " 1 2 3 1999", "Café naïve r
 
 @pytest.fixture(scope="session")
 def smollm2_file():
-    found = packaged.locate(SMOLLM2)
-    if found is None:
-        pytest.skip(f"{SMOLLM2.distribution} is not installed ({packaged.install_hint(SMOLLM2)})")
-    return found[0]
+    return installed_packaged_file(SMOLLM2)
 
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_file):
-    from attnlens.model import load_checkpoint
-
-    return load_checkpoint(packaged.ensure_checkpoint(SMOLLM2, progress=False))
+    return packaged_checkpoint(SMOLLM2)
 
 
 @pytest.fixture(scope="session")
