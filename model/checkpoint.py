@@ -16,6 +16,7 @@ names the file and what is wrong with it.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,7 @@ def write_checkpoint(out_dir: str | Path, config: ModelConfig, state: dict[str, 
     tmp = out / (WEIGHTS_FILE + ".tmp")
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
               metadata={"format": "pt", "producer": "attnlens"})
+    readable_by_all(tmp)
     tmp.replace(out / WEIGHTS_FILE)  # never leave a half-written weights file behind
     tokenizer.save(out / TOKENIZER_FILE)
     for name, data in tokenizer.transformers_files(config.context_length).items():
@@ -99,6 +101,14 @@ def write_checkpoint(out_dir: str | Path, config: ModelConfig, state: dict[str, 
     if report is not None:
         (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return out
+
+
+def readable_by_all(path: Path) -> None:
+    """Give a file safetensors wrote (owner-only, 0600) the mode the umask gives any new file: a
+    cache or a checkpoint made by one user is read by the server running as another (the image)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 class _NoRandomInit(TorchFunctionMode):

@@ -237,3 +237,19 @@ def test_invalid_report_json(ckpt):
     (ckpt / "train_report.json").write_text("{oops")
     with pytest.raises(CheckpointError, match=r"train_report\.json: not valid JSON"):
         load_checkpoint(ckpt)
+
+
+def test_weights_are_written_with_the_umasks_mode_not_owner_only(tmp_path):
+    """safetensors writes 0600; a checkpoint (or the cache a Docker build fills as root) is read by
+    a server running as another user, so the file gets the mode any new file would."""
+    import os
+
+    from helpers import make_tiny_checkpoint
+
+    ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path / "a"))
+    old = os.umask(0o022)
+    try:
+        out = save_checkpoint(tmp_path / "b", ckpt.model, ckpt.tokenizer)
+    finally:
+        os.umask(old)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import Checkpoint, load_checkpoint
+from ..checkpoint import Checkpoint, load_checkpoint, readable_by_all
 from ..config import ModelConfig
 from ..data.genres import GENRES
 from ..data.mlm import IGNORE, mask_tokens
@@ -128,6 +128,7 @@ def save_heads(out: Path, model: Encoder, prefixes: tuple[str, ...], config_fiel
     tensors.update({k: v.detach().to(SAVE_DTYPE).contiguous() for k, v in model.state_dict().items()
                     if k.startswith(prefixes)})
     save_file(tensors, str(out / HEADS_FILE), metadata={"format": "pt", "producer": "attnlens"})
+    readable_by_all(out / HEADS_FILE)
     fields = json.loads((out / HEADS_CONFIG).read_text(encoding="utf-8")) if (out / HEADS_CONFIG).is_file() else {}
     (out / HEADS_CONFIG).write_text(json.dumps({**fields, **config_fields}, indent=2, sort_keys=True) + "\n",
                                     encoding="utf-8")
