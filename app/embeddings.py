@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from attnlens.model import Checkpoint
+from attnlens.model.data.passages import pad_rows
 
 from .engine import progress
 from .errors import ApiError
@@ -106,17 +107,6 @@ def length_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
-def padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids (B, T) and the real-token mask (B, T) of `rows`."""
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for j, row in enumerate(rows):
-        ids[j, : len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[j, : len(row)] = 1
-    return ids.to(device), mask.to(device)
-
-
 @torch.inference_mode()
 def embed_rows(ckpt: Checkpoint, rows: list[list[int]], max_tokens: int = MAX_BATCH_TOKENS) -> np.ndarray:
     """(N, C) float32 unit vectors of the framed `rows`, in their order (on the runner's thread)."""
@@ -126,8 +116,8 @@ def embed_rows(ckpt: Checkpoint, rows: list[list[int]], max_tokens: int = MAX_BA
     out = np.empty((len(rows), ckpt.config.d_model), dtype=np.float32)
     for batch in length_batches([len(r) for r in rows], max_tokens):
         progress.report()  # a caller that went away stops here
-        ids, mask = padded([rows[i] for i in batch], pad, device)
-        out[batch] = model.sentence_embeddings(ids, mask).cpu().numpy()  # (b, C)
+        ids, mask = pad_rows([rows[i] for i in batch], pad)
+        out[batch] = model.sentence_embeddings(ids.to(device), mask.to(device)).cpu().numpy()  # (b, C)
     return out
 
 

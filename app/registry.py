@@ -11,9 +11,8 @@ engine's admission limits.
 
 from __future__ import annotations
 
-import functools
-
 import asyncio
+import functools
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path

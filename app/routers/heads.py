@@ -10,14 +10,12 @@ from fastapi import APIRouter, Depends, Response
 
 from ..answers import off_loop
 from ..deps import get_state
-from ..encoder_tasks import TaskInputError, framed_ids
 from ..errors import ApiError, field_error
 from ..head_atlas import (DEFAULT_PROBE_LENGTH, atlas_answer, clark_probe, maps_bytes, max_probe_length,
                           probe_ids, probe_overhead, score_heads)
 from ..heads_schemas import HeadsRequest, HeadsResponse
-from ..prompts import check_text_bytes
 from ..registry import ATTENTION, ServedModel, lookup
-from ..sequences import input_ids, target_ids
+from ..sequences import read_sequence, target_ids
 from ..state import AppState
 
 router = APIRouter(tags=["heads"])
@@ -45,18 +43,16 @@ async def _probe(body: HeadsRequest, served: ServedModel) -> tuple[list[int], di
     return ids, {"kind": body.probe.kind, "length": length, "seed": body.probe.seed}
 
 
-async def _ids(body: HeadsRequest, state: AppState, served: ServedModel) -> tuple[list[int], dict | None]:
-    """The ids to score (and the probe's echo): the probe, `text` framed as /attention frames it, or `ids`."""
+async def _ids(body: HeadsRequest, state: AppState, served: ServedModel
+               ) -> tuple[list[int], list[int] | None, dict | None]:
+    """The ids to score, the target and the probe's echo: the probe, or the sequence the request
+    names, read as /attention reads it (app/sequences.py)."""
     if body.probe is not None:
-        return await _probe(body, served)
-    cfg, tok = served.checkpoint.config, served.checkpoint.tokenizer
-    if served.family.framing == "cls_sep" and body.text is not None:
-        check_text_bytes(tok, body.text, cfg.context_length, field="text", limit_name="the model's context length")
-        try:
-            return await off_loop(framed_ids, served.checkpoint, body.text), None
-        except TaskInputError as e:
-            raise ApiError(400, str(e), param=e.param, code=e.code) from None
-    return await input_ids(body, state, served), None
+        target = await target_ids(body, served)
+        ids, probe = await _probe(body, served)
+        return ids, target, probe
+    ids, target = await read_sequence(body, served, state)
+    return ids, target, None
 
 
 @router.post(
@@ -87,8 +83,7 @@ async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
     served = lookup(state, body.model, ATTENTION)
     family, cfg, tok = served.family, served.checkpoint.config, served.checkpoint.tokenizer
     _one_input(body)
-    target = await target_ids(body, served)
-    ids, probe = await _ids(body, state, served)
+    ids, target, probe = await _ids(body, state, served)
     # the maps exist only on the model's side, but they are as large as /attention's: claimed from
     # the same budget (ATTNLENS_MAX_ANSWER_BYTES) while they are computed and scored
     lengths = {"tokens": len(ids), "source": len(ids),

@@ -62,6 +62,17 @@ def frame(body: torch.Tensor, tokenizer: Tokenizer) -> torch.Tensor:
     return torch.cat([cls, body, sep], dim=1)
 
 
+def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of different lengths -> right-padded ids (B, T) and their real-token mask (B, T), 1/0."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for j, row in enumerate(rows):
+        ids[j, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[j, : len(row)] = 1
+    return ids, mask
+
+
 def random_windows(works: list[TokenizedWork], length: int, batch_size: int,
                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids (B, length), work index (B,)): works drawn in proportion to their length."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..data.genres import GENRES
 from ..data.mlm import IGNORE, mask_tokens, word_edges
-from ..data.passages import TokenizedWork, fixed_passages, frame, load_works, tokenize_works
+from ..data.passages import TokenizedWork, fixed_passages, frame, load_works, pad_rows, tokenize_works
 from ..tokenizer import Tokenizer
 
 EVAL_MASK_SEED = 20231
@@ -229,12 +229,7 @@ def fill_mask_top1(model, tokenizer: Tokenizer, examples: FillMaskExamples) -> d
     correct, in_top5, per_word = 0, 0, Counter()
     for i in range(0, len(examples.rows), BATCH):
         rows = examples.rows[i : i + BATCH]
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for j, row in enumerate(rows):
-            ids[j, : len(row)] = torch.tensor(row)
-            mask[j, : len(row)] = 1
+        ids, mask = pad_rows(rows, tokenizer.pad_id)
         hidden = model(ids.to(device), attention_mask=mask.to(device), task="hidden").logits
         at = torch.tensor(examples.mask_at[i : i + BATCH], device=device)
         logits = model.mlm_logits(hidden[torch.arange(len(rows), device=device), at]).float()  # (b, V)
