@@ -9,6 +9,9 @@ ATTNLENS_ANSWER_WAIT_S for room, then gets a 429 with Retry-After.
 The answer is encoded (orjson) on a worker thread and sent in chunks; a client that takes
 less than 1 MB (one chunk) in ATTNLENS_SEND_TIMEOUT_S is dropped, so a reader that never
 reads cannot hold its claim forever.
+
+`answer_with_claim` is the one sequence every analysis route's serving object runs: claim, call
+the model, release on failure, build and encode the answer (holding the claim until it is sent).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from .errors import ApiError
+from .serving import unless_disconnected
 
 log = logging.getLogger("attnlens.answers")
 
@@ -161,3 +165,31 @@ async def claimed_json(build: Callable[[], Any], claim: Claim, send_timeout_s: f
         await claim.release()
         raise
     return ClaimedJSONResponse(body, claim, send_timeout_s)
+
+
+async def answer_with_claim(state, served, call, build: Callable[[Any], Any], *, need: int, what: str,
+                            instead: str | None = None, request=None, check: Callable[[Any], None] | None = None,
+                            hold: bool = True) -> Response:
+    """One model call whose memory is claimed from the answer budget: claim `need` bytes (a 400 over
+    the whole budget, saying what to ask `instead`; a 429 when it stays spent), run the model
+    operation `call` on `served`'s model side (with `request`, a client that goes away cancels it),
+    `check` its result (an ApiError for a result the request cannot have), then `build` the answer's
+    content from it on a worker thread.
+
+    With `hold` the claim is held until the answer's last byte is sent (a ClaimedJSONResponse of
+    build's content); without, the claim covers the model side's work only (maps scored there):
+    it goes back once the call returns and build gives the answer's JSON bytes. On any failure the
+    claim goes back at once."""
+    claim = await state.answers.claim(need, what=what, **({"instead": instead} if instead is not None else {}))
+    try:
+        work = served.call_model(call)
+        result = await (unless_disconnected(request, work) if request is not None else work)
+        if check is not None:
+            check(result)
+    except BaseException:
+        await claim.release()
+        raise
+    if not hold:
+        await claim.release()
+        return Response(await off_loop(build, result), media_type="application/json")
+    return await claimed_json(lambda: build(result), claim, state.settings.send_timeout_s)

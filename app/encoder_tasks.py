@@ -1,7 +1,15 @@
-"""What the encoder's endpoints compute, on a loaded checkpoint (these run off the event loop).
+"""The service's side of the encoder's tasks (these run off the event loop): a text framed and
+checked, the model-side call made of it (model/analysis/operations.py: FillMaskCall,
+ClassifyCall), and the answer made of the model's scores.
 
 Inputs are framed as BERT frames them: [CLS] text [SEP]. `[MASK]` written in the text is the
 mask token (and takes the whitespace before it, see model/tokenizer.py).
+
+    framed_ids        [CLS] + tokens + [SEP], checked against the context
+    fill_mask_call    the FillMaskCall of a text (its masks found and counted) and the masks' spans
+    candidates        each mask's candidates from the model's MaskScores, as Hugging Face gives them
+    ranked_labels     every label with its probability, highest first
+    fill_mask, classify   all of it in one process (a loaded checkpoint, no server)
 """
 
 from __future__ import annotations
@@ -9,9 +17,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
-
 from attnlens.model import Checkpoint
+from attnlens.model.analysis.encoder_outputs import MaskScores
+from attnlens.model.analysis.operations import ClassifyCall, FillMaskCall, run_operation
 from attnlens.model.tokenizer import MASK_TOKEN
 
 MASK_IN_TEXT = re.compile(r"\s*" + re.escape(MASK_TOKEN))
@@ -74,12 +82,12 @@ def filled_sequence(tok, text: str, span: tuple[int, int], token_str: str, ids: 
     return tok.backend.decode([i for i in filled if i not in framing], skip_special_tokens=False)
 
 
-@torch.no_grad()
-def fill_mask(ckpt: Checkpoint, text: str, top_k: int, max_masks: int) -> list[list[Candidate]]:
-    """Each [MASK]'s top_k candidates, as Hugging Face's fill-mask pipeline gives them: the score
-    is the softmax over the whole vocabulary; special tokens are never candidates (the pipeline
-    offers them; here they are skipped, the others keep their scores)."""
-    tok, model = ckpt.tokenizer, ckpt.model
+def fill_mask_call(ckpt: Checkpoint, text: str, top_k: int, max_masks: int
+                   ) -> tuple[FillMaskCall, list[tuple[int, int]]]:
+    """The model-side call that scores each [MASK] of `text` (at most `max_masks`), and each mask's
+    span in the text. Special tokens are never candidates (the pipeline offers them; here they are
+    skipped, the others keep their scores)."""
+    tok = ckpt.tokenizer
     ids = framed_ids(ckpt, text)
     positions = [i for i, t in enumerate(ids) if t == tok.mask_id]
     spans = [m.span() for m in MASK_IN_TEXT.finditer(text)]
@@ -90,50 +98,38 @@ def fill_mask(ckpt: Checkpoint, text: str, top_k: int, max_masks: int) -> list[l
         raise TaskInputError(f"text has {len(positions)} {MASK_TOKEN} tokens; at most {max_masks} are allowed",
                              code="too_many_masks")
     assert len(spans) == len(positions), (spans, positions)
-    device = model.tok_emb.weight.device
-    logits = model(torch.tensor([ids], device=device), task="mlm").logits[0, positions].float()  # (M, V)
-    probs = torch.softmax(logits[:, : tok.vocab_size], dim=-1)  # over the vocabulary, as the pipeline
     never = never_candidates(tok)
-    ranked = probs.clone()
-    ranked[:, never] = -1.0  # a special token is never an answer
     k = min(top_k, tok.vocab_size - len(never))
-    top = torch.topk(ranked, k, dim=-1)
+    return FillMaskCall(ids=ids, positions=positions, vocab_size=tok.vocab_size, never=never, top_k=k), spans
+
+
+def candidates(tok, text: str, call: FillMaskCall, spans: list[tuple[int, int]], scores: MaskScores
+               ) -> list[list[Candidate]]:
+    """Each [MASK]'s candidates, as Hugging Face's fill-mask pipeline gives them: the score is the
+    softmax over the whole vocabulary, the sequence the text filled in."""
     out = []
-    for span, position, scores, cands in zip(spans, positions, top.values.tolist(), top.indices.tolist()):
+    single = len(call.positions) == 1
+    for span, position, row_scores, cands in zip(spans, call.positions, scores.scores, scores.ids):
         row = []
-        for score, cand in zip(scores, cands):
+        for score, cand in zip(row_scores, cands):
             token_str = tok.decode([cand])
-            row.append(Candidate(score, cand, token_str, filled_sequence(tok, text, span, token_str, ids, position,
-                                                                         cand, len(positions) == 1)))
+            row.append(Candidate(score, cand, token_str,
+                                 filled_sequence(tok, text, span, token_str, call.ids, position, cand, single)))
         out.append(row)
     return out
 
 
-@torch.no_grad()
+def ranked_labels(labels: list[str], probs: list[float]) -> list[tuple[str, float]]:
+    """Every label with its probability, highest first (Hugging Face's text-classification, top_k=None)."""
+    return sorted(zip(labels, probs), key=lambda p: -p[1])
+
+
+def fill_mask(ckpt: Checkpoint, text: str, top_k: int, max_masks: int) -> list[list[Candidate]]:
+    """Each [MASK]'s top_k candidates, computed in this process (what POST /fill-mask answers)."""
+    call, spans = fill_mask_call(ckpt, text, top_k, max_masks)
+    return candidates(ckpt.tokenizer, text, call, spans, run_operation(ckpt.model, call))
+
+
 def classify(ckpt: Checkpoint, text: str) -> list[tuple[str, float]]:
-    model = ckpt.model
-    ids = framed_ids(ckpt, text)
-    device = model.tok_emb.weight.device
-    logits = model(torch.tensor([ids], device=device), task="classify").logits[0].float()
-    probs = torch.softmax(logits, dim=-1).tolist()
-    return sorted(zip(ckpt.config.labels, probs), key=lambda p: -p[1])
-
-
-@torch.no_grad()
-def encoder_attention_maps(model, ids: list[int], layers: list[int], heads: list[int]):
-    """(len(layers), len(heads), T, T) float32 numpy probabilities of the bidirectional encoder."""
-    device = model.tok_emb.weight.device
-    attn = model(torch.tensor([ids], device=device), return_attention=True, task="hidden").attentions
-    stacked = torch.stack([attn[i][0] for i in layers])  # (L', H, T, T)
-    return stacked[:, heads].float().cpu().numpy()
-
-
-@torch.no_grad()
-def classify_or_fill_warm_up(ckpt: Checkpoint) -> None:
-    """One forward through the encoder's heads (start-up warm-up)."""
-    tok = ckpt.tokenizer
-    ids = torch.tensor([[tok.cls_id, tok.mask_id, tok.sep_id]], device=ckpt.model.tok_emb.weight.device)
-    out = ckpt.model(ids, return_attention=True)
-    if ckpt.config.labels:
-        ckpt.model(ids, task="classify")
-    assert out.logits.shape[-1] == ckpt.config.vocab_size
+    """Every label's probability for `text`, highest first, computed in this process (POST /classify)."""
+    return ranked_labels(ckpt.config.labels, run_operation(ckpt.model, ClassifyCall(framed_ids(ckpt, text))))

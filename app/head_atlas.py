@@ -3,10 +3,10 @@ family's `analyse` computes, with a role per head.
 
     probe_ids         the repeated-random probe, framed as the family frames a text
     clark_probe       an encoder's real-text probe: the fixed English sentences of Clark et al.'s
-                      scores (model/head_scores.CLARK_SENTENCES), each framed [CLS] sentence [SEP]
-    score_heads       on the model's side (the engine's model-call line or a worker thread): the
-                      family's `analyse`, then each group's scores (model/head_scores.py), as numpy;
-                      only the (L, H) scores travel back, never the maps
+                      scores (model/analysis/head_scores.CLARK_SENTENCES), each framed [CLS] sentence [SEP]
+    maps_bytes        the float32 maps the model side holds while it scores them (what a request
+                      claims); the scoring itself is the model side's (HeadScoresCall:
+                      model/analysis/head_atlas_scores.py), and only the (L, H) scores travel back
     atlas_answer      on a worker thread: the answer's fields (tokens, groups, roles, definitions)
 
 A group is scored by what the family declares about it (model/families/contract.py): a cross
@@ -20,13 +20,12 @@ encoder's (a [CLS] text [SEP] family's) bidirectional self groups also get Clark
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from attnlens.model import Family, family_of
-from attnlens.model import head_scores as hs
+from attnlens.model import Family
+from attnlens.model.analysis import head_scores as hs
+from attnlens.model.analysis.head_atlas_scores import ClarkProbe, HeadScoreResult, clark_groups, group_kind
 
 DEFAULT_PROBE_LENGTH = 50
 AXIS_FIELD = {"tokens": "tokens", "source": "tokens", "target": "target_tokens"}  # axis -> the answer's field
@@ -46,7 +45,7 @@ def max_probe_length(family: Family, context_length: int) -> int:
 
 
 def probe_ids(family: Family, tokenizer, length: int, seed: int) -> list[int]:
-    """BOS + n random ordinary tokens + the same n (model/head_scores.repeated_random_tokens, the
+    """BOS + n random ordinary tokens + the same n (model/analysis/head_scores.repeated_random_tokens, the
     evaluation report's draw); a family that frames a text as [CLS] text [SEP] gets [CLS] in
     BOS's place and [SEP] at the end."""
     ids = hs.repeated_random_tokens(tokenizer, 1, length, seed)[0].tolist()
@@ -73,30 +72,9 @@ def maps_bytes(family: Family, axis_lengths: dict[str, int], n_layers: int, n_he
 # --- Clark et al.'s real-text probe (an encoder's) --------------------------------------------
 
 
-@dataclass
-class ClarkProbe:
-    """The sentences Clark et al.'s scores average over, as the model side needs them: each
-    framed sentence's ids and which of its tokens are punctuation (from the tokenizer's token
-    strings, so worked out here, on the app's side)."""
-
-    sentences: list[str]
-    ids: list[list[int]]  # [CLS] sentence [SEP], each
-    punctuation: list[list[bool]]  # per sentence, per token
-    cls_id: int
-    sep_id: int
-
-    def maps_bytes(self, family: Family, n_layers: int, n_heads: int) -> int:
-        """The float32 maps of its longest sentence (the sentences are analysed one at a time)."""
-        return max(maps_bytes(family, {"tokens": len(ids), "source": len(ids)}, n_layers, n_heads)
-                   for ids in self.ids)
-
-
-def clark_groups(family: Family) -> list[str]:
-    """The groups Clark et al.'s scores are given for: a [CLS] text [SEP] family's bidirectional
-    self groups over its tokens (an encoder's "self")."""
-    if family.framing != "cls_sep":
-        return []
-    return [g.name for g in family.groups if group_kind(g) == "bidirectional" and g.queries == g.keys == "tokens"]
+def clark_maps_bytes(probe: ClarkProbe, family: Family, n_layers: int, n_heads: int) -> int:
+    """The float32 maps of the probe's longest sentence (the sentences are analysed one at a time)."""
+    return max(maps_bytes(family, {"tokens": len(ids), "source": len(ids)}, n_layers, n_heads) for ids in probe.ids)
 
 
 def clark_probe(family: Family, tokenizer, context_length: int) -> ClarkProbe | None:
@@ -113,61 +91,6 @@ def clark_note(probe: ClarkProbe) -> str:
     return (f"clark_* scores (Clark et al. 2019): over {len(probe.sentences)} fixed English sentences "
             "(clark_sentences), each framed [CLS] sentence [SEP] and analysed on its own; the same whatever "
             "the input")
-
-
-# --- the model's side -------------------------------------------------------------------------
-
-
-@dataclass
-class HeadScoreResult:
-    tokens: dict[str, list[int]]  # axis -> ids
-    scores: dict[str, dict[str, np.ndarray]]  # group -> score -> (L, H) float64 (NaN: undefined)
-    generated_target: bool = False
-
-
-def group_kind(group) -> str:
-    """"cross" | "causal" | "bidirectional": which definitions score a group."""
-    return "cross" if group.is_cross else "causal" if group.causal else "bidirectional"
-
-
-@torch.inference_mode()
-def clark_scores(model, probe: ClarkProbe) -> dict[str, dict[str, torch.Tensor]]:
-    """Runs on the model's side: each sentence's maps, Clark et al.'s scores of each, their mean:
-    group -> score -> (L, H)."""
-    groups = clark_groups(family_of(model))
-    per_text: dict[str, list] = {g: [] for g in groups}
-    for ids, punctuation in zip(probe.ids, probe.punctuation):
-        maps = model.analyse(ids).maps
-        tokens = torch.tensor(ids, dtype=torch.long)
-        marks = torch.tensor(punctuation, dtype=torch.bool)
-        for g in groups:
-            per_text[g].append(hs.clark_text_scores(maps[g], tokens, probe.cls_id, probe.sep_id, marks))
-        del maps
-    return {g: hs.mean_over_texts(found) for g, found in per_text.items() if found}
-
-
-@torch.inference_mode()
-def score_heads(model, ids: list[int], target_ids: list[int] | None = None,
-                clark: ClarkProbe | None = None) -> HeadScoreResult:
-    """Runs on the model's side: the family's maps, then every group's (L, H) scores; with
-    `clark`, an encoder's groups also get Clark et al.'s scores on its sentences."""
-    family = family_of(model)
-    analysis = model.analyse(ids, target_ids)
-    scores = {}
-    for g in family.groups:
-        maps = analysis.maps[g.name]
-        if g.is_cross:
-            found = hs.cross_group_scores(maps)
-        else:
-            tokens = torch.tensor(analysis.tokens[g.queries], dtype=torch.long)
-            found = hs.self_group_scores(maps, tokens, g.causal)
-        scores[g.name] = {name: s.double().cpu().numpy() for name, s in found.items()}
-    tokens, generated = analysis.tokens, analysis.generated_target
-    del analysis, maps  # the input's maps go before the sentences' come
-    if clark is not None:
-        for group, found in clark_scores(model, clark).items():
-            scores[group].update({name: s.double().cpu().numpy() for name, s in found.items()})
-    return HeadScoreResult(tokens, scores, generated)
 
 
 # --- the answer -------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import gc
 import logging
 import sys
 from contextlib import asynccontextmanager
-from functools import partial
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -28,10 +27,10 @@ from pydantic.json_schema import models_json_schema
 from starlette.middleware.gzip import GZipMiddleware
 
 from attnlens.model import Checkpoint, SamplingParams
+from attnlens.model.analysis.operations import WarmUpCall
 from attnlens.model.families import family_of
 
 from .answers import AnswerBudget
-from .attention_analysis import analyse_attention
 from .auth import ApiKeyMiddleware, document_bearer
 from .body_limit import BodyLimitMiddleware
 from .engine import Engine, EngineFront, EngineProcess, GenerationParams
@@ -43,7 +42,6 @@ from .loader import load_for_serving
 from .memory import cache_paged, cache_row_bytes, cache_rows
 from .metrics import Metrics, MetricsMiddleware
 from .stream_events import events
-from .encoder_tasks import classify_or_fill_warm_up
 from .registry import CLASSIFY, FILL_MASK, ModelRegistry, ModelRunner, ServedModel, model_name, tasks_of
 from .routers import attention, chat, embeddings, encoder, explain, generate, openai, ops, ui
 from .schemas import StreamDone, StreamError, StreamToken
@@ -65,9 +63,9 @@ async def warm_up(served: ServedModel) -> None:
         async for event in events(served.runner.submit(params)):
             if isinstance(event, StreamError):
                 raise RuntimeError(f"warm-up generation failed: {event.message}")
-    await served.call_model(partial(analyse_attention, ids=ids, layers=[0], heads=[0]))
-    if FILL_MASK in served.tasks or CLASSIFY in served.tasks:
-        await served.runner.call(classify_or_fill_warm_up)
+    tok = served.checkpoint.tokenizer
+    heads = FILL_MASK in served.tasks or CLASSIFY in served.tasks  # the encoder's heads, through a forward
+    await served.call_model(WarmUpCall(ids=ids, encoder_ids=[tok.cls_id, tok.mask_id, tok.sep_id] if heads else None))
 
 
 async def start_runner(s: Settings, ckpt: Checkpoint, name: str):

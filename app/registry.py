@@ -6,7 +6,8 @@ one clear 4xx in one place.
 A family that generates (its declaration has a GenerationSpec) is run by a generation engine;
 the others by a `ModelRunner`: one forward per request on a worker thread, at most
 `max_concurrent` at once per model and at most `max_queue` waiting (then 429), like the
-engine's admission limits.
+engine's admission limits. Either runs a model operation (model/analysis/operations.py) the same
+way, `run_operation(model, call)`: `ServedModel.call_model(call)`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import functools
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from attnlens.model import Checkpoint, Family, family_of
+from attnlens.model.analysis.operations import ModelOperation, run_operation
 
 from .engine import QueueFull, progress
 from .errors import ApiError
@@ -62,19 +64,20 @@ class ModelRunner:
         self._slots = asyncio.Semaphore(max_concurrent)
         self._in_flight = 0
 
-    async def call(self, fn: Callable[[Checkpoint], Any]) -> Any:
+    async def call(self, operation: ModelOperation) -> Any:
+        """Run the model operation on a worker thread (429 past the queue)."""
         if self._in_flight >= self.max_concurrent + self.max_queue:
             raise QueueFull(self.max_concurrent + self.max_queue, retry_after=1)
         self._in_flight += 1
         abandoned = threading.Event()
 
-        def run(checkpoint: Checkpoint) -> Any:  # a caller that goes away stops fn at its next report point
+        def run(model) -> Any:  # a caller that goes away stops it at its next report point
             with progress.reporting(cancelled=abandoned.is_set):
-                return fn(checkpoint)
+                return run_operation(model, operation, report=progress.report)
 
         try:
             async with self._slots:
-                return await asyncio.to_thread(run, self.checkpoint)
+                return await asyncio.to_thread(run, self.model)
         finally:
             abandoned.set()
             self._in_flight -= 1
@@ -123,12 +126,11 @@ class ServedModel:
                 "kv_cache_bytes": engine.cache_bytes if engine is not None else 0,
                 "kv_cache_rows": engine.max_concurrent if engine is not None else 0}
 
-    async def call_model(self, fn: Callable[[Any], Any]) -> Any:
-        """Run fn(model) on the model's side: the engine's model-call line (fn travels by pickle to
-        an engine process: a module-level function or a functools.partial of one) or a worker thread."""
-        if self.generates:
-            return await self.runner.call(fn)
-        return await self.runner.call(lambda ckpt: fn(ckpt.model))
+    async def call_model(self, call: ModelOperation) -> Any:
+        """Run a model operation (model/analysis/operations.py) on the model's side: the engine's
+        model-call line (the call, plain data, travels by pickle to an engine process) or a worker
+        thread; both run `run_operation(model, call)`."""
+        return await self.runner.call(call)
 
     def describe(self) -> str:
         name = self.family.name

@@ -4,7 +4,7 @@
     attnlens.show(text="To be, or not to be", model="checkpoints/default")      # the same, drawn
 
 The answer is the one /attention gives for the same checkpoint and text (the same functions
-compute it: the family's analyse() through attnlens.app.attention_analysis, and the encoder's
+compute it: the family's analyse() through attnlens.model.analysis.attention_maps, and the encoder's
 framing), laid out by the model's family declaration, as an attnlens.Attention with exact
 float32 maps. Needs attnlens[model] (torch, tokenizers,
 safetensors); checkpoints are loaded once per process (on the CPU unless told otherwise).
@@ -48,7 +48,7 @@ def attention(text: str, model: str | Path = "checkpoints/default", *, layers=No
     strongest links, or a window)."""
     import torch
 
-    from attnlens.app.attention_analysis import MapRequest, analyse_attention
+    from attnlens.model.analysis.attention_maps import MapRequest, analyse_attention
     from attnlens.app.encoder_tasks import framed_ids
     from attnlens.model import family_of
 

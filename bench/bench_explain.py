@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_explain.py --reps 9 --main-ref main
     .venv/bin/python bench/bench_explain.py --model smollm2 --tokens 40 --part routes   # the packaged SmolLM2
 
-Part 1, on the model's side (what each route's model call runs, model/explain.py), over T tokens
+Part 1, on the model's side (what each route's model call runs, model/analysis/explain.py), over T tokens
 (default 256, the default model's whole context), beside its peer measured in turns in the same
 run: one forward with every layer's and head's attention maps (`model.analyse`, what /attention
 runs). The goal (issue 18): each route at most 2x the peer.
@@ -52,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_model import in_process_client, paired_ms  # noqa: E402
 
-from attnlens.model import explain, load_checkpoint  # noqa: E402
+from attnlens.model import load_checkpoint  # noqa: E402
+from attnlens.model.analysis import explain  # noqa: E402
 from attnlens.model.decoding import SamplingParams, generate_tokens  # noqa: E402
 from attnlens.model.families import family_of  # noqa: E402
 from attnlens.model.hooks import HeadAblation, ablation_targets, active  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from attnlens.app.embeddings import embed_rows, length_batches
+from attnlens.model.analysis.encoder_outputs import embed_rows, length_batches
 from attnlens.app.main import create_app
 from attnlens.app.settings import Settings
 from attnlens.model import load_checkpoint
@@ -113,8 +113,9 @@ def test_batches_of_similar_lengths_keep_the_input_order(enc):
     rows = [[tok.cls_id, *tok.encode(t), tok.sep_id] for t in TEXTS * 3]
     assert sorted(i for b in length_batches([len(r) for r in rows], 40) for i in b) == list(range(len(rows)))
     assert length_batches([3, 9, 5], 10) == [[1], [2, 0]]  # longest first; 2 x 5 positions fit in 10
-    small = embed_rows(enc, rows, max_tokens=16)  # one text a forward
-    whole = embed_rows(enc, rows)
+    pad = tok.pad_id if tok.pad_id is not None else 0
+    small = embed_rows(enc.model, rows, pad, max_tokens=16)  # one text a forward
+    whole = embed_rows(enc.model, rows, pad)
     np.testing.assert_allclose(small, whole, atol=1e-5)
     np.testing.assert_allclose(whole[:3], np.stack([direct(enc, t) for t in TEXTS]), atol=1e-5)
 

@@ -8,6 +8,8 @@ import asyncio
 import math
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable, ClassVar
 
 import httpx
 import numpy as np
@@ -21,6 +23,7 @@ from attnlens.app.engine.outputs import DoneEvent, ErrorEvent, TokenEvent
 from attnlens.app.settings import Settings
 from helpers import DEVICES, drain, reference_ids, reference_tokens, run_async
 from attnlens.model import SamplingParams, load_checkpoint
+from attnlens.model.analysis.operations import OPERATIONS
 
 @pytest.fixture(scope="module", params=DEVICES)
 def ckpt(request, tiny_checkpoint):
@@ -159,7 +162,7 @@ class RecordingModel:
         self.calls.append((1, len(ids)))
         return self._model.analyse(ids, target_ids)
 
-    def run_sequence(self, tokens):  # the forward of an /attention call (model/attention_blocks.py): likewise
+    def run_sequence(self, tokens):  # the forward of an /attention call (model/analysis/attention_blocks.py): likewise
         assert self.gate.wait(30)
         self.calls.append((1, len(tokens["tokens"])))
         return self._model.run_sequence(tokens)
@@ -438,7 +441,20 @@ def test_attention_bound_answers_429_when_full(tiny_checkpoint):
     in_process(tiny_checkpoint, scenario, max_attention_concurrent=1)
 
 
-def test_a_long_model_call_hands_over_heartbeats(ckpt):
+@dataclass(frozen=True)
+class FnCall:
+    """A stand-in model operation that runs `fn(model)` on the engine's thread (the call line under test)."""
+
+    operation: ClassVar[str] = "test_fn"
+    fn: Callable
+
+
+@pytest.fixture
+def fn_calls(monkeypatch):
+    monkeypatch.setitem(OPERATIONS, FnCall.operation, lambda model, call, report: call.fn(model))
+
+
+def test_a_long_model_call_hands_over_heartbeats(ckpt, fn_calls):
     """A model call that reports progress (an /attention analysis: after each block and each map)
     makes the engine hand over an empty step at most once a second, which an engine process's
     watchdog counts as progress; a call that does not report hands over nothing until it ends."""
@@ -457,18 +473,18 @@ def test_a_long_model_call_hands_over_heartbeats(ckpt):
         return "done"
 
     try:
-        assert run_async(engine.call(lambda m: slow(m, True))) == "done"
+        assert run_async(engine.call(FnCall(lambda m: slow(m, True)))) == "done"
         beats = emitted.count(0)
         assert 1 <= beats <= 2  # 1.5 s of work, one beat a second at most
         emitted.clear()
-        assert run_async(engine.call(lambda m: slow(m, False))) == "done"
+        assert run_async(engine.call(FnCall(lambda m: slow(m, False)))) == "done"
         assert emitted.count(0) == 0
     finally:
         engine.close()
     progress.report()  # outside a call: nothing happens
 
 
-def test_generations_take_turns_with_a_long_model_call(ckpt):
+def test_generations_take_turns_with_a_long_model_call(ckpt, fn_calls):
     """A long model call (an /attention analysis) gives the generations decoding beside it a step
     at each of its report points: their tokens keep coming, and they finish before it does."""
     from attnlens.app.engine import Engine, progress
@@ -493,7 +509,7 @@ def test_generations_take_turns_with_a_long_model_call(ckpt):
     engine.model.forward = forward
 
     async def main():
-        call = asyncio.ensure_future(engine.call(long_call))
+        call = asyncio.ensure_future(engine.call(FnCall(long_call)))
         await asyncio.sleep(0.2)  # the call runs
         params = GenerationParams(ckpt.tokenizer.encode("To be"), 12, SamplingParams(temperature=0.0))
         tokens, done = await collect_tokens(engine.submit_all([params])[0])
@@ -512,7 +528,7 @@ def test_generations_take_turns_with_a_long_model_call(ckpt):
     assert seen_hooks and all(h is None for h in seen_hooks)
 
 
-def test_a_model_call_stops_at_its_next_report_point_when_its_caller_goes(ckpt):
+def test_a_model_call_stops_at_its_next_report_point_when_its_caller_goes(ckpt, fn_calls):
     from attnlens.app.engine import Engine, progress
 
     engine = Engine(ckpt, max_concurrent=2, max_queue=2)
@@ -525,7 +541,7 @@ def test_a_model_call_stops_at_its_next_report_point_when_its_caller_goes(ckpt):
             progress.report()
 
     async def main():
-        call = asyncio.ensure_future(engine.call(endless))
+        call = asyncio.ensure_future(engine.call(FnCall(endless)))
         await asyncio.sleep(0.3)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -535,7 +551,7 @@ def test_a_model_call_stops_at_its_next_report_point_when_its_caller_goes(ckpt):
                 break
             await asyncio.sleep(0.02)
         n = len(reports)
-        assert await engine.call(lambda m: "next") == "next"  # the engine goes on serving
+        assert await engine.call(FnCall(lambda m: "next")) == "next"  # the engine goes on serving
         return n
 
     try:

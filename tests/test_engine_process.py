@@ -12,13 +12,13 @@ import contextlib
 import os
 import signal
 import time
-from functools import partial
 
 import numpy as np
 import pytest
 import torch
 
-from attnlens.app.attention_analysis import attention_maps
+from attnlens.model.analysis.attention_maps import attention_maps
+from attnlens.model.analysis.operations import AttentionCall
 from attnlens.app.engine import EngineClosed, EngineProcess, GenerationCancelled, GenerationParams, QueueFull
 from attnlens.app.engine.outputs import DoneEvent, ErrorEvent
 from helpers import drain, make_tiny_checkpoint, reference_ids, run_async
@@ -77,7 +77,7 @@ def test_the_engine_process_dying_ends_what_it_held_with_an_error(ckpt, tiny_che
         os.kill(engine.process.pid, signal.SIGSTOP)
         running = engine.submit(GenerationParams(ids, 50, GREEDY))
         waiting = engine.submit(GenerationParams(ids, 5, GREEDY))
-        call = asyncio.create_task(engine.call(partial(attention_maps, ids=ids, layers=[0], heads=[0])))
+        call = asyncio.create_task(engine.call(AttentionCall(ids=ids, layers=[0], heads=[0])))
         await asyncio.sleep(0.05)
         os.kill(engine.process.pid, signal.SIGKILL)
         results = await asyncio.wait_for(asyncio.gather(drain(running), drain(waiting)), 10)
@@ -102,8 +102,8 @@ def test_model_calls_travel_by_pickle_and_one_that_cannot_fails_alone(ckpt, tiny
 
     async def main():
         with pytest.raises(RuntimeError, match="internal error in a model call"):
-            await engine.call(lambda model: attention_maps(model, ids, [0], [0]))  # a lambda does not pickle
-        maps = await engine.call(partial(attention_maps, ids=ids, layers=[0, 1], heads=[1, 3]))
+            await engine.call(lambda model: attention_maps(model, ids, [0], [0]))  # a closure does not pickle
+        maps = (await engine.call(AttentionCall(ids=ids, layers=[0, 1], heads=[1, 3]))).maps["self"]
         tokens, done = await drain(engine.submit(GenerationParams(ids, 6, GREEDY)))
         return maps, tokens, done
 

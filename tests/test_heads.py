@@ -1,4 +1,4 @@
-"""POST /heads and model/head_scores.py against the definitions written out here, loop by loop,
+"""POST /heads and model/analysis/head_scores.py against the definitions written out here, loop by loop,
 on the maps: our own maps (from /attention), and transformers' GPT-2 `output_attentions` (eager)
 on the exported weights. The probe, the 4xx answers, every bundled family, the OpenAPI schema."""
 
@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from attnlens.app.head_atlas import probe_ids, score_heads
+from attnlens.app.head_atlas import probe_ids
+from attnlens.model.analysis.head_atlas_scores import score_heads
 from attnlens.model import family_of, load_checkpoint
-from attnlens.model import head_scores as hs
+from attnlens.model.analysis import head_scores as hs
 from attnlens.model.interop.hf import export_hf
 
 from conftest import BUNDLED, REPO_ROOT

@@ -11,9 +11,10 @@ import unicodedata
 import pytest
 import torch
 
-from attnlens.app.head_atlas import clark_probe, score_heads
+from attnlens.app.head_atlas import clark_probe
+from attnlens.model.analysis.head_atlas_scores import score_heads
 from attnlens.model import family_of, load_checkpoint
-from attnlens.model import head_scores as hs
+from attnlens.model.analysis import head_scores as hs
 
 from conftest import REPO_ROOT
 

@@ -10,7 +10,7 @@ import torch
 
 from attnlens.model import load_checkpoint
 from attnlens.model.decoding import generate_tokens, SamplingParams
-from attnlens.model.explain import (explain_head, lens_names, lens_report, logits_report, sequence_logits,
+from attnlens.model.analysis.explain import (explain_head, lens_names, lens_report, logits_report, sequence_logits,
                                     sequence_of)
 from attnlens.model.families import family_of
 from attnlens.model.hooks import (AblationError, HeadAblation, Hooks, ablation_targets, hooked, run_until,
@@ -255,7 +255,7 @@ def test_lens_at_chosen_positions_is_the_full_lens_at_those_columns(models, monk
     """`positions` unembeds only those columns, in the order asked, and each is the full report's
     column; a rank not asked for is None. Blocks of 7 rows (BLOCK_FLOATS) and slices of 3
     (SLICE_FLOATS) across the rows give the same numbers as one block."""
-    from attnlens.model import vocab_rows
+    from attnlens.model.analysis import vocab_rows
 
     model = models["llama"]
     ids = source(model)

@@ -240,7 +240,7 @@ def test_heads_finds_its_induction_heads_as_transformer_lens_scores_them(smollm2
 def test_logits_with_an_ablation_equal_a_hooked_transformers_forward(smollm2, smollm2_transformers, how):
     """/logits' model call with head L18H6 ablated (its z zeroed, or replaced by its mean over the
     positions) against transformers with the same edit made by a hook on o_proj's input."""
-    from attnlens.model.explain import logits_report
+    from attnlens.model.analysis.explain import logits_report
     from attnlens.model.families import family_of
     from attnlens.model.hooks import HeadAblation, ablation_targets
 
@@ -277,7 +277,7 @@ def test_lens_and_step_by_step_view_equal_transformers(smollm2, smollm2_transfor
     transformers' attention row from q and k after rotary, at the model's scale."""
     import math
 
-    from attnlens.model.explain import explain_head, lens_report
+    from attnlens.model.analysis.explain import explain_head, lens_report
 
     hf, _ = smollm2_transformers
     ids = smollm2.tokenizer.encode("One, two, three, four, five, six, seven, eight, nine, ten")

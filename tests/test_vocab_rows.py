@@ -1,11 +1,11 @@
-"""model/vocab_rows.py against torch's own operations: the striped top-k equals torch.topk, the
+"""model/analysis/vocab_rows.py against torch's own operations: the striped top-k equals torch.topk, the
 rank count equals a boolean count, the statistics equal log_softmax's, and the row slices cover
 every row once."""
 
 import pytest
 import torch
 
-from attnlens.model import vocab_rows
+from attnlens.model.analysis import vocab_rows
 
 
 @pytest.mark.parametrize("vocab", [50, 4096, 4099, 50257])

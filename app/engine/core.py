@@ -49,6 +49,7 @@ from attnlens.model import Checkpoint, SamplingParams
 from attnlens.model.cuda_graphs import GraphedDecoder
 from attnlens.model.families.contract import FixedShapeDecoder
 from attnlens.model.decoding import RowSampler, decode_step, make_generator
+from attnlens.model.analysis.operations import run_operation
 from attnlens.model.hooks import ZEdit, batch_hooks, hooked
 
 from .. import memory
@@ -323,7 +324,7 @@ class Engine(EngineFront):
                 # caller has gone, and a step of the generations decoding beside it
                 with progress.reporting(lambda: self._emit([]), cancelled=lambda: work.cancelled,
                                         turn=self._generations_turn):
-                    result = work.fn(self.model)
+                    result = run_operation(self.model, work.operation, report=progress.report)
                 work.settle(result=result)
         except progress.CallCancelled as e:
             self.calls_cancelled += 1

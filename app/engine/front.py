@@ -29,12 +29,13 @@ MODEL_CALL_FAILED = "internal error in a model call; see the server log"
 
 
 class ModelCall:
-    """Run fn(model) once on the model's side (e.g. one attention forward). In an engine
-    process fn travels by pickle: a module-level function or a functools.partial of one."""
+    """Run a model operation once on the model's side (e.g. one attention forward): `operation` is
+    one of model/analysis/operations.py's calls, plain data that travels by pickle to an engine
+    process."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, operation: Any):
         self.loop = loop
-        self.fn = fn
+        self.operation = operation
         self.future: asyncio.Future = loop.create_future()
         self.cancelled = False
         self.t_start = 0.0  # when the core was given it
@@ -123,9 +124,9 @@ class EngineFront:
             self.scheduler.admit_generations(generations, param=param)
             self._admitted()
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run fn(model) on the model's side between decode steps, on the model-call line."""
-        work = ModelCall(asyncio.get_running_loop(), fn)
+    async def call(self, operation: Any) -> Any:
+        """Run a model operation on the model's side between decode steps, on the model-call line."""
+        work = ModelCall(asyncio.get_running_loop(), operation)
         self.admit_call(work)
         try:
             return await work.future

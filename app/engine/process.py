@@ -260,8 +260,8 @@ class EngineProcess(EngineFront):
             number = next(self._call_numbers)
             work.t_start = time.perf_counter()
             try:
-                self._send(("call", number, work.fn))
-            except Exception as e:  # fn does not pickle: a bug in the route that made it
+                self._send(("call", number, work.operation))
+            except Exception as e:  # the operation does not pickle: a bug in the route that made it
                 self.scheduler.call_finished(work, 0.0)
                 log.error("a model call cannot be sent to the engine process: %s", e)
                 work.settle(error=RuntimeError(MODEL_CALL_FAILED))

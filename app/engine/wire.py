@@ -3,7 +3,7 @@
 Server -> engine process, one pickled tuple per message:
   ("add", number, GenerationParams)   a generation the server admitted into a free slot
   ("cancel", number) / ("stop", number)
-  ("call", number, fn)                 fn(model) on the model-call line (fn pickles by reference)
+  ("call", number, operation)         a model operation on the model-call line (plain data)
   ("cancel_call", number)              its caller went away: it stops at its next report point
   ("close",)
 

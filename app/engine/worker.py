@@ -70,8 +70,8 @@ class _PipedEngine(Engine):
 class _PipedCall:
     """A model call from the server: its result goes back down the pipe."""
 
-    def __init__(self, engine: _PipedEngine, number: int, fn):
-        self.engine, self.number, self.fn = engine, number, fn
+    def __init__(self, engine: _PipedEngine, number: int, operation):
+        self.engine, self.number, self.operation = engine, number, operation
         self.cancelled = False
 
     def settle(self, result=None, error: BaseException | None = None) -> None:
@@ -142,8 +142,8 @@ def _serve(engine: _PipedEngine, commands: Connection) -> None:
             if call is not None:
                 call.cancelled = True
         elif kind == "call":
-            _, number, fn = message
-            call = engine.calls[number] = _PipedCall(engine, number, fn)
+            _, number, operation = message
+            call = engine.calls[number] = _PipedCall(engine, number, operation)
             try:
                 engine.admit_call(call)
             except Exception as e:

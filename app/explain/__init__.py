@@ -1,4 +1,2 @@
-"""The explain routes' serving side (app/routers/explain.py is the thin router): reading a request's
-ablations, running model/explain.py on the model's side (the engine's model-call line or the
-encoder's runner, as /attention does), and turning its numbers into the answers of
-app/explain_schemas.py."""
+"""A request's ablations (ablation.py: checked against the model, resolved to model/hooks.py's
+ZEdits, echoed back), shared by /attention and the explain routes (app/explain_serving.py)."""

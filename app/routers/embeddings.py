@@ -1,4 +1,4 @@
-"""OpenAI's embeddings: POST /v1/embeddings (the serving is app/embeddings.py).
+"""OpenAI's embeddings: POST /v1/embeddings (the serving is app/embeddings_serving.py).
 
 `model` names a loaded encoder (GET /models lists `embeddings` in its tasks); none = the default
 model, or the one loaded encoder. `input` is a string or a list of strings; each gets its unit
@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from ..deps import StateDep
-from ..embeddings import create_embeddings
+from ..embeddings_serving import EmbeddingsServing
 from ..openai_schemas import EmbeddingList, EmbeddingRequest
 from ..openai_serving import ERRORS
 
@@ -22,4 +22,4 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 async def embeddings(body: EmbeddingRequest, state: StateDep):
     """Each input's sentence embedding from an encoder: its hidden states pooled (the mean over its
     tokens, or [CLS]) and L2-normalised."""
-    return await create_embeddings(body, state)
+    return await EmbeddingsServing(state).create(body)

@@ -1,4 +1,5 @@
-"""The model list and the encoder's tasks: GET /models, POST /fill-mask, POST /classify."""
+"""The model list and the encoder's tasks: GET /models, POST /fill-mask, POST /classify (the tasks'
+serving side is app/encoder_serving.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,10 @@ from ..encoder_schemas import (
     ModelsResponse,
     ModelSummary,
 )
-from ..encoder_tasks import TaskInputError, classify, fill_mask
-from ..errors import ApiError
-from ..prompts import check_text_bytes
-from ..registry import CLASSIFY, EMBEDDINGS, FILL_MASK, ServedModel
+from ..encoder_serving import EncoderServing
+from ..registry import CLASSIFY, EMBEDDINGS, ServedModel
 
 router = APIRouter(tags=["models", "encoder"])
-
-MAX_MASKS = 32  # [MASK]s in one /fill-mask text (each is one row of top-k work)
 
 
 def summary(served: ServedModel, default: str) -> ModelSummary:
@@ -43,32 +40,13 @@ async def list_models(registry: RegistryDep) -> ModelsResponse:
                           models=[summary(m, registry.default) for m in registry.models.values()])
 
 
-def _input_error(e: TaskInputError) -> ApiError:
-    status = 400
-    return ApiError(status, str(e), param=e.param, code=e.code)
-
-
-def _check_text(served: ServedModel, text: str) -> None:
-    """A text whose bytes alone prove it cannot fit [CLS] text [SEP] in the context: a 400 before
-    it is tokenised (a megabyte would hold the tokenizer, and Python's GIL, for seconds)."""
-    cfg = served.checkpoint.config
-    check_text_bytes(served.checkpoint.tokenizer, text, cfg.context_length - 2, field="text",
-                     limit_name=f"the model's context of {cfg.context_length} with [CLS] and [SEP]")
-
-
 @router.post("/fill-mask", response_model=FillMaskResponse,
              responses={400: {"description": "no [MASK], too long (by its bytes, before tokenising, or by its "
                                              "tokens), or a model that cannot fill masks"},
                         404: {"description": "unknown model"}, 429: {}, 503: {}})
 async def fill_mask_route(body: FillMaskRequest, registry: RegistryDep) -> FillMaskResponse:
     """The top-k tokens for each `[MASK]` in `text`, as Hugging Face's fill-mask pipeline gives them."""
-    served = registry.get(body.model, FILL_MASK)
-    _check_text(served, body.text)
-    try:
-        masks = await served.runner.call(lambda ckpt: fill_mask(ckpt, body.text, body.top_k, MAX_MASKS))
-    except TaskInputError as e:
-        raise _input_error(e) from None
-    return FillMaskResponse(model=served.name, masks=[[c.__dict__ for c in row] for row in masks])
+    return await EncoderServing(registry).fill_mask(body)
 
 
 @router.post("/classify", response_model=ClassifyResponse,
@@ -76,10 +54,4 @@ async def fill_mask_route(body: FillMaskRequest, registry: RegistryDep) -> FillM
                         404: {"description": "unknown model"}, 429: {}, 503: {}})
 async def classify_route(body: ClassifyRequest, registry: RegistryDep) -> ClassifyResponse:
     """Every label's probability for `text`, highest first (Hugging Face's text-classification, top_k=None)."""
-    served = registry.get(body.model, CLASSIFY)
-    _check_text(served, body.text)
-    try:
-        labels = await served.runner.call(lambda ckpt: classify(ckpt, body.text))
-    except TaskInputError as e:
-        raise _input_error(e) from None
-    return ClassifyResponse(model=served.name, labels=[{"label": label, "score": s} for label, s in labels])
+    return await EncoderServing(registry).classify(body)

@@ -1,15 +1,15 @@
 """POST /logits, POST /lens, POST /attention/explain: what a model predicts at each position (with
 and without ablated heads), the logit lens, and one head's attention step by step. Thin: the
-serving side is app/explain/serving.py, the schemas app/explain_schemas.py."""
+serving side is app/explain_serving.py (ExplainServing), the schemas app/explain_schemas.py."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
 from ..deps import get_state
-from ..explain import serving
 from ..explain_schemas import (ExplainRequest, ExplainResponse, LensRequest, LensResponse, LogitsRequest,
                                LogitsResponse)
+from ..explain_serving import ExplainServing
 from ..state import AppState
 
 router = APIRouter(tags=["explain"])
@@ -30,7 +30,7 @@ async def logits(body: LogitsRequest, state: AppState = Depends(get_state)):
     head predicts the token at the position itself: `predicts`). With `ablate`, the ablated model's
     answer, the clean one (`clean`) and per position the KL divergence and the change in log-probability
     of the actual token (`effect`)."""
-    return await serving.logits(state, body)
+    return await ExplainServing(state).logits(body)
 
 
 @router.post("/lens", response_model=LensResponse, responses=ERRORS)
@@ -38,7 +38,7 @@ async def lens(body: LensRequest, state: AppState = Depends(get_state)):
     """The logit lens: the residual stream at the embeddings and after every block, at every position,
     through the final norm and the head (an encoder's masked-LM head; an encoder-decoder's decoder
     stream): the top-k tokens and the rank and probability of the actual token."""
-    return await serving.lens(state, body)
+    return await ExplainServing(state).lens(body)
 
 
 @router.post("/attention/explain", response_model=ExplainResponse, responses=ERRORS)
@@ -46,4 +46,4 @@ async def attention_explain(body: ExplainRequest, state: AppState = Depends(get_
     """One head's attention at one query, step by step: the query and every key and value vector,
     q.k, the 1/sqrt(d_head) scale, the mask, the softmax (beside the map's own row) and the weighted
     sum of the values, the head's z."""
-    return await serving.explain_head(state, body)
+    return await ExplainServing(state).explain_head(body)

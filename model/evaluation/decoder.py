@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 from ..data.names import name_forms, names
 from ..data.shakespeare import load_split
-from ..head_scores import PATTERNS, induction_pattern, mul_score
-from ..head_scores import repeated_random_tokens as _repeated_random_tokens
+from ..analysis.head_scores import PATTERNS, induction_pattern, mul_score
+from ..analysis.head_scores import repeated_random_tokens as _repeated_random_tokens
 
 LN2 = math.log(2.0)
 SAMPLE_EVERY = 8  # the windows a test recomputes: every 8th held-out window
@@ -101,7 +101,7 @@ def unigram_bits_per_byte(tokenizer, train_stream: torch.Tensor, stream: torch.T
             "method": "add-one-smoothed token frequencies of the training works, no context"}
 
 
-# --- induction: TransformerLens's head_detector definitions (model/head_scores.py) -----------
+# --- induction: TransformerLens's head_detector definitions (model/analysis/head_scores.py) -----------
 def repeated_random_tokens(tokenizer, n: int = N_SEQUENCES, length: int = REPEAT_TOKENS,
                            seed: int = INDUCTION_SEED) -> torch.Tensor:
     """(n, 1 + 2*length): BOS, then `length` random ordinary tokens, then the same again."""

@@ -14,7 +14,7 @@ What a family's module offers, as Protocols (vLLM's model interfaces, interfaces
 
     AnalysableModel   analyse(ids, target_ids) -> AttentionAnalysis: every group's maps in one call;
                       sequence(ids, target_ids) -> the ids by axis; run_sequence(tokens): one forward of
-                      them (model/attention_blocks.py reduces its maps block by block)
+                      them (model/analysis/attention_blocks.py reduces its maps block by block)
     GenerativeModel   new_kv_cache(rows), kv_cache_row_bytes(); forward(ids, kv_cache=, rows=, ...) -> output;
                       step_attention(output, cache, rows, queries) -> each row's step maps by group
     FixedShapeDecoder decode_fixed(ids, cache, lengths): a decode step of fixed shapes (CUDA graphs)
@@ -74,7 +74,7 @@ class GenerationSpec:
 
 @dataclass(frozen=True)
 class LensSpec:
-    """How /logits and /lens read a family (model/explain.py): the residual stream whose positions
+    """How /logits and /lens read a family (model/analysis/explain.py): the residual stream whose positions
     are scored and what a position's logits predict."""
 
     stream: Axis  # the axis the scored positions run over: "tokens" or "target"
@@ -126,7 +126,7 @@ class Family:
     # sliding_window, rmsnorm, grouped_query, parallel_residual, classifier
     builds: tuple[str, ...] = field(default=())
     training: TrainingSpec | None = None  # None: `attnlens train` cannot train it (imported only)
-    lens: LensSpec | None = None  # None: no logits to read per position (model/explain.py)
+    lens: LensSpec | None = None  # None: no logits to read per position (model/analysis/explain.py)
 
     def __post_init__(self) -> None:
         names = [g.name for g in self.groups]
@@ -216,7 +216,7 @@ class AnalysableModel(Protocol):
 
     def run_sequence(self, tokens: dict[str, list[int]]) -> None:
         """One forward of `tokens` (as `sequence` gives them), for the intermediates hooks keep
-        (model/attention_blocks.py makes every group's maps from its queries and keys)."""
+        (model/analysis/attention_blocks.py makes every group's maps from its queries and keys)."""
         ...
 
 
@@ -241,7 +241,7 @@ class GenerativeModel(Protocol):
 
 @runtime_checkable
 class InspectableModel(Protocol):
-    """What model/explain.py (the logits, the lens, a head's computation) reads of a family."""
+    """What model/analysis/explain.py (the logits, the lens, a head's computation) reads of a family."""
 
     family: ClassVar[Family]
 

@@ -218,7 +218,7 @@ class Transformer(Embeddings, nn.Module):
 
     @torch.inference_mode()
     def run_sequence(self, tokens: dict[str, list[int]]) -> None:
-        """One forward of an analysed sequence for its intermediates (model/attention_blocks.py), to
+        """One forward of an analysed sequence for its intermediates (model/analysis/attention_blocks.py), to
         the cheapest output: the last position's logits."""
         self(torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.tok_emb.weight.device), last_only=True)
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from . import vocab_rows
-from .families.contract import family_of
-from .hooks import Hooks, ZEdit, hooked, run_until, unchanged_outputs
+from ..families.contract import family_of
+from ..hooks import Hooks, ZEdit, hooked, run_until, unchanged_outputs
 
 
 @dataclass

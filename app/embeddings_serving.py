@@ -8,8 +8,11 @@ position), then L2-normalised: what a sentence-transformers model's Transformer,
 Normalize modules give (Encoder.sentence_embeddings). The texts are checked (their count, then
 each one's bytes), tokenised together off the event loop, checked against the context (an
 over-long text is a 400 naming its index, as OpenAI refuses one; nothing is truncated), then run
-on the model's runner (ATTNLENS_MAX_ENCODER_CONCURRENT forwards at once) in right-padded
-batches of similar lengths, each with its attention mask, so padding never changes a vector.
+on the model's runner (ATTNLENS_MAX_ENCODER_CONCURRENT forwards at once) as one EmbedCall
+(model/analysis/encoder_outputs.py): right-padded batches of similar lengths, each with its
+attention mask, so padding never changes a vector.
+
+EmbeddingsServing answers POST /v1/embeddings (app/routers/embeddings.py is the thin router).
 """
 
 from __future__ import annotations
@@ -17,19 +20,14 @@ from __future__ import annotations
 import base64
 
 import numpy as np
-import torch
 
-from attnlens.model import Checkpoint
-from attnlens.model.data.passages import pad_rows
+from attnlens.model.analysis.operations import EmbedCall
 
-from .engine import progress
 from .errors import ApiError
 from .openai_schemas import EmbeddingRequest
 from .prompts import check_text_bytes, tokenize_texts
 from .registry import EMBEDDINGS, ServedModel, lookup
 from .state import AppState
-
-MAX_BATCH_TOKENS = 8192  # padded positions in one forward (at least one input a forward, whatever its length)
 
 
 def encoders(state: AppState) -> list[str]:
@@ -95,32 +93,6 @@ async def framed_inputs(body: EmbeddingRequest, served: ServedModel, texts: list
     return [[tok.cls_id, *ids, tok.sep_id] for ids in rows]
 
 
-def length_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Indices of the inputs in batches of similar lengths (longest first), each at most
-    `max_tokens` padded positions (rows x its longest) unless one input alone is longer."""
-    batches: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
-@torch.inference_mode()
-def embed_rows(ckpt: Checkpoint, rows: list[list[int]], max_tokens: int = MAX_BATCH_TOKENS) -> np.ndarray:
-    """(N, C) float32 unit vectors of the framed `rows`, in their order (on the runner's thread)."""
-    model, tok = ckpt.model, ckpt.tokenizer
-    device = model.tok_emb.weight.device
-    pad = tok.pad_id if tok.pad_id is not None else 0  # padded positions are masked: any id will do
-    out = np.empty((len(rows), ckpt.config.d_model), dtype=np.float32)
-    for batch in length_batches([len(r) for r in rows], max_tokens):
-        progress.report()  # a caller that went away stops here
-        ids, mask = pad_rows([rows[i] for i in batch], pad)
-        out[batch] = model.sentence_embeddings(ids.to(device), mask.to(device)).cpu().numpy()  # (b, C)
-    return out
-
-
 def encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     """One embedding as OpenAI sends it: a list of numbers, or base64 of its little-endian float32 bytes."""
     if encoding_format == "base64":
@@ -128,14 +100,22 @@ def encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
-async def create_embeddings(body: EmbeddingRequest, state: AppState) -> dict:
-    """OpenAI's embedding list for the request: one unit vector per input, in input order."""
-    served = embedding_model(state, body.model)
-    texts = check_request(body, served, state.settings.max_embedding_inputs)
-    rows = await framed_inputs(body, served, texts)
-    vectors = await served.runner.call(lambda ckpt: embed_rows(ckpt, rows))
-    tokens = sum(map(len, rows))
-    return {"object": "list", "model": served.name,
-            "data": [{"object": "embedding", "index": i, "embedding": encoded(v, body.encoding_format)}
-                     for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+class EmbeddingsServing:
+    """Answers POST /v1/embeddings for the encoders in `state`."""
+
+    def __init__(self, state: AppState):
+        self.state = state
+
+    async def create(self, body: EmbeddingRequest) -> dict:
+        """OpenAI's embedding list for the request: one unit vector per input, in input order."""
+        served = embedding_model(self.state, body.model)
+        texts = check_request(body, served, self.state.settings.max_embedding_inputs)
+        rows = await framed_inputs(body, served, texts)
+        tok = served.checkpoint.tokenizer
+        pad = tok.pad_id if tok.pad_id is not None else 0  # padded positions are masked: any id will do
+        vectors = await served.call_model(EmbedCall(rows=rows, pad_id=pad))
+        tokens = sum(map(len, rows))
+        return {"object": "list", "model": served.name,
+                "data": [{"object": "embedding", "index": i, "embedding": encoded(v, body.encoding_format)}
+                         for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -1,0 +1,211 @@
+"""The model-side operations, run by name with typed arguments: what the service asks of a loaded
+model besides generating (the engine's model-call line, or an encoder's worker threads).
+
+Each operation is one frozen dataclass of plain arguments (ids, indices, options) that names its
+operation; `run_operation(model, call)` looks the name up in OPERATIONS and runs it on the model.
+Only such data crosses the pipe to an engine process (it pickles by value), never a closure, and
+what comes back is plain data too (dataclasses, numpy, lists, dicts).
+
+    call              operation        result
+    AttentionCall     attention        AnalysisMaps (attention_maps.py)
+    HeadScoresCall    head_scores      HeadScoreResult (head_atlas_scores.py)
+    LogitsCall        logits           dict of lists and floats (explain.logits_report)
+    LensCall          lens             dict (explain.lens_report; "error" for a position past a
+                                       generated target's end)
+    ExplainHeadCall   explain_head     dict (explain.explain_head; "error" likewise for the query)
+    FillMaskCall      fill_mask        MaskScores (encoder_outputs.py)
+    ClassifyCall      classify         list[float], every label's probability in the config's order
+    EmbedCall         embed            (N, C) float32 numpy unit vectors
+    WarmUpCall        warm_up          None (one attention analysis, and an encoder's heads' forward)
+
+`report`, given to run_operation, is called at a long operation's progress points: the engine's
+heartbeat, and where a call whose caller went away stops (app/engine/progress.py's report()).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+from ..hooks import ZEdit
+from . import explain
+from .attention_maps import AnalysisMaps, MapRequest, analyse_attention
+from .encoder_outputs import MAX_BATCH_TOKENS, MaskScores, class_probabilities, embed_rows, encoder_warm_up, mask_scores
+from .head_atlas_scores import ClarkProbe, HeadScoreResult, score_heads
+
+Report = Callable[[], None]
+
+
+def _no_report() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """The asked layers' and heads' maps of every group (MapRequest: whole, window, pool, top-k)."""
+
+    operation: ClassVar[str] = "attention"
+    ids: list[int]
+    layers: list[int]
+    heads: list[int]
+    target_ids: list[int] | None = None
+    ablate: tuple[ZEdit, ...] = ()
+    want: MapRequest = MapRequest()
+    fmt: str = "json"
+    keep_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class HeadScoresCall:
+    """Every head's scores of every group (with `clark`, an encoder's Clark et al. scores too)."""
+
+    operation: ClassVar[str] = "head_scores"
+    ids: list[int]
+    target_ids: list[int] | None = None
+    clark: ClarkProbe | None = None
+
+
+@dataclass(frozen=True)
+class LogitsCall:
+    """Per position (or the last only) the top-k predictions, with and without ablated heads."""
+
+    operation: ClassVar[str] = "logits"
+    ids: list[int]
+    target_ids: list[int] | None
+    ablate: tuple[ZEdit, ...]
+    top_k: int
+    last_only: bool
+
+
+@dataclass(frozen=True)
+class LensCall:
+    """The logit lens: every block's residual stream through the final norm and the head."""
+
+    operation: ClassVar[str] = "lens"
+    ids: list[int]
+    target_ids: list[int] | None
+    ablate: tuple[ZEdit, ...]
+    top_k: int
+    positions: list[int] | None = None
+    rank: bool = False
+
+
+@dataclass(frozen=True)
+class ExplainHeadCall:
+    """One head's attention at one query, step by step."""
+
+    operation: ClassVar[str] = "explain_head"
+    ids: list[int]
+    target_ids: list[int] | None
+    group_name: str
+    layer: int
+    head: int
+    query: int
+    ablate: tuple[ZEdit, ...] = ()
+
+
+@dataclass(frozen=True)
+class FillMaskCall:
+    """The masked-LM head's top_k at `positions` of framed `ids`, over the tokenizer's `vocab_size`
+    tokens, never one of `never`."""
+
+    operation: ClassVar[str] = "fill_mask"
+    ids: list[int]
+    positions: list[int]
+    vocab_size: int
+    never: list[int]
+    top_k: int
+
+
+@dataclass(frozen=True)
+class ClassifyCall:
+    """Every label's probability of framed `ids`."""
+
+    operation: ClassVar[str] = "classify"
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class EmbedCall:
+    """The unit sentence embedding of each framed row, in right-padded batches."""
+
+    operation: ClassVar[str] = "embed"
+    rows: list[list[int]]
+    pad_id: int
+    max_tokens: int = MAX_BATCH_TOKENS
+
+
+@dataclass(frozen=True)
+class WarmUpCall:
+    """Start-up: one attention analysis of `ids` (layer 0, head 0) and, given `encoder_ids`
+    ([CLS] [MASK] [SEP]), a forward through the encoder's heads."""
+
+    operation: ClassVar[str] = "warm_up"
+    ids: list[int]
+    encoder_ids: list[int] | None = None
+
+
+def _attention(model, call: AttentionCall, report: Report) -> AnalysisMaps:
+    return analyse_attention(model, call.ids, call.layers, call.heads, call.target_ids, call.ablate, call.want,
+                             call.fmt, call.keep_bytes, report=report)
+
+
+def _head_scores(model, call: HeadScoresCall, report: Report) -> HeadScoreResult:
+    return score_heads(model, call.ids, call.target_ids, call.clark)
+
+
+def _logits(model, call: LogitsCall, report: Report) -> dict:
+    return explain.logits_report(model, call.ids, call.target_ids, call.ablate, call.top_k, call.last_only)
+
+
+def _lens(model, call: LensCall, report: Report) -> dict:
+    return explain.lens_report(model, call.ids, call.target_ids, call.ablate, call.top_k, call.positions, call.rank)
+
+
+def _explain_head(model, call: ExplainHeadCall, report: Report) -> dict:
+    return explain.explain_head(model, call.ids, call.target_ids, call.group_name, call.layer, call.head,
+                                call.query, call.ablate)
+
+
+def _fill_mask(model, call: FillMaskCall, report: Report) -> MaskScores:
+    return mask_scores(model, call.ids, call.positions, call.vocab_size, call.never, call.top_k)
+
+
+def _classify(model, call: ClassifyCall, report: Report) -> list[float]:
+    return class_probabilities(model, call.ids)
+
+
+def _embed(model, call: EmbedCall, report: Report):
+    return embed_rows(model, call.rows, call.pad_id, call.max_tokens, report=report)
+
+
+def _warm_up(model, call: WarmUpCall, report: Report) -> None:
+    analyse_attention(model, call.ids, [0], [0], report=report)
+    if call.encoder_ids is not None:
+        encoder_warm_up(model, call.encoder_ids)
+
+
+# name -> what runs it: fn(model, call, report)
+OPERATIONS: dict[str, Callable[[Any, Any, Report], Any]] = {
+    AttentionCall.operation: _attention,
+    HeadScoresCall.operation: _head_scores,
+    LogitsCall.operation: _logits,
+    LensCall.operation: _lens,
+    ExplainHeadCall.operation: _explain_head,
+    FillMaskCall.operation: _fill_mask,
+    ClassifyCall.operation: _classify,
+    EmbedCall.operation: _embed,
+    WarmUpCall.operation: _warm_up,
+}
+
+ModelOperation = (AttentionCall | HeadScoresCall | LogitsCall | LensCall | ExplainHeadCall | FillMaskCall
+                  | ClassifyCall | EmbedCall | WarmUpCall)
+
+
+def run_operation(model, call: ModelOperation, report: Report | None = None) -> Any:
+    """Run the operation `call` names on `model` (the nn.Module, on whatever device holds it)."""
+    try:
+        run = OPERATIONS[call.operation]
+    except (AttributeError, KeyError):
+        raise ValueError(f"not a model operation: {call!r}") from None
+    return run(model, call, report or _no_report)
