@@ -103,7 +103,7 @@ class ExplainServing:
                           last_only=body.positions == "last")
         tok = served.checkpoint.tokenizer
 
-        def content(report: dict) -> dict:
+        def content(report: explain.LogitsReport) -> dict:
             stream = report["stream"]
             answer = LogitsResponse(**_common(served, report, echo),
                                     positions=_positions(tok, stream, report["positions"]),
@@ -128,7 +128,7 @@ class ExplainServing:
                         rank=body.rank)
         tok = served.checkpoint.tokenizer
 
-        def content(report: dict) -> dict:
+        def content(report: explain.LensReport) -> dict:
             text = tok.display_text
             actual = [None if a is None else {"id": a, "text": text(a)} for a in report["actual"]]
             label = lambda index: "embeddings" if index < 0 else f"block {index}"
@@ -170,7 +170,7 @@ class ExplainServing:
                                query=body.query, ablate=edits)
         tok = served.checkpoint.tokenizer
 
-        def content(report: dict) -> dict:
+        def content(report: explain.HeadStep) -> dict:
             tokens = report["tokens"]
             translated = family.takes_target
             answer = ExplainResponse(

@@ -4,7 +4,7 @@ taking turns (the packaged SmolLM2, or --model):
     .venv/bin/python bench/bench_attention_heads.py                  # 2,048 tokens, 2 threads
     .venv/bin/python bench/bench_attention_heads.py --tokens 8192 --skip-full --reps 1
 
-Cases, each the call /attention makes (app/attention_analysis.py: one forward keeping the asked
+Cases, each the call /attention makes (model/analysis/attention_maps.py: one forward keeping the asked
 layers' queries and keys, then the maps a block of query rows at a time, reduced at once):
 a prefill (the peer: one forward, the last position's logits); one head's full map (u8, as the
 page asks); one layer's every head; every head pooled to --pool bins (the model view's overview);
@@ -50,7 +50,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from attnlens.app.attention_analysis import MapRequest, analyse_attention
+    from attnlens.model.analysis.attention_maps import MapRequest, analyse_attention
     from attnlens.model import load_checkpoint
     from attnlens.model.interop.packaged import SMOLLM2, ensure_checkpoint
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from attnlens.model.analysis.encoder_outputs import embed_rows, length_batches
 from attnlens.app.main import create_app
 from attnlens.app.settings import Settings
 from attnlens.model import load_checkpoint
+from attnlens.model.analysis.encoder_outputs import embed_rows, length_batches
 from encoder_helpers import make_tiny_encoder
 from helpers import REPO_ROOT
 from live_server import live_server

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from attnlens.app.head_atlas import clark_probe
-from attnlens.model.analysis.head_atlas_scores import score_heads
 from attnlens.model import family_of, load_checkpoint
 from attnlens.model.analysis import head_scores as hs
+from attnlens.model.analysis.head_atlas_scores import score_heads
 
 from conftest import REPO_ROOT
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -38,6 +39,65 @@ class Sequence:
 
     def stream(self, model) -> list[int]:
         return self.tokens[family_of(model).lens.stream]
+
+
+class PositionLogits(TypedDict):
+    position: int
+    top: list[tuple[int, float]]  # (id, probability), most likely first
+    next: int | None  # the actual token
+    next_prob: float | None
+    next_logprob: float | None
+
+
+class LogitsReport(TypedDict, total=False):
+    """logits_report's answer (`clean` and `effect` only with an ablation)."""
+
+    tokens: dict[str, list[int]]
+    generated: bool
+    stream: list[int]
+    positions: list[PositionLogits]
+    clean: list[PositionLogits]
+    effect: list[dict]  # per position: kl, delta_logprob
+
+
+class LensReport(TypedDict, total=False):
+    """lens_report's answer, or only `error` (a position past the end of a generated target)."""
+
+    error: str
+    tokens: dict[str, list[int]]
+    generated: bool
+    stream: list[int]
+    actual: list[int | None]
+    positions: list[int]
+    layers: list[dict]  # per row: index, top_ids, top_probs, rank, prob
+
+
+class HeadStep(TypedDict, total=False):
+    """explain_head's answer, or only `error` (a query past the end of a generated target)."""
+
+    error: str
+    group: str
+    layer: int
+    head: int
+    query: int
+    query_id: int
+    key_ids: list[int]
+    d_head: int
+    scale: float  # the attention module's own scale, what the forward multiplied q.k by
+    kv_head: int
+    q: list[float]
+    keys: list[list[float]]
+    values: list[list[float]]
+    scores: list[float]
+    scaled: list[float]
+    mask: list[bool]
+    masked: list[float | None]
+    softmax: list[float]
+    pattern_row: list[float]
+    z: list[float]
+    z_model: list[float]
+    tokens: dict[str, list[int]]
+    generated: bool
 
 
 def actual_ids(model, stream: list[int]) -> list[int | None]:
@@ -63,7 +123,8 @@ def _top(probs: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]
     return ids.tolist(), values.tolist()
 
 
-def position_logits(logprobs: torch.Tensor, actual: list[int | None], positions: list[int], top_k: int) -> list[dict]:
+def position_logits(logprobs: torch.Tensor, actual: list[int | None], positions: list[int], top_k: int
+                    ) -> list[PositionLogits]:
     """Per position of (P, V) log-probabilities (rows: `positions`): top-k ids and probabilities, the
     actual token's probability and log-probability."""
     ids, probs = _top(logprobs, top_k)
@@ -78,7 +139,7 @@ def position_logits(logprobs: torch.Tensor, actual: list[int | None], positions:
 
 @torch.inference_mode()
 def logits_report(model, ids: list[int], target_ids: list[int] | None, ablate: tuple[ZEdit, ...], top_k: int,
-                  last_only: bool) -> dict:
+                  last_only: bool) -> LogitsReport:
     seq = sequence_of(model, ids, target_ids)
     stream = seq.stream(model)
     actual = actual_ids(model, stream)
@@ -87,7 +148,7 @@ def logits_report(model, ids: list[int], target_ids: list[int] | None, ablate: t
     # of the blocks before the first ablated head (unchanged_outputs), instead of recomputing them
     outputs = Hooks(record=lambda name: name.endswith(".hook_resid_post")) if ablate else None
     clean = torch.log_softmax(sequence_logits(model, seq, outputs)[positions], dim=-1)  # (P, V)
-    report = {"tokens": seq.tokens, "generated": seq.generated, "stream": stream}
+    report: LogitsReport = {"tokens": seq.tokens, "generated": seq.generated, "stream": stream}
     if not ablate:
         report["positions"] = position_logits(clean, actual, positions, top_k)
         return report
@@ -112,7 +173,7 @@ def lens_names(model) -> list[str]:
 
 @torch.inference_mode()
 def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tuple[ZEdit, ...], top_k: int,
-                positions: list[int] | None = None, rank: bool = False) -> dict:
+                positions: list[int] | None = None, rank: bool = False) -> LensReport:
     """Rows: the embeddings (index -1), then after every block. Per row, at each of `positions`
     (default: every position of the stream, T; else positions in 0..T-1, in the order given):
     `top_ids` and `top_probs` (P, k), the actual token's (report["actual"], per position) `prob`
@@ -179,7 +240,7 @@ def positions_note(config) -> str:
 
 @torch.inference_mode()
 def explain_head(model, ids: list[int], target_ids: list[int] | None, group_name: str, layer: int, head: int,
-                 query: int, ablate: tuple[ZEdit, ...]) -> dict:
+                 query: int, ablate: tuple[ZEdit, ...]) -> HeadStep:
     """One head's attention at one query, recomputed from its q, keys and values, beside the map's row
     and the head's z as the forward made them (z before any ablation of this head)."""
     family = family_of(model)

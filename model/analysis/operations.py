@@ -9,10 +9,10 @@ what comes back is plain data too (dataclasses, numpy, lists, dicts).
     call              operation        result
     AttentionCall     attention        AnalysisMaps (attention_maps.py)
     HeadScoresCall    head_scores      HeadScoreResult (head_atlas_scores.py)
-    LogitsCall        logits           dict of lists and floats (explain.logits_report)
-    LensCall          lens             dict (explain.lens_report; "error" for a position past a
-                                       generated target's end)
-    ExplainHeadCall   explain_head     dict (explain.explain_head; "error" likewise for the query)
+    LogitsCall        logits           LogitsReport (explain.py: a TypedDict of lists and floats)
+    LensCall          lens             LensReport (its "error" names a position past a generated
+                                       target's end)
+    ExplainHeadCall   explain_head     HeadStep ("error" likewise for the query)
     FillMaskCall      fill_mask        MaskScores (encoder_outputs.py)
     ClassifyCall      classify         list[float], every label's probability in the config's order
     EmbedCall         embed            (N, C) float32 numpy unit vectors
@@ -154,15 +154,15 @@ def _head_scores(model, call: HeadScoresCall, report: Report) -> HeadScoreResult
     return score_heads(model, call.ids, call.target_ids, call.clark)
 
 
-def _logits(model, call: LogitsCall, report: Report) -> dict:
+def _logits(model, call: LogitsCall, report: Report) -> explain.LogitsReport:
     return explain.logits_report(model, call.ids, call.target_ids, call.ablate, call.top_k, call.last_only)
 
 
-def _lens(model, call: LensCall, report: Report) -> dict:
+def _lens(model, call: LensCall, report: Report) -> explain.LensReport:
     return explain.lens_report(model, call.ids, call.target_ids, call.ablate, call.top_k, call.positions, call.rank)
 
 
-def _explain_head(model, call: ExplainHeadCall, report: Report) -> dict:
+def _explain_head(model, call: ExplainHeadCall, report: Report) -> explain.HeadStep:
     return explain.explain_head(model, call.ids, call.target_ids, call.group_name, call.layer, call.head,
                                 call.query, call.ablate)
 
