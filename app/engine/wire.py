@@ -3,7 +3,7 @@
 Server -> engine process, one pickled tuple per message:
   ("add", number, GenerationParams)   a generation the server admitted into a free slot
   ("cancel", number) / ("stop", number)
-  ("call", number, fn)                 fn(model) on the model-call line (fn pickles by reference)
+  ("call", number, fn)                 a model call's payload, opaque here: fn(model) (pickles by reference)
   ("cancel_call", number)              its caller went away: it stops at its next report point
   ("close",)
 
@@ -32,7 +32,7 @@ import torch
 
 from attnlens.model.decoding import GeneratedToken
 
-from .outputs import FinishRecord, PromptRecord, Record, TokenRecord
+from .records import FinishRecord, PromptRecord, Record, TokenRecord
 
 
 @dataclass
