@@ -101,7 +101,6 @@ class EngineCore:
         self._lock = threading.Lock()  # the inbox (handed-over work) and the closed flag
         self._wakeup = threading.Condition(self._lock)
         self._closed = False
-        self._running = False  # run() is stepping
         self._incoming: collections.deque[Generation] = collections.deque()  # handed over, not scheduled yet
         self._calls: collections.deque[Any] = collections.deque()  # model calls, oldest first
         self._held_generations = 0  # handed over and not finished: at most max_concurrent
@@ -193,27 +192,18 @@ class EngineCore:
             self._closed = True
             self._wakeup.notify()
 
-    @property
-    def running(self) -> bool:
-        """run() is stepping (or waiting for work)."""
-        return self._running
-
     # --- the model's thread ------------------------------------------------
     def run(self) -> None:
         """Step until close(), waiting while there is nothing to do; then hand over what is held."""
-        self._running = True
-        try:
-            with torch.inference_mode():
-                while True:
-                    with self._lock:
-                        while not self._closed and not self._has_work():
-                            self._wakeup.wait()
-                        if self._closed:
-                            break
-                    self.step()
-            self._deliver([])  # held records first
-        finally:
-            self._running = False
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    while not self._closed and not self._has_work():
+                        self._wakeup.wait()
+                    if self._closed:
+                        break
+                self.step()
+        self._deliver([])  # what is held goes before the end
 
     def _has_work(self) -> bool:
         return bool(self._incoming or self._calls or self._prefill or self._decoding or self._chunking is not None)
