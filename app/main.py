@@ -158,7 +158,7 @@ async def lifespan(app: FastAPI):
         for engine in engines:
             log.info("engine for %s on %s as %s%s; KV cache %d rows, %.0f MB", engine.checkpoint.path,
                      engine.device, str(engine.dtype).removeprefix("torch."),
-                     f" in process {engine.process.pid}" if isinstance(engine, EngineProcess) else "",
+                     f" in process {engine.client.process.pid}" if engine.restartable else "",
                      engine.max_concurrent, engine.cache_bytes / 2**20)
         yield
     finally:

@@ -126,7 +126,7 @@ def test_rows_of_different_lengths_joining_and_leaving_mid_batch(ckpt, tiny_chec
         assert [t.id for t in tokens] == reference_ids(ckpt, PROMPTS[i], budgets[i], **sampling(i)), i
     assert engine.in_flight == 0 and engine.waiting == 0
     if kind == "thread":
-        assert engine.cache.lengths.tolist() == [0] * 4
+        assert engine.client.core.cache.lengths.tolist() == [0] * 4
 
 
 def run_fn(fn):
@@ -174,7 +174,7 @@ def test_one_forward_per_step_and_prefills_never_longer_than_one_full_prompt(ckp
     tok = ckpt.tokenizer
     ctx = ckpt.config.context_length
     engine = Engine(ckpt, max_concurrent=8, max_queue=0, cuda_graphs=False)  # the recorder sees every forward
-    rec = engine.model = RecordingModel(ckpt.model)
+    rec = engine.client.core.model = RecordingModel(ckpt.model)
     long_ids = (tok.encode(" ".join(PROMPTS)) * 4)[:40]
     prompts = [long_ids, tok.encode("To be"), long_ids[:38], tok.encode("Or"), tok.encode("The slings"),
                long_ids[:36], tok.encode("No more"), tok.encode("Café")]
@@ -198,7 +198,7 @@ def test_one_forward_per_step_and_prefills_never_longer_than_one_full_prompt(ckp
 def test_cancellation_frees_the_row_for_the_next_request(ckpt):
     tok = ckpt.tokenizer
     engine = Engine(ckpt, max_concurrent=2, max_queue=4)
-    engine.model = RecordingModel(ckpt.model, delay=0.002)
+    engine.client.core.model = RecordingModel(ckpt.model, delay=0.002)
 
     async def main():
         long_a, long_b = engine.submit_all([
@@ -233,7 +233,7 @@ def test_a_failing_request_leaves_the_batch_running(ckpt):
               and poison not in tok.encode(p)][:3]
     assert len(others) == 3
     engine = Engine(ckpt, max_concurrent=4, max_queue=0, cuda_graphs=False)  # the recorder sees every forward
-    engine.model = RecordingModel(ckpt.model, poison=poison)
+    engine.client.core.model = RecordingModel(ckpt.model, poison=poison)
     params = [GenerationParams(tok.encode("To be"), 15, SamplingParams(temperature=0.0))]
     params += [GenerationParams(tok.encode(p), 15, SamplingParams(temperature=0.0)) for p in others]
     try:
@@ -254,7 +254,7 @@ def test_a_cancelled_waiting_request_frees_its_queue_place_at_once(ckpt):
     waiter gives up, and a new request is admitted while the slot is still taken."""
     tok = ckpt.tokenizer
     engine = Engine(ckpt, max_concurrent=1, max_queue=1)
-    rec = engine.model = RecordingModel(ckpt.model)
+    rec = engine.client.core.model = RecordingModel(ckpt.model)
     rec.gate.clear()
     ids = tok.encode("To be")
 
@@ -288,7 +288,7 @@ def test_a_cancelled_waiting_request_frees_its_queue_place_at_once(ckpt):
 def test_a_request_of_several_generations_is_admitted_whole_or_not_at_all(ckpt):
     tok = ckpt.tokenizer
     engine = Engine(ckpt, max_concurrent=2, max_queue=3)
-    rec = engine.model = RecordingModel(ckpt.model)
+    rec = engine.client.core.model = RecordingModel(ckpt.model)
     rec.gate.clear()
     p = GenerationParams(tok.encode("To be"), 5, SamplingParams(temperature=0.0))
 
@@ -381,7 +381,7 @@ def in_process(tiny_checkpoint, scenario, **settings):
 def test_429_contract_of_generate_and_v1_in_process(tiny_checkpoint):
     async def scenario(app, client):
         engine = app.state.attnlens.registry.get(None).runner
-        rec = engine.model = RecordingModel(engine.model)
+        rec = engine.client.core.model = RecordingModel(engine.client.core.model)
         clock = FakeClock()
         engine.scheduler.drain.clock = clock
         for t in (996.0, 998.0):  # two finishes over the last 4 seconds: 0.5 per second
@@ -420,7 +420,7 @@ def test_429_contract_of_generate_and_v1_in_process(tiny_checkpoint):
 def test_attention_bound_answers_429_when_full(tiny_checkpoint):
     async def scenario(app, client):
         engine = app.state.attnlens.registry.get(None).runner
-        rec = engine.model = RecordingModel(engine.model)
+        rec = engine.client.core.model = RecordingModel(engine.client.core.model)
         rec.gate.clear()
         first = asyncio.create_task(client.post("/attention", json={"text": "To be, or not"}))
         for _ in range(200):
@@ -462,8 +462,8 @@ def test_a_long_model_call_hands_over_heartbeats(ckpt, fn_calls):
 
     engine = Engine(ckpt, max_concurrent=2, max_queue=2)
     emitted: list[int] = []
-    real = engine._emit
-    engine._emit = lambda records: (emitted.append(len(records)), real(records))
+    real = engine.client.core.sink
+    engine.client.core.sink = lambda records: (emitted.append(len(records)), real(records))
 
     def slow(model, reports: bool):
         for _ in range(5):
@@ -500,13 +500,13 @@ def test_generations_take_turns_with_a_long_model_call(ckpt, fn_calls):
         call_done.append(time.perf_counter())
         return "done"
 
-    real_forward = engine.model.forward
+    real_forward = engine.client.core.model.forward
 
     def forward(*a, **kw):  # the turn's steps run without the call's hooks or reporter
         seen_hooks.append(active_hooks())
         return real_forward(*a, **kw)
 
-    engine.model.forward = forward
+    engine.client.core.model.forward = forward
 
     async def main():
         call = asyncio.ensure_future(engine.call(FnCall(long_call)))
@@ -520,7 +520,7 @@ def test_generations_take_turns_with_a_long_model_call(ckpt, fn_calls):
     try:
         tokens, done, finished = run_async(main())
     finally:
-        engine.model.forward = real_forward
+        engine.client.core.model.forward = real_forward
         engine.close()
     assert isinstance(done, DoneEvent) and len(tokens) == 12
     assert finished < call_done[0]  # all 12 tokens came while the call still worked
@@ -547,7 +547,7 @@ def test_a_model_call_stops_at_its_next_report_point_when_its_caller_goes(ckpt, 
         with pytest.raises(asyncio.CancelledError):
             await call
         for _ in range(100):
-            if engine.calls_cancelled:
+            if engine.client.core.calls_cancelled:
                 break
             await asyncio.sleep(0.02)
         n = len(reports)
@@ -558,7 +558,7 @@ def test_a_model_call_stops_at_its_next_report_point_when_its_caller_goes(ckpt, 
         n = run_async(main())
     finally:
         engine.close()
-    assert engine.calls_cancelled == 1 and len(reports) == n
+    assert engine.client.core.calls_cancelled == 1 and len(reports) == n
 
 
 @pytest.mark.parametrize("route,body", [
@@ -571,7 +571,7 @@ def test_a_non_streamed_handler_ends_when_its_client_disconnects(tiny_checkpoint
 
     async def scenario(app, client):
         engine = app.state.attnlens.registry.get(None).runner
-        engine.model = RecordingModel(engine.model, delay=0.02)  # 60 tokens would take > 1 s
+        engine.client.core.model = RecordingModel(engine.client.core.model, delay=0.02)  # 60 tokens would take > 1 s
         import json as _json
 
         payload = _json.dumps(body).encode()
@@ -594,7 +594,7 @@ def test_a_non_streamed_handler_ends_when_its_client_disconnects(tiny_checkpoint
                  "client": ("127.0.0.1", 1), "server": ("test", 80), "state": {}, "app": app}
         handler = asyncio.create_task(app(scope, receive, send))
         for _ in range(200):
-            if engine.in_flight >= 1 and len(engine.model.calls) > 3:
+            if engine.in_flight >= 1 and len(engine.client.core.model.calls) > 3:
                 break
             await asyncio.sleep(0.01)
         disconnect.set()
@@ -611,7 +611,7 @@ def test_per_step_attention_comes_from_the_batched_forward(ckpt):
     rows equal those of the request alone (its own positions only), the others are unaffected."""
     tok = ckpt.tokenizer
     engine = Engine(ckpt, max_concurrent=3, max_queue=0, cuda_graphs=False)  # the recorder sees every forward
-    rec = engine.model = RecordingModel(ckpt.model)
+    rec = engine.client.core.model = RecordingModel(ckpt.model)
     prompts = ["To be", "Whether 'tis nobler in the mind", "Or"]
     params = [GenerationParams(tok.encode(p), 8, SamplingParams(temperature=0.0), return_attention=(i == 1))
               for i, p in enumerate(prompts)]
@@ -729,7 +729,7 @@ def test_a_random_mix_of_requests_and_cancellations_keeps_every_answer_right(ckp
         engine.close()
     assert engine.in_flight == 0 and engine.waiting == 0 and engine.errors == 0
     if kind == "thread":  # (the engine process's cache is its own: there the answers show it)
-        assert engine.cache.lengths.tolist() == [0] * 4
+        assert engine.client.core.cache.lengths.tolist() == [0] * 4
     finished = 0
     for spec, (g, tokens, last) in zip(specs, results):
         assert last is not None
@@ -806,7 +806,7 @@ def test_a_stream_left_unread_past_its_backlog_bound_ends_with_an_error(ckpt):
     assert [t.id for t in tokens] == reference_ids(ckpt, "To be", 40, temperature=0.0)[: len(tokens)]
     assert isinstance(read_done, DoneEvent)
     assert [t.id for t in read_tokens] == reference_ids(ckpt, "The slings", 40, temperature=0.0)
-    assert engine.in_flight == 0 and engine.cache.lengths.tolist() == [0, 0]
+    assert engine.in_flight == 0 and engine.client.core.cache.lengths.tolist() == [0, 0]
 
 
 def test_ignore_eos_runs_to_max_new_tokens_past_an_eos(tmp_path):

@@ -34,11 +34,11 @@ def engine_process(ckpt, tiny_checkpoint, **kw) -> EngineProcess:
 @contextlib.contextmanager
 def paused(engine: EngineProcess):
     """The engine process is stopped (SIGSTOP) inside the block: it takes no step, reads nothing."""
-    os.kill(engine.process.pid, signal.SIGSTOP)
+    os.kill(engine.client.process.pid, signal.SIGSTOP)
     try:
         yield
     finally:
-        os.kill(engine.process.pid, signal.SIGCONT)
+        os.kill(engine.client.process.pid, signal.SIGCONT)
 
 
 def test_a_cancelled_waiter_frees_its_place_while_the_engine_process_is_busy(ckpt, tiny_checkpoint):
@@ -74,12 +74,12 @@ def test_the_engine_process_dying_ends_what_it_held_with_an_error(ckpt, tiny_che
     ids = ckpt.tokenizer.encode("To be")
 
     async def main():
-        os.kill(engine.process.pid, signal.SIGSTOP)
+        os.kill(engine.client.process.pid, signal.SIGSTOP)
         running = engine.submit(GenerationParams(ids, 50, GREEDY))
         waiting = engine.submit(GenerationParams(ids, 5, GREEDY))
         call = asyncio.create_task(engine.call(AttentionCall(ids=ids, layers=[0], heads=[0])))
         await asyncio.sleep(0.05)
-        os.kill(engine.process.pid, signal.SIGKILL)
+        os.kill(engine.client.process.pid, signal.SIGKILL)
         results = await asyncio.wait_for(asyncio.gather(drain(running), drain(waiting)), 10)
         with pytest.raises(EngineClosed, match="engine process stopped"):
             await asyncio.wait_for(call, 10)
@@ -158,7 +158,7 @@ def test_close_ends_every_generation_and_the_engine_process(ckpt, tiny_checkpoin
         return await asyncio.wait_for(asyncio.gather(*(drain(g) for g in generations)), 10)
 
     results = run_async(main())
-    assert engine.process.returncode == 0
+    assert engine.client.process.returncode == 0
     for tokens, last in results:  # the running one may have finished first; none is left hanging
         assert isinstance(last, DoneEvent) or "shutting down" in last.message
 
@@ -182,8 +182,8 @@ def test_readyz_says_when_the_engine_process_has_stopped(tiny_checkpoint):
     settings = Settings(model=tiny_checkpoint, device="cpu", warmup=False, engine_max_restarts=0)
     with TestClient(create_app(settings)) as c:
         engine = c.app.state.attnlens.registry.get(None).runner
-        assert isinstance(engine, EngineProcess) and c.get("/readyz").status_code == 200
-        os.kill(engine.process.pid, signal.SIGKILL)
+        assert engine.restartable and c.get("/readyz").status_code == 200
+        os.kill(engine.client.process.pid, signal.SIGKILL)
         for _ in range(500):
             if engine.state == "failed":
                 break
@@ -216,7 +216,7 @@ def test_a_hand_over_the_server_cannot_take_ends_everything_with_an_error(ckpt, 
 
     try:
         results = run_async(main())
-        assert engine.process.wait(10) is not None and not engine.alive
+        assert engine.client.process.wait(10) is not None and not engine.alive
     finally:
         engine.close()
     for tokens, last in results:

@@ -41,7 +41,7 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "the condition"):
 
 def engine_of(client, name: str) -> EngineProcess:
     engine = client.app.state.attnlens.registry.models[name].runner
-    assert isinstance(engine, EngineProcess)
+    assert engine.restartable
     return engine
 
 
@@ -64,7 +64,7 @@ def test_a_killed_engine_process_is_restarted_and_the_service_heals(tiny_checkpo
                                                      "tr": {"state": "running", "restarts": 0, "detail": None}}
         for victim, other, prompt in [(name, "tr", "To be"), ("tr", name, "ninety-seven")]:
             engine = engine_of(c, victim)
-            old_pid = engine.process.pid
+            old_pid = engine.client.process.pid
             os.kill(old_pid, signal.SIGKILL)
             wait_for(lambda: engine.state != "running", 10, "the death noticed")
             ready = c.get("/readyz")
@@ -75,7 +75,7 @@ def test_a_killed_engine_process_is_restarted_and_the_service_heals(tiny_checkpo
             assert c.post("/generate", json={"model": other, "prompt": "To be", "max_new_tokens": 3}).status_code == 200
             r = c.post("/generate", json={"model": victim, "prompt": prompt, "max_new_tokens": 3, "temperature": 0})
             assert r.status_code == 200, r.text
-            assert engine.process.pid != old_pid and engine.state == "running"
+            assert engine.client.process.pid != old_pid and engine.state == "running"
             assert c.get("/readyz").status_code == 200
         models = {m["name"]: m for m in c.get("/models").json()["models"]}
         assert models[name]["state"] == "running" and models[name]["restarts"] == 1
@@ -96,11 +96,11 @@ def test_what_the_dead_engine_held_ends_with_a_503_and_the_waiting_line_survives
         ids = ckpt.tokenizer.encode("To be")
 
         async def main():
-            os.kill(engine.process.pid, signal.SIGSTOP)  # holds the running one where it is
+            os.kill(engine.client.process.pid, signal.SIGSTOP)  # holds the running one where it is
             running = engine.submit(GenerationParams(ids, 50, SamplingParams(temperature=0.0)))
             waiting = engine.submit(GenerationParams(ids, 5, SamplingParams(temperature=0.0)))
             await asyncio.sleep(0.1)
-            os.kill(engine.process.pid, signal.SIGKILL)
+            os.kill(engine.client.process.pid, signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(drain(running), drain(waiting)), 60)
 
         (_, lost), (tokens, done) = c.portal.call(main)
@@ -129,7 +129,7 @@ def test_requests_wait_for_a_restart_only_so_long_then_get_503_with_retry_after(
     with TestClient(create_app(settings)) as c:
         engine = engine_of(c, tiny_checkpoint.name)
         monkeypatch.setattr(process, "_spawn", slow_spawn)
-        os.kill(engine.process.pid, signal.SIGKILL)
+        os.kill(engine.client.process.pid, signal.SIGKILL)
         wait_for(lambda: engine.state != "running", 10)
         t0 = time.monotonic()
         r = c.post("/generate", json={"prompt": "To be", "max_new_tokens": 2})  # waits 0.5 s, then 503
@@ -156,7 +156,7 @@ def test_a_crash_loop_gives_up_and_says_why(tiny_checkpoint, monkeypatch):
     with TestClient(create_app(settings)) as c:
         engine = engine_of(c, tiny_checkpoint.name)
         monkeypatch.setattr(process, "_spawn", broken_spawn)
-        os.kill(engine.process.pid, signal.SIGKILL)
+        os.kill(engine.client.process.pid, signal.SIGKILL)
         wait_for(lambda: engine.state == "failed", 30, "giving up")
         r = c.get("/readyz")
         assert r.status_code == 503 and r.json()["status"] == "failed"
@@ -178,7 +178,7 @@ def test_the_watchdog_restarts_an_engine_that_holds_work_and_makes_no_progress(t
         engine = engine_of(c, tiny_checkpoint.name)
         time.sleep(1.5)  # idle for longer than the stall time: not a stall
         assert engine.state == "running"
-        old_pid = engine.process.pid
+        old_pid = engine.client.process.pid
         os.kill(old_pid, signal.SIGSTOP)
         t0 = time.monotonic()
         r = c.post("/generate", json={"prompt": "To be", "max_new_tokens": 20})
@@ -186,7 +186,7 @@ def test_the_watchdog_restarts_an_engine_that_holds_work_and_makes_no_progress(t
         assert time.monotonic() - t0 < 30
         assert "no progress" in (engine.detail or "") or engine.state == "running"
         wait_for(lambda: engine.state == "running", 60, "the restart")
-        assert engine.process.pid != old_pid
+        assert engine.client.process.pid != old_pid
         assert c.post("/generate", json={"prompt": "To be", "max_new_tokens": 2}).status_code == 200
 
 
@@ -194,19 +194,19 @@ def test_nothing_waits_on_the_pipe_of_a_stopped_engine_process(ckpt, tiny_checkp
     """With the engine process stopped, a megabyte of commands is handed over at once: the pipe
     (64 KB) is written by the writer thread, never by the caller (the event loop)."""
     engine = EngineProcess(ckpt, model_dir=tiny_checkpoint, device="cpu", dtype="float32")
-    os.kill(engine.process.pid, signal.SIGSTOP)
+    os.kill(engine.client.process.pid, signal.SIGSTOP)
     try:
         done = threading.Event()
 
         def flood():
             for _ in range(16):
-                engine._send(("noop", "x" * 65536))  # the engine process ignores unknown commands
+                engine.client._send(("noop", "x" * 65536))  # the engine process ignores unknown commands
             done.set()
 
         threading.Thread(target=flood, daemon=True).start()
         assert done.wait(10), "sending to a stopped engine process blocked the caller"
     finally:
-        os.kill(engine.process.pid, signal.SIGCONT)
+        os.kill(engine.client.process.pid, signal.SIGCONT)
     try:
         async def one():
             return await drain(engine.submit(GenerationParams(ckpt.tokenizer.encode("To be"), 3,

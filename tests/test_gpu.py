@@ -139,7 +139,7 @@ def test_engine_on_cuda_with_graphs_matches_generate_tokens(tiny_checkpoint):
 
     ckpt = load_checkpoint(tiny_checkpoint, device="cuda")
     engine = Engine(ckpt, max_concurrent=4, max_queue=4)
-    assert engine.graphs is not None
+    assert engine.client.core.graphs is not None
     _greedy_engine_answers_are_each_alone(ckpt, engine, ["To be", "Or not", "The slings", "No more", "Whether"], 16)
 
 
@@ -151,7 +151,7 @@ def test_long_prompts_prefilled_in_pieces_on_cuda_beside_graphed_decode_steps(ti
 
     ckpt = load_checkpoint(tiny_checkpoint, device="cuda")
     engine = Engine(ckpt, max_concurrent=4, max_queue=8, prefill_chunk=5)
-    assert engine.graphs is not None
+    assert engine.client.core.graphs is not None
     prompts = ["To be", "Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous fortune",
                "Or not", "Or to take arms against a sea of troubles, and by opposing end them", "The slings"]
     assert sum(len(ckpt.tokenizer.encode(p)) > 3 * 5 for p in prompts) == 2
@@ -340,7 +340,7 @@ def test_each_architecture_decodes_in_bf16_on_cuda(imported, name):
         diff = (ckpt.model(ids).logits.float() - want).abs().max().item()
     assert diff < 0.05 * want.abs().max().item() + 0.05, diff
     engine = Engine(ckpt, max_concurrent=4, max_queue=4)
-    assert engine.graphs is not None
+    assert engine.client.core.graphs is not None
     params = SamplingParams(temperature=0.9, seed=3)
 
     async def main():

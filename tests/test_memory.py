@@ -50,7 +50,7 @@ def test_on_the_cpu_the_budget_bounds_a_cache_in_blocks_and_every_slot_stays_ope
         engine = c.app.state.attnlens.registry.get(None).runner
         assert engine.max_concurrent == 32
         if not engine_process:
-            assert engine.cache_paged and engine.cache.blocks_in_use == 0  # nothing in flight: nothing held
+            assert engine.client.core.cache_paged and engine.client.core.cache.blocks_in_use == 0  # nothing in flight: nothing held
 
 
 def test_whole_rows_are_as_many_as_the_budget_holds_where_the_cache_is_not_in_blocks():

@@ -91,8 +91,8 @@ def test_the_load_gauge_is_running_plus_waiting_per_model(three_models):
     by the full engine is counted for its model."""
     c = three_models
     engine = c.app.state.attnlens.registry.get("second").runner
-    real = engine.model
-    held = engine.model = HeldModel(real, hold_at=2)  # after the first forward (the prompts), everything stays
+    real = engine.client.core.model
+    held = engine.client.core.model = HeldModel(real, hold_at=2)  # after the first forward (the prompts), everything stays
     ids = engine.tokenizer.encode("To be")
 
     async def submit():
@@ -121,7 +121,7 @@ def test_the_load_gauge_is_running_plus_waiting_per_model(three_models):
     finally:
         held.release.set()
     assert all(last.finish_reason == "length" for _, last in c.portal.call(finish, generations))
-    engine.model = real
+    engine.client.core.model = real
     text = c.get("/metrics").text
     assert value(text, "attnlens_generations_running_or_waiting", model="second") == 0
     assert value(text, "attnlens_kv_cache_used_bytes", model="second") == 0  # the blocks went back

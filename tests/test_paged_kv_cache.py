@@ -161,17 +161,17 @@ def test_the_engine_keeps_the_cache_in_its_budget(ckpt, rows_in_budget):
     longest = max(len(p.prompt_ids) for p in params) + n_new
     budget = probe.bytes_for(rows_in_budget, longest)
     engine = Engine(ckpt, max_concurrent=8, max_queue=8, kv_cache_bytes=budget)
-    assert engine.cache_paged and engine.cache_bytes == budget
+    assert engine.client.core.cache_paged and engine.cache_bytes == budget
     seen: list[int] = []
 
-    results = _run_all(engine, params, lambda: seen.append(sum(1 for t in engine.cache.tables if t)))
+    results = _run_all(engine, params, lambda: seen.append(sum(1 for t in engine.client.core.cache.tables if t)))
     for i, (tokens, done) in enumerate(results):
         assert isinstance(done, DoneEvent), done
         assert [t.id for t in tokens] == [t.id for t in reference_tokens(ckpt, PROMPTS[i], n_new, **sampling(i))], i
     assert max(seen) <= rows_in_budget
     if rows_in_budget == 8:
         assert max(seen) > 2  # they did decode together
-    assert engine.cache.blocks_in_use == 0
+    assert engine.client.core.cache.blocks_in_use == 0
 
 
 LONG = ["Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous fortune",
@@ -196,12 +196,12 @@ def test_long_prompts_are_prefilled_in_pieces_between_decode_steps(ckpt, tiny_ch
         ckpt, model_dir=tiny_checkpoint, device="cpu", dtype="float32", **kw)
     chunked: list[int] = []
     if kind == "thread":
-        engine._chunked_then = engine._run_chunk
+        engine.client.core._chunked_then = engine.client.core._run_chunk
 
         def spy(records):
-            chunked.append(int(engine.cache.lengths[len(engine._decoding)]))
-            engine._chunked_then(records)
-        engine._run_chunk = spy
+            chunked.append(int(engine.client.core.cache.lengths[len(engine.client.core._decoding)]))
+            engine.client.core._chunked_then(records)
+        engine.client.core._run_chunk = spy
 
     results = _run_all(engine, params)
     for i, (tokens, done) in enumerate(results):
@@ -216,7 +216,7 @@ def test_long_prompts_are_prefilled_in_pieces_between_decode_steps(ckpt, tiny_ch
         # moves its row down with what it holds (a lost row would start again from 0)
         assert chunked.count(0) == sum(len(p.prompt_ids) > 6 for p in params) == 3
         assert 6 in chunked and 12 in chunked
-        assert engine.cache.blocks_in_use == 0
+        assert engine.client.core.cache.blocks_in_use == 0
 
 
 def test_a_long_prefill_alone_reports_progress_each_piece(ckpt):
@@ -225,8 +225,8 @@ def test_a_long_prefill_alone_reports_progress_each_piece(ckpt):
     tok = ckpt.tokenizer
     engine = Engine(ckpt, max_concurrent=2, max_queue=2, kv_cache_bytes=1 << 30, prefill_chunk=4)
     emitted: list[int] = []
-    real = engine._emit
-    engine._emit = lambda records: (emitted.append(len(records)), real(records))
+    real = engine.client.core.sink
+    engine.client.core.sink = lambda records: (emitted.append(len(records)), real(records))
     ids = tok.encode(LONG[0])
 
     async def main():
@@ -269,4 +269,4 @@ def test_short_prompts_start_while_a_long_one_goes_in_pieces(ckpt):
         assert [t.id for t in tokens] == [t.id for t in reference_tokens(ckpt, prompts[i], 3, **sampling(i))], i
     first_long = order.index(0)
     assert all(order[:first_long].count(i) == 4 for i in (1, 2, 3, 4)), order  # 3 tokens and the end each
-    assert engine.cache.blocks_in_use == 0
+    assert engine.client.core.cache.blocks_in_use == 0

@@ -134,7 +134,7 @@ def test_queue_full_error_isolation_and_cancellation(ckpt):
     poison = tok.encode("question")[0]
     gated = GatedModel(ckpt.model, poison=poison)
     engine = Engine(ckpt, max_concurrent=2, max_queue=1)
-    engine.model = gated
+    engine.client.core.model = gated
     gated.gate.clear()  # nothing progresses until we say so
 
     async def main():
@@ -184,7 +184,7 @@ class CountingModel(GatedModel):
 def test_cancelled_generation_stops_within_a_step(ckpt):
     tok = ckpt.tokenizer
     engine = Engine(ckpt, max_concurrent=1, max_queue=0)
-    counting = engine.model = CountingModel(ckpt.model)
+    counting = engine.client.core.model = CountingModel(ckpt.model)
 
     async def main():
         generation = engine.submit(GenerationParams(tok.encode("To be"), 60, SamplingParams(temperature=0.0)))

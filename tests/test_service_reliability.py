@@ -154,7 +154,7 @@ def test_engine_error_text_stays_in_the_log(tiny_checkpoint):
     settings = Settings(model=tiny_checkpoint, device="cpu", warmup=False, engine_process=False)  # the model is wrapped here
     with TestClient(create_app(settings)) as c:
         engine = c.app.state.attnlens.registry.get(None).runner
-        real_model = engine.model
+        real_model = engine.client.core.model
 
         class Poisoned:  # the real model, except that its forward raises
             def __getattr__(self, name):
@@ -163,13 +163,13 @@ def test_engine_error_text_stays_in_the_log(tiny_checkpoint):
             def __call__(self, *args, **kwargs):
                 raise RuntimeError("secret tensor detail")
 
-        engine.model = Poisoned()
+        engine.client.core.model = Poisoned()
         try:
             plain = c.post("/generate", json={"prompt": "Hi", "max_new_tokens": 2})
             streamed = c.post("/generate", json={"prompt": "Hi", "max_new_tokens": 2, "stream": True})
             v1 = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         finally:
-            engine.model = real_model
+            engine.client.core.model = real_model
     assert plain.status_code == 500 and v1.status_code == 500
     assert "event: error" in streamed.text
     for r in (plain, streamed, v1):

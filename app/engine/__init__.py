@@ -1,13 +1,25 @@
-"""The inference engine: admission (scheduler, front), the model's side (core; in a process of
-its own: process, worker, wire) and the output stage (outputs: each request's server-side
-state and its events, as the engine's own dataclasses; app/stream_events.py makes the API's
-schemas of them)."""
+"""The inference engine, as a composition:
 
-from .core import Engine, Generation, GenerationParams
+    front (front.py) --CoreClient (client.py)--> core (core.py)
+
+* the front, on the server's side: admission (the scheduler's lines: QueueFull, Retry-After,
+  RequestTooLarge), each request's output state (outputs.py: its events, as the engine's own
+  dataclasses; app/stream_events.py makes the API's schemas of them) and the stream budget;
+* the core: the one owner of the model (batch, KV cache, model calls), stepping on its own
+  thread and emitting typed records (records.py) to a sink;
+* one client interface with two transports: InprocClient (the core on a thread of this
+  process) and ProcessClient (process.py: the same core in an engine process of its own,
+  worker.py, over pipes, wire.py).
+
+Engine(...) and EngineProcess(...) (engines.py) build the two; supervisor.py restarts a lost
+engine process.
+"""
+
+from .core import EngineCore, Generation, GenerationParams
+from .engines import Engine, EngineProcess
 from .front import EngineFront, ModelCall
 from .outputs import GenerationCancelled, RequestState
-from .process import EngineProcess
 from .scheduler import EngineClosed, QueueFull, RequestTooLarge
 
-__all__ = ["Engine", "EngineClosed", "EngineFront", "EngineProcess", "Generation", "GenerationCancelled",
-           "GenerationParams", "ModelCall", "QueueFull", "RequestState", "RequestTooLarge"]
+__all__ = ["Engine", "EngineClosed", "EngineCore", "EngineFront", "EngineProcess", "Generation",
+           "GenerationCancelled", "GenerationParams", "ModelCall", "QueueFull", "RequestState", "RequestTooLarge"]

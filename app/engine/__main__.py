@@ -1,4 +1,4 @@
-"""`python -m attnlens.app.engine COMMANDS_FD RECORDS_FD`: an engine process, as EngineProcess starts it."""
+"""`python -m attnlens.app.engine COMMANDS_FD RECORDS_FD`: an engine process, as ProcessClient starts it."""
 
 import sys
 from multiprocessing.connection import Connection

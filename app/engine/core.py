@@ -1,14 +1,18 @@
-"""The engine core: the one owner of the model, on its own thread (of the server's process,
-or of an engine process of its own: process.py and worker.py run this same class there).
+"""The engine core: the one owner of the model. It holds the generations that have a slot, the
+batch, the KV cache's rows or blocks and the model calls, and runs them; it knows nothing of
+requests' server-side state, event loops or HTTP. What it produces goes, as typed records
+(records.py), to the output sink it was given: in this process the front's (client.py's
+InprocClient), in an engine process a pipe to the server (worker.py). Either way the same
+class runs, on whichever thread calls run().
 
-Each iteration (`Engine._step`):
-  1. schedule  drop cancelled and stopped generations (their cache rows are freed and the
-               rows kept contiguous), move waiting generations into free slots;
+Each `step()` (vLLM v1's EngineCore.step: schedule, execute, update):
+  1. schedule  take the generations handed over since the last step; drop cancelled and stopped
+               ones (their cache rows are freed and the rows kept contiguous);
   2. call      run at most one model call (an /attention analysis), bounded on its own line.
                A long one reports after each block of its work (progress.py): there the
                generations get a step of their own (3-5, `_generations_turn`), so their streams
-               keep their tokens coming beside it; a heartbeat goes to the watchdog; and a call
-               whose caller went away stops;
+               keep their tokens coming beside it; a heartbeat (an empty hand-over) goes to the
+               sink for the watchdog; and a call whose caller went away stops;
   3. prefill   the next piece of a long prompt (one over `prefill_chunk` tokens, prefilled a
                piece a step into the row after the decoding ones, one such prompt at a time);
                then the prompts of newly admitted generations into free cache rows: the
@@ -18,122 +22,60 @@ Each iteration (`Engine._step`):
                each row at its own length (on CUDA a replayed CUDA graph of it), then sample
                every row with that generation's own parameters and seeded generator
                (model.decoding.decode_step);
-  5. output    hand typed records (tokens with log-probs and attention rows as tensors,
-               prompt scores, finishes) to the output stage in one call (`_emit`: to the
-               event loop, or down the pipe to the server); on CUDA once the next step is
-               launched, so that they are handed over while the device computes (vLLM's
-               asynchronous output processing).
+  5. update    hand the step's records (tokens with log-probs and attention rows as tensors,
+               prompt scores, finishes; a model call's result) to the sink in one call; on CUDA
+               once the next step is launched, so that they are handed over while the device
+               computes (vLLM's asynchronous output processing).
 
-Text, stop strings and event payloads are made in outputs.py, off this thread. A forward
-that raises is retried row by row, so one request's exception stays its own. A
-cancelled generation that is still waiting leaves the line at once (on the event loop);
-one that is running stops at the next step. Every generation ends with exactly one final
-record, sent after its slot is free. Admission and cancelling a waiter live in front.py.
+A forward that raises is retried row by row, so one request's exception stays its own. A
+cancelled generation stops at the next step. Every generation handed to the core ends with
+exactly one FinishRecord, emitted once its row is free; every model call with one CallResult.
+Admission (who gets a slot, who waits) is the front's (front.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import itertools
 import logging
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from attnlens.model import Checkpoint, SamplingParams
+from attnlens.model import Checkpoint
 from attnlens.model.cuda_graphs import GraphedDecoder
-from attnlens.model.families.contract import FixedShapeDecoder
-from attnlens.model.decoding import RowSampler, decode_step, make_generator
 from attnlens.model.analysis.operations import run_operation
-from attnlens.model.hooks import ZEdit, batch_hooks, hooked
+from attnlens.model.decoding import RowSampler, decode_step, make_generator
+from attnlens.model.families.contract import FixedShapeDecoder
+from attnlens.model.hooks import batch_hooks, hooked
 
 from .. import memory
 from . import progress
-from .front import MODEL_CALL_FAILED, EngineFront
-from .outputs import FinishRecord, PromptRecord, Record, TokenRecord
+from .records import MODEL_CALL_FAILED, CallResult, CoreRecord, FinishRecord, PromptRecord, TokenRecord
+from .request import Generation, GenerationParams
+
+__all__ = ["EngineCore", "Generation", "GenerationParams", "OutputSink"]
 
 log = logging.getLogger("attnlens.engine")
 
-_numbers = itertools.count(1)
+# Where the core's records go: called on the core's thread, one call per hand-over (an empty
+# list is a heartbeat: the core is working)
+OutputSink = Callable[[list[CoreRecord]], None]
 
 
-@dataclass
-class GenerationParams:
-    """What to generate; validated by the caller (lengths fit the context)."""
+class EngineCore:
+    """The scheduler, the batch, the KV cache and the model calls (see the module docstring).
+    Work comes in by add_generation / add_call (from any thread); run() steps until close()."""
 
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: list[str] = field(default_factory=list)
-    n_logprobs: int = 0
-    return_attention: bool = False
-    prompt_logprobs: int | None = None  # also score the prompt tokens (OpenAI echo), with this many alternatives
-    # heads to ablate in this generation's row only (model/hooks.py, resolved and checked by the caller);
-    # a mean ablation holds the prompt positions' mean, taken at prefill, for every decode step
-    ablate: tuple[ZEdit, ...] = ()
-    # run to max_new_tokens past an EOS (vLLM's ignore_eos): benchmarks that need every stream's length
-    ignore_eos: bool = False
-
-
-class Generation:
-    """One generation request as the engine sees it, from admission to its end: what to generate
-    and the model thread's state for it (row, sampler, counters, times). The same object in the
-    scheduler and on the model thread; its server-side state (event loop, output stage, client)
-    is a RequestState (outputs.py) that the engine's front finds by `number`."""
-
-    def __init__(self, params: GenerationParams):
-        self.number = next(_numbers)
-        self.id = f"gen-{uuid.uuid4().hex[:24]}"
-        self.params = params
-        self.cancelled = False  # the client went away
-        self.stop_requested = False  # the output stage found a stop string
-        self.engine: EngineFront | None = None
-        # model thread state
-        self.sampler: RowSampler | None = None
-        self.ablation_means: dict = {}  # (module, head) -> the prompt's mean z, for mean ablation
-        self.last_token: int | None = None
-        self.produced = 0  # tokens generated, a final EOS included
-        self.finish_reason: str | None = None  # set on the model thread when it is done
-        self.error_message = ""
-        self.t_submit = time.perf_counter()
-        self.t_start: float | None = None
-        self.t_first: float | None = None
-        self.t_end: float | None = None
-
-    def cancel(self) -> None:
-        """Stop this generation (a no-op once it has finished); a waiting one leaves the line now."""
-        if self.cancelled:
-            return
-        self.cancelled = True
-        if self.engine is not None:
-            self.engine._cancel(self)
-
-    def stop(self) -> None:
-        """The output stage found a stop string (or the client fell behind): end at the next step."""
-        if self.stop_requested:
-            return
-        self.stop_requested = True
-        if self.engine is not None:
-            self.engine._stop(self)
-
-
-class Engine(EngineFront):
-    """The engine core on a thread of this process (the module docstring); EngineProcess runs
-    this same class in a process of its own."""
-
-    def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 32, max_queue: int = 64,
-                 max_attention_concurrent: int = 4, cuda_graphs: bool = True,
-                 max_stream_backlog_bytes: int = 64_000_000, overlap_outputs: bool | None = None,
-                 kv_cache_bytes: int | None = None, prefill_chunk: int = 256, own_thread: bool = True,
-                 clock: Callable[[], float] = time.monotonic):
-        super().__init__(checkpoint, max_concurrent=max_concurrent, max_queue=max_queue,
-                         max_attention_concurrent=max_attention_concurrent,
-                         max_stream_backlog_bytes=max_stream_backlog_bytes, clock=clock)
+    def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 32, cuda_graphs: bool = True,
+                 overlap_outputs: bool | None = None, kv_cache_bytes: int | None = None, prefill_chunk: int = 256,
+                 sink: OutputSink | None = None):
+        self.checkpoint = checkpoint
+        self.tokenizer = checkpoint.tokenizer
+        self.config = checkpoint.config
+        self.max_concurrent = max_concurrent
+        self.sink: OutputSink = sink if sink is not None else (lambda records: None)
         self.model = checkpoint.model
         self.device = self.model.tok_emb.weight.device
         self.dtype = self.model.tok_emb.weight.dtype
@@ -157,12 +99,17 @@ class Engine(EngineFront):
             except Exception:  # the eager step always works: use it
                 log.warning("could not capture the decode step in CUDA graphs; decoding eagerly", exc_info=True)
                 self.cache.reset()
+        self._lock = threading.Lock()  # the inbox (handed-over work) and the closed flag
         self._wakeup = threading.Condition(self._lock)
+        self._closed = False
+        self._incoming: collections.deque[Generation] = collections.deque()  # handed over, not scheduled yet
+        self._calls: collections.deque[Any] = collections.deque()  # model calls, oldest first
+        self._held_generations = 0  # handed over and not finished: at most max_concurrent
         # On CUDA a decode step's records are held until the next step has been launched, and
-        # handed over while the device computes it: the event loop turns them into events in
-        # that time instead of taking the GIL between this thread's launch calls (_step).
+        # handed over while the device computes it: the output stage turns them into events in
+        # that time instead of taking the GIL between this thread's launch calls (step).
         self._overlap_outputs = self.device.type == "cuda" if overlap_outputs is None else overlap_outputs
-        self._held: list[Record] = []
+        self._held: list[CoreRecord] = []
         self._prefill: collections.deque[Generation] = collections.deque()  # in a slot, no row yet
         self._decoding: list[Generation] = []  # generation i owns cache row i
         # A long prompt is prefilled `prefill_chunk` tokens a step into the row after the decoding
@@ -170,25 +117,12 @@ class Engine(EngineFront):
         # watchdog sees progress (_run_chunk)
         self.prefill_chunk = prefill_chunk
         self._chunking: Generation | None = None
-        self._finished = False  # run() has returned (own_thread=False)
+        self.step_seconds = 0.0  # moving average of one decode step (0: not measured yet)
         self.errors = 0  # requests failed by an exception on the model thread
-        self.running_cancelled = 0  # generations dropped from a slot because their client went away
+        self.cancelled = 0  # generations dropped from a slot because their client went away
         self.calls_cancelled = 0  # model calls stopped at a report point because their caller went away
-        # The model runs on a thread of the engine's own, or (own_thread=False) on whichever thread
-        # calls run(): an engine process gives it its main thread, where the CPU's OpenMP workers
-        # spin between a step's many small parallel regions; from a second thread of a process whose
-        # main thread has used them, every region pays a wake-up (SmolLM2's one-row step: 28 ms on
-        # the main thread, 55-60 ms on another; bench/README.md)
-        self._thread = threading.Thread(target=self._run, name="attnlens-engine", daemon=True) if own_thread \
-            else None
-        if self._thread is not None:
-            self._thread.start()
 
-    @property
-    def cancelled(self) -> int:
-        """Generations cancelled because their client went away (waiting or running)."""
-        return self.waiting_cancelled + self.running_cancelled
-
+    # --- counters ----------------------------------------------------------
     @property
     def cache_paged(self) -> bool:
         return hasattr(self.cache, "tables")
@@ -224,60 +158,80 @@ class Engine(EngineFront):
         lengths = [self._reserved(g) for g in running] + [max(self._reserved(g), padded) for g in batch]
         return self.cache.bytes_for_lengths(lengths) <= self.kv_budget
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() if self._thread is not None else not self._finished
-
-    def run(self) -> None:
-        """Run the model on the calling thread until close() (an engine made with own_thread=False)."""
-        assert self._thread is None, "this engine runs on a thread of its own"
-        try:
-            self._run()
-        finally:
-            self._finished = True
-
-    def _admitted(self) -> None:
-        self._wakeup.notify()
-
-    def close(self, timeout: float = 10.0) -> None:
+    # --- what a client calls (any thread) ----------------------------------
+    def add_generation(self, g: Generation) -> None:
+        """A generation that has a slot: prefilled at a coming step. Its records go to the sink."""
         with self._lock:
-            self.scheduler.closed = True
+            if self._held_generations >= self.max_concurrent:
+                raise RuntimeError(f"the engine core holds {self._held_generations} generations, its most")
+            self._held_generations += 1
+            self._incoming.append(g)
             self._wakeup.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
 
-    # --- model thread ------------------------------------------------------
-    def _deliver(self, records: list[Record]) -> None:
-        """On the model thread: hand over the held records, then these ones (in that order)."""
+    def cancel(self, g: Generation) -> None:
+        """g's client went away: it ends ("cancelled") at the next step."""
+        g.cancelled = True
+
+    def stop(self, g: Generation) -> None:
+        """The output stage found a stop string in g's text: it ends ("stop") at the next step."""
+        g.stop_requested = True
+
+    def add_call(self, call: Any) -> None:
+        """A model call (an object with the payload the core runs, and `cancelled`): run once, in
+        turn with the other calls; its CallResult goes to the sink."""
+        with self._lock:
+            self._calls.append(call)
+            self._wakeup.notify()
+
+    def cancel_call(self, call: Any) -> None:
+        """The call's caller went away: skipped if it waits, stopped at its next report point if it runs."""
+        call.cancelled = True
+
+    def close(self) -> None:
+        """run() returns after its current step (what it holds is not ended: that is the front's)."""
+        with self._lock:
+            self._closed = True
+            self._wakeup.notify()
+
+    # --- the model's thread ------------------------------------------------
+    def run(self) -> None:
+        """Step until close(), waiting while there is nothing to do; then hand over what is held."""
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    while not self._closed and not self._has_work():
+                        self._wakeup.wait()
+                    if self._closed:
+                        break
+                self.step()
+        self._deliver([])  # what is held goes before the end
+
+    def _has_work(self) -> bool:
+        return bool(self._incoming or self._calls or self._prefill or self._decoding or self._chunking is not None)
+
+    def _deliver(self, records: list[CoreRecord]) -> None:
+        """Hand over the held records, then these ones (in that order)."""
         if self._held:
             records, self._held = self._held + records, []
         if records:
-            self._emit(records)
+            self.sink(records)
 
     def _deliver_held(self) -> None:
         """Called by decode_step once the step's kernels are launched, before it waits for them."""
         self._deliver([])
 
-    def _run(self) -> None:
-        with torch.inference_mode():
-            while True:
-                with self._lock:
-                    gens, calls = self.scheduler.generations, self.scheduler.calls
-                    while not self.scheduler.closed and not (gens.held or calls.held):
-                        self._wakeup.wait()
-                    if self.scheduler.closed:
-                        break
-                self._step()
-        self._shut_down()
+    def _heartbeat(self) -> None:
+        self.sink([])
 
-    def _step(self, calls: bool = True) -> None:
-        """One step: schedule, a model call (when `calls`), a prefill piece, a decode step."""
-        records: list[Record] = []
+    def step(self, calls: bool = True) -> None:
+        """One step: schedule, then execute (a model call when `calls`, a prefill piece, a decode
+        step), then update (hand the step's records to the sink)."""
+        records: list[CoreRecord] = []
         self._schedule(records)
         if records:
             self._deliver(records)
             records = []
-        if calls and self.scheduler.calls.held:
+        if calls and self._calls:
             self._run_call()
         if self._chunking is not None:
             self._run_chunk(records)
@@ -291,14 +245,21 @@ class Engine(EngineFront):
         if self._decoding:
             t0 = time.perf_counter()
             self._run_decode(records)
-            self.scheduler.drain.note_step(time.perf_counter() - t0)
+            self._note_step(time.perf_counter() - t0)
             self._retire_finished(records)
         if self._overlap_outputs and self._decoding:
             self._held.extend(records)  # handed over while the next step runs on the device
         else:
             self._deliver(records)
 
-    def _schedule(self, records: list[Record]) -> None:
+    def _note_step(self, seconds: float) -> None:
+        self.step_seconds = seconds if self.step_seconds == 0 else 0.9 * self.step_seconds + 0.1 * seconds
+
+    def _schedule(self, records: list[CoreRecord]) -> None:
+        if self._incoming:  # read without the lock: a stale answer only waits one step
+            with self._lock:
+                self._prefill.extend(self._incoming)
+                self._incoming.clear()
         for g in [g for g in self._decoding if g.cancelled or g.stop_requested]:
             self._retire(g, "stop" if g.stop_requested and not g.cancelled else "cancelled", records)
         for g in [g for g in self._prefill if g.cancelled]:
@@ -306,43 +267,35 @@ class Engine(EngineFront):
             self._retire(g, "cancelled", records)
         if self._chunking is not None and self._chunking.cancelled:
             self._end_chunking("cancelled", records)
-        if self.scheduler.generations.waiting:  # read without the lock: a stale answer only waits one step
-            with self._lock:
-                self._prefill.extend(self.scheduler.generations.take())
 
     def _run_call(self) -> None:
         with self._lock:
-            self.scheduler.calls.take()
-            running = list(self.scheduler.calls.running)
-        if not running:
+            work = self._calls.popleft()
+        if work.cancelled:  # its caller left while it waited
+            self._deliver([CallResult(work, error=progress.CallCancelled("the caller went away"))])
             return
-        work = running[0]
         t0 = time.perf_counter()
         try:
-            if not work.cancelled:
-                # at each of a long call's report points: a heartbeat for the watchdog, a stop once its
-                # caller has gone, and a step of the generations decoding beside it
-                with progress.reporting(lambda: self._emit([]), cancelled=lambda: work.cancelled,
-                                        turn=self._generations_turn):
-                    result = run_operation(self.model, work.operation, report=progress.report)
-                work.settle(result=result)
+            # at each of a long call's report points: a heartbeat for the watchdog, a stop once its
+            # caller has gone, and a step of the generations decoding beside it
+            with progress.reporting(self._heartbeat, cancelled=lambda: work.cancelled, turn=self._generations_turn):
+                result = run_operation(self.model, work.operation, report=progress.report)
+            outcome = CallResult(work, value=result)
         except progress.CallCancelled as e:
             self.calls_cancelled += 1
             log.info("a model call stopped after %.1f s: its caller went away", time.perf_counter() - t0)
-            work.settle(error=e)
+            outcome = CallResult(work, error=e)
         except Exception:  # the call's failure is its own
             self.errors += 1
             log.exception("model call failed")
-            work.settle(error=RuntimeError(MODEL_CALL_FAILED))
-        finally:
-            with self._lock:
-                self.scheduler.call_finished(work, time.perf_counter() - t0)
+            outcome = CallResult(work, error=RuntimeError(MODEL_CALL_FAILED))
+        self._deliver([outcome])
 
     def _generations_turn(self) -> None:
         """Inside a long model call, at one of its report points: one step of the generations (a
         prefill piece, a decode step), so their streams keep their tokens coming while it works."""
-        if self._decoding or self._prefill or self._chunking is not None or self.scheduler.generations.waiting:
-            self._step(calls=False)
+        if self._decoding or self._prefill or self._chunking is not None or self._incoming:
+            self.step(calls=False)
 
     def _next_prefills(self) -> list[Generation]:
         """The prompts to prefill in this step: the oldest one, plus more while the padded batch
@@ -381,7 +334,7 @@ class Engine(EngineFront):
                                vocab_limit=self.vocab_limit)
         self._chunking = g
 
-    def _run_chunk(self, records: list[Record]) -> None:
+    def _run_chunk(self, records: list[CoreRecord]) -> None:
         """The next piece of the long prompt being prefilled into row len(decoding); the last piece
         samples its first token and the generation joins the decoding ones."""
         g = self._chunking
@@ -394,7 +347,7 @@ class Engine(EngineFront):
             if done + self.prefill_chunk < len(ids):
                 self.model(piece, kv_cache=self.cache, rows=rows, last_only=True)
                 if not records and not self._held:
-                    self._emit([])  # progress for the watchdog while nothing else decodes
+                    self._heartbeat()  # progress for the watchdog while nothing else decodes
                 return
             step = decode_step(self.model, self.cache, piece, [g.sampler], rows=rows, last_only=True)
         except Exception as e:
@@ -405,12 +358,12 @@ class Engine(EngineFront):
         self._decoding.append(g)  # owns row `row`, the one after the decoding rows
         self._prefilled(g, step, 0, row, records)
 
-    def _end_chunking(self, reason: str, records: list[Record]) -> None:
+    def _end_chunking(self, reason: str, records: list[CoreRecord]) -> None:
         g, self._chunking = self._chunking, None
         self.cache.free(len(self._decoding))
         self._retire(g, reason, records)
 
-    def _run_prefills(self, batch: list[Generation], records: list[Record]) -> None:
+    def _run_prefills(self, batch: list[Generation], records: list[CoreRecord]) -> None:
         """Prefill these prompts into the next free rows (one right-padded forward); each
         generation then decodes with the others."""
         first = len(self._decoding)
@@ -456,7 +409,7 @@ class Engine(EngineFront):
         for i, g in enumerate(batch):
             self._prefilled(g, step, i, first + i, records)
 
-    def _prefilled(self, g: Generation, step, index: int, row: int, records: list[Record]) -> None:
+    def _prefilled(self, g: Generation, step, index: int, row: int, records: list[CoreRecord]) -> None:
         if g.params.prompt_logprobs is not None:
             records.append(self._prompt_record(g, step.output.logits[index]))
         if g.params.max_new_tokens == 0:
@@ -476,7 +429,7 @@ class Engine(EngineFront):
             top_ids, top_values = top.indices.tolist(), top.values.tolist()
         return PromptRecord(g, chosen, top_ids, top_values)
 
-    def _run_decode(self, records: list[Record]) -> None:
+    def _run_decode(self, records: list[CoreRecord]) -> None:
         rows = self._decoding  # finished generations were retired: row i is rows[i]
         # (B, 1) ids; replayed CUDA graphs copy them in from the host with the rows' lengths
         inputs = torch.tensor([[g.last_token] for g in rows], dtype=torch.long,
@@ -513,7 +466,7 @@ class Engine(EngineFront):
         """One step's per-row ablations (model/hooks.py), or None when no row ablates."""
         return batch_hooks([g.params.ablate for g in gens], [g.ablation_means for g in gens], valid)
 
-    def _advance(self, g: Generation, token, length: int, records: list[Record]) -> None:
+    def _advance(self, g: Generation, token, length: int, records: list[CoreRecord]) -> None:
         """Record g's new token; decide whether g is done (its row now holds `length` positions)."""
         g.produced += 1
         if g.t_first is None:
@@ -532,11 +485,11 @@ class Engine(EngineFront):
         g.finish_reason = "error"
         g.error_message = "internal error while generating; see the server log"  # details stay in the log
 
-    def _retire_finished(self, records: list[Record]) -> None:
+    def _retire_finished(self, records: list[CoreRecord]) -> None:
         for g in [g for g in self._decoding if g.finish_reason is not None]:
             self._retire(g, g.finish_reason, records)
 
-    def _retire(self, g: Generation, reason: str, records: list[Record]) -> None:
+    def _retire(self, g: Generation, reason: str, records: list[CoreRecord]) -> None:
         """Free g's slot and cache row (the last row moves into it), then its final record."""
         if g in self._decoding:
             row, last = self._decoding.index(g), len(self._decoding) - 1
@@ -553,12 +506,8 @@ class Engine(EngineFront):
                     and memory.MALLOC_TRIM is not None:
                 memory.MALLOC_TRIM(0)
         g.t_end = time.perf_counter()
+        if reason == "cancelled":
+            self.cancelled += 1
         with self._lock:
-            if reason == "cancelled":
-                self.running_cancelled += 1
-            self.scheduler.generation_finished(g)
+            self._held_generations -= 1
         records.append(FinishRecord(g, reason, g.error_message))
-
-    def _shut_down(self) -> None:
-        self._deliver([])  # held records first
-        self._end_everything("the server is shutting down")

@@ -1,31 +1,40 @@
-"""The event-loop side every engine shares: admission, cancellation, model calls, counters.
+"""The engine's front, on the server's side of every engine: admission, each request's output
+state, and the engine's life as the server sees it.
 
-An engine is this front plus a core that runs the model: `Engine` (core.py) steps it on a
-thread of this process, `EngineProcess` (process.py) in a process of its own. Either way a
-request is admitted here, into the scheduler's bounded lines (QueueFull with Retry-After,
-RequestTooLarge), and read back as events from its Generation; a waiting generation that is
-cancelled leaves the line at once, here, without waiting for the core.
+A request is admitted here, into the scheduler's bounded lines (QueueFull with Retry-After,
+RequestTooLarge, EngineClosed); each generation gets its server-side RequestState (outputs.py),
+which the route reads, and joins the stream budget. When a generation gets a slot (and a model
+call its turn) the front hands it to the core through its CoreClient (client.py); the core's
+records come back through the same client (`on_records`): a generation's go to its state's
+output stage, a finish frees its slot (and the next waiting one is handed over), a model call's
+result answers its caller. A waiting generation that is cancelled leaves the line at once, here.
+
+If the core is lost (an engine process died: `on_lost`), what it held ends with an error.
+Unsupervised, admission then closes and the waiting requests end too. An EngineSupervisor
+(supervisor.py) instead keeps the waiting ones in line and calls restart(): the client starts a
+new core, which takes the line from where it was.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from attnlens.model import Checkpoint
 
-from .outputs import FinishRecord, Record, RequestState, call_soon, hand_over
-from .scheduler import EngineClosed, Scheduler
+from .client import CoreClient
+from .outputs import RequestState, call_soon, hand_over
+from .records import MODEL_CALL_FAILED, CallResult, CoreRecord, FinishRecord, Record
+from .request import Generation, GenerationParams
+from .scheduler import EngineClosed, EngineFailed, EngineRestarting, Scheduler
 from .stream_budget import StreamBudget
 
-if TYPE_CHECKING:
-    from .core import Generation
+__all__ = ["MODEL_CALL_FAILED", "EngineFront", "ModelCall"]
 
-
-# What a model call's caller is told when it fails (the details stay in the server's log)
-MODEL_CALL_FAILED = "internal error in a model call; see the server log"
+log = logging.getLogger("attnlens.engine")
 
 
 class ModelCall:
@@ -52,13 +61,17 @@ class ModelCall:
 
 
 class EngineFront:
-    """Admission and the counters /metrics reads; subclasses run the model (see the module docstring)."""
+    """Admission, output state and the counters /metrics reads, over a core reached through
+    `client` (see the module docstring). Build one with Engine(...) or EngineProcess(...)
+    (engines.py)."""
 
-    def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int, max_queue: int, max_attention_concurrent: int,
-                 max_stream_backlog_bytes: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, checkpoint: Checkpoint, client: CoreClient, *, max_concurrent: int, max_queue: int,
+                 max_attention_concurrent: int, max_stream_backlog_bytes: int,
+                 clock: Callable[[], float] = time.monotonic):
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.config = checkpoint.config
+        self.client = client
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.max_stream_backlog_bytes = max_stream_backlog_bytes  # per generation, unread events
@@ -70,14 +83,13 @@ class EngineFront:
         # each admitted generation's server-side state, by number, until its last record
         self._states: dict[int, RequestState] = {}
         # starting | running | restarting | failed | stopped (an EngineSupervisor reports it)
-        self.state = "running"
+        self.state = "starting"
         self.detail: str | None = None  # why it is not running, when it is not
+        self.supervised = False  # set by an EngineSupervisor: a lost core keeps the line for restart()
+        self._closing = False
+        client.start(self)
 
-    def stalled_for(self, now: float) -> float:
-        """Seconds the core has held work without a sign of progress (0: idle or progressing)."""
-        return 0.0
-
-    # --- introspection (metrics) -------------------------------------------
+    # --- introspection (metrics, supervision) -------------------------------
     @property
     def in_flight(self) -> int:
         return len(self.scheduler.generations.running)
@@ -90,16 +102,60 @@ class EngineFront:
     def attention_in_flight(self) -> int:
         return self.scheduler.calls.held
 
+    @property
+    def device(self):
+        return self.client.device
+
+    @property
+    def dtype(self):
+        return self.client.dtype
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.client.cache_bytes
+
+    @property
+    def cache_held(self) -> int:
+        return self.client.cache_held
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.client.cuda_graphs
+
+    @property
+    def errors(self) -> int:
+        return self.client.errors
+
+    @property
+    def cancelled(self) -> int:
+        """Generations cancelled because their client went away (waiting or running)."""
+        return self.waiting_cancelled + self.client.cancelled
+
+    @property
+    def alive(self) -> bool:
+        return self.client.alive
+
+    @property
+    def restartable(self) -> bool:
+        """Whether the core can be killed and started again (an engine process)."""
+        return self.client.restartable
+
+    @property
+    def start_seconds(self) -> float:
+        return self.client.start_seconds
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds the core has held work without a sign of progress (0: idle or progressing)."""
+        return self.client.stalled_for(now) if self.state == "running" else 0.0
+
     # --- event loop side ---------------------------------------------------
-    def submit(self, params) -> RequestState:
+    def submit(self, params: GenerationParams) -> RequestState:
         """Admit one generation (raises QueueFull / EngineClosed); read it with .events()."""
         return self.submit_all([params])[0]
 
-    def submit_all(self, params: list, *, param: str | None = None) -> list[RequestState]:
+    def submit_all(self, params: list[GenerationParams], *, param: str | None = None) -> list[RequestState]:
         """Admit all of these generations or none (QueueFull, RequestTooLarge, EngineClosed): each
         an engine-side Generation, and its server-side RequestState, which the caller reads."""
-        from .core import Generation
-
         loop = asyncio.get_running_loop()
         generations = [Generation(p) for p in params]
         states = [RequestState(g, loop, self.tokenizer, p.stop, backlog_limit=self.max_stream_backlog_bytes)
@@ -117,12 +173,12 @@ class EngineFront:
             raise
         return states
 
-    def admit(self, generations: list, *, param: str | None = None) -> None:
+    def admit(self, generations: list[Generation], *, param: str | None = None) -> None:
         for g in generations:
-            g.engine = self
+            g.owner = self
         with self._lock:
             self.scheduler.admit_generations(generations, param=param)
-            self._admitted()
+            self._dispatch()
 
     async def call(self, operation: Any) -> Any:
         """Run a model operation on the model's side between decode steps, on the model-call line."""
@@ -136,27 +192,154 @@ class EngineFront:
         finally:
             work.cancelled = True  # if we were interrupted, a call still waiting is skipped
 
-    def _call_abandoned(self, work) -> None:
-        """Its caller left while `work` waited or ran: a running call stops at its next report point
-        (app/engine/progress.py), where the core reads `cancelled`."""
-
-    def admit_call(self, work) -> None:
+    def admit_call(self, work: ModelCall) -> None:
         with self._lock:
             self.scheduler.admit_call(work)
-            self._admitted()
+            self._dispatch()
 
-    def _cancel(self, g) -> None:
+    def _call_abandoned(self, work: ModelCall) -> None:
+        """Its caller left while `work` waited or ran: a running call stops at its next report point
+        (app/engine/progress.py)."""
+        with self._lock:
+            if work in self.scheduler.calls.running and self.state == "running":
+                self.client.cancel_call(work)
+
+    def cancel_generation(self, g: Generation) -> None:
         """g was cancelled: a waiting generation leaves the line at once, and ends; a running
-        one is the core's to stop (`_cancel_running`)."""
+        one is the core's to stop."""
         with self._lock:
             removed = self.scheduler.generations.remove_waiting(g)
             if removed:
                 self.waiting_cancelled += 1
+            elif g in self.scheduler.generations.running and self.state == "running":
+                self.client.cancel(g)
         if removed:
             g.t_end = time.perf_counter()
-            self._emit([FinishRecord(g, "cancelled")])
-        else:
-            self._cancel_running(g)
+            self._deliver([FinishRecord(g, "cancelled")])
+
+    def stop_generation(self, g: Generation) -> None:
+        """The output stage asks the core to end g at its next step."""
+        with self._lock:
+            if g in self.scheduler.generations.running and self.state == "running":
+                self.client.stop(g)
+
+    def _dispatch(self) -> None:
+        """Under the lock: hand the core every generation that has a slot, and the next model call
+        (only to a running core: while one restarts, the work waits in line)."""
+        if self.state != "running" or self._closing:
+            return
+        for g in self.scheduler.generations.take():
+            self.client.add_generation(g)
+        calls = self.scheduler.calls
+        while calls.waiting and not calls.running:
+            work = calls.take()[0]
+            if work.cancelled:  # its caller left while it waited
+                self.scheduler.call_finished(work, 0.0)
+                continue
+            work.t_start = time.perf_counter()
+            try:
+                self.client.add_call(work)
+            except Exception as e:  # it cannot be handed over (does not pickle): a bug in the route that made it
+                self.scheduler.call_finished(work, 0.0)
+                log.error("a model call cannot be sent to the engine's core: %s", e)
+                work.settle(error=RuntimeError(MODEL_CALL_FAILED))
+
+    def _deliver(self, records: list[Record]) -> None:
+        """From any thread: records to their requests' output stages (a finished one's state leaves here)."""
+        hand_over(records, self._states)
+
+    # --- from the client (its thread) ---------------------------------------
+    def on_records(self, records: list[CoreRecord]) -> None:
+        """One hand-over from the core: a finish frees its slot (and the next waiting generation
+        is handed over) before its record goes to the output stage; a call's result answers it."""
+        outputs: list[Record] = []
+        results: list[CallResult] = []
+        with self._lock:
+            self.scheduler.drain.step_seconds = self.client.step_seconds
+            freed = False
+            for r in records:
+                if isinstance(r, CallResult):
+                    if r.call in self.scheduler.calls.running:  # else it was ended already
+                        self.scheduler.call_finished(r.call, time.perf_counter() - r.call.t_start)
+                        results.append(r)
+                        freed = True
+                    continue
+                if isinstance(r, FinishRecord) and r.generation in self.scheduler.generations.running:
+                    self.scheduler.generation_finished(r.generation)
+                    freed = True
+                outputs.append(r)
+            if freed:
+                self._dispatch()
+        if outputs:
+            self._deliver(outputs)
+        for r in results:
+            r.call.settle(result=r.value, error=r.error)
+
+    def on_started(self) -> None:
+        with self._lock:
+            self.state, self.detail = "running", None
+            if self.scheduler.closed_as is EngineRestarting:  # refused while it was down: takes work again
+                self.scheduler.reopen()
+            self._dispatch()  # what waited for the (re)start
+
+    def on_lost(self, detail: str) -> None:
+        """The core went away: what it held ends with an error; unsupervised (or closing), so does
+        everything waiting, and admission closes. Supervised, the line waits for restart()."""
+        with self._lock:
+            closing, supervised = self._closing, self.supervised
+            if not closing:
+                self.state = "restarting" if supervised else "failed"
+                self.detail = detail
+            running = ([], []) if closing or not supervised else self.scheduler.take_running()
+        if closing:
+            self._end_everything("the server is shutting down")
+            return
+        log.error("%s, for %s; %s", detail, self.checkpoint.path,
+                  "restarting it" if supervised else "generation stops here")
+        if not supervised:
+            self._end_everything("the engine process stopped; see the server log", EngineFailed)
+            return
+        generations, calls = running
+        self._end_with(generations, calls, EngineRestarting(
+            "the engine process stopped while this request ran; it is being restarted: retry shortly",
+            retry_after=max(1, round(self.client.start_seconds))))
+
+    # --- the engine's life ----------------------------------------------------
+    def restart(self) -> None:
+        """Start a new core (after the last one was lost; the state stays "restarting" until it
+        runs). Blocks: call it off the event loop."""
+        if self.state == "running" or self._closing:
+            return
+        self.client.restart()
+
+    def kill(self, reason: str) -> None:
+        """Kill the core (the watchdog): on_lost follows."""
+        self.client.kill(reason)
+
+    def refuse_while_down(self, message: str, retry_after: int) -> None:
+        """The restart takes longer than requests may wait: those waiting end with `message`
+        (EngineRestarting) and new ones are refused with it until the core runs."""
+        with self._lock:
+            if self.state == "running" or self._closing:
+                return
+            self.scheduler.close(message, EngineRestarting, retry_after)
+            generations, calls = self.scheduler.take_waiting()
+        self._end_with(generations, calls, EngineRestarting(message, retry_after))
+
+    def give_up(self, message: str, kind: type[EngineClosed]) -> None:
+        """No more restarts: everything waiting ends, and admission answers `kind(message)`."""
+        self.state, self.detail = "failed", message
+        self._end_everything(message, kind)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close admission, stop the core (it hands over what it held first), then end every
+        generation and model call still held with "the server is shutting down"."""
+        with self._lock:
+            self._closing = True
+            self.scheduler.closed = True
+        self.client.close(timeout)
+        self._end_everything("the server is shutting down")
+        self.state = "stopped"
 
     def _end_everything(self, message: str, kind: type[EngineClosed] = EngineClosed,
                         retry_after: int | None = None) -> None:
@@ -167,26 +350,12 @@ class EngineFront:
             generations, calls = self.scheduler.take_everything()
         self._end_with(generations, calls, kind(message, retry_after))
 
-    def _end_with(self, generations: list, calls: list, error: EngineClosed) -> None:
+    def _end_with(self, generations: list[Generation], calls: list[ModelCall], error: EngineClosed) -> None:
         """These generations end with an error event saying `error` (its code too); these calls raise it."""
         now = time.perf_counter()
         for g in generations:
             g.t_end = now
-        self._emit([FinishRecord(g, "error", str(error), code=error.code, retry_after=error.retry_after)
-                    for g in generations])
+        self._deliver([FinishRecord(g, "error", str(error), code=error.code, retry_after=error.retry_after)
+                       for g in generations])
         for work in calls:
             work.settle(error=error)
-
-    # --- what a core provides ----------------------------------------------
-    def _admitted(self) -> None:
-        """Under the lock: new work is in the scheduler's lines."""
-        raise NotImplementedError
-
-    def _cancel_running(self, g) -> None:
-        """g was cancelled while in a slot (or already finished)."""
-
-    def _stop(self, g) -> None:
-        """The output stage asks the core to end g at its next step."""
-
-    def _emit(self, records: list[Record]) -> None:
-        hand_over(records, self._states)

@@ -1,7 +1,7 @@
 """The output stage: typed records from the model thread -> each request's events.
 
-The engine core (model thread) only produces records about its engine-side requests
-(`Generation`, core.py): a generated token (ids, log-probs, attention rows as tensors), a
+The engine core (model thread) only produces records (records.py) about its engine-side
+requests (`Generation`, request.py): a generated token (ids, log-probs, attention rows as tensors), a
 prompt's scores, the end of a generation. Everything else happens here, in the request's
 server-side state (`RequestState`: its event loop, its output stage, what its client has not
 read yet), on the event loop that submitted it: ids -> display text, stop strings
@@ -33,11 +33,15 @@ import torch
 
 from attnlens.model.decoding import GeneratedToken
 
+from .records import FinishRecord, PromptRecord, Record, TokenRecord
 from .stream_budget import Held, StreamBudget
 from .textstream import Released, TextStream
 
 if TYPE_CHECKING:
-    from .core import Generation
+    from .request import Generation
+
+__all__ = ["Alternative", "DoneEvent", "ErrorEvent", "Event", "FinishRecord", "GenerationCancelled", "PromptRecord",
+           "Record", "RequestState", "ScoredToken", "Timing", "TokenEvent", "TokenRecord", "hand_over"]
 
 
 # Estimated memory of an event held for a stream's client, as Python objects: a token event,
@@ -50,35 +54,6 @@ BATCH_BYTES = 1_000_000  # at most this much (estimated) is built into events fo
 
 class GenerationCancelled(Exception):
     """The generation was cancelled (its client went away) before it finished."""
-
-
-# --- records: what the model thread hands over ------------------------------------
-@dataclass
-class TokenRecord:
-    generation: "Generation"
-    token: GeneratedToken  # id, logprob, top alternatives, attention rows (tensors)
-
-
-@dataclass
-class PromptRecord:
-    """log p(prompt token i | tokens < i) for i >= 1, with the top-k alternatives of each."""
-
-    generation: "Generation"
-    logprobs: list[float]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-
-
-@dataclass
-class FinishRecord:
-    generation: "Generation"
-    reason: str  # "length" | "eos" | "stop" | "cancelled" | "error"
-    message: str = ""  # for "error"
-    code: str | None = None  # for "error": machine-readable, e.g. engine_restarting
-    retry_after: int | None = None  # for "error": seconds after which a retry may work
-
-
-Record = Union[TokenRecord, PromptRecord, FinishRecord]
 
 
 # --- events: what a request's reader gets ------------------------------------------

@@ -1,23 +1,21 @@
-"""The engine core in a process of its own (vLLM V1's EngineCore process), and its front here.
+"""The engine core in a process of its own (vLLM V1's EngineCore process): `ProcessClient`, the
+front's CoreClient (client.py) for it.
 
 Why: in one process the model thread and the event loop share Python's GIL, so per token
 their CPU times add up (bench/README.md). In its own process the model steps while this
 process turns the previous step's tokens into events and writes them to sockets.
 
-This process keeps admission (the scheduler's lines: QueueFull, Retry-After, a cancelled
-waiter leaving at once), the generations' output stages and the model-call futures. A
-generation is sent to the engine process only when it has a slot there; the engine
+This process keeps the front (admission, the generations' output stages, the model-call
+futures). A generation is sent to the engine process only when it has a slot there; the engine
 process's final record for it frees the slot here, and the next waiting one is sent. A reader
-thread turns each hand-over (wire.py) into records for the output stage.
+thread turns each hand-over (wire.py) into records for the front.
 
 Nothing here waits on the engine process from the event loop: commands are pickled where
 they are made and written to the pipe by a writer thread of their own, so an engine process
 that stops reading (stopped, or stuck) fills the pipe without freezing the server.
 
-If the engine process dies, what it held (the generations sent to it, the model call it ran)
-ends with an error. Unsupervised, admission then closes and the waiting requests end too. An
-EngineSupervisor (supervisor.py) instead keeps the waiting ones in line and calls restart():
-a new engine process from the same spec, which takes the line from where it was.
+If the engine process dies, the client tells the front (`on_lost`), which ends what it held
+with an error; restart() starts a new engine process from the same spec (supervisor.py).
 """
 
 from __future__ import annotations
@@ -33,18 +31,17 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 import attnlens
-from attnlens.model import Checkpoint
 
 from . import worker
-from .core import Generation
-from .front import MODEL_CALL_FAILED, EngineFront, ModelCall
-from .outputs import FinishRecord
-from .scheduler import EngineClosed, EngineFailed, EngineRestarting
+from .client import CoreClient, FrontSink
+from .records import CallResult, FinishRecord
+from .request import Generation
+from .scheduler import EngineClosed
 from .wire import Counters, decode_record, dumps, receive, send
 
 log = logging.getLogger("attnlens.engine")
@@ -107,51 +104,45 @@ class _Writer:
             self.conn.close()
 
 
-class EngineProcess(EngineFront):
-    """The front of one engine process (the module docstring): the same interface as Engine."""
+class ProcessClient(CoreClient):
+    """The front's client of one engine process at a time (the module docstring)."""
 
-    def __init__(self, checkpoint: Checkpoint, *, model_dir: Path | None = None, device: str = "auto",
-                 dtype: str = "auto", max_concurrent: int = 32, max_queue: int = 64,
-                 max_attention_concurrent: int = 4, cuda_graphs: bool = True,
-                 max_stream_backlog_bytes: int = 64_000_000, overlap_outputs: bool | None = None,
-                 kv_cache_bytes: int | None = None, prefill_chunk: int = 256, log_level: str = "info", start_timeout_s: float = 600.0,
+    restartable = True
+
+    def __init__(self, spec: worker.EngineSpec, *, start_timeout_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic):
-        super().__init__(checkpoint, max_concurrent=max_concurrent, max_queue=max_queue,
-                         max_attention_concurrent=max_attention_concurrent,
-                         max_stream_backlog_bytes=max_stream_backlog_bytes, clock=clock)
-        model_dir = model_dir or checkpoint.path
-        if model_dir is None:
-            raise ValueError("an engine process loads its model from a checkpoint directory; this one has none")
-        self.spec = worker.EngineSpec(Path(model_dir), device, dtype, dict(
-            max_concurrent=max_concurrent, max_queue=max_concurrent, max_attention_concurrent=max_attention_concurrent,
-            cuda_graphs=cuda_graphs, overlap_outputs=overlap_outputs, kv_cache_bytes=kv_cache_bytes,
-            prefill_chunk=prefill_chunk), log_level)
+        self.spec = spec
         self.start_timeout_s = start_timeout_s
         self.clock = clock
-        self.state = "starting"
-        self.supervised = False  # set by an EngineSupervisor: a death keeps the line for restart()
+        self.sink: FrontSink | None = None
+        self._lock = threading.Lock()  # the engine process's life: start, death, close
+        self.process: subprocess.Popen | None = None
         self.exit_code: int | None = None  # of the last engine process that died
         self.kill_reason: str | None = None  # why we killed it (the watchdog), if we did
         self.start_seconds = 0.0  # how long the last engine process took to be ready
+        self._running = False  # an engine process runs and takes work
         self._closing = False
         self._epoch = 0  # which engine process the reader and writer belong to
         self._writer: _Writer | None = None
+        self._reader: threading.Thread | None = None
         self._generations: dict[int, Generation] = {}  # by number: sent to the engine process, not finished
-        self._calls: dict[int, ModelCall] = {}
+        self._calls: dict[int, Any] = {}  # model calls sent to it, by number, not answered
         self._call_numbers = itertools.count(1)
         self.counters = Counters(0.0, 0, 0)
         self._earlier = Counters(0.0, 0, 0)  # the counts of engine processes that died before this one
-        self.last_progress = clock()  # the last record from the engine process, or when it was given work
-        info = self._start()
-        self.device = torch.device(info["device"])
-        self.dtype = getattr(torch, info["dtype"])
-        self.cache_bytes: int = info["cache_bytes"]  # the KV cache in the engine process
-        self.cuda_graphs: bool = info["cuda_graphs"]
+        self.last_progress = clock()  # the last message from the engine process, or when it was given work
+        self._info: dict = {}
 
     # --- the engine process's life -------------------------------------------------
+    def start(self, sink: FrontSink) -> None:
+        self.sink = sink
+        self._info = self._start()
+        self.device = torch.device(self._info["device"])
+        self.dtype = getattr(torch, self._info["dtype"])
+
     def _start(self) -> dict:
         """Spawn an engine process, wait until it has loaded the model, then run its reader and
-        writer and send it the work waiting in line. Blocks: call it off the event loop."""
+        writer and tell the front (which sends it the work waiting in line). Blocks."""
         t0 = time.perf_counter()
         process, commands, records = _spawn(self.spec)
         try:
@@ -171,22 +162,20 @@ class EngineProcess(EngineFront):
                 raise EngineClosed("the server is shutting down")
             self._epoch += 1
             self.process = process
-            self._records = records
             self._writer = _Writer(commands, f"attnlens-engine-writer-{process.pid}")
             self._reader = threading.Thread(target=self._read, args=(self._epoch, process, records),
                                             name=f"attnlens-engine-reader-{process.pid}", daemon=True)
-            self.state, self.detail, self.kill_reason = "running", None, None
+            self._generations.clear()
+            self._calls.clear()
+            self._running, self.kill_reason = True, None
             self.last_progress = self.clock()
             self._reader.start()
-            if self.scheduler.closed_as is EngineRestarting:  # refused while it was down: takes work again
-                self.scheduler.reopen()
-            self._admitted()  # what waited for the restart
+            self.sink.on_started()  # (the front's lock inside ours: the front never takes ours)
         return info
 
     def restart(self) -> None:
-        """Start a new engine process for this front (after the last one died; the state stays
-        "restarting" until it runs). Blocks: call it off the event loop."""
-        if self.state == "running" or self._closing:
+        """Start a new engine process (after the last one died). Blocks."""
+        if self._running or self._closing:
             return
         self._start()
 
@@ -198,100 +187,11 @@ class EngineProcess(EngineFront):
         except ProcessLookupError:
             pass
 
-    def refuse_while_down(self, message: str, retry_after: int) -> None:
-        """The restart takes longer than requests may wait: those waiting end with `message`
-        (EngineRestarting) and new ones are refused with it until the engine process runs."""
-        with self._lock:
-            if self.state == "running" or self._closing:
-                return
-            self.scheduler.close(message, EngineRestarting, retry_after)
-            generations, calls = self.scheduler.take_waiting()
-        self._end_with(generations, calls, EngineRestarting(message, retry_after))
-
-    def give_up(self, message: str, kind: type[EngineClosed]) -> None:
-        """No more restarts: everything waiting ends, and admission answers `kind(message)`."""
-        self.state, self.detail = "failed", message
-        self._end_everything(message, kind)
-
-    # --- introspection -----------------------------------------------------
-    @property
-    def errors(self) -> int:
-        return self._earlier.errors + self.counters.errors
-
-    @property
-    def cancelled(self) -> int:
-        return self.waiting_cancelled + self._earlier.cancelled + self.counters.cancelled
-
-    @property
-    def cache_held(self) -> int:
-        """Bytes the engine process's KV cache holds, as of its last hand-over."""
-        return self.counters.cache_held
-
-    @property
-    def alive(self) -> bool:
-        return self.state == "running" and self._reader.is_alive() and self.process.poll() is None
-
-    def stalled_for(self, now: float) -> float:
-        """Seconds since the engine process last showed progress while it holds work (0 when idle)."""
-        if self.state != "running" or not (self._generations or self._calls):
-            return 0.0
-        return max(0.0, now - self.last_progress)
-
-    # --- to the engine process ---------------------------------------------
-    def _send(self, message: tuple) -> None:
-        """Pickle here (a message that cannot pickle raises here), write on the writer thread."""
-        if not (self._generations or self._calls):
-            self.last_progress = self.clock()  # idle until now: the watchdog counts from here
-        self._writer.put(dumps(message))
-
-    def _admitted(self) -> None:
-        """Under the lock: send every generation that has a slot, and the next model call (only to
-        a running engine process: while one restarts, the work waits in line)."""
-        if self.state != "running":
-            return
-        for g in self.scheduler.generations.take():
-            self._send(("add", g.number, g.params))
-            self._generations[g.number] = g
-        while self.scheduler.calls.waiting and not self.scheduler.calls.running:
-            work = self.scheduler.calls.take()[0]
-            if work.cancelled:  # its caller left while it waited
-                self.scheduler.call_finished(work, 0.0)
-                continue
-            number = next(self._call_numbers)
-            work.t_start = time.perf_counter()
-            try:
-                self._send(("call", number, work.operation))
-            except Exception as e:  # the operation does not pickle: a bug in the route that made it
-                self.scheduler.call_finished(work, 0.0)
-                log.error("a model call cannot be sent to the engine process: %s", e)
-                work.settle(error=RuntimeError(MODEL_CALL_FAILED))
-                continue
-            self._calls[number] = work
-            work.number = number
-
-    def _call_abandoned(self, work) -> None:
-        """The engine process holds its own copy of the call: tell it to stop at its next report point."""
-        with self._lock:
-            number = getattr(work, "number", None)
-            if number is not None and self._calls.get(number) is work and self.state == "running":
-                self._send(("cancel_call", number))
-
-    def _cancel_running(self, g) -> None:
-        with self._lock:
-            if g.number in self._generations:
-                self._send(("cancel", g.number))
-
-    def _stop(self, g) -> None:
-        with self._lock:
-            if g.number in self._generations:
-                self._send(("stop", g.number))
-
     def close(self, timeout: float = 10.0) -> None:
-        """End every generation ("the server is shutting down"), then the engine process."""
+        """Tell the engine process to stop (it hands over what it holds first), and wait for it."""
         with self._lock:
             self._closing = True
-            self.scheduler.closed = True
-            running = self.state == "running"
+            running = self._running
             if running:
                 self._writer.put(dumps(("close",)))
                 self._writer.stop()
@@ -302,9 +202,75 @@ class EngineProcess(EngineFront):
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout)
-        else:  # between engine processes: what waits for the next one ends here
-            self._end_everything("the server is shutting down")
-        self.state = "stopped"
+
+    # --- counters and health -----------------------------------------------
+    @property
+    def errors(self) -> int:
+        return self._earlier.errors + self.counters.errors
+
+    @property
+    def cancelled(self) -> int:
+        return self._earlier.cancelled + self.counters.cancelled
+
+    @property
+    def cache_bytes(self) -> int:
+        """The KV cache in the engine process."""
+        return self._info["cache_bytes"]
+
+    @property
+    def cache_held(self) -> int:
+        """Bytes the engine process's KV cache holds, as of its last hand-over."""
+        return self.counters.cache_held
+
+    @property
+    def step_seconds(self) -> float:
+        return self.counters.step_seconds
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self._info["cuda_graphs"]
+
+    @property
+    def alive(self) -> bool:
+        return self._running and self._reader.is_alive() and self.process.poll() is None
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds since the engine process last showed progress while it holds work (0 when idle)."""
+        if not self._running or not (self._generations or self._calls):
+            return 0.0
+        return max(0.0, now - self.last_progress)
+
+    # --- to the engine process ---------------------------------------------
+    def _send(self, message: tuple) -> None:
+        """Pickle here (a message that cannot pickle raises here), write on the writer thread."""
+        if not (self._generations or self._calls):
+            self.last_progress = self.clock()  # idle until now: the watchdog counts from here
+        self._writer.put(dumps(message))
+
+    def add_generation(self, g: Generation) -> None:
+        self._send(("add", g.number, g.params))
+        self._generations[g.number] = g
+
+    def cancel(self, g: Generation) -> None:
+        if g.number in self._generations:
+            self._send(("cancel", g.number))
+
+    def stop(self, g: Generation) -> None:
+        if g.number in self._generations:
+            self._send(("stop", g.number))
+
+    def add_call(self, call: Any) -> None:
+        """Its payload travels by pickle (raises here when it cannot)."""
+        number = next(self._call_numbers)
+        self._send(("call", number, call.operation))
+        self._calls[number] = call
+        call.number = number
+
+    def cancel_call(self, call: Any) -> None:
+        """The engine process holds its own copy of the call: tell it to stop at its next report point."""
+        number = getattr(call, "number", None)
+        if number is not None and self._calls.get(number) is call:
+            self._send(("cancel_call", number))
 
     # --- from the engine process (the reader thread) -------------------------
     def _read(self, epoch: int, process: subprocess.Popen, records: Connection) -> None:
@@ -327,39 +293,30 @@ class EngineProcess(EngineFront):
             self._engine_gone(epoch, process)
 
     def _on_step(self, counters: Counters, items: list[tuple]) -> None:
-        records, finished = [], False
-        with self._lock:
-            self.counters = counters
-            self.scheduler.drain.step_seconds = counters.step_seconds
-            for item in items:
-                g = self._generations.get(item[1])
-                if g is None:
-                    continue
-                record = decode_record(item, g)
-                if isinstance(record, FinishRecord):
-                    del self._generations[g.number]
-                    self.scheduler.generation_finished(g)
-                    finished = True
-                records.append(record)
-            if finished:
-                self._admitted()  # their slots are free in the engine process now
-        self._emit(records)
+        self.counters = counters
+        records = []
+        for item in items:
+            g = self._generations.get(item[1])
+            if g is None:
+                continue
+            record = decode_record(item, g)
+            if isinstance(record, FinishRecord):
+                self._generations.pop(g.number, None)
+            records.append(record)
+        self.sink.on_records(records)
 
     def _on_result(self, number: int, ok: bool, value) -> None:
-        with self._lock:
-            work = self._calls.pop(number, None)
-            if work is None:
-                return
-            self.scheduler.call_finished(work, time.perf_counter() - work.t_start)
-            self._admitted()
+        work = self._calls.pop(number, None)
+        if work is None:
+            return
         if ok:
-            work.settle(result=value)
+            self.sink.on_records([CallResult(work, value=value)])
         else:
-            work.settle(error=value if isinstance(value, BaseException) else RuntimeError(str(value)))
+            self.sink.on_records([CallResult(work, error=value if isinstance(value, BaseException)
+                                              else RuntimeError(str(value)))])
 
     def _engine_gone(self, epoch: int, process: subprocess.Popen) -> None:
-        """The engine process ended: what it held ends with an error; unsupervised (or closing),
-        so does everything waiting, and admission closes. Supervised, the line waits for restart()."""
+        """The engine process ended: the front ends what it held (and more, unsupervised)."""
         try:
             code = process.wait(1)
         except subprocess.TimeoutExpired:
@@ -367,6 +324,7 @@ class EngineProcess(EngineFront):
         with self._lock:
             if epoch != self._epoch:
                 return
+            self._running = False
             self._writer.stop()
             self._generations.clear()
             self._calls.clear()
@@ -374,22 +332,4 @@ class EngineProcess(EngineFront):
                                      self._earlier.cancelled + self.counters.cancelled)
             self.counters = Counters(self.counters.step_seconds, 0, 0)
             self.exit_code = code
-            closing, supervised = self._closing, self.supervised
-            if not closing:
-                self.state = "restarting" if supervised else "failed"
-                why = self.kill_reason or f"exit code {code}"
-                self.detail = f"the engine process stopped ({why})"
-            running = [] if closing or not supervised else self.scheduler.take_running()
-        if closing:
-            self._end_everything("the server is shutting down")
-            return
-        log.error("the engine process for %s exited (%s); %s", self.checkpoint.path,
-                  self.kill_reason or f"exit code {code}",
-                  "restarting it" if supervised else "generation stops here")
-        if not supervised:
-            self._end_everything("the engine process stopped; see the server log", EngineFailed)
-            return
-        generations, calls = running
-        self._end_with(generations, calls, EngineRestarting(
-            "the engine process stopped while this request ran; it is being restarted: retry shortly",
-            retry_after=max(1, round(self.start_seconds))))
+        self.sink.on_lost(f"the engine process stopped ({self.kill_reason or f'exit code {code}'})")

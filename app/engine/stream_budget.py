@@ -22,12 +22,9 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..memory import MALLOC_TRIM
-
-if TYPE_CHECKING:
-    from .outputs import RequestState
 
 log = logging.getLogger("attnlens.engine")
 
@@ -43,6 +40,17 @@ class Held:
         self.bytes = 0
 
 
+class Stream(Protocol):
+    """A stream's output as the budget sees it (outputs.RequestState is one)."""
+
+    held: Held
+    shed: bool
+    budget: "StreamBudget | None"
+
+    def shed_backlog(self, limit: int) -> None:
+        """Drop the unread events and end the stream with an error saying why."""
+
+
 class StreamBudget:
     """Estimated bytes of unread stream events, all streams together (see the module docstring).
     Used on the event loop only."""
@@ -53,9 +61,9 @@ class StreamBudget:
         self.shed = 0  # streams ended to keep within the limit
         self._lock = threading.Lock()  # a finaliser may run on whichever thread collects garbage
         self.high_water = 0  # the most held since the backlogs were last all gone
-        self._outputs: weakref.WeakSet[RequestState] = weakref.WeakSet()
+        self._outputs: weakref.WeakSet[Stream] = weakref.WeakSet()
 
-    def join(self, output: "RequestState") -> None:
+    def join(self, output: Stream) -> None:
         """Count `output`'s queued events from now on."""
         output.budget = self
         self._outputs.add(output)

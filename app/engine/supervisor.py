@@ -6,7 +6,7 @@ One `Supervision` per app runs a small loop on the event loop (every `TICK_S`) o
 * running: the watchdog. An engine process that holds work (a generation sent to it, a model
   call) and has sent nothing back for `stall_s` is stuck (stopped, deadlocked, in an endless
   kernel): it is killed with SIGKILL, and so handled as any engine process that died.
-* died (EngineProcess's reader saw the pipe close): what it ran has already ended with an
+* died (the ProcessClient's reader saw the pipe close): what it ran has already ended with an
   error (code engine_restarting). The waiting line stays; a new engine process is started
   after a backoff (`backoff_s`, doubling up to `backoff_max_s`) on a worker thread, and takes
   the line from where it was. Requests that arrive meanwhile wait in line, for at most
@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .front import EngineFront
-from .process import EngineProcess
 from .scheduler import EngineFailed
 
 log = logging.getLogger("attnlens.engine")
@@ -58,8 +57,8 @@ class EngineSupervisor:
     def __init__(self, name: str, engine: EngineFront, policy: RestartPolicy,
                  clock: Callable[[], float] = time.monotonic):
         self.name, self.engine, self.policy, self.clock = name, engine, policy, clock
-        self.restartable = isinstance(engine, EngineProcess) and policy.max_restarts > 0
-        if isinstance(engine, EngineProcess):
+        self.restartable = engine.restartable and policy.max_restarts > 0
+        if engine.restartable:
             engine.supervised = True  # a death keeps the line: this decides (restart, or give up and say why)
         self.restarts = 0  # engine processes started after the first
         self.deaths: collections.deque[float] = collections.deque()  # within the window
@@ -72,7 +71,7 @@ class EngineSupervisor:
     @property
     def state(self) -> str:
         engine = self.engine
-        if isinstance(engine, EngineProcess):
+        if engine.restartable:
             return engine.state
         return "running" if engine.alive else "failed"
 
@@ -82,7 +81,7 @@ class EngineSupervisor:
         state = self.state
         if state == "running":
             return None
-        if not isinstance(self.engine, EngineProcess):
+        if not self.engine.restartable:
             return "the engine thread has stopped" if state == "failed" else None
         base = self.engine.detail or ""
         if state == "restarting":
@@ -94,13 +93,13 @@ class EngineSupervisor:
         """Seconds until the engine is likely back: the backoff left, then one start-up."""
         now = self.clock()
         left = max(0.0, (self.next_attempt or now) - now)
-        start = getattr(self.engine, "start_seconds", 1.0) or 1.0
+        start = self.engine.start_seconds or 1.0
         return max(1, math.ceil(left + start))
 
     # --- one tick --------------------------------------------------------------
     def check(self) -> None:
         engine = self.engine
-        if not isinstance(engine, EngineProcess) or engine.state in ("stopped", "failed", "starting"):
+        if not engine.restartable or engine.state in ("stopped", "failed", "starting"):
             return
         now = self.clock()
         if engine.state == "running":
@@ -158,7 +157,7 @@ class EngineSupervisor:
             self.restarts += 1
             self.down_since, self.refusing, self.last_error = None, False, None
             log.warning("model %r: a new engine process (pid %d) runs, after %.1f s to start", self.name,
-                        self.engine.process.pid, self.engine.start_seconds)
+                        self.engine.client.process.pid, self.engine.start_seconds)
             return
         # the new engine process did not start: the next check counts it as one more death
         self.last_error = f"{type(error).__name__}: {error}"

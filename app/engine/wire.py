@@ -3,7 +3,8 @@
 Server -> engine process, one pickled tuple per message:
   ("add", number, GenerationParams)   a generation the server admitted into a free slot
   ("cancel", number) / ("stop", number)
-  ("call", number, operation)         a model operation on the model-call line (plain data)
+  ("call", number, operation)         a model operation on the model-call line (plain data:
+                                      model/analysis/operations.py)
   ("cancel_call", number)              its caller went away: it stops at its next report point
   ("close",)
 
@@ -32,7 +33,7 @@ import torch
 
 from attnlens.model.decoding import GeneratedToken
 
-from .outputs import FinishRecord, PromptRecord, Record, TokenRecord
+from .records import FinishRecord, PromptRecord, Record, TokenRecord
 
 
 @dataclass

@@ -1,13 +1,13 @@
 """The engine process's main: load the model, run the engine core, talk over two pipes.
 
-The same `Engine` runs here as in-process, with two changes: its generations have no output
-stage (the server's make the events), and a hand-over of records goes down the pipe (wire.py)
-instead of to an event loop. This process's main thread runs the model (Engine.run: on the
-CPU, OpenMP's workers serve the main thread's parallel regions without a wake-up each, twice
-as fast a decode step as from a second thread); a reader thread takes the server's commands.
-The model never shares the interpreter (and its GIL) with the server's event loop, so turning
-tokens into events, stop strings and socket writes run beside the model's step instead of
-between its kernels.
+The very EngineCore that runs on a thread of the server (client.py's InprocClient) runs here,
+with a sink that sends its records down the pipe (wire.py) instead of to the front; the server's
+ProcessClient (process.py) turns them back into records for its front. This process's main
+thread runs the model (EngineCore.run: on the CPU, OpenMP's workers serve the main thread's
+parallel regions without a wake-up each, twice as fast a decode step as from a second thread);
+a reader thread takes the server's commands. The model never shares the interpreter (and its
+GIL) with the server's event loop, so turning tokens into events, stop strings and socket writes
+run beside the model's step instead of between its kernels.
 """
 
 from __future__ import annotations
@@ -21,11 +21,14 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
-from .core import Engine, Generation
-from .front import MODEL_CALL_FAILED
-from .outputs import FinishRecord, Record
+from .core import EngineCore
+from .records import MODEL_CALL_FAILED, CallResult, CoreRecord, FinishRecord
+from .request import Generation
 from .wire import Counters, dumps, encode_records, receive, send
+
+log = logging.getLogger("attnlens.engine")
 
 
 @dataclass
@@ -35,26 +38,51 @@ class EngineSpec:
     model_dir: Path
     device: str = "auto"
     dtype: str = "auto"
-    engine: dict = field(default_factory=dict)  # Engine's keyword arguments
+    engine: dict = field(default_factory=dict)  # EngineCore's keyword arguments
     log_level: str = "info"
 
 
-class _PipedEngine(Engine):
-    """Engine whose hand-overs go down a pipe to the server."""
+class CoreCall:
+    """A model call from the server, as the core runs it: its operation (plain data, run by
+    name: model/analysis/operations.py), and whether its caller went away."""
 
-    def __init__(self, checkpoint, records: Connection, **kw):
+    def __init__(self, number: int, operation: Any):
+        self.number, self.operation = number, operation
+        self.cancelled = False
+
+
+class PipeSink:
+    """The core's output sink in an engine process: each hand-over goes down the pipe, with the
+    core's counters; a model call's result goes as a message of its own."""
+
+    def __init__(self, core: EngineCore, records: Connection):
+        self.core = core
         self._records = records
         self._send_lock = threading.Lock()  # the model (main) thread and the reader thread both send
         self.generations: dict[int, Generation] = {}  # by the server's number, until finished
-        self.calls: dict[int, _PipedCall] = {}  # model calls by the server's number, until answered
-        super().__init__(checkpoint, **kw)
+        self.calls: dict[int, CoreCall] = {}  # model calls by the server's number, until answered
 
-    def _emit(self, records: list[Record]) -> None:
-        for r in records:
+    def __call__(self, records: list[CoreRecord]) -> None:
+        steps = [r for r in records if not isinstance(r, CallResult)]
+        for r in steps:
             if isinstance(r, FinishRecord):
                 self.generations.pop(r.generation.number, None)
-        counters = Counters(self.scheduler.drain.step_seconds, self.errors, self.cancelled, self.cache_held)
-        self.send(("step", counters, encode_records(records)))
+        if steps or not records:  # an empty hand-over is a heartbeat
+            core = self.core
+            counters = Counters(core.step_seconds, core.errors, core.cancelled, core.cache_held)
+            self.send(("step", counters, encode_records(steps)))
+        for r in records:
+            if isinstance(r, CallResult):
+                self._result(r)
+
+    def _result(self, r: CallResult) -> None:
+        self.calls.pop(r.call.number, None)
+        try:
+            data = dumps(("result", r.call.number, r.error is None, r.value if r.error is None else r.error))
+        except Exception as e:
+            log.error("a model call's answer does not pickle: %s", e)
+            data = dumps(("result", r.call.number, False, RuntimeError(MODEL_CALL_FAILED)))
+        self.send_bytes(data)
 
     def send(self, message: tuple) -> None:
         self.send_bytes(dumps(message))
@@ -67,24 +95,6 @@ class _PipedEngine(Engine):
                 pass
 
 
-class _PipedCall:
-    """A model call from the server: its result goes back down the pipe."""
-
-    def __init__(self, engine: _PipedEngine, number: int, operation):
-        self.engine, self.number, self.operation = engine, number, operation
-        self.cancelled = False
-
-    def settle(self, result=None, error: BaseException | None = None) -> None:
-        self.engine.calls.pop(self.number, None)
-        try:
-            data = dumps(("result", self.number, error is None, result if error is None else error))
-        except Exception as e:
-            logging.getLogger("attnlens.engine").error("a model call's answer does not pickle: %s", e)
-            data = dumps(("result", self.number, False,
-                          RuntimeError(MODEL_CALL_FAILED)))
-        self.engine.send_bytes(data)
-
-
 def main(spec: EngineSpec, commands: Connection, records: Connection) -> None:
     """The engine process: runs until ("close",) or until the server goes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it closes us
@@ -94,29 +104,31 @@ def main(spec: EngineSpec, commands: Connection, records: Connection) -> None:
 
     try:
         checkpoint = load_for_serving(spec.model_dir, spec.device, spec.dtype)
-        engine = _PipedEngine(checkpoint, records, own_thread=False, **spec.engine)
+        core = EngineCore(checkpoint, **spec.engine)
     except Exception as e:
         send(records, ("failed", f"{type(e).__name__}: {e}"))
         return
-    gc.freeze()  # the model and engine live as long as the process: out of the collector's full walks
-    engine.send(("ready", {"device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-                           "cache_bytes": engine.cache_bytes, "cuda_graphs": engine.graphs is not None}))
-    reader = threading.Thread(target=_read_commands, args=(engine, commands), name="attnlens-commands", daemon=True)
+    sink = core.sink = PipeSink(core, records)
+    gc.freeze()  # the model and core live as long as the process: out of the collector's full walks
+    sink.send(("ready", {"device": str(core.device), "dtype": str(core.dtype).removeprefix("torch."),
+                         "cache_bytes": core.cache_bytes, "cuda_graphs": core.graphs is not None}))
+    reader = threading.Thread(target=_read_commands, args=(core, sink, commands), name="attnlens-commands",
+                              daemon=True)
     reader.start()
     try:
-        engine.run()  # until the reader closes it
+        core.run()  # until the reader closes it
     finally:
         records.close()
 
 
-def _read_commands(engine: _PipedEngine, commands: Connection) -> None:
+def _read_commands(core: EngineCore, sink: PipeSink, commands: Connection) -> None:
     try:
-        _serve(engine, commands)
+        _serve(core, sink, commands)
     finally:
-        engine.close()
+        core.close()
 
 
-def _serve(engine: _PipedEngine, commands: Connection) -> None:
+def _serve(core: EngineCore, sink: PipeSink, commands: Connection) -> None:
     while True:
         try:
             message = receive(commands)
@@ -128,26 +140,22 @@ def _serve(engine: _PipedEngine, commands: Connection) -> None:
             g = Generation(params)
             g.number = number
             g.t_submit = time.perf_counter()
-            engine.generations[number] = g
+            sink.generations[number] = g
             try:
-                engine.admit([g])
-            except Exception as e:  # the server admits only into free slots: this is a bug, but g's own
-                engine._emit([FinishRecord(g, "error", f"the engine process refused it: {e}")])
+                core.add_generation(g)
+            except Exception as e:  # the server hands over only into free slots: this is a bug, but g's own
+                sink([FinishRecord(g, "error", f"the engine process refused it: {e}")])
         elif kind in ("cancel", "stop"):
-            g = engine.generations.get(message[1])
+            g = sink.generations.get(message[1])
             if g is not None:
-                g.cancel() if kind == "cancel" else g.stop()
+                core.cancel(g) if kind == "cancel" else core.stop(g)
         elif kind == "cancel_call":  # its caller went away: it stops at its next report point
-            call = engine.calls.get(message[1])
+            call = sink.calls.get(message[1])
             if call is not None:
-                call.cancelled = True
+                core.cancel_call(call)
         elif kind == "call":
             _, number, operation = message
-            call = engine.calls[number] = _PipedCall(engine, number, operation)
-            try:
-                engine.admit_call(call)
-            except Exception as e:
-                call.settle(error=e)
+            call = sink.calls[number] = CoreCall(number, operation)
+            core.add_call(call)
         elif kind == "close":
             return
-

@@ -1,0 +1,183 @@
+"""The one interface between the engine's front and its core, and the in-process transport.
+
+The front (front.py) admits requests and keeps their output state; the core (core.py) runs the
+model. The front talks to the core only through a `CoreClient`: hand it the generations that
+got a slot and the model calls in turn, cancel or stop them, read its counters, close it. The
+client hands the core's records back to the front (a `FrontSink`), on a thread of its own.
+
+Two transports (vLLM v1's InprocClient / SyncMPClient):
+  InprocClient   the core on a thread of this process (below);
+  ProcessClient  the core in an engine process of its own, over two pipes (process.py, with
+                 worker.py and wire.py on the other side): the same EngineCore runs there.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from typing import Any, Protocol
+
+import torch
+
+from .core import EngineCore
+from .records import CoreRecord
+from .request import Generation
+
+
+class FrontSink(Protocol):
+    """What a client tells the front (from its own thread, never the event loop's)."""
+
+    def on_records(self, records: list[CoreRecord]) -> None:
+        """One hand-over of the core's records (empty: a heartbeat)."""
+
+    def on_started(self) -> None:
+        """A core runs and takes work (at start, and after each restart)."""
+
+    def on_lost(self, detail: str) -> None:
+        """The core went away (its process died) with everything it held; `detail` says why."""
+
+
+class CoreClient(abc.ABC):
+    """The front's handle on a core (see the module docstring)."""
+
+    restartable: bool = False  # the core can die and be started again (kill, restart)
+    start_seconds: float = 0.0  # how long the core took to start, the last time
+
+    @abc.abstractmethod
+    def start(self, sink: FrontSink) -> None:
+        """Start the core; its records and its life's events go to `sink`. May block (loading)."""
+
+    # --- work --------------------------------------------------------------
+    @abc.abstractmethod
+    def add_generation(self, g: Generation) -> None:
+        """A generation that has a slot (the front never hands over more than max_concurrent)."""
+
+    @abc.abstractmethod
+    def cancel(self, g: Generation) -> None:
+        """g's client went away: the core ends it ("cancelled") at its next step."""
+
+    @abc.abstractmethod
+    def stop(self, g: Generation) -> None:
+        """The output stage found a stop string: the core ends g ("stop") at its next step."""
+
+    @abc.abstractmethod
+    def add_call(self, call: Any) -> None:
+        """A model call (its payload is opaque here); raises if it cannot be handed over."""
+
+    @abc.abstractmethod
+    def cancel_call(self, call: Any) -> None:
+        """The call's caller went away: it stops at its next report point."""
+
+    # --- counters and health -----------------------------------------------
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    @abc.abstractmethod
+    def alive(self) -> bool: ...
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds the core has held work without a sign of progress (0: idle or progressing)."""
+        return 0.0
+
+    @property
+    @abc.abstractmethod
+    def errors(self) -> int:
+        """Requests failed by an exception in the core."""
+
+    @property
+    @abc.abstractmethod
+    def cancelled(self) -> int:
+        """Generations the core dropped from a slot because their client went away."""
+
+    @property
+    @abc.abstractmethod
+    def cache_bytes(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def cache_held(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def step_seconds(self) -> float:
+        """Moving average of one decode step (0: not measured yet)."""
+
+    @property
+    @abc.abstractmethod
+    def cuda_graphs(self) -> bool: ...
+
+    # --- life --------------------------------------------------------------
+    @abc.abstractmethod
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the core once it has handed over what it holds; what it ran is the front's to end."""
+
+    def kill(self, reason: str) -> None:
+        """Stop the core at once (the watchdog); the sink's on_lost follows."""
+        raise NotImplementedError("this engine's core cannot be killed")
+
+    def restart(self) -> None:
+        """Start a new core after the last one was lost. Blocks."""
+        raise NotImplementedError("this engine's core cannot be restarted")
+
+
+class InprocClient(CoreClient):
+    """The core on a thread of this process: its sink is the front's, called on that thread."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.device, self.dtype = core.device, core.dtype
+        self._thread = threading.Thread(target=core.run, name="attnlens-engine", daemon=True)
+
+    def start(self, sink: FrontSink) -> None:
+        self.core.sink = sink.on_records
+        sink.on_started()
+        self._thread.start()
+
+    def add_generation(self, g: Generation) -> None:
+        self.core.add_generation(g)
+
+    def cancel(self, g: Generation) -> None:
+        self.core.cancel(g)
+
+    def stop(self, g: Generation) -> None:
+        self.core.stop(g)
+
+    def add_call(self, call: Any) -> None:
+        self.core.add_call(call)
+
+    def cancel_call(self, call: Any) -> None:
+        self.core.cancel_call(call)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def errors(self) -> int:
+        return self.core.errors
+
+    @property
+    def cancelled(self) -> int:
+        return self.core.cancelled
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.core.cache_bytes
+
+    @property
+    def cache_held(self) -> int:
+        return self.core.cache_held
+
+    @property
+    def step_seconds(self) -> float:
+        return self.core.step_seconds
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.core.graphs is not None
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.core.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout)

@@ -1,0 +1,54 @@
+"""The two ways to build an engine: a front over one of the two transports to the same core.
+
+    Engine(checkpoint, **limits)         EngineFront(client=InprocClient(EngineCore(...)))
+    EngineProcess(checkpoint, model_dir=..., device=..., dtype=..., **limits)
+                                         EngineFront(client=ProcessClient(spec)), whose engine
+                                         process runs EngineCore(...) (worker.py)
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from attnlens.model import Checkpoint
+
+from .client import InprocClient
+from .core import EngineCore
+from .front import EngineFront
+from .process import ProcessClient
+from .worker import EngineSpec
+
+
+def Engine(checkpoint: Checkpoint, *, max_concurrent: int = 32, max_queue: int = 64,
+           max_attention_concurrent: int = 4, cuda_graphs: bool = True, max_stream_backlog_bytes: int = 64_000_000,
+           overlap_outputs: bool | None = None, kv_cache_bytes: int | None = None, prefill_chunk: int = 256,
+           clock: Callable[[], float] = time.monotonic) -> EngineFront:
+    """An engine whose core runs on a thread of this process, on this checkpoint's model."""
+    core = EngineCore(checkpoint, max_concurrent=max_concurrent, cuda_graphs=cuda_graphs,
+                      overlap_outputs=overlap_outputs, kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk)
+    return EngineFront(checkpoint, InprocClient(core), max_concurrent=max_concurrent, max_queue=max_queue,
+                       max_attention_concurrent=max_attention_concurrent,
+                       max_stream_backlog_bytes=max_stream_backlog_bytes, clock=clock)
+
+
+def EngineProcess(checkpoint: Checkpoint, *, model_dir: Path | None = None, device: str = "auto",
+                  dtype: str = "auto", max_concurrent: int = 32, max_queue: int = 64,
+                  max_attention_concurrent: int = 4, cuda_graphs: bool = True,
+                  max_stream_backlog_bytes: int = 64_000_000, overlap_outputs: bool | None = None,
+                  kv_cache_bytes: int | None = None, prefill_chunk: int = 256, log_level: str = "info",
+                  start_timeout_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> EngineFront:
+    """An engine whose core runs in an engine process of its own, which loads the model from
+    `model_dir` (the checkpoint's directory by default) onto `device` as `dtype`; this process
+    keeps `checkpoint` for its tokenizer and configuration. Blocks until the model is loaded."""
+    model_dir = model_dir or checkpoint.path
+    if model_dir is None:
+        raise ValueError("an engine process loads its model from a checkpoint directory; this one has none")
+    spec = EngineSpec(Path(model_dir), device, dtype, dict(
+        max_concurrent=max_concurrent, cuda_graphs=cuda_graphs, overlap_outputs=overlap_outputs,
+        kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk), log_level)
+    client = ProcessClient(spec, start_timeout_s=start_timeout_s, clock=clock)
+    return EngineFront(checkpoint, client, max_concurrent=max_concurrent, max_queue=max_queue,
+                       max_attention_concurrent=max_attention_concurrent,
+                       max_stream_backlog_bytes=max_stream_backlog_bytes, clock=clock)
