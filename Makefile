@@ -13,7 +13,7 @@ TORCH_VERSION ?= 2.13.0
 PIP    := $(BIN)/python -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install install-train install-dev serve test bench bench-service bench-gpu data train-default train-encoder clean
+.PHONY: install install-train install-dev serve test lint bench bench-service bench-gpu data train-default train-encoder clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,11 @@ serve: install
 test: install-dev
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+## ruff and mypy on the package, by its import name (pyproject.toml configures both; CI runs this first)
+lint: install-dev
+	$(BIN)/ruff check attnlens app model
+	$(BIN)/mypy -p attnlens
+
 ## Model speed vs Hugging Face transformers on identical weights
 bench: install-dev
 	$(BIN)/python bench/bench_model.py
@@ -81,4 +86,4 @@ train-encoder: install-dev
 	$(BIN)/attnlens train --config configs/encoder.toml --out runs/encoder
 
 clean:
-	rm -rf $(VENV) .pytest_cache test-artifacts
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache test-artifacts

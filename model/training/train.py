@@ -370,7 +370,9 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
     records = [json.loads(line) for line in metrics_path.read_text(encoding="utf-8").splitlines()]
     if any(r.get("phase") == "classify" for r in records):
         return plot_encoder_run(records, out_png, plt)
-    train_pts, val_pts, full_pts = [], [], []
+    train_pts: list[tuple[int, float]] = []
+    val_pts: list[tuple[int, float]] = []
+    full_pts: list[tuple[int, float]] = []
     for rec in records:
         if "train_loss" in rec:
             train_pts.append((rec["step"], rec["train_loss"]))
