@@ -21,8 +21,10 @@ RUN pip install "torch==${TORCH_VERSION}"
 #    wheel carries the page (static/, as package data) and the server finds it there. The
 #    sources are built outside the working directory and removed: a folder named attnlens/ in
 #    the directory the server (and its engine processes, `python -m attnlens.app.engine`) runs
-#    from would shadow the installed package. tests/test_wheel.py builds the same wheel.
-COPY pyproject.toml setup.py README.md /tmp/attnlens-src/
+#    from would shadow the installed package. attnlens/ holds relative links to app/, model/ and
+#    static/ (COPY keeps them as links), so the four folders are copied side by side.
+#    tests/test_wheel.py builds the same wheel.
+COPY pyproject.toml README.md /tmp/attnlens-src/
 COPY attnlens /tmp/attnlens-src/attnlens
 COPY model /tmp/attnlens-src/model
 COPY app /tmp/attnlens-src/app

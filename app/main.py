@@ -19,6 +19,7 @@ import gc
 import logging
 import sys
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -76,7 +77,7 @@ async def start_runner(s: Settings, ckpt: Checkpoint, name: str):
         return ModelRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)
     rows = cache_rows(name, cache_row_bytes(ckpt.model), s.max_concurrent, s.kv_cache_bytes,
                       paged=cache_paged(ckpt.model, s.kv_cache_bytes, ckpt.weights_device))
-    limits = dict(max_concurrent=rows, max_queue=s.max_queue,
+    limits: dict[str, Any] = dict(max_concurrent=rows, max_queue=s.max_queue,
                   max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs,
                   max_stream_backlog_bytes=s.max_stream_backlog_bytes, kv_cache_bytes=s.kv_cache_bytes,
                   prefill_chunk=s.prefill_chunk_tokens)

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -78,7 +78,7 @@ def build_server(app: FastAPI, settings: Settings) -> DrainingServer:
 def serve(model: str | None = None, host: str | None = None, port: int | None = None,
           models: str | None = None) -> None:
     """Serve with ATTNLENS_* settings; arguments that are not None override them."""
-    overrides = {k: v for k, v in {"model": model, "host": host, "port": port, "models": models}.items()
+    overrides: dict[str, Any] = {k: v for k, v in {"model": model, "host": host, "port": port, "models": models}.items()
                  if v is not None}
     settings = Settings(**overrides)
     logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",

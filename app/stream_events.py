@@ -7,7 +7,7 @@ which know nothing of the API. Routes read a request's events through `events` a
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from .engine.outputs import DoneEvent, ErrorEvent, RequestState, ScoredToken, TokenEvent
 from .schemas import (Alternative, GeneratedTokenOut, StreamDone, StreamError, StreamToken, Timings, TokenText,
@@ -28,7 +28,7 @@ def scored_token(token: ScoredToken | None) -> GeneratedTokenOut | None:
 
 
 def token_event(e: TokenEvent) -> StreamToken:
-    fields = dict(index=e.index, id=e.id, text=e.text, delta=e.delta, logprob=e.logprob,
+    fields: dict[str, Any] = dict(index=e.index, id=e.id, text=e.text, delta=e.delta, logprob=e.logprob,
                   top_logprobs=_alternatives(e))
     if e.attention is None and e.cross_attention is None:
         # validated in pydantic's core: for these few fields faster than model_construct's Python

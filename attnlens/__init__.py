@@ -1,11 +1,11 @@
 """attnlens: serve transformers, generate with them, and look inside their attention heads.
 
 One import name for everything the project offers to Python. The repository keeps its
-top-level folders; setuptools maps them under this package (setup.py):
+top-level folders and this package holds relative links to them, so the import name is the path:
 
-    attnlens.model   <- model/   the transformer: parts, families, tokenizer, checkpoints
-    attnlens.app     <- app/     the HTTP service (FastAPI), its engine and CLI
-    attnlens/static  <- static/  the browser page (also drawn inline by attnlens.show)
+    attnlens/model  -> ../model   the transformer: parts, families, tokenizer, checkpoints
+    attnlens/app    -> ../app     the HTTP service (FastAPI), its engine and CLI
+    attnlens/static -> ../static  the browser page (also drawn inline by attnlens.show)
 
 Nothing is installed under a top-level name as common as `app` or `model`.
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, Union
 
-HOW = {"z": "zero", "m": "mean"}
+HOW: dict[str, Literal["zero", "mean"]] = {"z": "zero", "m": "mean"}
 CODE = {how: letter for letter, how in HOW.items()}
 _ENTRY = re.compile(r"^(?:([A-Za-z][\w-]*):)?(\d+)\.(\d+)([zmZM]?)$")
 

@@ -2,7 +2,7 @@
 
     checkout / editable install          installed wheel
     <repo>/attnlens/  (this package)     site-packages/attnlens/
-    <repo>/static/    (the page)         site-packages/attnlens/static/   (package data, setup.py)
+    <repo>/static/    (the page)         site-packages/attnlens/static/   (package data, pyproject.toml)
     <repo>/checkpoints/                  none: checkpoints/ in the working directory, or give a path
 
 The server (`attnlens serve`: its page) and the notebook views (attnlens.show: the page's ES
@@ -20,21 +20,20 @@ def source_root() -> Path | None:
     """The repository checkout this package runs from, or None for an installed wheel.
 
     A checkout has the package folder beside pyproject.toml and the app/, model/ and static/
-    folders that setup.py maps under it; a wheel's parent is site-packages."""
+    folders that the package links to (attnlens/app -> ../app, ...); a wheel's parent is
+    site-packages."""
     root = PACKAGE_DIR.parent
     markers = ("pyproject.toml", "app/settings.py", "model/__init__.py", "static/index.html")
     return root if all((root / m).is_file() for m in markers) else None
 
 
 def static_dir() -> Path:
-    """The page's files (index.html, css/, js/): the wheel's package data, else the checkout's
-    static/. (When neither exists, the wheel's path: the server answers / with a 404 that names
-    it, and the notebook views say what is missing.)"""
-    packaged = PACKAGE_DIR / "static"
+    """The page's files (index.html, css/, js/): the checkout's static/ (which the package's
+    static link points to), else the wheel's package data. (When the page is missing, the
+    wheel's path: the server answers / with a 404 that names it, and the notebook views say what
+    is missing.)"""
     root = source_root()
-    if (packaged / "index.html").is_file() or root is None:
-        return packaged
-    return root / "static"
+    return root / "static" if root is not None else PACKAGE_DIR / "static"
 
 
 def checkout_path(*parts: str) -> Path:

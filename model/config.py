@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .family_parts import FAMILY_PARTS
+
 
 class ConfigError(ValueError):
     """A configuration that cannot describe a working model."""
@@ -137,10 +139,8 @@ class ModelConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        from .families import FAMILIES  # the declared families (model/families/__init__.py)
-
-        if self.family not in FAMILIES:
-            raise ConfigError(f"family must be one of {tuple(FAMILIES)}, got {self.family!r}")
+        if self.family not in FAMILY_PARTS:  # the families this version builds (model/family_parts.py)
+            raise ConfigError(f"family must be one of {tuple(FAMILY_PARTS)}, got {self.family!r}")
         if not 0 <= self.classifier_layers <= self.n_layers or (self.classifier_layers and not self.labels):
             raise ConfigError(f"classifier_layers must be 0..n_layers ({self.n_layers}) and needs labels, "
                               f"got {self.classifier_layers}")
@@ -211,12 +211,11 @@ class ModelConfig:
     def _validate_family_parts(self) -> None:
         """Each family declares the optional parts its module builds (Family.builds): a config
         that asks its family for another is refused, naming it."""
-        from .families import FAMILIES
-
-        missing = sorted(self.parts_used() - set(FAMILIES[self.family].builds))
+        builds = FAMILY_PARTS[self.family]
+        missing = sorted(self.parts_used() - set(builds))
         if missing:
             raise ConfigError(f"the {self.family} family does not build {', '.join(missing)} "
-                              f"(it builds: {', '.join(sorted(FAMILIES[self.family].builds)) or 'none of them'})")
+                              f"(it builds: {', '.join(sorted(builds)) or 'none of them'})")
 
     # --- (de)serialisation -------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

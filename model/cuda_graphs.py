@@ -32,6 +32,7 @@ import torch
 
 from .kv_cache import ContextLengthError, KVCache
 from .parts import fixed_shapes
+from .sampling import GeneratedToken, sample_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 
@@ -140,8 +141,6 @@ class GraphedDecoder:
         no alternatives, the tokens come from the graph's own argmax (one small copy back);
         otherwise `sample_rows` picks them from the logits. `while_running()` is called after
         the replay is launched, before anything is read back."""
-        from .decoding import GeneratedToken, sample_rows
-
         out = self.run(ids, attention=any(s.return_attention for s in samplers))
         if while_running is not None:
             while_running()

@@ -230,13 +230,13 @@ def hooked_module(model: nn.Module, name: str) -> nn.Module:
 
 
 def name_hook_points(model: nn.Module) -> None:
-    """Give every block and attention module its hook name (once per model)."""
+    """Give every block and attention module its hook name (once per model). The hook points are
+    the modules that declare a `hook_name` (model/parts: Block, MultiHeadAttention), so this
+    module never imports the parts, which import it (`active`)."""
     if getattr(model, "_hook_points_named", False):
         return
-    from .parts import Block, MultiHeadAttention
-
     for path, module in model.named_modules():
-        if isinstance(module, (Block, MultiHeadAttention)):
+        if hasattr(module, "hook_name"):
             module.hook_name = hook_name(path)
     model._hook_points_named = True
 

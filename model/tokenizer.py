@@ -361,7 +361,7 @@ class Tokenizer:
             config["add_bos_token"] = st.add_bos
         if st.chat_template is not None:
             config["chat_template"] = st.chat_template
-        files = {"special_tokens_map.json": special, "tokenizer_config.json": config}
+        files: dict[str, dict] = {"special_tokens_map.json": special, "tokenizer_config.json": config}
         stops = sorted(self.eos_ids)
         if self.eos_id is not None and len(stops) > 1:
             stops.remove(self.eos_id)

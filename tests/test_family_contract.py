@@ -15,6 +15,7 @@ from attnlens.model.decoding import RowSampler, SamplingParams, decode_step
 from attnlens.model.families import (FAMILIES, FAMILY_CLASSES, AttentionGroup, Family, GenerationSpec, TaskSpec,
                                      Transformer, family_of)
 from attnlens.model.families.contract import AnalysableModel, FixedShapeDecoder, GenerativeModel
+from attnlens.model.family_parts import FAMILY_PARTS
 from helpers import REPO_ROOT, TINY_TEXT
 
 SMALL = dict(vocab_size=64, context_length=16, d_model=16, n_layers=2, n_heads=2, d_ff=32)
@@ -127,6 +128,7 @@ class LookbackLM(Transformer):
 def lookback_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setitem(FAMILY_CLASSES, LOOKBACK.name, LookbackLM)
     monkeypatch.setitem(FAMILIES, LOOKBACK.name, LOOKBACK)
+    monkeypatch.setitem(FAMILY_PARTS, LOOKBACK.name, LOOKBACK.builds)  # what the config validates against
     tok = Tokenizer.train([TINY_TEXT] * 4, vocab_size=300)
     torch.manual_seed(0)
     model = LookbackLM(ModelConfig(family=LOOKBACK.name, vocab_size=tok.vocab_size, context_length=32, d_model=16,
@@ -149,6 +151,13 @@ def test_a_fourth_family_is_served_from_its_declaration_alone(lookback_checkpoin
         assert r.status_code == 200 and len(r.json()["attention"]) == 3 and r.json()["cross_attention"] is None
         r = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_task"  # not among its tasks
+
+
+def test_the_config_knows_the_families_and_their_parts_as_the_declarations_do():
+    """model/family_parts.py (what ModelConfig validates against, without importing the families)
+    lists exactly the declared families, in order, each with the parts its declaration builds."""
+    assert list(FAMILY_PARTS) == list(FAMILIES)
+    assert all(FAMILIES[name].builds == parts for name, parts in FAMILY_PARTS.items())
 
 
 PART_CONFIGS = {  # a config that asks for each optional part

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,20 @@ def test_model_and_app_are_only_under_attnlens():
     for name in ("model", "app"):
         done = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True, cwd="/")
         assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr
+
+
+def test_the_import_name_is_the_path():
+    """attnlens/app, attnlens/model and attnlens/static are relative links to the top-level folders,
+    so an editor or type checker resolves attnlens.model.x to model/x.py; the modules load through them."""
+    import attnlens.app.settings
+    import attnlens.model.config
+
+    for name in ("app", "model", "static"):
+        link = REPO_ROOT / "attnlens" / name
+        assert link.is_symlink() and str(link.readlink()) == f"../{name}", link
+        assert link.resolve() == (REPO_ROOT / name).resolve()
+    assert Path(attnlens.model.config.__file__).resolve() == (REPO_ROOT / "model" / "config.py").resolve()
+    assert Path(attnlens.app.settings.__file__).resolve() == (REPO_ROOT / "app" / "settings.py").resolve()
 
 
 def test_a_checkout_finds_its_page_checkpoints_and_data():

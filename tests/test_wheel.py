@@ -24,7 +24,7 @@ from conftest import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
-SOURCES = ["pyproject.toml", "setup.py", "README.md", "attnlens", "app", "model", "static"]
+SOURCES = ["pyproject.toml", "README.md", "attnlens", "app", "model", "static"]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,8 @@ def wheel(tmp_path_factory) -> Path:
     for name in SOURCES:
         path = REPO_ROOT / name
         if path.is_dir():
-            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            # as a clone has them: attnlens/app, attnlens/model, attnlens/static are relative links
+            shutil.copytree(path, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy2(path, src / name)
     out = tmp_path_factory.mktemp("dist")
@@ -75,6 +76,12 @@ def test_the_wheel_holds_one_package_and_the_page(wheel):
         assert needed in names, needed
     js = {n.removeprefix("attnlens/static/") for n in names if n.startswith("attnlens/static/js/")}
     assert js == {str(p.relative_to(REPO_ROOT / "static")) for p in (REPO_ROOT / "static" / "js").rglob("*.js")}
+
+
+def test_the_wheel_holds_files_not_links(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        links = [i.filename for i in z.infolist() if (i.external_attr >> 16) & 0o170000 == 0o120000]
+    assert links == []
 
 
 def test_its_base_requirements_are_light_and_the_server_is_an_extra(wheel):

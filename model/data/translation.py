@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..tokenizer import Tokenizer
+
 FIRST_DATE = datetime.date(1900, 1, 1)
 LAST_DATE = datetime.date(2099, 12, 31)
 N_DAYS = (LAST_DATE - FIRST_DATE).days + 1  # 73,049
@@ -115,6 +117,12 @@ def tokenizer_corpus(step: int = 5) -> list[str]:
     pairs = [date_pair(day, fmt) for day in range(0, N_DAYS, step) for fmt in DATE_FORMATS]
     pairs += [number_pair(n) for n in list(range(1000)) + list(range(1000, N_NUMBERS, 997))]
     return [text for pair in pairs if not is_held_out(pair.source) for text in pair[1:]]
+
+
+def train_translation_tokenizer(vocab_size: int) -> Tokenizer:
+    """Byte-level BPE on both languages' training texts (with [PAD] for padding): the tokenizer
+    `attnlens train` makes for the translator (TrainingSpec tokenizer="translation")."""
+    return Tokenizer.train(tokenizer_corpus(), vocab_size, encoder_tokens=True)
 
 
 def all_held_out(kind: str) -> list[Pair]:

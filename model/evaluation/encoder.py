@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..data.genres import GENRES
 from ..data.mlm import IGNORE, mask_tokens, word_edges
-from ..data.passages import TokenizedWork, fixed_passages, frame, load_works, pad_rows, tokenize_works
+from ..data.passages import fixed_passages, frame, load_works, pad_rows, tokenize_works
 from ..tokenizer import Tokenizer
 
 EVAL_MASK_SEED = 20231
@@ -98,7 +98,7 @@ def genre_predictions(model, rows: torch.Tensor) -> list[str]:
     model.eval()
     device = next(model.parameters()).device
     labels = model.config.labels
-    out = []
+    out: list[str] = []
     for i in range(0, len(rows), BATCH):
         logits = model(rows[i : i + BATCH].to(device), task="classify").logits
         out.extend(labels[j] for j in logits.argmax(-1).tolist())
@@ -226,7 +226,7 @@ def fill_mask_top1(model, tokenizer: Tokenizer, examples: FillMaskExamples) -> d
     model.eval()
     device = next(model.parameters()).device
     special = sorted(tokenizer.special_ids)
-    correct, in_top5, per_word = 0, 0, Counter()
+    correct, in_top5, per_word = 0, 0, Counter[str]()
     for i in range(0, len(examples.rows), BATCH):
         rows = examples.rows[i : i + BATCH]
         ids, mask = pad_rows(rows, tokenizer.pad_id)

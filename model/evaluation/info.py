@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ..checkpoint import load_checkpoint
 
@@ -10,7 +11,7 @@ from ..checkpoint import load_checkpoint
 def summary(ckpt_dir: str | Path) -> dict:
     ckpt = load_checkpoint(ckpt_dir)
     cfg = ckpt.config
-    info = {
+    info: dict[str, Any] = {
         "path": str(Path(ckpt_dir)),
         "config": cfg.to_dict(),
         "parameters": ckpt.model.num_parameters(),

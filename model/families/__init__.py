@@ -4,8 +4,10 @@
 - encoder.py: `Encoder`, the encoder-only model (BERT's shape).
 - encoder_decoder.py: `EncoderDecoder`, the encoder-decoder translator (Vaswani et al.'s shape).
 
-Adding a family is one module that declares a `Family` and its nn.Module, and one line in
-FAMILY_CLASSES below; the service, the engine and the page read the declaration.
+Adding a family is one module that declares a `Family` and its nn.Module, one line in
+FAMILY_CLASSES below, and its name and optional parts in model/family_parts.py (which the config
+validates against without importing the families); the service, the engine and the page read
+the declaration.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ModelConfig
+from ..family_parts import FAMILY_PARTS
 from ..kv_cache import ContextLengthError, KVCache, bytes_per_row
 from ..paged_kv_cache import PagedKVCache
 from ..parts import Block, Embeddings, KVUpdate, RotaryAngles, make_norm, sinusoidal_table, sliding_window_mask
@@ -54,7 +55,7 @@ FAMILY = Family(
     output=DecoderOutput,
     generation=GenerationSpec(prompt="prefix", step_groups=("self",)),
     features=("chat_template",),
-    builds=("rotary", "sliding_window", "rmsnorm", "grouped_query", "parallel_residual"),
+    builds=FAMILY_PARTS["decoder"],
     training=TrainingSpec("train:LMObjective"),  # next-token prediction over the works
     lens=LensSpec("tokens", "blocks", "next", "the final norm and the LM head"),
 )

@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..family_parts import FAMILY_PARTS
 from ..kv_cache import ContextLengthError
 from ..parts import Block, Embeddings, activate
 from .contract import AttentionAnalysis, AttentionGroup, Family, LensSpec, TaskSpec, TrainingSpec
@@ -63,7 +64,7 @@ FAMILY = Family(
     output=EncoderOutput,
     framing="cls_sep",
     features=("labels", "mlm_head"),
-    builds=("classifier", "grouped_query", "parallel_residual"),
+    builds=FAMILY_PARTS["encoder"],
     # masked-LM pretraining over the works, then the genre head
     training=TrainingSpec("encoder:EncoderObjective", tokenizer="corpus_specials"),
     lens=LensSpec("tokens", "blocks", "same", "the final norm and the masked-LM head"),

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ModelConfig
+from ..family_parts import FAMILY_PARTS
 from ..kv_cache import ContextLengthError, KVCache, bytes_per_row, move_row
 from ..parts import Block, Embeddings
 from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, LensSpec, TaskSpec, TrainingSpec
@@ -71,6 +72,7 @@ FAMILY = Family(
     attention_kind="encoder-decoder",
     output=EncoderDecoderOutput,
     generation=GenerationSpec(prompt="source", step_groups=("decoder", "cross")),
+    builds=FAMILY_PARTS["encoder-decoder"],  # none of the optional parts
     # generated (English, French) pairs of dates and numbers, and their own tokenizer
     training=TrainingSpec("translation:TranslationObjective", data="own", tokenizer="translation"),
     lens=LensSpec("target", "decoder.blocks", "next", "the decoder's final norm and the LM head"),

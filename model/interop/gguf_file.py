@@ -212,7 +212,8 @@ def read_tensors(reader, config: dict[str, Any], path: Path, *, permuted: bool,
                  progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """Every tensor, float32, under transformers' names; Q and K rows un-permuted when `permuted`."""
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    out, formats = {}, {}
+    out: dict[str, torch.Tensor] = {}
+    formats: dict[str, int] = {}
     total = len(reader.tensors)
     for i, tensor in enumerate(reader.tensors):
         name = hf_name(tensor.name, path)

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..config import ConfigError, ModelConfig
-from ..tokenizer import EOS_TOKEN, Tokenizer
+from ..tokenizer import Tokenizer
 from ..families.decoder import Transformer
 
 HF_PREFIX = "transformer."

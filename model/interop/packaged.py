@@ -148,7 +148,6 @@ def ensure_checkpoint(model: PackagedModel, *, progress: bool = True) -> Path | 
     with _lock(root / f".{model.name}.lock"):
         if (ready := cached_checkpoint(model, found)) is not None:  # another process made it meanwhile
             return ready
-        from .convert import import_checkpoint
 
         path, version = found
         out, tmp = root / model.name, root / f".{model.name}.partial"

@@ -38,9 +38,9 @@ def batch_with_repeats(stream: torch.Tensor, step: int, rank: int, batch_size: i
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + rank)
     starts = torch.randint(0, len(stream) - block - 1, (batch_size,), generator=g)
     repeat = torch.rand(batch_size, generator=g) < share
-    rows = []
+    windows = []
     for s, r in zip(starts.tolist(), repeat.tolist()):
         window = stream[s : s + block + 1]
-        rows.append(repeat_span(window, g, min_span, max_span) if r else window)
-    rows = torch.stack(rows)  # (B, block + 1)
+        windows.append(repeat_span(window, g, min_span, max_span) if r else window)
+    rows = torch.stack(windows)  # (B, block + 1)
     return rows[:, :-1], rows[:, 1:]

@@ -87,7 +87,7 @@ class EncoderObjective(Objective):
         genres = torch.randint(0, len(GENRES), (n,), generator=g)  # genres drawn evenly
         bodies = [random_windows(self.by_genre[k], self.length, 1, g)[0] for k in genres.tolist()]
         rows = frame(torch.cat(bodies), self.tokenizer)
-        tensors = (rows.to(self.device), genres.to(self.device))
+        tensors: tuple[torch.Tensor, ...] = (rows.to(self.device), genres.to(self.device))
         if self.s.classify_mlm_weight > 0:
             inputs, labels = self.mlm_rows(g)
             tensors += (inputs.to(self.device), labels.to(self.device))

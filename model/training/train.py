@@ -34,10 +34,10 @@ from ..checkpoint import load_weights, save_checkpoint
 from ..config import ModelConfig
 from ..data.names import tokenizer_texts
 from ..data.shakespeare import load_split
+from ..data.translation import train_translation_tokenizer
 from ..decoding import SamplingParams, generate_tokens
 from ..tokenizer import Tokenizer
 from ..families import build_model, family_named
-from ..families.decoder import Transformer
 from .curriculum import batch_with_repeats
 
 LN2 = math.log(2.0)
@@ -370,7 +370,9 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
     records = [json.loads(line) for line in metrics_path.read_text(encoding="utf-8").splitlines()]
     if any(r.get("phase") == "classify" for r in records):
         return plot_encoder_run(records, out_png, plt)
-    train_pts, val_pts, full_pts = [], [], []
+    train_pts: list[tuple[int, float]] = []
+    val_pts: list[tuple[int, float]] = []
+    full_pts: list[tuple[int, float]] = []
     for rec in records:
         if "train_loss" in rec:
             train_pts.append((rec["step"], rec["train_loss"]))
@@ -474,8 +476,6 @@ def train(
     elif s.tokenizer:
         tokenizer = Tokenizer.from_file(s.tokenizer)
     elif spec.tokenizer == "translation":
-        from .translation import train_translation_tokenizer
-
         tokenizer = train_translation_tokenizer(s.vocab_size)
     else:
         tokenizer = Tokenizer.train(texts[0] + tokenizer_texts(s.name_weight), s.vocab_size,

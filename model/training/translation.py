@@ -17,17 +17,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..data.translation import KINDS, Pair, held_out_sample, is_held_out, sample_training_pairs, tokenizer_corpus
+from ..data.translation import KINDS, Pair, held_out_sample, is_held_out, sample_training_pairs
 from ..families.encoder_decoder import decoder_start_id, greedy_translate
 from ..tokenizer import Tokenizer
 from .train import Batch, Objective, RunConfig
 
 IGNORE = -100
-
-
-def train_translation_tokenizer(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE on both languages' training texts (with [PAD] for padding)."""
-    return Tokenizer.train(tokenizer_corpus(), vocab_size, encoder_tokens=True)
 
 
 def pad_rows(rows: list[list[int]], value: int) -> torch.Tensor:
