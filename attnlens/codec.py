@@ -9,7 +9,7 @@ attention is zero above it: about half the bytes.
 A reduced answer (top_k) also has key `positions` [layers][heads][rows][k]: json nested lists,
 otherwise base64 of little-endian int32 (`positions_dtype` "int32"); -1 marks no key.
 
-The server encodes with it (attnlens.app.attention_codec) and the client decodes with it, so
+The server encodes with it (attnlens.app.serving.attention_codec) and the client decodes with it, so
 the format is written once and a client install needs no torch.
 """
 

@@ -48,9 +48,9 @@ def attention(text: str, model: str | Path = "checkpoints/default", *, layers=No
     strongest links, or a window)."""
     import torch
 
-    from attnlens.model.analysis.attention_maps import MapRequest, analyse_attention
-    from attnlens.app.encoder_tasks import framed_ids
+    from attnlens.app.serving.encoder_tasks import framed_ids
     from attnlens.model import family_of
+    from attnlens.model.analysis.attention_maps import MapRequest, analyse_attention
 
     from .answers import GroupSpec
 

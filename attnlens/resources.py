@@ -23,7 +23,7 @@ def source_root() -> Path | None:
     folders that the package links to (attnlens/app -> ../app, ...); a wheel's parent is
     site-packages."""
     root = PACKAGE_DIR.parent
-    markers = ("pyproject.toml", "app/settings.py", "model/__init__.py", "static/index.html")
+    markers = ("pyproject.toml", "app/server/settings.py", "model/__init__.py", "static/index.html")
     return root if all((root / m).is_file() for m in markers) else None
 
 

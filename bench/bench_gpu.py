@@ -157,7 +157,7 @@ def engine_levels(model_dir: Path, dtype: torch.dtype, levels: list[int], n: int
     from attnlens.app.engine.outputs import TokenEvent
     from bench_service import PROMPTS
 
-    from attnlens.app.settings import default_switch_interval_ms
+    from attnlens.app.server.settings import default_switch_interval_ms
 
     sys.setswitchinterval(default_switch_interval_ms(DEVICE) / 1000)  # as the server does
     ckpt = load_checkpoint(model_dir, device=DEVICE, dtype=dtype)

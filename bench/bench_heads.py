@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_model import DEFAULT_MODEL, in_process_client, paired_ms, random_checkpoint  # noqa: E402
 
-from attnlens.app.head_atlas import atlas_answer  # noqa: E402
+from attnlens.app.serving.head_atlas import atlas_answer  # noqa: E402
 from attnlens.model import family_of, load_checkpoint  # noqa: E402
 from attnlens.model.analysis.head_atlas_scores import score_heads  # noqa: E402
 from attnlens.model.analysis.head_scores import ordinary_ids  # noqa: E402

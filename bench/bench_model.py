@@ -62,8 +62,8 @@ def in_process_client(model_dir: Path):
     started: the caller closes it (`with in_process_client(d) as client:`)."""
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
 
     return TestClient(create_app(Settings(model=model_dir, device="cpu", engine_process=False, warmup=False)))
 

@@ -37,7 +37,7 @@ from typing import Callable
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-# The allocator the server runs with (app/cli.py: large CPU tensors on 2 MB pages), for the
+# The allocator the server runs with (app/cli/commands.py: large CPU tensors on 2 MB pages), for the
 # in-process peers too; torch is imported later, so it reads this.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 

@@ -6,12 +6,12 @@ family -> class map; data/ the corpora; training/ the training loop and objectiv
 evaluation/ the reports; interop/ Hugging Face export and import.
 """
 
-from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
-from .config import ConfigError, ModelConfig
-from .decoding import GeneratedToken, SamplingParams, generate_tokens
-from .tokenizer import Tokenizer
-from .kv_cache import ContextLengthError, KVCache
-from .families import DecoderOutput, Family, Transformer, family_of
+from attnlens.model.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from attnlens.model.config import ConfigError, ModelConfig
+from attnlens.model.decoding import GeneratedToken, SamplingParams, generate_tokens
+from attnlens.model.families import DecoderOutput, Family, Transformer, family_of
+from attnlens.model.kv_cache import ContextLengthError, KVCache
+from attnlens.model.tokenizer import Tokenizer
 
 __all__ = [
     "Checkpoint",

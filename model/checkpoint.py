@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from torch.overrides import TorchFunctionMode
 from safetensors.torch import save_file
+from torch.overrides import TorchFunctionMode
 
-from .config import ConfigError, ModelConfig
-from .tokenizer import Tokenizer
-from .families import build_model
-from .families.decoder import Transformer
+from attnlens.model.config import ConfigError, ModelConfig
+from attnlens.model.families import build_model
+from attnlens.model.families.decoder import Transformer
+from attnlens.model.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .family_parts import FAMILY_PARTS
+from attnlens.model.family_parts import FAMILY_PARTS
 
 
 class ConfigError(ValueError):

@@ -30,9 +30,9 @@ from typing import NamedTuple
 
 import torch
 
-from .kv_cache import ContextLengthError, KVCache
-from .parts import fixed_shapes
-from .sampling import GeneratedToken, sample_rows
+from attnlens.model.kv_cache import ContextLengthError, KVCache
+from attnlens.model.parts import fixed_shapes
+from attnlens.model.sampling import GeneratedToken, sample_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 

@@ -8,16 +8,22 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from .kv_cache import KVCache, pageable
+from attnlens.model.families.contract import GenerativeModel, family_of
+from attnlens.model.kv_cache import KVCache, pageable
+
 # each row's sampling rules and the tokens they pick (model/sampling.py), named here too: the
 # decode loop's vocabulary, and where callers have always imported them from
-from .sampling import (GeneratedToken, RowSampler, SamplingParams, filter_logits,  # noqa: F401
-                       make_generator, sample_rows)
-
-from .families.contract import GenerativeModel, family_of
+from attnlens.model.sampling import (  # noqa: F401
+    GeneratedToken,
+    RowSampler,
+    SamplingParams,
+    filter_logits,
+    make_generator,
+    sample_rows,
+)
 
 if TYPE_CHECKING:
-    from .cuda_graphs import GraphedDecoder
+    from attnlens.model.cuda_graphs import GraphedDecoder
 
 
 @dataclass

@@ -21,13 +21,12 @@ cache is this one, allocated whole.
 from __future__ import annotations
 
 import inspect
-
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from .parts import KVUpdate
+from attnlens.model.parts import KVUpdate
 
 
 def move_row(tensors: list[torch.Tensor], lengths: torch.Tensor, src: int, dst: int) -> None:

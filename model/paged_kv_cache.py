@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import CacheWrite, keys_seen, new_positions, rows_mask, rows_of
+from attnlens.model.kv_cache import CacheWrite, keys_seen, new_positions, rows_mask, rows_of
 
 BLOCK = 64  # positions per block: at most 63 positions of memory a row holds unused (bench/README.md)
 _MADV_DONTNEED = 4
@@ -183,7 +183,7 @@ class PagedKVCache:
         self._storage = (torch.zeros if small else torch.empty)(shape, dtype=self.dtype, device=self.device)
         self._releases = not small and MADVISE is not None
         if self._releases:
-            # small pages: a 2 MB huge page (THP_MEM_ALLOC_ENABLE, app/cli.py) would hold ~40 blocks of
+            # small pages: a 2 MB huge page (THP_MEM_ALLOC_ENABLE, app/cli/commands.py) would hold ~40 blocks of
             # one layer's keys, so a one-block row would keep 2 MB of each of the 2 x layers planes
             self._advise(0, self._storage.numel() * self._storage.element_size(), _MADV_NOHUGEPAGE)
         self.keys = [self._storage[i, 0] for i in range(n_layers)]  # (N, K, P, D) views

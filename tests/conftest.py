@@ -43,8 +43,8 @@ def client(tiny_checkpoint):
     """The app on the tiny checkpoint, started (lifespan) in a TestClient."""
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
     from helpers import MAX_NEW, MAX_PROMPT
 
     settings = Settings(model=tiny_checkpoint, device="cpu", max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW,
@@ -92,8 +92,8 @@ def bundled_client():
     (engines on threads), with a small ablation limit so the limit can be tested."""
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
 
     dirs = [REPO_ROOT / "checkpoints" / name for name in BUNDLED]
     if not all((d / "model.safetensors").is_file() for d in dirs):

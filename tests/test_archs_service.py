@@ -81,8 +81,8 @@ def test_a_mistral_with_its_window_and_sentencepiece_tokens_is_served(tmp_path):
     streamed generation equals the model's own greedy decoding."""
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
 
     src, _ = write_hf_checkpoint(CASES["mistral"], tmp_path / "hf", seed=2)
     ours, _ = import_checkpoint(src, tmp_path / "mistral")

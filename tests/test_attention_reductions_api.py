@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from attnlens.app.main import create_app
-from attnlens.app.settings import Settings
+from attnlens.app.server.main import create_app
+from attnlens.app.server.settings import Settings
 from attnlens.codec import PRECISION, decode, decode_positions
 
 TEXT = ("Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds "

@@ -235,8 +235,8 @@ def client_tiny(tiny_checkpoint, tmp_path_factory):
     """In-process: the tiny decoder (no template, as every bundled model) and a tiny encoder."""
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
     from encoder_helpers import make_tiny_encoder
 
     encoder = make_tiny_encoder(tmp_path_factory.mktemp("chat-enc") / "genre")
@@ -260,8 +260,8 @@ def test_other_templates_render_to_transformers_ids(arch, tmp_path):
     from fastapi.testclient import TestClient
 
     from arch_helpers import CASES, write_hf_checkpoint
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
     from attnlens.model.interop.convert import import_checkpoint
 
     conversation = [{"role": "user", "content": "To be?"}, {"role": "assistant", "content": "Or not."},

@@ -15,9 +15,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from attnlens.app.metrics import ENGINE_GAUGES, Metrics
-from attnlens.app.settings import Settings
-from attnlens.app.shutdown import END_WAIT_S
+from attnlens.app.server.metrics import ENGINE_GAUGES, Metrics
+from attnlens.app.server.settings import Settings
+from attnlens.app.server.shutdown import END_WAIT_S
 from helpers import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "deploy"
@@ -52,7 +52,7 @@ def settings_from(config_map: dict) -> Settings:
     env = config_map["data"]
     fields = {f"ATTNLENS_{name.upper()}" for name in Settings.model_fields}
     unknown = [k for k in env if k not in fields]
-    assert not unknown, f"the service reads no {unknown} (app/settings.py)"
+    assert not unknown, f"the service reads no {unknown} (app/server/settings.py)"
     return Settings(**{k.removeprefix("ATTNLENS_").lower(): v for k, v in env.items()})
 
 

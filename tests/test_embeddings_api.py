@@ -14,8 +14,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from attnlens.app.main import create_app
-from attnlens.app.settings import Settings
+from attnlens.app.server.main import create_app
+from attnlens.app.server.settings import Settings
 from attnlens.model import load_checkpoint
 from attnlens.model.analysis.encoder_outputs import embed_rows, length_batches
 from encoder_helpers import make_tiny_encoder

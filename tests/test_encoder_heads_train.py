@@ -70,7 +70,7 @@ def test_heads_put_on_the_model_change_only_the_heads(heads, tmp_path):
 
 
 def test_head_figures_read_the_reports_and_say_which_head_is_weak(heads, tmp_path):
-    from attnlens.model.evaluation.encoder import FILL_MASK_GOAL, head_figures
+    from attnlens.model.evaluation.evaluate_encoder import FILL_MASK_GOAL, head_figures
 
     figures = head_figures(heads)
     genre = json.loads((heads / "genre_report.json").read_text())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from attnlens.model import load_checkpoint
-from attnlens.model.evaluation.encoder import (
+from attnlens.model.evaluation.evaluate_encoder import (
     SAMPLE_EVERY,
     bow_baseline,
     build_split,
@@ -83,7 +83,7 @@ def test_baselines_recomputed_match_the_report(ckpt, split):
 
 
 def test_fills_an_obvious_mask(ckpt):
-    from attnlens.app.encoder_tasks import fill_mask
+    from attnlens.app.serving.encoder_tasks import fill_mask
 
     masks = fill_mask(ckpt, "O Romeo, Romeo! wherefore art thou [MASK]?", top_k=5, max_masks=4)
     assert len(masks) == 1 and len(masks[0]) == 5
@@ -97,7 +97,7 @@ def test_refresh_report_keeps_a_recorded_baseline_it_cannot_recompute(tmp_path, 
     from types import SimpleNamespace
 
     import attnlens.model.checkpoint as checkpoint_module
-    import attnlens.model.evaluation.encoder as encoder_eval
+    import attnlens.model.evaluation.evaluate_encoder as encoder_eval
 
     old = {"steps": 7, "held_out_mlm": {"mlm_accuracy": 0.1},
            "bow_baseline": {"accuracy": 0.7}, "majority_baseline": {"accuracy": 0.5}}

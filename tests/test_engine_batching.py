@@ -18,9 +18,9 @@ import torch
 
 from attnlens.app.engine import Engine, EngineProcess, GenerationCancelled, GenerationParams, QueueFull, RequestTooLarge
 from attnlens.app.engine.scheduler import DrainRate, Scheduler
-from attnlens.app.main import create_app
+from attnlens.app.server.main import create_app
 from attnlens.app.engine.outputs import DoneEvent, ErrorEvent, TokenEvent
-from attnlens.app.settings import Settings
+from attnlens.app.server.settings import Settings
 from helpers import DEVICES, drain, reference_ids, reference_tokens, run_async
 from attnlens.model import SamplingParams, load_checkpoint
 from attnlens.model.analysis.operations import OPERATIONS

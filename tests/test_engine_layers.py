@@ -9,8 +9,8 @@ import sys
 
 from attnlens.app.engine import Engine, GenerationParams, RequestState
 from attnlens.app.engine.core import Generation
-from attnlens.app.stream_events import events
-from attnlens.app.schemas import StreamDone, StreamToken
+from attnlens.app.serving.stream_events import events
+from attnlens.app.api.schemas import StreamDone, StreamToken
 from attnlens.model import SamplingParams
 from helpers import run_async
 

@@ -176,8 +176,8 @@ def test_readyz_says_when_the_engine_process_has_stopped(tiny_checkpoint):
     default, are tested in test_engine_supervision.py.)"""
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
 
     settings = Settings(model=tiny_checkpoint, device="cpu", warmup=False, engine_max_restarts=0)
     with TestClient(create_app(settings)) as c:

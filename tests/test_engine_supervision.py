@@ -22,8 +22,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from attnlens.app.engine import EngineProcess, GenerationParams
-from attnlens.app.main import create_app
-from attnlens.app.settings import Settings
+from attnlens.app.server.main import create_app
+from attnlens.app.server.settings import Settings
 from attnlens.model import SamplingParams
 from helpers import drain, run_async
 from translator_helpers import make_tiny_translator
@@ -106,7 +106,7 @@ def test_what_the_dead_engine_held_ends_with_a_503_and_the_waiting_line_survives
         (_, lost), (tokens, done) = c.portal.call(main)
         assert lost.code == "engine_restarting" and lost.retry_after >= 1 and "restarted" in lost.message
         assert done.finish_reason == "length" and len(tokens) == 5
-        from attnlens.app.serving import error_status
+        from attnlens.app.serving.generation_streams import error_status
 
         err = error_status(lost)
         assert err.status_code == 503 and err.headers["Retry-After"] == str(lost.retry_after)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from attnlens.app.main import create_app
-from attnlens.app.settings import Settings
+from attnlens.app.server.main import create_app
+from attnlens.app.server.settings import Settings
 from attnlens.model import ModelConfig, Tokenizer, load_checkpoint, save_checkpoint
 from attnlens.model.decoding import RowSampler, SamplingParams, decode_step
 from attnlens.model.families import (FAMILIES, FAMILY_CLASSES, AttentionGroup, Family, GenerationSpec, TaskSpec,

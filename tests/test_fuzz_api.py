@@ -48,7 +48,7 @@ POSTS = ["POST /generate", "POST /attention", "POST /v1/completions", "POST /v1/
          "POST /classify", "POST /logits", "POST /lens", "POST /attention/explain", "POST /v1/embeddings"]
 GETS = ["GET /v1/models", "GET /v1/models/{model}", "GET /models", "GET /model", "GET /healthz", "GET /readyz",
         "GET /metrics"]  # no inputs: no invalid ones
-POSTS.append("POST /heads")  # the head atlas (app/routers/heads.py)
+POSTS.append("POST /heads")  # the head atlas (app/api/heads_routes.py)
 
 
 @pytest.mark.parametrize("label,mode", [(p, m) for p in POSTS for m in MODES] + [(g, "positive") for g in GETS])

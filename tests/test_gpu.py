@@ -68,8 +68,8 @@ def test_bf16_autocast_training_step_lowers_the_loss(tiny_checkpoint):
 def test_service_picks_cuda_and_bf16_on_auto(tiny_checkpoint):
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
 
     with TestClient(create_app(Settings(model=tiny_checkpoint, device="auto", dtype="auto"))) as client:
         info = client.get("/model").json()
@@ -164,8 +164,8 @@ def test_every_bundled_family_serves_on_cuda_as_on_the_cpu(default_checkpoint):
     same top fill-mask token and genre, the same first greedy tokens."""
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
 
     requests = [
         ("/generate", {"model": "translator", "prompt": "Wednesday, March 3, 2021", "temperature": 0,
@@ -243,8 +243,8 @@ def test_serving_on_cuda_sets_a_short_gil_switch_interval(tiny_checkpoint):
 
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
 
     before = sys.getswitchinterval()
     try:
@@ -363,8 +363,8 @@ def test_encoder_embeddings_clark_scores_and_a_classifier_with_its_own_blocks_on
     (classifier_layers) answer on CUDA in float32 as on the CPU."""
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
     from attnlens.model import load_checkpoint
     from attnlens.model.checkpoint import save_checkpoint
     from attnlens.model.training.encoder_heads import genre_model

@@ -1,4 +1,4 @@
-"""Graceful shutdown (app/shutdown.py, app/server.py), in this process: the server `attnlens serve`
+"""Graceful shutdown (app/server/shutdown.py, app/server/uvicorn_server.py), in this process: the server `attnlens serve`
 runs (uvicorn, the drain on SIGTERM) on a loopback port, with its engine on a thread whose model
 the test holds, so a generation is mid-stream exactly when the SIGTERM comes."""
 
@@ -11,9 +11,9 @@ import signal
 import httpx
 import pytest
 
-from attnlens.app.main import create_app
-from attnlens.app.server import build_server
-from attnlens.app.settings import Settings
+from attnlens.app.server.main import create_app
+from attnlens.app.server.uvicorn_server import build_server
+from attnlens.app.server.settings import Settings
 from helpers import HeldModel, run_async, sse_events
 from live_server import free_port
 

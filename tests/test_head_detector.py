@@ -1,4 +1,4 @@
-"""Our head scores (model/evaluation/decoder.py) against TransformerLens's own head detector.
+"""Our head scores (model/evaluation/evaluate_decoder.py) against TransformerLens's own head detector.
 
 TransformerLens loads the GPT-2 that `export-hf` writes (TransformerBridge over transformers,
 offline from the directory) and scores its attention patterns with head_detector.py's
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from attnlens.model.checkpoint import load_checkpoint
-from attnlens.model.evaluation.decoder import (
+from attnlens.model.evaluation.evaluate_decoder import (
     PATTERNS,
     head_scores_and_copying,
     induction_pattern,

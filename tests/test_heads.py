@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from attnlens.app.head_atlas import probe_ids
+from attnlens.app.serving.head_atlas import probe_ids
 from attnlens.model import family_of, load_checkpoint
 from attnlens.model.analysis import head_scores as hs
 from attnlens.model.analysis.head_atlas_scores import score_heads
@@ -85,8 +85,8 @@ def test_self_scores_equal_the_definitions(causal):
 
 
 def test_causal_detection_scores_are_the_evaluation_reports():
-    """model/evaluation/decoder.py reads the same definitions (no copies of its own)."""
-    from attnlens.model.evaluation import decoder
+    """model/evaluation/evaluate_decoder.py reads the same definitions (no copies of its own)."""
+    from attnlens.model.evaluation import evaluate_decoder as decoder
 
     assert decoder.mul_score is hs.mul_score and decoder.PATTERNS is hs.PATTERNS
     maps = random_maps(1, 2, len(TOKENS), len(TOKENS), True)
@@ -259,8 +259,8 @@ def test_heads_is_in_the_openapi_schema(client):
 def bundled_client():
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
 
     dirs = [REPO_ROOT / "checkpoints" / name for name in BUNDLED]
     if not all((d / "model.safetensors").is_file() for d in dirs):

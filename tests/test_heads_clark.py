@@ -11,7 +11,7 @@ import unicodedata
 import pytest
 import torch
 
-from attnlens.app.head_atlas import clark_probe
+from attnlens.app.serving.head_atlas import clark_probe
 from attnlens.model import family_of, load_checkpoint
 from attnlens.model.analysis import head_scores as hs
 from attnlens.model.analysis.head_atlas_scores import score_heads
@@ -171,8 +171,8 @@ def test_a_sentence_longer_than_the_context_keeps_its_start():
 def encoder_client():
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
 
     path = REPO_ROOT / "checkpoints" / "encoder"
     if not (path / "model.safetensors").is_file():

@@ -289,7 +289,7 @@ def test_import_refuses_an_untied_head_in_the_weights(gpt2_src, tmp_path):
 
 
 def test_cli_export_import_and_info(ours, tmp_path, capsys):
-    from attnlens.app.cli import main
+    from attnlens.app.cli.commands import main
 
     assert main(["export-hf", "--model", str(ours), "--out", str(tmp_path / "hf")]) == 0
     assert main(["import-hf", "--src", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
@@ -300,7 +300,7 @@ def test_cli_export_import_and_info(ours, tmp_path, capsys):
 
 
 def test_cli_export_refusal_is_one_clear_line(tmp_path, capsys):
-    from attnlens.app.cli import main
+    from attnlens.app.cli.commands import main
 
     src = make_tiny_checkpoint(tmp_path / "relu", activation="relu")
     assert main(["export-hf", "--model", str(src), "--out", str(tmp_path / "hf")]) == 2

@@ -425,7 +425,7 @@ def test_a_bf16_source_stays_bf16_and_the_context_can_be_capped(llama_src, tmp_p
 
 
 def test_cli_imports_and_exports_a_llama(llama_src, tmp_path, capsys):
-    from attnlens.app.cli import main
+    from attnlens.app.cli.commands import main
 
     assert main(["import-hf", "--src", str(llama_src), "--out", str(tmp_path / "ours"), "--context-length", "48"]) == 0
     assert main(["export-hf", "--model", str(tmp_path / "ours"), "--out", str(tmp_path / "hf")]) == 0
@@ -450,7 +450,7 @@ def test_cli_generate_starts_a_llama_prompt_with_bos_and_stops_at_any_end_id(lla
     import io
     from argparse import Namespace
 
-    from attnlens.app.cli_generate import generate_to_terminal
+    from attnlens.app.cli.generate_command import generate_to_terminal
 
     out, _ = import_checkpoint(llama_src, tmp_path / "ours")
     ckpt = load_checkpoint(out)

@@ -14,8 +14,8 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from attnlens.app.main import create_app
-from attnlens.app.settings import Settings
+from attnlens.app.server.main import create_app
+from attnlens.app.server.settings import Settings
 from attnlens.model.tokenizer import Tokenizer
 from encoder_helpers import make_tiny_encoder
 from translator_helpers import make_tiny_translator

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from attnlens.app.main import create_app
-from attnlens.app.memory import cache_row_bytes
-from attnlens.app.settings import Settings
+from attnlens.app.server.main import create_app
+from attnlens.app.registry.memory import cache_row_bytes
+from attnlens.app.server.settings import Settings
 from helpers import REPO_ROOT
 
 
@@ -54,7 +54,7 @@ def test_on_the_cpu_the_budget_bounds_a_cache_in_blocks_and_every_slot_stays_ope
 
 
 def test_whole_rows_are_as_many_as_the_budget_holds_where_the_cache_is_not_in_blocks():
-    from attnlens.app.memory import cache_rows
+    from attnlens.app.registry.memory import cache_rows
 
     assert cache_rows("m", 100, 32, 350) == 3
     assert cache_rows("m", 100, 32, 350, paged=True) == 32

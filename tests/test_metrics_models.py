@@ -8,8 +8,8 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
-from attnlens.app.main import create_app
-from attnlens.app.settings import Settings
+from attnlens.app.server.main import create_app
+from attnlens.app.server.settings import Settings
 from encoder_helpers import make_tiny_encoder
 from attnlens.app.engine import GenerationParams
 from helpers import HeldModel, drain, make_tiny_checkpoint

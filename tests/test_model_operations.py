@@ -9,7 +9,7 @@ import pickle
 import numpy as np
 import pytest
 
-from attnlens.app.encoder_tasks import fill_mask_call, framed_ids
+from attnlens.app.serving.encoder_tasks import fill_mask_call, framed_ids
 from attnlens.model import load_checkpoint
 from attnlens.model.analysis import explain
 from attnlens.model.analysis.attention_maps import MapRequest, analyse_attention

@@ -14,8 +14,8 @@ import torch
 from fastapi.testclient import TestClient
 
 from attnlens.app.engine import Engine, GenerationParams
-from attnlens.app.main import create_app
-from attnlens.app.settings import Settings
+from attnlens.app.server.main import create_app
+from attnlens.app.server.settings import Settings
 from attnlens.model import SamplingParams
 from attnlens.model.decoding import RowSampler, make_generator, sample_rows
 from attnlens.model.sampling import draw_uniforms, sample_batch

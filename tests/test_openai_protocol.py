@@ -12,8 +12,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from attnlens.app.main import create_app
-from attnlens.app.settings import Settings
+from attnlens.app.server.main import create_app
+from attnlens.app.server.settings import Settings
 from conftest import REPO_ROOT, make_tiny_checkpoint
 from attnlens.model import load_checkpoint, save_checkpoint
 

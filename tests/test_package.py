@@ -22,7 +22,7 @@ def python(code: str) -> str:
 def test_importing_the_server_does_not_load_the_client():
     out = json.loads(python("""
 import json, sys
-import attnlens.app.attention_codec, attnlens.app.settings
+import attnlens.app.serving.attention_codec, attnlens.app.server.settings
 before = {m: m in sys.modules for m in ("httpx", "attnlens.client", "attnlens.inline")}
 import attnlens
 client = attnlens.Client
@@ -42,7 +42,7 @@ def test_model_and_app_are_only_under_attnlens():
 def test_the_import_name_is_the_path():
     """attnlens/app, attnlens/model and attnlens/static are relative links to the top-level folders,
     so an editor or type checker resolves attnlens.model.x to model/x.py; the modules load through them."""
-    import attnlens.app.settings
+    import attnlens.app.server.settings
     import attnlens.model.config
 
     for name in ("app", "model", "static"):
@@ -50,12 +50,13 @@ def test_the_import_name_is_the_path():
         assert link.is_symlink() and str(link.readlink()) == f"../{name}", link
         assert link.resolve() == (REPO_ROOT / name).resolve()
     assert Path(attnlens.model.config.__file__).resolve() == (REPO_ROOT / "model" / "config.py").resolve()
-    assert Path(attnlens.app.settings.__file__).resolve() == (REPO_ROOT / "app" / "settings.py").resolve()
+    assert Path(attnlens.app.server.settings.__file__).resolve() == (REPO_ROOT / "app" / "server" / "settings.py").resolve()
 
 
 def test_a_checkout_finds_its_page_checkpoints_and_data():
     from attnlens import resources
-    from attnlens.app import cli, settings
+    from attnlens.app.cli import commands as cli
+    from attnlens.app.server import settings
 
     assert resources.source_root() == REPO_ROOT
     assert resources.static_dir() == REPO_ROOT / "static" == settings.STATIC_DIR
@@ -69,7 +70,7 @@ def test_a_checkout_finds_its_page_checkpoints_and_data():
     ("train", "matplotlib", "train"), ("prepare-data", "torch", "train"), ("generate", "tokenizers", "model"),
 ])
 def test_a_missing_module_names_the_extra_that_brings_it(command, module, extra):
-    from attnlens.app.cli import missing_module_message
+    from attnlens.app.cli.commands import missing_module_message
 
     message = missing_module_message(command, ModuleNotFoundError(f"No module named '{module}'", name=module))
     assert message == f"attnlens {command}: error: the module '{module}' is not installed: pip install 'attnlens[{extra}]'"

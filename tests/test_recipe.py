@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnlens.model.data.mlm import IGNORE, mask_words, word_edges
-from attnlens.model.evaluation.encoder import common_word_examples, common_words
+from attnlens.model.evaluation.evaluate_encoder import common_word_examples, common_words
 from attnlens.model.tokenizer import Tokenizer
 from attnlens.model.training.curriculum import batch_with_repeats, repeat_span
 from attnlens.model.training.train import TrainSettings, batch_at, load_run_config, lr_at
@@ -113,7 +113,7 @@ def test_mixed_loss_keeps_the_masked_lm_learning_while_fine_tuning(tmp_path):
     the head idles (the old recipe, which let fine-tuning wash the masked LM out)."""
     from attnlens.model.config import ModelConfig
     from attnlens.model.families import build_model
-    from attnlens.model.training.encoder import EncoderObjective
+    from attnlens.model.training.train_encoder import EncoderObjective
     from attnlens.model.training.train import RunConfig
 
     data = REPO_ROOT / "data" / "shakespeare"

@@ -14,9 +14,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from attnlens.app.attention_codec import decode
-from attnlens.app.main import create_app
-from attnlens.app.settings import Settings
+from attnlens.app.serving.attention_codec import decode
+from attnlens.app.server.main import create_app
+from attnlens.app.server.settings import Settings
 from attnlens.model import SamplingParams, generate_tokens, load_checkpoint
 
 from helpers import MAX_NEW, MAX_PROMPT, make_tiny_checkpoint, parse_sse, reference_tokens as reference
@@ -550,8 +550,8 @@ def test_model_reports_the_training_summary(tmp_path):
 def test_serve_asks_for_huge_pages_unless_told_otherwise(monkeypatch, preset, expected):
     """`attnlens serve` sets PyTorch's THP_MEM_ALLOC_ENABLE=1 (large CPU tensors on 2 MB pages)
     before the server starts; a value the operator set is left alone."""
-    import attnlens.app.server as server_module
-    from attnlens.app import cli
+    import attnlens.app.server.uvicorn_server as server_module
+    from attnlens.app.cli import commands as cli
 
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", preset or "")  # recorded: whatever serve sets is undone after
     if preset is None:

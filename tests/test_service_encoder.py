@@ -14,9 +14,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from attnlens.app.attention_codec import decode
-from attnlens.app.main import create_app
-from attnlens.app.settings import Settings
+from attnlens.app.serving.attention_codec import decode
+from attnlens.app.server.main import create_app
+from attnlens.app.server.settings import Settings
 from attnlens.model import load_checkpoint
 from encoder_helpers import make_tiny_encoder
 from live_server import live_server

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from attnlens.app.attention_codec import decode, encode
+from attnlens.app.serving.attention_codec import decode, encode
 from attnlens.app.engine import Engine, GenerationParams, QueueFull
 from attnlens.app.engine.textstream import TextStream
 from attnlens.app.engine.outputs import DoneEvent, ErrorEvent

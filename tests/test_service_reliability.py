@@ -11,8 +11,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from attnlens.app.main import create_app
-from attnlens.app.settings import Settings
+from attnlens.app.server.main import create_app
+from attnlens.app.server.settings import Settings
 from helpers import run_async
 from attnlens.model import SamplingParams
 from attnlens.model.decoding import filter_logits
@@ -98,7 +98,7 @@ def test_ints_still_count_as_floats(client):
 
 # --- defect 8: packing "tril" applies to json too ------------------------------------------
 def test_attention_json_tril_is_applied(client):
-    from attnlens.app.attention_codec import decode
+    from attnlens.app.serving.attention_codec import decode
 
     full = client.post("/attention", json={"text": "To be, or not", "format": "json"}).json()
     tril = client.post("/attention", json={"text": "To be, or not", "format": "json", "packing": "tril"}).json()
@@ -137,7 +137,7 @@ def test_model_info_has_no_absolute_path(client, tiny_checkpoint):
 
 # --- defect 8: a 500 carries no internal exception text ----------------------------------------
 def test_500_body_has_no_exception_text(tiny_checkpoint, monkeypatch):
-    import attnlens.app.routers.attention as attention_router
+    import attnlens.app.api.attention_routes as attention_router
 
     def broken(*args, **kwargs):
         raise ValueError("secret /srv/internal/path detail")
@@ -189,8 +189,8 @@ def test_no_redirect_to_the_sent_host(tiny_checkpoint, path):
 def test_answer_budget_waits_then_429_and_refuses_what_never_fits():
     import asyncio
 
-    from attnlens.app.answers import AnswerBudget
-    from attnlens.app.errors import ApiError
+    from attnlens.app.serving.answer_budget import AnswerBudget
+    from attnlens.app.server.api_errors import ApiError
 
     async def scenario():
         budget = AnswerBudget(100, wait_s=0.3)

@@ -63,8 +63,8 @@ def test_the_cache_is_made_once_and_made_again_when_stale(smollm2, tmp_path):
 
 
 def test_settings_serve_it_by_default_and_fall_back_to_the_bundled_decoder(smollm2, monkeypatch, caplog):
-    from attnlens.app import settings as settings_module
-    from attnlens.app.settings import DEFAULT_MODEL_DIR, Settings
+    from attnlens.app.server import settings as settings_module
+    from attnlens.app.server.settings import DEFAULT_MODEL_DIR, Settings
 
     s = Settings()
     assert s.model.name == SMOLLM2.name and s.model_dirs()[0] == s.model
@@ -96,7 +96,7 @@ def test_every_weight_equals_transformers_gguf_loader(smollm2, smollm2_transform
 
 
 def test_tokenizer_and_chat_template_ids_equal_transformers(smollm2, smollm2_transformers):
-    from attnlens.app.chat_template import render_chat
+    from attnlens.app.serving.chat_template import render_chat
 
     _, hf_tok = smollm2_transformers
     tok = smollm2.tokenizer
@@ -209,7 +209,7 @@ def test_heads_finds_its_induction_heads_as_transformer_lens_scores_them(smollm2
     head-detector definition applied to transformers' own attention maps, on all 270 heads; the
     strongest induction head is L18H6, and the second copy is predicted (in-context copying)."""
     tl = pytest.importorskip("transformer_lens.head_detector")
-    from attnlens.model.evaluation.decoder import PATTERNS, head_scores_and_copying, repeated_random_tokens
+    from attnlens.model.evaluation.evaluate_decoder import PATTERNS, head_scores_and_copying, repeated_random_tokens
 
     hf, _ = smollm2_transformers
     sequences = repeated_random_tokens(smollm2.tokenizer, n=2, length=25, seed=3)

@@ -16,9 +16,9 @@ from fastapi.testclient import TestClient
 
 from attnlens.app.engine import Engine, GenerationParams
 from attnlens.app.engine.stream_budget import StreamBudget
-from attnlens.app.main import create_app
+from attnlens.app.server.main import create_app
 from attnlens.app.engine.outputs import DoneEvent, ErrorEvent
-from attnlens.app.settings import Settings
+from attnlens.app.server.settings import Settings
 from attnlens.model import SamplingParams
 from helpers import parse_sse, run_async
 

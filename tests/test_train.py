@@ -164,7 +164,7 @@ def test_two_process_ddp_over_gloo_writes_one_checkpoint(tmp_path, small_corpus)
 
 
 def test_generate_cli_streams_and_is_seeded(tiny_checkpoint):
-    from attnlens.app.cli_generate import generate_to_terminal
+    from attnlens.app.cli.generate_command import generate_to_terminal
 
     def run(seed):
         buf = io.StringIO()

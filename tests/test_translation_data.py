@@ -6,11 +6,11 @@ import hashlib
 
 import torch
 
-from attnlens.model.data.translation import (
+from attnlens.model.data.translation_pairs import (
     DATE_FORMATS, N_DAYS, date_pair, held_out_sample, is_held_out, number_pair, sample_training_pairs,
     tokenizer_corpus,
 )
-from attnlens.model.training.translation import IGNORE, encode_pairs
+from attnlens.model.training.train_translation import IGNORE, encode_pairs
 from translator_helpers import small_translation_tokenizer
 
 

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from attnlens.model import load_checkpoint
-from attnlens.model.data.translation import held_out_sample, is_held_out
+from attnlens.model.data.translation_pairs import held_out_sample, is_held_out
 from attnlens.model.families.encoder_decoder import EncoderDecoder, greedy_translate
-from attnlens.model.training.translation import exact_match
+from attnlens.model.training.train_translation import exact_match
 
 from conftest import REPO_ROOT
 
@@ -43,7 +43,7 @@ def test_report_gives_exact_match_per_kind_with_mistakes(translator):
         assert part["exact_match"] == part["correct"] / part["n"]
         for m in part["mistakes"]:
             assert is_held_out(m["source"]) and m["got"] != m["expected"]
-    # every held-out pair (python -m attnlens.model.evaluation.translation): ~22,000 dates, ~100,000 numbers
+    # every held-out pair (python -m attnlens.model.evaluation.evaluate_translation): ~22,000 dates, ~100,000 numbers
     for kind, n in (("dates", 20000), ("numbers", 95000)):
         part = report["held_out_all"][kind]
         assert part["n"] >= n and part["exact_match"] >= 0.97

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnlens.app.attention_codec import decode
+from attnlens.app.serving.attention_codec import decode
 from attnlens.model import load_checkpoint
 from attnlens.model.families.encoder_decoder import attention_groups, greedy_translate
 
@@ -32,8 +32,8 @@ def translator():
 def tclient(translator):
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
 
     with TestClient(create_app(Settings(model=TRANSLATOR, device="cpu"))) as c:
         yield c
@@ -183,8 +183,8 @@ def test_translation_through_the_live_server_equals_the_model(translator, tmp_pa
 def test_served_beside_a_decoder_and_listed_as_an_encoder_decoder(translator, tiny_checkpoint):
     from fastapi.testclient import TestClient
 
-    from attnlens.app.main import create_app
-    from attnlens.app.settings import Settings
+    from attnlens.app.server.main import create_app
+    from attnlens.app.server.settings import Settings
 
     settings = Settings(model=tiny_checkpoint, models=[tiny_checkpoint, TRANSLATOR], device="cpu")
     with TestClient(create_app(settings)) as c:

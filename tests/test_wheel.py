@@ -136,7 +136,7 @@ print(len(html), "attnlens/views/headview.js" in html)
     assert done.returncode == 0, done.stderr
     size, has_views = done.stdout.split()
     assert int(size) > 50_000 and has_views == "True"
-    done = run(venv, "from attnlens.app.settings import Settings; s = Settings(packaged_models=False); print(s.static_dir, s.model)",
+    done = run(venv, "from attnlens.app.server.settings import Settings; s = Settings(packaged_models=False); print(s.static_dir, s.model)",
                tmp_path)
     assert done.returncode == 0, done.stderr
     static, model = done.stdout.split()
@@ -151,7 +151,7 @@ def test_a_command_without_its_extra_says_which_to_install(venv, tmp_path):
     done = run(venv, """
 import sys
 sys.modules["fastapi"] = None   # as in a base install: no server dependencies
-from attnlens.app.cli import main
+from attnlens.app.cli.commands import main
 sys.exit(main(["serve", "--port", "0"]))
 """, tmp_path)
     assert done.returncode == 2

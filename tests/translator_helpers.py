@@ -12,7 +12,7 @@ import torch
 @functools.lru_cache(maxsize=1)
 def small_translation_tokenizer_json() -> str:
     """The translator's tokenizer trained on a sparse corpus (fast; same alphabet and words)."""
-    from attnlens.model.data.translation import tokenizer_corpus
+    from attnlens.model.data.translation_pairs import tokenizer_corpus
     from attnlens.model.tokenizer import Tokenizer
 
     return Tokenizer.train(tokenizer_corpus(step=97), 600, encoder_tokens=True).to_str()

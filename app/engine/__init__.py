@@ -4,7 +4,7 @@
 
 * the front, on the server's side: admission (the scheduler's lines: QueueFull, Retry-After,
   RequestTooLarge), each request's output state (outputs.py: its events, as the engine's own
-  dataclasses; app/stream_events.py makes the API's schemas of them) and the stream budget;
+  dataclasses; app/serving/stream_events.py makes the API's schemas of them) and the stream budget;
 * the core: the one owner of the model (batch, KV cache, model calls), stepping on its own
   thread and emitting typed records (records.py) to a sink;
 * one client interface with two transports: InprocClient (the core on a thread of this
@@ -15,11 +15,11 @@ Engine(...) and EngineProcess(...) (engines.py) build the two; supervisor.py res
 engine process.
 """
 
-from .core import EngineCore, Generation, GenerationParams
-from .engines import Engine, EngineProcess
-from .front import EngineFront, ModelCall
-from .outputs import GenerationCancelled, RequestState
-from .scheduler import EngineClosed, QueueFull, RequestTooLarge
+from attnlens.app.engine.core import EngineCore, Generation, GenerationParams
+from attnlens.app.engine.engines import Engine, EngineProcess
+from attnlens.app.engine.front import EngineFront, ModelCall
+from attnlens.app.engine.outputs import GenerationCancelled, RequestState
+from attnlens.app.engine.scheduler import EngineClosed, QueueFull, RequestTooLarge
 
 __all__ = ["Engine", "EngineClosed", "EngineCore", "EngineFront", "EngineProcess", "Generation",
            "GenerationCancelled", "GenerationParams", "ModelCall", "QueueFull", "RequestState", "RequestTooLarge"]

@@ -3,8 +3,8 @@
 import sys
 from multiprocessing.connection import Connection
 
-from .wire import receive
-from .worker import main
+from attnlens.app.engine.wire import receive
+from attnlens.app.engine.worker import main
 
 commands = Connection(int(sys.argv[1]), writable=False)
 records = Connection(int(sys.argv[2]), readable=False)

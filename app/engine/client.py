@@ -19,9 +19,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .core import EngineCore
-from .records import CoreRecord
-from .request import Generation
+from attnlens.app.engine.core import EngineCore
+from attnlens.app.engine.records import CoreRecord
+from attnlens.app.engine.request import Generation
 
 
 class FrontSink(Protocol):

@@ -43,17 +43,23 @@ from typing import Any, Callable
 
 import torch
 
+from attnlens.app.engine import progress
+from attnlens.app.engine.records import (
+    MODEL_CALL_FAILED,
+    CallResult,
+    CoreRecord,
+    FinishRecord,
+    PromptRecord,
+    TokenRecord,
+)
+from attnlens.app.engine.request import Generation, GenerationParams
+from attnlens.app.registry import memory
 from attnlens.model import Checkpoint
-from attnlens.model.cuda_graphs import GraphedDecoder
 from attnlens.model.analysis.operations import run_operation
+from attnlens.model.cuda_graphs import GraphedDecoder
 from attnlens.model.decoding import RowSampler, decode_step, make_generator
 from attnlens.model.families.contract import FixedShapeDecoder
 from attnlens.model.hooks import batch_hooks, hooked
-
-from .. import memory
-from . import progress
-from .records import MODEL_CALL_FAILED, CallResult, CoreRecord, FinishRecord, PromptRecord, TokenRecord
-from .request import Generation, GenerationParams
 
 __all__ = ["EngineCore", "Generation", "GenerationParams", "OutputSink"]
 

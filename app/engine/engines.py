@@ -12,13 +12,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from attnlens.app.engine.client import InprocClient
+from attnlens.app.engine.core import EngineCore
+from attnlens.app.engine.front import EngineFront
+from attnlens.app.engine.process import ProcessClient
+from attnlens.app.engine.worker import EngineSpec
 from attnlens.model import Checkpoint
-
-from .client import InprocClient
-from .core import EngineCore
-from .front import EngineFront
-from .process import ProcessClient
-from .worker import EngineSpec
 
 
 def Engine(checkpoint: Checkpoint, *, max_concurrent: int = 32, max_queue: int = 64,

@@ -23,14 +23,13 @@ import threading
 import time
 from typing import Any, Callable
 
+from attnlens.app.engine.client import CoreClient
+from attnlens.app.engine.outputs import RequestState, call_soon, hand_over
+from attnlens.app.engine.records import MODEL_CALL_FAILED, CallResult, CoreRecord, FinishRecord, Record
+from attnlens.app.engine.request import Generation, GenerationParams
+from attnlens.app.engine.scheduler import EngineClosed, EngineFailed, EngineRestarting, Scheduler
+from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.model import Checkpoint
-
-from .client import CoreClient
-from .outputs import RequestState, call_soon, hand_over
-from .records import MODEL_CALL_FAILED, CallResult, CoreRecord, FinishRecord, Record
-from .request import Generation, GenerationParams
-from .scheduler import EngineClosed, EngineFailed, EngineRestarting, Scheduler
-from .stream_budget import StreamBudget
 
 __all__ = ["MODEL_CALL_FAILED", "EngineFront", "ModelCall"]
 

@@ -7,7 +7,7 @@ server-side state (`RequestState`: its event loop, its output stage, what its cl
 read yet), on the event loop that submitted it: ids -> display text, stop strings
 (TextStream), log-prob alternatives, attention rows -> rounded lists, and the events
 `TokenEvent` / `DoneEvent` / `ErrorEvent`. These are the engine's own dataclasses: the
-engine does not know the API's schemas, and the serving layer (app/stream_events.py) turns
+engine does not know the API's schemas, and the serving layer (app/serving/stream_events.py) turns
 them into the responses the routes send.
 
 When a stop string completes, the output stage asks the core to stop the generation; the
@@ -31,14 +31,13 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Union
 import numpy as np
 import torch
 
+from attnlens.app.engine.records import FinishRecord, PromptRecord, Record, TokenRecord
+from attnlens.app.engine.stream_budget import Held, StreamBudget
+from attnlens.app.engine.textstream import Released, TextStream
 from attnlens.model.decoding import GeneratedToken
 
-from .records import FinishRecord, PromptRecord, Record, TokenRecord
-from .stream_budget import Held, StreamBudget
-from .textstream import Released, TextStream
-
 if TYPE_CHECKING:
-    from .request import Generation
+    from attnlens.app.engine.request import Generation
 
 __all__ = ["Alternative", "DoneEvent", "ErrorEvent", "Event", "FinishRecord", "GenerationCancelled", "PromptRecord",
            "Record", "RequestState", "ScoredToken", "Timing", "TokenEvent", "TokenRecord", "hand_over"]

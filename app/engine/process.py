@@ -36,13 +36,12 @@ from typing import Any, Callable
 import torch
 
 import attnlens
-
-from . import worker
-from .client import CoreClient, FrontSink
-from .records import CallResult, FinishRecord
-from .request import Generation
-from .scheduler import EngineClosed
-from .wire import Counters, decode_record, dumps, receive, send
+from attnlens.app.engine import worker
+from attnlens.app.engine.client import CoreClient, FrontSink
+from attnlens.app.engine.records import CallResult, FinishRecord
+from attnlens.app.engine.request import Generation
+from attnlens.app.engine.scheduler import EngineClosed
+from attnlens.app.engine.wire import Counters, decode_record, dumps, receive, send
 
 log = logging.getLogger("attnlens.engine")
 

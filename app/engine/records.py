@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Union
 from attnlens.model.decoding import GeneratedToken
 
 if TYPE_CHECKING:
-    from .request import Generation
+    from attnlens.app.engine.request import Generation
 
 # What a model call's caller is told when it fails (the details stay in the server's log)
 MODEL_CALL_FAILED = "internal error in a model call; see the server log"

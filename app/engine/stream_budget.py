@@ -24,7 +24,7 @@ import threading
 import weakref
 from typing import Protocol
 
-from ..memory import MALLOC_TRIM
+from attnlens.app.registry.memory import MALLOC_TRIM
 
 log = logging.getLogger("attnlens.engine")
 

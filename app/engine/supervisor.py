@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from .front import EngineFront
-from .scheduler import EngineFailed
+from attnlens.app.engine.front import EngineFront
+from attnlens.app.engine.scheduler import EngineFailed
 
 log = logging.getLogger("attnlens.engine")
 

@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 
+from attnlens.app.engine.records import FinishRecord, PromptRecord, Record, TokenRecord
 from attnlens.model.decoding import GeneratedToken
-
-from .records import FinishRecord, PromptRecord, Record, TokenRecord
 
 
 @dataclass

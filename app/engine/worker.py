@@ -23,10 +23,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from .core import EngineCore
-from .records import MODEL_CALL_FAILED, CallResult, CoreRecord, FinishRecord
-from .request import Generation
-from .wire import Counters, dumps, encode_records, receive, send
+from attnlens.app.engine.core import EngineCore
+from attnlens.app.engine.records import MODEL_CALL_FAILED, CallResult, CoreRecord, FinishRecord
+from attnlens.app.engine.request import Generation
+from attnlens.app.engine.wire import Counters, dumps, encode_records, receive, send
 
 log = logging.getLogger("attnlens.engine")
 
@@ -100,7 +100,7 @@ def main(spec: EngineSpec, commands: Connection, records: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it closes us
     logging.basicConfig(level=spec.log_level.upper() if spec.log_level != "trace" else "DEBUG", stream=sys.stderr,
                         format="%(levelname)s:     [engine %(process)d] %(name)s: %(message)s")
-    from ..loader import load_for_serving
+    from attnlens.app.registry.model_loader import load_for_serving
 
     try:
         checkpoint = load_for_serving(spec.model_dir, spec.device, spec.dtype)

@@ -30,9 +30,9 @@ from typing import Callable, Hashable
 
 import torch
 
-from ..families.contract import family_of
-from ..hooks import Hooks, hooked, hooked_module
-from ..hooks import active as active_hooks
+from attnlens.model.families.contract import family_of
+from attnlens.model.hooks import Hooks, hooked, hooked_module
+from attnlens.model.hooks import active as active_hooks
 
 BLOCK_BYTES = 64 << 20  # a block's scores (H' x B x n float32); its softmax and reduction take as much again
 _QK = ("hook_rot_q", "hook_rot_k", "hook_q", "hook_k")

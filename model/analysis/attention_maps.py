@@ -8,7 +8,7 @@ request asks (model/analysis/attention_blocks.py), as numpy.
     analyse_attention   the maps of one sequence, made in blocks of query rows and reduced at once
     attention_maps      the primary group's (L', H', T, T) maps of one sequence
 
-The answer's size, layout and encoding are the service's (app/attention_analysis.py).
+The answer's size, layout and encoding are the service's (app/serving/attention_answer.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import numpy as np
 import torch
 
 from attnlens.codec import U8_SCALE  # the wire's uint8 step: a whole u8 map is kept in it
-
-from ..families.contract import family_of
-from .attention_blocks import KeptQK, Pool, Reduction, TopK, Window, blocked_maps
+from attnlens.model.analysis.attention_blocks import KeptQK, Pool, Reduction, TopK, Window, blocked_maps
+from attnlens.model.families.contract import family_of
 
 
 @dataclass(frozen=True)

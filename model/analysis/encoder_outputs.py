@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..data.passages import pad_rows
+from attnlens.model.data.passages import pad_rows
 
 MAX_BATCH_TOKENS = 8192  # padded positions in one forward (at least one input a forward, whatever its length)
 

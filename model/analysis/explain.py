@@ -27,9 +27,9 @@ from typing import TypedDict
 
 import torch
 
-from . import vocab_rows
-from ..families.contract import family_of
-from ..hooks import Hooks, ZEdit, hooked, run_until, unchanged_outputs
+from attnlens.model.analysis import vocab_rows
+from attnlens.model.families.contract import family_of
+from attnlens.model.hooks import Hooks, ZEdit, hooked, run_until, unchanged_outputs
 
 
 @dataclass

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..families.contract import Family, family_of
-from . import head_scores as hs
+from attnlens.model.analysis import head_scores as hs
+from attnlens.model.families.contract import Family, family_of
 
 
 @dataclass

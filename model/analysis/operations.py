@@ -27,11 +27,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-from ..hooks import ZEdit
-from . import explain
-from .attention_maps import AnalysisMaps, MapRequest, analyse_attention
-from .encoder_outputs import MAX_BATCH_TOKENS, MaskScores, class_probabilities, embed_rows, encoder_warm_up, mask_scores
-from .head_atlas_scores import ClarkProbe, HeadScoreResult, score_heads
+from attnlens.model.analysis import explain
+from attnlens.model.analysis.attention_maps import AnalysisMaps, MapRequest, analyse_attention
+from attnlens.model.analysis.encoder_outputs import (
+    MAX_BATCH_TOKENS,
+    MaskScores,
+    class_probabilities,
+    embed_rows,
+    encoder_warm_up,
+    mask_scores,
+)
+from attnlens.model.analysis.head_atlas_scores import ClarkProbe, HeadScoreResult, score_heads
+from attnlens.model.hooks import ZEdit
 
 Report = Callable[[], None]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from .genres import FOLIO_GENRE
-from ..tokenizer import Tokenizer
+from attnlens.model.data.genres import FOLIO_GENRE
+from attnlens.model.tokenizer import Tokenizer
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import load_checkpoint
+from attnlens.model.checkpoint import load_checkpoint
 
 
 def summary(ckpt_dir: str | Path) -> dict:
@@ -46,7 +46,7 @@ def positions(cfg: dict) -> str:
             + (f", {scaling.get('rope_type', scaling.get('type'))} scaling" if scaling else "") + ")")
 
 
-KV_BUDGET_DEFAULT = 1 << 30  # app/settings.py's KV_CACHE_BYTES default
+KV_BUDGET_DEFAULT = 1 << 30  # app/server/settings.py's KV_CACHE_BYTES default
 
 
 def kv_cache_line(cfg: dict) -> str:

@@ -14,12 +14,19 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..config import ModelConfig
-from .contract import (AttentionAnalysis, AttentionGroup, Family, GenerationSpec, TaskSpec, TrainingSpec,
-                       family_of)
-from .decoder import DecoderOutput, Transformer
-from .encoder import Encoder, EncoderOutput
-from .encoder_decoder import EncoderDecoder, EncoderDecoderOutput
+from attnlens.model.config import ModelConfig
+from attnlens.model.families.contract import (
+    AttentionAnalysis,
+    AttentionGroup,
+    Family,
+    GenerationSpec,
+    TaskSpec,
+    TrainingSpec,
+    family_of,
+)
+from attnlens.model.families.decoder import DecoderOutput, Transformer
+from attnlens.model.families.encoder import Encoder, EncoderOutput
+from attnlens.model.families.encoder_decoder import EncoderDecoder, EncoderDecoderOutput
 
 # config.family -> the module class; each class carries its declaration as `family`
 FAMILY_CLASSES: dict[str, type[nn.Module]] = {cls.family.name: cls for cls in (Transformer, Encoder, EncoderDecoder)}

@@ -26,7 +26,6 @@ a decoder writes while reading a source). A map is always [layer][head][query][k
 from __future__ import annotations
 
 import importlib
-
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Protocol, runtime_checkable
 
@@ -97,7 +96,7 @@ class TrainingSpec:
     works when `data` is "corpus" and None when the objective makes its own data ("own": the
     translator's generated pairs). `tokenizer` is the one trained when a run names none: "corpus"
     (byte-level BPE over the works), "corpus_specials" (the same with [PAD] [CLS] [SEP] [MASK]) or
-    "translation" (model/training/translation.py's)."""
+    "translation" (model/training/train_translation.py's)."""
 
     objective: str
     data: Literal["corpus", "own"] = "corpus"

@@ -25,13 +25,29 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn as nn
 
-from ..config import ModelConfig
-from ..family_parts import FAMILY_PARTS
-from ..kv_cache import ContextLengthError, KVCache, bytes_per_row
-from ..paged_kv_cache import PagedKVCache
-from ..parts import Block, Embeddings, KVUpdate, RotaryAngles, make_norm, sinusoidal_table, sliding_window_mask
-from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, LensSpec, TaskSpec, TrainingSpec
-from ..parts.linear import Linear
+from attnlens.model.config import ModelConfig
+from attnlens.model.families.contract import (
+    AttentionAnalysis,
+    AttentionGroup,
+    Family,
+    GenerationSpec,
+    LensSpec,
+    TaskSpec,
+    TrainingSpec,
+)
+from attnlens.model.family_parts import FAMILY_PARTS
+from attnlens.model.kv_cache import ContextLengthError, KVCache, bytes_per_row
+from attnlens.model.paged_kv_cache import PagedKVCache
+from attnlens.model.parts import (
+    Block,
+    Embeddings,
+    KVUpdate,
+    RotaryAngles,
+    make_norm,
+    sinusoidal_table,
+    sliding_window_mask,
+)
+from attnlens.model.parts.linear import Linear
 
 __all__ = ["FAMILY", "ContextLengthError", "DecoderOutput", "KVCache", "Transformer", "sinusoidal_table"]
 

@@ -32,13 +32,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
-from ..family_parts import FAMILY_PARTS
-from ..kv_cache import ContextLengthError
-from ..parts import Block, Embeddings, activate
-from .contract import AttentionAnalysis, AttentionGroup, Family, LensSpec, TaskSpec, TrainingSpec
-from .decoder import Transformer
-from ..parts.linear import Linear
+from attnlens.model.config import ModelConfig
+from attnlens.model.families.contract import AttentionAnalysis, AttentionGroup, Family, LensSpec, TaskSpec, TrainingSpec
+from attnlens.model.families.decoder import Transformer
+from attnlens.model.family_parts import FAMILY_PARTS
+from attnlens.model.kv_cache import ContextLengthError
+from attnlens.model.parts import Block, Embeddings, activate
+from attnlens.model.parts.linear import Linear
 
 TASKS = ("mlm", "classify", "hidden")
 

@@ -28,13 +28,21 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from ..config import ModelConfig
-from ..family_parts import FAMILY_PARTS
-from ..kv_cache import ContextLengthError, KVCache, bytes_per_row, move_row
-from ..parts import Block, Embeddings
-from .contract import AttentionAnalysis, AttentionGroup, Family, GenerationSpec, LensSpec, TaskSpec, TrainingSpec
-from .decoder import Transformer
-from ..parts.linear import Linear
+from attnlens.model.config import ModelConfig
+from attnlens.model.families.contract import (
+    AttentionAnalysis,
+    AttentionGroup,
+    Family,
+    GenerationSpec,
+    LensSpec,
+    TaskSpec,
+    TrainingSpec,
+)
+from attnlens.model.families.decoder import Transformer
+from attnlens.model.family_parts import FAMILY_PARTS
+from attnlens.model.kv_cache import ContextLengthError, KVCache, bytes_per_row, move_row
+from attnlens.model.parts import Block, Embeddings
+from attnlens.model.parts.linear import Linear
 
 
 class EncoderDecoderOutput(NamedTuple):

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError, load_checkpoint, state_shapes, write_checkpoint
-from ..config import ModelConfig
-from ..tokenizer import Tokenizer
-from .architectures import ARCHITECTURES, Architecture
-from .hf import read_hf_config, read_hf_weights, write_hf_dir, write_json
+from attnlens.model.checkpoint import CheckpointError, load_checkpoint, state_shapes, write_checkpoint
+from attnlens.model.config import ModelConfig
+from attnlens.model.interop.architectures import ARCHITECTURES, Architecture
+from attnlens.model.interop.hf import read_hf_config, read_hf_weights, write_hf_dir, write_json
+from attnlens.model.tokenizer import Tokenizer
 
 
 def supported() -> str:
@@ -83,7 +83,7 @@ def import_gguf(src: Path, out_dir: Path, *, context_length: int | None = None, 
     """A GGUF file through the same converter: its metadata as config.json, its dequantized
     tensors under transformers' names, its tokenizer rebuilt (model/interop/gguf_file.py).
     The weights are written as float32 (what every block format dequantizes to)."""
-    from .gguf_file import read_gguf
+    from attnlens.model.interop.gguf_file import read_gguf
 
     source = read_gguf(src, progress=progress)
     arch = find_for_import(source.config, src)
@@ -176,7 +176,7 @@ def find_for_export(config: ModelConfig, name: str | None = None, *, where: str 
 def export_checkpoint(model_dir: str | Path, out_dir: str | Path, *, architecture: str | None = None
                       ) -> tuple[Path, Architecture]:
     """Write the checkpoint in `model_dir` as a transformers directory; return it and its architecture."""
-    from ..checkpoint import load_config
+    from attnlens.model.checkpoint import load_config
 
     arch = find_for_export(load_config(model_dir), architecture, where=f"{model_dir}: ")
     if arch.export_dir is not None:

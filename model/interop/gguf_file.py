@@ -27,8 +27,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..checkpoint import CheckpointError
-from ..tokenizer import Tokenizer
+from attnlens.model.checkpoint import CheckpointError
+from attnlens.model.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
 
@@ -95,7 +95,7 @@ def metadata(reader) -> dict[str, Any]:
 def read_gguf(path: str | Path, *, progress: Callable[[int, int], None] | None = None) -> GGUFSource:
     """Read a GGUF file into a config.json dict, float32 tensors under transformers' names and a
     Tokenizer. `progress(done, total)` is called after each tensor."""
-    from .gguf_tokenizer import tokenizer_from_metadata
+    from attnlens.model.interop.gguf_tokenizer import tokenizer_from_metadata
 
     path = Path(path)
     reader = open_reader(path)

@@ -24,8 +24,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from ..checkpoint import CheckpointError
-from ..tokenizer import SpecialTokens, Tokenizer
+from attnlens.model.checkpoint import CheckpointError
+from attnlens.model.tokenizer import SpecialTokens, Tokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 

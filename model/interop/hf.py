@@ -32,10 +32,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ..config import ConfigError, ModelConfig
-from ..tokenizer import Tokenizer
-from ..families.decoder import Transformer
+from attnlens.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from attnlens.model.config import ConfigError, ModelConfig
+from attnlens.model.families.decoder import Transformer
+from attnlens.model.tokenizer import Tokenizer
 
 HF_PREFIX = "transformer."
 # GPT-2 activations that are exactly our tanh-approximated GELU.

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ..config import ConfigError, ModelConfig
-from ..families.encoder import Encoder
-from .hf import read_hf_config, read_hf_weights, write_hf_dir, write_json
-from ..tokenizer import CLS_TOKEN, MASK_TOKEN, PAD_TOKEN, SEP_TOKEN, Tokenizer
+from attnlens.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from attnlens.model.config import ConfigError, ModelConfig
+from attnlens.model.families.encoder import Encoder
+from attnlens.model.interop.hf import read_hf_config, read_hf_weights, write_hf_dir, write_json
+from attnlens.model.tokenizer import CLS_TOKEN, MASK_TOKEN, PAD_TOKEN, SEP_TOKEN, Tokenizer
 
 # BERT's hidden_act values and ours
 ACTIVATIONS_TO_HF = {"relu": "relu", "gelu": "gelu_new", "gelu_exact": "gelu"}

@@ -170,7 +170,7 @@ def ensure_checkpoint(model: PackagedModel, *, progress: bool = True) -> Path | 
 
 def convert_file(path: Path, out: Path, *, progress=None) -> None:
     """A GGUF file, or a zipped transformers directory, into the checkpoint folder `out`."""
-    from .convert import import_checkpoint
+    from attnlens.model.interop.convert import import_checkpoint
 
     if path.suffix != ".zip":
         import_checkpoint(path, out, progress=progress)
@@ -187,8 +187,8 @@ def convert_file(path: Path, out: Path, *, progress=None) -> None:
 
 def use_sentence_pooling(src: Path, out: Path) -> None:
     """A sentence-transformers directory's pooling (`1_Pooling/config.json`): mean or [CLS]."""
-    from ..checkpoint import CheckpointError
-    from ..config import ModelConfig
+    from attnlens.model.checkpoint import CheckpointError
+    from attnlens.model.config import ModelConfig
 
     pooling_file = src / "1_Pooling" / "config.json"
     if not pooling_file.is_file():
@@ -208,8 +208,8 @@ def put_heads(out: Path, heads: Path) -> None:
     `heads.safetensors` replace (or add) the model's own, `heads.json` sets config fields."""
     from safetensors.torch import load_file
 
-    from ..checkpoint import load_checkpoint, save_checkpoint
-    from ..families import build_model
+    from attnlens.model.checkpoint import load_checkpoint, save_checkpoint
+    from attnlens.model.families import build_model
 
     ckpt = load_checkpoint(out)
     config = ckpt.config

@@ -32,7 +32,7 @@ Which parts a model uses is its config's choice (model/config.py); a family (dec
 model/families/decoder.py) chooses how to stack them; it never copies them.
 """
 
-from .attention import (
+from attnlens.model.parts.attention import (
     CUDA_SDPA_BACKENDS,
     KVUpdate,
     MultiHeadAttention,
@@ -41,11 +41,18 @@ from .attention import (
     sdpa,
     sliding_window_mask,
 )
-from .block import Block, BlockOutput
-from .embeddings import Embeddings
-from .feedforward import FeedForward, activate
-from .norms import RMSNorm, make_norm
-from .positions import RotaryAngles, RotaryEmbedding, apply_rotary, rotary_inv_freq, rotate_half, sinusoidal_table
+from attnlens.model.parts.block import Block, BlockOutput
+from attnlens.model.parts.embeddings import Embeddings
+from attnlens.model.parts.feedforward import FeedForward, activate
+from attnlens.model.parts.norms import RMSNorm, make_norm
+from attnlens.model.parts.positions import (
+    RotaryAngles,
+    RotaryEmbedding,
+    apply_rotary,
+    rotary_inv_freq,
+    rotate_half,
+    sinusoidal_table,
+)
 
 __all__ = [
     "CUDA_SDPA_BACKENDS",

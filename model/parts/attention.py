@@ -27,11 +27,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .. import hooks as _hooks
-from ..config import ModelConfig
-from .positions import RotaryAngles, apply_rotary
-from .linear import Linear
-from .norms import RMSNorm
+from attnlens.model import hooks as _hooks
+from attnlens.model.config import ModelConfig
+from attnlens.model.parts.linear import Linear
+from attnlens.model.parts.norms import RMSNorm
+from attnlens.model.parts.positions import RotaryAngles, apply_rotary
 
 # Stores this call's new (B, K, T, D) keys/values and returns all (B, K, S, D) keys/values
 # the queries may see (see KVCache.begin): how a cache reaches one attention module.

@@ -14,13 +14,12 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from .. import hooks as _hooks
-from ..config import ModelConfig
-from .attention import KVUpdate, MultiHeadAttention
-from .feedforward import FeedForward
-from .norms import make_norm
-from .positions import RotaryAngles
-
+from attnlens.model import hooks as _hooks
+from attnlens.model.config import ModelConfig
+from attnlens.model.parts.attention import KVUpdate, MultiHeadAttention
+from attnlens.model.parts.feedforward import FeedForward
+from attnlens.model.parts.norms import make_norm
+from attnlens.model.parts.positions import RotaryAngles
 
 
 def _skip(point: str, tensor: torch.Tensor) -> None:

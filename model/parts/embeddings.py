@@ -11,8 +11,8 @@ import math
 import torch
 import torch.nn as nn
 
-from ..config import ModelConfig
-from .positions import RotaryAngles, RotaryEmbedding, sinusoidal_table
+from attnlens.model.config import ModelConfig
+from attnlens.model.parts.positions import RotaryAngles, RotaryEmbedding, sinusoidal_table
 
 
 class Embeddings:

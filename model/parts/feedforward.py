@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
-from .linear import Linear
+from attnlens.model.config import ModelConfig
+from attnlens.model.parts.linear import Linear
 
 
 def activate(x: torch.Tensor, name: str) -> torch.Tensor:

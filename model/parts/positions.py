@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from ..config import ModelConfig
+from attnlens.model.config import ModelConfig
 
 
 def sinusoidal_table(n_positions: int, d_model: int) -> torch.Tensor:

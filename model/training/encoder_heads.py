@@ -6,7 +6,7 @@ Folio's genres. Two heads are trained on it, from the corpus the project ships, 
 they set): model/interop/packaged.py puts them on the converted model at its next start.
 
     genre   the classification head with its own copies of the top `--layers` blocks, fine-
-            tuned on the training works' passages (model/evaluation/encoder.py's split); the
+            tuned on the training works' passages (model/evaluation/evaluate_encoder.py's split); the
             blocks below stay frozen, so their states are computed once and cached. Every
             other answer of the model (embeddings, attention, fill-mask) keeps the pretrained
             blocks.
@@ -34,13 +34,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import Checkpoint, load_checkpoint, readable_by_all
-from ..config import ModelConfig
-from ..data.genres import GENRES
-from ..data.mlm import IGNORE, mask_tokens
-from ..data.passages import fixed_passages, frame, load_works, tokenize_works
-from ..evaluation.encoder import FILL_MASK_GOAL, bow_baseline, build_split, fill_mask_report, genre_metrics, majority_baseline, mlm_metrics
-from ..families.encoder import Encoder
+from attnlens.model.checkpoint import Checkpoint, load_checkpoint, readable_by_all
+from attnlens.model.config import ModelConfig
+from attnlens.model.data.genres import GENRES
+from attnlens.model.data.mlm import IGNORE, mask_tokens
+from attnlens.model.data.passages import fixed_passages, frame, load_works, tokenize_works
+from attnlens.model.evaluation.evaluate_encoder import (
+    FILL_MASK_GOAL,
+    bow_baseline,
+    build_split,
+    fill_mask_report,
+    genre_metrics,
+    majority_baseline,
+    mlm_metrics,
+)
+from attnlens.model.families.encoder import Encoder
 
 HEADS_FILE, HEADS_CONFIG = "heads.safetensors", "heads.json"
 SAVE_DTYPE = torch.float16  # the shipped heads' precision; every figure is measured after rounding to it
@@ -139,8 +147,9 @@ def base_checkpoint(path: str | None) -> Checkpoint:
     heads shipped here."""
     if path:
         return load_checkpoint(path)
-    from ..interop.packaged import MINILM, locate, convert_file, install_hint
     import tempfile
+
+    from attnlens.model.interop.packaged import MINILM, convert_file, install_hint, locate
 
     found = locate(MINILM)
     if found is None:
@@ -296,8 +305,8 @@ def evaluate_only(args, ckpt: Checkpoint, out: Path, command: str) -> dict:
     into the task's report; what the training recorded stays."""
     import tempfile
 
-    from ..interop.packaged import put_heads
-    from ..checkpoint import save_checkpoint
+    from attnlens.model.checkpoint import save_checkpoint
+    from attnlens.model.interop.packaged import put_heads
 
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(tmp, ckpt.model, ckpt.tokenizer)

@@ -30,15 +30,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ..checkpoint import load_weights, save_checkpoint
-from ..config import ModelConfig
-from ..data.names import tokenizer_texts
-from ..data.shakespeare import load_split
-from ..data.translation import train_translation_tokenizer
-from ..decoding import SamplingParams, generate_tokens
-from ..tokenizer import Tokenizer
-from ..families import build_model, family_named
-from .curriculum import batch_with_repeats
+from attnlens.model.checkpoint import load_weights, save_checkpoint
+from attnlens.model.config import ModelConfig
+from attnlens.model.data.names import tokenizer_texts
+from attnlens.model.data.shakespeare import load_split
+from attnlens.model.data.translation_pairs import train_translation_tokenizer
+from attnlens.model.decoding import SamplingParams, generate_tokens
+from attnlens.model.families import build_model, family_named
+from attnlens.model.tokenizer import Tokenizer
+from attnlens.model.training.curriculum import batch_with_repeats
 
 LN2 = math.log(2.0)
 SAMPLE_PROMPTS = ["ROMEO.\n", "To be, or not to be", "KING.\nMy lords,", "O, ", "First Citizen.\n"]

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from attnlens.app.attention_codec import decode
+from attnlens.app.serving.attention_codec import decode
 
 from .helpers import ARTIFACTS, state, wait_rendered
 

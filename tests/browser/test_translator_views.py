@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attnlens.app.attention_codec import decode
+from attnlens.app.serving.attention_codec import decode
 from live_server import live_server
 
 from conftest import REPO_ROOT

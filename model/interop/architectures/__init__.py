@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Architecture, Rule
+from attnlens.model.interop.architectures.base import Architecture, Rule
 
 REGISTERED = ("gpt2", "bert", "llama", "qwen2", "mistral", "gpt_neox", "qwen3")  # export-hf tries them in this order
 

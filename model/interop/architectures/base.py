@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 import torch
 
-from ...checkpoint import CheckpointError
-from ...config import ROPE_SCALINGS, ConfigError, ModelConfig
+from attnlens.model.checkpoint import CheckpointError
+from attnlens.model.config import ROPE_SCALINGS, ConfigError, ModelConfig
 
 Tensors = dict[str, torch.Tensor]
 

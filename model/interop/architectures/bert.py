@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...checkpoint import CheckpointError
-from ...config import ModelConfig
-from .. import hf_bert
-from .base import Architecture
+from attnlens.model.checkpoint import CheckpointError
+from attnlens.model.config import ModelConfig
+from attnlens.model.interop import hf_bert
+from attnlens.model.interop.architectures.base import Architecture
 
 
 def import_dir(src: Path, out: Path, cap: int | None = None) -> Path:

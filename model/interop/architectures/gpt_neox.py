@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ...config import ModelConfig
-from .base import (
+from attnlens.model.config import ModelConfig
+from attnlens.model.interop.architectures.base import (
     ACTIVATIONS_TO_HF,
     Architecture,
     HFConfig,

@@ -27,8 +27,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...config import ModelConfig
-from .base import (
+from attnlens.model.config import ModelConfig
+from attnlens.model.interop.architectures.base import (
     ACTIVATIONS_TO_HF,
     Architecture,
     HFConfig,

@@ -10,9 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...config import ModelConfig
-from .base import Architecture, HFConfig
-from .llama import llama_tensors, rotary_decoder_config, rotary_decoder_hf, rotary_decoder_reasons
+from attnlens.model.config import ModelConfig
+from attnlens.model.interop.architectures.base import Architecture, HFConfig
+from attnlens.model.interop.architectures.llama import (
+    llama_tensors,
+    rotary_decoder_config,
+    rotary_decoder_hf,
+    rotary_decoder_reasons,
+)
 
 
 def config_from_hf(data: dict[str, Any], path: Path, cap: int | None = None) -> ModelConfig:

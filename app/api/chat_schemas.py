@@ -1,0 +1,67 @@
+"""Bodies of OpenAI's chat completions (POST /v1/chat/completions); the conversation itself
+(`messages`, which /generate and /attention take too) is in schemas.py."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from attnlens.app.api.openai_schemas import CompletionUsage, SamplingRequest
+from attnlens.app.api.schemas import Messages
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Messages
+    max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (OpenAI's older name of "
+                                   "max_completion_tokens; give one of the two); default: as many as fit in the "
+                                   "context, up to ATTNLENS_MAX_NEW_TOKENS")
+    max_completion_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
+    logprobs: bool = Field(False, description="each generated token's log-probability and bytes")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: this many most likely "
+                                     "tokens at each position")
+
+    @property
+    def token_limit(self) -> tuple[int | None, str]:
+        """The limit on new tokens and the field that set it (None: not given)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+    system_fingerprint: str | None = None

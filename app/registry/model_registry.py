@@ -1,0 +1,191 @@
+"""The models the service holds, by name: each with its family's declaration (the contract in
+model/families/contract.py), the tasks it answers and, for a classifier, its labels. Routes ask
+the registry for a model *and* a task, so an unknown name or the wrong endpoint for a model is
+one clear 4xx in one place.
+
+A family that generates (its declaration has a GenerationSpec) is run by a generation engine;
+the others by a `ModelRunner`: one forward per request on a worker thread, at most
+`max_concurrent` at once per model and at most `max_queue` waiting (then 429), like the
+engine's admission limits. Either runs a model operation (model/analysis/operations.py) the same
+way, `run_operation(model, call)`: `ServedModel.call_model(call)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attnlens.app.engine import QueueFull, progress
+from attnlens.app.registry.memory import weight_bytes
+from attnlens.app.server.api_errors import ApiError
+from attnlens.app.server.metrics import note_request_model
+from attnlens.model import Checkpoint, Family, family_of
+from attnlens.model.analysis.operations import ModelOperation, run_operation
+
+# Task names (a family declares which it has), as /models lists them and error messages name them.
+GENERATE, COMPLETIONS, CHAT, ATTENTION = "generate", "completions", "chat", "attention"
+FILL_MASK, CLASSIFY, EMBEDDINGS = "fill-mask", "classify", "embeddings"
+TASK_ENDPOINTS = {GENERATE: "POST /generate", COMPLETIONS: "POST /v1/completions", CHAT: "POST /v1/chat/completions",
+                  ATTENTION: "POST /attention", FILL_MASK: "POST /fill-mask", CLASSIFY: "POST /classify",
+                  EMBEDDINGS: "POST /v1/embeddings"}
+
+
+def checkpoint_features(ckpt: Checkpoint) -> set[str]:
+    """What a checkpoint has that a family's tasks may need (TaskSpec.needs)."""
+    features = set()
+    if getattr(ckpt.config, "labels", None):
+        features.add("labels")
+    if getattr(ckpt.config, "family", None) == "encoder" and getattr(ckpt.config, "mlm_head", True):
+        features.add("mlm_head")
+    if getattr(ckpt.tokenizer, "chat_template", None):
+        features.add("chat_template")
+    return features
+
+
+def tasks_of(ckpt: Checkpoint) -> list[str]:
+    """The tasks this checkpoint answers: its family's, less those needing a feature it lacks."""
+    return family_of(ckpt.model).task_names(checkpoint_features(ckpt))
+
+
+class ModelRunner:
+    """Runs the requests of a model that does not generate on worker threads, bounded like the engine."""
+
+    def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 2, max_queue: int = 32):
+        self.checkpoint = checkpoint
+        self.model = checkpoint.model
+        self.tokenizer = checkpoint.tokenizer
+        self.config = checkpoint.config
+        self.max_concurrent, self.max_queue = max_concurrent, max_queue
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._in_flight = 0
+
+    async def call(self, operation: ModelOperation) -> Any:
+        """Run the model operation on a worker thread (429 past the queue)."""
+        if self._in_flight >= self.max_concurrent + self.max_queue:
+            raise QueueFull(self.max_concurrent + self.max_queue, retry_after=1)
+        self._in_flight += 1
+        abandoned = threading.Event()
+
+        def run(model) -> Any:  # a caller that goes away stops it at its next report point
+            with progress.reporting(cancelled=abandoned.is_set):
+                return run_operation(model, operation, report=progress.report)
+
+        try:
+            async with self._slots:
+                return await asyncio.to_thread(run, self.model)
+        finally:
+            abandoned.set()
+            self._in_flight -= 1
+
+
+@dataclass
+class ServedModel:
+    name: str
+    path: Path | None
+    checkpoint: Checkpoint
+    runner: Any = None  # a generation engine (EngineFront) when the family generates, else a ModelRunner
+    tasks: list[str] = field(default_factory=list)
+    supervisor: Any = None  # the engine's EngineSupervisor (engine/supervisor.py), for a model with an engine
+
+    @property
+    def state(self) -> str:
+        """starting | running | restarting | failed | stopped (an encoder's runner always runs)."""
+        return self.supervisor.state if self.supervisor is not None else "running"
+
+    @property
+    def family(self) -> Family:
+        """The family's declaration (model/families/contract.py)."""
+        return family_of(self.checkpoint.model)
+
+    @property
+    def generates(self) -> bool:
+        return self.family.generation is not None
+
+    @property
+    def labels(self) -> list[str] | None:
+        return list(self.checkpoint.config.labels) or None
+
+    @functools.cached_property
+    def head_figures(self) -> dict[str, dict]:
+        """An encoder's heads' held-out figures, from the reports beside its weights."""
+        if self.family.name != "encoder" or self.checkpoint.path is None:
+            return {}
+        from attnlens.model.evaluation.evaluate_encoder import head_figures
+
+        return {task: f for task, f in head_figures(self.checkpoint.path).items() if task in self.tasks}
+
+    def memory(self) -> dict[str, int]:
+        """What the model holds: its weights and, when it generates, its KV cache (rows x a context)."""
+        engine = self.runner if self.generates else None
+        return {"weights_bytes": weight_bytes(self.checkpoint.model),
+                "kv_cache_bytes": engine.cache_bytes if engine is not None else 0,
+                "kv_cache_rows": engine.max_concurrent if engine is not None else 0}
+
+    async def call_model(self, call: ModelOperation) -> Any:
+        """Run a model operation (model/analysis/operations.py) on the model's side: the engine's
+        model-call line (the call, plain data, travels by pickle to an engine process) or a worker
+        thread; both run `run_operation(model, call)`."""
+        return await self.runner.call(call)
+
+    def describe(self) -> str:
+        name = self.family.name
+        return f"model {self.name!r} ({'an' if name[0] in 'aeiou' else 'a'} {name})"
+
+
+class ModelRegistry:
+    def __init__(self, default: str):
+        self.default = default
+        self.models: dict[str, ServedModel] = {}
+
+    def add(self, served: ServedModel) -> None:
+        if served.name in self.models:
+            raise ValueError(f"two checkpoints are both named {served.name!r} (the directory name); rename one")
+        self.models[served.name] = served
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.models)
+
+    def get(self, name: str | None, task: str | None = None, *, param: str = "model") -> ServedModel:
+        """The model `name` (default: the default model, or for a task it cannot do, the one
+        loaded model that can), checked to answer `task`."""
+        if name is None and task is not None and task not in self.models[self.default].tasks:
+            able = [m for m in self.models.values() if task in m.tasks]
+            if len(able) == 1:
+                return able[0]
+        served = self.models.get(self.default if name is None else name)
+        if served is None:
+            raise ApiError(404, f"unknown model {name!r}; the loaded models are: {', '.join(self.names)} "
+                                f"(GET /models describes them)", param=param, code="model_not_found")
+        note_request_model(served.name)  # /metrics labels what this request counts with its model
+        if task is not None and task not in served.tasks:
+            can = ", ".join(f"{t} ({TASK_ENDPOINTS[t]})" for t in served.tasks)
+            others = [m.name for m in self.models.values() if task in m.tasks]
+            hint = f"; models that can: {', '.join(others)}" if others else ""
+            raise ApiError(400, f"{served.describe()} cannot do {task}: it can do {can}{hint}",
+                           param=param, code="unsupported_task")
+        return served
+
+
+def model_name(path: Path) -> str:
+    return Path(path).resolve().name
+
+
+def bundled_checkpoints(root: Path) -> list[Path]:
+    """Every checkpoint directory under `root` (one with a config.json), sorted by name."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if (p / "config.json").is_file())
+
+
+def lookup(state, name: str | None, task: str, *, param: str = "model") -> ServedModel:
+    """The served model for a request (503 until start-up is done; 404 / 400 as `get`)."""
+    registry = getattr(state, "registry", None)
+    if not state.ready or registry is None:
+        raise ApiError(503, f"the model is not ready ({state.status})", code="not_ready",
+                       headers={"Retry-After": "5"})
+    return registry.get(name, task, param=param)

@@ -1,0 +1,30 @@
+"""What the app holds between requests: settings, metrics, and (once loaded) the models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from attnlens.app.registry.model_registry import ModelRegistry
+from attnlens.app.server.metrics import Metrics
+from attnlens.app.server.settings import Settings
+from attnlens.app.server.shutdown import Drain
+from attnlens.app.serving.answer_budget import AnswerBudget
+from attnlens.model import Checkpoint
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    metrics: Metrics
+    answers: AnswerBudget
+    registry: ModelRegistry | None = None  # every loaded model by name, with its engine or runner
+    supervision: Any = None  # the engines' supervisors (engine/supervisor.py), once started
+    ready: bool = False
+    status: str = "starting"
+    preloaded: dict[str, Checkpoint] = field(default_factory=dict)  # model dir -> loaded before start-up
+    drain: Drain = field(default_factory=Drain)  # graceful shutdown (app/server/shutdown.py)
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model.resolve().name

@@ -1,0 +1,197 @@
+"""POST /logits, /lens and /attention/explain's serving side (app/api/explain_routes.py is the thin
+router): one request -> one model call -> one answer.
+
+Each route reads its sequence as /attention does (`read_sequence`), checks its ablations and
+indices (400 naming the field), claims the answer's estimated bytes from the answer budget
+(ATTNLENS_MAX_ANSWER_BYTES, as /attention), runs model/analysis/explain.py on the model's side
+(a LogitsCall, LensCall or ExplainHeadCall through `ServedModel.call_model`: the engine's
+model-call line, bounded by
+ATTNLENS_MAX_ATTENTION_CONCURRENT, or the encoder's runner) and builds the answer on a worker
+thread. Nothing here runs the model on the event loop.
+"""
+
+from __future__ import annotations
+
+from attnlens.app.api.explain_schemas import (
+    ExplainRequest,
+    ExplainResponse,
+    LensRequest,
+    LensResponse,
+    LogitsRequest,
+    LogitsResponse,
+)
+from attnlens.app.registry.model_registry import ATTENTION, ServedModel, lookup
+from attnlens.app.server.api_errors import ApiError
+from attnlens.app.server.state import AppState
+from attnlens.app.serving.ablation_edits import resolve_ablate
+from attnlens.app.serving.answer_budget import answer_with_claim
+from attnlens.app.serving.sequences import read_sequence
+from attnlens.model.analysis import explain
+from attnlens.model.analysis.operations import ExplainHeadCall, LensCall, LogitsCall
+
+FLOAT_BYTES = 24  # a float in JSON, with its separator, at most
+TOKEN_BYTES = 96  # {"id":..,"text":..,"prob":..}
+
+
+def _served(state, name: str | None) -> ServedModel:
+    served = lookup(state, name, ATTENTION)
+    if served.family.lens is None:
+        raise ApiError(400, f"{served.describe()} declares no logits to read per position", param="model",
+                       code="unsupported_task")
+    return served
+
+
+def _stream_length(served: ServedModel, ids: list[int], target: list[int] | None) -> int:
+    """Positions of the lens stream (at most: an encoder-decoder's default target fills the context)."""
+    if served.family.lens.stream == "target":
+        return served.checkpoint.config.context_length if target is None else len(target) + 1
+    return len(ids)
+
+
+def _tokens(tok, ids: list[int]) -> list[dict]:
+    return [{"id": i, "text": tok.display_text(i)} for i in ids]
+
+
+def _common(served: ServedModel, report: dict, echo) -> dict:
+    """The fields every explain answer shares (ExplainAnswer)."""
+    family, tok = served.family, served.checkpoint.tokenizer
+    tokens = report["tokens"]
+    translated = family.takes_target
+    return {"model": served.name, "family": family.name, "predicts": family.lens.predicts,
+            "head": family.lens.head,
+            "tokens": _tokens(tok, tokens["source"] if translated else tokens["tokens"]),
+            "target_tokens": _tokens(tok, tokens["target"]) if translated else None,
+            "generated": report["generated"] if translated else None, "ablate": echo}
+
+
+def _positions(tok, stream: list[int], rows: list[dict]) -> list[dict]:
+    token = lambda i: None if i is None else {"id": i, "text": tok.display_text(i)}
+    return [{"position": r["position"], "token": token(stream[r["position"]]), "next": token(r["next"]),
+             "top": [{"id": i, "text": tok.display_text(i), "prob": p} for i, p in r["top"]],
+             "next_prob": r["next_prob"], "next_logprob": r["next_logprob"]} for r in rows]
+
+
+def _reached(param: str):
+    """A report's check: "error" names a `param` past the end of a generated target (its length is
+    known only once the model made it), a 400."""
+    def check(report: dict) -> None:
+        if "error" in report:
+            raise ApiError(400, report["error"], param=param, code="out_of_range")
+    return check
+
+
+def _unknown_length(served: ServedModel, target: list[int] | None) -> bool:
+    """An encoder-decoder's generated target: its length is known only once the model made it."""
+    return served.family.lens.stream == "target" and target is None
+
+
+def _check_index(name: str, value: int, n: int, what: str) -> None:
+    if not 0 <= value < n:
+        raise ApiError(400, f"{name} {value} out of range: the model has {n} {what} (0..{n - 1})", param=name,
+                       code="out_of_range")
+
+
+class ExplainServing:
+    """Answers POST /logits, /lens and /attention/explain for the models in `state`."""
+
+    def __init__(self, state: AppState):
+        self.state = state
+
+    async def logits(self, body: LogitsRequest):
+        state = self.state
+        served = _served(state, body.model)
+        edits, echo = resolve_ablate(served, body.ablate, state.settings)
+        ids, target = await read_sequence(body, served, state)
+        n = 1 if body.positions == "last" else _stream_length(served, ids, target)
+        per_position = (body.top_k + 2) * TOKEN_BYTES
+        call = LogitsCall(ids=ids, target_ids=target, ablate=edits, top_k=body.top_k,
+                          last_only=body.positions == "last")
+        tok = served.checkpoint.tokenizer
+
+        def content(report: explain.LogitsReport) -> dict:
+            stream = report["stream"]
+            answer = LogitsResponse(**_common(served, report, echo),
+                                    positions=_positions(tok, stream, report["positions"]),
+                                    clean=_positions(tok, stream, report["clean"]) if "clean" in report else None,
+                                    effect=report.get("effect"))
+            return answer.model_dump(mode="json")
+
+        return await answer_with_claim(state, served, call, content, what="this answer",
+                                       need=n * per_position * (2 if edits else 1) + len(ids) * TOKEN_BYTES)
+
+    async def lens(self, body: LensRequest):
+        state = self.state
+        served = _served(state, body.model)
+        edits, echo = resolve_ablate(served, body.ablate, state.settings)
+        ids, target = await read_sequence(body, served, state)
+        rows = served.checkpoint.config.n_layers + 1
+        n = _stream_length(served, ids, target)
+        if body.positions is not None and max(body.positions) >= n and not _unknown_length(served, target):
+            raise ApiError(400, f"positions {max(body.positions)} out of range: the sequence has {n} positions "
+                           f"(0..{n - 1})", param="positions", code="out_of_range")
+        call = LensCall(ids=ids, target_ids=target, ablate=edits, top_k=body.top_k, positions=body.positions,
+                        rank=body.rank)
+        tok = served.checkpoint.tokenizer
+
+        def content(report: explain.LensReport) -> dict:
+            text = tok.display_text
+            actual = [None if a is None else {"id": a, "text": text(a)} for a in report["actual"]]
+            label = lambda index: "embeddings" if index < 0 else f"block {index}"
+            layers = [{"index": layer["index"], "label": label(layer["index"]),
+                       "positions": [{"position": at, "top": [{"id": i, "text": text(i), "prob": p}
+                                                              for i, p in zip(top_ids, probs)],
+                                      "actual": None if a is None else {**a, "rank": rank, "prob": prob}}
+                                     for at, top_ids, probs, a, rank, prob in zip(
+                                         report["positions"], layer["top_ids"], layer["top_probs"], actual,
+                                         layer["rank"], layer["prob"])]}
+                      for layer in report["layers"]]
+            return LensResponse(**_common(served, report, echo), layers=layers).model_dump(mode="json")
+
+        return await answer_with_claim(state, served, call, content, what="this answer",
+                                       need=rows * (n if body.positions is None else len(body.positions))
+                                       * (body.top_k + 2) * TOKEN_BYTES, check=_reached("positions"))
+
+    async def explain_head(self, body: ExplainRequest):
+        state = self.state
+        served = _served(state, body.model)
+        family, cfg = served.family, served.checkpoint.config
+        names = [g.name for g in family.groups]
+        group = family.primary.name if body.group is None else body.group
+        if group not in names:
+            raise ApiError(400, f"{served.describe()} has no attention group {group!r}: it has {', '.join(names)}",
+                           param="group", code="unknown_group")
+        _check_index("layer", body.layer, cfg.n_layers, "layers")
+        _check_index("head", body.head, cfg.n_heads, "heads")
+        edits, echo = resolve_ablate(served, body.ablate, state.settings)
+        ids, target = await read_sequence(body, served, state)
+        g = family.group(group)
+        lengths = {"tokens": len(ids), "source": len(ids),
+                   "target": cfg.context_length if target is None else len(target) + 1}
+        if body.query < 0 or (g.queries != "target" or target is not None) and body.query >= lengths[g.queries]:
+            raise ApiError(400, f"query {body.query} out of range: the {g.queries} have {lengths[g.queries]} positions "
+                                f"(0..{lengths[g.queries] - 1})", param="query", code="out_of_range")
+        keys = lengths[g.keys]
+        call = ExplainHeadCall(ids=ids, target_ids=target, group_name=group, layer=body.layer, head=body.head,
+                               query=body.query, ablate=edits)
+        tok = served.checkpoint.tokenizer
+
+        def content(report: explain.HeadStep) -> dict:
+            tokens = report["tokens"]
+            translated = family.takes_target
+            answer = ExplainResponse(
+                model=served.name, family=family.name, group=group, layer=body.layer, head=body.head, query=body.query,
+                query_token={"id": report["query_id"], "text": tok.display_text(report["query_id"])},
+                key_tokens=_tokens(tok, report["key_ids"]), d_head=report["d_head"], scale=report["scale"],
+                kv_head=report["kv_head"], positions=explain.positions_note(cfg),
+                formula="z = softmax(q K^T / sqrt(d_head) + mask) V",
+                **{k: report[k] for k in ("q", "keys", "values", "scores", "scaled", "mask", "masked", "softmax",
+                                          "pattern_row", "z")},
+                tokens=_tokens(tok, tokens["source"] if translated else tokens["tokens"]),
+                target_tokens=_tokens(tok, tokens["target"]) if translated else None,
+                generated=report["generated"] if translated else None, ablate=echo)
+            return answer.model_dump(mode="json")
+
+        return await answer_with_claim(state, served, call, content, what="this answer", check=_reached("query"),
+                                       need=(2 * keys + 4) * cfg.d_head * FLOAT_BYTES
+                                       + keys * (6 * FLOAT_BYTES + TOKEN_BYTES)
+                                       + (lengths["tokens"] + lengths["target"]) * TOKEN_BYTES)

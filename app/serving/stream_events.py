@@ -1,0 +1,78 @@
+"""A generation's events as the API sends them: the engine's dataclasses -> pydantic schemas.
+
+The engine's output stage (app/engine/outputs.py) yields TokenEvent, DoneEvent and ErrorEvent,
+which know nothing of the API. Routes read a request's events through `events` and
+`event_batches` here and get StreamToken, StreamDone and StreamError, which they send as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from attnlens.app.api.schemas import (
+    Alternative,
+    GeneratedTokenOut,
+    StreamDone,
+    StreamError,
+    StreamToken,
+    Timings,
+    TokenText,
+    Usage,
+)
+from attnlens.app.engine.outputs import DoneEvent, ErrorEvent, RequestState, ScoredToken, TokenEvent
+
+ApiEvent = StreamToken | StreamDone | StreamError
+
+
+def _alternatives(token: ScoredToken) -> list[Alternative]:
+    return [Alternative(id=a.id, text=a.text, logprob=a.logprob) for a in token.top_logprobs]
+
+
+def scored_token(token: ScoredToken | None) -> GeneratedTokenOut | None:
+    """A token with its log-probability and alternatives (e.g. a generation's final EOS)."""
+    if token is None:
+        return None
+    return GeneratedTokenOut(id=token.id, text=token.text, logprob=token.logprob, top_logprobs=_alternatives(token))
+
+
+def token_event(e: TokenEvent) -> StreamToken:
+    fields: dict[str, Any] = dict(index=e.index, id=e.id, text=e.text, delta=e.delta, logprob=e.logprob,
+                  top_logprobs=_alternatives(e))
+    if e.attention is None and e.cross_attention is None:
+        # validated in pydantic's core: for these few fields faster than model_construct's Python
+        return StreamToken(**fields)
+    # thousands of attention floats, built by the output stage: not validated one by one
+    return StreamToken.model_construct(**fields, attention=e.attention, cross_attention=e.cross_attention)
+
+
+def done_event(e: DoneEvent) -> StreamDone:
+    n_prompt = len(e.prompt_tokens)
+    return StreamDone(
+        id=e.id, finish_reason=e.finish_reason,
+        prompt_tokens=[TokenText(id=i, text=text) for i, text in e.prompt_tokens],
+        text=e.text, delta=e.delta,
+        usage=Usage(prompt_tokens=n_prompt, completion_tokens=e.completion_tokens,
+                    total_tokens=n_prompt + e.completion_tokens),
+        timings=Timings(**vars(e.timings)),
+    )
+
+
+def api_event(event: TokenEvent | DoneEvent | ErrorEvent) -> ApiEvent:
+    if isinstance(event, TokenEvent):
+        return token_event(event)
+    if isinstance(event, DoneEvent):
+        return done_event(event)
+    return StreamError(message=event.message, code=event.code, retry_after=event.retry_after)
+
+
+async def events(state: RequestState) -> AsyncIterator[ApiEvent]:
+    """StreamToken events, then exactly one StreamDone or StreamError (GenerationCancelled is raised
+    instead when the generation was cancelled)."""
+    async for event in state.events():
+        yield api_event(event)
+
+
+async def event_batches(state: RequestState) -> AsyncIterator[list[ApiEvent]]:
+    """The same events, every one already waiting at once (one write for a stream that fell behind)."""
+    async for batch in state.event_batches():
+        yield [api_event(event) for event in batch]
