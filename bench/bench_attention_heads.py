@@ -50,8 +50,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from attnlens.model.analysis.attention_maps import MapRequest, analyse_attention
     from attnlens.model import load_checkpoint
+    from attnlens.model.analysis.attention_maps import MapRequest, analyse_attention
     from attnlens.model.interop.packaged import SMOLLM2, ensure_checkpoint
 
     model = load_checkpoint(args.model or ensure_checkpoint(SMOLLM2, progress=False)).model

@@ -172,7 +172,7 @@ def http(ids, args) -> None:
                                                                              "query": len(ids) - 1})},
                     args.warmup, args.reps)
     peer = got["peer: POST /attention f16"]
-    print(f"\nend to end, in-process app (CPU time counts the app's threads too)")
+    print("\nend to end, in-process app (CPU time counts the app's threads too)")
     print(f"{'case':34s} {'wall ms':>9s} {'cpu ms':>9s} {'x peer (wall)':>14s}")
     for name, (w, c) in got.items():
         print(f"{name:34s} {w:9.1f} {c:9.1f} {w / peer[0]:13.2f}x")
@@ -206,7 +206,7 @@ def unused(model, ids, args) -> None:
             return run
 
         # each pair in turns of its own (a forward timed right after a decode runs on colder caches)
-        got = turns({f"decode, hooks unused (this branch)": decode(model, generate_tokens),
+        got = turns({"decode, hooks unused (this branch)": decode(model, generate_tokens),
                      f"decode, {args.main_ref} (peer)": decode(theirs, ref.decoding.generate_tokens)},
                     args.warmup, args.reps)
         got |= turns({"forward, hooks unused (this branch)": forward(model),

@@ -153,10 +153,10 @@ def engine_levels(model_dir: Path, dtype: torch.dtype, levels: list[int], n: int
                   sampling: dict | None = None) -> list[tuple]:
     """The engine in-process (no HTTP): (clients, tokens, aggregate tok/s) per level, median of
     reps; greedy, or every request sampled with `sampling` (its own seed each)."""
-    from attnlens.app.engine import Engine, GenerationParams
-    from attnlens.app.engine.outputs import TokenEvent
     from bench_service import PROMPTS
 
+    from attnlens.app.engine import Engine, GenerationParams
+    from attnlens.app.engine.outputs import TokenEvent
     from attnlens.app.server.settings import default_switch_interval_ms
 
     sys.setswitchinterval(default_switch_interval_ms(DEVICE) / 1000)  # as the server does

@@ -34,9 +34,9 @@ sys.path.insert(0, str(REPO_ROOT))
 from attnlens.model.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from attnlens.model.config import ModelConfig  # noqa: E402
 from attnlens.model.decoding import SamplingParams, generate_tokens  # noqa: E402
+from attnlens.model.families.decoder import Transformer  # noqa: E402
 from attnlens.model.interop.hf import export_hf  # noqa: E402
 from attnlens.model.tokenizer import Tokenizer  # noqa: E402
-from attnlens.model.families.decoder import Transformer  # noqa: E402
 
 DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "default"
 # The bundled default model's shape (configs/default.toml).

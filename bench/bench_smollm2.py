@@ -44,10 +44,10 @@ PROMPTS = ["The history of the printing press begins", "Write a short poem about
 
 
 def load(threads: int):
+    import transformers
+
     from attnlens.model import load_checkpoint
     from attnlens.model.interop.packaged import SMOLLM2, ensure_checkpoint, locate
-
-    import transformers
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(threads)

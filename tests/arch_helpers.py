@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from helpers import TINY_TEXT
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
-
-from helpers import TINY_TEXT
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
           " + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

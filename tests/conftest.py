@@ -42,10 +42,10 @@ def ckpt(tiny_checkpoint):
 def client(tiny_checkpoint):
     """The app on the tiny checkpoint, started (lifespan) in a TestClient."""
     from fastapi.testclient import TestClient
+    from helpers import MAX_NEW, MAX_PROMPT
 
     from attnlens.app.server.main import create_app
     from attnlens.app.server.settings import Settings
-    from helpers import MAX_NEW, MAX_PROMPT
 
     settings = Settings(model=tiny_checkpoint, device="cpu", max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW,
                         cors_origins="http://viewer.example")
@@ -113,6 +113,7 @@ def chat_checkpoint(tmp_path_factory):
     from dataclasses import replace
 
     from arch_helpers import CASES, write_hf_checkpoint
+
     from attnlens.model.interop.convert import import_checkpoint
 
     case = CASES["llama3"]

@@ -9,10 +9,10 @@ import httpx
 import openai
 import pytest
 import torch
+from live_server import live_server
 
 from attnlens.model import SamplingParams, generate_tokens, load_checkpoint
 from attnlens.model.interop.convert import import_checkpoint
-from live_server import live_server
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")

@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import make_tiny_checkpoint
 from helpers import rss_bytes
 from live_server import live_server

@@ -155,9 +155,9 @@ def test_the_client_reads_reduced_answers(bundled_server, full):
 
 
 def test_local_attention_reduces_as_the_server_does(full):
-    import attnlens.local
-
     from helpers import REPO_ROOT
+
+    import attnlens.local
 
     maps, _ = full["default"]
     answer = attnlens.local.attention(TEXT, REPO_ROOT / "checkpoints" / "default", layers=[1, 0], heads=[2, 0],

@@ -12,7 +12,6 @@ import httpx
 import openai
 import pytest
 import torch
-
 from helpers import data_chunks
 from live_server import live_server
 
@@ -233,11 +232,11 @@ def test_a_model_without_a_template_is_a_400_that_says_so(client_tiny):
 @pytest.fixture(scope="module")
 def client_tiny(tiny_checkpoint, tmp_path_factory):
     """In-process: the tiny decoder (no template, as every bundled model) and a tiny encoder."""
+    from encoder_helpers import make_tiny_encoder
     from fastapi.testclient import TestClient
 
     from attnlens.app.server.main import create_app
     from attnlens.app.server.settings import Settings
-    from encoder_helpers import make_tiny_encoder
 
     encoder = make_tiny_encoder(tmp_path_factory.mktemp("chat-enc") / "genre")
     settings = Settings(model=tiny_checkpoint, models=[tiny_checkpoint, encoder], device="cpu", warmup=False)
@@ -257,9 +256,9 @@ def test_openapi_says_exactly_one_input(client_tiny):
 def test_other_templates_render_to_transformers_ids(arch, tmp_path):
     """ChatML (Qwen2: byte-level BPE, no BOS) and Llama 2's [INST] template (SentencePiece-style
     pieces, <s> written by the template): /attention's `messages` tokens are apply_chat_template's."""
+    from arch_helpers import CASES, write_hf_checkpoint
     from fastapi.testclient import TestClient
 
-    from arch_helpers import CASES, write_hf_checkpoint
     from attnlens.app.server.main import create_app
     from attnlens.app.server.settings import Settings
     from attnlens.model.interop.convert import import_checkpoint

@@ -13,9 +13,9 @@ from safetensors import safe_open
 
 from attnlens.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from attnlens.model.config import ModelConfig
-from attnlens.model.tokenizer import Tokenizer
-from attnlens.model.parts.linear import Linear
 from attnlens.model.families.decoder import Transformer
+from attnlens.model.parts.linear import Linear
+from attnlens.model.tokenizer import Tokenizer
 
 
 @pytest.fixture()

@@ -4,16 +4,15 @@ streams, and the server's errors as exceptions carrying its param, code and Retr
 
 from __future__ import annotations
 
-
 import httpx
 import numpy as np
 import pytest
+from conftest import REPO_ROOT
+from helpers import RecordingTransport, run_async
 
 import attnlens
 from attnlens import local
 from attnlens.codec import PRECISION
-from conftest import REPO_ROOT
-from helpers import RecordingTransport, run_async
 
 pytestmark = pytest.mark.slow  # one server on three models, shared by the session
 

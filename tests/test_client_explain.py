@@ -9,10 +9,10 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
+from helpers import RecordingTransport, run_async
 
 import attnlens
 from attnlens.ablation import ablate_body
-from helpers import RecordingTransport, run_async
 
 pytestmark = pytest.mark.slow  # the bundled server of tests/conftest.py, shared with test_client.py
 

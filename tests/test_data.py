@@ -11,9 +11,9 @@ import sys
 import tarfile
 
 import pytest
+from helpers import REPO_ROOT
 
 from attnlens.model.data.shakespeare import VAL_WORKS, clean_text, load_split, prepare_data
-from helpers import REPO_ROOT
 
 DATA = REPO_ROOT / "data" / "shakespeare"
 # sha256 of the committed manifest.json, which itself pins every work's sha256.

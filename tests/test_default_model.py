@@ -5,8 +5,6 @@ The pinned greedy continuation guards against committing a broken or different c
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from attnlens.model import SamplingParams, generate_tokens, load_checkpoint

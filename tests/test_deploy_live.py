@@ -21,7 +21,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from helpers import child_pids, never_eos_checkpoint, run_async, sse_events
 from live_server import free_port, live_server
 from nginx_front import NGINX, nginx_front

@@ -14,11 +14,11 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from helpers import REPO_ROOT
 
 from attnlens.app.server.metrics import ENGINE_GAUGES, Metrics
 from attnlens.app.server.settings import Settings
 from attnlens.app.server.shutdown import END_WAIT_S
-from helpers import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "deploy"
 K8S = DEPLOY / "kubernetes"

@@ -12,15 +12,15 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from encoder_helpers import make_tiny_encoder
 from fastapi.testclient import TestClient
+from helpers import REPO_ROOT
+from live_server import live_server
 
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
 from attnlens.model import load_checkpoint
 from attnlens.model.analysis.encoder_outputs import embed_rows, length_batches
-from encoder_helpers import make_tiny_encoder
-from helpers import REPO_ROOT
-from live_server import live_server
 
 MAX_INPUTS = 4
 TEXTS = ["To be, or not to be", "the question", "Whether 'tis nobler in the mind to suffer the slings and arrows"]

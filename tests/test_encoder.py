@@ -8,13 +8,12 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-
-from attnlens.model import ModelConfig, load_checkpoint, save_checkpoint
-from attnlens.model.config import ConfigError
-from attnlens.model.families.encoder import Encoder, padding_mask
-from attnlens.model.tokenizer import Tokenizer
 from encoder_helpers import make_tiny_encoder
 from helpers import copy_attention_into_torch
+
+from attnlens.model import ModelConfig, load_checkpoint
+from attnlens.model.config import ConfigError
+from attnlens.model.families.encoder import Encoder, padding_mask
 
 C, H, F_, L = 32, 4, 64, 3
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from helpers import copy_attention_into_torch
 
 from attnlens.model import ModelConfig, load_checkpoint, save_checkpoint
 from attnlens.model.families.encoder_decoder import EncoderDecoder, EncoderDecoderOutput, greedy_translate_ids
 from attnlens.model.kv_cache import ContextLengthError
-from helpers import copy_attention_into_torch
 
 C, H, F_, L, V = 32, 4, 64, 2, 53
 

@@ -5,8 +5,10 @@ passages (every 8th), and the bag-of-words and majority baselines on the full sp
 from __future__ import annotations
 
 import pytest
+from conftest import REPO_ROOT
 
 from attnlens.model import load_checkpoint
+from attnlens.model.data.genres import GENRES
 from attnlens.model.evaluation.evaluate_encoder import (
     SAMPLE_EVERY,
     bow_baseline,
@@ -16,9 +18,6 @@ from attnlens.model.evaluation.evaluate_encoder import (
     majority_baseline,
     mlm_metrics,
 )
-from attnlens.model.data.genres import GENRES
-
-from conftest import REPO_ROOT
 
 ENCODER_DIR = REPO_ROOT / "checkpoints" / "encoder"
 

@@ -6,16 +6,15 @@ import json
 
 import pytest
 import torch
+from helpers import REPO_ROOT
 from safetensors.torch import load_file
 
-from attnlens.model.data.shakespeare import VAL_WORKS, prepare_data
 from attnlens.model.data.genres import EXCLUDED, FOLIO_GENRE, GENRES
 from attnlens.model.data.mlm import IGNORE, mask_tokens
 from attnlens.model.data.passages import load_works
+from attnlens.model.data.shakespeare import VAL_WORKS, prepare_data
 from attnlens.model.tokenizer import Tokenizer
 from attnlens.model.training.train import load_run_config, train
-from helpers import REPO_ROOT
-
 
 TINY_ENCODER_TOML = """
 [model]

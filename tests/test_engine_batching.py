@@ -15,15 +15,16 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from helpers import DEVICES, drain, reference_ids, reference_tokens, run_async
 
 from attnlens.app.engine import Engine, EngineProcess, GenerationCancelled, GenerationParams, QueueFull, RequestTooLarge
+from attnlens.app.engine.outputs import DoneEvent, ErrorEvent, TokenEvent
 from attnlens.app.engine.scheduler import DrainRate, Scheduler
 from attnlens.app.server.main import create_app
-from attnlens.app.engine.outputs import DoneEvent, ErrorEvent, TokenEvent
 from attnlens.app.server.settings import Settings
-from helpers import DEVICES, drain, reference_ids, reference_tokens, run_async
 from attnlens.model import SamplingParams, load_checkpoint
 from attnlens.model.analysis.operations import OPERATIONS
+
 
 @pytest.fixture(scope="module", params=DEVICES)
 def ckpt(request, tiny_checkpoint):
@@ -636,6 +637,7 @@ def test_per_step_attention_comes_from_the_batched_forward(ckpt):
 def eos_prone_checkpoint(tmp_path):
     """A tiny checkpoint whose every step gives EOS about half the probability."""
     from helpers import make_tiny_checkpoint
+
     from attnlens.model import load_checkpoint, save_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "eos", tie_embeddings=False, seed=3)

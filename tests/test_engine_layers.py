@@ -7,12 +7,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from helpers import run_async
+
+from attnlens.app.api.generate_schemas import StreamDone, StreamToken
 from attnlens.app.engine import Engine, GenerationParams, RequestState
 from attnlens.app.engine.core import Generation
 from attnlens.app.serving.stream_events import events
-from attnlens.app.api.schemas import StreamDone, StreamToken
 from attnlens.model import SamplingParams
-from helpers import run_async
 
 
 def test_importing_the_engine_loads_no_api_schema():

@@ -16,10 +16,10 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import drain, make_tiny_checkpoint, reference_ids, run_async
 
 from attnlens.app.engine import EngineClosed, EngineProcess, GenerationCancelled, GenerationParams, QueueFull
 from attnlens.app.engine.outputs import DoneEvent, ErrorEvent
-from helpers import drain, make_tiny_checkpoint, reference_ids, run_async
 from attnlens.model import SamplingParams
 from attnlens.model.analysis.attention_maps import attention_maps
 from attnlens.model.analysis.operations import AttentionCall

@@ -20,13 +20,13 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
+from helpers import drain, run_async
+from translator_helpers import make_tiny_translator
 
 from attnlens.app.engine import EngineProcess, GenerationParams
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
 from attnlens.model import SamplingParams
-from helpers import drain, run_async
-from translator_helpers import make_tiny_translator
 
 FAST = dict(engine_restart_backoff_s=0.05, engine_restart_backoff_max_s=0.2)
 
@@ -82,8 +82,8 @@ def test_a_killed_engine_process_is_restarted_and_the_service_heals(tiny_checkpo
         assert models["tr"]["restarts"] == 1
         metrics = c.get("/metrics").text
         assert f'attnlens_engine_restarts_total{{model="{name}"}} 1.0' in metrics
-        assert f'attnlens_engine_state{{model="tr",state="running"}} 1.0' in metrics
-        assert f'attnlens_engine_state{{model="tr",state="restarting"}} 0.0' in metrics
+        assert 'attnlens_engine_state{model="tr",state="running"} 1.0' in metrics
+        assert 'attnlens_engine_state{model="tr",state="restarting"} 0.0' in metrics
 
 
 def test_what_the_dead_engine_held_ends_with_a_503_and_the_waiting_line_survives(ckpt, tiny_checkpoint):

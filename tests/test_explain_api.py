@@ -7,7 +7,6 @@ import json
 import math
 
 import pytest
-
 from helpers import assert_json_close, parse_sse
 
 MODELS = ["default", "encoder", "translator"]

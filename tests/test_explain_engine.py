@@ -8,15 +8,16 @@ import asyncio
 
 import pytest
 import torch
+from helpers import DEVICES, run_async
+from test_hooks import full_recompute_ids
 
 from attnlens.app.engine import Engine, EngineProcess, GenerationParams
+from attnlens.app.engine.outputs import TokenEvent
 from attnlens.model import SamplingParams, load_checkpoint
 from attnlens.model.decoding import generate_tokens
 from attnlens.model.families import family_of
 from attnlens.model.hooks import HeadAblation, Hooks, ablation_targets, hooked
-from attnlens.app.engine.outputs import TokenEvent
-from helpers import DEVICES, run_async
-from test_hooks import full_recompute_ids
+
 
 @pytest.fixture(scope="module", params=DEVICES)
 def ckpt(request, tiny_checkpoint):

@@ -7,16 +7,24 @@ from __future__ import annotations
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from helpers import REPO_ROOT, TINY_TEXT
 
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
 from attnlens.model import ModelConfig, Tokenizer, load_checkpoint, save_checkpoint
 from attnlens.model.decoding import RowSampler, SamplingParams, decode_step
-from attnlens.model.families import (FAMILIES, FAMILY_CLASSES, AttentionGroup, Family, GenerationSpec, TaskSpec,
-                                     Transformer, family_of)
+from attnlens.model.families import (
+    FAMILIES,
+    FAMILY_CLASSES,
+    AttentionGroup,
+    Family,
+    GenerationSpec,
+    TaskSpec,
+    Transformer,
+    family_of,
+)
 from attnlens.model.families.contract import AnalysableModel, FixedShapeDecoder, GenerativeModel
 from attnlens.model.family_parts import FAMILY_PARTS
-from helpers import REPO_ROOT, TINY_TEXT
 
 SMALL = dict(vocab_size=64, context_length=16, d_model=16, n_layers=2, n_heads=2, d_ff=32)
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from encoder_helpers import make_tiny_encoder
 from fastapi.testclient import TestClient
 
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
 from attnlens.model import load_checkpoint, save_checkpoint
-from encoder_helpers import make_tiny_encoder
 
 transformers = pytest.importorskip("transformers")
 

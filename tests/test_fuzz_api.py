@@ -12,12 +12,11 @@ from __future__ import annotations
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402  (schemathesis brings hypothesis)
-from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance  # noqa: E402
-
 from conftest import make_tiny_checkpoint  # noqa: E402
 from encoder_helpers import make_tiny_encoder  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402  (schemathesis brings hypothesis)
 from live_server import live_server  # noqa: E402
+from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance  # noqa: E402
 
 pytestmark = pytest.mark.slow
 EXAMPLES = 50  # per operation and generation mode

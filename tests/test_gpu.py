@@ -113,9 +113,10 @@ def _greedy_engine_answers_are_each_alone(ckpt, engine, prompts: list[str], n: i
     each alone (up to EOS); the engine is closed after."""
     import asyncio
 
+    from helpers import reference_ids, run_async
+
     from attnlens.app.engine import GenerationParams
     from attnlens.app.engine.outputs import TokenEvent
-    from helpers import reference_ids, run_async
 
     async def main():
         gens = engine.submit_all([GenerationParams(ckpt.tokenizer.encode(p), n, SamplingParams(temperature=0))
@@ -326,9 +327,10 @@ def test_each_architecture_decodes_in_bf16_on_cuda(imported, name):
     close to fp32's, and seeded sampling through the engine's CUDA graphs is reproducible."""
     import asyncio
 
+    from helpers import run_async
+
     from attnlens.app.engine import Engine, GenerationParams
     from attnlens.app.engine.outputs import TokenEvent
-    from helpers import run_async
 
     ckpt = load_checkpoint(imported(name), device="cuda", dtype=torch.bfloat16)
     fp32 = load_checkpoint(imported(name), device="cuda")

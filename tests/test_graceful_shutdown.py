@@ -10,12 +10,12 @@ import signal
 
 import httpx
 import pytest
-
-from attnlens.app.server.main import create_app
-from attnlens.app.server.uvicorn_server import build_server
-from attnlens.app.server.settings import Settings
 from helpers import HeldModel, run_async, sse_events
 from live_server import free_port
+
+from attnlens.app.server.main import create_app
+from attnlens.app.server.settings import Settings
+from attnlens.app.server.uvicorn_server import build_server
 
 PROMPT = {"prompt": "To be", "max_new_tokens": 20, "temperature": 0, "stream": True}
 

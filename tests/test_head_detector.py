@@ -12,6 +12,8 @@ import os
 
 import pytest
 import torch
+from conftest import TINY_TEXT
+from helpers import sharp_checkpoint
 
 from attnlens.model.checkpoint import load_checkpoint
 from attnlens.model.evaluation.evaluate_decoder import (
@@ -22,9 +24,6 @@ from attnlens.model.evaluation.evaluate_decoder import (
     repeated_random_tokens,
 )
 from attnlens.model.interop.hf import export_hf
-
-from conftest import TINY_TEXT
-from helpers import sharp_checkpoint
 
 tl_head_detector = pytest.importorskip("transformer_lens.head_detector")
 

@@ -8,16 +8,14 @@ import math
 
 import pytest
 import torch
+from conftest import BUNDLED, REPO_ROOT
+from helpers import sharp_checkpoint
 
 from attnlens.app.serving.head_atlas import probe_ids
 from attnlens.model import family_of, load_checkpoint
 from attnlens.model.analysis import head_scores as hs
 from attnlens.model.analysis.head_atlas_scores import score_heads
 from attnlens.model.interop.hf import export_hf
-
-from conftest import BUNDLED, REPO_ROOT
-from helpers import sharp_checkpoint
-
 
 # --- the definitions, written out (TransformerLens head_detector.py, "mul", no exclusions) ---
 

@@ -10,13 +10,12 @@ import unicodedata
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 
 from attnlens.app.serving.head_atlas import clark_probe
 from attnlens.model import family_of, load_checkpoint
 from attnlens.model.analysis import head_scores as hs
 from attnlens.model.analysis.head_atlas_scores import score_heads
-
-from conftest import REPO_ROOT
 
 CLARK_SCORES = ("clark_cls", "clark_sep", "clark_punctuation", "clark_previous", "clark_next", "clark_entropy")
 

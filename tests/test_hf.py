@@ -16,9 +16,8 @@ from attnlens.model.interop.hf import export_hf, import_hf
 from attnlens.model.tokenizer import EOS_TOKEN, Tokenizer
 
 transformers = pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast  # noqa: E402
-
 from conftest import TINY_TEXT, make_tiny_checkpoint  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast  # noqa: E402
 
 TEXTS = ["To be, or not to be", "Café naïve 東京 😀🎭\r\n\ttabs", "  leading spaces\n\nand " + EOS_TOKEN]
 

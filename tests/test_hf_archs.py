@@ -416,8 +416,9 @@ def test_a_bf16_source_stays_bf16_and_the_context_can_be_capped(llama_src, tmp_p
     assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
     ck = load_checkpoint(out)
     assert ck.config.context_length == 32 and ck.config.rope_scaling["original_max_position_embeddings"] == 16
-    from attnlens.model.interop.hf import export_hf
     from helpers import make_tiny_checkpoint
+
+    from attnlens.model.interop.hf import export_hf
 
     gpt2 = export_hf(make_tiny_checkpoint(tmp_path / "gpt2"), tmp_path / "gpt2-hf")
     with pytest.raises(CheckpointError, match="context-length cap is for rotary-position models"):

@@ -13,9 +13,8 @@ from attnlens.model.checkpoint import CheckpointError, load_checkpoint, save_che
 from attnlens.model.interop.hf_bert import export_bert, import_bert
 
 transformers = pytest.importorskip("transformers")
-from transformers import BertConfig, BertForMaskedLM  # noqa: E402
-
 from encoder_helpers import TINY_TEXT, make_tiny_encoder  # noqa: E402
+from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
 
 def perturb_(model, seed: int) -> None:

@@ -7,15 +7,28 @@ import math
 
 import pytest
 import torch
+from helpers import TINY_TEXT, head_slice_prehook, small_config_model
 
 from attnlens.model import load_checkpoint
-from attnlens.model.decoding import generate_tokens, SamplingParams
-from attnlens.model.analysis.explain import (explain_head, lens_names, lens_report, logits_report, sequence_logits,
-                                    sequence_of)
+from attnlens.model.analysis.explain import (
+    explain_head,
+    lens_names,
+    lens_report,
+    logits_report,
+    sequence_logits,
+    sequence_of,
+)
+from attnlens.model.decoding import SamplingParams, generate_tokens
 from attnlens.model.families import family_of
-from attnlens.model.hooks import (AblationError, HeadAblation, Hooks, ablation_targets, hooked, run_until,
-                                  unchanged_outputs)
-from helpers import TINY_TEXT, head_slice_prehook, small_config_model
+from attnlens.model.hooks import (
+    AblationError,
+    HeadAblation,
+    Hooks,
+    ablation_targets,
+    hooked,
+    run_until,
+    unchanged_outputs,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -170,8 +183,9 @@ def test_gpt2_head_ablation_equals_transformers_with_a_c_proj_pre_hook(gpt2_expo
 
 @pytest.mark.parametrize("how", ["zero", "mean"])
 def test_bert_head_ablation_equals_transformers(tmp_path, how):
-    from attnlens.model.interop.hf_bert import import_bert
     from test_hf_bert import make_wordpiece_tokenizer_json
+
+    from attnlens.model.interop.hf_bert import import_bert
 
     src = tmp_path / "bert"
     src.mkdir()
@@ -415,6 +429,7 @@ def output_projection(hf, layer: int):
 @pytest.mark.parametrize("case", ["llama3", "qwen2", "mistral", "qwen3", "pythia"])
 def test_imported_architectures_head_ablation_equals_transformers(tmp_path, case):
     from arch_helpers import CASES, load_hf, write_hf_checkpoint
+
     from attnlens.model.interop.convert import import_checkpoint
 
     src, _ = write_hf_checkpoint(CASES[case], tmp_path / "hf", seed=2)

@@ -17,7 +17,6 @@ import ast
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
 
 # the package's folders, by the import name they have (attnlens/app and attnlens/model link to them)

@@ -9,15 +9,23 @@ import re
 
 import numpy as np
 import pytest
+from conftest import REPO_ROOT
+from notebook_browser import (
+    Visit,
+    assert_drawn,
+    frame_state,
+    in_browser,
+    needs_chromium,
+    open_offline,
+    view_frames,
+    wait_drawn,
+)
 
 import attnlens
 from attnlens import local
 from attnlens.bundle import SPECIFIER, bundle, module_graph
 from attnlens.inline import inline_views, page_views
 from attnlens.resources import static_dir
-from conftest import REPO_ROOT
-from notebook_browser import Visit, assert_drawn, frame_state, in_browser, needs_chromium, open_offline, \
-    view_frames, wait_drawn
 
 CKPT = REPO_ROOT / "checkpoints"
 TEXTS = {"default": "To be, or not to be, that is the question:", "encoder": "O Romeo, Romeo, [MASK] art thou?",

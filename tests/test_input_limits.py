@@ -12,13 +12,13 @@ import re
 import threading
 
 import pytest
+from encoder_helpers import make_tiny_encoder
 from fastapi.testclient import TestClient
+from translator_helpers import make_tiny_translator
 
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
 from attnlens.model.tokenizer import Tokenizer
-from encoder_helpers import make_tiny_encoder
-from translator_helpers import make_tiny_translator
 
 BIG = 900_000  # bytes of text: under the 1 MB body limit, far over any model's context
 
@@ -212,6 +212,7 @@ def test_docs_render_with_no_network(tiny_checkpoint, tmp_path):
         pytest.skip("no /usr/bin/chromium")
     playwright = pytest.importorskip("playwright.sync_api")
     from concurrent.futures import ThreadPoolExecutor
+
     from live_server import live_server
 
     with live_server(tiny_checkpoint, tmp_path, env={"ATTNLENS_LOG_LEVEL": "warning"}) as srv:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from helpers import copy_attention_into_torch
+from test_model import SMALL, make_model
 
 from attnlens.model import ContextLengthError, ModelConfig
 from attnlens.model.decoding import RowSampler, SamplingParams, decode_step, make_generator
 from attnlens.model.parts import MultiHeadAttention
-from test_model import SMALL, make_model
-from helpers import copy_attention_into_torch
 
 
 def full_last_logits(model, ids: list[int]) -> torch.Tensor:

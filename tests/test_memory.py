@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-
-from attnlens.app.server.main import create_app
-from attnlens.app.registry.memory import cache_row_bytes
-from attnlens.app.server.settings import Settings
 from helpers import REPO_ROOT
+
+from attnlens.app.registry.memory import cache_row_bytes
+from attnlens.app.server.main import create_app
+from attnlens.app.server.settings import Settings
 
 
 def one_row(ckpt) -> int:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import re
 
 import pytest
+from encoder_helpers import make_tiny_encoder
 from fastapi.testclient import TestClient
+from helpers import HeldModel, drain, make_tiny_checkpoint
 
+from attnlens.app.engine import GenerationParams
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
-from encoder_helpers import make_tiny_encoder
-from attnlens.app.engine import GenerationParams
-from helpers import HeldModel, drain, make_tiny_checkpoint
 
 SAMPLE = re.compile(r"^(?P<name>[a-z_]+)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
 

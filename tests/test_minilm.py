@@ -12,10 +12,10 @@ import zipfile
 
 import pytest
 import torch
+from helpers import installed_packaged_file, packaged_checkpoint
 
 from attnlens.model.interop import packaged
 from attnlens.model.interop.packaged import MINILM
-from helpers import installed_packaged_file, packaged_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -8,16 +8,16 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import copy_attention_into_torch
 
 from attnlens.model.config import ConfigError, ModelConfig
 from attnlens.model.decoding import SamplingParams, filter_logits, generate_tokens
-from attnlens.model.parts import MultiHeadAttention
 from attnlens.model.families.decoder import (
     ContextLengthError,
     Transformer,
     sinusoidal_table,
 )
-from helpers import copy_attention_into_torch
+from attnlens.model.parts import MultiHeadAttention
 
 SMALL = dict(vocab_size=50, context_length=40, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 

@@ -8,6 +8,7 @@ import pickle
 
 import numpy as np
 import pytest
+from encoder_helpers import make_tiny_encoder
 
 from attnlens.app.serving.encoder_tasks import fill_mask_call, framed_ids
 from attnlens.model import load_checkpoint
@@ -15,11 +16,20 @@ from attnlens.model.analysis import explain
 from attnlens.model.analysis.attention_maps import MapRequest, analyse_attention
 from attnlens.model.analysis.encoder_outputs import class_probabilities, embed_rows, mask_scores
 from attnlens.model.analysis.head_atlas_scores import score_heads
-from attnlens.model.analysis.operations import (OPERATIONS, AttentionCall, ClassifyCall, EmbedCall, ExplainHeadCall,
-                                                FillMaskCall, HeadScoresCall, LensCall, LogitsCall, WarmUpCall,
-                                                run_operation)
+from attnlens.model.analysis.operations import (
+    OPERATIONS,
+    AttentionCall,
+    ClassifyCall,
+    EmbedCall,
+    ExplainHeadCall,
+    FillMaskCall,
+    HeadScoresCall,
+    LensCall,
+    LogitsCall,
+    WarmUpCall,
+    run_operation,
+)
 from attnlens.model.hooks import ZEdit
-from encoder_helpers import make_tiny_encoder
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
+from helpers import REPO_ROOT
 
 from attnlens.model.data.names import (
     FREQUENT_HEADINGS,
@@ -16,8 +16,6 @@ from attnlens.model.data.names import (
 )
 from attnlens.model.data.passages import load_works
 from attnlens.model.tokenizer import Tokenizer
-
-from helpers import REPO_ROOT
 
 DATA = REPO_ROOT / "data" / "shakespeare"
 

@@ -8,10 +8,17 @@ import os
 import re
 
 import pytest
-
 from conftest import REPO_ROOT
-from notebook_browser import Visit, assert_drawn, frame_state, in_browser, needs_chromium, open_offline, \
-    view_frames, wait_drawn
+from notebook_browser import (
+    Visit,
+    assert_drawn,
+    frame_state,
+    in_browser,
+    needs_chromium,
+    open_offline,
+    view_frames,
+    wait_drawn,
+)
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")

@@ -13,8 +13,8 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-
 from live_server import live_server
+
 from attnlens.model import SamplingParams, generate_tokens, load_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,9 @@ import asyncio
 
 import pytest
 import torch
+from encoder_helpers import make_tiny_encoder
 from fastapi.testclient import TestClient
+from helpers import drain, run_async
 
 from attnlens.app.engine import Engine, GenerationParams
 from attnlens.app.server.main import create_app
@@ -19,8 +21,6 @@ from attnlens.app.server.settings import Settings
 from attnlens.model import SamplingParams
 from attnlens.model.decoding import RowSampler, make_generator, sample_rows
 from attnlens.model.sampling import draw_uniforms, sample_batch
-from encoder_helpers import make_tiny_encoder
-from helpers import drain, run_async
 
 openai = pytest.importorskip("openai")
 

@@ -10,11 +10,11 @@ import json
 
 import pytest
 import torch
+from conftest import REPO_ROOT, make_tiny_checkpoint
 from fastapi.testclient import TestClient
 
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
-from conftest import REPO_ROOT, make_tiny_checkpoint
 from attnlens.model import load_checkpoint, save_checkpoint
 
 

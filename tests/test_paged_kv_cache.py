@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 import torch
+from helpers import reference_tokens, run_async, small_config_model
 
 from attnlens.app.engine import Engine, GenerationParams
 from attnlens.app.engine.outputs import DoneEvent, TokenEvent
 from attnlens.model import SamplingParams
 from attnlens.model.paged_kv_cache import PagedKVCache
-from helpers import reference_tokens, run_async, small_config_model
 
 PROMPTS = ["To be", "Whether 'tis nobler in the mind", "The slings", "Or to take arms against a sea",
            "And by opposing", "No more; and by a sleep to say we end", "Café", "東京 and emoji"]

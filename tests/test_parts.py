@@ -360,8 +360,9 @@ def test_linear_biases_follow_their_own_fields():
 
 
 def test_untied_embeddings_are_their_own_parameter(tmp_path):
-    from attnlens.model import Tokenizer, load_checkpoint, save_checkpoint
     from helpers import TINY_TEXT
+
+    from attnlens.model import Tokenizer, load_checkpoint, save_checkpoint
 
     tok = Tokenizer.train([TINY_TEXT] * 4, vocab_size=300)
     model = Transformer(ModelConfig(**{**SMALL, **LLAMA_PARTS, "vocab_size": tok.vocab_size, "tie_embeddings": False}))

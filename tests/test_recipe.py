@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import REPO_ROOT
 
 from attnlens.model.data.mlm import IGNORE, mask_words, word_edges
 from attnlens.model.evaluation.evaluate_encoder import common_word_examples, common_words
 from attnlens.model.tokenizer import Tokenizer
 from attnlens.model.training.curriculum import batch_with_repeats, repeat_span
-from attnlens.model.training.train import TrainSettings, batch_at, load_run_config, lr_at
-
-from helpers import REPO_ROOT
+from attnlens.model.training.train import TrainSettings, load_run_config, lr_at
 
 TEXT = ("O Romeo, Romeo! wherefore art thou Romeo?\nDeny thy father and refuse thy name;\n"
         "Or, if thou wilt not, be but sworn my love,\nAnd I'll no longer be a Capulet.\n") * 3
@@ -113,8 +112,8 @@ def test_mixed_loss_keeps_the_masked_lm_learning_while_fine_tuning(tmp_path):
     the head idles (the old recipe, which let fine-tuning wash the masked LM out)."""
     from attnlens.model.config import ModelConfig
     from attnlens.model.families import build_model
-    from attnlens.model.training.train_encoder import EncoderObjective
     from attnlens.model.training.train import RunConfig
+    from attnlens.model.training.train_encoder import EncoderObjective
 
     data = REPO_ROOT / "data" / "shakespeare"
     tok = Tokenizer.train([TEXT] * 5, 300, encoder_tokens=True)

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import DEVICES
+
 from attnlens.model.decoding import SamplingParams, filter_logits
 from attnlens.model.sampling import draw_uniforms, sample_batch
 

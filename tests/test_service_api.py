@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from helpers import MAX_NEW, MAX_PROMPT, make_tiny_checkpoint, parse_sse
+from helpers import reference_tokens as reference
 
-from attnlens.app.serving.attention_codec import decode
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
+from attnlens.app.serving.attention_codec import decode
 from attnlens.model import SamplingParams, generate_tokens, load_checkpoint
-
-from helpers import MAX_NEW, MAX_PROMPT, make_tiny_checkpoint, parse_sse, reference_tokens as reference
 
 
 # --- operations ----------------------------------------------------------------

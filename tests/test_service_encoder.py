@@ -5,21 +5,20 @@ Answers are checked against the encoder run directly (softmax of its own logits)
 from __future__ import annotations
 
 import json
-
 import math
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from encoder_helpers import make_tiny_encoder
 from fastapi.testclient import TestClient
+from live_server import live_server
 
-from attnlens.app.serving.attention_codec import decode
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
+from attnlens.app.serving.attention_codec import decode
 from attnlens.model import load_checkpoint
-from encoder_helpers import make_tiny_encoder
-from live_server import live_server
 
 
 @pytest.fixture(scope="module")

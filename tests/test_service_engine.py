@@ -8,12 +8,12 @@ import threading
 
 import numpy as np
 import pytest
-
-from attnlens.app.serving.attention_codec import decode, encode
-from attnlens.app.engine import Engine, GenerationParams, QueueFull
-from attnlens.app.engine.textstream import TextStream
-from attnlens.app.engine.outputs import DoneEvent, ErrorEvent
 from helpers import drain, reference_ids, run_async
+
+from attnlens.app.engine import Engine, GenerationParams, QueueFull
+from attnlens.app.engine.outputs import DoneEvent, ErrorEvent
+from attnlens.app.engine.textstream import TextStream
+from attnlens.app.serving.attention_codec import decode, encode
 from attnlens.model import SamplingParams
 
 

@@ -32,7 +32,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import make_tiny_checkpoint
 from encoder_helpers import make_tiny_encoder
 from helpers import parse_sse, run_async

@@ -20,8 +20,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
-
 from helpers import REPO_ROOT, never_eos_checkpoint, run_async, sse_events
 from live_server import free_port, live_server
 

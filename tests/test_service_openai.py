@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import MAX_NEW, data_chunks
+from helpers import reference_ids as ref_ids
 
 from attnlens.model import SamplingParams, generate_tokens
-from helpers import MAX_NEW, data_chunks, reference_ids as ref_ids
 
 
 def test_models(client):

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from helpers import run_async
 
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
-from helpers import run_async
 from attnlens.model import SamplingParams
 from attnlens.model.decoding import filter_logits
 
@@ -189,8 +189,8 @@ def test_no_redirect_to_the_sent_host(tiny_checkpoint, path):
 def test_answer_budget_waits_then_429_and_refuses_what_never_fits():
     import asyncio
 
-    from attnlens.app.serving.answer_budget import AnswerBudget
     from attnlens.app.server.api_errors import ApiError
+    from attnlens.app.serving.answer_budget import AnswerBudget
 
     async def scenario():
         budget = AnswerBudget(100, wait_s=0.3)

@@ -18,7 +18,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import make_tiny_checkpoint
 from helpers import rss_bytes, run_async
 from live_server import live_server

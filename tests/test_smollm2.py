@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
+from helpers import child_pids, installed_packaged_file, packaged_checkpoint, rss_bytes
 
 from attnlens.model.interop import packaged
 from attnlens.model.interop.packaged import SMOLLM2
-from helpers import child_pids, installed_packaged_file, packaged_checkpoint, rss_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -151,7 +151,6 @@ def test_long_prompts_wait_for_the_kv_budget_on_a_live_server(smollm2, tmp_path)
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
-
     from live_server import live_server
 
     budget = 400_000_000  # three rows of 2,304 positions (45 KB each a position) but not four

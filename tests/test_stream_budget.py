@@ -13,14 +13,14 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
+from helpers import parse_sse, run_async
 
 from attnlens.app.engine import Engine, GenerationParams
+from attnlens.app.engine.outputs import DoneEvent, ErrorEvent
 from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.app.server.main import create_app
-from attnlens.app.engine.outputs import DoneEvent, ErrorEvent
 from attnlens.app.server.settings import Settings
 from attnlens.model import SamplingParams
-from helpers import parse_sse, run_async
 
 
 async def unread_stream(app, engine, body: dict, *, timeout: float = 60.0) -> str:

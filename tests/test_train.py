@@ -13,13 +13,12 @@ from argparse import Namespace
 
 import pytest
 import torch
+from helpers import REPO_ROOT
 from safetensors.torch import load_file
 
 from attnlens.model.data.shakespeare import VAL_WORKS, load_split, prepare_data
-from attnlens.model.training.train import evaluate, load_run_config, token_byte_lengths, train, encode_corpus
 from attnlens.model.tokenizer import Tokenizer
-from helpers import REPO_ROOT
-
+from attnlens.model.training.train import encode_corpus, evaluate, load_run_config, token_byte_lengths, train
 
 TINY_TOML = """
 [model]

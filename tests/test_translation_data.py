@@ -5,13 +5,19 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from translator_helpers import small_translation_tokenizer
 
 from attnlens.model.data.translation_pairs import (
-    DATE_FORMATS, N_DAYS, date_pair, held_out_sample, is_held_out, number_pair, sample_training_pairs,
+    DATE_FORMATS,
+    N_DAYS,
+    date_pair,
+    held_out_sample,
+    is_held_out,
+    number_pair,
+    sample_training_pairs,
     tokenizer_corpus,
 )
 from attnlens.model.training.train_translation import IGNORE, encode_pairs
-from translator_helpers import small_translation_tokenizer
 
 
 def test_pairs_are_the_ones_the_issue_names():

@@ -9,14 +9,13 @@ import sys
 
 import pytest
 import torch
+from helpers import REPO_ROOT
 from safetensors.torch import load_file
+from translator_helpers import small_translation_tokenizer
 
 from attnlens.model import load_checkpoint
 from attnlens.model.families.encoder_decoder import EncoderDecoder
 from attnlens.model.training.train import load_run_config, train
-from translator_helpers import small_translation_tokenizer
-from helpers import REPO_ROOT
-
 
 TINY_TRANSLATOR_TOML = """
 [model]

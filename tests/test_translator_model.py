@@ -6,13 +6,12 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import REPO_ROOT
 
 from attnlens.model import load_checkpoint
 from attnlens.model.data.translation_pairs import held_out_sample, is_held_out
 from attnlens.model.families.encoder_decoder import EncoderDecoder, greedy_translate
 from attnlens.model.training.train_translation import exact_match
-
-from conftest import REPO_ROOT
 
 SAMPLE = 200  # held-out pairs of each kind recomputed here (the report used the first 2000)
 

@@ -7,14 +7,12 @@ import json
 
 import numpy as np
 import pytest
-import torch
+from conftest import REPO_ROOT
+from helpers import parse_sse
 
 from attnlens.app.serving.attention_codec import decode
 from attnlens.model import load_checkpoint
 from attnlens.model.families.encoder_decoder import attention_groups, greedy_translate
-
-from conftest import REPO_ROOT
-from helpers import parse_sse
 
 TRANSLATOR = REPO_ROOT / "checkpoints" / "translator"
 SOURCES = ["ninety-seven", "Wednesday, March 3, 2021", "four hundred and twelve thousand, eight hundred and one",
@@ -167,7 +165,6 @@ def test_a_decoder_takes_no_target(client):
 
 def test_translation_through_the_live_server_equals_the_model(translator, tmp_path):
     import httpx
-
     from live_server import live_server
 
     want = greedy_translate(translator.model, translator.tokenizer, SOURCES)

@@ -19,7 +19,6 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
+from attnlens.app.api.attention_schemas import AttentionRequest, AttentionResponse
 from attnlens.app.api.deps import get_state
-from attnlens.app.api.schemas import AttentionRequest, AttentionResponse
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.attention_serving import AttentionServing
 

@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from attnlens.app.api.common_schemas import Messages
 from attnlens.app.api.openai_schemas import CompletionUsage, SamplingRequest
-from attnlens.app.api.schemas import Messages
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from attnlens.app.api.schemas import ModelName, Strict, Text
+from attnlens.app.api.common_schemas import ModelName, Strict, Text
 
 
 class AttentionGroupInfo(BaseModel):

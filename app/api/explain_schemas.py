@@ -15,7 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from attnlens.app.api.schemas import MODEL_FIELD, Ablate, Ablation, Messages, ModelName, Strict, Text, TokenText
+from attnlens.app.api.common_schemas import MODEL_FIELD, Ablate, Ablation, Messages, ModelName, Strict, Text
+from attnlens.app.api.generate_schemas import TokenText
 
 ONE_OF_TEXT_OR_IDS = {"oneOf": [{"required": ["text"]}, {"required": ["ids"]}, {"required": ["messages"]}]}
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from attnlens.app.api.deps import get_state
-from attnlens.app.api.schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
+from attnlens.app.api.generate_schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
 from attnlens.app.engine import EngineFront, GenerationParams
 from attnlens.app.registry.model_registry import GENERATE, lookup
 from attnlens.app.server.api_errors import field_error, public_message

@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from attnlens.app.api.schemas import MODEL_FIELD, ModelName, Strict, Text, TokenText
+from attnlens.app.api.common_schemas import MODEL_FIELD, ModelName, Strict, Text
+from attnlens.app.api.generate_schemas import TokenText
 
 MAX_PROBE_LENGTH = 65536  # the schema's bound; the model's context bounds it further (a 400 names probe.length)
 MAX_PROBE_SEED = 2**32 - 1

@@ -24,8 +24,8 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 
 from attnlens.app.api.deps import get_state
+from attnlens.app.api.generate_schemas import GeneratedTokenOut, StreamDone, StreamToken
 from attnlens.app.api.openai_schemas import Completion, CompletionRequest, ModelCard, ModelList
-from attnlens.app.api.schemas import GeneratedTokenOut, StreamDone, StreamToken
 from attnlens.app.engine import EngineFront, GenerationParams, RequestState
 from attnlens.app.registry.model_registry import COMPLETIONS, ServedModel, lookup
 from attnlens.app.server.api_errors import ApiError

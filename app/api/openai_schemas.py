@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from attnlens.app.api.schemas import ModelName, NonEmptyText, Stop, Text, count_stops, stop_list
+from attnlens.app.api.common_schemas import ModelName, NonEmptyText, Stop, Text, count_stops, stop_list
 
 TokenIds = list[int]
 Prompt = Text | list[Text] | TokenIds | list[TokenIds]

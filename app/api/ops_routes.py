@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from attnlens.app.api.deps import RegistryDep, StateDep
-from attnlens.app.api.schemas import Health, ModelInfo, Readiness
+from attnlens.app.api.ops_schemas import Health, ModelInfo, Readiness
 from attnlens.app.server.metrics import CONTENT_TYPE_LATEST
 
 router = APIRouter(tags=["operations"])

@@ -63,7 +63,7 @@ def document_bearer(app) -> None:
             components = schema.setdefault("components", {})
             components.setdefault("securitySchemes", {})["bearer"] = {
                 "type": "http", "scheme": "bearer", "description": "ATTNLENS_API_KEY"}
-            from attnlens.app.api.schemas import ErrorBody
+            from attnlens.app.api.ops_schemas import ErrorBody
 
             components.setdefault("schemas", {}).setdefault(
                 "ErrorBody", ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}"))

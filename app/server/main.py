@@ -37,7 +37,7 @@ from attnlens.app.api import heads_routes as heads_router  # POST /heads, the he
 from attnlens.app.api import openai_routes as openai
 from attnlens.app.api import ops_routes as ops
 from attnlens.app.api import ui_routes as ui
-from attnlens.app.api.schemas import StreamDone, StreamError, StreamToken
+from attnlens.app.api.generate_schemas import StreamDone, StreamError, StreamToken
 from attnlens.app.engine import Engine, EngineFront, EngineProcess, GenerationParams
 from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.app.engine.supervisor import EngineSupervisor, RestartPolicy, Supervision

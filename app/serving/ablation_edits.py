@@ -3,7 +3,7 @@ model/hooks.py's ZEdits, and echoed back with each group filled in."""
 
 from __future__ import annotations
 
-from attnlens.app.api.schemas import Ablation
+from attnlens.app.api.common_schemas import Ablation
 from attnlens.app.server.api_errors import ApiError
 from attnlens.model.hooks import AblationError, HeadAblation, ablation_targets, default_group
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from attnlens.app.api.schemas import AttentionRequest
+from attnlens.app.api.attention_schemas import AttentionRequest
 from attnlens.app.registry.model_registry import ATTENTION, lookup
 from attnlens.app.server.api_errors import ApiError, field_error
 from attnlens.app.server.state import AppState

@@ -22,7 +22,8 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from attnlens.app.api.chat_schemas import ChatCompletionRequest
-from attnlens.app.api.schemas import ChatMessage, GeneratedTokenOut, StreamDone, StreamToken
+from attnlens.app.api.common_schemas import ChatMessage
+from attnlens.app.api.generate_schemas import GeneratedTokenOut, StreamDone, StreamToken
 from attnlens.app.engine import GenerationParams
 from attnlens.app.registry.model_registry import CHAT, COMPLETIONS, ServedModel, lookup
 from attnlens.app.server.api_errors import ApiError

@@ -11,7 +11,7 @@ from typing import Awaitable, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from attnlens.app.api.schemas import StreamDone, StreamError, StreamToken
+from attnlens.app.api.generate_schemas import StreamDone, StreamError, StreamToken
 from attnlens.app.engine import GenerationCancelled, RequestState
 from attnlens.app.server.api_errors import ApiError
 from attnlens.app.server.metrics import Metrics

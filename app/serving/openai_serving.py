@@ -17,8 +17,8 @@ from typing import AsyncIterator, Protocol
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from attnlens.app.api.generate_schemas import StreamDone, StreamToken
 from attnlens.app.api.openai_schemas import OpenAIErrorResponse, SamplingRequest
-from attnlens.app.api.schemas import StreamDone, StreamToken
 from attnlens.app.engine import EngineFront, RequestState, RequestTooLarge
 from attnlens.app.registry.model_registry import COMPLETIONS, ServedModel, lookup
 from attnlens.app.server.api_errors import ApiError, public_message

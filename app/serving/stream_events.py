@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from attnlens.app.api.schemas import (
+from attnlens.app.api.generate_schemas import (
     Alternative,
     GeneratedTokenOut,
     StreamDone,

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT, TINY_TEXT, make_tiny_checkpoint
 from live_server import live_server
 

@@ -8,7 +8,6 @@ import urllib.parse
 from pathlib import Path
 
 import httpx
-
 from conftest import REPO_ROOT
 
 ARTIFACTS = REPO_ROOT / "test-artifacts"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import urllib.parse
 
 import pytest
-
 from live_server import live_server
 
 from .helpers import rendered, screenshot, state, wait_rendered

@@ -42,7 +42,7 @@ def analyse(page, server, text: str, model: str = "default", **query) -> None:
     r = wait_rendered(page)
     page.fill("#prompt", text)
     page.click("#analyse")
-    page.wait_for_function(f"(t) => window.__attnlens.store.state.att?.text === t && window.__attnlens.store.state.att?.T > 0", arg=text)
+    page.wait_for_function("(t) => window.__attnlens.store.state.att?.text === t && window.__attnlens.store.state.att?.T > 0", arg=text)
     wait_rendered(page, r)
 
 

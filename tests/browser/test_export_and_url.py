@@ -8,7 +8,7 @@ import urllib.parse
 
 from PIL import Image
 
-from .helpers import (ARTIFACTS, PROMPT, api_attention, download, open_page, rendered, state, wait_rendered)
+from .helpers import ARTIFACTS, PROMPT, api_attention, download, open_page, rendered, wait_rendered
 
 
 def colour_bar_rows(img: Image.Image) -> int:

@@ -6,8 +6,20 @@ from __future__ import annotations
 
 import pytest
 
-from .helpers import (api_attention, end_stream, feed_stream, generate_with, generation_events, open_page, overflow,
-                      rendered, screenshot, state, visible, wait_rendered)
+from .helpers import (
+    api_attention,
+    end_stream,
+    feed_stream,
+    generate_with,
+    generation_events,
+    open_page,
+    overflow,
+    rendered,
+    screenshot,
+    state,
+    visible,
+    wait_rendered,
+)
 
 PROMPT = "To be, or not"
 MORE = " to be, that is the question"

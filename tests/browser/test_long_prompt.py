@@ -7,7 +7,6 @@ a 4,096-token context (4 layers x 8 heads) keeps the server's side fast."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import TINY_TEXT, make_tiny_checkpoint
 from live_server import live_server
 

@@ -10,10 +10,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-
 from .conftest import DESKTOP
-from .helpers import (ARTIFACTS, PROMPT, api_attention, canvas_digest, open_page, record_attention_requests,
-                      rendered, screenshot, visible, wait_rendered)
+from .helpers import (
+    ARTIFACTS,
+    PROMPT,
+    api_attention,
+    canvas_digest,
+    open_page,
+    record_attention_requests,
+    rendered,
+    screenshot,
+    visible,
+    wait_rendered,
+)
 
 
 def test_page_loads_without_console_errors(page, server):

@@ -9,7 +9,6 @@ import json
 import urllib.parse
 
 import pytest
-
 from conftest import TINY_TEXT
 
 from .conftest import DESKTOP

@@ -11,12 +11,21 @@ import time
 import urllib.parse
 
 import httpx
-import pytest
-
 from conftest import TINY_TEXT
 
-from .helpers import (control_generate_stream, end_stream, feed_stream, generate_with, generation_events,
-                      open_page, record_attention_requests, rendered, screenshot, state, wait_rendered)
+from .helpers import (
+    control_generate_stream,
+    end_stream,
+    feed_stream,
+    generate_with,
+    generation_events,
+    open_page,
+    record_attention_requests,
+    rendered,
+    screenshot,
+    state,
+    wait_rendered,
+)
 
 SOURCE = "Mar 3, 2021"
 START = "⟨start⟩"
@@ -367,9 +376,9 @@ def test_lines_view_of_a_long_text_draws_only_its_window(page, bundled_server):
 
 
 def test_every_label_is_reachable_at_256_tokens(page, bundled_server):
-    from attnlens.model import load_checkpoint
-
     from conftest import REPO_ROOT
+
+    from attnlens.model import load_checkpoint
 
     tok = load_checkpoint(REPO_ROOT / "checkpoints" / "default").tokenizer
     text = tok.decode(tok.encode(TINY_TEXT * 12)[:256])

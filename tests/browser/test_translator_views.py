@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from attnlens.app.serving.attention_codec import decode
+from conftest import REPO_ROOT
 from live_server import live_server
 
-from conftest import REPO_ROOT
+from attnlens.app.serving.attention_codec import decode
+
 from .helpers import api_attention, canvas_digest, open_page, rendered, screenshot, state, wait_rendered
 
 TRANSLATOR = REPO_ROOT / "checkpoints" / "translator"

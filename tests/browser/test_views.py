@@ -8,8 +8,17 @@ import urllib.parse
 
 import pytest
 
-from .helpers import (PROMPT, api_attention, canvas_digest, generate_with, generation_events, open_page, rendered,
-                      state, wait_rendered)
+from .helpers import (
+    PROMPT,
+    api_attention,
+    canvas_digest,
+    generate_with,
+    generation_events,
+    open_page,
+    rendered,
+    state,
+    wait_rendered,
+)
 
 
 def heatmap_shown(page) -> bool:
