@@ -7,7 +7,7 @@
 //    without the ablation, side by side, with the words that differ marked.
 // Heads are chosen here (layer, head, group), in the atlas or in the Model view (Alt/Shift-click).
 
-import { fetchLogits } from "./api.js";
+import { fetchLogits } from "./explain_api.js";
 import { ablateField, describeHead, formatAblation, toggleAblation } from "./ablation.js";
 import { diffWords } from "./textdiff.js";
 import { readSamplingForm, streamGeneration } from "../generation.js";

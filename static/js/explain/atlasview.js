@@ -6,7 +6,7 @@
 // "Rank the heads" lists one group's heads as a table, a column per score the server gives (an
 // encoder's Clark et al. scores among them), sorted by the column whose header is clicked.
 
-import { fetchHeads, probeFor } from "./api.js";
+import { fetchHeads, probeFor } from "./explain_api.js";
 import { isAblated, toggleAblation, formatAblation } from "./ablation.js";
 import { escapeHTML } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";

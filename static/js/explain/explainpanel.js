@@ -3,7 +3,7 @@
 // the query vector, each key's q·k, the scale, the mask, the softmax (beside the map's own row),
 // the values and their weighted sum z. Two bar charts show the scores before and after softmax.
 
-import { fetchExplain } from "./api.js";
+import { fetchExplain } from "./explain_api.js";
 import { escapeHTML, visible, axisLabel } from "../tokens.js";
 
 const f = (v, d = 3) => (v == null || Number.isNaN(v) ? "—" : v.toFixed(d));

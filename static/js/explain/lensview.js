@@ -7,7 +7,7 @@
 // state's `lensat`, its first position; null: the last window): the server unembeds only the
 // positions asked for, (layers + 1) x WINDOW rows through the head, whatever the length.
 
-import { fetchLens } from "./api.js";
+import { fetchLens } from "./explain_api.js";
 import { describeHead } from "./ablation.js";
 import { escapeHTML, visible, axisLabel } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";

@@ -7,7 +7,7 @@
 
 import { paintMatrix, cssVar, parseColor } from "../paint.js";
 import { removeSink, headStats, JSON_MAX_TOKENS } from "../attention.js";
-import { fetchHeads, probeFor } from "../explain/api.js";
+import { fetchHeads, probeFor } from "../explain/explain_api.js";
 import { colourScale, SCALES } from "../scales.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
 import { isAblated, toggleAblation, formatAblation } from "../explain/ablation.js";
