@@ -7,7 +7,7 @@ rows at a time (BLOCK_FLOATS logits, 64 MiB): the head's (V, C) weights (113 MB 
 read once per block, not once per small slice, which made SmolLM2's lens 4x slower. Within a
 block, a slice of rows at a time (SLICE_FLOATS, 4 MiB) goes through the statistics, each pass
 reading what the one before left in cache. The few passes are chosen for the CPU: top-k from a
-striped candidate search, the rank (only when asked) counted as float ones
+striped candidate search, the rank (only when asked) counted as float ones, one fused log_softmax
 (bench/bench_explain.py measures the lens beside a prefill).
 
     row_slices(n, V, floats)    slices of rows with about `floats` logits each (SLICE_FLOATS)
@@ -80,17 +80,14 @@ class NextTokenStats:
 
 def next_token_stats(logits: torch.Tensor, picks: torch.Tensor, k: int, rank: bool = True) -> NextTokenStats:
     """For logits (N, V) and picks (N, 1) ids: the top k log-probabilities and the picked id's, and
-    (with `rank`) its rank. Log-probabilities are the logits less the row's log-sum-exp, which is
-    taken about the row's largest logit (the top-1), as log_softmax does; ranks compare the logits
-    themselves."""
+    (with `rank`) its rank. Log-probabilities come from one log_softmax (PyTorch's fused kernel: at
+    one thread it costs about half the separate subtract, exp and sum passes over the slice); ranks
+    compare the logits themselves."""
     x = logits.float()
-    values, ids = top_k(x, max(1, k))  # (N, k)
-    picked = x.gather(1, picks)  # (N, 1)
-    scratch = torch.empty_like(x)  # (N, V): the rank's ones, then the exponentials
-    ranks = count_greater(x, picked, scratch) if rank else None
-    largest = values[:, :1]  # (N, 1)
-    lse = torch.sub(x, largest, out=scratch).exp_().sum(dim=-1, keepdim=True).log_().add_(largest)  # (N, 1)
-    return NextTokenStats((values - lse)[:, :k], ids[:, :k], (picked - lse)[:, 0], ranks)
+    _, ids = top_k(x, max(1, k))  # (N, k)
+    ranks = count_greater(x, x.gather(1, picks)) if rank else None
+    logp = torch.log_softmax(x, dim=-1)  # (N, V)
+    return NextTokenStats(logp.gather(1, ids[:, :k]), ids[:, :k], logp.gather(1, picks)[:, 0], ranks)
 
 
 def cat_stats(parts: list[NextTokenStats]) -> NextTokenStats:
