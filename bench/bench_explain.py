@@ -21,7 +21,8 @@ SmolLM2 (issue 30) is the page's request at most 3x a prefill.
 
 Part 2, end to end (--part http): the routes through the app in this process (TestClient; the
 model on a worker thread, no engine process), each answer built and serialised, beside POST
-/attention for the same ids with every map (format=f16, the page's; and format=json).
+/attention for the same ids with every map (format=f16, the page's; u8; and format=json), and the
+bare forward with every map in this process (the goal of issue 31: /attention u8 at most 1.7x it).
 
 Part 3, hooks unused: greedy decoding (model.generate_tokens, N new tokens after a 16-token prompt)
 and a plain forward over T tokens with this branch's model code against the same code of another
@@ -109,7 +110,7 @@ def main() -> None:
     if args.part in ("all", "routes"):
         routes(model, ids, edits, first, args)
     if args.part in ("all", "http"):
-        http(ids, args)
+        http(model, ids, args)
     if args.part in ("all", "unused"):
         unused(model, ids, args)
 
@@ -154,7 +155,7 @@ def routes(model, ids, edits, first, args) -> None:
         print(f"{name:40s} {w:9.1f} {c:9.1f} {c / peer[1]:12.2f}x {c / plain[1]:15.2f}x")
 
 
-def http(ids, args) -> None:
+def http(model, ids, args) -> None:
     with in_process_client(args.model) as client:
         def post(path, body):
             def run():
@@ -164,6 +165,8 @@ def http(ids, args) -> None:
 
         mean = [{"layer": 2, "head": 2, "how": "mean"}]
         got = turns({"peer: POST /attention f16": post("/attention", {"format": "f16"}),
+                     "bare: forward + every map": lambda: model.analyse(ids),
+                     "POST /attention u8": post("/attention", {"format": "u8"}),
                      "POST /attention json": post("/attention", {"format": "json"}),
                      "POST /logits": post("/logits", {}),
                      "POST /logits + 1 mean ablation": post("/logits", {"ablate": mean}),
@@ -171,11 +174,12 @@ def http(ids, args) -> None:
                      "POST /attention/explain": post("/attention/explain", {"layer": 1, "head": 1,
                                                                              "query": len(ids) - 1})},
                     args.warmup, args.reps)
-    peer = got["peer: POST /attention f16"]
-    print("\nend to end, in-process app (CPU time counts the app's threads too)")
-    print(f"{'case':34s} {'wall ms':>9s} {'cpu ms':>9s} {'x peer (wall)':>14s}")
+    peer, bare = got["peer: POST /attention f16"], got["bare: forward + every map"]
+    print("\nend to end, in-process app (CPU time counts the app's threads too); `bare` is the model's own")
+    print("forward with every map (model.analyse) in this process, what the goal for /attention u8 compares to")
+    print(f"{'case':34s} {'wall ms':>9s} {'cpu ms':>9s} {'x peer (wall)':>14s} {'x bare (wall)':>14s}")
     for name, (w, c) in got.items():
-        print(f"{name:34s} {w:9.1f} {c:9.1f} {w / peer[0]:13.2f}x")
+        print(f"{name:34s} {w:9.1f} {c:9.1f} {w / peer[0]:13.2f}x {w / bare[0]:13.2f}x")
 
 
 def unused(model, ids, args) -> None:
