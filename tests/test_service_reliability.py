@@ -137,12 +137,12 @@ def test_model_info_has_no_absolute_path(client, tiny_checkpoint):
 
 # --- defect 8: a 500 carries no internal exception text ----------------------------------------
 def test_500_body_has_no_exception_text(tiny_checkpoint, monkeypatch):
-    import attnlens.app.api.attention_routes as attention_router
+    import attnlens.app.serving.attention_serving as attention_serving
 
     def broken(*args, **kwargs):
         raise ValueError("secret /srv/internal/path detail")
 
-    monkeypatch.setattr(attention_router, "answer_fields", broken)
+    monkeypatch.setattr(attention_serving, "answer_fields", broken)
     with TestClient(create_app(Settings(model=tiny_checkpoint, device="cpu", warmup=False)),
                     raise_server_exceptions=False) as c:
         r = c.post("/attention", json={"text": "Hi"})

@@ -67,7 +67,7 @@ def test_the_wheel_holds_one_package_and_the_page(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"attnlens"}
-    for needed in ("attnlens/__init__.py", "attnlens/client.py", "attnlens/app/main.py", "attnlens/model/__init__.py",
+    for needed in ("attnlens/__init__.py", "attnlens/client.py", "attnlens/app/server/main.py", "attnlens/model/__init__.py",
                    "attnlens/model/families/decoder.py", "attnlens/app/engine/__main__.py",
                    "attnlens/static/index.html", "attnlens/static/css/style.css", "attnlens/static/js/inline.js",
                    "attnlens/static/js/main.js", "attnlens/static/js/views/headview.js",

@@ -249,4 +249,11 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
     return app
 
 
-app = create_app()
+def __getattr__(name: str) -> Any:
+    """`app`, the default application (`uvicorn attnlens.app.server.main:app`), built at its first
+    use, not when this module is imported: building it settles the default model, which may mean
+    converting a packaged one (minutes), and a server given its own model never needs that."""
+    if name == "app":
+        globals()["app"] = built = create_app()
+        return built
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -66,7 +66,7 @@ FAMILY = Family(
     features=("labels", "mlm_head"),
     builds=FAMILY_PARTS["encoder"],
     # masked-LM pretraining over the works, then the genre head
-    training=TrainingSpec("encoder:EncoderObjective", tokenizer="corpus_specials"),
+    training=TrainingSpec("train_encoder:EncoderObjective", tokenizer="corpus_specials"),
     lens=LensSpec("tokens", "blocks", "same", "the final norm and the masked-LM head"),
 )
 

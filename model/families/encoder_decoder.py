@@ -82,7 +82,7 @@ FAMILY = Family(
     generation=GenerationSpec(prompt="source", step_groups=("decoder", "cross")),
     builds=FAMILY_PARTS["encoder-decoder"],  # none of the optional parts
     # generated (English, French) pairs of dates and numbers, and their own tokenizer
-    training=TrainingSpec("translation:TranslationObjective", data="own", tokenizer="translation"),
+    training=TrainingSpec("train_translation:TranslationObjective", data="own", tokenizer="translation"),
     lens=LensSpec("target", "decoder.blocks", "next", "the decoder's final norm and the LM head"),
 )
 

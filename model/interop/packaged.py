@@ -11,7 +11,7 @@ progress bar) into `<cache>/<name>/`, an ordinary attnlens checkpoint; later sta
     cache   $ATTNLENS_CACHE_DIR, else $XDG_CACHE_HOME/attnlens, else ~/.cache/attnlens
 
 `source.json` in the converted folder records what it was made from (the distribution's
-version, the file's path and size, this converter's version); when any of it changes the
+version, the file's name and size, this converter's version); when any of it changes the
 folder is made again. Deleting the folder is always safe: it is made again at the next start.
 
 Heads trained here for a packaged model (MiniLM's masked-LM and genre heads) ship in the
@@ -100,7 +100,9 @@ def heads_dir(model: PackagedModel) -> Path | None:
 
 
 def _source_record(model: PackagedModel, path: Path, version: str) -> dict:
-    record = {"distribution": model.distribution, "version": version, "file": str(path),
+    # the file by its name and size, not its path: every environment with the same distribution
+    # shares one conversion (a path would make two virtual environments convert in turn)
+    record = {"distribution": model.distribution, "version": version, "file": path.name,
               "size": path.stat().st_size, "converter": CONVERTER_VERSION}
     if (heads := heads_dir(model)) is not None:
         import hashlib
