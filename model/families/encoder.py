@@ -26,7 +26,7 @@ choice) is available. Both read only real positions: padding never changes a pre
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -79,7 +79,7 @@ def padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class Encoder(Embeddings, nn.Module):
-    family = FAMILY
+    family: ClassVar[Family] = FAMILY
 
     def __init__(self, config: ModelConfig):
         super().__init__()
