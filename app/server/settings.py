@@ -182,6 +182,13 @@ class Settings(BaseSettings):
 
     _model_named: bool = PrivateAttr(False)
 
+    @property
+    def prompt_limit(self) -> int:
+        """max_prompt_tokens, which start-up sets to the models' longest context when unset (requests
+        are served only after that: app/server/main.py)."""
+        assert self.max_prompt_tokens is not None, "read before start-up set max_prompt_tokens"
+        return self.max_prompt_tokens
+
     @model_validator(mode="after")
     def _default_model(self):
         self._model_named = self.model is not None
@@ -201,6 +208,7 @@ class Settings(BaseSettings):
             dirs = bundled_checkpoints(CHECKPOINTS_DIR)
             if self.packaged_models:
                 dirs += packaged_beside_dirs()
+        assert self.model is not None  # _default_model set it
         out, seen = [], set()
         for d in [self.model, *dirs]:
             key = Path(d).resolve()

@@ -27,4 +27,6 @@ class AppState:
 
     @property
     def model_name(self) -> str:
-        return self.settings.model.resolve().name
+        model = self.settings.model
+        assert model is not None  # Settings._default_model set it
+        return model.resolve().name
