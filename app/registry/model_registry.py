@@ -67,7 +67,7 @@ class ModelRunner:
     async def call(self, operation: ModelOperation) -> Any:
         """Run the model operation on a worker thread (429 past the queue)."""
         if self._in_flight >= self.max_concurrent + self.max_queue:
-            raise QueueFull(self.max_concurrent + self.max_queue, retry_after=1)
+            raise QueueFull(str(self.max_concurrent + self.max_queue), retry_after=1)  # the 429's message, as before
         self._in_flight += 1
         abandoned = threading.Event()
 

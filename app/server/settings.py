@@ -183,6 +183,12 @@ class Settings(BaseSettings):
     _model_named: bool = PrivateAttr(False)
 
     @property
+    def model_dir(self) -> Path:
+        """The default model's directory: `model`, which _default_model sets when it is not given."""
+        assert self.model is not None, "_default_model sets it"
+        return self.model
+
+    @property
     def prompt_limit(self) -> int:
         """max_prompt_tokens, which start-up sets to the models' longest context when unset (requests
         are served only after that: app/server/main.py)."""
@@ -208,9 +214,8 @@ class Settings(BaseSettings):
             dirs = bundled_checkpoints(CHECKPOINTS_DIR)
             if self.packaged_models:
                 dirs += packaged_beside_dirs()
-        assert self.model is not None  # _default_model set it
         out, seen = [], set()
-        for d in [self.model, *dirs]:
+        for d in [self.model_dir, *dirs]:
             key = Path(d).resolve()
             if key not in seen:
                 seen.add(key)

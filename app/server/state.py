@@ -27,6 +27,4 @@ class AppState:
 
     @property
     def model_name(self) -> str:
-        model = self.settings.model
-        assert model is not None  # Settings._default_model set it
-        return model.resolve().name
+        return self.settings.model_dir.resolve().name
