@@ -239,7 +239,8 @@ def name_hook_points(model: nn.Module) -> None:
     for path, module in model.named_modules():
         if hasattr(module, "hook_name"):
             module.hook_name = hook_name(path)
-    model._hook_points_named = True
+    # nn.Module's __setattr__ is typed for tensors and modules only; a plain flag is fine there
+    model._hook_points_named = True  # type: ignore[assignment]
 
 
 def batch_hooks(row_ablate: list[tuple[ZEdit, ...]], row_means: list[dict], valid: list[int] | None = None,
