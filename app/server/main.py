@@ -82,7 +82,12 @@ async def warm_up(served: ServedModel) -> None:
                 raise RuntimeError(f"warm-up generation failed: {event.message}")
     tok = served.checkpoint.tokenizer
     heads = FILL_MASK in served.tasks or CLASSIFY in served.tasks  # the encoder's heads, through a forward
-    await served.call_model(WarmUpCall(ids=ids, encoder_ids=[tok.cls_id, tok.mask_id, tok.sep_id] if heads else None))
+    encoder_ids = None
+    if heads:  # an encoder's: [CLS] [MASK] [SEP]
+        (cls, sep), mask = tok.frame_ids, tok.mask_id
+        assert mask is not None, "an encoder's tokenizer has [MASK]"
+        encoder_ids = [cls, mask, sep]
+    await served.call_model(WarmUpCall(ids=ids, encoder_ids=encoder_ids))
 
 
 async def start_runner(s: Settings, ckpt: Checkpoint, name: str):

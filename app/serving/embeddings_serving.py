@@ -91,7 +91,8 @@ async def framed_inputs(body: EmbeddingRequest, served: ServedModel, texts: list
             raise ApiError(400, f"{field} has {len(ids)} tokens, more than the {limit} that fit in {where}; "
                                 "send a shorter text (nothing is truncated)",
                            param=field, code="context_length_exceeded")
-    return [[tok.cls_id, *ids, tok.sep_id] for ids in rows]
+    cls, sep = tok.frame_ids
+    return [[cls, *ids, sep] for ids in rows]
 
 
 def encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
