@@ -33,6 +33,14 @@ def _tokens(items: list[dict]) -> list[Token]:
     return [Token.from_json(t) for t in items]
 
 
+def _along(along: dict[str, list[Token] | None], axis: str) -> list[Token]:
+    """A group's rows or columns: the tokens along its axis (an answer with a group over the target
+    carries the target's tokens)."""
+    tokens = along[axis]
+    assert tokens is not None, f"no tokens along {axis!r}"
+    return tokens
+
+
 def _number(value: Any) -> float:
     return np.nan if value is None else float(value)
 
@@ -147,8 +155,8 @@ class Attention:
         query_range, key_range, row_edges, col_edges, positions (a window, pooled or top-k maps)."""
         along = {"tokens": tokens, "source": tokens, "target": target_tokens}
         reduced = reduced or {}
-        groups = {s.name: AttentionGroup(s.name, np.asarray(maps[s.name], dtype=np.float32), along[s.queries],
-                                         along[s.keys], s.causal, s.queries, s.keys, **reduced.get(s.name, {}))
+        groups = {s.name: AttentionGroup(s.name, np.asarray(maps[s.name], dtype=np.float32), _along(along, s.queries),
+                                         _along(along, s.keys), s.causal, s.queries, s.keys, **reduced.get(s.name, {}))
                   for s in specs}
         return cls(model, family, direction, tokens, n_layers, n_heads, list(layers), list(heads), format,
                    groups[specs[0].name].maps, groups, text, target_tokens, generated, ablate)
@@ -434,7 +442,8 @@ class HeadGroupScores:
         heads = g["heads"]
         names = list(heads[0][0]["scores"]) if heads and heads[0] else []
         grid = lambda value: np.array([[_number(value(h)) for h in row] for row in heads], dtype=np.float64)
-        return cls(g["name"], bool(g["causal"]), bool(g["bidirectional"]), along[g["rows"]], along[g["columns"]],
+        return cls(g["name"], bool(g["causal"]), bool(g["bidirectional"]), _along(along, g["rows"]),
+                   _along(along, g["columns"]),
                    {s: grid(lambda h, s=s: h["scores"].get(s)) for s in names},
                    [[h["role"] for h in row] for row in heads], grid(lambda h: h["role_score"]),
                    dict(g.get("definitions", {})))
@@ -581,7 +590,7 @@ class LogitsAnswer:
     def from_json(cls, body: dict) -> LogitsAnswer:
         rows = lambda items: None if items is None else [PositionLogits.from_json(p) for p in items]
         return cls(body["model"], body["family"], body["predicts"], body["head"], _tokens(body["tokens"]),
-                   rows(body["positions"]),
+                   [PositionLogits.from_json(p) for p in body["positions"]],
                    _tokens(body["target_tokens"]) if body.get("target_tokens") is not None else None,
                    body.get("generated"), _ablations(body), rows(body.get("clean")),
                    None if body.get("effect") is None else LogitsEffect.from_json(body["effect"]))

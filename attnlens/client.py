@@ -116,7 +116,7 @@ class _Endpoints:
     """The API's routes, each once; subclasses say how a _Call is sent (`_drive`)."""
 
     def __init__(self) -> None:
-        self._families: dict[str | None, dict] = {}  # model name (None: the default) -> its family_info, from /models
+        self._families: dict[str | None, dict | None] = {}  # model name (None: the default) -> its family_info, from /models
 
     # --- what every route is ------------------------------------------------------------------
     def _models(self) -> Endpoint:

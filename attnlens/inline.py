@@ -56,11 +56,13 @@ def page_views(root: Path | None = None) -> dict[str, dict]:
     start = text.index("export const VIEWS")
     block = text[start:text.index("];", start)]
     entries = re.split(r"(?=\bid:\s*\")", block)[1:]  # one piece per view, however it is laid out
-    views = {}
+    views: dict[str, dict] = {}
     for entry in entries:
         needs = re.search(r"\bneeds:\s*\[([^\]]*)\]", entry)
-        views[_field(entry, "id")] = {
-            "label": _field(entry, "label") or _field(entry, "id"),
+        name = _field(entry, "id")
+        assert name is not None  # each piece starts at its id (the split above)
+        views[name] = {
+            "label": _field(entry, "label") or name,
             "source": _field(entry, "source") or "analysis",
             "needs": re.findall(r'"([\w-]+)"', needs.group(1)) if needs else [],
         }
@@ -119,6 +121,7 @@ def _pooled_overview(answer: Attention) -> dict:
     """A pooled answer's primary group as the page's overview: every layer and head (NaN where the
     answer holds none), in f16, with its bins."""
     g = answer.groups[next(iter(answer.groups))]
+    assert g.query_range is not None and g.key_range is not None  # a pooled answer's window
     full = np.full((answer.n_layers, answer.n_heads, *g.maps.shape[2:]), np.nan, dtype=np.float32)
     full[np.ix_(answer.layers, answer.heads)] = g.maps
     return {**encode(full, "f16", "full"), "row_edges": g.row_edges, "col_edges": g.col_edges,
@@ -197,14 +200,20 @@ class InlineView:
         return f"<attnlens view: {self.title}>"
 
 
+def _held(rows: np.ndarray | None) -> np.ndarray:
+    """A step's attention rows: every token holds them (_generation checks it first)."""
+    assert rows is not None, "a token without attention"
+    return rows
+
+
 def _generation(gen: Generation) -> tuple[dict, dict]:
     """The model's shape and a generation's tokens with each step's attention row ([layer][head][key];
     an encoder-decoder's cross-attention row over the source), as the page's GenerationRecord holds them."""
     if not gen.tokens or any(t.attention is None for t in gen.tokens):
         raise ValueError("this generation holds no attention: generate with return_attention=True")
     cross = gen.tokens[0].cross_attention is not None
-    rows = [np.round(t.cross_attention if cross else t.attention, 5).tolist() for t in gen.tokens]
-    L, H = gen.tokens[0].attention.shape[:2]
+    rows = [np.round(_held(t.cross_attention if cross else t.attention), 5).tolist() for t in gen.tokens]
+    L, H = _held(gen.tokens[0].attention).shape[:2]
     tokens = [{"id": t.id, "text": t.text, "logprob": t.logprob, "delta": t.delta if t.delta is not None else t.text,
                "top_logprobs": [a.__dict__ for a in t.top_logprobs]} for t in gen.tokens]
     model = {"name": gen.model, "family": gen.model, "family_info": family_info(gen), "n_layers": int(L),
@@ -246,7 +255,7 @@ def show(answer: Attention | Generation | FillMask | Classification | None = Non
     if theme not in (None, "light", "dark"):
         raise ValueError(f"theme must be 'light' or 'dark', not {theme!r}")
     if isinstance(answer, FillMask):
-        spec = {"kind": "fill-mask", "model": answer.model, "text": answer.text,
+        spec: dict[str, Any] = {"kind": "fill-mask", "model": answer.model, "text": answer.text,
                 "masks": [[c.__dict__ for c in row] for row in answer.masks], "theme": theme}
         return InlineView(spec, f"{answer.model}: fill-mask", height or 120 + 150 * len(answer.masks))
     if isinstance(answer, Classification):
@@ -257,7 +266,7 @@ def show(answer: Attention | Generation | FillMask | Classification | None = Non
         shape, generation = _generation(answer)
         kind = "generation"
         layers, heads = list(range(shape["n_layers"])), list(range(shape["n_heads"]))
-        payload = {"generation": generation, "text": answer.text}
+        payload: dict[str, Any] = {"generation": generation, "text": answer.text}
     elif isinstance(answer, Attention):
         reduction = _reduction(answer)
         if reduction not in ("map", "pool"):

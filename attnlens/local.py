@@ -75,8 +75,8 @@ def attention(text: str, model: str | Path = "checkpoints/default", *, layers=No
     for name, window in (("rows", rows), ("cols", cols)):
         if window is not None and not 0 <= window[0] < min(window[1], len(ids) + 1):
             raise ValueError(f"{name}: a window [start, end) of the text's {len(ids)} positions, got {window}")
-    want = MapRequest(pool=pool, top_k=top_k, rows=None if rows is None else tuple(rows),
-                      cols=None if cols is None else tuple(cols))
+    want = MapRequest(pool=pool, top_k=top_k, rows=None if rows is None else (rows[0], rows[1]),
+                      cols=None if cols is None else (cols[0], cols[1]))
     with torch.inference_mode():
         analysis = analyse_attention(ckpt.model, ids, layers, heads, target_ids, want=want)
     maps, axes = analysis.maps, analysis.tokens

@@ -72,7 +72,7 @@ def decode_step(
                     valid=valid)
         if while_running is not None:
             while_running()
-        if valid is None or last_only:
+        if n_new is None or valid is None or last_only:
             last = out.logits[:, -1]  # (B, V)
         else:
             last = out.logits[torch.arange(len(n_new)), valid - 1]  # each row's last real position
@@ -84,9 +84,11 @@ def decode_step(
         queries = [-1 if n_new is None or out.attentions[0].shape[2] == 1 else n - 1
                    for n in (n_new or [0] * inputs.shape[0])]
         family = family_of(model)
+        generation = family.generation
+        assert generation is not None  # a model that decodes steps is of a family that generates
         for tok, s, maps in zip(tokens, samplers, model.step_attention(out, cache, rows, queries)):
             if s.return_attention:
-                for name in family.generation.step_groups:
+                for name in generation.step_groups:
                     host = [m.float().cpu() for m in maps[name]]  # per layer (H, keys of this row)
                     if family.group(name).is_cross:
                         tok.cross_attention = host

@@ -194,7 +194,8 @@ class Hooks:
             return y
         y = y.clone()
         B, _, T, _ = y.shape
-        padded = self.valid is not None and len(self.valid) == B and T == max(self.valid)
+        # each row's real positions when y's rows are right-padded, else None
+        valid = self.valid if self.valid is not None and len(self.valid) == B and T == max(self.valid) else None
         for row, head, how in edits:
             rows = range(B) if row is None else (row,)
             for b in rows:
@@ -206,7 +207,7 @@ class Hooks:
                 held = self.means_of(b)
                 key = (module, head)
                 if key not in held:
-                    n = self.valid[b] if padded else T
+                    n = valid[b] if valid is not None else T
                     held[key] = y[b, head, :n].mean(dim=0).detach().clone()  # (D,) over the row's positions
                 y[b, head] = held[key]
         return y
@@ -238,7 +239,8 @@ def name_hook_points(model: nn.Module) -> None:
     for path, module in model.named_modules():
         if hasattr(module, "hook_name"):
             module.hook_name = hook_name(path)
-    model._hook_points_named = True
+    # nn.Module's __setattr__ is typed for tensors and modules only; a plain flag is fine there
+    model._hook_points_named = True  # type: ignore[assignment]
 
 
 def batch_hooks(row_ablate: list[tuple[ZEdit, ...]], row_means: list[dict], valid: list[int] | None = None,

@@ -164,6 +164,7 @@ def adjust_logits(logits: torch.Tensor, samplers: list[RowSampler]) -> torch.Ten
     if not rows:
         return logits
     B, V = logits.shape
+    row_counts, row_bias = [], []
     for i in rows:
         s = samplers[i]
         if s.counts is None or s.counts.shape[0] != V or s.counts.device != logits.device:
@@ -173,11 +174,14 @@ def adjust_logits(logits: torch.Tensor, samplers: list[RowSampler]) -> torch.Ten
                 if 0 <= token < V:
                     bias[token] = value
             s.bias = bias.to(logits.device)
+        assert s.bias is not None  # made with the counts
+        row_counts.append(s.counts)
+        row_bias.append(s.bias)
     picked = [samplers[i] for i in rows]
-    counts = torch.stack([s.counts for s in picked])  # (R, V)
+    counts = torch.stack(row_counts)  # (R, V)
     rules = torch.tensor([[s.params.frequency_penalty, s.params.presence_penalty] for s in picked],
                          dtype=torch.float32).to(logits.device)  # (R, 2)
-    delta = torch.stack([s.bias for s in picked]) - rules[:, :1] * counts - rules[:, 1:] * (counts > 0)
+    delta = torch.stack(row_bias) - rules[:, :1] * counts - rules[:, 1:] * (counts > 0)
     out = logits.clone()
     out[rows] += delta
     return out

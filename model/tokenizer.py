@@ -387,6 +387,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def frame_ids(self) -> tuple[int, int]:
+        """([CLS], [SEP]): the ids an encoder's text is framed with; only an encoder's tokenizer has them."""
+        assert self.cls_id is not None and self.sep_id is not None, "this tokenizer has no [CLS] and [SEP]"
+        return self.cls_id, self.sep_id
+
+    @property
+    def prompt_prefix(self) -> list[int]:
+        """What a prompt starts with: [BOS] where the tokenizer adds one (add_bos), else nothing."""
+        return [self.bos_id] if self.add_bos and self.bos_id is not None else []  # add_bos implies a BOS id
+
     def encode(self, text: str) -> list[int]:
         """The ids of `text` alone: no special token added (a special token's text in `text` is it)."""
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -396,7 +407,7 @@ class Tokenizer:
         Mistral), as transformers' tokenizer(text) gives them, then `encode(text)`. A chat
         template's rendered text names BOS itself: encode that with `encode`."""
         ids = self.encode(text)
-        return [self.bos_id, *ids] if self.add_bos else ids
+        return [*self.prompt_prefix, *ids] if self.add_bos else ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]

@@ -4,6 +4,8 @@ serving side is app/serving/explain_serving.py (ExplainServing), the schemas app
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Depends
 
 from attnlens.app.api.deps import get_state
@@ -20,7 +22,7 @@ from attnlens.app.serving.explain_serving import ExplainServing
 
 router = APIRouter(tags=["explain"])
 
-ERRORS = {
+ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "text or ids longer than the context, a bad ablation (param `ablate`), layer, head, "
                          "group or query out of range (the param says which)"},
     404: {"description": "unknown model"}, 413: {},

@@ -14,11 +14,12 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.config import JsonDict
 
 from attnlens.app.api.common_schemas import MODEL_FIELD, Ablate, Ablation, Messages, ModelName, Strict, Text
 from attnlens.app.api.generate_schemas import TokenText
 
-ONE_OF_TEXT_OR_IDS = {"oneOf": [{"required": ["text"]}, {"required": ["ids"]}, {"required": ["messages"]}]}
+ONE_OF_TEXT_OR_IDS: JsonDict = {"oneOf": [{"required": ["text"]}, {"required": ["ids"]}, {"required": ["messages"]}]}
 
 
 class SequenceRequest(Strict):

@@ -4,10 +4,12 @@ conversation, `messages`), as one JSON answer or as server-sent events."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
+from attnlens.app.api.common_schemas import stop_list
 from attnlens.app.api.deps import get_state
 from attnlens.app.api.generate_schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
 from attnlens.app.engine import EngineFront, GenerationParams
@@ -27,7 +29,7 @@ log = logging.getLogger("attnlens.routers")
 
 router = APIRouter(tags=["generate"])
 
-ERRORS = {
+ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "prompt too long for the limit or the context (the message gives the numbers), "
                          "or a model that does not generate"},
     404: {"description": "unknown model (the message lists the loaded ones)"},
@@ -70,22 +72,23 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
                           "exclusive" if given else "missing")
     if body.messages is not None:
         prompt_field = "messages"
-        prompt_ids = await conversation_ids(state, served, body.messages, settings.max_prompt_tokens,
+        prompt_ids = await conversation_ids(state, served, body.messages, settings.prompt_limit,
                                             limit_name="ATTNLENS_MAX_PROMPT_TOKENS")
     elif body.ids is not None:
         prompt_field = "ids"
         prompt_ids = check_token_ids(tok, body.ids, field="ids", limit=settings.max_prompt_tokens)
     else:
         prompt_field = "prompt"
-        prompt_ids = await tokenize_text(tok, body.prompt, settings.max_prompt_tokens, field="prompt",
+        assert body.prompt is not None  # exactly one of prompt, ids, messages (checked above)
+        prompt_ids = await tokenize_text(tok, body.prompt, settings.prompt_limit, field="prompt",
                                          limit_name="ATTNLENS_MAX_PROMPT_TOKENS", prompt=True)
     check_lengths(engine.config.context_length, settings, prompt_ids, body.max_new_tokens,
-                  served.family.generation, prompt_field=prompt_field)
+                  served.generation, prompt_field=prompt_field)
     params = GenerationParams(
         prompt_ids=prompt_ids,
         max_new_tokens=body.max_new_tokens,
         sampling=SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed),
-        stop=body.stop,
+        stop=stop_list(body.stop),  # already a list (GenerateRequest._stops)
         n_logprobs=body.logprobs,
         return_attention=body.return_attention,
         ablate=edits,
@@ -125,8 +128,7 @@ async def generate(body: GenerateRequest, request: Request, state: AppState = De
     async with cancel_on_disconnect(request, [generation]):
         out = await collect(generation, metrics)
     done = out.done
-    generation = served.family.generation
-    streams_cross = any(served.family.group(g).is_cross for g in generation.step_groups)
+    streams_cross = any(served.family.group(g).is_cross for g in served.generation.step_groups)
 
     def answer() -> bytes:  # on a worker thread: with attention it can be megabytes of floats
         return GenerateResponse(

@@ -67,7 +67,7 @@ class Choice:
         self.want_logprobs = want_logprobs
         self.text = prompt if echo else ""
         self.offset = 0  # characters before the next token
-        self.lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self.echo = echo
 
     def add_prompt_scores(self, scores: list[dict]) -> None:
@@ -98,7 +98,8 @@ class Choice:
     def _append(self, text: str, logprob: float | None, top: dict | None) -> dict | None:
         if not self.want_logprobs:
             return None
-        frag = {"tokens": [text], "token_logprobs": [logprob], "top_logprobs": [top], "text_offset": [self.offset]}
+        frag: dict[str, list] = {"tokens": [text], "token_logprobs": [logprob], "top_logprobs": [top],
+                                 "text_offset": [self.offset]}
         for k, v in frag.items():
             self.lp[k].extend(v)
         return frag
@@ -202,10 +203,10 @@ async def completions(body: CompletionRequest, request: Request, state: AppState
     tok = engine.tokenizer
     _check_options(body, tok)
     check_capacity(engine, len(body.prompts), body.best_of or body.n, _choices_param(body))
-    prompts_ids = await _prompt_ids(body, tok, settings.max_prompt_tokens)
+    prompts_ids = await _prompt_ids(body, tok, settings.prompt_limit)
     # the text each prompt echoes: as sent, or the ids' text
     prompts = [p if isinstance(p, str) else tok.decode(p) for p in body.prompts]
-    generation = served.family.generation
+    generation = served.generation
     for ids in prompts_ids:
         check_lengths(engine.config.context_length, settings, ids, body.max_tokens, generation,
                       max_field="max_tokens")
@@ -259,6 +260,7 @@ async def models(state: AppState = Depends(get_state)):
     """The models that generate (decoders, encoder-decoders); GET /models lists every loaded model."""
     lookup(state, None, None)  # 503 until the models are ready
     registry = state.registry
+    assert registry is not None  # ready: lookup was no 503
     return {"object": "list", "data": [_card(m) for m in registry.models.values() if COMPLETIONS in m.tasks]}
 
 
@@ -266,6 +268,7 @@ async def models(state: AppState = Depends(get_state)):
 async def model_card(model: str, state: AppState = Depends(get_state)):
     """One model of GET /v1/models (OpenAI's models.retrieve); a model /v1 cannot use is a 404."""
     lookup(state, None, None)  # 503 until the models are ready
+    assert state.registry is not None  # ready: lookup was no 503
     served = state.registry.models.get(model)
     if served is None or COMPLETIONS not in served.tasks:
         raise not_found(state, model)

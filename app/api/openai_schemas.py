@@ -4,7 +4,7 @@ error shape. Chat's own bodies are in chat_schemas.py."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -115,7 +115,7 @@ class CompletionRequest(SamplingRequest):
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
-        return list(p)
+        return list(cast("list[str] | list[list[int]]", p))  # not one list of ids: that was returned above
 
 
 class LogProbs(BaseModel):
@@ -191,7 +191,7 @@ class EmbeddingRequest(BaseModel):
         v = self.input
         if isinstance(v, str):
             return [v]
-        return v if all(isinstance(x, str) for x in v) else None
+        return cast("list[str]", v) if all(isinstance(x, str) for x in v) else None
 
     @property
     def many(self) -> bool:

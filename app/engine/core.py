@@ -344,6 +344,7 @@ class EngineCore:
         """The next piece of the long prompt being prefilled into row len(decoding); the last piece
         samples its first token and the generation joins the decoding ones."""
         g = self._chunking
+        assert g is not None  # called while a long prompt is being prefilled
         row = len(self._decoding)
         ids = g.params.prompt_ids
         done = int(self.cache.lengths[row])
@@ -355,7 +356,7 @@ class EngineCore:
                 if not records and not self._held:
                     self._heartbeat()  # progress for the watchdog while nothing else decodes
                 return
-            step = decode_step(self.model, self.cache, piece, [g.sampler], rows=rows, last_only=True)
+            step = decode_step(self.model, self.cache, piece, [g.row_sampler], rows=rows, last_only=True)
         except Exception as e:
             self._fail(g, e)
             self._end_chunking("error", records)
@@ -366,6 +367,7 @@ class EngineCore:
 
     def _end_chunking(self, reason: str, records: list[CoreRecord]) -> None:
         g, self._chunking = self._chunking, None
+        assert g is not None  # called while a long prompt is being prefilled
         self.cache.free(len(self._decoding))
         self._retire(g, reason, records)
 
@@ -390,10 +392,10 @@ class EngineCore:
         try:
             with hooked(self.model, self._hooks(batch, lengths if len(batch) > 1 else None)):
                 if len(batch) == 1:
-                    step = decode_step(self.model, self.cache, inputs, [batch[0].sampler], rows=rows,
+                    step = decode_step(self.model, self.cache, inputs, [batch[0].row_sampler], rows=rows,
                                        last_only=batch[0].params.prompt_logprobs is None)
                 else:
-                    step = decode_step(self.model, self.cache, inputs, [g.sampler for g in batch], rows=rows,
+                    step = decode_step(self.model, self.cache, inputs, [g.row_sampler for g in batch], rows=rows,
                                        n_new=lengths)
         except Exception as e:
             if len(batch) == 1:
@@ -405,8 +407,8 @@ class EngineCore:
                 g.ablation_means.clear()
                 try:
                     with hooked(self.model, self._hooks([g])):
-                        alone = decode_step(self.model, self.cache, inputs[i : i + 1, : lengths[i]], [g.sampler],
-                                            rows=one)
+                        alone = decode_step(self.model, self.cache, inputs[i : i + 1, : lengths[i]],
+                                            [g.row_sampler], rows=one)
                 except Exception as e:
                     self._fail(g, e)
                     continue
@@ -446,7 +448,7 @@ class EngineCore:
             # a step with an ablated row runs eagerly (a captured graph has no hooks); its other rows
             # share that step, each with its own edits (none for most)
             with hooked(self.model, hooks):
-                step = decode_step(self.model, self.cache, inputs, [g.sampler for g in rows],
+                step = decode_step(self.model, self.cache, inputs, [g.row_sampler for g in rows],
                                    graphs=self.graphs if hooks is None else None, while_running=self._deliver_held)
         except Exception:
             # find whose input fails: decode the rows one by one from where they were (their
@@ -458,7 +460,8 @@ class EngineCore:
             for i, g in enumerate(rows):
                 try:
                     with hooked(self.model, self._hooks([g])):
-                        one = decode_step(self.model, self.cache, inputs[i : i + 1], [g.sampler], rows=slice(i, i + 1))
+                        one = decode_step(self.model, self.cache, inputs[i : i + 1], [g.row_sampler],
+                                          rows=slice(i, i + 1))
                 except Exception as e:
                     self._fail(g, e)
                     continue
@@ -492,8 +495,8 @@ class EngineCore:
         g.error_message = "internal error while generating; see the server log"  # details stay in the log
 
     def _retire_finished(self, records: list[CoreRecord]) -> None:
-        for g in [g for g in self._decoding if g.finish_reason is not None]:
-            self._retire(g, g.finish_reason, records)
+        for g, reason in [(g, g.finish_reason) for g in self._decoding if g.finish_reason is not None]:
+            self._retire(g, reason, records)
 
     def _retire(self, g: Generation, reason: str, records: list[CoreRecord]) -> None:
         """Free g's slot and cache row (the last row moves into it), then its final record."""

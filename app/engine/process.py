@@ -38,7 +38,7 @@ import torch
 import attnlens
 from attnlens.app.engine import worker
 from attnlens.app.engine.client import CoreClient, FrontSink
-from attnlens.app.engine.records import CallResult, FinishRecord
+from attnlens.app.engine.records import CallResult, CoreRecord, FinishRecord
 from attnlens.app.engine.request import Generation
 from attnlens.app.engine.scheduler import EngineClosed
 from attnlens.app.engine.wire import Counters, decode_record, dumps, receive, send
@@ -169,8 +169,12 @@ class ProcessClient(CoreClient):
             self._running, self.kill_reason = True, None
             self.last_progress = self.clock()
             self._reader.start()
-            self.sink.on_started()  # (the front's lock inside ours: the front never takes ours)
+            self._sink().on_started()  # (the front's lock inside ours: the front never takes ours)
         return info
+
+    def _sink(self) -> FrontSink:
+        assert self.sink is not None, "start() is given the sink before any engine process runs"
+        return self.sink
 
     def restart(self) -> None:
         """Start a new engine process (after the last one died). Blocks."""
@@ -181,6 +185,7 @@ class ProcessClient(CoreClient):
     def kill(self, reason: str) -> None:
         """Kill the engine process (SIGKILL works on a stopped one too); the reader then sees it die."""
         self.kill_reason = reason
+        assert self.process is not None, "kill() is for an engine process that was started"
         try:
             os.kill(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -192,9 +197,11 @@ class ProcessClient(CoreClient):
             self._closing = True
             running = self._running
             if running:
+                assert self._writer is not None  # set whenever an engine process runs
                 self._writer.put(dumps(("close",)))
                 self._writer.stop()
         if running:
+            assert self._reader is not None and self.process is not None  # set whenever one runs
             self._reader.join(timeout)
             try:
                 self.process.wait(timeout)
@@ -231,7 +238,10 @@ class ProcessClient(CoreClient):
 
     @property
     def alive(self) -> bool:
-        return self._running and self._reader.is_alive() and self.process.poll() is None
+        if not self._running:
+            return False
+        assert self._reader is not None and self.process is not None  # set whenever one runs
+        return self._reader.is_alive() and self.process.poll() is None
 
     def stalled_for(self, now: float) -> float:
         """Seconds since the engine process last showed progress while it holds work (0 when idle)."""
@@ -244,6 +254,7 @@ class ProcessClient(CoreClient):
         """Pickle here (a message that cannot pickle raises here), write on the writer thread."""
         if not (self._generations or self._calls):
             self.last_progress = self.clock()  # idle until now: the watchdog counts from here
+        assert self._writer is not None, "work is sent only once an engine process was started"
         self._writer.put(dumps(message))
 
     def add_generation(self, g: Generation) -> None:
@@ -293,7 +304,7 @@ class ProcessClient(CoreClient):
 
     def _on_step(self, counters: Counters, items: list[tuple]) -> None:
         self.counters = counters
-        records = []
+        records: list[CoreRecord] = []
         for item in items:
             g = self._generations.get(item[1])
             if g is None:
@@ -302,16 +313,16 @@ class ProcessClient(CoreClient):
             if isinstance(record, FinishRecord):
                 self._generations.pop(g.number, None)
             records.append(record)
-        self.sink.on_records(records)
+        self._sink().on_records(records)
 
     def _on_result(self, number: int, ok: bool, value) -> None:
         work = self._calls.pop(number, None)
         if work is None:
             return
         if ok:
-            self.sink.on_records([CallResult(work, value=value)])
+            self._sink().on_records([CallResult(work, value=value)])
         else:
-            self.sink.on_records([CallResult(work, error=value if isinstance(value, BaseException)
+            self._sink().on_records([CallResult(work, error=value if isinstance(value, BaseException)
                                               else RuntimeError(str(value)))])
 
     def _engine_gone(self, epoch: int, process: subprocess.Popen) -> None:
@@ -324,6 +335,7 @@ class ProcessClient(CoreClient):
             if epoch != self._epoch:
                 return
             self._running = False
+            assert self._writer is not None  # the epoch's engine process had its writer
             self._writer.stop()
             self._generations.clear()
             self._calls.clear()
@@ -331,4 +343,4 @@ class ProcessClient(CoreClient):
                                      self._earlier.cancelled + self.counters.cancelled)
             self.counters = Counters(self.counters.step_seconds, 0, 0)
             self.exit_code = code
-        self.sink.on_lost(f"the engine process stopped ({self.kill_reason or f'exit code {code}'})")
+        self._sink().on_lost(f"the engine process stopped ({self.kill_reason or f'exit code {code}'})")

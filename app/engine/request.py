@@ -69,6 +69,12 @@ class Generation:
         self.t_first: float | None = None
         self.t_end: float | None = None
 
+    @property
+    def row_sampler(self) -> RowSampler:
+        """Its row's sampler: the core makes it before the generation's first forward."""
+        assert self.sampler is not None, f"generation {self.number} was not started by the core"
+        return self.sampler
+
     def cancel(self) -> None:
         """Stop this generation (a no-op once it has finished); a waiting one leaves the line now."""
         if self.cancelled:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from attnlens.app.engine.front import EngineFront
+from attnlens.app.engine.process import ProcessClient
 from attnlens.app.engine.scheduler import EngineFailed
 
 log = logging.getLogger("attnlens.engine")
@@ -123,9 +124,11 @@ class EngineSupervisor:
                                          f"({engine.detail}); retry later", self.retry_after())
             else:
                 engine.scheduler.closed_retry_after = self.retry_after()
-        if self._attempt is None and now >= self.next_attempt:
-            self._attempt = asyncio.ensure_future(asyncio.to_thread(engine.restart))
-            self._attempt.add_done_callback(self._attempt_done)
+        if self._attempt is None:
+            assert self.next_attempt is not None  # _died scheduled it (above, or when the last attempt failed)
+            if now >= self.next_attempt:
+                self._attempt = asyncio.ensure_future(asyncio.to_thread(engine.restart))
+                self._attempt.add_done_callback(self._attempt_done)
 
     def _died(self, now: float) -> None:
         """The engine process was lost (or failed to start) just now: schedule a restart, or give up."""
@@ -156,8 +159,11 @@ class EngineSupervisor:
         if error is None:
             self.restarts += 1
             self.down_since, self.refusing, self.last_error = None, False, None
+            client = self.engine.client
+            # only a restartable engine is supervised: its client runs an engine process, now started
+            assert isinstance(client, ProcessClient) and client.process is not None
             log.warning("model %r: a new engine process (pid %d) runs, after %.1f s to start", self.name,
-                        self.engine.client.process.pid, self.engine.start_seconds)
+                        client.process.pid, self.engine.start_seconds)
             return
         # the new engine process did not start: the next check counts it as one more death
         self.last_error = f"{type(error).__name__}: {error}"

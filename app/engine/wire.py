@@ -67,7 +67,7 @@ def _tensors(rows) -> list[torch.Tensor] | None:
 
 def encode_records(records: list[Record]) -> list[tuple]:
     """In the engine process: records -> tuples (the generation's number in the server)."""
-    out = []
+    out: list[tuple] = []
     for r in records:
         g = r.generation
         if isinstance(r, TokenRecord):

@@ -71,9 +71,9 @@ class PipeSink:
             core = self.core
             counters = Counters(core.step_seconds, core.errors, core.cancelled, core.cache_held)
             self.send(("step", counters, encode_records(steps)))
-        for r in records:
-            if isinstance(r, CallResult):
-                self._result(r)
+        for record in records:
+            if isinstance(record, CallResult):
+                self._result(record)
 
     def _result(self, r: CallResult) -> None:
         self.calls.pop(r.call.number, None)
@@ -146,9 +146,9 @@ def _serve(core: EngineCore, sink: PipeSink, commands: Connection) -> None:
             except Exception as e:  # the server hands over only into free slots: this is a bug, but g's own
                 sink([FinishRecord(g, "error", f"the engine process refused it: {e}")])
         elif kind in ("cancel", "stop"):
-            g = sink.generations.get(message[1])
-            if g is not None:
-                core.cancel(g) if kind == "cancel" else core.stop(g)
+            running = sink.generations.get(message[1])
+            if running is not None:
+                core.cancel(running) if kind == "cancel" else core.stop(running)
         elif kind == "cancel_call":  # its caller went away: it stops at its next report point
             call = sink.calls.get(message[1])
             if call is not None:

@@ -25,6 +25,7 @@ from attnlens.app.server.api_errors import ApiError
 from attnlens.app.server.metrics import note_request_model
 from attnlens.model import Checkpoint, Family, family_of
 from attnlens.model.analysis.operations import ModelOperation, run_operation
+from attnlens.model.families.contract import GenerationSpec
 
 # Task names (a family declares which it has), as /models lists them and error messages name them.
 GENERATE, COMPLETIONS, CHAT, ATTENTION = "generate", "completions", "chat", "attention"
@@ -66,7 +67,7 @@ class ModelRunner:
     async def call(self, operation: ModelOperation) -> Any:
         """Run the model operation on a worker thread (429 past the queue)."""
         if self._in_flight >= self.max_concurrent + self.max_queue:
-            raise QueueFull(self.max_concurrent + self.max_queue, retry_after=1)
+            raise QueueFull(str(self.max_concurrent + self.max_queue), retry_after=1)  # the 429's message, as before
         self._in_flight += 1
         abandoned = threading.Event()
 
@@ -104,6 +105,13 @@ class ServedModel:
     @property
     def generates(self) -> bool:
         return self.family.generation is not None
+
+    @property
+    def generation(self) -> GenerationSpec:
+        """How the family generates: for a model looked up for a generating task (lookup checks it)."""
+        spec = self.family.generation
+        assert spec is not None, f"{self.describe()} does not generate"
+        return spec
 
     @property
     def labels(self) -> list[str] | None:
@@ -182,7 +190,7 @@ def bundled_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if (p / "config.json").is_file())
 
 
-def lookup(state, name: str | None, task: str, *, param: str = "model") -> ServedModel:
+def lookup(state, name: str | None, task: str | None, *, param: str = "model") -> ServedModel:
     """The served model for a request (503 until start-up is done; 404 / 400 as `get`)."""
     registry = getattr(state, "registry", None)
     if not state.ready or registry is None:

@@ -39,6 +39,7 @@ from attnlens.app.api import ops_routes as ops
 from attnlens.app.api import ui_routes as ui
 from attnlens.app.api.generate_schemas import StreamDone, StreamError, StreamToken
 from attnlens.app.engine import Engine, EngineFront, EngineProcess, GenerationParams
+from attnlens.app.engine.process import ProcessClient
 from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.app.engine.supervisor import EngineSupervisor, RestartPolicy, Supervision
 from attnlens.app.registry.memory import cache_paged, cache_row_bytes, cache_rows
@@ -81,7 +82,12 @@ async def warm_up(served: ServedModel) -> None:
                 raise RuntimeError(f"warm-up generation failed: {event.message}")
     tok = served.checkpoint.tokenizer
     heads = FILL_MASK in served.tasks or CLASSIFY in served.tasks  # the encoder's heads, through a forward
-    await served.call_model(WarmUpCall(ids=ids, encoder_ids=[tok.cls_id, tok.mask_id, tok.sep_id] if heads else None))
+    encoder_ids = None
+    if heads:  # an encoder's: [CLS] [MASK] [SEP]
+        (cls, sep), mask = tok.frame_ids, tok.mask_id
+        assert mask is not None, "an encoder's tokenizer has [MASK]"
+        encoder_ids = [cls, mask, sep]
+    await served.call_model(WarmUpCall(ids=ids, encoder_ids=encoder_ids))
 
 
 async def start_runner(s: Settings, ckpt: Checkpoint, name: str):
@@ -102,6 +108,13 @@ async def start_runner(s: Settings, ckpt: Checkpoint, name: str):
     return Engine(ckpt, **limits)
 
 
+def _pid(engine: EngineFront) -> int:
+    """The pid of a restartable engine's process (its client is a ProcessClient, started)."""
+    client = engine.client
+    assert isinstance(client, ProcessClient) and client.process is not None
+    return client.process.pid
+
+
 def restart_policy(s: Settings) -> RestartPolicy:
     return RestartPolicy(max_restarts=s.engine_max_restarts, window_s=s.engine_restart_window_s,
                          backoff_s=s.engine_restart_backoff_s, backoff_max_s=s.engine_restart_backoff_max_s,
@@ -113,7 +126,7 @@ async def lifespan(app: FastAPI):
     state: AppState = app.state.attnlens
     s = state.settings
     state.status = "loading"
-    registry = ModelRegistry(default=model_name(s.model))
+    registry = ModelRegistry(default=model_name(s.model_dir))
     engines: list[EngineFront] = []
     supervision: Supervision | None = None
     budget = StreamBudget(s.max_stream_backlog_total_bytes)  # every stream's unread events, all models
@@ -174,7 +187,7 @@ async def lifespan(app: FastAPI):
         for engine in engines:
             log.info("engine for %s on %s as %s%s; KV cache %d rows, %.0f MB", engine.checkpoint.path,
                      engine.device, str(engine.dtype).removeprefix("torch."),
-                     f" in process {engine.client.process.pid}" if engine.restartable else "",
+                     f" in process {_pid(engine)}" if engine.restartable else "",
                      engine.max_concurrent, engine.cache_bytes / 2**20)
         yield
     finally:
@@ -192,7 +205,7 @@ def add_stream_schemas(app: FastAPI) -> None:
     a route returns as JSON."""
     default = app.openapi
 
-    def openapi() -> dict:
+    def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = default()  # also stored in app.openapi_schema
             _, defs = models_json_schema([(m, "serialization") for m in (StreamToken, StreamDone, StreamError)],
@@ -200,9 +213,11 @@ def add_stream_schemas(app: FastAPI) -> None:
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name, body in defs.get("$defs", {}).items():
                 components.setdefault(name, body)
+            return schema
         return app.openapi_schema
 
-    app.openapi = openapi
+    # FastAPI's documented way to extend the schema; its stubs declare openapi a method, not a slot
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint] | None = None) -> FastAPI:
@@ -220,7 +235,7 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
         redirect_slashes=False,
         docs_url=None, redoc_url=None,  # served from local assets instead of a CDN (docs.py)
     )
-    app.state.attnlens = AppState(settings=settings, metrics=Metrics(default_model=model_name(settings.model)),
+    app.state.attnlens = AppState(settings=settings, metrics=Metrics(default_model=model_name(settings.model_dir)),
                                   answers=AnswerBudget(settings.max_answer_bytes, settings.answer_wait_s),
                                   preloaded=dict(preloaded or {}))
     install_error_handlers(app)

@@ -182,6 +182,19 @@ class Settings(BaseSettings):
 
     _model_named: bool = PrivateAttr(False)
 
+    @property
+    def model_dir(self) -> Path:
+        """The default model's directory: `model`, which _default_model sets when it is not given."""
+        assert self.model is not None, "_default_model sets it"
+        return self.model
+
+    @property
+    def prompt_limit(self) -> int:
+        """max_prompt_tokens, which start-up sets to the models' longest context when unset (requests
+        are served only after that: app/server/main.py)."""
+        assert self.max_prompt_tokens is not None, "read before start-up set max_prompt_tokens"
+        return self.max_prompt_tokens
+
     @model_validator(mode="after")
     def _default_model(self):
         self._model_named = self.model is not None
@@ -202,7 +215,7 @@ class Settings(BaseSettings):
             if self.packaged_models:
                 dirs += packaged_beside_dirs()
         out, seen = [], set()
-        for d in [self.model, *dirs]:
+        for d in [self.model_dir, *dirs]:
             key = Path(d).resolve()
             if key not in seen:
                 seen.add(key)

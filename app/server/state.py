@@ -27,4 +27,4 @@ class AppState:
 
     @property
     def model_name(self) -> str:
-        return self.settings.model.resolve().name
+        return self.settings.model_dir.resolve().name

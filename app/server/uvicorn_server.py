@@ -71,7 +71,8 @@ def build_server(app: FastAPI, settings: Settings) -> DrainingServer:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5,
                             http=protocol_with_header_timeout(settings.header_timeout_s, settings.max_header_bytes),
-                            timeout_keep_alive=settings.keep_alive_s)
+                            # typed int by uvicorn, used as call_later's seconds: a float works
+                            timeout_keep_alive=settings.keep_alive_s)  # type: ignore[arg-type]
     return DrainingServer(config, app.state.attnlens)
 
 

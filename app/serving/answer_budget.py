@@ -44,11 +44,11 @@ class AnswerBudget:
     def __init__(self, limit: int, wait_s: float):
         self.limit = limit
         self.wait_s = wait_s
-        self.in_use = 0
+        self.in_use: float = 0  # bytes: answer_bytes' estimates are floats
         self._cond = asyncio.Condition()
         self._freed_at: list[float] = []  # recent release times, for Retry-After
 
-    async def claim(self, n: int, *, what: str,
+    async def claim(self, n: float, *, what: str,
                     instead: str = "ask for fewer layers or heads, a shorter text, or format f16/u8 with packing tril",
                     ) -> "Claim":
         """Hold n bytes until the claim is released; over the whole budget a 400 that says what to ask
@@ -75,7 +75,7 @@ class AnswerBudget:
             return max(1, math.ceil(self.wait_s))
         return max(1, math.ceil((recent[-1] - recent[0]) / (len(recent) - 1)))
 
-    async def _release(self, n: int) -> None:
+    async def _release(self, n: float) -> None:
         async with self._cond:
             self.in_use -= n
             self._freed_at = self._freed_at[-15:] + [time.monotonic()]
@@ -85,7 +85,7 @@ class AnswerBudget:
 class Claim:
     """Bytes held in an AnswerBudget until release() (idempotent)."""
 
-    def __init__(self, budget: AnswerBudget, n: int):
+    def __init__(self, budget: AnswerBudget, n: float):
         self.budget, self.n, self.released = budget, n, False
 
     async def release(self) -> None:
@@ -167,7 +167,7 @@ async def claimed_json(build: Callable[[], Any], claim: Claim, send_timeout_s: f
     return ClaimedJSONResponse(body, claim, send_timeout_s)
 
 
-async def answer_with_claim(state, served, call, build: Callable[[Any], Any], *, need: int, what: str,
+async def answer_with_claim(state, served, call, build: Callable[[Any], Any], *, need: float, what: str,
                             instead: str | None = None, request=None, check: Callable[[Any], None] | None = None,
                             hold: bool = True) -> Response:
     """One model call whose memory is claimed from the answer budget: claim `need` bytes (a 400 over

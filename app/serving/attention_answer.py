@@ -29,14 +29,14 @@ def packing_of(family: Family, group: str, packing: str, want: MapRequest = MapR
 
 
 def answer_bytes(family: Family, axis_lengths: dict[str, int], n_layers: int, n_heads: int, fmt: str,
-                 packing: str, want: MapRequest = MapRequest()) -> int:
+                 packing: str, want: MapRequest = MapRequest()) -> float:
     """An upper bound on the answer's bytes, every group counted (what an answer claims): the maps as
     kept (float32 for json, the wire's type otherwise; pooled and top-k ones float32), their encoding,
     and the tokens."""
     mats = n_layers * n_heads
     per_cell = {"json": 10.0, "f16": 2 + 8 / 3, "u8": 1 + 4 / 3}[fmt]  # text, or raw + base64
     kept = {"json": 4, "f16": 2, "u8": 1}[fmt]
-    total = 4096
+    total: float = 4096
     for g in family.groups:
         Q, K = axis_lengths[g.queries], axis_lengths[g.keys]
         (a, b), (c, d) = want.window(Q, K)

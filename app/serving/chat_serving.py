@@ -57,6 +57,7 @@ def require_template(state: AppState, served: ServedModel, param: str = "model")
     """The model's chat template, or the 400 that says it has none."""
     template = served.checkpoint.tokenizer.chat_template
     if CHAT not in served.tasks or template is None:
+        assert state.registry is not None  # `served` came from it
         raise no_template(served, [m.name for m in state.registry.models.values() if CHAT in m.tasks], param)
     return template
 
@@ -188,11 +189,11 @@ async def chat_completion(body: ChatCompletionRequest, request: Request, state: 
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
     n_param = "n" if body.n > 1 else "messages"
     check_capacity(engine, 1, body.n, n_param)
-    ids = await conversation_ids(state, served, body.messages, settings.max_prompt_tokens,
+    ids = await conversation_ids(state, served, body.messages, settings.prompt_limit,
                                  limit_name="ATTNLENS_MAX_PROMPT_TOKENS")
     context = engine.config.context_length
     max_new, max_field = _new_tokens(body, settings, len(ids), context)
-    check_lengths(context, settings, ids, max_new, served.family.generation, prompt_field="messages",
+    check_lengths(context, settings, ids, max_new, served.generation, prompt_field="messages",
                   max_field=max_field)
     n_top = body.top_logprobs or 0
     jobs = [GenerationParams(prompt_ids=ids, max_new_tokens=max_new, sampling=sampling(body, k), stop=body.stops,

@@ -30,6 +30,7 @@ from attnlens.model.analysis.operations import EmbedCall
 
 
 def encoders(state: AppState) -> list[str]:
+    assert state.registry is not None  # asked only once lookup found the models loaded
     return [m.name for m in state.registry.models.values() if EMBEDDINGS in m.tasks]
 
 
@@ -47,6 +48,7 @@ def embedding_model(state: AppState, name: str | None) -> ServedModel:
         if e.code == "model_not_found":
             raise ApiError(404, f"the model {name!r} does not exist; {listed}", param="model",
                            code="model_not_found") from None
+        assert state.registry is not None  # lookup's 404 or 400: the models are loaded
         served = state.registry.models[name or state.registry.default]
         which = "" if name else "the default "
         raise ApiError(400, f"embeddings need an encoder: {which}{served.describe()} is not one; {listed} "
@@ -89,7 +91,8 @@ async def framed_inputs(body: EmbeddingRequest, served: ServedModel, texts: list
             raise ApiError(400, f"{field} has {len(ids)} tokens, more than the {limit} that fit in {where}; "
                                 "send a shorter text (nothing is truncated)",
                            param=field, code="context_length_exceeded")
-    return [[tok.cls_id, *ids, tok.sep_id] for ids in rows]
+    cls, sep = tok.frame_ids
+    return [[cls, *ids, sep] for ids in rows]
 
 
 def encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:

@@ -44,7 +44,8 @@ def framed_ids(ckpt: Checkpoint, text: str) -> list[int]:
         raise TaskInputError(f"text has {len(body)} tokens, more than the {limit} that fit in the model's "
                              f"context of {ckpt.config.context_length} with [CLS] and [SEP]",
                              code="context_length_exceeded")
-    return [tok.cls_id, *body, tok.sep_id]
+    cls, sep = tok.frame_ids
+    return [cls, *body, sep]
 
 
 @dataclass

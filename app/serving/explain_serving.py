@@ -12,6 +12,8 @@ thread. Nothing here runs the model on the event loop.
 
 from __future__ import annotations
 
+from typing import Any, Mapping, Sequence
+
 from attnlens.app.api.explain_schemas import (
     ExplainRequest,
     ExplainResponse,
@@ -28,6 +30,7 @@ from attnlens.app.serving.answer_budget import answer_with_claim
 from attnlens.app.serving.sequences import read_sequence
 from attnlens.model.analysis import explain
 from attnlens.model.analysis.operations import ExplainHeadCall, LensCall, LogitsCall
+from attnlens.model.families.contract import LensSpec
 
 FLOAT_BYTES = 24  # a float in JSON, with its separator, at most
 TOKEN_BYTES = 96  # {"id":..,"text":..,"prob":..}
@@ -41,9 +44,16 @@ def _served(state, name: str | None) -> ServedModel:
     return served
 
 
+def _lens(served: ServedModel) -> LensSpec:
+    """The family's lens: every model here came through _served, which refuses a family without one."""
+    lens = served.family.lens
+    assert lens is not None, f"{served.describe()} declares no lens"
+    return lens
+
+
 def _stream_length(served: ServedModel, ids: list[int], target: list[int] | None) -> int:
     """Positions of the lens stream (at most: an encoder-decoder's default target fills the context)."""
-    if served.family.lens.stream == "target":
+    if _lens(served).stream == "target":
         return served.checkpoint.config.context_length if target is None else len(target) + 1
     return len(ids)
 
@@ -52,19 +62,19 @@ def _tokens(tok, ids: list[int]) -> list[dict]:
     return [{"id": i, "text": tok.display_text(i)} for i in ids]
 
 
-def _common(served: ServedModel, report: dict, echo) -> dict:
+def _common(served: ServedModel, report: Mapping[str, Any], echo) -> dict:
     """The fields every explain answer shares (ExplainAnswer)."""
     family, tok = served.family, served.checkpoint.tokenizer
     tokens = report["tokens"]
     translated = family.takes_target
-    return {"model": served.name, "family": family.name, "predicts": family.lens.predicts,
-            "head": family.lens.head,
+    lens = _lens(served)
+    return {"model": served.name, "family": family.name, "predicts": lens.predicts, "head": lens.head,
             "tokens": _tokens(tok, tokens["source"] if translated else tokens["tokens"]),
             "target_tokens": _tokens(tok, tokens["target"]) if translated else None,
             "generated": report["generated"] if translated else None, "ablate": echo}
 
 
-def _positions(tok, stream: list[int], rows: list[dict]) -> list[dict]:
+def _positions(tok, stream: list[int], rows: Sequence[Mapping[str, Any]]) -> list[dict]:
     token = lambda i: None if i is None else {"id": i, "text": tok.display_text(i)}
     return [{"position": r["position"], "token": token(stream[r["position"]]), "next": token(r["next"]),
              "top": [{"id": i, "text": tok.display_text(i), "prob": p} for i, p in r["top"]],
@@ -82,7 +92,7 @@ def _reached(param: str):
 
 def _unknown_length(served: ServedModel, target: list[int] | None) -> bool:
     """An encoder-decoder's generated target: its length is known only once the model made it."""
-    return served.family.lens.stream == "target" and target is None
+    return _lens(served).stream == "target" and target is None
 
 
 def _check_index(name: str, value: int, n: int, what: str) -> None:

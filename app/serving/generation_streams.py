@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Awaitable, TypeVar
 
 from fastapi import Request
@@ -25,8 +25,8 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first": 
 class Outcome:
     """A finished generation, gathered from its events."""
 
-    tokens: list[StreamToken] = field(default_factory=list)
-    done: StreamDone | None = None
+    tokens: list[StreamToken]
+    done: StreamDone
 
 
 async def _disconnected(request: Request) -> None:
@@ -99,13 +99,14 @@ def note_unfinished(metrics: Metrics, reason: str, n: int = 1) -> None:
 async def collect(generation: RequestState, metrics: Metrics) -> Outcome:
     """Run a generation to its end; an engine error becomes a 500 (a 503 when the engine is
     restarting or gone), a cancellation a 499."""
-    out = Outcome()
+    tokens: list[StreamToken] = []
+    done: StreamDone | None = None
     try:
         async for event in events(generation):
             if isinstance(event, StreamToken):
-                out.tokens.append(event)
+                tokens.append(event)
             elif isinstance(event, StreamDone):
-                out.done = event
+                done = event
                 metrics.observe_generation(event)
             else:
                 note_unfinished(metrics, "error")
@@ -113,7 +114,8 @@ async def collect(generation: RequestState, metrics: Metrics) -> Outcome:
     except GenerationCancelled:
         note_unfinished(metrics, "cancelled")
         raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed") from None
-    return out
+    assert done is not None, "events() ends with one done or error event"
+    return Outcome(tokens, done)
 
 
 def sse(event: str | None, data: BaseModel | dict | str) -> str:

@@ -79,13 +79,15 @@ class HeadsServing:
 
     @staticmethod
     async def _probe(body: HeadsRequest, served: ServedModel) -> tuple[list[int], dict]:
+        probe = body.probe
+        assert probe is not None  # _ids builds the probe only for a request that asks for one
         family, tok = served.family, served.checkpoint.tokenizer
         most = max_probe_length(family, served.checkpoint.config.context_length)
-        length = body.probe.length if body.probe.length is not None else min(DEFAULT_PROBE_LENGTH, most)
+        length = probe.length if probe.length is not None else min(DEFAULT_PROBE_LENGTH, most)
         if not 1 <= length <= most:
             raise ApiError(400, f"probe.length {length} does not fit: the probe has 2 x length + "
                                 f"{probe_overhead(family)} tokens and the model's "
                                 f"context is {served.checkpoint.config.context_length}, so length runs 1..{most}",
                            param="probe.length", code="context_length_exceeded")
-        ids = await off_loop(probe_ids, family, tok, length, body.probe.seed)
-        return ids, {"kind": body.probe.kind, "length": length, "seed": body.probe.seed}
+        ids = await off_loop(probe_ids, family, tok, length, probe.seed)
+        return ids, {"kind": probe.kind, "length": length, "seed": probe.seed}

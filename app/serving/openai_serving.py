@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -37,12 +37,13 @@ from attnlens.model import SamplingParams
 
 log = logging.getLogger("attnlens.routers")
 
-ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 401, 404, 408, 413, 422, 429, 503)}
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": OpenAIErrorResponse} for code in (400, 401, 404, 408, 413, 422, 429, 503)}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 def not_found(state: AppState, name: str) -> ApiError:
     """OpenAI's 404 for a model: it names only the models GET /v1/models lists."""
+    assert state.registry is not None  # asked only once the models are loaded
     listed = [m.name for m in state.registry.models.values() if COMPLETIONS in m.tasks]
     return ApiError(404, f"the model {name!r} does not exist; the models here are: {', '.join(listed)} "
                          f"(GET /v1/models)", param="model", code="model_not_found")

@@ -55,7 +55,7 @@ async def tokenize_texts(tokenizer: Tokenizer, texts: list[str], *, prompt: bool
         return []
     ids = await run_in_threadpool(tokenizer.encode_batch, texts)
     if prompt and tokenizer.add_bos:
-        ids = [[tokenizer.bos_id, *row] for row in ids]
+        ids = [[*tokenizer.prompt_prefix, *row] for row in ids]
     return ids
 
 

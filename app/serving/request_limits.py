@@ -24,9 +24,9 @@ def check_lengths(context_length: int, settings: Settings, prompt_ids: list[int]
     ctx = context_length
     if n == 0:
         raise ApiError(400, f"{prompt_field} encodes to no tokens", param=prompt_field, code="empty_prompt")
-    if n > settings.max_prompt_tokens:
+    if n > settings.prompt_limit:
         raise ApiError(400, f"{prompt_field} has {n} tokens, more than the limit of "
-                            f"{settings.max_prompt_tokens} (ATTNLENS_MAX_PROMPT_TOKENS)",
+                            f"{settings.prompt_limit} (ATTNLENS_MAX_PROMPT_TOKENS)",
                        param=prompt_field, code="prompt_too_long")
     if generation.prompt == "source":
         if n > ctx:

@@ -33,6 +33,7 @@ import torch
 from attnlens.model.families.contract import family_of
 from attnlens.model.hooks import Hooks, hooked, hooked_module
 from attnlens.model.hooks import active as active_hooks
+from attnlens.model.parts.attention import MultiHeadAttention
 
 BLOCK_BYTES = 64 << 20  # a block's scores (H' x B x n float32); its softmax and reduction take as much again
 _QK = ("hook_rot_q", "hook_rot_k", "hook_q", "hook_k")
@@ -269,6 +270,7 @@ def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: 
 
     def reduce(module: str, group, i: int, q: torch.Tensor, k: torch.Tensor) -> None:
         attn = hooked_module(model, module)
+        assert isinstance(attn, MultiHeadAttention)  # a group's hook names its attention module
         reduce_layer(reductions[group.name], i, q, k, heads, attn.groups, attn.scale, group.causal,
                      window if group.causal else None, block_bytes=block_bytes, progress=progress)
 

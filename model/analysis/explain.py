@@ -28,7 +28,7 @@ from typing import TypedDict
 import torch
 
 from attnlens.model.analysis import vocab_rows
-from attnlens.model.families.contract import family_of
+from attnlens.model.families.contract import LensSpec, family_of
 from attnlens.model.hooks import Hooks, ZEdit, hooked, run_until, unchanged_outputs
 
 
@@ -38,7 +38,15 @@ class Sequence:
     generated: bool  # the target is the model's own greedy output (computed without ablation)
 
     def stream(self, model) -> list[int]:
-        return self.tokens[family_of(model).lens.stream]
+        return self.tokens[lens_of(model).stream]
+
+
+def lens_of(model) -> LensSpec:
+    """The model's family's lens: every function here reads one (the explain routes serve only a
+    family that declares it, app/serving/explain_serving.py)."""
+    lens = family_of(model).lens
+    assert lens is not None, f"the {family_of(model).name} family declares no lens"
+    return lens
 
 
 class PositionLogits(TypedDict):
@@ -102,7 +110,7 @@ class HeadStep(TypedDict, total=False):
 
 def actual_ids(model, stream: list[int]) -> list[int | None]:
     """What each position's logits predict: the next id (None at the end), or the id itself."""
-    if family_of(model).lens.predicts == "same":
+    if lens_of(model).predicts == "same":
         return list(stream)
     return [*stream[1:], None]
 
@@ -128,7 +136,7 @@ def position_logits(logprobs: torch.Tensor, actual: list[int | None], positions:
     """Per position of (P, V) log-probabilities (rows: `positions`): top-k ids and probabilities, the
     actual token's probability and log-probability."""
     ids, probs = _top(logprobs, top_k)
-    out = []
+    out: list[PositionLogits] = []
     for i, p in enumerate(positions):
         a = actual[p]
         lp = None if a is None else float(logprobs[i, a])
@@ -152,6 +160,7 @@ def logits_report(model, ids: list[int], target_ids: list[int] | None, ablate: t
     if not ablate:
         report["positions"] = position_logits(clean, actual, positions, top_k)
         return report
+    assert outputs is not None  # made above for an ablation
     given = unchanged_outputs(outputs.captured, ablate)
     edited = torch.log_softmax(sequence_logits(model, seq, Hooks(ablate=ablate, given=given))[positions], dim=-1)
     report["positions"] = position_logits(edited, actual, positions, top_k)
@@ -166,7 +175,7 @@ def logits_report(model, ids: list[int], target_ids: list[int] | None, ablate: t
 
 def lens_names(model) -> list[str]:
     """The residual stream points the lens reads: block 0's input, then every block's output."""
-    stack = family_of(model).lens.stack
+    stack = lens_of(model).stack
     L = model.config.n_layers
     return [f"{stack}.0.hook_resid_pre"] + [f"{stack}.{l}.hook_resid_post" for l in range(L)]
 
@@ -189,7 +198,7 @@ def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tup
     run_until(model, hooks, lambda: model.stream_logits(seq.tokens))
     at = list(range(len(stream))) if positions is None else list(positions)
     if at and max(at) >= len(stream):  # only a generated target's length is not known before this call
-        return {"error": f"positions {max(at)} out of range: the {family_of(model).lens.stream} have "
+        return {"error": f"positions {max(at)} out of range: the {lens_of(model).stream} have "
                          f"{len(stream)} positions (0..{len(stream) - 1})"}
     actual_at = [actual[p] for p in at]
     P = len(at)
@@ -201,11 +210,12 @@ def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tup
     stats = vocab_rows.unembedded_stats(model.unembed, residuals, picks, model.config.vocab_size, top_k, rank)
     top_ids, top_probs = stats.top_ids.tolist(), stats.top_logprobs.exp().tolist()
     probs = stats.picked_logprob.exp().tolist()
-    ranks = stats.picked_rank.tolist() if rank else [None] * len(probs)
+    # picked_rank is made when rank is asked for
+    ranks = stats.picked_rank.tolist() if stats.picked_rank is not None else [None] * len(probs)
     layers = []
-    for index in range(len(names)):
-        rows = slice(index * P, (index + 1) * P)
-        layers.append({"index": index - 1, "top_ids": top_ids[rows], "top_probs": top_probs[rows],
+    for row in range(len(names)):  # the embeddings, then each block's output
+        rows = slice(row * P, (row + 1) * P)
+        layers.append({"index": row - 1, "top_ids": top_ids[rows], "top_probs": top_probs[rows],
                        "rank": [None if a is None else r for a, r in zip(actual_at, ranks[rows])],
                        "prob": [None if a is None else p for a, p in zip(actual_at, probs[rows])]})
     return {"tokens": seq.tokens, "generated": seq.generated, "stream": stream, "actual": actual_at,

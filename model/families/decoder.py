@@ -20,7 +20,7 @@ prompt in one context; it has one attention group, "self" (causal, tokens over t
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, ClassVar, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -78,7 +78,7 @@ FAMILY = Family(
 
 
 class Transformer(Embeddings, nn.Module):
-    family = FAMILY
+    family: ClassVar[Family] = FAMILY
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -26,7 +26,7 @@ choice) is available. Both read only real positions: padding never changes a pre
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -79,7 +79,7 @@ def padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class Encoder(Embeddings, nn.Module):
-    family = FAMILY
+    family: ClassVar[Family] = FAMILY
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -98,13 +98,13 @@ class Encoder(Embeddings, nn.Module):
         self.mlm_dense = Linear(C, C, bias=config.bias)
         self.mlm_norm = nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
         self.mlm_bias = nn.Parameter(torch.zeros(V))
-        self.mlm_decoder = None if config.tie_embeddings else Linear(C, V, bias=False)
+        self.mlm_decoder: Linear | None = None if config.tie_embeddings else Linear(C, V, bias=False)
         # classification head on the pooled representation
+        self.pooler: Linear | None = None
+        self.classifier: Linear | None = None
         if config.labels:
             self.pooler = Linear(C, C, bias=config.bias)
             self.classifier = Linear(C, len(config.labels), bias=True)
-        else:
-            self.pooler = self.classifier = None
         self.classifier_blocks = nn.ModuleList(Block(config, causal=False) for _ in range(config.classifier_layers))
         self.apply(Transformer._init_weights)
 
@@ -129,10 +129,10 @@ class Encoder(Embeddings, nn.Module):
                    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """(B, T, C) through `blocks`, and their (B, H, T, T) maps if asked."""
         key_mask = padding_mask(attention_mask)  # (B, 1, 1, T) or None
-        attentions = [] if return_attention else None
+        attentions: list[torch.Tensor] | None = [] if return_attention else None
         for block in blocks:
             x, probs, _ = block(x, mask=key_mask, return_attention=return_attention)
-            if return_attention:
+            if attentions is not None:  # return_attention
                 if attention_mask is not None:  # padded query rows are not results
                     probs = probs * attention_mask.to(probs.dtype)[:, None, :, None]
                 attentions.append(probs)
@@ -176,7 +176,7 @@ class Encoder(Embeddings, nn.Module):
         return F.normalize(pooled, p=2.0, dim=-1)  # (B, C), each row's norm 1
 
     def classify_logits(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.classifier is None:
+        if self.classifier is None or self.pooler is None:  # made together, from config.labels
             raise ValueError("this encoder has no classification head (config.labels is empty)")
         return self.classifier(torch.tanh(self.pooler(self.pool(hidden, attention_mask))))  # (B, L)
 

@@ -23,7 +23,7 @@ reuse the cached cross K/V and never run the encoder again.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -173,7 +173,7 @@ class TranslationCache:
 
 
 class EncoderDecoder(Embeddings, nn.Module):
-    family = FAMILY
+    family: ClassVar[Family] = FAMILY
 
     def __init__(self, config: ModelConfig):
         super().__init__()

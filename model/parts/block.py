@@ -55,11 +55,11 @@ class Block(nn.Module):
         self.parallel = config.parallel_residual
         self.ln1 = make_norm(config)
         self.attn = MultiHeadAttention(config)
+        self.ln_cross: nn.Module | None = None
+        self.cross_attn: MultiHeadAttention | None = None
         if cross_attention:  # the encoder-decoder's decoder: attend to the encoder's output
             self.ln_cross = make_norm(config)
             self.cross_attn = MultiHeadAttention(config)
-        else:
-            self.ln_cross = self.cross_attn = None
         self.ln2 = make_norm(config)
         self.ffn = FeedForward(config)
 
@@ -104,6 +104,7 @@ class Block(nn.Module):
                 if memory is None and memory_kv is None:
                     raise ValueError("this block has cross-attention: pass the encoder output as memory "
                                      "(or its projected keys/values as memory_kv)")
+                assert self.ln_cross is not None  # made with cross_attn
                 out, cross_probs = self.cross_attn(self._input(x, self.ln_cross), memory, mask=memory_mask,
                                                    return_attention=return_attention, memory_kv=memory_kv)
                 keep("hook_cross_out", out)
