@@ -93,3 +93,17 @@ def test_a_long_operation_reports_its_progress(ckpt):
 def test_anything_else_is_no_operation(ckpt):
     with pytest.raises(ValueError, match="not a model operation"):
         run_operation(ckpt.model, lambda model: model)
+
+
+def test_a_full_encoder_runner_refuses_in_words(ckpt):
+    """Past max_concurrent + max_queue a ModelRunner answers 429 with a sentence naming the limit."""
+    import asyncio
+
+    from attnlens.app.engine import QueueFull
+    from attnlens.app.registry.model_registry import ModelRunner
+
+    runner = ModelRunner(ckpt, max_concurrent=1, max_queue=0)
+    runner._in_flight = 1  # one call running, and none may wait beside it
+    with pytest.raises(QueueFull, match=r"server busy: 1 requests for this model .*\(limit 1, "
+                                        r"ATTNLENS_MAX_ENCODER_CONCURRENT \+ ATTNLENS_MAX_QUEUE\)"):
+        asyncio.run(runner.call(WarmUpCall(ids=[1])))

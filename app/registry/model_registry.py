@@ -7,7 +7,7 @@ A family that generates (its declaration has a GenerationSpec) is run by a gener
 the others by a `ModelRunner`: one forward per request on a worker thread, at most
 `max_concurrent` at once per model and at most `max_queue` waiting (then 429), like the
 engine's admission limits. Either runs a model operation (model/analysis/operations.py) the same
-way, `run_operation(model, call)`: `ServedModel.call_model(call)`.
+way, `run_operation(model, call)`, and both take it as `await served.runner.call(call)`.
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ class ModelRunner:
     async def call(self, operation: ModelOperation) -> Any:
         """Run the model operation on a worker thread (429 past the queue)."""
         if self._in_flight >= self.max_concurrent + self.max_queue:
-            raise QueueFull(str(self.max_concurrent + self.max_queue), retry_after=1)  # the 429's message, as before
+            raise QueueFull(f"server busy: {self._in_flight} requests for this model already running or waiting "
+                            f"(limit {self.max_concurrent + self.max_queue}, ATTNLENS_MAX_ENCODER_CONCURRENT + "
+                            "ATTNLENS_MAX_QUEUE); retry later", retry_after=1)
         self._in_flight += 1
         abandoned = threading.Event()
 
@@ -88,7 +90,9 @@ class ServedModel:
     name: str
     path: Path | None
     checkpoint: Checkpoint
-    runner: Any = None  # a generation engine (EngineFront) when the family generates, else a ModelRunner
+    # a generation engine (EngineFront) when the family generates, else a ModelRunner: either
+    # runs a model operation with `await runner.call(call)`
+    runner: Any = None
     tasks: list[str] = field(default_factory=list)
     supervisor: Any = None  # the engine's EngineSupervisor (engine/supervisor.py), for a model with an engine
 
@@ -132,12 +136,6 @@ class ServedModel:
         return {"weights_bytes": weight_bytes(self.checkpoint.model),
                 "kv_cache_bytes": engine.cache_bytes if engine is not None else 0,
                 "kv_cache_rows": engine.max_concurrent if engine is not None else 0}
-
-    async def call_model(self, call: ModelOperation) -> Any:
-        """Run a model operation (model/analysis/operations.py) on the model's side: the engine's
-        model-call line (the call, plain data, travels by pickle to an engine process) or a worker
-        thread; both run `run_operation(model, call)`."""
-        return await self.runner.call(call)
 
     def describe(self) -> str:
         name = self.family.name

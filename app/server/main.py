@@ -87,7 +87,7 @@ async def warm_up(served: ServedModel) -> None:
         (cls, sep), mask = tok.frame_ids, tok.mask_id
         assert mask is not None, "an encoder's tokenizer has [MASK]"
         encoder_ids = [cls, mask, sep]
-    await served.call_model(WarmUpCall(ids=ids, encoder_ids=encoder_ids))
+    await served.runner.call(WarmUpCall(ids=ids, encoder_ids=encoder_ids))
 
 
 async def start_runner(s: Settings, ckpt: Checkpoint, name: str):

@@ -182,7 +182,7 @@ async def answer_with_claim(state, served, call, build: Callable[[Any], Any], *,
     claim goes back at once."""
     claim = await state.answers.claim(need, what=what, **({"instead": instead} if instead is not None else {}))
     try:
-        work = served.call_model(call)
+        work = served.runner.call(call)
         result = await (unless_disconnected(request, work) if request is not None else work)
         if check is not None:
             check(result)

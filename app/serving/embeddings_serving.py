@@ -115,7 +115,7 @@ class EmbeddingsServing:
         rows = await framed_inputs(body, served, texts)
         tok = served.checkpoint.tokenizer
         pad = tok.pad_id if tok.pad_id is not None else 0  # padded positions are masked: any id will do
-        vectors = await served.call_model(EmbedCall(rows=rows, pad_id=pad))
+        vectors = await served.runner.call(EmbedCall(rows=rows, pad_id=pad))
         tokens = sum(map(len, rows))
         return {"object": "list", "model": served.name,
                 "data": [{"object": "embedding", "index": i, "embedding": encoded(v, body.encoding_format)}

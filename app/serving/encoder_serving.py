@@ -42,7 +42,7 @@ class EncoderServing:
             call, spans = await off_loop(fill_mask_call, ckpt, body.text, body.top_k, MAX_MASKS)
         except TaskInputError as e:
             raise input_error(e) from None
-        scores = await served.call_model(call)
+        scores = await served.runner.call(call)
         masks = await off_loop(candidates, ckpt.tokenizer, body.text, call, spans, scores)
         return FillMaskResponse(model=served.name, masks=[[c.__dict__ for c in row] for row in masks])
 
@@ -53,6 +53,6 @@ class EncoderServing:
             ids = await off_loop(framed_ids, served.checkpoint, body.text)
         except TaskInputError as e:
             raise input_error(e) from None
-        probs = await served.call_model(ClassifyCall(ids))
+        probs = await served.runner.call(ClassifyCall(ids))
         labels = ranked_labels(served.checkpoint.config.labels, probs)
         return ClassifyResponse(model=served.name, labels=[{"label": label, "score": s} for label, s in labels])

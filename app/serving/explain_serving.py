@@ -4,7 +4,7 @@ router): one request -> one model call -> one answer.
 Each route reads its sequence as /attention does (`read_sequence`), checks its ablations and
 indices (400 naming the field), claims the answer's estimated bytes from the answer budget
 (ATTNLENS_MAX_ANSWER_BYTES, as /attention), runs model/analysis/explain.py on the model's side
-(a LogitsCall, LensCall or ExplainHeadCall through `ServedModel.call_model`: the engine's
+(a LogitsCall, LensCall or ExplainHeadCall through the model's runner: the engine's
 model-call line, bounded by
 ATTNLENS_MAX_ATTENTION_CONCURRENT, or the encoder's runner) and builds the answer on a worker
 thread. Nothing here runs the model on the event loop.
