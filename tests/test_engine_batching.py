@@ -18,8 +18,8 @@ import torch
 from helpers import DEVICES, drain, reference_ids, reference_tokens, run_async
 
 from attnlens.app.engine import Engine, EngineProcess, GenerationCancelled, GenerationParams, QueueFull, RequestTooLarge
+from attnlens.app.engine.admission import Admission, DrainRate
 from attnlens.app.engine.outputs import DoneEvent, ErrorEvent, TokenEvent
-from attnlens.app.engine.scheduler import DrainRate, Scheduler
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
 from attnlens.model import SamplingParams, load_checkpoint
@@ -329,7 +329,7 @@ class Waiting:
 
 def test_retry_after_follows_the_measured_drain_rate_and_grows_with_the_queue():
     clock = FakeClock()
-    s = Scheduler(max_concurrent=2, max_queue=4, max_calls=1, clock=clock)
+    s = Admission(max_concurrent=2, max_queue=4, max_calls=1, clock=clock)
     s.admit_generations([Waiting() for _ in range(6)])
     s.generations.take()  # two running, four waiting
     # four generations finished over the last 8 seconds: 0.5 per second
@@ -384,10 +384,10 @@ def test_429_contract_of_generate_and_v1_in_process(tiny_checkpoint):
         engine = app.state.attnlens.registry.get(None).runner
         rec = engine.client.core.model = RecordingModel(engine.client.core.model)
         clock = FakeClock()
-        engine.scheduler.drain.clock = clock
+        engine.admission.drain.clock = clock
         for t in (996.0, 998.0):  # two finishes over the last 4 seconds: 0.5 per second
             clock.now = t
-            engine.scheduler.drain.note_finished()
+            engine.admission.drain.note_finished()
         clock.now = 1000.0
         rec.gate.clear()
         ids = engine.tokenizer.encode("To be")

@@ -1,4 +1,4 @@
-"""The engine knows nothing of the API: importing it (core, front, scheduler, process, output
+"""The engine knows nothing of the API: importing it (core, front, admission, process, output
 stage) loads none of the API's schemas, and what it hands a route is a request's server-side
 state, apart from the engine-side request the core schedules (issue 19: split the request)."""
 

@@ -117,7 +117,7 @@ def test_a_stream_still_running_after_the_grace_period_ends_with_an_error_event(
         state = app.state.attnlens
         engine = state.registry.get(None).runner
         # held until the engine closes: a generation longer than the grace period
-        model = engine.client.core.model = HeldModel(engine.client.core.model, hold_at=3, give_up=lambda: engine.scheduler.closed)
+        model = engine.client.core.model = HeldModel(engine.client.core.model, hold_at=3, give_up=lambda: engine.admission.closed)
         async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
             async with client.stream("POST", "/generate", json=PROMPT) as stream:
                 lines = stream.aiter_lines()
@@ -147,7 +147,7 @@ def test_sigint_stops_at_once_and_a_second_sigterm_ends_the_grace_period(tiny_ch
 
     async def twice(app, server, task, base_url):
         engine = app.state.attnlens.registry.get(None).runner
-        model = engine.client.core.model = HeldModel(engine.client.core.model, hold_at=3, give_up=lambda: engine.scheduler.closed)
+        model = engine.client.core.model = HeldModel(engine.client.core.model, hold_at=3, give_up=lambda: engine.admission.closed)
         async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
             async with client.stream("POST", "/generate", json=PROMPT) as stream:
                 lines = stream.aiter_lines()

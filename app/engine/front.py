@@ -1,7 +1,7 @@
 """The engine's front, on the server's side of every engine: admission, each request's output
 state, and the engine's life as the server sees it.
 
-A request is admitted here, into the scheduler's bounded lines (QueueFull with Retry-After,
+A request is admitted here, into the bounded lines of admission.py (QueueFull with Retry-After,
 RequestTooLarge, EngineClosed); each generation gets its server-side RequestState (outputs.py),
 which the route reads, and joins the stream budget. When a generation gets a slot (and a model
 call its turn) the front hands it to the core through its CoreClient (client.py); the core's
@@ -23,11 +23,11 @@ import threading
 import time
 from typing import Any, Callable
 
+from attnlens.app.engine.admission import Admission, EngineClosed, EngineFailed, EngineRestarting
 from attnlens.app.engine.client import CoreClient
 from attnlens.app.engine.outputs import RequestState, call_soon, hand_over
 from attnlens.app.engine.records import MODEL_CALL_FAILED, CallResult, CoreRecord, FinishRecord, Record
 from attnlens.app.engine.request import Generation, GenerationParams
-from attnlens.app.engine.scheduler import EngineClosed, EngineFailed, EngineRestarting, Scheduler
 from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.model import Checkpoint
 
@@ -74,7 +74,7 @@ class EngineFront:
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.max_stream_backlog_bytes = max_stream_backlog_bytes  # per generation, unread events
-        self.scheduler = Scheduler(max_concurrent, max_queue, max_attention_concurrent, clock=clock)
+        self.admission = Admission(max_concurrent, max_queue, max_attention_concurrent, clock=clock)
         self._lock = threading.Lock()
         self.waiting_cancelled = 0  # generations that left the line before they ran
         # what every stream's unread events may hold between them, shared by all engines (main.py)
@@ -91,15 +91,15 @@ class EngineFront:
     # --- introspection (metrics, supervision) -------------------------------
     @property
     def in_flight(self) -> int:
-        return len(self.scheduler.generations.running)
+        return len(self.admission.generations.running)
 
     @property
     def waiting(self) -> int:
-        return len(self.scheduler.generations.waiting)
+        return len(self.admission.generations.waiting)
 
     @property
     def attention_in_flight(self) -> int:
-        return self.scheduler.calls.held
+        return self.admission.calls.held
 
     @property
     def device(self):
@@ -176,7 +176,7 @@ class EngineFront:
         for g in generations:
             g.owner = self
         with self._lock:
-            self.scheduler.admit_generations(generations, param=param)
+            self.admission.admit_generations(generations, param=param)
             self._dispatch()
 
     async def call(self, operation: Any) -> Any:
@@ -193,24 +193,24 @@ class EngineFront:
 
     def admit_call(self, work: ModelCall) -> None:
         with self._lock:
-            self.scheduler.admit_call(work)
+            self.admission.admit_call(work)
             self._dispatch()
 
     def _call_abandoned(self, work: ModelCall) -> None:
         """Its caller left while `work` waited or ran: a running call stops at its next report point
         (app/engine/progress.py)."""
         with self._lock:
-            if work in self.scheduler.calls.running and self.state == "running":
+            if work in self.admission.calls.running and self.state == "running":
                 self.client.cancel_call(work)
 
     def cancel_generation(self, g: Generation) -> None:
         """g was cancelled: a waiting generation leaves the line at once, and ends; a running
         one is the core's to stop."""
         with self._lock:
-            removed = self.scheduler.generations.remove_waiting(g)
+            removed = self.admission.generations.remove_waiting(g)
             if removed:
                 self.waiting_cancelled += 1
-            elif g in self.scheduler.generations.running and self.state == "running":
+            elif g in self.admission.generations.running and self.state == "running":
                 self.client.cancel(g)
         if removed:
             g.t_end = time.perf_counter()
@@ -219,7 +219,7 @@ class EngineFront:
     def stop_generation(self, g: Generation) -> None:
         """The output stage asks the core to end g at its next step."""
         with self._lock:
-            if g in self.scheduler.generations.running and self.state == "running":
+            if g in self.admission.generations.running and self.state == "running":
                 self.client.stop(g)
 
     def _dispatch(self) -> None:
@@ -227,19 +227,19 @@ class EngineFront:
         (only to a running core: while one restarts, the work waits in line)."""
         if self.state != "running" or self._closing:
             return
-        for g in self.scheduler.generations.take():
+        for g in self.admission.generations.take():
             self.client.add_generation(g)
-        calls = self.scheduler.calls
+        calls = self.admission.calls
         while calls.waiting and not calls.running:
             work = calls.take()[0]
             if work.cancelled:  # its caller left while it waited
-                self.scheduler.call_finished(work, 0.0)
+                self.admission.call_finished(work, 0.0)
                 continue
             work.t_start = time.perf_counter()
             try:
                 self.client.add_call(work)
             except Exception as e:  # it cannot be handed over (does not pickle): a bug in the route that made it
-                self.scheduler.call_finished(work, 0.0)
+                self.admission.call_finished(work, 0.0)
                 log.error("a model call cannot be sent to the engine's core: %s", e)
                 work.settle(error=RuntimeError(MODEL_CALL_FAILED))
 
@@ -254,17 +254,17 @@ class EngineFront:
         outputs: list[Record] = []
         results: list[CallResult] = []
         with self._lock:
-            self.scheduler.drain.step_seconds = self.client.step_seconds
+            self.admission.drain.step_seconds = self.client.step_seconds
             freed = False
             for r in records:
                 if isinstance(r, CallResult):
-                    if r.call in self.scheduler.calls.running:  # else it was ended already
-                        self.scheduler.call_finished(r.call, time.perf_counter() - r.call.t_start)
+                    if r.call in self.admission.calls.running:  # else it was ended already
+                        self.admission.call_finished(r.call, time.perf_counter() - r.call.t_start)
                         results.append(r)
                         freed = True
                     continue
-                if isinstance(r, FinishRecord) and r.generation in self.scheduler.generations.running:
-                    self.scheduler.generation_finished(r.generation)
+                if isinstance(r, FinishRecord) and r.generation in self.admission.generations.running:
+                    self.admission.generation_finished(r.generation)
                     freed = True
                 outputs.append(r)
             if freed:
@@ -277,8 +277,8 @@ class EngineFront:
     def on_started(self) -> None:
         with self._lock:
             self.state, self.detail = "running", None
-            if self.scheduler.closed_as is EngineRestarting:  # refused while it was down: takes work again
-                self.scheduler.reopen()
+            if self.admission.closed_as is EngineRestarting:  # refused while it was down: takes work again
+                self.admission.reopen()
             self._dispatch()  # what waited for the (re)start
 
     def on_lost(self, detail: str) -> None:
@@ -289,7 +289,7 @@ class EngineFront:
             if not closing:
                 self.state = "restarting" if supervised else "failed"
                 self.detail = detail
-            running = ([], []) if closing or not supervised else self.scheduler.take_running()
+            running = ([], []) if closing or not supervised else self.admission.take_running()
         if closing:
             self._end_everything("the server is shutting down")
             return
@@ -321,8 +321,8 @@ class EngineFront:
         with self._lock:
             if self.state == "running" or self._closing:
                 return
-            self.scheduler.close(message, EngineRestarting, retry_after)
-            generations, calls = self.scheduler.take_waiting()
+            self.admission.close(message, EngineRestarting, retry_after)
+            generations, calls = self.admission.take_waiting()
         self._end_with(generations, calls, EngineRestarting(message, retry_after))
 
     def give_up(self, message: str, kind: type[EngineClosed]) -> None:
@@ -335,7 +335,7 @@ class EngineFront:
         generation and model call still held with "the server is shutting down"."""
         with self._lock:
             self._closing = True
-            self.scheduler.closed = True
+            self.admission.closed = True
         self.client.close(timeout)
         self._end_everything("the server is shutting down")
         self.state = "stopped"
@@ -345,8 +345,8 @@ class EngineFront:
         """Close admission (`kind` with `message`); every generation and model call still
         held, waiting or running, ends with `message`."""
         with self._lock:
-            self.scheduler.close(message, kind, retry_after)
-            generations, calls = self.scheduler.take_everything()
+            self.admission.close(message, kind, retry_after)
+            generations, calls = self.admission.take_everything()
         self._end_with(generations, calls, kind(message, retry_after))
 
     def _end_with(self, generations: list[Generation], calls: list[ModelCall], error: EngineClosed) -> None:

@@ -37,10 +37,10 @@ import torch
 
 import attnlens
 from attnlens.app.engine import worker
+from attnlens.app.engine.admission import EngineClosed
 from attnlens.app.engine.client import CoreClient, FrontSink
 from attnlens.app.engine.records import CallResult, CoreRecord, FinishRecord
 from attnlens.app.engine.request import Generation
-from attnlens.app.engine.scheduler import EngineClosed
 from attnlens.app.engine.wire import Counters, decode_record, dumps, receive, send
 
 log = logging.getLogger("attnlens.engine")

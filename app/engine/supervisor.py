@@ -31,9 +31,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from attnlens.app.engine.admission import EngineFailed
 from attnlens.app.engine.front import EngineFront
 from attnlens.app.engine.process import ProcessClient
-from attnlens.app.engine.scheduler import EngineFailed
 
 log = logging.getLogger("attnlens.engine")
 
@@ -123,7 +123,7 @@ class EngineSupervisor:
                 engine.refuse_while_down(f"the engine of model {self.name!r} is restarting "
                                          f"({engine.detail}); retry later", self.retry_after())
             else:
-                engine.scheduler.closed_retry_after = self.retry_after()
+                engine.admission.closed_retry_after = self.retry_after()
         if self._attempt is None:
             assert self.next_attempt is not None  # _died scheduled it (above, or when the last attempt failed)
             if now >= self.next_attempt:

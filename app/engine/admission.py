@@ -144,7 +144,7 @@ class Line(Generic[T]):
         return moved
 
 
-class Scheduler:
+class Admission:
     """Admission for generations and model calls (see the module docstring)."""
 
     def __init__(self, max_concurrent: int, max_queue: int, max_calls: int, *,
