@@ -130,6 +130,17 @@ def post_wall_s(port: int, path: str, body: dict) -> float:
     return wall
 
 
+def is_llama_token(line: bytes) -> bool:
+    """A streamed /completion event with a token (the last one, `"stop": true`, carries the timings)."""
+    if not line.startswith(b"data: "):
+        return False
+    try:
+        event = json.loads(line[6:])
+    except ValueError:
+        return False
+    return isinstance(event, dict) and not event.get("stop", False) and "content" in event
+
+
 def decode_rate(arrivals: list[float]) -> float:
     """Tokens after the first over the time from the first to the last: decoding alone."""
     return (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
@@ -189,7 +200,7 @@ class Measure:
             row.note = f"stopped at EOS after {min(counts)} tokens"
         return row
 
-    def llama_server(self, server: Path, gguf: Path, weights: str) -> Row:
+    def llama_server(self, server: Path, env: dict[str, str], gguf: Path, weights: str) -> Row:
         a, n = self.args, self.args.new_tokens
         cmd = [str(server), "-m", str(gguf), "-t", str(a.threads), "-tb", str(a.threads), "-c", "4096", "-np", "1",
                "--host", "127.0.0.1"]
@@ -197,14 +208,13 @@ class Measure:
         def decode(port: int) -> float:
             body = {"prompt": self.prompt_ids, "n_predict": n, "temperature": 0, "ignore_eos": True,
                     "cache_prompt": False, "stream": True}
-            return decode_rate(post_stream(port, "/completion", body,
-                                           lambda line: line.startswith(b"data: ") and b'"content"' in line))
+            return decode_rate(post_stream(port, "/completion", body, is_llama_token))
 
         def prefill(port: int) -> float:
             return post_wall_s(port, "/completion", {"prompt": self.long_ids, "n_predict": 1, "temperature": 0,
                                                      "cache_prompt": False})
 
-        return self.server(Row("llama.cpp llama-server", weights), cmd, dict(os.environ), "/health", decode, prefill)
+        return self.server(Row("llama.cpp llama-server", weights), cmd, env, "/health", decode, prefill)
 
     def in_process(self, model, hf) -> list[Row]:
         import torch
@@ -326,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     peers = []
     if llama is not None:
         for path, weights in ((f32_gguf(llama, gguf), "F32"), (gguf, "Q4_1")):
-            peers.append(measure.llama_server(llama.server, path, weights))
+            peers.append(measure.llama_server(llama.server, llama.env(), path, weights))
         rows += peers
     print_table(rows, peers)
     if llama is None:

