@@ -134,11 +134,13 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         H, K, D = self.n_heads, self.n_kv_heads, self.d_head
         if memory is None and memory_kv is None:
-            if K == H:  # (B, T, 3HD) -> (B, T, 3, H, D) -> (3, B, H, T, D): q, k, v as views
-                q, k, v = self.qkv(x).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
-            else:  # (B, T, (H + 2K) D) -> q (B, T, HD), k and v (B, T, KD) -> (B, heads, T, D) views
-                q, k, v = self.qkv(x).split((H * D, K * D, K * D), dim=-1)
-                q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))
+            # (B, T, (H + 2K) D) -> (B, H + 2K, T, D): the q heads, then k's, then v's, as views
+            heads = self.qkv(x).view(B, T, H + 2 * K, D).transpose(1, 2)
+            if rope is not None and self.q_norm is None and hooks is None:
+                # q and k rotated as one (B, H + K, T, D) tensor: one set of operators for both
+                qk = apply_rotary(heads[:, :H + K], rope)
+                return qk[:, :H], qk[:, H:], heads[:, H + K:]
+            q, k, v = heads[:, :H], heads[:, H:H + K], heads[:, H + K:]
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:

@@ -7,7 +7,8 @@ Shapes: T = positions in this call, B = batch, C = d_model, D = d_head, R = rota
     sinusoidal_table   (P, C) PE(pos, 2i) = sin(pos / 10000^(2i/C)), PE(pos, 2i+1) = cos(...)
     rotary_inv_freq    (R/2,) the rotary frequencies: base^(-2i/R), scaled as the config names
                        ("linear": / factor; "llama3": Llama 3.1's per-band rescaling)
-    RotaryEmbedding    positions (T,) or (B, T) -> RotaryAngles(cos, sin), each (T, R) or (B, T, R)
+    RotaryEmbedding    positions (T,) or (B, T) -> RotaryAngles(cos, sin, signed_sin), each (T, R) or
+                       (B, T, R)
     apply_rotary       (B, H, T, D) queries or keys, rotated by their positions' angles
 
 Rotary positions (Su et al. 2021) rotate each pair of dims (i, i + R/2) of a query or key by
@@ -69,10 +70,15 @@ def rotary_inv_freq(rotary_dims: int, base: float, scaling: dict | None = None) 
 
 
 class RotaryAngles(NamedTuple):
-    """cos and sin of every (position, rotary dim): (T, R) shared by the batch, or (B, T, R)."""
+    """cos and sin of every (position, rotary dim): (T, R) shared by the batch, or (B, T, R).
+
+    signed_sin is sin with its first half negated (-sin | sin), made once per forward for every
+    layer: rotate_half(x) * sin = roll(x, R/2) * signed_sin, exactly (a negation is exact), in
+    one operator instead of three (chunk, neg, cat). None: apply_rotary takes rotate_half."""
 
     cos: torch.Tensor
     sin: torch.Tensor
+    signed_sin: torch.Tensor | None = None
 
 
 class RotaryEmbedding(nn.Module):
@@ -100,7 +106,10 @@ class RotaryEmbedding(nn.Module):
         """positions (T,) or (B, T) int -> RotaryAngles with cos, sin (T, R) or (B, T, R)."""
         freqs = positions[..., None].float() * self.inv_freq  # (..., T, R/2)
         angles = torch.cat((freqs, freqs), dim=-1)  # (..., T, R): dims i and i + R/2 share an angle
-        return RotaryAngles(angles.cos().to(dtype), angles.sin().to(dtype))
+        sin = angles.sin().to(dtype)
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # (..., T, R): -sin | sin
+        return RotaryAngles(angles.cos().to(dtype), sin, signed_sin)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -111,11 +120,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, angles: RotaryAngles) -> torch.Tensor:
     """Rotate the first R dims of (B, H, T, D) queries or keys; the other D - R pass unchanged."""
-    cos, sin = angles
+    cos, sin, signed_sin = angles.cos, angles.sin, angles.signed_sin
     if cos.dim() == 3:  # (B, T, R): each row its own positions -> (B, 1, T, R), the same for every head
         cos, sin = cos[:, None], sin[:, None]
+        signed_sin = signed_sin[:, None] if signed_sin is not None else None
     R = cos.shape[-1]
     if R == x.shape[-1]:
+        if signed_sin is not None:  # (x1, x2) -> (x2, x1) in one operator, signs from signed_sin
+            return x * cos + x.roll(R // 2, dims=-1) * signed_sin
         return x * cos + rotate_half(x) * sin
     rot, rest = x[..., :R], x[..., R:]  # partial rotary (GPT-NeoX's rotary_pct)
     return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
