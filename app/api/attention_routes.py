@@ -2,7 +2,7 @@
 
 What the answer holds follows the model's family declaration (model/families/contract.py): its
 attention groups and their axes, how it frames a text, whether it reads a target (the layout is in
-app/serving/attention_answer.py; the serving side app/serving/attention_serving.py)."""
+app/serving/attention_serving.py, its serving side)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ request asks (model/analysis/attention_blocks.py), as numpy.
     analyse_attention   the maps of one sequence, made in blocks of query rows and reduced at once
     attention_maps      the primary group's (L', H', T, T) maps of one sequence
 
-The answer's size, layout and encoding are the service's (app/serving/attention_answer.py).
+The answer's size, layout and encoding are the service's (app/serving/attention_serving.py).
 """
 
 from __future__ import annotations
