@@ -42,12 +42,13 @@ def is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def runtime_imports(tree: ast.AST):
-    """The Import / ImportFrom nodes of a module, skipping the bodies of `if TYPE_CHECKING:`."""
+def runtime_imports(tree: ast.AST, type_checking: bool = False):
+    """The Import / ImportFrom nodes of a module, skipping the bodies of `if TYPE_CHECKING:` unless
+    `type_checking` (a circle there is a circle of meaning, if not of loading)."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and is_type_checking(node.test):
             stack.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -55,12 +56,12 @@ def runtime_imports(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
-def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that module `name` imports (outside TYPE_CHECKING)."""
+def imported_modules(name: str, path: Path, modules: dict[str, Path], type_checking: bool = False) -> set[str]:
+    """The package's modules that module `name` imports (outside TYPE_CHECKING, unless `type_checking`)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     own_packages = {".".join(package.split(".")[:i]) for i in range(1, package.count(".") + 2)}
     out = set()
-    for node in runtime_imports(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    for node in runtime_imports(ast.parse(path.read_text(encoding="utf-8"), str(path)), type_checking):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -85,9 +86,9 @@ def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     modules = module_files()
-    return {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    return {name: imported_modules(name, path, modules, type_checking) for name, path in modules.items()}
 
 
 def cycles(graph: dict[str, set[str]], within: str) -> list[list[str]]:
