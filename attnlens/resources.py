@@ -11,6 +11,7 @@ modules and CSS) both ask here, so neither depends on where it was installed fro
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -47,3 +48,12 @@ def checkout_path(*parts: str) -> Path:
 def checkpoints_dir() -> Path:
     """The bundled checkpoints: the checkout's checkpoints/, or checkpoints/ in the working directory."""
     return checkout_path("checkpoints")
+
+
+def cache_root() -> Path:
+    """What attnlens makes once and keeps (converted packaged models, the packed-weights kernel):
+    $ATTNLENS_CACHE_DIR, else $XDG_CACHE_HOME/attnlens, else ~/.cache/attnlens."""
+    if os.environ.get("ATTNLENS_CACHE_DIR"):
+        return Path(os.environ["ATTNLENS_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "attnlens"

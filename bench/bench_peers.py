@@ -8,9 +8,11 @@ Rows, one after another (never two at once), each with --threads threads:
 
 * transformers `generate()`, float32 (its own GGUF loader on the packaged file, dequantized),
   in this process;
-* attnlens float32 in this process (`generate_tokens`, a prefill into a paged KV cache row);
-* attnlens float32 over HTTP: the real server (`python -m attnlens.app.cli serve`, the converted
-  checkpoint, OMP_NUM_THREADS=threads), streaming `POST /generate` with token ids;
+* attnlens in this process (`generate_tokens`, a prefill into a paged KV cache row), float32 and
+  packed (the file's own Q4_1 / Q8_0 blocks, model/packed/);
+* attnlens over HTTP, float32 and packed (ATTNLENS_DTYPE=packed): the real server (`python -m
+  attnlens.app.cli serve`, the converted checkpoint, OMP_NUM_THREADS=threads), streaming
+  `POST /generate` with token ids;
 * llama.cpp `llama-server` on the packaged GGUF as shipped (Q4_1 blocks, a Q8_0 token embedding)
   and on the same file requantized to F32 (`llama-quantize --allow-requantize in out F32`),
   streaming `POST /completion` with the same token ids. llama.cpp is built once into a cache
@@ -177,9 +179,9 @@ class Measure:
             stop(proc)
         return row
 
-    def attnlens_http(self, ckpt_dir: Path) -> Row:
+    def attnlens_http(self, ckpt_dir: Path, dtype: str, weights: str) -> Row:
         a, n = self.args, self.args.new_tokens
-        env = {**os.environ, "ATTNLENS_DEVICE": "cpu", "ATTNLENS_DTYPE": "float32", "OMP_NUM_THREADS": str(a.threads),
+        env = {**os.environ, "ATTNLENS_DEVICE": "cpu", "ATTNLENS_DTYPE": dtype, "OMP_NUM_THREADS": str(a.threads),
                "MKL_NUM_THREADS": str(a.threads), "ATTNLENS_LOG_LEVEL": "warning",
                "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
         counts: list[int] = []
@@ -193,7 +195,7 @@ class Measure:
         def prefill(port: int) -> float:
             return post_wall_s(port, "/generate", {"ids": self.long_ids, "max_new_tokens": 1, "temperature": 0})
 
-        row = self.server(Row("attnlens (over HTTP)", "float32"),
+        row = self.server(Row("attnlens (over HTTP)", weights),
                           [sys.executable, "-m", "attnlens.app.cli", "serve", "--model", str(ckpt_dir), "--host",
                            "127.0.0.1"], env, "/readyz", decode, prefill)
         if counts and min(counts) < n:
@@ -216,7 +218,7 @@ class Measure:
 
         return self.server(Row("llama.cpp llama-server", weights), cmd, env, "/health", decode, prefill)
 
-    def in_process(self, model, hf) -> list[Row]:
+    def in_process(self, model, packed, hf) -> list[Row]:
         import torch
         from transformers.generation.streamers import BaseStreamer
 
@@ -248,24 +250,30 @@ class Measure:
                 hf(torch.tensor([self.long_ids]), use_cache=True, logits_to_keep=1)
             return time.perf_counter() - t0
 
-        def ours_decode() -> float:
-            times = [time.perf_counter() for _ in generate_tokens(model, self.prompt_ids, n,
-                                                                  SamplingParams(temperature=0.0))]
-            return decode_rate(times)
+        def ours_decode(net) -> Callable[[], float]:
+            def decode() -> float:
+                times = [time.perf_counter() for _ in generate_tokens(net, self.prompt_ids, n,
+                                                                      SamplingParams(temperature=0.0))]
+                return decode_rate(times)
+            return decode
 
-        cache = model.new_kv_cache(1, paged=True)
+        def ours_prefill(net) -> Callable[[], float]:
+            cache = net.new_kv_cache(1, paged=True)
 
-        def ours_prefill() -> float:
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                cache.reset()
-                logits = model(torch.tensor([self.long_ids]), kv_cache=cache, rows=slice(0, 1), last_only=True).logits
-                logits.argmax(-1).item()
-            return time.perf_counter() - t0
+            def prefill() -> float:
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    cache.reset()
+                    logits = net(torch.tensor([self.long_ids]), kv_cache=cache, rows=slice(0, 1), last_only=True).logits
+                    logits.argmax(-1).item()
+                return time.perf_counter() - t0
+            return prefill
 
         rows = []
         for row, decode, prefill in ((Row("transformers generate()", "float32"), hf_decode, hf_prefill),
-                                     (Row("attnlens (in-process)", "float32"), ours_decode, ours_prefill)):
+                                     (Row("attnlens (in-process)", "float32"), ours_decode(model), ours_prefill(model)),
+                                     (Row("attnlens (in-process)", "packed"), ours_decode(packed),
+                                      ours_prefill(packed))):
             row.decode_tok_s, row.prefill_s = self.repeat(decode, prefill)
             rows.append(row)
         return rows
@@ -330,9 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     measure = Measure(args, prompt_ids, long_ids)
     hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                            attn_implementation="sdpa").eval()
-    rows = measure.in_process(ours.model, hf)
-    del hf
-    rows.append(measure.attnlens_http(ckpt_dir))
+    packed = load_checkpoint(ckpt_dir, packed=True).model
+    rows = measure.in_process(ours.model, packed, hf)
+    del hf, packed
+    rows.append(measure.attnlens_http(ckpt_dir, "float32", "float32"))
+    rows.append(measure.attnlens_http(ckpt_dir, "packed", "packed"))
     peers = []
     if llama is not None:
         for path, weights in ((f32_gguf(llama, gguf), "F32"), (gguf, "Q4_1")):

@@ -46,7 +46,7 @@ class LlamaCpp:
 
 
 def cache_dir(version: str) -> Path:
-    from attnlens.model.interop.packaged import cache_root
+    from attnlens.resources import cache_root
 
     return cache_root() / "llama.cpp" / version.split(".")[0]  # 11434.0.0: llama.cpp's build b11434
 

@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 from safetensors import safe_open
@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from attnlens.model.config import ConfigError, ModelConfig
 from attnlens.model.families import build_model
 from attnlens.model.families.decoder import Transformer
+from attnlens.model.packed.loading import PACKED_FILE, pack_model, read_packed
 from attnlens.model.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.json"
@@ -89,6 +90,7 @@ def write_checkpoint(out_dir: str | Path, config: ModelConfig, state: dict[str, 
     (an import converts a transformers checkpoint without building the model)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / PACKED_FILE).unlink(missing_ok=True)  # blocks of an earlier import would not match these weights
     config.save(out / CONFIG_FILE)
     tmp = out / (WEIGHTS_FILE + ".tmp")
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
@@ -177,13 +179,14 @@ def load_tokenizer(ckpt_dir: str | Path) -> Tokenizer:
         raise CheckpointError(f"{path}: cannot be read as a tokenizer ({e})") from e
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def read_tensors(path: Path, *, skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
     _require(path)
     try:
         tensors = {}
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+                if name not in skip:
+                    tensors[name] = f.get_tensor(name)
         return tensors
     except Exception as e:  # safetensors raises SafetensorError / OSError on bad files
         raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from e
@@ -215,11 +218,12 @@ def check_weights(want: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ..
             )
 
 
-def load_weights(model: Transformer, path: Path) -> None:
-    tensors = read_tensors(path)
+def load_weights(model: Transformer, path: Path, *, skip: Collection[str] = ()) -> None:
+    """Every tensor of the weights file into the model, all names and shapes checked first; those
+    in `skip` are checked but not read (their modules are about to be replaced)."""
     expected = model_state(model)
-    check_weights({k: tuple(v.shape) for k, v in expected.items()}, {k: tuple(v.shape) for k, v in tensors.items()},
-                  path)
+    check_weights({k: tuple(v.shape) for k, v in expected.items()}, read_shapes(path), path)
+    tensors = read_tensors(path, skip=skip)
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()}, strict=False)
 
 
@@ -239,10 +243,13 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     weights: bool = True,
+    packed: bool = False,
 ) -> Checkpoint:
     """The checkpoint in `ckpt_dir`, its model on `device` in `dtype`. `weights=False`: the model's
     shapes alone, on the meta device (no memory), for a process that hands every model call to
-    another that holds the weights (the server beside its engine processes)."""
+    another that holds the weights (the server beside its engine processes). `packed`: the
+    matrices in packed.safetensors (a GGUF import's Q4_0 / Q4_1 / Q8_0 blocks) stay in their
+    blocks (model/packed/), on the CPU in float32 only; a folder without that file loads as usual."""
     ckpt = Path(ckpt_dir)
     config = load_config(ckpt)  # says so if the directory is not there
     tokenizer = load_tokenizer(ckpt)
@@ -264,6 +271,18 @@ def load_checkpoint(
         model.to(dtype=dtype).eval()
         return Checkpoint(model=model, tokenizer=tokenizer, config=config, path=ckpt, report=load_report(ckpt),
                           device=torch.device(device))
+    packed_path = ckpt / PACKED_FILE
+    if packed and packed_path.is_file():
+        if torch.device(device).type != "cpu" or dtype != torch.float32:
+            raise CheckpointError(f"{packed_path}: packed weights are served on the CPU in float32, "
+                                  f"not on {device} in {str(dtype).removeprefix('torch.')}")
+        try:
+            state = read_packed(packed_path)
+            load_weights(model, ckpt / WEIGHTS_FILE, skip=set(state))
+            pack_model(model, state, tied=getattr(config, "tie_embeddings", False))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+        return Checkpoint(model=model.eval(), tokenizer=tokenizer, config=config, path=ckpt, report=load_report(ckpt))
     load_weights(model, ckpt / WEIGHTS_FILE)
     model.to(device=device, dtype=dtype).eval()
     # Linear weights stay row-major (out, in): model/parts/linear.py takes W x^T from that layout

@@ -55,7 +55,7 @@ def fixed_step(model, ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache,
 
 class GraphedDecoder:
     def __init__(self, model, cache: KVCache, buckets: tuple[int, ...] = BUCKETS, *, capture: bool | None = None):
-        device = model.tok_emb.weight.device
+        device = model.device
         self.model, self.cache = model, cache
         self.capture = device.type == "cuda" if capture is None else capture
         fitting = {b for b in buckets if b <= cache.n_rows}

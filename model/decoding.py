@@ -66,7 +66,7 @@ def decode_step(
         step, tokens = graphs.decode(inputs, samplers, while_running)
         out = family_of(model).output(step.logits, step.attentions)  # attentions (B, H, 1, P): zeros past each row
     else:
-        inputs = inputs.to(model.tok_emb.weight.device)  # ids may come from the host (a no-op when already there)
+        inputs = inputs.to(model.device)  # ids may come from the host (a no-op when already there)
         valid = torch.tensor(n_new) if n_new is not None else None
         out = model(inputs, kv_cache=cache, rows=rows, return_attention=want_attention, last_only=last_only,
                     valid=valid)
@@ -115,7 +115,7 @@ def generate_tokens(
     params = params or SamplingParams()
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
-    device = model.tok_emb.weight.device
+    device = model.device
     sampler = RowSampler(params, make_generator(params.seed), n_logprobs, return_attention)
     # on the CPU the cache takes blocks as the tokens come instead of zeroing the whole context up
     # front: SmolLM2's 8,192 positions are 377 MB, 100 ms of memset before the first token

@@ -122,3 +122,23 @@ def chat_checkpoint(tmp_path_factory):
     src, _ = write_hf_checkpoint(case, root / "hf", seed=3)
     ours, _ = import_checkpoint(src, root / "llama3-chat")
     return src, ours
+
+
+@pytest.fixture(scope="session")
+def smollm2_file():
+    """The packaged SmolLM2 GGUF file (skips when its package is not installed)."""
+    from helpers import installed_packaged_file
+
+    from attnlens.model.interop.packaged import SMOLLM2
+
+    return installed_packaged_file(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_file):
+    """SmolLM2 converted (once, into the cache) and loaded in float32."""
+    from helpers import packaged_checkpoint
+
+    from attnlens.model.interop.packaged import SMOLLM2
+
+    return packaged_checkpoint(SMOLLM2)

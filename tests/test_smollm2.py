@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import child_pids, installed_packaged_file, packaged_checkpoint, rss_bytes
+from helpers import child_pids, rss_bytes
 
 from attnlens.model.interop import packaged
 from attnlens.model.interop.packaged import SMOLLM2
@@ -21,16 +21,6 @@ pytestmark = pytest.mark.slow
 AWKWARD = ["12345 apples, 3.14159 and 1,000,000", " 1 2 3 1999", "Café naïve résumé façade Ünïcödé",
            "日本語のテキスト 中文 한국어", "emoji 🤗🎭👍🏽 and ZWJ 👨‍👩‍👧", "  leading\t\ttabs   and   runs  \n\n\n",
            "def f(x):\n    return {'a': x**2}  # code\n", "<|im_start|>user\nhi<|im_end|>", "don't it's WE'LL"]
-
-
-@pytest.fixture(scope="session")
-def smollm2_file():
-    return installed_packaged_file(SMOLLM2)
-
-
-@pytest.fixture(scope="session")
-def smollm2(smollm2_file):
-    return packaged_checkpoint(SMOLLM2)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse, Response
 
 from attnlens.app.api.deps import RegistryDep, StateDep
 from attnlens.app.api.ops_schemas import Health, ModelInfo, Readiness
+from attnlens.app.registry.model_loader import weights_label
 from attnlens.app.server.metrics import CONTENT_TYPE_LATEST
 
 router = APIRouter(tags=["operations"])
@@ -63,7 +64,7 @@ async def model_info(registry: RegistryDep, state: StateDep, model: str | None =
     """The default model, or the loaded model named by `?model=` (GET /models lists them)."""
     served = registry.get(model)
     ckpt, name, s = served.checkpoint, served.name, state.settings
-    cfg, weights = ckpt.config, ckpt.model.tok_emb.weight
+    cfg = ckpt.config
     return {
         "name": name,
         "path": name,  # the directory's name: the server's file system stays private
@@ -71,7 +72,8 @@ async def model_info(registry: RegistryDep, state: StateDep, model: str | None =
         "parameters": ckpt.model.num_parameters(),
         "parameters_without_embeddings": ckpt.model.num_parameters(exclude_embeddings=True),
         "device": str(ckpt.weights_device),
-        "dtype": str(weights.dtype).removeprefix("torch."),
+        "dtype": str(ckpt.model.dtype).removeprefix("torch."),
+        "weights": weights_label(ckpt, s.dtype),
         "context_length": cfg.context_length,
         "vocab_size": cfg.vocab_size,
         "tokenizer_vocab_size": ckpt.tokenizer.vocab_size,

@@ -34,6 +34,8 @@ class ModelInfo(BaseModel):
     parameters_without_embeddings: int
     device: str
     dtype: str
+    weights: str = Field(description='how the weights are held: the dtype, or "packed: Q4_1 x120, Q8_0 x1" '
+                                     "(ATTNLENS_DTYPE=packed: the GGUF file's blocks, float32 activations)")
     context_length: int
     vocab_size: int
     tokenizer_vocab_size: int

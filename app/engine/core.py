@@ -83,8 +83,8 @@ class EngineCore:
         self.max_concurrent = max_concurrent
         self.sink: OutputSink = sink if sink is not None else (lambda records: None)
         self.model = checkpoint.model
-        self.device = self.model.tok_emb.weight.device
-        self.dtype = self.model.tok_emb.weight.dtype
+        self.device = self.model.device
+        self.dtype = self.model.dtype
         # On the CPU, with a byte budget, the KV cache hands out blocks from one pool of that many
         # bytes (model/paged_kv_cache.py) and prompts are admitted while their reservations fit
         # (_fits); on CUDA (graphs capture fixed addresses), or for a family whose cache is not in

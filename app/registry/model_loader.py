@@ -28,10 +28,31 @@ def resolve_device(setting: str) -> torch.device:
 
 
 def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
-    """`auto` = bfloat16 on CUDA, float32 on CPU."""
+    """`auto` = bfloat16 on CUDA, float32 on CPU; `packed` computes in float32 (its weights are blocks)."""
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if setting == "packed":
+        if device.type != "cpu":
+            raise RuntimeError(f"ATTNLENS_DTYPE=packed runs on the CPU only (ATTNLENS_DEVICE resolved to {device})")
+        return torch.float32
     return DTYPES[setting]
+
+
+def packed_here(model_dir) -> bool:
+    """Whether the checkpoint has packed blocks (a GGUF import's packed.safetensors) and the packed
+    kernel can be built and loaded on this machine (else why is logged, once per model)."""
+    from pathlib import Path
+
+    from attnlens.model.packed import kernel
+    from attnlens.model.packed.loading import PACKED_FILE
+
+    if not (Path(model_dir) / PACKED_FILE).is_file():
+        log.info("%s has no packed weights (only a GGUF import has them): served in float32", model_dir)
+        return False
+    ok, why = kernel.available()
+    if not ok:
+        log.warning("%s: served in float32, not packed: %s", model_dir, why)
+    return ok
 
 
 def load_for_serving(model_dir, device_setting: str, dtype_setting: str, *, engine_process: bool = False
@@ -42,6 +63,25 @@ def load_for_serving(model_dir, device_setting: str, dtype_setting: str, *, engi
     device = resolve_device(device_setting)
     dtype = resolve_dtype(dtype_setting, device)
     weights = not (engine_process and family_named(load_config(model_dir).family).generation is not None)
-    log.info("loading checkpoint %s onto %s as %s%s", model_dir, device, str(dtype).removeprefix("torch."),
+    packed = weights and dtype_setting == "packed" and packed_here(model_dir)
+    log.info("loading checkpoint %s onto %s as %s%s", model_dir, device,
+             "packed blocks" if packed else str(dtype).removeprefix("torch."),
              "" if weights else " (its shapes: its engine process holds the weights)")
-    return load_checkpoint(model_dir, device=device, dtype=dtype, weights=weights)
+    return load_checkpoint(model_dir, device=device, dtype=dtype, weights=weights, packed=packed)
+
+
+def weights_label(ckpt: Checkpoint, dtype_setting: str) -> str:
+    """How the served weights are held, for GET /model: "float32" (the dtype), or "packed: Q4_1 x120,
+    Q8_0 x1" (the packed matrices by format), also for a model whose engine process holds them."""
+    from attnlens.model.packed.loading import PACKED_FILE, describe, file_formats, label
+
+    if counts := describe(ckpt.model):
+        return label(counts)
+    path = None if ckpt.path is None else ckpt.path / PACKED_FILE
+    on_meta = next(ckpt.model.parameters()).is_meta  # its engine process loaded it, by the same settings
+    if dtype_setting == "packed" and on_meta and path is not None and path.is_file():
+        from attnlens.model.packed import kernel
+
+        if kernel.available()[0]:
+            return label(file_formats(path))
+    return str(ckpt.model.dtype).removeprefix("torch.")

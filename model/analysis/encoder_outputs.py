@@ -37,7 +37,7 @@ def mask_scores(model, ids: list[int], positions: list[int], vocab_size: int, ne
     """The masked-LM head's top_k tokens at each of `positions`, as Hugging Face's fill-mask pipeline
     scores them: the softmax over the tokenizer's `vocab_size` tokens; the `never` ids (special
     tokens) are skipped, the others keep their scores."""
-    device = model.tok_emb.weight.device
+    device = model.device
     logits = model(torch.tensor([ids], device=device), task="mlm").logits[0, positions].float()  # (M, V)
     probs = torch.softmax(logits[:, :vocab_size], dim=-1)  # over the vocabulary, as the pipeline
     ranked = probs.clone()
@@ -49,7 +49,7 @@ def mask_scores(model, ids: list[int], positions: list[int], vocab_size: int, ne
 @torch.no_grad()
 def class_probabilities(model, ids: list[int]) -> list[float]:
     """The classification head's softmax over the labels (the config's order)."""
-    device = model.tok_emb.weight.device
+    device = model.device
     logits = model(torch.tensor([ids], device=device), task="classify").logits[0].float()
     return torch.softmax(logits, dim=-1).tolist()
 
@@ -72,7 +72,7 @@ def embed_rows(model, rows: list[list[int]], pad_id: int, max_tokens: int = MAX_
     """(N, C) float32 unit vectors of the framed `rows`, in their order; padded positions (`pad_id`:
     any id will do, they are masked) never change a vector. `report` before each batch: a caller
     that went away stops there."""
-    device = model.tok_emb.weight.device
+    device = model.device
     out = np.empty((len(rows), model.config.d_model), dtype=np.float32)
     for batch in length_batches([len(r) for r in rows], max_tokens):
         if report is not None:
@@ -85,7 +85,7 @@ def embed_rows(model, rows: list[list[int]], pad_id: int, max_tokens: int = MAX_
 @torch.no_grad()
 def encoder_attention_maps(model, ids: list[int], layers: list[int], heads: list[int]) -> np.ndarray:
     """(len(layers), len(heads), T, T) float32 numpy probabilities of the bidirectional encoder."""
-    device = model.tok_emb.weight.device
+    device = model.device
     attn = model(torch.tensor([ids], device=device), return_attention=True, task="hidden").attentions
     stacked = torch.stack([attn[i][0] for i in layers])  # (L', H, T, T)
     return stacked[:, heads].float().cpu().numpy()
@@ -95,7 +95,7 @@ def encoder_attention_maps(model, ids: list[int], layers: list[int], heads: list
 def encoder_warm_up(model, ids: list[int]) -> None:
     """One forward through the encoder's heads ([CLS] [MASK] [SEP]): the masked-LM head's and, for
     a classifier, the classification head's."""
-    inputs = torch.tensor([ids], device=model.tok_emb.weight.device)
+    inputs = torch.tensor([ids], device=model.device)
     out = model(inputs, return_attention=True)
     if model.config.labels:
         model(inputs, task="classify")

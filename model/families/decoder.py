@@ -111,7 +111,7 @@ class Transformer(Embeddings, nn.Module):
         key/value heads (n_kv_heads: fewer than the query heads with grouped-query attention).
         `paged`: blocks from one pool of `pool_bytes` (model/paged_kv_cache.py), memory for the tokens
         in flight only; else every row's whole context at once (model/kv_cache.py)."""
-        c, p = self.config, self.tok_emb.weight
+        c, p = self.config, next(self.parameters())  # device and dtype
         if paged:
             return PagedKVCache(c.n_layers, n_rows, c.kv_heads, c.context_length, c.d_head, device=p.device,
                                 dtype=p.dtype, pool_bytes=pool_bytes)
@@ -120,7 +120,7 @@ class Transformer(Embeddings, nn.Module):
     def kv_cache_row_bytes(self) -> int:
         """What one row of new_kv_cache takes, without allocating it."""
         c = self.config
-        return bytes_per_row(c.n_layers, c.kv_heads, c.context_length, c.d_head, self.tok_emb.weight.dtype)
+        return bytes_per_row(c.n_layers, c.kv_heads, c.context_length, c.d_head, self.dtype)
 
     def forward(
         self,
@@ -202,7 +202,7 @@ class Transformer(Embeddings, nn.Module):
         if window is None or n_keys <= window:
             return mask
         if positions is None:
-            positions = torch.arange(start, start + n, device=self.tok_emb.weight.device)  # (T,)
+            positions = torch.arange(start, start + n, device=self.device)  # (T,)
         band = sliding_window_mask(positions, n_keys, window)  # (T, S) or (B, T, S)
         if band.dim() == 3:
             band = band[:, None]  # (B, 1, T, S): the same for every head
@@ -229,7 +229,7 @@ class Transformer(Embeddings, nn.Module):
         """Every layer's and head's map of one sequence: {"self": (L, H, T, T)}."""
         if target_ids is not None:
             raise ValueError("a decoder analyses one sequence: it takes no target")
-        inputs = torch.tensor([ids], dtype=torch.long, device=self.tok_emb.weight.device)
+        inputs = torch.tensor([ids], dtype=torch.long, device=self.device)
         attentions = self(inputs, return_attention=True, last_only=True).attentions
         return AttentionAnalysis({"tokens": list(ids)}, {"self": torch.stack([a[0] for a in attentions])})
 
@@ -237,7 +237,7 @@ class Transformer(Embeddings, nn.Module):
     def run_sequence(self, tokens: dict[str, list[int]]) -> None:
         """One forward of an analysed sequence for its intermediates (model/analysis/attention_blocks.py), to
         the cheapest output: the last position's logits."""
-        self(torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.tok_emb.weight.device), last_only=True)
+        self(torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.device), last_only=True)
 
     def sequence(self, ids: list[int], target_ids: list[int] | None = None) -> tuple[dict[str, list[int]], bool]:
         if target_ids is not None:
@@ -246,7 +246,7 @@ class Transformer(Embeddings, nn.Module):
 
     def stream_logits(self, tokens: dict[str, list[int]]) -> torch.Tensor:
         """(T, V): position t's logits for token t + 1."""
-        inputs = torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.tok_emb.weight.device)
+        inputs = torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.device)
         return self(inputs).logits[0]
 
     def unembed(self, x: torch.Tensor) -> torch.Tensor:

@@ -217,7 +217,7 @@ class Encoder(Embeddings, nn.Module):
         as [CLS] text [SEP]): {"self": (L, H, T, T)}."""
         if target_ids is not None:
             raise ValueError("an encoder analyses one sequence: it takes no target")
-        inputs = torch.tensor([ids], dtype=torch.long, device=self.tok_emb.weight.device)
+        inputs = torch.tensor([ids], dtype=torch.long, device=self.device)
         attentions = self(inputs, return_attention=True, task="hidden").attentions
         return AttentionAnalysis({"tokens": list(ids)}, {"self": torch.stack([a[0] for a in attentions])})
 
@@ -225,7 +225,7 @@ class Encoder(Embeddings, nn.Module):
     def run_sequence(self, tokens: dict[str, list[int]]) -> None:
         """One forward of an analysed sequence for its intermediates (model/analysis/attention_blocks.py), to
         the cheapest output: the hidden states, no head."""
-        self(torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.tok_emb.weight.device), task="hidden")
+        self(torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.device), task="hidden")
 
     def sequence(self, ids: list[int], target_ids: list[int] | None = None) -> tuple[dict[str, list[int]], bool]:
         if target_ids is not None:
@@ -234,7 +234,7 @@ class Encoder(Embeddings, nn.Module):
 
     def stream_logits(self, tokens: dict[str, list[int]]) -> torch.Tensor:
         """(T, V): the masked-LM head at every position (what the model predicts stands there)."""
-        inputs = torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.tok_emb.weight.device)
+        inputs = torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.device)
         return self(inputs, task="mlm").logits[0]
 
     def unembed(self, x: torch.Tensor) -> torch.Tensor:

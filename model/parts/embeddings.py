@@ -62,15 +62,27 @@ class Embeddings:
         token's (B, T) `positions`): cos, sin (T, R) or (B, T, R); None without rotary positions."""
         if self.rotary is None:
             return None
-        weight = self.tok_emb.weight
         if positions is None:
-            positions = torch.arange(start, start + n, device=weight.device)  # (T,)
-        return self.rotary(positions, weight.dtype)
+            positions = torch.arange(start, start + n, device=self.device)  # (T,)
+        return self.rotary(positions, self.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (and so where inputs go). Read from the first parameter, not
+        tok_emb.weight: a packed embedding (model/packed/) builds its `weight` on each access."""
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The floating type the model computes in (its parameters' type)."""
+        return next(self.parameters()).dtype
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
+        packed = {id(m.packed): m.packed for m in self.modules() if hasattr(m, "packed")}  # tied: once
+        n += sum(pm.rows * pm.cols for pm in packed.values())
         if exclude_embeddings:
-            n -= self.tok_emb.weight.numel()
+            n -= self.tok_emb.num_embeddings * self.tok_emb.embedding_dim
             if self.pos_emb is not None:
                 n -= self.pos_emb.weight.numel()
         return n

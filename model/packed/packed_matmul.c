@@ -1,0 +1,198 @@
+/* Products with weights kept in ggml's block formats, as a GGUF file ships them.
+
+   A weight matrix (N rows, K columns) is N rows of K/32 blocks, each block 32 consecutive
+   columns of one row, laid out byte for byte as in the file:
+
+       Q4_0  18 bytes: d (float16), 16 bytes of 4-bit q      w = d * (q - 8)
+       Q4_1  20 bytes: d, m (float16), 16 bytes of 4-bit q   w = d * q + m
+       Q8_0  34 bytes: d (float16), 32 signed bytes q        w = d * q
+
+   In a 4-bit block, byte j holds column j in its low nibble and column j + 16 in its high one.
+
+   The activations stay float32 (llama.cpp rounds them to 8 bits first): the products are the
+   dequantized matrix's up to the order of the sums. Per block,
+
+       sum_k w_k x_k = d * sum_k q_k x_k + c * sum_k x_k,   c = -8d (Q4_0), m (Q4_1), 0 (Q8_0)
+
+   so the 32 q are widened to float once, meet each row of x in four 8-wide FMAs, and the
+   block's column sums of x (computed once per call) carry the offset.
+
+   packed_matmul      y (M, N) = x (M, K) W^T, rows of W split over OpenMP threads
+   packed_dequantize  chosen rows of W as float32 (embedding lookups, prefill tiles, .weight)
+
+   Built once per machine by model/packed/kernel.py (cc -O3 -march=native -fopenmp); without
+   AVX2 the plain C loops below are compiled instead. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+
+static int block_bytes(int fmt) { return fmt == Q4_0 ? 18 : fmt == Q4_1 ? 20 : 34; }
+
+static float half_to_float(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* the block's scale d and column-sum factor c (see above) */
+static void block_scales(const uint8_t *blk, int fmt, float *d, float *c) {
+    *d = half_to_float(blk);
+    *c = fmt == Q4_0 ? -8.0f * *d : fmt == Q4_1 ? half_to_float(blk + 2) : 0.0f;
+}
+
+static const uint8_t *block_q(const uint8_t *blk, int fmt) { return blk + (fmt == Q4_1 ? 4 : 2); }
+
+/* the block's 32 q as float, in column order */
+static void block_values(const uint8_t *q, int fmt, float *out) {
+    if (fmt == Q8_0) {
+        for (int j = 0; j < 32; j++) out[j] = (float)(int8_t)q[j];
+    } else {
+        for (int j = 0; j < 16; j++) {
+            out[j] = (float)(q[j] & 0x0f);
+            out[j + 16] = (float)(q[j] >> 4);
+        }
+    }
+}
+
+#ifdef __AVX2__
+/* the block's 32 q as four 8-float vectors */
+static inline void block_vectors(const uint8_t *q, int fmt, __m256 v[4]) {
+    if (fmt == Q8_0) {
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i))));
+        return;
+    }
+    const __m128i raw = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+static inline float horizontal_sum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#define TILE 4 /* rows of x that share one widening of a weight block */
+
+/* y[m, n] for rows m0 .. m0+mt-1 of x and one weight row */
+static void row_products(const uint8_t *row, int fmt, int64_t nb, const float *x, const float *xsum, int64_t K,
+                         int64_t m0, int mt, float *out /* mt values */) {
+    const int bb = block_bytes(fmt);
+#ifdef __AVX2__
+    __m256 acc[TILE];
+    float offset[TILE] = {0};
+    for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        float d, c;
+        block_scales(blk, fmt, &d, &c);
+        __m256 v[4];
+        block_vectors(block_q(blk, fmt), fmt, v);
+        const __m256 dv = _mm256_set1_ps(d);
+        for (int t = 0; t < mt; t++) {
+            const float *xb = x + (m0 + t) * K + b * 32;
+            __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+            s = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), s);
+            s = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), s);
+            s = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), s);
+            acc[t] = _mm256_fmadd_ps(dv, s, acc[t]);
+            offset[t] += c * xsum[(m0 + t) * nb + b];
+        }
+    }
+    for (int t = 0; t < mt; t++) out[t] = horizontal_sum(acc[t]) + offset[t];
+#else
+    float vals[32];
+    for (int t = 0; t < mt; t++) out[t] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        float d, c;
+        block_scales(blk, fmt, &d, &c);
+        block_values(block_q(blk, fmt), fmt, vals);
+        for (int t = 0; t < mt; t++) {
+            const float *xb = x + (m0 + t) * K + b * 32;
+            float s = 0.0f;
+            for (int j = 0; j < 32; j++) s += vals[j] * xb[j];
+            out[t] += d * s + c * xsum[(m0 + t) * nb + b];
+        }
+    }
+#endif
+}
+
+/* y (M, N) = x (M, K) W^T, W: N rows of K/32 blocks of format fmt. Returns 0, or -1 when out of memory. */
+int packed_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt, float *y) {
+    const int64_t nb = K / 32, row_bytes = nb * block_bytes(fmt);
+    float *xsum = malloc(sizeof(float) * (size_t)(M * nb));  /* each block's column sum, per row of x */
+    if (xsum == NULL) return -1;
+    for (int64_t i = 0; i < M * nb; i++) {
+        float s = 0.0f;
+        for (int j = 0; j < 32; j++) s += x[i * 32 + j];
+        xsum[i] = s;
+    }
+#pragma omp parallel for schedule(static) if (N * K * M > 32768)
+    for (int64_t n = 0; n < N; n++) {
+        float out[TILE];
+        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+            const int mt = M - m0 < TILE ? (int)(M - m0) : TILE;
+            row_products(w + n * row_bytes, fmt, nb, x, xsum, K, m0, mt, out);
+            for (int t = 0; t < mt; t++) y[(m0 + t) * N + n] = out[t];
+        }
+    }
+    free(xsum);
+    return 0;
+}
+
+/* out (R, K) = rows `rows` (R of them; NULL: rows 0 .. R-1) of W as float32, d * q + c / -8d as
+   gguf's dequantizer computes them */
+void packed_dequantize(const uint8_t *w, int64_t K, int fmt, const int64_t *rows, int64_t R, float *out) {
+    const int64_t nb = K / 32, row_bytes = nb * block_bytes(fmt);
+#pragma omp parallel for schedule(static) if (R * K > 65536)
+    for (int64_t r = 0; r < R; r++) {
+        const uint8_t *row = w + (rows ? rows[r] : r) * row_bytes;
+        float vals[32];
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * block_bytes(fmt);
+            float d = half_to_float(blk);
+            float *o = out + r * K + b * 32;
+            block_values(block_q(blk, fmt), fmt, vals);
+            if (fmt == Q4_1) {
+                float m = half_to_float(blk + 2);
+                for (int j = 0; j < 32; j++) o[j] = d * vals[j] + m;
+            } else if (fmt == Q4_0) {
+                for (int j = 0; j < 32; j++) o[j] = (vals[j] - 8.0f) * d;
+            } else {
+                for (int j = 0; j < 32; j++) o[j] = d * vals[j];
+            }
+        }
+    }
+}
