@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from attnlens.model.kv_cache import CacheWrite, keys_seen, new_positions, rows_mask, rows_of
+from attnlens.model.native import library as native
 
 BLOCK = 64  # positions per block: at most 63 positions of memory a row holds unused (bench/README.md)
 _MADV_DONTNEED = 4
@@ -62,6 +63,13 @@ class KVCacheFullError(RuntimeError):
     callers that do not)."""
 
 
+def native_attention(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether a decode step's attention takes the C kernel (model/native/block_attention.c): float32
+    on the CPU, a pool plane as laid out, no autograd, and the kernels built here."""
+    return (q.dtype == torch.float32 and keys.dtype == torch.float32 and q.device.type == "cpu"
+            and keys.is_contiguous() and not torch.is_grad_enabled() and native.available()[0])
+
+
 def blocks_for(positions: int, block: int) -> int:
     """Blocks that hold `positions` positions."""
     return -(-positions // block)
@@ -80,9 +88,11 @@ class BlockAttention:
     """
 
     def __init__(self, lo: int, hi: int, owner: torch.Tensor, bias: torch.Tensor, single: bool,
-                 n_keys: int, probs_index: tuple[torch.Tensor, torch.Tensor]):
+                 n_keys: int, probs_index: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor,
+                 lengths: torch.Tensor):
         self.lo, self.hi, self.owner, self.bias, self.single = lo, hi, owner, bias, single
         self.n_keys = n_keys
+        self.table, self.lengths = table, lengths  # (B, nb) int64 block ids, (B,) positions: for the C kernel
         # the call's blocks (offsets from lo, row by row) and, for each of their positions, its place in
         # a (B, S_pad) row-major layout of the rows' probabilities: see probabilities
         self.probs_index = probs_index
@@ -92,6 +102,8 @@ class BlockAttention:
         want_probs, the (B, H, 1, S) probabilities (S = the longest row; 0 past a row's length)."""
         B, H, _, D = q.shape
         K, P = keys.shape[1], keys.shape[2]
+        if native_attention(q, keys):
+            return self.native(q, keys, values, scale, want_probs)
         G, n = H // K, self.hi - self.lo
         kb = keys[self.lo:self.hi].view(n * K, P, D)
         vb = values[self.lo:self.hi].view(n * K, P, D)
@@ -119,6 +131,21 @@ class BlockAttention:
         if not want_probs:
             return y, None
         return y, self.probabilities(e / owner_total[..., None], B, H)
+
+    def native(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, want_probs: bool):
+        """__call__ by model/native/block_attention.c: each (row, head) reads its blocks where they lie."""
+        B, H, _, D = q.shape
+        K, P = keys.shape[1], keys.shape[2]
+        qc = q.reshape(B, H, D).contiguous()
+        out = torch.empty(B, H, 1, D, dtype=q.dtype)
+        probs = torch.empty(B, H, 1, self.n_keys, dtype=q.dtype) if want_probs else None
+        failed = native.load().block_attention(
+            qc.data_ptr(), keys.data_ptr(), values.data_ptr(), self.table.data_ptr(), self.table.shape[1],
+            self.lengths.data_ptr(), B, H, K, P, D, scale, out.data_ptr(), 0 if probs is None else probs.data_ptr(),
+            self.n_keys)
+        if failed:
+            raise MemoryError("block_attention: out of memory")
+        return out, probs
 
     def probabilities(self, p: torch.Tensor, B: int, H: int) -> torch.Tensor:
         """Blocks' (n, K, G, P) probabilities -> each row's (B, H, 1, S), in position order."""
@@ -326,11 +353,12 @@ class PagedKVCache:
         slots = ((block_of[:, None, :] * K + heads) * P + (positions % P)[:, None, :]).reshape(-1)  # (B*K*T,)
         same = min(starts) == longest
         mask = None if same else rows_mask(positions, S)
-        blocks = self._block_attention(tables, [s + n_new for s in starts], S) if n_new == 1 else None
+        blocks = self._block_attention(tables, [s + n_new for s in starts], S, table) if n_new == 1 else None
         return PagedWrite(self, rows, longest if same else -1, None if same else positions, mask, S, slots,
                           fresh=longest == 0, blocks=blocks, gather=table)
 
-    def _block_attention(self, tables: list[list[int]], lengths: list[int], S: int) -> BlockAttention:
+    def _block_attention(self, tables: list[list[int]], lengths: list[int], S: int, table: torch.Tensor
+                         ) -> BlockAttention:
         B, P = len(tables), self.block
         lo = min(min(t) for t in tables)
         hi = max(max(t) for t in tables) + 1
@@ -349,7 +377,7 @@ class PagedKVCache:
         bias = torch.where(torch.arange(P)[None, :] < filled[:, None], 0.0, float("-inf")).to(self.dtype)  # (n, P)
         bias = bias[:, None, None, :].expand(n, self.n_kv_heads, 1, P).reshape(n * self.n_kv_heads, 1, P)
         probs_index = (torch.cat(owned), torch.cat(flat))
-        return BlockAttention(lo, hi, owner, bias, single, S, probs_index)
+        return BlockAttention(lo, hi, owner, bias, single, S, probs_index, table, torch.tensor(lengths))
 
     def store(self, write: PagedWrite, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put the call's (B, K, T, D) keys/values in their slots."""

@@ -14,6 +14,8 @@ from helpers import reference_tokens, run_async, small_config_model
 from attnlens.app.engine import Engine, GenerationParams
 from attnlens.app.engine.outputs import DoneEvent, TokenEvent
 from attnlens.model import SamplingParams
+from attnlens.model import paged_kv_cache
+from attnlens.model.native import library as native
 from attnlens.model.paged_kv_cache import PagedKVCache
 
 PROMPTS = ["To be", "Whether 'tis nobler in the mind", "The slings", "Or to take arms against a sea",
@@ -30,6 +32,17 @@ def _full(model, seq: list[int], attention: bool = False):
     return out.logits[0, -1], (None if not attention else [a[0, :, -1] for a in out.attentions])
 
 
+@pytest.fixture(params=["c-kernel", "torch"])
+def step_attention(request, monkeypatch):
+    """Both ways a decode step attends over the blocks: model/native/block_attention.c where it is built,
+    and torch's batched products (the path without a C compiler)."""
+    if request.param == "c-kernel" and not native.available()[0]:
+        pytest.skip(f"C kernels: {native.available()[1]}")
+    if request.param == "torch":
+        monkeypatch.setattr(paged_kv_cache, "native_attention", lambda q, keys: False)
+    return request.param
+
+
 GQA = dict(context_length=160, d_model=48, n_heads=6, n_kv_heads=2, positional="rotary", norm_type="rmsnorm", ffn="gated",
            activation="silu", bias=False)
 
@@ -37,7 +50,7 @@ GQA = dict(context_length=160, d_model=48, n_heads=6, n_kv_heads=2, positional="
 @pytest.mark.parametrize("overrides", [GQA, dict(context_length=160), dict(GQA, sliding_window=24),
                                        dict(GQA, qk_norm=True, head_dim=16)],
                          ids=["llama-gqa", "gpt", "mistral-window", "qwen3-qk-norm"])
-def test_blocks_give_a_full_recomputes_logits_and_attention(overrides):
+def test_blocks_give_a_full_recomputes_logits_and_attention(overrides, step_attention):
     """Rows of 5, 17 and 30 tokens (a right-padded prefill) decode together across many blocks of
     16, recording attention: each step's logits and each row's attention row equal a full forward
     of that row alone. Then the first row finishes: the last moves into its place (its table, not
@@ -94,7 +107,7 @@ def test_blocks_give_a_full_recomputes_logits_and_attention(overrides):
     assert cache.blocks_in_use == 0 and cache.bytes_held == 0
 
 
-def test_a_scattered_row_and_a_full_pool():
+def test_a_scattered_row_and_a_full_pool(step_attention):
     """Two rows growing in turns take interleaved blocks; the step's path for blocks that are not
     one run gives the full recompute's logits. A pool with no free block refuses with a clear error."""
     from attnlens.model.paged_kv_cache import KVCacheFullError

@@ -20,7 +20,7 @@
    packed_matmul      y (M, N) = x (M, K) W^T, rows of W split over OpenMP threads
    packed_dequantize  chosen rows of W as float32 (embedding lookups, prefill tiles, .weight)
 
-   Built once per machine by model/packed/kernel.py (cc -O3 -march=native -fopenmp); without
+   Built once per machine by model/native/library.py (cc -O3 -march=native -fopenmp); without
    AVX2 the plain C loops below are compiled instead. */
 
 #include <stdint.h>
