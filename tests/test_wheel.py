@@ -71,7 +71,8 @@ def test_the_wheel_holds_one_package_and_the_page(wheel):
                    "attnlens/model/families/decoder.py", "attnlens/app/engine/__main__.py",
                    "attnlens/static/index.html", "attnlens/static/css/style.css", "attnlens/static/js/inline.js",
                    "attnlens/static/js/main.js", "attnlens/static/js/views/headview.js",
-                   "attnlens/static/js/translator/crossview.js", "attnlens/static/favicon.svg"):
+                   "attnlens/static/js/translator/crossview.js", "attnlens/static/favicon.svg",
+                   "attnlens/model/native/packed_matmul.c", "attnlens/model/native/block_attention.c"):
         assert needed in names, needed
     js = {n.removeprefix("attnlens/static/") for n in names if n.startswith("attnlens/static/js/")}
     assert js == {str(p.relative_to(REPO_ROOT / "static")) for p in (REPO_ROOT / "static" / "js").rglob("*.js")}
