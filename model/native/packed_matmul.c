@@ -149,6 +149,59 @@ static void row_products(const uint8_t *row, int fmt, int64_t nb, const float *x
 #endif
 }
 
+#ifdef __AVX2__
+/* one block's d * sum q x for one row of x: two independent pairs of products, then their sum */
+static inline __attribute__((always_inline)) __m256 block_dot(const uint8_t *blk, int fmt, const float *xb,
+                                                              float *c) {
+    float d;
+    block_scales(blk, fmt, &d, c);
+    __m256 v[4];
+    block_vectors(block_q(blk, fmt), fmt, v);
+    const __m256 s01 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(xb)));
+    const __m256 s23 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(v[2], _mm256_loadu_ps(xb + 16)));
+    return _mm256_mul_ps(_mm256_set1_ps(d), _mm256_add_ps(s01, s23));
+}
+
+/* y[n] for one row of x (a decode step): the format fixed at compile time (the callers below), and
+   two blocks at a time into separate sums, so no sum waits on the one before it */
+static inline __attribute__((always_inline)) float one_row(const uint8_t *row, int fmt, int64_t nb, const float *x,
+                                                           const float *xsum) {
+    const int bb = block_bytes(fmt);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float off0 = 0.0f, off1 = 0.0f, c0, c1;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        acc0 = _mm256_add_ps(acc0, block_dot(row + b * bb, fmt, x + b * 32, &c0));
+        acc1 = _mm256_add_ps(acc1, block_dot(row + (b + 1) * bb, fmt, x + (b + 1) * 32, &c1));
+        off0 += c0 * xsum[b];
+        off1 += c1 * xsum[b + 1];
+    }
+    if (b < nb) {
+        acc0 = _mm256_add_ps(acc0, block_dot(row + b * bb, fmt, x + b * 32, &c0));
+        off0 += c0 * xsum[b];
+    }
+    return horizontal_sum(_mm256_add_ps(acc0, acc1)) + (off0 + off1);
+}
+
+static void one_row_q4_0(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t nb, const float *x, const float *xs,
+                         float *y) {
+#pragma omp parallel for schedule(static) if (N * nb > 1024)
+    for (int64_t n = 0; n < N; n++) y[n] = one_row(w + n * row_bytes, Q4_0, nb, x, xs);
+}
+
+static void one_row_q4_1(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t nb, const float *x, const float *xs,
+                         float *y) {
+#pragma omp parallel for schedule(static) if (N * nb > 1024)
+    for (int64_t n = 0; n < N; n++) y[n] = one_row(w + n * row_bytes, Q4_1, nb, x, xs);
+}
+
+static void one_row_q8_0(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t nb, const float *x, const float *xs,
+                         float *y) {
+#pragma omp parallel for schedule(static) if (N * nb > 1024)
+    for (int64_t n = 0; n < N; n++) y[n] = one_row(w + n * row_bytes, Q8_0, nb, x, xs);
+}
+#endif
+
 /* y (M, N) = x (M, K) W^T, W: N rows of K/32 blocks of format fmt. Returns 0, or -1 when out of memory. */
 int packed_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt, float *y) {
     const int64_t nb = K / 32, row_bytes = nb * block_bytes(fmt);
@@ -159,6 +212,15 @@ int packed_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_
         for (int j = 0; j < 32; j++) s += x[i * 32 + j];
         xsum[i] = s;
     }
+#ifdef __AVX2__
+    if (M == 1) {
+        if (fmt == Q4_0) one_row_q4_0(w, row_bytes, N, nb, x, xsum, y);
+        else if (fmt == Q4_1) one_row_q4_1(w, row_bytes, N, nb, x, xsum, y);
+        else one_row_q8_0(w, row_bytes, N, nb, x, xsum, y);
+        free(xsum);
+        return 0;
+    }
+#endif
 #pragma omp parallel for schedule(static) if (N * K * M > 32768)
     for (int64_t n = 0; n < N; n++) {
         float out[TILE];
