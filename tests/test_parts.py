@@ -514,13 +514,21 @@ def test_the_new_parts_train_on_a_tiny_repeated_batch(overrides):
 # --- Linear: y^T = W x^T in float32 inference on the CPU ------------------------------------------------
 
 
+@pytest.mark.parametrize("one_row", ["c-kernel", "blas"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 32])
 @pytest.mark.parametrize("bias", [True, False])
-def test_cpu_linear_equals_torchs_linear(rows, bias):
-    """Linear's inference path on the CPU (model/parts/linear.py: W x^T, one row padded to two)
-    against nn.Linear on the same weights, for 2-d and 3-d inputs; with autograd on it is
-    nn.Linear's own product, and its gradients are."""
+def test_cpu_linear_equals_torchs_linear(rows, bias, one_row, monkeypatch):
+    """Linear's inference path on the CPU (model/parts/linear.py: W x^T; one row by
+    model/native/float_matvec.c, or padded to two without it) against nn.Linear on the same
+    weights, for 2-d and 3-d inputs; with autograd on it is nn.Linear's own product, and its
+    gradients are."""
+    from attnlens.model.native import library as native
     from attnlens.model.parts.linear import Linear, cpu_linear, fast_cpu_path
+
+    if one_row == "c-kernel" and not native.available()[0]:
+        pytest.skip(f"C kernels: {native.available()[1]}")
+    if one_row == "blas":
+        monkeypatch.setattr(native, "available", lambda: (False, "this test"))
 
     torch.manual_seed(rows)
     ours, ref = Linear(48, 80, bias=bias), nn.Linear(48, 80, bias=bias)

@@ -2,6 +2,7 @@
 
     packed_matmul.c     products with weights in GGUF blocks (model/packed/kernel.py)
     block_attention.c   a decode step's attention over a KV cache in blocks (model/paged_kv_cache.py)
+    float_matvec.c      one row times a float32 weight (model/parts/linear.py)
 
 The sources are compiled by the system C compiler (`cc`, or $CC) with -O3 -march=native -fopenmp
 into `<cache>/kernels/attnlens-<hash>.so` (the hash covers the sources, the compiler's version and
@@ -68,6 +69,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.packed_dequantize.restype = None
     lib.block_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr, ptr, i64]
     lib.block_attention.restype = ctypes.c_int
+    lib.float_matvec.argtypes = [ptr, i64, ptr, i64, ptr, ptr]
+    lib.float_matvec.restype = None
 
 
 def load() -> ctypes.CDLL:
@@ -100,6 +103,8 @@ def load() -> ctypes.CDLL:
 
 def available() -> tuple[bool, str]:
     """(True, "") when the library is loaded (building it if needed), else (False, why)."""
+    if _library is not None:  # the hot path: asked once per product of a decode step
+        return True, ""
     try:
         load()
         return True, ""

@@ -9,8 +9,10 @@ thin right one. SmolLM2's 30 layers at batch 1 (2 threads; bench/README.md): gat
 projections 14.8 -> 12.2 ms a token, down 10.6 -> 3.8, qkv 5.0 -> 2.2, the 49,152-word head
 5.6 -> 3.5; at 16 and 32 rows still 15-35% faster. From about 128 rows (a prefill) F.linear's
 own product is as fast or faster, so only the few rows of decode steps (at most MAX_ROWS) take
-this path. One row is padded to two: BLAS answers a single column with a matrix-vector routine
-that is slower than the two-column product.
+this path. One row (a decode step of one stream) goes to our own matrix-vector kernel
+(model/native/float_matvec.c: 31-32 GB/s against BLAS's 23-31 on SmolLM2's matrices, 2 threads)
+where it is built; without it, one row is padded to two: BLAS answers a single column with a
+matrix-vector routine that is slower than the two-column product.
 
 Only float32 inference on the CPU takes this path (no autograd: training and every GPU keep
 F.linear). The results are F.linear's numbers summed in another order: equal to rounding.
@@ -25,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attnlens.model.native import library as native
+
 MAX_ROWS = 64  # rows (batch x positions) up to which W x^T is the faster product (bench/README.md)
 
 
@@ -33,6 +37,12 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     lead, d_in = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, d_in)  # (M, in)
     M = rows.shape[0]
+    if M == 1 and native.available()[0]:  # one row: our matrix-vector kernel, where it is built
+        y = torch.empty(weight.shape[0], dtype=x.dtype)
+        row, b = rows.contiguous(), None if bias is None else bias.contiguous()  # held while the kernel reads them
+        native.load().float_matvec(row.data_ptr(), d_in, weight.data_ptr(), weight.shape[0],
+                                   None if b is None else b.data_ptr(), y.data_ptr())
+        return y.view(*lead, weight.shape[0])  # (..., out)
     if M == 1:  # two columns: BLAS's one-column routine is the slow one
         rows = torch.cat((rows, rows))
     if bias is None:
