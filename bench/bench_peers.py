@@ -19,7 +19,7 @@ Rows, one after another (never two at once), each with --threads threads:
   (bench/llama_cpp_build.py); when it cannot be built its rows are skipped with the reason.
 
 Per row: decode tok/s of N greedy tokens after a short prompt (the tokens after the first over
-the time from the first to the last: prefill excluded), the time to prefill a 512-token prompt
+the time from the first to the last: prefill excluded), the time to prefill a 512- and a 2,048-token prompt
 (and return one token: over HTTP the request's wall time), and the server's RSS after both (its
 engine process included; in-process rows share this process and print "-"). Median of --reps
 after one warm-up. Then every row's ratio to each llama.cpp row.
@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -59,7 +59,7 @@ class Row:
     name: str
     weights: str
     decode_tok_s: float | None = None
-    prefill_s: float | None = None
+    prefill_s: dict[int, float] = field(default_factory=dict)  # prompt tokens -> seconds
     rss_gb: float | None = None
     note: str = ""
 
@@ -150,17 +150,22 @@ def decode_rate(arrivals: list[float]) -> float:
 
 # --- the peers -------------------------------------------------------------------
 class Measure:
-    def __init__(self, args, prompt_ids: list[int], long_ids: list[int]):
+    def __init__(self, args, prompt_ids: list[int], long_ids: dict[int, list[int]]):
         self.args, self.prompt_ids, self.long_ids = args, prompt_ids, long_ids
 
-    def repeat(self, decode: Callable[[], float], prefill: Callable[[], float]) -> tuple[float, float]:
-        """Median decode tok/s and prefill seconds over --reps, after one warm-up of each."""
-        decode(), prefill()
-        rates, prefills = [], []
+    def repeat(self, decode: Callable[[], float], prefill: Callable[[list[int]], float]
+               ) -> tuple[float, dict[int, float]]:
+        """Median decode tok/s and prefill seconds (per prompt length) over --reps, after one warm-up of each."""
+        decode()
+        rates: list[float] = []
+        prefills: dict[int, list[float]] = {n: [] for n in self.long_ids}
+        for n, ids in self.long_ids.items():
+            prefill(ids)
         for _ in range(self.args.reps):
             rates.append(decode())
-            prefills.append(prefill())
-        return statistics.median(rates), statistics.median(prefills)
+            for n, ids in self.long_ids.items():
+                prefills[n].append(prefill(ids))
+        return statistics.median(rates), {n: statistics.median(v) for n, v in prefills.items()}
 
     def server(self, row: Row, cmd: list[str], env: dict, ready_path: str, decode, prefill) -> Row:
         port = free_port()
@@ -171,7 +176,7 @@ class Measure:
                                     stderr=subprocess.STDOUT)
         try:
             wait_ready(proc, port, ready_path, log)
-            row.decode_tok_s, row.prefill_s = self.repeat(lambda: decode(port), lambda: prefill(port))
+            row.decode_tok_s, row.prefill_s = self.repeat(lambda: decode(port), lambda ids: prefill(port, ids))
             row.rss_gb = tree_rss_bytes(proc.pid) / 1e9
         except RuntimeError as e:
             row.note = str(e).splitlines()[0][:120]
@@ -192,8 +197,8 @@ class Measure:
             counts.append(len(arrivals))
             return decode_rate(arrivals)
 
-        def prefill(port: int) -> float:
-            return post_wall_s(port, "/generate", {"ids": self.long_ids, "max_new_tokens": 1, "temperature": 0})
+        def prefill(port: int, ids: list[int]) -> float:
+            return post_wall_s(port, "/generate", {"ids": ids, "max_new_tokens": 1, "temperature": 0})
 
         row = self.server(Row("attnlens (over HTTP)", weights),
                           [sys.executable, "-m", "attnlens.app.cli", "serve", "--model", str(ckpt_dir), "--host",
@@ -212,8 +217,8 @@ class Measure:
                     "cache_prompt": False, "stream": True}
             return decode_rate(post_stream(port, "/completion", body, is_llama_token))
 
-        def prefill(port: int) -> float:
-            return post_wall_s(port, "/completion", {"prompt": self.long_ids, "n_predict": 1, "temperature": 0,
+        def prefill(port: int, ids: list[int]) -> float:
+            return post_wall_s(port, "/completion", {"prompt": ids, "n_predict": 1, "temperature": 0,
                                                      "cache_prompt": False})
 
         return self.server(Row("llama.cpp llama-server", weights), cmd, env, "/health", decode, prefill)
@@ -244,10 +249,10 @@ class Measure:
                             pad_token_id=0, streamer=streamer)
             return decode_rate(streamer.times[1:])
 
-        def hf_prefill() -> float:
+        def hf_prefill(ids: list[int]) -> float:
             t0 = time.perf_counter()
             with torch.inference_mode():
-                hf(torch.tensor([self.long_ids]), use_cache=True, logits_to_keep=1)
+                hf(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
             return time.perf_counter() - t0
 
         def ours_decode(net) -> Callable[[], float]:
@@ -257,14 +262,14 @@ class Measure:
                 return decode_rate(times)
             return decode
 
-        def ours_prefill(net) -> Callable[[], float]:
+        def ours_prefill(net) -> Callable[[list[int]], float]:
             cache = net.new_kv_cache(1, paged=True)
 
-            def prefill() -> float:
+            def prefill(ids: list[int]) -> float:
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     cache.reset()
-                    logits = net(torch.tensor([self.long_ids]), kv_cache=cache, rows=slice(0, 1), last_only=True).logits
+                    logits = net(torch.tensor([ids]), kv_cache=cache, rows=slice(0, 1), last_only=True).logits
                     logits.argmax(-1).item()
                 return time.perf_counter() - t0
             return prefill
@@ -279,14 +284,16 @@ class Measure:
         return rows
 
 
-def print_table(rows: list[Row], peers: list[Row]) -> None:
+def print_table(rows: list[Row], peers: list[Row], sizes: list[int]) -> None:
     def fmt(x: float | None, spec: str) -> str:
         return "-" if x is None else format(x, spec)
 
-    print(f"{'server':28s} {'weights':10s} {'decode tok/s':>13s} {'prefill 512 s':>14s} {'RSS GB':>8s}")
+    heads = "".join(f"{f'prefill {n} s':>15s}" for n in sizes)
+    print(f"{'server':28s} {'weights':10s} {'decode tok/s':>13s}{heads} {'RSS GB':>8s}")
     for r in rows:
-        print(f"{r.name:28s} {r.weights:10s} {fmt(r.decode_tok_s, '13.1f')} {fmt(r.prefill_s, '14.2f')} "
-              f"{fmt(r.rss_gb, '8.2f')}  {r.note}")
+        cells = "".join(f"{fmt(r.prefill_s.get(n), '15.2f')}" for n in sizes)
+        print(f"{r.name:28s} {r.weights:10s} {fmt(r.decode_tok_s, '13.1f')}{cells} {fmt(r.rss_gb, '8.2f')}  {r.note}")
+    hf = next((r for r in rows if r.name.startswith("transformers")), None)
     for peer in peers:
         if peer.decode_tok_s is None:
             continue
@@ -296,15 +303,23 @@ def print_table(rows: list[Row], peers: list[Row]) -> None:
             if r is peer or r.decode_tok_s is None:
                 continue
             rss = f"{r.rss_gb / peer.rss_gb:6.2f}x" if r.rss_gb and peer.rss_gb else "     -"
+            pre = "  ".join(f"{n}: {peer.prefill_s[n] / r.prefill_s[n]:5.2f}x" for n in sizes
+                            if n in peer.prefill_s and n in r.prefill_s)
             print(f"  {r.name + ' ' + r.weights:40s} decode {r.decode_tok_s / peer.decode_tok_s:5.2f}x   "
-                  f"prefill {peer.prefill_s / r.prefill_s:5.2f}x   RSS {rss}")
+                  f"prefill {pre}   RSS {rss}")
+    if hf is not None and hf.prefill_s:
+        print("\nprefill against transformers' forward (theirs / ours: 1.00x or more is no slower)")
+        for r in rows:
+            if r is not hf and r.prefill_s and not r.name.startswith("llama.cpp"):
+                pre = "  ".join(f"{n}: {hf.prefill_s[n] / r.prefill_s[n]:5.2f}x" for n in sizes if n in r.prefill_s)
+                print(f"  {r.name + ' ' + r.weights:40s} {pre}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2, help="threads on every side (default 2)")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--prefill", type=int, default=512, help="tokens in the prefill case")
+    p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths of the prefill cases")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (no build)")
     args = p.parse_args(argv)
@@ -325,14 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     ours = load_checkpoint(ckpt_dir)
     tok = ours.tokenizer
     prompt_ids = tok.encode(PROMPT)
-    long_ids = (tok.encode(LONG_TEXT) * (args.prefill // len(tok.encode(LONG_TEXT)) + 1))[:args.prefill]
+    piece = tok.encode(LONG_TEXT)
+    long_ids = {n: (piece * (n // len(piece) + 1))[:n] for n in args.prefill}
 
     llama, why = (None, "--no-llama-cpp") if args.no_llama_cpp else ensure_llama_cpp()
     print(f"model     SmolLM2-135M-Instruct ({SMOLLM2.distribution} {dist_version}: {gguf.name})")
     print(f"runtime   torch {torch.__version__}, transformers {transformers.__version__}, "
           f"llama.cpp {'b' + llama.version.split('.')[0] if llama else 'skipped: ' + why}")
     print(f"setting   {args.threads} thread(s) each, {args.new_tokens} greedy tokens after a {len(prompt_ids)}-token "
-          f"prompt, a {len(long_ids)}-token prefill, median of {args.reps} after 1 warm-up; load average "
+          f"prompt, prefills of {' and '.join(map(str, long_ids))} tokens, median of {args.reps} after 1 warm-up; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
 
     measure = Measure(args, prompt_ids, long_ids)
@@ -348,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         for path, weights in ((f32_gguf(llama, gguf), "F32"), (gguf, "Q4_1")):
             peers.append(measure.llama_server(llama.server, llama.env(), path, weights))
         rows += peers
-    print_table(rows, peers)
+    print_table(rows, peers, args.prefill)
     if llama is None:
         print(f"\nllama.cpp skipped: {why}")
     return 0

@@ -141,6 +141,24 @@ def test_a_corrupt_packed_file_is_one_clear_error(pair, tmp_path):
         load_checkpoint(folder, packed=True)
 
 
+def test_the_service_serves_packed_by_default_on_the_cpu_and_float32_opts_out(tmp_path, caplog):
+    from attnlens.app.registry.model_loader import load_for_serving, resolve_dtype, weights_label
+
+    out, _ = import_checkpoint(write_gguf(tmp_path / "q.gguf", qtype="Q4_1"), tmp_path / "ckpt")
+    for setting, packed in (("auto", True), ("packed", True), ("float32", False)):
+        ckpt = load_for_serving(out, "cpu", setting)
+        assert bool(describe(ckpt.model)) == packed, setting
+        shapes = load_for_serving(out, "cpu", setting, engine_process=True)  # the server beside its engine process
+        label = "packed: Q4_1 x9" if packed else "float32"  # 2 layers x 4 matrices, the embedding (tied head)
+        assert weights_label(ckpt, setting) == weights_label(shapes, setting) == label
+    with pytest.raises(RuntimeError, match="CPU only"):
+        resolve_dtype("packed", torch.device("cuda"))
+    plain, _ = import_checkpoint(write_gguf(tmp_path / "f.gguf", qtype="F32"), tmp_path / "plain")
+    with caplog.at_level("WARNING"):
+        assert weights_label(load_for_serving(plain, "cpu", "packed"), "packed") == "float32"
+    assert "has no packed weights" in caplog.text
+
+
 # --- SmolLM2, the default model, as its package ships it (Q4_1, a Q8_0 embedding and head) ---------------------
 SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):",
                    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"]

@@ -28,7 +28,8 @@ def resolve_device(setting: str) -> torch.device:
 
 
 def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
-    """`auto` = bfloat16 on CUDA, float32 on CPU; `packed` computes in float32 (its weights are blocks)."""
+    """`auto` = bfloat16 on CUDA, float32 on CPU (a model with packed blocks keeps them there:
+    serves_packed); `packed` computes in float32 (its weights are blocks)."""
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if setting == "packed":
@@ -38,20 +39,25 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     return DTYPES[setting]
 
 
-def packed_here(model_dir) -> bool:
-    """Whether the checkpoint has packed blocks (a GGUF import's packed.safetensors) and the packed
-    kernel can be built and loaded on this machine (else why is logged, once per model)."""
+def serves_packed(model_dir, dtype_setting: str, device: torch.device) -> bool:
+    """Whether the model is served with its packed blocks (model/packed/): ATTNLENS_DTYPE=packed, or
+    auto on the CPU, when the checkpoint has them (a GGUF import's packed.safetensors) and the C
+    kernels build here. Otherwise float32, and why is logged (a warning when packed was asked for)."""
     from pathlib import Path
 
     from attnlens.model.packed import kernel
     from attnlens.model.packed.loading import PACKED_FILE
 
+    if dtype_setting not in ("packed", "auto") or device.type != "cpu":
+        return False
+    say = log.warning if dtype_setting == "packed" else log.info
     if not (Path(model_dir) / PACKED_FILE).is_file():
-        log.info("%s has no packed weights (only a GGUF import has them): served in float32", model_dir)
+        if dtype_setting == "packed":
+            say("%s has no packed weights (only a GGUF import has them): served in float32", model_dir)
         return False
     ok, why = kernel.available()
     if not ok:
-        log.warning("%s: served in float32, not packed: %s", model_dir, why)
+        say("%s: served in float32, not packed: %s", model_dir, why)
     return ok
 
 
@@ -63,7 +69,7 @@ def load_for_serving(model_dir, device_setting: str, dtype_setting: str, *, engi
     device = resolve_device(device_setting)
     dtype = resolve_dtype(dtype_setting, device)
     weights = not (engine_process and family_named(load_config(model_dir).family).generation is not None)
-    packed = weights and dtype_setting == "packed" and packed_here(model_dir)
+    packed = weights and serves_packed(model_dir, dtype_setting, device)
     log.info("loading checkpoint %s onto %s as %s%s", model_dir, device,
              "packed blocks" if packed else str(dtype).removeprefix("torch."),
              "" if weights else " (its shapes: its engine process holds the weights)")
@@ -77,11 +83,7 @@ def weights_label(ckpt: Checkpoint, dtype_setting: str) -> str:
 
     if counts := describe(ckpt.model):
         return label(counts)
-    path = None if ckpt.path is None else ckpt.path / PACKED_FILE
     on_meta = next(ckpt.model.parameters()).is_meta  # its engine process loaded it, by the same settings
-    if dtype_setting == "packed" and on_meta and path is not None and path.is_file():
-        from attnlens.model.packed import kernel
-
-        if kernel.available()[0]:
-            return label(file_formats(path))
+    if on_meta and ckpt.path is not None and serves_packed(ckpt.path, dtype_setting, ckpt.weights_device):
+        return label(file_formats(ckpt.path / PACKED_FILE))
     return str(ckpt.model.dtype).removeprefix("torch.")

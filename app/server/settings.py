@@ -90,7 +90,9 @@ class Settings(BaseSettings):
     max_embedding_inputs: int = Field(256, ge=1)  # texts in one /v1/embeddings request's `input`
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # packed: a GGUF import's Q4_0 / Q4_1 / Q8_0 weights kept in their blocks (model/packed/),
-    # float32 activations, on the CPU; other tensors and models without blocks in float32
+    # float32 activations, on the CPU; other tensors and models without blocks in float32. auto:
+    # bfloat16 on CUDA; on the CPU packed where a model has blocks (and the C kernels build), else
+    # float32. float32: never packed.
     dtype: Literal["auto", "float32", "bfloat16", "float16", "packed"] = "auto"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
