@@ -64,6 +64,8 @@ class PackedMatrix:
         if n <= MAX_KERNEL_ROWS:
             return kernel.matmul(x, self.data, self.fmt, self.cols)
         flat = x.reshape(n, self.cols)
+        if self.rows <= TILE_ROWS:  # one tile: its product is the answer (no copy through a cat)
+            return F.linear(flat, self.dequantize()).view(*x.shape[:-1], self.rows)
         tiles = [F.linear(flat, self.dequantize(torch.arange(r, min(r + TILE_ROWS, self.rows))))
                  for r in range(0, self.rows, TILE_ROWS)]
         return torch.cat(tiles, dim=-1).view(*x.shape[:-1], self.rows)
