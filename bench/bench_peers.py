@@ -4,7 +4,10 @@ llama.cpp's llama-server, the same threads each.
     .venv/bin/python bench/bench_peers.py                           # 2 threads, 128 tokens, 3 reps
     .venv/bin/python bench/bench_peers.py --new-tokens 16 --reps 1  # a quick check
 
-Rows, one after another (never two at once), each with --threads threads:
+Rows, each with --threads threads, measured in turns (never two at once): every server is started
+first and waits idle while the others are measured; then each row decodes in turn, then each
+prefills in turn, --reps times after one warm-up, so a shared machine's drift falls on every row
+alike:
 
 * transformers `generate()`, float32 (its own GGUF loader on the packaged file, dequantized),
   in this process;
@@ -21,8 +24,8 @@ Rows, one after another (never two at once), each with --threads threads:
 Per row: decode tok/s of N greedy tokens after a short prompt (the tokens after the first over
 the time from the first to the last: prefill excluded), the time to prefill a 512- and a 2,048-token prompt
 (and return one token: over HTTP the request's wall time), and the server's RSS after both (its
-engine process included; in-process rows share this process and print "-"). Median of --reps
-after one warm-up. Then every row's ratio to each llama.cpp row.
+engine process included; in-process rows share this process and print "-"). Medians. Then every
+row's ratio to each llama.cpp row, and each prefill against transformers' forward.
 
 Greedy: llama.cpp gets `ignore_eos`, transformers `min_new_tokens`; attnlens over HTTP has no such
 switch, so the prompt is one that SmolLM2 continues past N tokens (the count is printed).
@@ -149,25 +152,48 @@ def decode_rate(arrivals: list[float]) -> float:
 
 
 # --- the peers -------------------------------------------------------------------
+@dataclass
+class Contestant:
+    """One row of the table: how to decode (-> tok/s) and prefill (ids -> seconds) with it, and its
+    server process when it has one (its RSS is read at the end, then it is stopped)."""
+
+    row: Row
+    decode: Callable[[], float]
+    prefill: Callable[[list[int]], float]
+    proc: subprocess.Popen | None = None
+    counts: list[int] = field(default_factory=list)  # tokens each decode streamed (attnlens: EOS ends one)
+
+
 class Measure:
     def __init__(self, args, prompt_ids: list[int], long_ids: dict[int, list[int]]):
         self.args, self.prompt_ids, self.long_ids = args, prompt_ids, long_ids
 
-    def repeat(self, decode: Callable[[], float], prefill: Callable[[list[int]], float]
-               ) -> tuple[float, dict[int, float]]:
-        """Median decode tok/s and prefill seconds (per prompt length) over --reps, after one warm-up of each."""
-        decode()
-        rates: list[float] = []
-        prefills: dict[int, list[float]] = {n: [] for n in self.long_ids}
-        for n, ids in self.long_ids.items():
-            prefill(ids)
+    def rounds(self, contestants: list[Contestant]) -> None:
+        """Every contestant's decode, then every prefill length for each, in turn, --reps times after one
+        warm-up of each: a machine's drift (other tenants, clocks) falls on every row alike. Medians."""
+        live = [c for c in contestants if not c.row.note]
+        rates: dict[int, list[float]] = {id(c): [] for c in live}
+        prefills: dict[tuple[int, int], list[float]] = {(id(c), n): [] for c in live for n in self.long_ids}
+        for c in live:
+            c.decode()
+            for ids in self.long_ids.values():
+                c.prefill(ids)
         for _ in range(self.args.reps):
-            rates.append(decode())
+            for c in live:
+                rates[id(c)].append(c.decode())
             for n, ids in self.long_ids.items():
-                prefills[n].append(prefill(ids))
-        return statistics.median(rates), {n: statistics.median(v) for n, v in prefills.items()}
+                for c in live:
+                    prefills[(id(c), n)].append(c.prefill(ids))
+        for c in live:
+            c.row.decode_tok_s = statistics.median(rates[id(c)])
+            c.row.prefill_s = {n: statistics.median(prefills[(id(c), n)]) for n in self.long_ids}
+            if c.proc is not None:
+                c.row.rss_gb = tree_rss_bytes(c.proc.pid) / 1e9
+            if c.counts and min(c.counts) < self.args.new_tokens:
+                c.row.note = f"stopped at EOS after {min(c.counts)} tokens"
 
-    def server(self, row: Row, cmd: list[str], env: dict, ready_path: str, decode, prefill) -> Row:
+    def server(self, row: Row, cmd: list[str], env: dict, ready_path: str, decode, prefill) -> Contestant:
+        """A server started and ready (a row with a note instead when it is not)."""
         port = free_port()
         with tempfile.NamedTemporaryFile(suffix=".log", delete=False) as f:
             log = Path(f.name)
@@ -176,15 +202,12 @@ class Measure:
                                     stderr=subprocess.STDOUT)
         try:
             wait_ready(proc, port, ready_path, log)
-            row.decode_tok_s, row.prefill_s = self.repeat(lambda: decode(port), lambda ids: prefill(port, ids))
-            row.rss_gb = tree_rss_bytes(proc.pid) / 1e9
         except RuntimeError as e:
             row.note = str(e).splitlines()[0][:120]
-        finally:
             stop(proc)
-        return row
+        return Contestant(row, lambda: decode(port), lambda ids: prefill(port, ids), proc)
 
-    def attnlens_http(self, ckpt_dir: Path, dtype: str, weights: str) -> Row:
+    def attnlens_http(self, ckpt_dir: Path, dtype: str, weights: str) -> Contestant:
         a, n = self.args, self.args.new_tokens
         env = {**os.environ, "ATTNLENS_DEVICE": "cpu", "ATTNLENS_DTYPE": dtype, "OMP_NUM_THREADS": str(a.threads),
                "MKL_NUM_THREADS": str(a.threads), "ATTNLENS_LOG_LEVEL": "warning",
@@ -200,14 +223,13 @@ class Measure:
         def prefill(port: int, ids: list[int]) -> float:
             return post_wall_s(port, "/generate", {"ids": ids, "max_new_tokens": 1, "temperature": 0})
 
-        row = self.server(Row("attnlens (over HTTP)", weights),
-                          [sys.executable, "-m", "attnlens.app.cli", "serve", "--model", str(ckpt_dir), "--host",
-                           "127.0.0.1"], env, "/readyz", decode, prefill)
-        if counts and min(counts) < n:
-            row.note = f"stopped at EOS after {min(counts)} tokens"
-        return row
+        c = self.server(Row("attnlens (over HTTP)", weights),
+                        [sys.executable, "-m", "attnlens.app.cli", "serve", "--model", str(ckpt_dir), "--host",
+                         "127.0.0.1"], env, "/readyz", decode, prefill)
+        c.counts = counts
+        return c
 
-    def llama_server(self, server: Path, env: dict[str, str], gguf: Path, weights: str) -> Row:
+    def llama_server(self, server: Path, env: dict[str, str], gguf: Path, weights: str) -> Contestant:
         a, n = self.args, self.args.new_tokens
         cmd = [str(server), "-m", str(gguf), "-t", str(a.threads), "-tb", str(a.threads), "-c", "4096", "-np", "1",
                "--host", "127.0.0.1"]
@@ -223,7 +245,7 @@ class Measure:
 
         return self.server(Row("llama.cpp llama-server", weights), cmd, env, "/health", decode, prefill)
 
-    def in_process(self, model, packed, hf) -> list[Row]:
+    def in_process(self, model, packed, hf) -> list[Contestant]:
         import torch
         from transformers.generation.streamers import BaseStreamer
 
@@ -274,14 +296,9 @@ class Measure:
                 return time.perf_counter() - t0
             return prefill
 
-        rows = []
-        for row, decode, prefill in ((Row("transformers generate()", "float32"), hf_decode, hf_prefill),
-                                     (Row("attnlens (in-process)", "float32"), ours_decode(model), ours_prefill(model)),
-                                     (Row("attnlens (in-process)", "packed"), ours_decode(packed),
-                                      ours_prefill(packed))):
-            row.decode_tok_s, row.prefill_s = self.repeat(decode, prefill)
-            rows.append(row)
-        return rows
+        return [Contestant(Row("transformers generate()", "float32"), hf_decode, hf_prefill),
+                Contestant(Row("attnlens (in-process)", "float32"), ours_decode(model), ours_prefill(model)),
+                Contestant(Row("attnlens (in-process)", "packed"), ours_decode(packed), ours_prefill(packed))]
 
 
 def print_table(rows: list[Row], peers: list[Row], sizes: list[int]) -> None:
@@ -355,15 +372,20 @@ def main(argv: list[str] | None = None) -> int:
     hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                            attn_implementation="sdpa").eval()
     packed = load_checkpoint(ckpt_dir, packed=True).model
-    rows = measure.in_process(ours.model, packed, hf)
-    del hf, packed
-    rows.append(measure.attnlens_http(ckpt_dir, "float32", "float32"))
-    rows.append(measure.attnlens_http(ckpt_dir, "packed", "packed"))
-    peers = []
+    contestants = measure.in_process(ours.model, packed, hf)
+    contestants.append(measure.attnlens_http(ckpt_dir, "float32", "float32"))
+    contestants.append(measure.attnlens_http(ckpt_dir, "packed", "packed"))
     if llama is not None:
         for path, weights in ((f32_gguf(llama, gguf), "F32"), (gguf, "Q4_1")):
-            peers.append(measure.llama_server(llama.server, llama.env(), path, weights))
-        rows += peers
+            contestants.append(measure.llama_server(llama.server, llama.env(), path, weights))
+    try:
+        measure.rounds(contestants)
+    finally:
+        for c in contestants:
+            if c.proc is not None:
+                stop(c.proc)
+    rows = [c.row for c in contestants]
+    peers = [r for r in rows if r.name.startswith("llama.cpp")]
     print_table(rows, peers, args.prefill)
     if llama is None:
         print(f"\nllama.cpp skipped: {why}")
