@@ -205,3 +205,22 @@ def test_smollm2_served_packed_says_so_and_answers(smollm2, tmp_path):
         assert r.status_code == 200 and "Paris" in r.json()["text"]
         r = client.post("/attention", json={"text": "The capital of France is Paris"})
         assert r.status_code == 200, r.text
+
+
+def test_without_a_compiler_everything_is_served_in_float32_and_says_why(tmp_path, monkeypatch, caplog):
+    """No C compiler (the Docker image): packed falls back to float32 with the reason in the log,
+    and decoding takes torch's paths (one row through BLAS, attention by batched products)."""
+    from attnlens.app.registry.model_loader import load_for_serving
+    from attnlens.model.native import library
+
+    out, _ = import_checkpoint(write_gguf(tmp_path / "q.gguf", qtype="Q8_0"), tmp_path / "ckpt")
+    want = list(generate_tokens(load_checkpoint(out).model, [5, 6, 7], 8, SamplingParams(temperature=0.0)))
+    monkeypatch.setattr(library, "_library", None)
+    monkeypatch.setattr(library, "_failure", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert library.available()[0] is False and "cannot be built or loaded" in library.available()[1]
+    with caplog.at_level("WARNING"):
+        ckpt = load_for_serving(out, "cpu", "packed")
+    assert describe(ckpt.model) == {} and "served in float32, not packed" in caplog.text
+    got = list(generate_tokens(ckpt.model, [5, 6, 7], 8, SamplingParams(temperature=0.0)))
+    assert [t.id for t in got] == [t.id for t in want]

@@ -105,6 +105,8 @@ def available() -> tuple[bool, str]:
     """(True, "") when the library is loaded (building it if needed), else (False, why)."""
     if _library is not None:  # the hot path: asked once per product of a decode step
         return True, ""
+    if _failure is not None:  # and where there is no compiler, as often
+        return False, _failure
     try:
         load()
         return True, ""
