@@ -27,6 +27,10 @@ the time from the first to the last: prefill excluded), the time to prefill a 51
 engine process included; in-process rows share this process and print "-"). Medians. Then every
 row's ratio to each llama.cpp row, and each prefill against transformers' forward.
 
+The attnlens servers also answer --streams (16) sampled generations of N tokens at once, seeded
+(the same work each time): the tokens of them all over the wall time, prefills included. llama.cpp's
+servers here have one slot (`-np 1`), so they are not asked.
+
 Greedy: llama.cpp gets `ignore_eos`, transformers `min_new_tokens`; attnlens over HTTP has no such
 switch, so the prompt is one that SmolLM2 continues past N tokens (the count is printed).
 """
@@ -64,6 +68,7 @@ class Row:
     decode_tok_s: float | None = None
     prefill_s: dict[int, float] = field(default_factory=dict)  # prompt tokens -> seconds
     rss_gb: float | None = None
+    streams_tok_s: float | None = None  # --streams generations at once, tokens/s of them all
     note: str = ""
 
 
@@ -162,6 +167,7 @@ class Contestant:
     prefill: Callable[[list[int]], float]
     proc: subprocess.Popen | None = None
     counts: list[int] = field(default_factory=list)  # tokens each decode streamed (attnlens: EOS ends one)
+    streams: Callable[[], float] | None = None  # --streams at once -> tokens/s (attnlens over HTTP)
 
 
 class Measure:
@@ -173,20 +179,28 @@ class Measure:
         warm-up of each: a machine's drift (other tenants, clocks) falls on every row alike. Medians."""
         live = [c for c in contestants if not c.row.note]
         rates: dict[int, list[float]] = {id(c): [] for c in live}
+        together: dict[int, list[float]] = {id(c): [] for c in live if c.streams is not None}
         prefills: dict[tuple[int, int], list[float]] = {(id(c), n): [] for c in live for n in self.long_ids}
         for c in live:
             c.decode()
             for ids in self.long_ids.values():
                 c.prefill(ids)
+            if c.streams is not None:
+                c.streams()
         for _ in range(self.args.reps):
             for c in live:
                 rates[id(c)].append(c.decode())
+            for c in live:
+                if c.streams is not None:
+                    together[id(c)].append(c.streams())
             for n, ids in self.long_ids.items():
                 for c in live:
                     prefills[(id(c), n)].append(c.prefill(ids))
         for c in live:
             c.row.decode_tok_s = statistics.median(rates[id(c)])
             c.row.prefill_s = {n: statistics.median(prefills[(id(c), n)]) for n in self.long_ids}
+            if together.get(id(c)):
+                c.row.streams_tok_s = statistics.median(together[id(c)])
             if c.proc is not None:
                 c.row.rss_gb = tree_rss_bytes(c.proc.pid) / 1e9
             if c.counts and min(c.counts) < self.args.new_tokens:
@@ -227,6 +241,27 @@ class Measure:
                         [sys.executable, "-m", "attnlens.app.cli", "serve", "--model", str(ckpt_dir), "--host",
                          "127.0.0.1"], env, "/readyz", decode, prefill)
         c.counts = counts
+        port = int(c.proc.args[-1]) if c.proc is not None else 0  # the --port it was started with
+
+        def streams() -> float:
+            """--streams sampled generations of --new-tokens at once (seeded: the same work each time)."""
+            from concurrent.futures import ThreadPoolExecutor
+
+            def one(i: int) -> int:
+                body = {"ids": self.prompt_ids, "max_new_tokens": n, "temperature": 0.8, "seed": i}
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+                conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+                answer = json.loads(conn.getresponse().read())
+                conn.close()
+                return len(answer["tokens"])
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(a.streams) as pool:
+                tokens = sum(pool.map(one, range(a.streams)))
+            return tokens / (time.perf_counter() - t0)
+
+        if a.streams:
+            c.streams = streams
         return c
 
     def llama_server(self, server: Path, env: dict[str, str], gguf: Path, weights: str) -> Contestant:
@@ -303,13 +338,14 @@ class Measure:
 
 def print_table(rows: list[Row], peers: list[Row], sizes: list[int]) -> None:
     def fmt(x: float | None, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
+        return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
 
     heads = "".join(f"{f'prefill {n} s':>15s}" for n in sizes)
-    print(f"{'server':28s} {'weights':10s} {'decode tok/s':>13s}{heads} {'RSS GB':>8s}")
+    print(f"{'server':28s} {'weights':10s} {'decode tok/s':>13s}{heads} {'RSS GB':>8s} {'streams tok/s':>14s}")
     for r in rows:
         cells = "".join(f"{fmt(r.prefill_s.get(n), '15.2f')}" for n in sizes)
-        print(f"{r.name:28s} {r.weights:10s} {fmt(r.decode_tok_s, '13.1f')}{cells} {fmt(r.rss_gb, '8.2f')}  {r.note}")
+        print(f"{r.name:28s} {r.weights:10s} {fmt(r.decode_tok_s, '13.1f')}{cells} {fmt(r.rss_gb, '8.2f')} "
+              f"{fmt(r.streams_tok_s, '14.1f')}  {r.note}")
     hf = next((r for r in rows if r.name.startswith("transformers")), None)
     for peer in peers:
         if peer.decode_tok_s is None:
@@ -338,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths of the prefill cases")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--streams", type=int, default=16, help="generations at once for attnlens over HTTP (0: none)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (no build)")
     args = p.parse_args(argv)
 
