@@ -548,3 +548,19 @@ def test_cpu_linear_equals_torchs_linear(rows, bias, one_row, monkeypatch):
     with torch.no_grad():
         assert not fast_cpu_path(x.double(), ours.weight.double())  # float32 only
         assert not fast_cpu_path(torch.randn(65, 48), ours.weight)  # a prefill's many rows: F.linear
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 3, 64), (16, 48), (1, 17, 48), (1, 1, 37)])
+def test_rmsnorm_of_a_few_rows_by_the_c_kernel_equals_torchs(shape):
+    """model/native/rms_norm.c (a decode step's rows, float32 inference on the CPU) against F.rms_norm."""
+    from attnlens.model.native import library as native
+    from attnlens.model.parts.norms import RMSNorm
+
+    if not native.available()[0]:
+        pytest.skip(f"C kernels: {native.available()[1]}")
+    norm = RMSNorm(shape[-1], eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = 3 * torch.randn(shape)
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), F.rms_norm(x, (shape[-1],), norm.weight, 1e-5), atol=1e-5, rtol=1e-5)
+        assert norm(x[..., ::1]).shape == shape

@@ -3,6 +3,7 @@
     packed_matmul.c     products with weights in GGUF blocks (model/packed/kernel.py)
     block_attention.c   a decode step's attention over a KV cache in blocks (model/paged_kv_cache.py)
     float_matvec.c      one row times a float32 weight (model/parts/linear.py)
+    rms_norm.c          RMSNorm of a decode step's few rows (model/parts/norms.py)
 
 The sources are compiled by the system C compiler (`cc`, or $CC) with -O3 -march=native -fopenmp
 into `<cache>/kernels/attnlens-<hash>.so` (the hash covers the sources, the compiler's version and
@@ -71,6 +72,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.block_attention.restype = ctypes.c_int
     lib.float_matvec.argtypes = [ptr, i64, ptr, i64, ptr, ptr]
     lib.float_matvec.restype = None
+    lib.rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr]
+    lib.rms_norm.restype = None
 
 
 def load() -> ctypes.CDLL:
