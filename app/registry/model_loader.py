@@ -29,7 +29,7 @@ def resolve_device(setting: str) -> torch.device:
 
 def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     """`auto` = bfloat16 on CUDA, float32 on CPU (a model with packed blocks keeps them there:
-    serves_packed); `packed` computes in float32 (its weights are blocks)."""
+    packed_or_why); `packed` computes in float32 (its weights are blocks)."""
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if setting == "packed":
@@ -39,26 +39,23 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     return DTYPES[setting]
 
 
-def serves_packed(model_dir, dtype_setting: str, device: torch.device) -> bool:
+def packed_or_why(model_dir, dtype_setting: str, device: torch.device) -> tuple[bool, str | None]:
     """Whether the model is served with its packed blocks (model/packed/): ATTNLENS_DTYPE=packed, or
     auto on the CPU, when the checkpoint has them (a GGUF import's packed.safetensors) and the C
-    kernels build here. Otherwise float32, and why is logged (a warning when packed was asked for)."""
+    kernels build here. (False, why) otherwise; why is None when there is nothing to say (another
+    dtype, CUDA, auto on a model without blocks). Logs nothing: the loader says it once."""
     from pathlib import Path
 
     from attnlens.model.packed import kernel
     from attnlens.model.packed.loading import PACKED_FILE
 
     if dtype_setting not in ("packed", "auto") or device.type != "cpu":
-        return False
-    say = log.warning if dtype_setting == "packed" else log.info
+        return False, None
     if not (Path(model_dir) / PACKED_FILE).is_file():
-        if dtype_setting == "packed":
-            say("%s has no packed weights (only a GGUF import has them): served in float32", model_dir)
-        return False
-    ok, why = kernel.available()
-    if not ok:
-        say("%s: served in float32, not packed: %s", model_dir, why)
-    return ok
+        why = "has no packed weights (only a GGUF import has them): served in float32"
+        return False, why if dtype_setting == "packed" else None
+    ok, reason = kernel.available()
+    return ok, None if ok else f"served in float32, not packed: {reason}"
 
 
 def load_for_serving(model_dir, device_setting: str, dtype_setting: str, *, engine_process: bool = False
@@ -69,7 +66,9 @@ def load_for_serving(model_dir, device_setting: str, dtype_setting: str, *, engi
     device = resolve_device(device_setting)
     dtype = resolve_dtype(dtype_setting, device)
     weights = not (engine_process and family_named(load_config(model_dir).family).generation is not None)
-    packed = weights and serves_packed(model_dir, dtype_setting, device)
+    packed, why = packed_or_why(model_dir, dtype_setting, device) if weights else (False, None)
+    if why is not None:  # a warning when packed was asked for
+        (log.warning if dtype_setting == "packed" else log.info)("%s: %s", model_dir, why)
     log.info("loading checkpoint %s onto %s as %s%s", model_dir, device,
              "packed blocks" if packed else str(dtype).removeprefix("torch."),
              "" if weights else " (its shapes: its engine process holds the weights)")
@@ -84,6 +83,6 @@ def weights_label(ckpt: Checkpoint, dtype_setting: str) -> str:
     if counts := describe(ckpt.model):
         return label(counts)
     on_meta = next(ckpt.model.parameters()).is_meta  # its engine process loaded it, by the same settings
-    if on_meta and ckpt.path is not None and serves_packed(ckpt.path, dtype_setting, ckpt.weights_device):
+    if on_meta and ckpt.path is not None and packed_or_why(ckpt.path, dtype_setting, ckpt.weights_device)[0]:
         return label(file_formats(ckpt.path / PACKED_FILE))
     return str(ckpt.model.dtype).removeprefix("torch.")
