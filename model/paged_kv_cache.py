@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import heapq
 import mmap
 from dataclasses import dataclass
@@ -84,18 +85,49 @@ class BlockAttention:
         bias  (n*K, 1, P) 0 where a block's position is filled (this token's included), else -inf
         single            one row whose blocks are exactly lo .. hi-1: no row bookkeeping
     A block that is not the call's gets -inf everywhere, so its exp is NaN (-inf minus -inf): it
-    lands in the dropped row B only.
+    lands in the dropped row B only. owner, bias and the maps' layout are built when the torch path
+    first asks (the C kernel reads `table` and `lengths` alone).
     """
 
-    def __init__(self, lo: int, hi: int, owner: torch.Tensor, bias: torch.Tensor, single: bool,
-                 n_keys: int, probs_index: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor,
-                 lengths: torch.Tensor):
-        self.lo, self.hi, self.owner, self.bias, self.single = lo, hi, owner, bias, single
-        self.n_keys = n_keys
-        self.table, self.lengths = table, lengths  # (B, nb) int64 block ids, (B,) positions: for the C kernel
-        # the call's blocks (offsets from lo, row by row) and, for each of their positions, its place in
-        # a (B, S_pad) row-major layout of the rows' probabilities: see probabilities
-        self.probs_index = probs_index
+    def __init__(self, tables: list[list[int]], lengths: list[int], n_keys: int, table: torch.Tensor,
+                 n_kv_heads: int, block: int, dtype: torch.dtype):
+        self.tables, self.n_keys, self.K, self.P, self.dtype = tables, n_keys, n_kv_heads, block, dtype
+        self.table, self.lengths = table, torch.tensor(lengths)  # (B, nb) block ids, (B,) positions: the C kernel's
+        self.lo = min(min(t) for t in tables)
+        self.hi = max(max(t) for t in tables) + 1
+        self.single = len(tables) == 1 and tables[0] == list(range(self.lo, self.hi))
+
+    @functools.cached_property
+    def _bookkeeping(self) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The torch path's owner, bias and probs_index (the class docstring), built on its first use:
+        the C kernel (and model/fused_decode.py) reads only the table and the lengths. probs_index:
+        the call's blocks (offsets from lo, row by row) and, for each of their positions, its place in
+        a (B, S_pad) row-major layout of the rows' probabilities (see probabilities)."""
+        B, P, n = len(self.tables), self.P, self.hi - self.lo
+        owner = torch.full((n,), B, dtype=torch.long)
+        filled = torch.zeros(n, dtype=torch.long)  # positions of each block that are filled
+        owned, flat = [], []
+        for b, (t, length) in enumerate(zip(self.tables, self.lengths.tolist())):
+            idx = torch.tensor(t) - self.lo
+            owner[idx] = b
+            filled[idx] = torch.clamp(length - torch.arange(len(t)) * P, 0, P)
+            owned.append(idx)
+            flat.append(b * blocks_for(self.n_keys, P) * P + torch.arange(len(t) * P))
+        bias = torch.where(torch.arange(P)[None, :] < filled[:, None], 0.0, float("-inf")).to(self.dtype)  # (n, P)
+        bias = bias[:, None, None, :].expand(n, self.K, 1, P).reshape(n * self.K, 1, P)
+        return owner, bias, (torch.cat(owned), torch.cat(flat))
+
+    @property
+    def owner(self) -> torch.Tensor:
+        return self._bookkeeping[0]
+
+    @property
+    def bias(self) -> torch.Tensor:
+        return self._bookkeeping[1]
+
+    @property
+    def probs_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._bookkeeping[2]
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, want_probs: bool):
         """q (B, H, 1, D) over the pool's (N, K, P, D) keys and values: (B, H, 1, D) and, with
@@ -353,31 +385,10 @@ class PagedKVCache:
         slots = ((block_of[:, None, :] * K + heads) * P + (positions % P)[:, None, :]).reshape(-1)  # (B*K*T,)
         same = min(starts) == longest
         mask = None if same else rows_mask(positions, S)
-        blocks = self._block_attention(tables, [s + n_new for s in starts], S, table) if n_new == 1 else None
+        blocks = (BlockAttention(tables, [s + n_new for s in starts], S, table, K, P, self.dtype)
+                  if n_new == 1 else None)
         return PagedWrite(self, rows, longest if same else -1, None if same else positions, mask, S, slots,
                           fresh=longest == 0, blocks=blocks, gather=table)
-
-    def _block_attention(self, tables: list[list[int]], lengths: list[int], S: int, table: torch.Tensor
-                         ) -> BlockAttention:
-        B, P = len(tables), self.block
-        lo = min(min(t) for t in tables)
-        hi = max(max(t) for t in tables) + 1
-        n = hi - lo
-        single = B == 1 and tables[0] == list(range(lo, hi))
-        owner = torch.full((n,), B, dtype=torch.long)
-        filled = torch.zeros(n, dtype=torch.long)  # positions of each block that are filled
-        owned, flat = [], []
-        for b, (t, length) in enumerate(zip(tables, lengths)):
-            idx = torch.tensor(t) - lo
-            owner[idx] = b
-            counts = torch.clamp(length - torch.arange(len(t)) * P, 0, P)
-            filled[idx] = counts
-            owned.append(idx)
-            flat.append(b * blocks_for(S, P) * P + torch.arange(len(t) * P))
-        bias = torch.where(torch.arange(P)[None, :] < filled[:, None], 0.0, float("-inf")).to(self.dtype)  # (n, P)
-        bias = bias[:, None, None, :].expand(n, self.n_kv_heads, 1, P).reshape(n * self.n_kv_heads, 1, P)
-        probs_index = (torch.cat(owned), torch.cat(flat))
-        return BlockAttention(lo, hi, owner, bias, single, S, probs_index, table, torch.tensor(lengths))
 
     def store(self, write: PagedWrite, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put the call's (B, K, T, D) keys/values in their slots."""

@@ -36,6 +36,7 @@ from attnlens.model.families.contract import (
     TrainingSpec,
 )
 from attnlens.model.family_parts import FAMILY_PARTS
+from attnlens.model.fused_decode import fused_step
 from attnlens.model.kv_cache import ContextLengthError, KVCache, bytes_per_row
 from attnlens.model.paged_kv_cache import PagedKVCache
 from attnlens.model.parts import (
@@ -157,8 +158,12 @@ class Transformer(Embeddings, nn.Module):
             x, rope = self.embed(ids, positions=positions), self.rotary_angles(T, positions=positions)
             mask = self.window_mask(T, write.n_keys, positions=positions, mask=write.mask)
 
-        x, attentions = self.run_blocks(x, mask, write.layer if write is not None else None, return_attention,
-                                        rope=rope)
+        fused = fused_step(self, write, mask) if write is not None else None
+        if fused is not None:  # a decode step through every block in one C call (model/fused_decode.py)
+            x, attentions = fused.run(x, rope, write, return_attention)
+        else:
+            x, attentions = self.run_blocks(x, mask, write.layer if write is not None else None, return_attention,
+                                            rope=rope)
         if write is not None:
             kv_cache.commit(write, T if valid is None else valid.cpu())
 

@@ -37,3 +37,18 @@ void float_matvec(const float *x, int64_t K, const float *w, int64_t N, const fl
 #pragma omp parallel for schedule(static) if (N * K > 65536)
     for (int64_t n = 0; n < N; n++) y[n] = row_dot(w + n * K, x, K) + (bias ? bias[n] : 0.0f);
 }
+
+/* y (M, N) = x (M, K) W^T (+ bias) for a few rows (a batched decode step's): each weight row is read
+   once and meets up to four rows of x while it is in registers and cache. Per (m, n), the sum is
+   row_dot's, in the same order: the one-row answer for every row. */
+void float_matmul_few(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y) {
+    if (M == 1) {
+        float_matvec(x, K, w, N, bias, y);
+        return;
+    }
+#pragma omp parallel for schedule(static) if (N * K * M > 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const float b = bias ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = row_dot(w + n * K, x + m * K, K) + b;
+    }
+}

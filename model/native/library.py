@@ -2,8 +2,9 @@
 
     packed_matmul.c     products with weights in GGUF blocks (model/packed/kernel.py)
     block_attention.c   a decode step's attention over a KV cache in blocks (model/paged_kv_cache.py)
-    float_matvec.c      one row times a float32 weight (model/parts/linear.py)
+    float_matvec.c      a few rows times a float32 weight (model/parts/linear.py)
     rms_norm.c          RMSNorm of a decode step's few rows (model/parts/norms.py)
+    decode_layers.c     a decode step through every block of a Llama-like stack (model/fused_decode.py)
 
 The sources are compiled by the system C compiler (`cc`, or $CC) with -O3 -march=native -fopenmp
 into `<cache>/kernels/attnlens-<hash>.so` (the hash covers the sources, the compiler's version and
@@ -74,6 +75,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.float_matvec.restype = None
     lib.rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr]
     lib.rms_norm.restype = None
+    lib.float_matmul_few.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
+    lib.float_matmul_few.restype = None
+    lib.decode_layers.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr,
+                                  i64, i64, f32, f32]
+    lib.decode_layers.restype = ctypes.c_int
 
 
 def load() -> ctypes.CDLL:
