@@ -173,3 +173,9 @@ class KVCache:
 def pageable(model) -> bool:
     """Whether a model's family can make a cache in blocks (its new_kv_cache takes `paged`)."""
     return "paged" in inspect.signature(model.new_kv_cache).parameters
+
+
+def cache_paged(model, budget: int | None, device: torch.device) -> bool:
+    """Whether a serving engine's KV cache for this model, on `device`, is in blocks from one pool: a
+    byte budget, the CPU, and a family whose cache can be (model/paged_kv_cache.py)."""
+    return budget is not None and device.type == "cpu" and pageable(model)

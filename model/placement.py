@@ -1,4 +1,5 @@
-"""Pick the device and dtype, and load the checkpoint the service will serve."""
+"""Pick the device and dtype, and load the checkpoint the service will serve (the server for its
+runners, an engine process for its model: app/engine/ reads it from here, not from the app)."""
 
 from __future__ import annotations
 

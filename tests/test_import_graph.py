@@ -140,8 +140,8 @@ def graph() -> dict[str, set[str]]:
 def test_the_graph_reads_every_kind_of_import(graph):
     """A sanity check on the reader: relative, absolute and in-function imports are edges."""
     assert "attnlens.model.config" in graph["attnlens.model.checkpoint"]  # from .config import ...
-    assert "attnlens.model" in graph["attnlens.app.registry.model_loader"] or any(
-        n.startswith("attnlens.model.") for n in graph["attnlens.app.registry.model_loader"])  # from attnlens.model... import
+    assert "attnlens.model" in graph["attnlens.model.placement"] or any(
+        n.startswith("attnlens.model.") for n in graph["attnlens.model.placement"])  # from attnlens.model... import
     assert any(n.startswith("attnlens.model.training") for n in graph["attnlens.app.cli.commands"])  # inside a function
 
 
@@ -160,6 +160,22 @@ def test_the_client_package_has_no_import_cycle(graph):
 def test_app_has_no_import_cycle(graph):
     found = cycles(graph, "attnlens.app")
     assert not found, "import cycles in app/:\n" + describe(found)
+
+
+def test_the_engine_knows_nothing_of_the_service_around_it(graph):
+    """The engine (app/engine/) schedules and runs model calls: it imports model/ and itself, never the
+    API, the serving objects, the server or the registry that composes it (issue 31)."""
+    around = ("attnlens.app.api", "attnlens.app.serving", "attnlens.app.server", "attnlens.app.registry",
+              "attnlens.app.cli")
+    wrong = sorted(f"{n} -> {d}" for n, deps in graph.items() if n.startswith("attnlens.app.engine")
+                   for d in deps if d.startswith(around))
+    assert not wrong, "the engine imports the service around it:\n" + "\n".join(wrong)
+
+
+def test_model_imports_nothing_of_the_app(graph):
+    wrong = sorted(f"{n} -> {d}" for n, deps in graph.items() if n.startswith("attnlens.model")
+                   for d in deps if d.startswith("attnlens.app"))
+    assert not wrong, "model/ imports app/:\n" + "\n".join(wrong)
 
 
 if __name__ == "__main__":  # print the cycles: python tests/test_import_graph.py

@@ -142,7 +142,7 @@ def test_a_corrupt_packed_file_is_one_clear_error(pair, tmp_path):
 
 
 def test_the_service_serves_packed_by_default_on_the_cpu_and_float32_opts_out(tmp_path, caplog):
-    from attnlens.app.registry.model_loader import load_for_serving, resolve_dtype, weights_label
+    from attnlens.model.placement import load_for_serving, resolve_dtype, weights_label
 
     out, _ = import_checkpoint(write_gguf(tmp_path / "q.gguf", qtype="Q4_1"), tmp_path / "ckpt")
     for setting, packed in (("auto", True), ("packed", True), ("float32", False)):
@@ -211,10 +211,10 @@ def test_smollm2_served_packed_says_so_and_answers(smollm2, tmp_path):
 
 
 def test_without_a_compiler_everything_is_served_in_float32_and_says_why(tmp_path, monkeypatch, caplog):
-    """No C compiler (the Docker image): packed falls back to float32 with the reason in the log,
+    """No C compiler: packed falls back to float32 with the reason in the log,
     and decoding takes torch's paths (one row through BLAS, attention by batched products)."""
-    from attnlens.app.registry.model_loader import load_for_serving
     from attnlens.model.native import library
+    from attnlens.model.placement import load_for_serving
 
     out, _ = import_checkpoint(write_gguf(tmp_path / "q.gguf", qtype="Q8_0"), tmp_path / "ckpt")
     want = list(generate_tokens(load_checkpoint(out).model, [5, 6, 7], 8, SamplingParams(temperature=0.0)))

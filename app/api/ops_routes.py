@@ -7,8 +7,8 @@ from fastapi.responses import JSONResponse, Response
 
 from attnlens.app.api.deps import RegistryDep, StateDep
 from attnlens.app.api.ops_schemas import Health, ModelInfo, Readiness
-from attnlens.app.registry.model_loader import weights_label
 from attnlens.app.server.metrics import CONTENT_TYPE_LATEST
+from attnlens.model.placement import weights_label
 
 router = APIRouter(tags=["operations"])
 

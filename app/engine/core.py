@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from attnlens.app.engine import progress
+from attnlens.app.engine import heap, progress
 from attnlens.app.engine.records import (
     MODEL_CALL_FAILED,
     CallResult,
@@ -53,13 +53,13 @@ from attnlens.app.engine.records import (
     TokenRecord,
 )
 from attnlens.app.engine.request import Generation, GenerationParams
-from attnlens.app.registry import memory
 from attnlens.model import Checkpoint
 from attnlens.model.analysis.operations import run_operation
 from attnlens.model.cuda_graphs import GraphedDecoder
 from attnlens.model.decoding import RowSampler, decode_step, make_generator
 from attnlens.model.families.contract import FixedShapeDecoder
 from attnlens.model.hooks import batch_hooks, hooked
+from attnlens.model.kv_cache import cache_paged
 
 __all__ = ["EngineCore", "Generation", "GenerationParams", "OutputSink"]
 
@@ -91,7 +91,7 @@ class EngineCore:
         # blocks, one row per slot is allocated whole and reused
         self.kv_budget = kv_cache_bytes
         self.cache = self.model.new_kv_cache(max_concurrent, paged=True, pool_bytes=kv_cache_bytes) \
-            if memory.cache_paged(self.model, kv_cache_bytes, self.device) else self.model.new_kv_cache(max_concurrent)
+            if cache_paged(self.model, kv_cache_bytes, self.device) else self.model.new_kv_cache(max_concurrent)
         # a vocabulary padded past the tokenizer's last id (Qwen2): those ids are never sampled
         vocab = checkpoint.tokenizer.vocab_size
         self.vocab_limit = vocab if vocab < checkpoint.config.vocab_size else None
@@ -511,9 +511,8 @@ class EngineCore:
             if self._chunking is not None:  # the long prompt's row follows the decoding ones down
                 self.cache.move(last + 1, last)
             # give back what the finished rows held, to the system too (freed tensors stay in the heap)
-            if self.cache_paged and self.cache.trim(len(self._decoding) + (self._chunking is not None)) \
-                    and memory.MALLOC_TRIM is not None:
-                memory.MALLOC_TRIM(0)
+            if self.cache_paged and self.cache.trim(len(self._decoding) + (self._chunking is not None)):
+                heap.trim()
         g.t_end = time.perf_counter()
         if reason == "cancelled":
             self.cancelled += 1

@@ -24,7 +24,7 @@ import threading
 import weakref
 from typing import Protocol
 
-from attnlens.app.registry.memory import MALLOC_TRIM
+from attnlens.app.engine import heap
 
 log = logging.getLogger("attnlens.engine")
 
@@ -82,8 +82,7 @@ class StreamBudget:
             if self.in_use > 0 or self.high_water < TRIM_AFTER_BYTES:
                 return
             self.high_water = 0
-        if MALLOC_TRIM is not None:
-            MALLOC_TRIM(0)
+        heap.trim()
 
     def over(self) -> bool:
         return self.in_use > self.limit

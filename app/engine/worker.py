@@ -100,7 +100,7 @@ def main(spec: EngineSpec, commands: Connection, records: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it closes us
     logging.basicConfig(level=spec.log_level.upper() if spec.log_level != "trace" else "DEBUG", stream=sys.stderr,
                         format="%(levelname)s:     [engine %(process)d] %(name)s: %(message)s")
-    from attnlens.app.registry.model_loader import load_for_serving
+    from attnlens.model.placement import load_for_serving
 
     try:
         checkpoint = load_for_serving(spec.model_dir, spec.device, spec.dtype)

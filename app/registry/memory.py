@@ -16,24 +16,11 @@ about 64 MB, so 32 rows are 2 GB: ATTNLENS_KV_CACHE_BYTES caps it, and the rows 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-
 import torch
 
-from attnlens.model.kv_cache import pageable
+from attnlens.model.kv_cache import cache_paged
 
-
-def _malloc_trim():
-    """glibc's malloc_trim(0), or None where there is none (musl, macOS)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-# gives freed heap pages back to the system (large freed tensors otherwise stay in the process's RSS)
-MALLOC_TRIM = _malloc_trim()
+__all__ = ["cache_paged", "cache_row_bytes", "cache_rows", "weight_bytes"]
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -51,12 +38,6 @@ def cache_row_bytes(model) -> int:
     """Bytes of one row of the model's KV cache, as its family computes them (a row of a long-context
     model can be gigabytes: it is never allocated to be measured)."""
     return model.kv_cache_row_bytes()
-
-
-def cache_paged(model, budget: int | None, device: torch.device) -> bool:
-    """Whether the engine's KV cache for this model, on `device`, is in blocks from one pool (the
-    engine's own test: a budget, the CPU, a family whose cache can be)."""
-    return budget is not None and device.type == "cpu" and pageable(model)
 
 
 def cache_rows(name: str, row_bytes: int, max_concurrent: int, budget: int | None, *, paged: bool = False) -> int:

@@ -43,7 +43,6 @@ from attnlens.app.engine.process import ProcessClient
 from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.app.engine.supervisor import EngineSupervisor, RestartPolicy, Supervision
 from attnlens.app.registry.memory import cache_paged, cache_row_bytes, cache_rows
-from attnlens.app.registry.model_loader import load_for_serving
 from attnlens.app.registry.model_registry import (
     CLASSIFY,
     FILL_MASK,
@@ -66,6 +65,7 @@ from attnlens.app.serving.stream_events import events
 from attnlens.model import Checkpoint, SamplingParams
 from attnlens.model.analysis.operations import WarmUpCall
 from attnlens.model.families import family_of
+from attnlens.model.placement import load_for_serving
 
 log = logging.getLogger("attnlens.app")
 

@@ -84,8 +84,8 @@ def serve(model: str | None = None, host: str | None = None, port: int | None = 
     settings = Settings(**overrides)
     logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from attnlens.app.registry.model_loader import load_for_serving
     from attnlens.app.server.main import create_app  # after logging is set up
+    from attnlens.model.placement import load_for_serving
 
     preloaded = {}
     for model_dir in settings.model_dirs():
