@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import threading
 from typing import Any
 
 import torch
@@ -96,6 +97,7 @@ class FusedDecode:
         self.layers = (_Layer * len(layers))(*[_Layer(**spec) for spec in layers])
         self.tensors = tensors  # held: their memory is what the pointers name
         self.pointers = [t.data_ptr() for t in tensors]
+        self.lock = threading.Lock()  # each call points the layers at its own cache: one call at a time
 
     @classmethod
     def build(cls, model: Any) -> "FusedDecode | None":
@@ -166,14 +168,16 @@ class FusedDecode:
         probs: list[torch.Tensor] | None = None
         if want_probs:
             probs = [torch.empty(B, self.H, 1, blocks.n_keys, dtype=torch.float32) for _ in self.layers]
-        for i, layer in enumerate(self.layers):
-            layer.keys, layer.values = cache.keys[i].data_ptr(), cache.values[i].data_ptr()
-            layer.probs = probs[i].data_ptr() if probs is not None else None
         table, lengths, slots = blocks.table, blocks.lengths, write.slots
-        failed = native.load().decode_layers(
-            x.data_ptr(), B, C, self.layers, len(self.layers), self.H, self.K, self.D, self.F, self.R,
-            None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), slots.data_ptr(),
-            table.data_ptr(), table.shape[1], lengths.data_ptr(), cache.block, blocks.n_keys, self.eps, self.scale)
+        with self.lock:
+            for i, layer in enumerate(self.layers):
+                layer.keys, layer.values = cache.keys[i].data_ptr(), cache.values[i].data_ptr()
+                layer.probs = probs[i].data_ptr() if probs is not None else None
+            failed = native.load().decode_layers(
+                x.data_ptr(), B, C, self.layers, len(self.layers), self.H, self.K, self.D, self.F, self.R,
+                None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), slots.data_ptr(),
+                table.data_ptr(), table.shape[1], lengths.data_ptr(), cache.block, blocks.n_keys, self.eps,
+                self.scale)
         if failed:
             raise MemoryError("decode_layers: out of memory")
         return x.view(B, 1, C), probs

@@ -196,3 +196,25 @@ def test_smollm2_greedy_text_and_maps_fused_or_not(smollm2):
     with modular_decode():
         want = [t.id for t in generate_tokens(net, prompt, 32, SamplingParams(temperature=0.0))]
     assert [t.id for t in generate_tokens(net, prompt, 32, SamplingParams(temperature=0.0))] == want
+
+
+def test_two_threads_decoding_one_model_each_get_their_own_answer():
+    """Each call points the shared layer descriptions at its own cache: one call at a time."""
+    import threading
+
+    net = model_of({})
+    want = decode(net, maps_at=(1, 2))
+    results: list = []
+
+    def run():
+        results.append(decode(net, maps_at=(1, 2)))
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4
+    for got in results:
+        for a, b in zip(got[0], want[0]):
+            assert torch.equal(a, b)
