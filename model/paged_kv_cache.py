@@ -160,7 +160,7 @@ class BlockAttention:
             total = total[:B]
             owner_total = torch.cat([total, total.new_ones(1, K, G)]).index_select(0, self.owner) if want_probs else None
         y = (y / total[..., None]).view(B, H, 1, D)
-        if not want_probs:
+        if owner_total is None:  # the maps were not asked for
             return y, None
         return y, self.probabilities(e / owner_total[..., None], B, H)
 
@@ -345,7 +345,7 @@ class PagedKVCache:
             return False
         element = self._storage.element_size()
         runs, start = [], dirty[0]
-        for a, b in zip(dirty, dirty[1:] + [None]):
+        for a, b in zip(dirty, dirty[1:] + [-1]):  # -1: past the last, which ends the last run
             if b != a + 1:
                 runs.append((start, a + 1))
                 start = b
@@ -405,6 +405,7 @@ class PagedKVCache:
 
     def _gathered(self, plane: torch.Tensor, write: PagedWrite) -> torch.Tensor:
         """The rows' blocks of one (N, K, P, D) plane as (B, K, S, D), in position order."""
+        assert write.gather is not None  # begin() sets it on every call
         B, nb = write.gather.shape
         K, P, D = plane.shape[1:]
         blocks = plane.index_select(0, write.gather.reshape(-1).to(plane.device))  # (B*nb, K, P, D)

@@ -164,7 +164,7 @@ class Transformer(Embeddings, nn.Module):
         else:
             x, attentions = self.run_blocks(x, mask, write.layer if write is not None else None, return_attention,
                                             rope=rope)
-        if write is not None:
+        if kv_cache is not None and write is not None:
             kv_cache.commit(write, T if valid is None else valid.cpu())
 
         if last_only:  # the final norm is per position: normalise only the one we keep
@@ -191,8 +191,8 @@ class Transformer(Embeddings, nn.Module):
         x = self.embed(ids, positions=positions, dropout=False)  # (B, 1, C)
         rope = self.rotary_angles(1, positions=positions)  # (B, 1, R) angles, or None
         keys = torch.arange(kv_cache.capacity, device=ids.device)  # (P,)
-        mask = (keys[None, :] <= lengths[:, None])[:, None, None, :]  # (B, P) -> (B, 1, 1, P)
-        mask = self.window_mask(1, kv_cache.capacity, positions=positions, mask=mask)
+        seen = (keys[None, :] <= lengths[:, None])[:, None, None, :]  # (B, P) -> (B, 1, 1, P)
+        mask = self.window_mask(1, kv_cache.capacity, positions=positions, mask=seen)
         rows = torch.arange(B, device=ids.device)
         x, attentions = self.run_blocks(x, mask, lambda i: kv_cache.fixed_update(i, rows, lengths), return_attention,
                                         rope=rope)
@@ -219,14 +219,14 @@ class Transformer(Embeddings, nn.Module):
         """x (B, T, C) through every block (layer i's cache through kv_update(i); `rope`, the
         rotary angles of the tokens' positions, shared by every layer); with return_attention,
         each layer's (B, H, T, S) probabilities."""
-        attentions = [] if return_attention else None
+        attentions: list = []  # each layer's maps (None for a block its hooks gave: model/hooks.py)
         for i, block in enumerate(self.blocks):
             out = block(x, mask=mask, kv_update=kv_update(i) if kv_update is not None else None,
                         return_attention=return_attention, rope=rope)
             x = out.x
             if return_attention:
                 attentions.append(out.self_attention)
-        return x, attentions
+        return x, attentions if return_attention else None
 
     # --- the family contract (model/families/contract.py) --------------------------------
     @torch.inference_mode()
@@ -261,6 +261,8 @@ class Transformer(Embeddings, nn.Module):
                        queries: list[int]) -> list[dict[str, list[torch.Tensor]]]:
         """Per row b of `rows`: {"self": per layer (H, n_b)}, query queries[b] over the n_b
         positions the row holds (never the padding of longer rows)."""
+        if output.attentions is None:
+            raise ValueError("step_attention needs a forward with return_attention=True")
         out = []
         for b, q in enumerate(queries):
             n = int(cache.lengths[rows.start + b])

@@ -141,7 +141,7 @@ class MultiHeadAttention(nn.Module):
                 qk = apply_rotary(heads[:, :H + K], rope)
                 return qk[:, :H], qk[:, H:], heads[:, H + K:]
             q, k, v = heads[:, :H], heads[:, H:H + K], heads[:, H + K:]
-            if self.q_norm is not None:
+            if self.q_norm is not None and self.k_norm is not None:  # both or neither (config.qk_norm)
                 q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:
                 if hooks is not None:
@@ -154,7 +154,10 @@ class MultiHeadAttention(nn.Module):
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, T, HD) -> (B, H, T, D)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        k, v = memory_kv if memory_kv is not None else self.project_memory(memory)
+        if memory_kv is None:
+            assert memory is not None  # the first branch took every call with neither
+            memory_kv = self.project_memory(memory)
+        k, v = memory_kv
         return q, k, v
 
     def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +194,8 @@ class MultiHeadAttention(nn.Module):
             # a decode step over a cache in blocks attends where the keys lie (model/paged_kv_cache.py),
             # unless hooks read the keys or the family narrowed the rows' mask (a sliding window)
             decode = getattr(kv_update, "decode_in_place", None)
-            if decode is not None and T == 1 and hooks is None and not self.training and mask is kv_update.mask:
+            if decode is not None and T == 1 and hooks is None and not self.training \
+                    and mask is getattr(kv_update, "mask", None):
                 in_place = decode(q, k, v, self.scale, return_attention)
             if in_place is None:
                 k, v = kv_update(k, v)  # (B, K, S, D): the cached keys/values followed by the new ones
@@ -221,7 +225,7 @@ class MultiHeadAttention(nn.Module):
             if probs is not None:
                 hooks.keep(f"{self.hook_name}.hook_pattern", probs)
             hooks.keep(f"{self.hook_name}.hook_z", y.transpose(1, 2))  # (B, H, T, D) -> [B, T, H, D]
-            y = hooks.edit_z(self.hook_name, y)
+            y = hooks.edit_z(str(self.hook_name), y)
         y = self.proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, H, T, D) -> (B, T, HD), project
         if self.training:  # dropout is the identity at inference; skip the call when decoding
             y = self.resid_dropout(y)
