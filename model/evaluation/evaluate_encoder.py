@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from attnlens.model.data.genres import GENRES
 from attnlens.model.data.mlm import IGNORE, mask_tokens, word_edges
-from attnlens.model.data.passages import fixed_passages, frame, load_works, pad_rows, tokenize_works
+from attnlens.model.data.passages import fixed_passages, frame, load_works, pad_rows, special_id, tokenize_works
 from attnlens.model.tokenizer import Tokenizer
 
 EVAL_MASK_SEED = 20231
@@ -50,8 +50,13 @@ def build_split(data_dir, tokenizer: Tokenizer, context_length: int) -> Split:
     train = tokenize_works(tokenizer, [w for w in works if w.split == "train" and w.genre])
     val_ids, val_owner = fixed_passages(val, length)
     train_ids, train_owner = fixed_passages(train, length)
+    train_labels = []
+    for k in train_owner:
+        genre = train[k].genre
+        assert genre is not None  # `train` holds only the catalogued works (w.genre above)
+        train_labels.append(genre)
     return Split(frame(val_ids, tokenizer), [val[k].genre for k in val_owner],
-                 frame(train_ids, tokenizer), [train[k].genre for k in train_owner], tokenizer, data_dir)
+                 frame(train_ids, tokenizer), train_labels, tokenizer, data_dir)
 
 
 def every_nth(split: Split, n: int) -> Split:
@@ -65,7 +70,8 @@ def mlm_metrics(model, rows: torch.Tensor, tokenizer: Tokenizer, mask_prob: floa
     model.eval()
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(EVAL_MASK_SEED)
-    inputs, labels = mask_tokens(rows, mask_id=tokenizer.mask_id, special_ids=tokenizer.special_ids,
+    mask_id = special_id(tokenizer.mask_id, "[MASK]")
+    inputs, labels = mask_tokens(rows, mask_id=mask_id, special_ids=tokenizer.special_ids,
                                  vocab_size=tokenizer.vocab_size, generator=g, mask_prob=mask_prob)
     nats, correct, count = 0.0, 0, 0
     for i in range(0, len(rows), BATCH):
@@ -108,7 +114,7 @@ def genre_predictions(model, rows: torch.Tensor) -> list[str]:
 def genre_metrics(model, split: Split) -> dict:
     keep = [i for i, label in enumerate(split.val_labels) if label]
     rows = split.val_rows[keep]
-    true = [split.val_labels[i] for i in keep]
+    true = [label for label in split.val_labels if label]  # the labels of `keep`, in order
     return classification_figures(true, genre_predictions(model, rows))
 
 
@@ -129,7 +135,7 @@ def bow_baseline(split: Split) -> dict:
     keep = [i for i, label in enumerate(split.val_labels) if label]
     x_val = vectorizer.transform(passage_texts(split.val_rows[keep], split.tokenizer))
     pred = [str(p) for p in clf.predict(x_val)]
-    figures = classification_figures([split.val_labels[i] for i in keep], pred)
+    figures = classification_figures([label for label in split.val_labels if label], pred)  # those of `keep`
     figures["method"] = ("sklearn TfidfVectorizer(lowercase, sublinear_tf, min_df=2) + "
                          "LogisticRegression(class_weight='balanced', C=1.0) on the training "
                          "works' passages")
@@ -138,7 +144,7 @@ def bow_baseline(split: Split) -> dict:
 
 def majority_baseline(split: Split) -> dict:
     counts = {g: split.train_labels.count(g) for g in GENRES}
-    majority = max(counts, key=counts.get)
+    majority = max(counts, key=counts.__getitem__)
     keep = [label for label in split.val_labels if label]
     figures = classification_figures(keep, [majority] * len(keep))
     figures["method"] = f"always {majority!r}, the most common label of the training passages"
@@ -179,6 +185,8 @@ def common_word_examples(tokenizer: Tokenizer, texts: list[str], words: list[str
     evenly on both sides if the row would exceed `max_tokens`.
     """
     wanted = set(words)
+    cls_id, mask_id, sep_id = (special_id(tokenizer.cls_id, "[CLS]"), special_id(tokenizer.mask_id, "[MASK]"),
+                               special_id(tokenizer.sep_id, "[SEP]"))
     starts_letter, ends_letter = word_edges(tokenizer, tokenizer.vocab_size)
     begins = torch.tensor([i not in tokenizer.special_ids and tokenizer.token_bytes(i).lstrip(b" ")[:1].isalpha()
                            for i in range(tokenizer.vocab_size)])  # a letter after optional spaces
@@ -213,7 +221,7 @@ def common_word_examples(tokenizer: Tokenizer, texts: list[str], words: list[str
                     before = before[1:]
                 else:
                     after = after[:-1]
-            out.rows.append([tokenizer.cls_id, *before, tokenizer.mask_id, *after, tokenizer.sep_id])
+            out.rows.append([cls_id, *before, mask_id, *after, sep_id])
             out.mask_at.append(1 + len(before))
             out.answers.append(ids[p])
             out.words.append(word)
@@ -226,10 +234,11 @@ def fill_mask_top1(model, tokenizer: Tokenizer, examples: FillMaskExamples) -> d
     model.eval()
     device = next(model.parameters()).device
     special = sorted(tokenizer.special_ids)
+    pad_id = special_id(tokenizer.pad_id, "[PAD]")
     correct, in_top5, per_word = 0, 0, Counter[str]()
     for i in range(0, len(examples.rows), BATCH):
         rows = examples.rows[i : i + BATCH]
-        ids, mask = pad_rows(rows, tokenizer.pad_id)
+        ids, mask = pad_rows(rows, pad_id)
         hidden = model(ids.to(device), attention_mask=mask.to(device), task="hidden").logits
         at = torch.tensor(examples.mask_at[i : i + BATCH], device=device)
         logits = model.mlm_logits(hidden[torch.arange(len(rows), device=device), at]).float()  # (b, V)

@@ -212,11 +212,11 @@ class EncoderDecoder(Embeddings, nn.Module):
                       return_attention: bool = False):
         """(B, S, C) embedded source -> memory (B, S, C), encoder attentions or None."""
         mask = key_mask(source_keep)
-        attentions = [] if return_attention else None
+        attentions: list[torch.Tensor] | None = [] if return_attention else None
         for block in self.encoder_blocks:
             out = block(x, mask=mask, return_attention=return_attention)
             x = out.x
-            if return_attention:
+            if attentions is not None:  # return_attention
                 attentions.append(zero_padded_queries(out.self_attention, source_keep))
         return self.encoder_norm(x), attentions
 
@@ -233,12 +233,13 @@ class EncoderDecoder(Embeddings, nn.Module):
         the cache's per-row mask); `write` is the KV cache's CacheWrite for this call.
         """
         memory_mask = key_mask(source_keep)
-        self_attn, cross_attn = ([], []) if return_attention else (None, None)
+        self_attn: list[torch.Tensor] | None = [] if return_attention else None
+        cross_attn: list[torch.Tensor] | None = [] if return_attention else None
         for i, block in enumerate(self.decoder_blocks):
             out = block(y, mask=self_mask, kv_update=write.layer(i) if write is not None else None,
                         return_attention=return_attention, memory_kv=memory_kv[i], memory_mask=memory_mask)
             y = out.x
-            if return_attention:
+            if self_attn is not None and cross_attn is not None:  # return_attention
                 self_attn.append(zero_padded_queries(out.self_attention, target_keep))
                 cross_attn.append(zero_padded_queries(out.cross_attention, target_keep))
         return self.decoder_norm(y), self_attn, cross_attn
@@ -337,7 +338,7 @@ class EncoderDecoder(Embeddings, nn.Module):
         model's own greedy translation, at most context - 1 tokens so start + target fit)."""
         start = self.config.decoder_start_id
         generated = target_ids is None
-        if generated:
+        if target_ids is None:
             target_ids = greedy_translate_ids(self, [ids], start, start,
                                               max_new_tokens=self.config.context_length - 1)[0]
         decoder_ids = [start, *target_ids]
@@ -350,7 +351,7 @@ class EncoderDecoder(Embeddings, nn.Module):
         """{"source": ids, "target": start + target}; without a target the greedy translation."""
         start = self.config.decoder_start_id
         generated = target_ids is None
-        if generated:
+        if target_ids is None:
             target_ids = greedy_translate_ids(self, [ids], start, start,
                                               max_new_tokens=self.config.context_length - 1)[0]
         return {"source": list(ids), "target": [start, *target_ids]}, generated

@@ -126,6 +126,7 @@ def state_from_rules(arch: Architecture, config: ModelConfig, tensors: dict[str,
     """Our tensors from theirs by the architecture's rules, every name and shape checked."""
     renames = dict(arch.renames)
     theirs = {renames.get(k, k): v for k, v in tensors.items() if not k.endswith(arch.ignored)}
+    assert arch.tensors is not None  # only GPT-2 and BERT declare no rules: they import by their import_dir
     rules = arch.tensors(config)
     wanted = {name for rule in rules for name in rule.theirs}
     if config.tie_embeddings and arch.head in theirs and arch.head not in wanted:
@@ -224,6 +225,7 @@ def export_checkpoint(model_dir: str | Path, out_dir: str | Path, *, architectur
         return arch.export_dir(model_dir, out_dir), arch
     ckpt = load_checkpoint(model_dir)
     ours = {k: v.detach().float().cpu() for k, v in ckpt.model.state_dict().items()}
+    assert arch.tensors is not None  # every architecture without an export_dir declares its rules
     state = {}
     for rule in arch.tensors(ckpt.config):
         for name, t in zip(rule.theirs, rule.split(ours[rule.ours])):

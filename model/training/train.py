@@ -477,6 +477,9 @@ def train(
         tokenizer = Tokenizer.from_file(s.tokenizer)
     elif spec.tokenizer == "translation":
         tokenizer = train_translation_tokenizer(s.vocab_size)
+    elif texts is None:  # a family's declaration: a tokenizer over the corpus, but data of its own
+        raise ValueError(f"the {family.name} family trains a {spec.tokenizer!r} tokenizer over the corpus "
+                         "but declares data='own' (no corpus is read)")
     else:
         tokenizer = Tokenizer.train(texts[0] + tokenizer_texts(s.name_weight), s.vocab_size,
                                     encoder_tokens=spec.tokenizer == "corpus_specials")

@@ -35,14 +35,19 @@ def pad_rows(rows: list[list[int]], value: int) -> torch.Tensor:
 
 def encode_pairs(tokenizer: Tokenizer, pairs: list[Pair]):
     """(source, source_keep, decoder_inputs, target_keep, labels): right-padded (B, S) / (B, T)."""
+    pad_id, eos_id = tokenizer.pad_id, tokenizer.eos_id
+    if pad_id is None:
+        raise ValueError("the translator needs a tokenizer with [PAD] (encoder_tokens=True)")
+    if eos_id is None:
+        raise ValueError("the translator needs a tokenizer with an end-of-text token (EOS)")
     start = decoder_start_id(tokenizer)
     src = tokenizer.encode_batch([p.source for p in pairs])
     tgt = tokenizer.encode_batch([p.target for p in pairs])
-    source = pad_rows(src, tokenizer.pad_id)
+    source = pad_rows(src, pad_id)
     source_keep = pad_rows([[1] * len(s) for s in src], 0).bool()
-    inputs = pad_rows([[start] + t for t in tgt], tokenizer.pad_id)
+    inputs = pad_rows([[start] + t for t in tgt], pad_id)
     target_keep = pad_rows([[1] * (len(t) + 1) for t in tgt], 0).bool()
-    labels = pad_rows([t + [tokenizer.eos_id] for t in tgt], IGNORE)
+    labels = pad_rows([t + [eos_id] for t in tgt], IGNORE)
     return source, source_keep, inputs, target_keep, labels
 
 

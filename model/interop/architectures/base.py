@@ -181,6 +181,7 @@ def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
         kind = config.rope_scaling.get("rope_type", config.rope_scaling.get("type"))
+        assert kind is not None  # ModelConfig.validate (run when made): a rope_type of ROPE_SCALINGS
         out["rope_scaling"] = {"rope_type": kind, **{k: config.rope_scaling[k] for k in ROPE_SCALINGS[kind]}}
     return out
 
