@@ -254,6 +254,45 @@ def test_a_long_prefill_alone_reports_progress_each_piece(ckpt):
     assert emitted[:pieces - 1] == [0] * (pieces - 1)
 
 
+def test_a_long_prompt_alone_goes_in_larger_pieces_and_small_ones_beside_others(ckpt):
+    """prefill_chunk_alone: while nothing else decodes or waits, a long prompt goes in pieces of that
+    size; once a short generation decodes beside it, in prefill_chunk ones again. Tokens as alone."""
+    tok = ckpt.tokenizer
+    long_ids = tok.encode(LONG[0])
+    assert len(long_ids) > 24
+    engine = Engine(ckpt, max_concurrent=4, max_queue=4, kv_cache_bytes=1 << 30, prefill_chunk=3,
+                    prefill_chunk_alone=8)
+    core = engine.client.core
+    pieces: list[tuple[int, bool]] = []  # (position before the piece, whether others decode)
+    real = core._run_chunk
+
+    def spy(records):
+        pieces.append((int(core.cache.lengths[len(core._decoding)]), bool(core._decoding)))
+        real(records)
+    core._run_chunk = spy
+
+    async def alone():
+        return await _collect(engine.submit(GenerationParams(long_ids, 2, SamplingParams(temperature=0.0))))
+
+    try:
+        tokens, done = run_async(alone())
+        assert [p for p, _ in pieces] == list(range(0, len(long_ids), 8))  # 8 at a time, alone
+        assert [t.id for t in tokens] == [t.id for t in reference_tokens(ckpt, long_ids, 2, temperature=0.0)]
+        pieces.clear()
+        short = GenerationParams(tok.encode(PROMPTS[0]), 20, SamplingParams(temperature=0.0))
+
+        async def beside():
+            gens = engine.submit_all([short, GenerationParams(long_ids, 2, SamplingParams(temperature=0.0))])
+            return await asyncio.gather(*(_collect(g) for g in gens))
+
+        results = run_async(beside())
+    finally:
+        engine.close()
+    steps = [b - a for (a, _), (b, _) in zip(pieces, pieces[1:])]
+    assert pieces[0][1] and all(s == 3 for s, (_, others) in zip(steps, pieces) if others)  # small beside others
+    assert [t.id for t in results[1][0]] == [t.id for t in reference_tokens(ckpt, long_ids, 2, temperature=0.0)]
+
+
 def test_short_prompts_start_while_a_long_one_goes_in_pieces(ckpt):
     """A long prompt in 8-token pieces, then four short ones sent after it: the short ones are
     prefilled beside it (the long one's row moves up to make room) and finish before its first token,

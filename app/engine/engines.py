@@ -23,10 +23,11 @@ from attnlens.model import Checkpoint
 def Engine(checkpoint: Checkpoint, *, max_concurrent: int = 32, max_queue: int = 64,
            max_attention_concurrent: int = 4, cuda_graphs: bool = True, max_stream_backlog_bytes: int = 64_000_000,
            overlap_outputs: bool | None = None, kv_cache_bytes: int | None = None, prefill_chunk: int = 256,
-           clock: Callable[[], float] = time.monotonic) -> EngineFront:
+           prefill_chunk_alone: int | None = None, clock: Callable[[], float] = time.monotonic) -> EngineFront:
     """An engine whose core runs on a thread of this process, on this checkpoint's model."""
     core = EngineCore(checkpoint, max_concurrent=max_concurrent, cuda_graphs=cuda_graphs,
-                      overlap_outputs=overlap_outputs, kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk)
+                      overlap_outputs=overlap_outputs, kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
+                      prefill_chunk_alone=prefill_chunk_alone)
     return EngineFront(checkpoint, InprocClient(core), max_concurrent=max_concurrent, max_queue=max_queue,
                        max_attention_concurrent=max_attention_concurrent,
                        max_stream_backlog_bytes=max_stream_backlog_bytes, clock=clock)
@@ -36,7 +37,8 @@ def EngineProcess(checkpoint: Checkpoint, *, model_dir: Path | None = None, devi
                   dtype: str = "auto", max_concurrent: int = 32, max_queue: int = 64,
                   max_attention_concurrent: int = 4, cuda_graphs: bool = True,
                   max_stream_backlog_bytes: int = 64_000_000, overlap_outputs: bool | None = None,
-                  kv_cache_bytes: int | None = None, prefill_chunk: int = 256, log_level: str = "info",
+                  kv_cache_bytes: int | None = None, prefill_chunk: int = 256,
+                  prefill_chunk_alone: int | None = None, log_level: str = "info",
                   start_timeout_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> EngineFront:
     """An engine whose core runs in an engine process of its own, which loads the model from
     `model_dir` (the checkpoint's directory by default) onto `device` as `dtype`; this process
@@ -46,7 +48,7 @@ def EngineProcess(checkpoint: Checkpoint, *, model_dir: Path | None = None, devi
         raise ValueError("an engine process loads its model from a checkpoint directory; this one has none")
     spec = EngineSpec(Path(model_dir), device, dtype, dict(
         max_concurrent=max_concurrent, cuda_graphs=cuda_graphs, overlap_outputs=overlap_outputs,
-        kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk), log_level)
+        kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk, prefill_chunk_alone=prefill_chunk_alone), log_level)
     client = ProcessClient(spec, start_timeout_s=start_timeout_s, clock=clock)
     return EngineFront(checkpoint, client, max_concurrent=max_concurrent, max_queue=max_queue,
                        max_attention_concurrent=max_attention_concurrent,

@@ -101,7 +101,7 @@ async def start_runner(s: Settings, ckpt: Checkpoint, name: str):
     limits: dict[str, Any] = dict(max_concurrent=rows, max_queue=s.max_queue,
                   max_attention_concurrent=s.max_attention_concurrent, cuda_graphs=s.cuda_graphs,
                   max_stream_backlog_bytes=s.max_stream_backlog_bytes, kv_cache_bytes=s.kv_cache_bytes,
-                  prefill_chunk=s.prefill_chunk_tokens)
+                  prefill_chunk=s.prefill_chunk_tokens, prefill_chunk_alone=s.prefill_chunk_alone_tokens)
     if s.engine_process and ckpt.path is not None:
         return await asyncio.to_thread(EngineProcess, ckpt, device=s.device, dtype=s.dtype, log_level=s.log_level,
                                        start_timeout_s=s.engine_start_timeout_s, **limits)

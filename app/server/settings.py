@@ -112,6 +112,9 @@ class Settings(BaseSettings):
     # A prompt longer than this is prefilled this many tokens an engine step, the decoding streams
     # getting a token between its pieces (app/engine/core.py); one such prompt at a time
     prefill_chunk_tokens: int = Field(256, ge=1)
+    # ... and this many while no other generation decodes or waits (fewer, larger products): at
+    # most this long a wait for a request arriving meanwhile (SmolLM2 on 2 CPU threads: ~4 s)
+    prefill_chunk_alone_tokens: int = Field(2048, ge=1)
     max_queue: int = Field(64, ge=0)  # generations waiting for a slot
     max_attention_concurrent: int = Field(4, ge=1)  # /attention forwards running or waiting
     max_ablations: int = Field(64, ge=0)  # heads one request may ablate (`ablate` entries)
