@@ -7,9 +7,9 @@
     decode_layers.c     a decode step through every block of a Llama-like stack (model/fused_decode.py)
 
 The sources are compiled by the system C compiler (`cc`, or $CC) with -O3 -march=native -fopenmp
-into `<cache>/kernels/attnlens-<hash>.so` (the hash covers the sources, the compiler's version and
-the flags: a new source or compiler builds again), atomically, once; later processes load that
-file. The library links libgomp.so.1, the OpenMP runtime torch has already loaded, so its threads
+into `<cache>/kernels/attnlens-<hash>.so` (the hash covers the sources, the compiler's version, the
+flags and the processor: a new source, compiler or CPU builds again), atomically, once; later
+processes load that file. The library links libgomp.so.1, the OpenMP runtime torch has already loaded, so its threads
 are torch's (torch.set_num_threads applies). ctypes releases the GIL for each call.
 
 Where no compiler is found, or it fails, `available()` says why and `load()` raises
@@ -45,10 +45,21 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def _cpu() -> str:
+    """The processor's model and instruction-set flags (Linux): -march=native builds for them, so a cache
+    shared with another machine (a home folder on NFS, an image's layer) never hands it a library
+    with instructions its processor lacks."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags"))
+
+
 def library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + version.encode()
-                            + " ".join(FLAGS).encode()).hexdigest()[:16]
+                            + " ".join(FLAGS).encode() + _cpu().encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"attnlens-{digest}.so"
 
 
