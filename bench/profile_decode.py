@@ -10,7 +10,8 @@ turns; then the modular step under torch.profiler (the fused one is a single opa
 prints per token:
 
 * the weight products alone, replayed by kind (q|k|v, attention output, gate|up, down, the LM
-  head) through their own forward: the ms, the bytes they read and the rate;
+  head) through their own forward: the wall ms, the bytes they read and the rate (wall, not CPU:
+  OpenMP's threads spin between calls, which CPU time counts as work);
 * what each step spends beyond its products (attention, norms, rotary, sampling, Python);
 * the modular step's aten operators: their own CPU time and calls a token (our C kernels are
   ctypes calls, invisible to the profiler).
@@ -41,7 +42,7 @@ def weight_bytes(m: torch.nn.Module) -> int:
 
 
 def replayed_products_ms(net: torch.nn.Module, reps: int) -> list[tuple[str, float, int]]:
-    """CPU ms of one token's weight products alone, by kind ((label, ms, bytes read)): every product
+    """Wall ms of one token's weight products alone, by kind ((label, ms, bytes read)): every product
     of the model once, in order, on one row, through its own forward, nothing around them."""
     kinds: dict[str, list[torch.nn.Module]] = collections.defaultdict(list)
     for name, m in net.named_modules():
@@ -53,11 +54,11 @@ def replayed_products_ms(net: torch.nn.Module, reps: int) -> list[tuple[str, flo
             xs = [torch.randn(1, 1, m.in_features) for m in ms]
             for m, x in zip(ms, xs):
                 m(x)
-            c0 = time.process_time()
+            w0 = time.perf_counter()
             for _ in range(reps):
                 for m, x in zip(ms, xs):
                     m(x)
-            rows.append((f"{label} x{len(ms)}", (time.process_time() - c0) * 1000 / reps,
+            rows.append((f"{label} x{len(ms)}", (time.perf_counter() - w0) * 1000 / reps,
                          sum(weight_bytes(m) for m in ms)))
     return rows
 
@@ -117,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'  ' + label:34s} {ms:7.2f} {nbytes / 1e6:6.1f} {nbytes / ms / 1e6:6.1f}")
     total_ms, total_bytes = sum(r[1] for r in products_ms), sum(r[2] for r in products_ms)
     print(f"{'  all':34s} {total_ms:7.2f} {total_bytes / 1e6:6.1f} {total_bytes / total_ms / 1e6:6.1f}")
-    print(f"\nthe fused step beyond its products: {fused_cpu - total_ms:.1f} ms CPU per token "
+    print(f"\nthe fused step beyond its products: {fused_wall - total_ms:.1f} ms wall per token "
           f"(attention, norms, rotary, the head's input, sampling, Python)")
-    print(f"the modular step beyond its products: {cpu_ms - total_ms:.1f} ms CPU per token; "
+    print(f"the modular step beyond its products: {wall_ms - total_ms:.1f} ms wall per token; "
           f"{top_level / n:.0f} top-level aten calls per token (our C kernels are not among them)\n")
     print(f"{'modular step, aten operators (profiled)':42s} {'ms':>7s} {'calls':>6s}")
     for e in ops[:14]:
