@@ -12,6 +12,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /srv/attnlens
 
+# 0. a C compiler: attnlens builds its CPU kernels (model/native/: packed GGUF weights, the fused
+#    decode step) once, on first use, for the processor it runs on (-march=native), into the cache.
+#    Without one the service still runs, in float32 through torch alone, and says why in its log.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # 1. torch on its own layer (the big one), pinned as the Makefile pins it.
 ARG TORCH_VERSION=2.13.0
 RUN pip install "torch==${TORCH_VERSION}"
