@@ -322,3 +322,40 @@ def test_short_prompts_start_while_a_long_one_goes_in_pieces(ckpt):
     first_long = order.index(0)
     assert all(order[:first_long].count(i) == 4 for i in (1, 2, 3, 4)), order  # 3 tokens and the end each
     assert engine.client.core.cache.blocks_in_use == 0
+
+
+@pytest.mark.parametrize("D", [64, 16, 80], ids=["d64-eight-keys-at-once", "d16", "d80-two-strips"])
+def test_long_rows_split_over_the_threads_attend_as_one_softmax(D):
+    """The C kernel splits a row's positions into parts of 512 (flash-decoding) and merges them by
+    their maxima and sums: rows of 1,300, 513 and 5 positions (3, 2 and 1 parts) give the outputs
+    and probabilities of one softmax over each row's keys, computed here in float64. D = 64 takes
+    the eight-keys-at-once scores; 80 weighs the values in two strips of dims."""
+    if not native.available()[0]:
+        pytest.skip(f"C kernels: {native.available()[1]}")
+    K, G = 2, 3
+    cache = paged_kv_cache.PagedKVCache(1, 3, K, 2048, D, dtype=torch.float32)
+    lengths = [1300, 513, 5]
+    torch.manual_seed(0)
+    for row, n in enumerate(lengths):
+        cache.reserve(row, n)
+        cache.lengths[row] = n - 1
+    write = cache.begin(slice(0, 3), 3, 1)
+    k, v = torch.randn(3, K, 1, D) * 3, torch.randn(3, K, 1, D)
+    cache.store(write, 0, k, v)
+    plane_k, plane_v = cache.keys[0], cache.values[0]
+    for row, n in enumerate(lengths):  # every earlier position random too, spread wide (scores up to ~50)
+        for p in range(n - 1):
+            plane_k[cache.tables[row][p // 64], :, p % 64] = torch.randn(K, D) * 3
+            plane_v[cache.tables[row][p // 64], :, p % 64] = torch.randn(K, D)
+    q = torch.randn(3, K * G, 1, D)
+    with torch.no_grad():
+        out, probs = write.blocks(q, plane_k, plane_v, 0.25, True)
+    keys, values = cache._gathered(plane_k, write), cache._gathered(plane_v, write)  # (B, K, S, D)
+    for row, n in enumerate(lengths):
+        for h in range(K * G):
+            s = (q[row, h, 0].double() @ keys[row, h // G, :n].double().T) * 0.25
+            p = torch.softmax(s, dim=-1)
+            torch.testing.assert_close(probs[row, h, 0, :n].double(), p, atol=2e-6, rtol=1e-5)
+            assert not probs[row, h, 0, n:].any()
+            torch.testing.assert_close(out[row, h, 0].double(), p @ values[row, h // G, :n].double(),
+                                       atol=2e-5, rtol=1e-5)
