@@ -266,7 +266,8 @@ class Measure:
 
     def llama_server(self, server: Path, env: dict[str, str], gguf: Path, weights: str) -> Contestant:
         a, n = self.args, self.args.new_tokens
-        cmd = [str(server), "-m", str(gguf), "-t", str(a.threads), "-tb", str(a.threads), "-c", "4096", "-np", "1",
+        context = max(4096, len(self.prompt_ids) + n + 64)
+        cmd = [str(server), "-m", str(gguf), "-t", str(a.threads), "-tb", str(a.threads), "-c", str(context), "-np", "1",
                "--host", "127.0.0.1"]
 
         def decode(port: int) -> float:
@@ -376,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--streams", type=int, default=16, help="generations at once for attnlens over HTTP (0: none)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (no build)")
+    p.add_argument("--decode-after", type=int, default=0,
+                   help="decode after a prompt of this many tokens (the long text) instead of the short prompt")
     args = p.parse_args(argv)
 
     import torch
@@ -396,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt_ids = tok.encode(PROMPT)
     piece = tok.encode(LONG_TEXT)
     long_ids = {n: (piece * (n // len(piece) + 1))[:n] for n in args.prefill}
+    if args.decode_after:  # decode at a long context: every row reads this many keys a step
+        prompt_ids = (piece * (args.decode_after // len(piece) + 1))[:args.decode_after]
 
     llama, why = (None, "--no-llama-cpp") if args.no_llama_cpp else ensure_llama_cpp()
     print(f"model     SmolLM2-135M-Instruct ({SMOLLM2.distribution} {dist_version}: {gguf.name})")
