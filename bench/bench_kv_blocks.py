@@ -4,6 +4,7 @@ each row's keys in one run), in one process, taking turns, on the packaged SmolL
 
     .venv/bin/python bench/bench_kv_blocks.py               # 2 threads
     .venv/bin/python bench/bench_kv_blocks.py --threads 1 --steps 10
+    .venv/bin/python bench/bench_kv_blocks.py --attention   # one layer's attention alone: C kernel, torch
 
 Cases (rows x the positions each holds before the step):
   * 1 x 64, 1 x 2,048, 1 x 8,000: one stream (a row that is one run of blocks);
@@ -11,6 +12,11 @@ Cases (rows x the positions each holds before the step):
   * 1 x 4,096 + 15 x 64: one long prompt beside short chats. Whole rows attend over the longest row
     for every row (with a mask), blocks over each row's own.
 Prints milliseconds a step (the median of --reps) and the memory each cache holds for those rows.
+
+--attention: one layer's decode-step attention over the blocks alone (BlockAttention, SmolLM2's
+shapes: 9 query heads, 3 key/value heads, d_head 64), random keys and values, one row of 512,
+2,048 and 8,192 positions and 16 rows of 512: our C kernel (model/native/block_attention.c)
+beside torch's batched products (the path without a C compiler), taking turns.
 """
 
 from __future__ import annotations
@@ -52,15 +58,56 @@ def step_ms(model, cache, B: int, steps: int) -> float:
     return statistics.median(times[2:]) * 1000
 
 
+def attention_only(args) -> None:
+    from attnlens.model import paged_kv_cache
+
+    K, G, D = 3, 3, 64
+    print(f"one layer's decode-step attention, {K * G} query / {K} KV heads, d_head {D}, {args.threads} thread(s), "
+          f"best of {args.reps} rounds of {args.steps} calls taking turns\n")
+    print(f"{'rows x positions':<18}{'C kernel ms':>12}{'torch ms':>10}{'ratio':>8}{'C GB/s':>9}")
+    for name, lengths in [("1 x 512", [512]), ("1 x 2,048", [2048]), ("1 x 8,192", [8192]), ("16 x 512", [512] * 16)]:
+        B = len(lengths)
+        cache = paged_kv_cache.PagedKVCache(1, B, K, max(lengths), D, dtype=torch.float32)
+        for row, n in enumerate(lengths):
+            cache.reserve(row, n)
+            cache.lengths[row] = n - 1
+        write = cache.begin(slice(0, B), B, 1)
+        cache.keys[0].normal_()
+        cache.values[0].normal_()
+        q = torch.randn(B, K * G, 1, D)
+        native = paged_kv_cache.native_attention
+
+        def run(c_kernel: bool) -> float:
+            paged_kv_cache.native_attention = native if c_kernel else (lambda q, keys: False)
+            try:
+                write.blocks(q, cache.keys[0], cache.values[0], D ** -0.5, False)
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    write.blocks(q, cache.keys[0], cache.values[0], D ** -0.5, False)
+                return (time.perf_counter() - t0) * 1000 / args.steps
+            finally:
+                paged_kv_cache.native_attention = native
+
+        rounds = [(run(True), run(False)) for _ in range(args.reps)]
+        c_ms, t_ms = min(r[0] for r in rounds), min(r[1] for r in rounds)
+        read = 2 * sum(lengths) * K * D * 4  # keys and values
+        print(f"{name:<18}{c_ms:>12.3f}{t_ms:>10.3f}{t_ms / c_ms:>7.2f}x{read / c_ms / 1e6:>9.1f}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--model", help="a checkpoint directory (default: the packaged SmolLM2)")
+    p.add_argument("--attention", action="store_true", help="one layer's attention alone: C kernel and torch")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.attention:
+        with torch.inference_mode():
+            attention_only(args)
+        return
     model = load(args.model)
     c = model.config
     print(f"model     {c.n_layers} layers, {c.n_heads} query / {c.kv_heads} KV heads, d_head {c.d_head}, "
