@@ -19,7 +19,13 @@ Everything else, hooks and every explanation included, takes the modular path, w
 hold this one equal to (tests/test_fused_decode.py). Attention maps (return_attention) come
 from the same kernel either way.
 
+The description of a model's weights is built on its first fused step and rebuilt when their
+storage moves (`model.to()`, `.float()`); values changed in place (`load_state_dict`, `copy_`)
+are read as they are. A module whose weight is replaced by another Parameter object afterwards
+needs `forget(model)`.
+
     fused_step(model, write, mask)  the model's FusedDecode when this call can take it, else None
+    forget(model)                   drop the model's description (rebuilt on its next step)
     FusedDecode.run(x, rope, write, want_probs) -> (x after the last block, maps or None)
     modular_decode()                a context in which no step is fused (tests, benchmarks)
 """
@@ -133,8 +139,8 @@ class FusedDecode:
             if block.cross_attn is not None or not all(isinstance(m, RMSNorm) and _float32_cpu(m.weight)
                                                        for m in norms):
                 return None
-            spec: dict[str, Any] = {"qkv": linear(attn.qkv), "attn_out": linear(attn.proj), "ffn_in": linear(ffn.fc),
-                    "ffn_out": linear(ffn.proj)}
+            spec: dict[str, Any] = {"qkv": linear(attn.qkv), "attn_out": linear(attn.proj),
+                                    "ffn_in": linear(ffn.fc), "ffn_out": linear(ffn.proj)}
             if any(v is None for v in spec.values()):
                 return None
             spec.update(ln1=norm(block.ln1), ln2=norm(block.ln2), q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm))
@@ -190,6 +196,11 @@ def _plan(model: Any) -> FusedDecode | None:
         plan = FusedDecode.build(model)
         model.__dict__["_fused_decode"] = plan
     return plan
+
+
+def forget(model: Any) -> None:
+    """Drop the model's FusedDecode: the next fused step describes its weights again."""
+    model.__dict__.pop("_fused_decode", None)
 
 
 def fused_step(model: Any, write, mask) -> FusedDecode | None:

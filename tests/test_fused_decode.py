@@ -16,7 +16,7 @@ from attnlens.model import SamplingParams, generate_tokens
 from attnlens.model import hooks as model_hooks
 from attnlens.model.config import ModelConfig
 from attnlens.model.families.decoder import Transformer
-from attnlens.model.fused_decode import FusedDecode, modular_decode
+from attnlens.model.fused_decode import FusedDecode, forget, modular_decode
 from attnlens.model.native import library as native
 from attnlens.model.packed.loading import pack_model
 
@@ -187,6 +187,11 @@ def test_weights_moved_after_the_first_step_are_followed(monkeypatch):
     spy = Spy(monkeypatch)
     assert_same(decode(net), modular)
     assert spy.calls == 6
+    net.blocks[0].ln2.weight = torch.nn.Parameter(torch.full((64,), 0.7))  # another Parameter object
+    forget(net)
+    with modular_decode():
+        modular = decode(net)
+    assert_same(decode(net), modular)
 
 
 @pytest.mark.slow
