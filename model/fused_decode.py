@@ -44,7 +44,7 @@ import torch.nn as nn
 from attnlens.model import hooks as _hooks
 from attnlens.model.native import library as native
 from attnlens.model.parts.norms import RMSNorm
-from attnlens.model.parts.positions import RotaryAngles
+from attnlens.model.parts.positions import RotaryAngles, signed
 
 MAX_ROWS = 16  # the packed kernel's few-row path (model/packed/modules.py's MAX_KERNEL_ROWS)
 _enabled = contextvars.ContextVar("attnlens_fused_decode", default=True)
@@ -166,10 +166,7 @@ class FusedDecode:
         if self.R:
             assert rope is not None  # a model with rotary positions has their angles
             cos = rope.cos.reshape(-1, self.R).expand(B, self.R).contiguous()  # (B, R): (1, R) or (B, 1, R)
-            sin = rope.signed_sin
-            if sin is None:
-                half = self.R // 2
-                sin = torch.cat((-rope.sin[..., :half], rope.sin[..., half:]), dim=-1)
+            sin = rope.signed_sin if rope.signed_sin is not None else signed(rope.sin)
             sin = sin.reshape(-1, self.R).expand(B, self.R).contiguous()
         probs: list[torch.Tensor] | None = None
         if want_probs:

@@ -50,6 +50,12 @@ static void add_scaled(float *out, const float *v, float w, int64_t D) {
     for (int64_t i = 0; i < D; i++) out[i] += w * v[i];
 }
 
+/* where position p's row of key/value head k starts in a layer's (N, K, P, D) plane, `blocks` the
+   row's block table */
+static inline int64_t row_at(const int64_t *blocks, int64_t K, int64_t k, int64_t P, int64_t D, int64_t p) {
+    return ((blocks[p / P] * K + k) * P + p % P) * D;
+}
+
 #ifdef __AVX2__
 /* e^x for 8 floats, x <= 0 here (scores minus their maximum): Cephes' expf (range reduction by
    ln 2 in two parts, a degree-6 polynomial), within ~2 float32 ulps of expf; below -88 it gives
@@ -118,7 +124,7 @@ static float score_keys(float *scores, const float *q, const float *keys, const 
         const __m256 sv = _mm256_set1_ps(scale);
         for (int i = 0; i < 8; i++) qv[i] = _mm256_loadu_ps(q + 8 * i);
         for (; p + 8 <= p1; p += 8) {
-            const float *key = keys + ((blocks[p / P] * K + k) * P + p % P) * D;  /* 8 rows in a row */
+            const float *key = keys + row_at(blocks, K, k, P, D, p);  /* 8 rows in a row */
             __m256 a[8];
             for (int j = 0; j < 8; j++) {
                 const float *r = key + j * 64;
@@ -136,7 +142,7 @@ static float score_keys(float *scores, const float *q, const float *keys, const 
     }
 #endif
     for (; p < p1; p++) {
-        const float s = scale * dot(q, keys + ((blocks[p / P] * K + k) * P + p % P) * D, D);
+        const float s = scale * dot(q, keys + row_at(blocks, K, k, P, D, p), D);
         scores[p - p0] = s;
         top = s > top ? s : top;
     }
@@ -154,7 +160,7 @@ static void weigh_values(float *o, const float *values, const int64_t *blocks, i
         __m256 a[8];
         for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(o + 8 * i);
         for (int64_t p = p0; p < p1; p++) {
-            const float *v = values + ((blocks[p / P] * K + k) * P + p % P) * D;
+            const float *v = values + row_at(blocks, K, k, P, D, p);
             const __m256 s = _mm256_set1_ps(scores[p - p0]);
             for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(s, _mm256_loadu_ps(v + 8 * i), a[i]);
         }
@@ -163,7 +169,7 @@ static void weigh_values(float *o, const float *values, const int64_t *blocks, i
     }
 #endif
     for (int64_t p = p0; p < p1; p++) {
-        const float *v = values + ((blocks[p / P] * K + k) * P + p % P) * D;
+        const float *v = values + row_at(blocks, K, k, P, D, p);
         for (int64_t i = 0; i < w; i++) o[i] += scores[p - p0] * v[i];
     }
 }

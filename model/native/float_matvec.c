@@ -39,8 +39,8 @@ void float_matvec(const float *x, int64_t K, const float *w, int64_t N, const fl
 }
 
 /* y (M, N) = x (M, K) W^T (+ bias) for a few rows (a batched decode step's): each weight row is read
-   once and meets up to four rows of x while it is in registers and cache. Per (m, n), the sum is
-   row_dot's, in the same order: the one-row answer for every row. */
+   from memory once and meets every row of x while it is in cache. Per (m, n), the sum is row_dot's,
+   in the same order: the one-row answer for every row. */
 void float_matmul_few(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y) {
     if (M == 1) {
         float_matvec(x, K, w, N, bias, y);

@@ -107,9 +107,13 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[..., None].float() * self.inv_freq  # (..., T, R/2)
         angles = torch.cat((freqs, freqs), dim=-1)  # (..., T, R): dims i and i + R/2 share an angle
         sin = angles.sin().to(dtype)
-        half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # (..., T, R): -sin | sin
-        return RotaryAngles(angles.cos().to(dtype), sin, signed_sin)
+        return RotaryAngles(angles.cos().to(dtype), sin, signed(sin))
+
+
+def signed(sin: torch.Tensor) -> torch.Tensor:
+    """(..., R) sin -> (..., R) -sin | sin: RotaryAngles.signed_sin."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
