@@ -44,6 +44,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -54,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import in_process_client, paired_ms  # noqa: E402
 
 from attnlens.model import load_checkpoint  # noqa: E402
-from attnlens.model.analysis import explain  # noqa: E402
+from attnlens.model.analysis import explain, vocab_rows  # noqa: E402
 from attnlens.model.decoding import SamplingParams, generate_tokens  # noqa: E402
 from attnlens.model.families import family_of  # noqa: E402
 from attnlens.model.hooks import HeadAblation, ablation_targets, active  # noqa: E402
@@ -143,6 +144,7 @@ def routes(model, ids, edits, first, args) -> None:
             lambda: explain.logits_report(model, ids, None, edits, 5, False),
         "logits + 1 mean ablation, layer 0": lambda: explain.logits_report(model, ids, None, first, 5, False),
         "lens (top 5, every position)": lambda: explain.lens_report(model, ids, None, (), 5),
+        "lens, torch's statistics (no C kernel)": lambda: lens_by_torch(model, ids),
         f"lens, the page's {len(window)} positions + rank": lambda: explain.lens_report(model, ids, None, (), 5,
                                                                                       window, True),
         "explain (1 head, 1 query)": lambda: explain.explain_head(model, ids, None, family_of(model).primary.name,
@@ -153,6 +155,12 @@ def routes(model, ids, edits, first, args) -> None:
     print(f"\n{'case':40s} {'wall ms':>9s} {'cpu ms':>9s} {'x peer (cpu)':>13s} {'x prefill (cpu)':>16s}")
     for name, (w, c) in got.items():
         print(f"{name:40s} {w:9.1f} {c:9.1f} {c / peer[1]:12.2f}x {c / plain[1]:15.2f}x")
+
+
+def lens_by_torch(model, ids):
+    """The lens with its statistics by torch's operations (what runs where the C kernels are not built)."""
+    with mock.patch.object(vocab_rows, "native_stats", lambda *a, **k: None):
+        return explain.lens_report(model, ids, None, (), 5)
 
 
 def http(model, ids, args) -> None:

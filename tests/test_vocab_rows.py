@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attnlens.model.analysis import vocab_rows
+from attnlens.model.native import library as native
 
 
 @pytest.mark.parametrize("vocab", [50, 4096, 4099, 50257])
@@ -63,3 +64,71 @@ def test_row_slices_cover_every_row_once(rows, vocab):
     slices = vocab_rows.row_slices(rows, vocab)
     assert [i for s in slices for i in range(rows)[s]] == list(range(rows))
     assert all((s.stop - s.start) * vocab <= max(vocab, vocab_rows.SLICE_FLOATS) for s in slices)
+
+
+native_built = pytest.mark.skipif(not native.available()[0], reason=f"no C kernels here: {native.available()[1]}")
+
+
+def _torch_stats(logits, picks, k):
+    """The statistics by torch's own operations alone: log_softmax, topk, a boolean count."""
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    top = torch.topk(ref, k, dim=-1)
+    chosen = ref.gather(1, picks)
+    return top, chosen[:, 0], (logits > logits.gather(1, picks)).sum(-1)
+
+
+@native_built
+@pytest.mark.parametrize("vocab", [3, 50, 4096, 4099, 49152])
+@pytest.mark.parametrize("k", [1, 5, 20])
+@pytest.mark.parametrize("rank", [True, False])
+def test_the_c_kernel_gives_log_softmax_topk_and_the_rank(vocab, k, rank):
+    g = torch.Generator().manual_seed(vocab * 7 + k)
+    logits = torch.randn(29, vocab, generator=g) * 6
+    logits[0, :k] += 50  # the top in the first entries, the last ones, and one masked entry per row
+    logits[1, -k:] += 50
+    logits[2, vocab // 2] = float("-inf")
+    picks = torch.randint(0, vocab, (29, 1), generator=g)
+    picks[3, 0] = int(logits[3].argmax())  # the most likely: rank 0
+    stats = vocab_rows.native_stats(logits, picks, k, rank)
+    assert stats is not None
+    top, chosen, ranks = _torch_stats(logits, picks, min(k, vocab))
+    assert torch.equal(stats.top_ids, top.indices)
+    torch.testing.assert_close(stats.top_logprobs.double(), top.values, atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(stats.picked_logprob.double(), chosen, atol=2e-6, rtol=1e-6)
+    if rank:
+        assert torch.equal(stats.picked_rank, ranks) and stats.picked_rank[3] == 0
+    else:
+        assert stats.picked_rank is None
+
+
+@native_built
+def test_the_c_kernel_keeps_the_lower_id_first_among_equal_logits():
+    x = torch.zeros(2, 4096)
+    x[:, [7, 900, 4000]] = 1.0
+    stats = vocab_rows.native_stats(x, torch.tensor([[900], [3]]), 4, True)
+    assert stats.top_ids.tolist() == [[7, 900, 4000, 0]] * 2
+    assert stats.picked_rank.tolist() == [0, 3]  # strictly above: the equal ones do not count
+
+
+@native_built
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_rows_the_c_kernel_leaves_to_torch(bad):
+    """A NaN anywhere in a block, or an infinite maximum: torch's rules (the block goes through its
+    operations, which give NaNs as torch does)."""
+    logits = torch.randn(4, 1000)
+    logits[2, 123] = bad
+    picks = torch.zeros(4, 1, dtype=torch.long)
+    assert vocab_rows.native_stats(logits, picks, 5) is None
+    assert vocab_rows.native_stats(logits[:2], picks[:2], 5) is not None
+    unembed = torch.nn.Identity()
+    stats = vocab_rows.unembedded_stats(unembed, logits, picks, 1000, 5)
+    want = vocab_rows.cat_stats([vocab_rows.next_token_stats(logits, picks, 5)])
+    assert torch.equal(stats.top_ids, want.top_ids)
+    torch.testing.assert_close(stats.top_logprobs, want.top_logprobs, equal_nan=True)
+
+
+def test_the_c_kernel_is_not_asked_for_what_it_cannot_read():
+    x = torch.randn(3, 100)
+    picks = torch.tensor([[1], [2], [100]])  # past the vocabulary
+    assert vocab_rows.native_stats(x, picks, 5) is None
+    assert vocab_rows.native_stats(x.double(), picks.clamp(max=99), 5) is None

@@ -71,9 +71,11 @@ def test_the_wheel_holds_one_package_and_the_page(wheel):
                    "attnlens/model/families/decoder.py", "attnlens/app/engine/__main__.py",
                    "attnlens/static/index.html", "attnlens/static/css/style.css", "attnlens/static/js/inline.js",
                    "attnlens/static/js/main.js", "attnlens/static/js/views/headview.js",
-                   "attnlens/static/js/translator/crossview.js", "attnlens/static/favicon.svg",
-                   "attnlens/model/native/packed_matmul.c", "attnlens/model/native/block_attention.c"):
+                   "attnlens/static/js/translator/crossview.js", "attnlens/static/favicon.svg"):
         assert needed in names, needed
+    native = {n.removeprefix("attnlens/model/native/") for n in names if n.startswith("attnlens/model/native/")}
+    kernels = {p.name for p in (REPO_ROOT / "model" / "native").iterdir() if p.suffix in (".c", ".h")}
+    assert kernels <= native, "the C kernels' sources and headers are compiled where the wheel is installed"
     js = {n.removeprefix("attnlens/static/") for n in names if n.startswith("attnlens/static/js/")}
     assert js == {str(p.relative_to(REPO_ROOT / "static")) for p in (REPO_ROOT / "static" / "js").rglob("*.js")}
 

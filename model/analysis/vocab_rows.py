@@ -5,10 +5,13 @@ The lens unembeds (L + 1) * P rows (P positions). At once, that is (L + 1) * P *
 for a 24-layer model with a 152K vocabulary over 256 positions). The unembedding runs a block of
 rows at a time (BLOCK_FLOATS logits, 64 MiB): the head's (V, C) weights (113 MB for SmolLM2) are
 read once per block, not once per small slice, which made SmolLM2's lens 4x slower. Within a
-block, a slice of rows at a time (SLICE_FLOATS, 4 MiB) goes through the statistics, each pass
-reading what the one before left in cache. The few passes are chosen for the CPU: top-k from a
-striped candidate search, the rank (only when asked) counted as float ones, one fused log_softmax
-(bench/bench_explain.py measures the lens beside a prefill).
+block, the statistics: on the CPU, where our C kernels are built, model/native/vocab_stats.c takes
+the whole block, two passes over each row while it is in cache (the top k and the rank's count,
+then the sum of exponentials; no (n, V) log-probabilities written). Elsewhere, or for a row with
+a NaN or an infinite maximum, torch's operations take a slice of rows at a time (SLICE_FLOATS, 4
+MiB), each pass reading what the one before left in cache: top-k from a striped candidate search,
+the rank (only when asked) counted as float ones, one fused log_softmax (bench/bench_explain.py
+measures the lens beside a prefill).
 
     row_slices(n, V, floats)    slices of rows with about `floats` logits each (SLICE_FLOATS)
     unembedded_stats(unembed, rows, picks, V, k, rank)
@@ -17,6 +20,8 @@ striped candidate search, the rank (only when asked) counted as float ones, one 
     count_greater(x, floor)     (N,) how many entries of each row are strictly above floor (N, 1)
     next_token_stats(logits, picks, k)
                                 one slice's log-probabilities: the top k, the picked id's, its rank
+    native_stats(logits, picks, k, rank)
+                                the same from the C kernel (None where it does not apply)
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+
+from attnlens.model.native import library as native
 
 SLICE_FLOATS = 1 << 20  # 4 MiB of float32 logits per slice: few enough calls, each within the L2 and L3 caches
 BLOCK_FLOATS = 1 << 24  # 64 MiB of float32 logits per unembedding: the head's weights read once a block
@@ -78,11 +85,33 @@ class NextTokenStats:
     picked_rank: torch.Tensor | None  # (N,) ids strictly more likely than the picked one (0: the top); None: not asked
 
 
+def native_stats(logits: torch.Tensor, picks: torch.Tensor, k: int, rank: bool = True) -> NextTokenStats | None:
+    """next_token_stats's answer from model/native/vocab_stats.c, for float32 CPU logits (N, V) and
+    picks (N, 1) in 0..V-1; None where the kernel does not apply (another device or dtype, no C
+    kernels on this machine, a row with a NaN or an infinite maximum): the caller uses torch's."""
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.requires_grad
+            or not native.available()[0]):
+        return None
+    N, V = logits.shape
+    k = min(max(1, k), V)
+    x = logits.contiguous()
+    chosen = picks.reshape(-1).to(torch.long).contiguous()
+    if N == 0 or V == 0 or chosen.numel() != N or int(chosen.min()) < 0 or int(chosen.max()) >= V:
+        return None
+    top = torch.empty(N, k)
+    ids = torch.empty(N, k, dtype=torch.long)
+    picked = torch.empty(N)
+    ranks = torch.empty(N, dtype=torch.long) if rank else None
+    bad = native.load().vocab_stats(x.data_ptr(), N, V, chosen.data_ptr(), k, top.data_ptr(), ids.data_ptr(),
+                                    picked.data_ptr(), 0 if ranks is None else ranks.data_ptr())
+    return None if bad else NextTokenStats(top, ids, picked, ranks)
+
+
 def next_token_stats(logits: torch.Tensor, picks: torch.Tensor, k: int, rank: bool = True) -> NextTokenStats:
     """For logits (N, V) and picks (N, 1) ids: the top k log-probabilities and the picked id's, and
-    (with `rank`) its rank. Log-probabilities come from one log_softmax (PyTorch's fused kernel: at
-    one thread it costs about half the separate subtract, exp and sum passes over the slice); ranks
-    compare the logits themselves."""
+    (with `rank`) its rank, by torch's operations. Log-probabilities come from one log_softmax
+    (PyTorch's fused kernel: at one thread it costs about half the separate subtract, exp and sum
+    passes over the slice); ranks compare the logits themselves."""
     x = logits.float()
     _, ids = top_k(x, max(1, k))  # (N, k)
     ranks = count_greater(x, x.gather(1, picks)) if rank else None
@@ -101,9 +130,14 @@ def cat_stats(parts: list[NextTokenStats]) -> NextTokenStats:
 def unembedded_stats(unembed, rows: torch.Tensor, picks: torch.Tensor, vocab: int, k: int,
                      rank: bool = True) -> NextTokenStats:
     """next_token_stats of unembed(rows) (N, vocab) for rows (N, C) and picks (N, 1): unembedded a
-    block of rows at a time (BLOCK_FLOATS logits), the statistics a slice of the block at a time."""
+    block of rows at a time (BLOCK_FLOATS logits), the statistics of a block by the C kernel, or
+    by torch a slice of the block at a time."""
     parts = []
     for block in row_slices(len(rows), vocab, BLOCK_FLOATS):
         logits = unembed(rows[block])  # (n, V)
+        done = native_stats(logits, picks[block], k, rank) if k > 0 else None
+        if done is not None:
+            parts.append(done)
+            continue
         parts += [next_token_stats(logits[s], picks[block][s], k, rank) for s in row_slices(len(logits), vocab)]
     return cat_stats(parts)

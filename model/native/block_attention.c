@@ -21,6 +21,7 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#include "vector_math.h"
 
 static float dot(const float *a, const float *b, int64_t D) {
 #ifdef __AVX2__
@@ -56,26 +57,6 @@ static inline int64_t row_at(const int64_t *blocks, int64_t K, int64_t k, int64_
     return ((blocks[p / P] * K + k) * P + p % P) * D;
 }
 
-#ifdef __AVX2__
-/* e^x for 8 floats, x <= 0 here (scores minus their maximum): Cephes' expf (range reduction by
-   ln 2 in two parts, a degree-6 polynomial), within ~2 float32 ulps of expf; below -88 it gives
-   0 or a tiny subnormal where expf gives a subnormal, far under any probability that shows. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-88.0f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-#endif
 
 /* scores[0..n) = exp(scores - top), returning their sum */
 static float exp_shifted(float *scores, int64_t n, float top) {

@@ -5,9 +5,11 @@
     float_matvec.c      a few rows times a float32 weight (model/parts/linear.py)
     rms_norm.c          RMSNorm of a decode step's few rows (model/parts/norms.py)
     decode_layers.c     a decode step through every block of a Llama-like stack (model/fused_decode.py)
+    vocab_stats.c       the logit lens's per-row top k, picked log-probability and rank (model/analysis/vocab_rows.py)
+    vector_math.h       vector maths the sources share (e^x, 8 floats at a time)
 
 The sources are compiled by the system C compiler (`cc`, or $CC) with -O3 -march=native -fopenmp
-into `<cache>/kernels/attnlens-<hash>.so` (the hash covers the sources, the compiler's version, the
+into `<cache>/kernels/attnlens-<hash>.so` (the hash covers the sources and headers, the compiler's version, the
 flags and the processor: a new source, compiler or CPU builds again), atomically, once; later
 processes load that file. The library links libgomp.so.1, the OpenMP runtime torch has already loaded, so its threads
 are torch's (torch.set_num_threads applies). ctypes releases the GIL for each call.
@@ -30,6 +32,7 @@ from pathlib import Path
 from attnlens.resources import cache_root
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 _lock = threading.Lock()
@@ -58,7 +61,7 @@ def _cpu() -> str:
 
 def library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + version.encode()
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + version.encode()
                             + " ".join(FLAGS).encode() + _cpu().encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"attnlens-{digest}.so"
 
@@ -91,6 +94,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_layers.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr,
                                   i64, i64, f32, f32]
     lib.decode_layers.restype = ctypes.c_int
+    lib.vocab_stats.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr]
+    lib.vocab_stats.restype = i64
 
 
 def load() -> ctypes.CDLL:
