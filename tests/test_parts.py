@@ -514,40 +514,50 @@ def test_the_new_parts_train_on_a_tiny_repeated_batch(overrides):
 # --- Linear: y^T = W x^T in float32 inference on the CPU ------------------------------------------------
 
 
-@pytest.mark.parametrize("one_row", ["c-kernel", "blas"])
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 32])
+@pytest.mark.parametrize("product", ["onednn", "w-xt", "w-xt-no-c-kernel"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 32, 65, 300])
 @pytest.mark.parametrize("bias", [True, False])
-def test_cpu_linear_equals_torchs_linear(rows, bias, one_row, monkeypatch):
-    """Linear's inference path on the CPU (model/parts/linear.py: W x^T; one row by
-    model/native/float_matvec.c, or padded to two without it) against nn.Linear on the same
-    weights, for 2-d and 3-d inputs; with autograd on it is nn.Linear's own product, and its
-    gradients are."""
+def test_linear_products_on_the_cpu_equal_torchs_linear(rows, bias, product, monkeypatch):
+    """Linear's inference products on the CPU (model/parts/linear.py: one row by
+    model/native/float_matvec.c, or padded to two without it; more rows by oneDNN, or without it
+    W x^T up to MAX_ROWS and F.linear above) against nn.Linear on the same weights, for 2-d and 3-d
+    inputs; with autograd on it is nn.Linear's own product, and its gradients are."""
     from attnlens.model.native import library as native
-    from attnlens.model.parts.linear import Linear, cpu_linear, fast_cpu_path
+    from attnlens.model.parts import linear
 
-    if one_row == "c-kernel" and not native.available()[0]:
+    if product == "onednn" and linear._ONEDNN is None:
+        pytest.skip("this torch has no oneDNN")
+    if product == "w-xt" and not native.available()[0]:
         pytest.skip(f"C kernels: {native.available()[1]}")
-    if one_row == "blas":
+    if product != "onednn":
+        monkeypatch.setattr(linear, "USE_ONEDNN", False)
+    if product == "w-xt-no-c-kernel":
         monkeypatch.setattr(native, "available", lambda: (False, "this test"))
+    used: list[str] = []
+    for name in ("onednn_linear", "cpu_linear"):
+        monkeypatch.setattr(linear, name, lambda *a, f=getattr(linear, name), n=name: used.append(n) or f(*a))
 
     torch.manual_seed(rows)
-    ours, ref = Linear(48, 80, bias=bias), nn.Linear(48, 80, bias=bias)
+    ours, ref = linear.Linear(48, 80, bias=bias), nn.Linear(48, 80, bias=bias)
     ref.load_state_dict(ours.state_dict())
     for x in (torch.randn(rows, 48), torch.randn(2, rows, 48)):
+        used.clear()
         with torch.no_grad():
-            assert fast_cpu_path(x, ours.weight)
+            assert linear.cpu_inference(x, ours.weight)
             got = ours(x)
             assert got.shape == x.shape[:-1] + (80,) and got.is_contiguous()
             torch.testing.assert_close(got, ref(x), atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(cpu_linear(x, ours.weight, ours.bias), ref(x), atol=1e-5, rtol=1e-5)
+        n = x.numel() // 48
+        want = ("onednn_linear" if product == "onednn" and n >= linear.ONEDNN_MIN_ROWS else
+                "cpu_linear" if n <= linear.MAX_ROWS else None)  # None: F.linear itself
+        assert used == ([want] if want else [])
     x = torch.randn(rows, 48, requires_grad=True)
-    assert not fast_cpu_path(x, ours.weight) or not torch.is_grad_enabled()
-    assert torch.equal(ours(x), ref(x))  # autograd on: F.linear itself
+    assert not linear.cpu_inference(x, ours.weight)  # autograd on
+    assert torch.equal(ours(x), ref(x))  # F.linear itself
     ours(x).sum().backward()
     assert ours.weight.grad is not None and x.grad is not None
     with torch.no_grad():
-        assert not fast_cpu_path(x.double(), ours.weight.double())  # float32 only
-        assert not fast_cpu_path(torch.randn(65, 48), ours.weight)  # a prefill's many rows: F.linear
+        assert not linear.cpu_inference(x.double(), ours.weight.double())  # float32 only
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 576), (2, 3, 64), (16, 48), (1, 17, 48), (1, 1, 37)])

@@ -2,7 +2,8 @@
 
     PackedMatrix     (N, K) weights as N rows of K/32 blocks (uint8, the file's bytes), its format
     PackedLinear     Linear's forward from a PackedMatrix: the packed kernel for the few rows of a
-                     decode step, float32 tiles and BLAS for a prefill
+                     decode step, float32 tiles and oneDNN or BLAS for a prefill
+                     (model/parts/linear.py's cpu_product)
     PackedEmbedding  nn.Embedding's lookup from a PackedMatrix (the rows asked for, dequantized)
 
 Both keep the names and shapes their float32 counterparts show: `in_features`, `out_features`,
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from attnlens.model.packed import kernel
+from attnlens.model.parts.linear import cpu_product
 
 # Rows of x up to which the packed kernel runs; above, each tile of TILE_ROWS weight rows is
 # dequantized to float32 and multiplied by BLAS (a prefill: the kernel's float FMAs cannot match
@@ -65,8 +66,8 @@ class PackedMatrix:
             return kernel.matmul(x, self.data, self.fmt, self.cols)
         flat = x.reshape(n, self.cols)
         if self.rows <= TILE_ROWS:  # one tile: its product is the answer (no copy through a cat)
-            return F.linear(flat, self.dequantize()).view(*x.shape[:-1], self.rows)
-        tiles = [F.linear(flat, self.dequantize(torch.arange(r, min(r + TILE_ROWS, self.rows))))
+            return cpu_product(flat, self.dequantize()).view(*x.shape[:-1], self.rows)
+        tiles = [cpu_product(flat, self.dequantize(torch.arange(r, min(r + TILE_ROWS, self.rows))))
                  for r in range(0, self.rows, TILE_ROWS)]
         return torch.cat(tiles, dim=-1).view(*x.shape[:-1], self.rows)
 
