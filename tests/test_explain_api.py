@@ -197,3 +197,18 @@ def test_models_declare_the_lens_and_the_ablation_group(bundled_client):
     assert info["default"]["lens"]["predicts"] == "next" and info["default"]["ablation_group"] == "self"
     assert info["encoder"]["lens"]["predicts"] == "same" and info["encoder"]["ablation_group"] == "self"
     assert info["translator"]["lens"]["stream"] == "target" and info["translator"]["ablation_group"] == "decoder"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_answers_are_their_schemas_round_trip(bundled_client, model):
+    """/logits and /lens build their per-position rows as plain JSON (app/serving/explain_serving.py's
+    with_rows): each answer equals what its response model validates and dumps, field for field."""
+    from attnlens.app.api.explain_schemas import LensResponse, LogitsResponse
+
+    ablate = [{"layer": 1, "head": 0, "how": "mean"}]
+    for route, schema, body in (("/logits", LogitsResponse, {"top_k": 3}),
+                                ("/logits", LogitsResponse, {"top_k": 3, "ablate": ablate}),
+                                ("/lens", LensResponse, {"top_k": 2, "rank": True}),
+                                ("/lens", LensResponse, {"top_k": 2, "positions": [1, 0], "ablate": ablate})):
+        answer = post(bundled_client, route, model=model, text=TEXT, **body).json()
+        assert schema.model_validate(answer).model_dump(mode="json") == answer, (route, body)
