@@ -90,6 +90,40 @@ def test_a_long_operation_reports_its_progress(ckpt):
     assert reports  # the engine's heartbeat, and where a call whose caller went away stops
 
 
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("call", [LogitsCall([], None, (), 3, False), LogitsCall([], None, "ablate", 3, False),
+                                  LensCall([], None, (), 2, None, True), ExplainHeadCall([], None, "self", 1, 2, 4)],
+                         ids=["logits", "logits+ablation", "lens", "explain"])
+def test_every_forward_of_an_explain_operation_reports_and_stops_there(ckpt, call):
+    """/logits, /lens and /attention/explain at real length run for minutes on SmolLM2: without report
+    points the engine process's watchdog (ATTNLENS_ENGINE_STALL_S) killed the engine under them, and
+    the generations beside them with it. Each block of each forward (and each block of the lens's
+    unembedding) reports; a report that raises (the caller went away) stops the call; the answer
+    is the same with reports as without."""
+    from dataclasses import replace
+
+    model, ids = ckpt.model, ckpt.tokenizer.encode("To be, or not to be, that is the question")
+    call = replace(call, ids=ids, **({"ablate": (ZEdit("blocks.1.attn", 0, "mean"),)} if call.ablate == "ablate"
+                                     else {}))
+    reports: list[int] = []
+    got = run_operation(model, call, report=lambda: reports.append(1))
+    assert len(reports) >= model.config.n_layers  # at least once a block
+    if call.ablate:  # the ablated forward reports too, beyond the clean one's
+        plain: list[int] = []
+        run_operation(model, replace(call, ablate=()), report=lambda: plain.append(1))
+        assert len(reports) > len(plain)
+    assert got == run_operation(model, call)
+
+    def stop():
+        raise _Stop
+
+    with pytest.raises(_Stop):
+        run_operation(model, call, report=stop)
+
+
 def test_anything_else_is_no_operation(ckpt):
     with pytest.raises(ValueError, match="not a model operation"):
         run_operation(ckpt.model, lambda model: model)

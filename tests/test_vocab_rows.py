@@ -132,3 +132,16 @@ def test_the_c_kernel_is_not_asked_for_what_it_cannot_read():
     picks = torch.tensor([[1], [2], [100]])  # past the vocabulary
     assert vocab_rows.native_stats(x, picks, 5) is None
     assert vocab_rows.native_stats(x.double(), picks.clamp(max=99), 5) is None
+
+
+@pytest.mark.parametrize("c_kernel", [True, False])
+def test_the_unembedding_reports_after_each_block(c_kernel, monkeypatch):
+    """A long lens's heartbeat (model/analysis/explain.py's progress): once per block of rows."""
+    if not c_kernel:
+        monkeypatch.setattr(vocab_rows, "native_stats", lambda *a, **k: None)
+    monkeypatch.setattr(vocab_rows, "BLOCK_FLOATS", 3 * 100)  # blocks of 3 rows of 100 logits
+    rows = torch.randn(10, 100)
+    reports: list[int] = []
+    stats = vocab_rows.unembedded_stats(torch.nn.Identity(), rows, torch.zeros(10, 1, dtype=torch.long), 100, 2,
+                                        progress=lambda: reports.append(1))
+    assert len(reports) == 4 and stats.top_ids.shape == (10, 2)

@@ -15,6 +15,10 @@ decoder inputs: start token + target), V = vocabulary, L = layers, H = heads, D 
                       probability (and its rank when asked)
     explain_head      one head's q, keys, values, scores, mask, softmax and z at one query
 
+Each takes `progress`, called at the forward's progress points (model/hooks.py) and after each
+block of the lens's unembedding: a long call's heartbeat for the engine's watchdog, where a call
+whose caller went away stops, and where decode steps beside it take their turn.
+
 "Actual" is what the position's logits predict (LensSpec.predicts): the next token of the stream
 (none at the last position), or for a masked-LM head the token at the position itself.
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Callable, TypedDict
 
 import torch
 
@@ -39,6 +43,9 @@ class Sequence:
 
     def stream(self, model) -> list[int]:
         return self.tokens[lens_of(model).stream]
+
+
+Progress = Callable[[], None] | None  # a long call's report point (operations.py's `report`), or None
 
 
 def lens_of(model) -> LensSpec:
@@ -147,14 +154,15 @@ def position_logits(logprobs: torch.Tensor, actual: list[int | None], positions:
 
 @torch.inference_mode()
 def logits_report(model, ids: list[int], target_ids: list[int] | None, ablate: tuple[ZEdit, ...], top_k: int,
-                  last_only: bool) -> LogitsReport:
+                  last_only: bool, progress: Progress = None) -> LogitsReport:
     seq = sequence_of(model, ids, target_ids)
     stream = seq.stream(model)
     actual = actual_ids(model, stream)
     positions = [len(stream) - 1] if last_only else list(range(len(stream)))
     # with an ablation, the clean run keeps its block outputs: the ablated run starts from those
     # of the blocks before the first ablated head (unchanged_outputs), instead of recomputing them
-    outputs = Hooks(record=lambda name: name.endswith(".hook_resid_post")) if ablate else None
+    keep: set[str] | Callable[[str], bool] = (lambda name: name.endswith(".hook_resid_post")) if ablate else set()
+    outputs = Hooks(record=keep, progress=progress) if ablate or progress is not None else None
     clean = torch.log_softmax(sequence_logits(model, seq, outputs)[positions], dim=-1)  # (P, V)
     report: LogitsReport = {"tokens": seq.tokens, "generated": seq.generated, "stream": stream}
     if not ablate:
@@ -162,7 +170,8 @@ def logits_report(model, ids: list[int], target_ids: list[int] | None, ablate: t
         return report
     assert outputs is not None  # made above for an ablation
     given = unchanged_outputs(outputs.captured, ablate)
-    edited = torch.log_softmax(sequence_logits(model, seq, Hooks(ablate=ablate, given=given))[positions], dim=-1)
+    edited = torch.log_softmax(sequence_logits(model, seq, Hooks(ablate=ablate, given=given, progress=progress))
+                               [positions], dim=-1)
     report["positions"] = position_logits(edited, actual, positions, top_k)
     report["clean"] = position_logits(clean, actual, positions, top_k)
     kl = (clean.exp() * (clean - edited)).sum(dim=-1).clamp_min(0).tolist()  # KL(clean || ablated)
@@ -182,7 +191,7 @@ def lens_names(model) -> list[str]:
 
 @torch.inference_mode()
 def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tuple[ZEdit, ...], top_k: int,
-                positions: list[int] | None = None, rank: bool = False) -> LensReport:
+                positions: list[int] | None = None, rank: bool = False, progress: Progress = None) -> LensReport:
     """Rows: the embeddings (index -1), then after every block. Per row, at each of `positions`
     (default: every position of the stream, T; else positions in 0..T-1, in the order given):
     `top_ids` and `top_probs` (P, k), the actual token's (report["actual"], per position) `prob`
@@ -194,7 +203,7 @@ def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tup
     actual = actual_ids(model, stream)
     names = lens_names(model)
     # the forward stops at the last block's output: the model's own logits are that through unembed
-    hooks = Hooks(record=set(names), ablate=ablate, stop_after=names[-1])
+    hooks = Hooks(record=set(names), ablate=ablate, stop_after=names[-1], progress=progress)
     run_until(model, hooks, lambda: model.stream_logits(seq.tokens))
     at = list(range(len(stream))) if positions is None else list(positions)
     if at and max(at) >= len(stream):  # only a generated target's length is not known before this call
@@ -207,7 +216,8 @@ def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tup
     residuals = torch.cat([hooks.captured[name][0].index_select(0, index) for name in names])  # ((L + 1) * P, C)
     picks = torch.tensor([0 if a is None else a for a in actual_at], dtype=torch.long, device=device)[:, None]
     picks = picks.repeat(len(names), 1)  # ((L + 1) * P, 1)
-    stats = vocab_rows.unembedded_stats(model.unembed, residuals, picks, model.config.vocab_size, top_k, rank)
+    stats = vocab_rows.unembedded_stats(model.unembed, residuals, picks, model.config.vocab_size, top_k, rank,
+                                        progress=progress)
     top_ids, top_probs = stats.top_ids.tolist(), stats.top_logprobs.exp().tolist()
     probs = stats.picked_logprob.exp().tolist()
     # picked_rank is made when rank is asked for
@@ -250,7 +260,7 @@ def positions_note(config) -> str:
 
 @torch.inference_mode()
 def explain_head(model, ids: list[int], target_ids: list[int] | None, group_name: str, layer: int, head: int,
-                 query: int, ablate: tuple[ZEdit, ...]) -> HeadStep:
+                 query: int, ablate: tuple[ZEdit, ...], progress: Progress = None) -> HeadStep:
     """One head's attention at one query, recomputed from its q, keys and values, beside the map's row
     and the head's z as the forward made them (z before any ablation of this head)."""
     family = family_of(model)
@@ -264,7 +274,7 @@ def explain_head(model, ids: list[int], target_ids: list[int] | None, group_name
     rotary = model.config.positional == "rotary" and not group.is_cross
     qn, kn = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
     names = {f"{module}.{n}" for n in (qn, kn, "hook_v", "hook_pattern", "hook_z")}
-    hooks = Hooks(record=names, ablate=ablate)
+    hooks = Hooks(record=names, ablate=ablate, progress=progress)
     sequence_logits(model, seq, hooks)
     got = {n.rsplit(".", 1)[1]: hooks.captured[n][0] for n in names}  # batch row 0
     H, K = model.config.n_heads, model.config.kv_heads

@@ -162,16 +162,18 @@ def _head_scores(model, call: HeadScoresCall, report: Report) -> HeadScoreResult
 
 
 def _logits(model, call: LogitsCall, report: Report) -> explain.LogitsReport:
-    return explain.logits_report(model, call.ids, call.target_ids, call.ablate, call.top_k, call.last_only)
+    return explain.logits_report(model, call.ids, call.target_ids, call.ablate, call.top_k, call.last_only,
+                                 progress=report)
 
 
 def _lens(model, call: LensCall, report: Report) -> explain.LensReport:
-    return explain.lens_report(model, call.ids, call.target_ids, call.ablate, call.top_k, call.positions, call.rank)
+    return explain.lens_report(model, call.ids, call.target_ids, call.ablate, call.top_k, call.positions, call.rank,
+                               progress=report)
 
 
 def _explain_head(model, call: ExplainHeadCall, report: Report) -> explain.HeadStep:
     return explain.explain_head(model, call.ids, call.target_ids, call.group_name, call.layer, call.head,
-                                call.query, call.ablate)
+                                call.query, call.ablate, progress=report)
 
 
 def _fill_mask(model, call: FillMaskCall, report: Report) -> MaskScores:

@@ -27,6 +27,7 @@ measures the lens beside a prefill).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 
@@ -128,16 +129,18 @@ def cat_stats(parts: list[NextTokenStats]) -> NextTokenStats:
 
 
 def unembedded_stats(unembed, rows: torch.Tensor, picks: torch.Tensor, vocab: int, k: int,
-                     rank: bool = True) -> NextTokenStats:
+                     rank: bool = True, progress: Callable[[], None] | None = None) -> NextTokenStats:
     """next_token_stats of unembed(rows) (N, vocab) for rows (N, C) and picks (N, 1): unembedded a
     block of rows at a time (BLOCK_FLOATS logits), the statistics of a block by the C kernel, or
-    by torch a slice of the block at a time."""
+    by torch a slice of the block at a time; `progress` is called after each block."""
     parts = []
     for block in row_slices(len(rows), vocab, BLOCK_FLOATS):
         logits = unembed(rows[block])  # (n, V)
         done = native_stats(logits, picks[block], k, rank) if k > 0 else None
-        if done is not None:
+        if done is None:
+            parts += [next_token_stats(logits[s], picks[block][s], k, rank) for s in row_slices(len(logits), vocab)]
+        else:
             parts.append(done)
-            continue
-        parts += [next_token_stats(logits[s], picks[block][s], k, rank) for s in row_slices(len(logits), vocab)]
+        if progress is not None:
+            progress()
     return cat_stats(parts)
