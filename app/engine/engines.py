@@ -38,17 +38,19 @@ def EngineProcess(checkpoint: Checkpoint, *, model_dir: Path | None = None, devi
                   max_attention_concurrent: int = 4, cuda_graphs: bool = True,
                   max_stream_backlog_bytes: int = 64_000_000, overlap_outputs: bool | None = None,
                   kv_cache_bytes: int | None = None, prefill_chunk: int = 256,
-                  prefill_chunk_alone: int | None = None, log_level: str = "info",
+                  prefill_chunk_alone: int | None = None, log_level: str = "info", malloc_retain_bytes: int = 0,
                   start_timeout_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> EngineFront:
     """An engine whose core runs in an engine process of its own, which loads the model from
     `model_dir` (the checkpoint's directory by default) onto `device` as `dtype`; this process
-    keeps `checkpoint` for its tokenizer and configuration. Blocks until the model is loaded."""
+    keeps `checkpoint` for its tokenizer and configuration; with malloc_retain_bytes it keeps that much freed
+    memory for its next forwards (allocator.py). Blocks until the model is loaded."""
     model_dir = model_dir or checkpoint.path
     if model_dir is None:
         raise ValueError("an engine process loads its model from a checkpoint directory; this one has none")
     spec = EngineSpec(Path(model_dir), device, dtype, dict(
         max_concurrent=max_concurrent, cuda_graphs=cuda_graphs, overlap_outputs=overlap_outputs,
-        kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk, prefill_chunk_alone=prefill_chunk_alone), log_level)
+        kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk, prefill_chunk_alone=prefill_chunk_alone), log_level,
+        malloc_retain_bytes)
     client = ProcessClient(spec, start_timeout_s=start_timeout_s, clock=clock)
     return EngineFront(checkpoint, client, max_concurrent=max_concurrent, max_queue=max_queue,
                        max_attention_concurrent=max_attention_concurrent,

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from attnlens.app.engine.allocator import retain_freed_memory
 from attnlens.app.engine.core import EngineCore
 from attnlens.app.engine.records import MODEL_CALL_FAILED, CallResult, CoreRecord, FinishRecord
 from attnlens.app.engine.request import Generation
@@ -40,6 +41,7 @@ class EngineSpec:
     dtype: str = "auto"
     engine: dict = field(default_factory=dict)  # EngineCore's keyword arguments
     log_level: str = "info"
+    malloc_retain_bytes: int = 0  # app/engine/allocator.py
 
 
 class CoreCall:
@@ -102,6 +104,7 @@ def main(spec: EngineSpec, commands: Connection, records: Connection) -> None:
                         format="%(levelname)s:     [engine %(process)d] %(name)s: %(message)s")
     from attnlens.model.placement import load_for_serving
 
+    retain_freed_memory(spec.malloc_retain_bytes)
     try:
         checkpoint = load_for_serving(spec.model_dir, spec.device, spec.dtype)
         core = EngineCore(checkpoint, **spec.engine)

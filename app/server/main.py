@@ -39,6 +39,7 @@ from attnlens.app.api import ops_routes as ops
 from attnlens.app.api import ui_routes as ui
 from attnlens.app.api.generate_schemas import StreamDone, StreamError, StreamToken
 from attnlens.app.engine import Engine, EngineFront, EngineProcess, GenerationParams
+from attnlens.app.engine.allocator import retain_freed_memory
 from attnlens.app.engine.process import ProcessClient
 from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.app.engine.supervisor import EngineSupervisor, RestartPolicy, Supervision
@@ -104,7 +105,8 @@ async def start_runner(s: Settings, ckpt: Checkpoint, name: str):
                   prefill_chunk=s.prefill_chunk_tokens, prefill_chunk_alone=s.prefill_chunk_alone_tokens)
     if s.engine_process and ckpt.path is not None:
         return await asyncio.to_thread(EngineProcess, ckpt, device=s.device, dtype=s.dtype, log_level=s.log_level,
-                                       start_timeout_s=s.engine_start_timeout_s, **limits)
+                                       start_timeout_s=s.engine_start_timeout_s,
+                                       malloc_retain_bytes=s.malloc_retain_bytes, **limits)
     return Engine(ckpt, **limits)
 
 
@@ -126,6 +128,7 @@ async def lifespan(app: FastAPI):
     state: AppState = app.state.attnlens
     s = state.settings
     state.status = "loading"
+    retain_freed_memory(s.malloc_retain_bytes)  # this process's forwards (app/engine/allocator.py)
     registry = ModelRegistry(default=model_name(s.model_dir))
     engines: list[EngineFront] = []
     supervision: Supervision | None = None
