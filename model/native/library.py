@@ -2,6 +2,7 @@
 
     packed_matmul.c     products with weights in GGUF blocks (model/packed/kernel.py)
     block_attention.c   a decode step's attention over a KV cache in blocks (model/paged_kv_cache.py)
+    causal_attention.c  a prefill's causal attention, flash-style in tiles (model/parts/causal_attention.py)
     float_matvec.c      a few rows times a float32 weight (model/parts/linear.py)
     rms_norm.c          RMSNorm of a decode step's few rows (model/parts/norms.py)
     decode_layers.c     a decode step through every block of a Llama-like stack (model/fused_decode.py)
@@ -85,6 +86,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.packed_dequantize.restype = None
     lib.block_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr, ptr, i64]
     lib.block_attention.restype = ctypes.c_int
+    lib.causal_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr]
+    lib.causal_attention.restype = ctypes.c_int
     lib.float_matvec.argtypes = [ptr, i64, ptr, i64, ptr, ptr]
     lib.float_matvec.restype = None
     lib.rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr]

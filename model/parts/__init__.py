@@ -16,6 +16,8 @@ H = query heads, K = key/value heads, D = d_head, R = rotary dims, F = d_ff.
                                      fast path, or the explicit path that also returns the
                                      (B, H, T, S) probabilities, one map per query head
                  causal_mask, sliding_window_mask, sdpa, fixed_shapes
+    causal_attention                 a causal prefill's attention on the CPU by our C kernel
+                                     (model/native/causal_attention.c), SDPA's numbers faster
     feedforward  FeedForward         Linear(C -> F), act, Linear(F -> C); gated: SwiGLU / GeGLU
                  activate            gelu (tanh) | gelu_exact | relu | silu
     norms        RMSNorm, make_norm  LayerNorm | RMSNorm

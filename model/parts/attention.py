@@ -11,8 +11,9 @@ multi-query attention), G = H / K query heads per key/value head, D = d_head.
     MultiHeadAttention   self-attention (keys/values from x) or cross-attention (from `memory`);
                          an optional RMSNorm per head on queries and keys (Qwen3's q_norm /
                          k_norm); rotary positions on queries and keys; grouped-query attention; the SDPA
-                         fast path, or the explicit path that also returns the (B, H, T, S)
-                         probabilities: one map per query head
+                         fast path (a causal prefill on the CPU: our C kernel, causal_attention.py),
+                         or the explicit path that also returns the (B, H, T, S) probabilities: one
+                         map per query head
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from attnlens.model import hooks as _hooks
 from attnlens.model.config import ModelConfig
 from attnlens.model.parts.linear import Linear
 from attnlens.model.parts.norms import RMSNorm
+from attnlens.model.parts import causal_attention
 from attnlens.model.parts.positions import RotaryAngles, apply_rotary
 
 # Stores this call's new (B, K, T, D) keys/values and returns all (B, K, S, D) keys/values
@@ -213,7 +215,12 @@ class MultiHeadAttention(nn.Module):
             y, probs = self.explicit_attention(q, k, v, mask, causal, dropout_p)
         else:
             probs = None
-            if mask is None and causal and S == T:
+            native_y = None
+            if mask is None and causal and dropout_p == 0.0 and causal_attention.applies(q, k, v):
+                native_y = causal_attention.causal_attention(q, k, v, self.scale)  # a prefill on the CPU
+            if native_y is not None:
+                y = native_y
+            elif mask is None and causal and S == T:
                 y = sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.scale, **gqa)
             elif (T == 1 and (mask is not None or self.groups > 1) and not q.is_cuda and dropout_p == 0.0):
                 y = self.one_query_attention(q, k, v, mask, self.scale)  # a decode step on the CPU
