@@ -30,9 +30,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnlens.model import hooks as _hooks
 from attnlens.model.config import ModelConfig
+from attnlens.model.parts import causal_attention
 from attnlens.model.parts.linear import Linear
 from attnlens.model.parts.norms import RMSNorm
-from attnlens.model.parts import causal_attention
 from attnlens.model.parts.positions import RotaryAngles, apply_rotary
 
 # Stores this call's new (B, K, T, D) keys/values and returns all (B, K, S, D) keys/values
