@@ -34,10 +34,10 @@ def assert_as_exact_as_sdpa(got, sdpa, exact):
 
 @pytest.mark.parametrize("B,H,K,T,S,D", [
     (1, 9, 3, 300, 300, 64),   # SmolLM2's heads, a prompt over several tiles (300 = 4 x 64 + 44)
-    (2, 4, 4, 64, 64, 32),     # multi-head, one whole tile, a batch of two
-    (1, 6, 2, 37, 300, 128),   # a later piece after 263 cached positions, D over one register row
+    (2, 4, 4, 128, 128, 32),   # multi-head, two whole tiles, a batch of two
+    (1, 6, 2, 60, 300, 128),   # a later piece after 240 cached positions, D over one register row
     (1, 3, 1, 130, 1000, 48),  # multi-query, D = 3 vectors of 16
-    (1, 2, 2, 16, 16, 16),     # the fewest queries it takes
+    (1, 2, 2, 32, 512, 16),    # the fewest queries it takes
 ])
 def test_equals_a_float64_recompute_and_sdpa(B, H, K, T, S, D):
     torch.manual_seed(T + S)
@@ -79,13 +79,15 @@ def test_extreme_scores_stay_finite_and_exact():
 
 
 def test_leaves_to_sdpa_what_it_does_not_take():
-    q, k, v = torch.randn(1, 2, 32, 64), torch.randn(1, 2, 32, 64), torch.randn(1, 2, 32, 64)
+    q, k, v = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
     with torch.no_grad():
         assert ca.causal_attention(q[:, :, :ca.MIN_QUERIES - 1], k, v, 0.1) is None  # a short piece
+        assert ca.causal_attention(q[:, :, :64], k[:, :, :64], v[:, :, :64], 0.1) is None  # a small product
         assert ca.causal_attention(q.double(), k.double(), v.double(), 0.1) is None
-        odd = torch.randn(1, 2, 32, 12)
+        odd = torch.randn(1, 2, 128, 12)
         assert ca.causal_attention(odd, odd, odd, 0.1) is None  # 12 dims: no whole vector
-        assert ca.causal_attention(q, k[:, :, :20], v[:, :, :20], 0.1) is None  # fewer keys than queries
+        assert ca.causal_attention(q, k[:, :, :100], v[:, :, :100], 0.1) is None  # fewer keys than queries
+        assert ca.causal_attention(q, k, v, 0.1) is not None
     assert ca.causal_attention(q, k, v, 0.1) is None  # autograd: training keeps torch's kernels
 
 
@@ -95,14 +97,19 @@ def test_leaves_to_sdpa_what_it_does_not_take():
     dict(n_heads=2),
 ], ids=["llama-gqa", "gpt"])
 def test_a_model_prefill_equals_sdpa_in_one_piece_and_in_pieces(overrides, monkeypatch):
-    """A decoder (D = 16 and 48) over 150 tokens: the kernel's logits equal SDPA's (the kernel switched
-    off), and a prefill in pieces of 64, 64 and 22 after the cache (S > T) equals one piece."""
-    model = small_config_model(context_length=160, d_model=96, **overrides)
-    ids = torch.randint(0, model.config.vocab_size, (1, 150))
+    """A decoder (D = 16 and 48) over 400 tokens: the kernel's logits equal SDPA's (the kernel switched
+    off), and a prefill in pieces of 200, 150 and 50 after the cache (S > T: every piece through the
+    kernel) equals one piece."""
+    model = small_config_model(context_length=400, d_model=96, **overrides)
+    ids = torch.randint(0, model.config.vocab_size, (1, 400))
+    calls = []
+    kernel = ca.causal_attention
+    monkeypatch.setattr(ca, "causal_attention", lambda *a: calls.append(a[0].shape[2]) or kernel(*a))
     with torch.no_grad():
         got = model(ids).logits
         cache = model.new_kv_cache(1)
-        pieces = [model(ids[:, s:s + 64], kv_cache=cache).logits for s in (0, 64, 128)]
+        pieces = [model(ids[:, s:e], kv_cache=cache).logits for s, e in ((0, 200), (200, 350), (350, 400))]
+        assert calls == [400] * 2 + [200] * 2 + [150] * 2 + [50] * 2  # two layers a forward
         monkeypatch.setattr(ca, "MIN_QUERIES", 10**9)  # every path back to torch's SDPA
         want = model(ids).logits
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
