@@ -337,6 +337,28 @@ def test_swiglu_equals_transformers_llama_mlp():
         torch.testing.assert_close(ffn(x), ref(x), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_swiglus_c_pass_equals_torchs_silu_times_up(rows):
+    """model/native/swiglu.c (a prefill's rows shared by the threads) against F.silu(gate) * up, on
+    gates from -200 to 200 (e^-g clamped at +-88: still silu to float32's resolution), d_ff not a
+    multiple of the vector width."""
+    from attnlens.model.native import library as native
+    from attnlens.model.parts import feedforward
+
+    if not native.available()[0]:
+        pytest.skip(f"C kernels: {native.available()[1]}")
+    F_ = 1000 + 3  # 1,003: whole vectors, then the rest one by one
+    h = torch.randn(rows, 2 * F_) * 4
+    h[0, :8] = torch.tensor([-200.0, -88.5, -20.0, -1e-3, 0.0, 1e-3, 30.0, 200.0])
+    with torch.no_grad():
+        assert feedforward.native_swiglu(h)
+    assert not feedforward.native_swiglu(h)  # autograd on: torch's operators
+    out = torch.empty(rows, F_)
+    native.load().swiglu(h.data_ptr(), rows, F_, out.data_ptr())
+    gate, up = h.chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=2e-6)
+
+
 @pytest.mark.parametrize("activation, torch_act", [("gelu_exact", nn.GELU()), ("gelu", nn.GELU("tanh"))])
 def test_geglu_is_gelu_of_the_gate_times_the_up_projection(activation, torch_act):
     torch.manual_seed(5)

@@ -4,7 +4,8 @@
     block_attention.c   a decode step's attention over a KV cache in blocks (model/paged_kv_cache.py)
     causal_attention.c  a prefill's causal attention, flash-style in tiles (model/parts/causal_attention.py)
     float_matvec.c      a few rows times a float32 weight (model/parts/linear.py)
-    rms_norm.c          RMSNorm of a decode step's few rows (model/parts/norms.py)
+    rms_norm.c          RMSNorm of float32 rows, a prefill's shared by the threads (model/parts/norms.py)
+    swiglu.c            SwiGLU's silu(gate) * up in one pass (model/parts/feedforward.py)
     decode_layers.c     a decode step through every block of a Llama-like stack (model/fused_decode.py)
     vocab_stats.c       the logit lens's per-row top k, picked log-probability and rank (model/analysis/vocab_rows.py)
     vector_math.h       vector maths the sources share (e^x, 8 floats at a time)
@@ -92,6 +93,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.float_matvec.restype = None
     lib.rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr]
     lib.rms_norm.restype = None
+    lib.swiglu.argtypes = [ptr, i64, i64, ptr]
+    lib.swiglu.restype = None
     lib.float_matmul_few.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
     lib.float_matmul_few.restype = None
     lib.decode_layers.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr,

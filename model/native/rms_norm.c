@@ -1,13 +1,14 @@
-/* RMSNorm of a few float32 rows (a decode step's): out = x / sqrt(mean(x^2) + eps) * w.
+/* RMSNorm of float32 rows: out = x / sqrt(mean(x^2) + eps) * w.
 
    torch's fused F.rms_norm takes ~15 us a call on a 576-wide row here, mostly its dispatch; a
-   decode token of SmolLM2 makes 61 of them. The statistic is summed in float32 (in eight lanes,
+   decode token of SmolLM2 makes 61 of them. A prefill's many rows are shared by the threads. The statistic is summed in float32 (in eight lanes,
    then across them), as torch does, to float32 rounding. */
 
 #include <math.h>
 #include <stdint.h>
 
 void rms_norm(const float *x, int64_t rows, int64_t C, const float *w, float eps, float *out) {
+#pragma omp parallel for schedule(static) if (rows * C >= 65536)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * C;
         float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};

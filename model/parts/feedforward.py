@@ -4,7 +4,9 @@ Shapes: (..., C) -> (..., C), C = d_model, F = d_ff.
 
     plain  proj(act(fc(x)))                      fc: (F, C)   GPT-2, BERT, GPT-NeoX
     gated  proj(act(x W_gate) * (x W_up))        fc: (2F, C), rows W_gate then W_up (one matmul);
-                                                 act = silu: SwiGLU (Llama, Qwen2, Mistral);
+                                                 act = silu: SwiGLU (Llama, Qwen2, Mistral), in
+                                                 float32 inference on the CPU one C pass
+                                                 (model/native/swiglu.c);
                                                  act = gelu / gelu_exact: GeGLU (Shazeer 2020)
 """
 
@@ -15,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attnlens.model.config import ModelConfig
+from attnlens.model.native import library as native
 from attnlens.model.parts.linear import Linear
 
 
@@ -28,6 +31,13 @@ def activate(x: torch.Tensor, name: str) -> torch.Tensor:
     if name == "silu":
         return F.silu(x)
     return F.relu(x)
+
+
+def native_swiglu(h: torch.Tensor) -> bool:
+    """Whether silu(gate) * up of h (..., 2F) takes model/native/swiglu.c (one pass where torch makes
+    three): float32 inference on the CPU, contiguous, and the kernels built here."""
+    return (h.device.type == "cpu" and h.dtype == torch.float32 and not torch.is_grad_enabled() and h.is_contiguous()
+            and native.available()[0])
 
 
 class FeedForward(nn.Module):
@@ -44,6 +54,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)  # (B, T, F), gated: (B, T, 2F)
+        if self.gated and self.activation == "silu" and native_swiglu(h):
+            out = torch.empty(*h.shape[:-1], h.shape[-1] // 2, dtype=h.dtype)  # (B, T, F)
+            native.load().swiglu(h.data_ptr(), h.numel() // h.shape[-1], h.shape[-1] // 2, out.data_ptr())
+            return self.proj(out)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)  # 2 x (B, T, F)
             h = activate(gate, self.activation) * up
