@@ -31,6 +31,11 @@ The attnlens servers also answer --streams (16) sampled generations of N tokens 
 (the same work each time): the tokens of them all over the wall time, prefills included. llama.cpp's
 servers here have one slot (`-np 1`), so they are not asked.
 
+Memory: this process sets glibc's malloc thresholds as the server sets them in its processes
+(ATTNLENS_MALLOC_RETAIN_BYTES, app/engine/allocator.py), for the in-process rows of transformers
+and attnlens alike; --malloc-defaults keeps glibc's defaults (there a forward's time depends on
+what the forward before it left on the heap: page faults, the same for every row in this process).
+
 Greedy: llama.cpp gets `ignore_eos`, transformers `min_new_tokens`; attnlens over HTTP has no such
 switch, so the prompt is one that SmolLM2 continues past N tokens (the count is printed).
 """
@@ -224,6 +229,7 @@ class Measure:
     def attnlens_http(self, ckpt_dir: Path, dtype: str, weights: str) -> Contestant:
         a, n = self.args, self.args.new_tokens
         env = {**os.environ, "ATTNLENS_DEVICE": "cpu", "ATTNLENS_DTYPE": dtype, "OMP_NUM_THREADS": str(a.threads),
+               **({"ATTNLENS_MALLOC_RETAIN_BYTES": "0"} if a.malloc_defaults else {}),
                "MKL_NUM_THREADS": str(a.threads), "ATTNLENS_LOG_LEVEL": "warning",
                "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
         counts: list[int] = []
@@ -377,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--streams", type=int, default=16, help="generations at once for attnlens over HTTP (0: none)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (no build)")
+    p.add_argument("--malloc-defaults", action="store_true",
+                   help="glibc's malloc thresholds in this process (in-process rows) and the servers")
     p.add_argument("--decode-after", type=int, default=0,
                    help="decode after a prompt of this many tokens (the long text) instead of the short prompt")
     args = p.parse_args(argv)
@@ -389,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
+    from attnlens.app.engine.allocator import retain_freed_memory
+    from attnlens.app.server.settings import Settings
+
+    retain = 0 if args.malloc_defaults else Settings.model_fields["malloc_retain_bytes"].default
+    retained = retain_freed_memory(retain)
     found = locate(SMOLLM2)
     if found is None:
         raise SystemExit(f"{SMOLLM2.distribution} is not installed: make install-dev installs it")
@@ -408,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
           f"llama.cpp {'b' + llama.version.split('.')[0] if llama else 'skipped: ' + why}")
     print(f"setting   {args.threads} thread(s) each, {args.new_tokens} greedy tokens after a {len(prompt_ids)}-token "
           f"prompt, prefills of {' and '.join(map(str, long_ids))} tokens, median of {args.reps} after 1 warm-up; load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"malloc    {'thresholds set: ' + str(retain >> 20) + ' MiB kept (as the server)' if retained else 'glibc defaults'}"
+          f" in this process; the attnlens servers {'likewise' if retained else 'with MALLOC_RETAIN_BYTES=0'}\n")
 
     measure = Measure(args, prompt_ids, long_ids)
     hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
