@@ -92,6 +92,28 @@ def test_scalings_change_the_frequencies_as_their_definitions_say():
     torch.testing.assert_close(llama3[1], (1 - smooth) * base[1] / 8 + smooth * base[1])
 
 
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 37), (1, 600)])
+def test_rotary_in_c_gives_torchs_floats(B, T):
+    """model/native/rotary.c against apply_rotary's torch operators (x * cos + roll * signed_sin) on
+    the fused projection's strided views: the same floats, not merely close; and the path the
+    model takes in float32 inference on the CPU."""
+    from attnlens.model.native import library as native
+    from attnlens.model.parts import positions
+
+    if not native.available()[0]:
+        pytest.skip(f"C kernels: {native.available()[1]}")
+    config = ModelConfig(**{**SMALL, **LLAMA_PARTS, "n_heads": 6, "n_kv_heads": 2, "d_model": 384})
+    angles = RotaryEmbedding(config)(torch.arange(100, 100 + T), torch.float32)
+    heads = (torch.randn(B, T, 6 + 2 * 2, 64) * 3).transpose(1, 2)  # (B, H + 2K, T, D) as attention.py views it
+    qk = heads[:, :8]
+    with torch.no_grad():
+        assert positions.native_rotary(qk, angles.cos, angles.signed_sin)
+        got = positions.apply_rotary(qk, angles)
+    want = qk * angles.cos + qk.roll(32, dims=-1) * angles.signed_sin  # autograd on: torch's operators
+    assert torch.equal(got, want)
+    assert got.transpose(1, 2).is_contiguous()
+
+
 def test_rotary_scores_depend_only_on_the_distance():
     """The point of rotary positions: q.k after rotating q to position m and k to position n is
     a function of m - n alone (here with theta and a linear scaling)."""

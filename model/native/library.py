@@ -6,6 +6,7 @@
     float_matvec.c      a few rows times a float32 weight (model/parts/linear.py)
     rms_norm.c          RMSNorm of float32 rows, a prefill's shared by the threads (model/parts/norms.py)
     swiglu.c            SwiGLU's silu(gate) * up in one pass (model/parts/feedforward.py)
+    rotary.c            rotary positions on a prefill's queries and keys in one pass (model/parts/positions.py)
     decode_layers.c     a decode step through every block of a Llama-like stack (model/fused_decode.py)
     vocab_stats.c       the logit lens's per-row top k, picked log-probability and rank (model/analysis/vocab_rows.py)
     vector_math.h       vector maths the sources share (e^x, 8 floats at a time)
@@ -94,6 +95,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr]
     lib.rms_norm.restype = None
     lib.swiglu.argtypes = [ptr, i64, i64, ptr]
+    lib.rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr]
+    lib.rotary.restype = None
     lib.swiglu.restype = None
     lib.float_matmul_few.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
     lib.float_matmul_few.restype = None

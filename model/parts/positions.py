@@ -9,7 +9,8 @@ Shapes: T = positions in this call, B = batch, C = d_model, D = d_head, R = rota
                        ("linear": / factor; "llama3": Llama 3.1's per-band rescaling)
     RotaryEmbedding    positions (T,) or (B, T) -> RotaryAngles(cos, sin, signed_sin), each (T, R) or
                        (B, T, R)
-    apply_rotary       (B, H, T, D) queries or keys, rotated by their positions' angles
+    apply_rotary       (B, H, T, D) queries or keys, rotated by their positions' angles (in
+                       float32 inference on the CPU in one C pass: model/native/rotary.c)
 
 Rotary positions (Su et al. 2021) rotate each pair of dims (i, i + R/2) of a query or key by
 the angle pos * inv_freq[i] (GPT-NeoX's "rotate half" pairing, which Llama's transformers
@@ -26,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from attnlens.model.config import ModelConfig
+from attnlens.model.native import library as native
 
 
 def sinusoidal_table(n_positions: int, d_model: int) -> torch.Tensor:
@@ -130,8 +132,32 @@ def apply_rotary(x: torch.Tensor, angles: RotaryAngles) -> torch.Tensor:
         signed_sin = signed_sin[:, None] if signed_sin is not None else None
     R = cos.shape[-1]
     if R == x.shape[-1]:
+        if signed_sin is not None and cos.dim() == 2 and native_rotary(x, cos, signed_sin):
+            return rotary_in_c(x, cos, signed_sin)
         if signed_sin is not None:  # (x1, x2) -> (x2, x1) in one operator, signs from signed_sin
             return x * cos + x.roll(R // 2, dims=-1) * signed_sin
         return x * cos + rotate_half(x) * sin
     rot, rest = x[..., :R], x[..., R:]  # partial rotary (GPT-NeoX's rotary_pct)
     return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+
+def native_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
+    """Whether apply_rotary takes model/native/rotary.c: float32 inference on the CPU, dims contiguous,
+    angles (T, D) contiguous, and the kernels built here."""
+    return (x.device.type == "cpu" and x.dtype == cos.dtype == signed_sin.dtype == torch.float32
+            and not torch.is_grad_enabled() and x.stride(-1) == 1 and cos.is_contiguous()
+            and signed_sin.is_contiguous() and native.available()[0])
+
+
+def rotary_in_c(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + x.roll(D / 2) * signed_sin in one pass (the same floats): x (B, H, T, D), angles
+    (T, D) -> (B, H, T, D), a view of a (B, T, H, D) tensor (the layout torch's operators give the
+    fused projection's view)."""
+    B, H, T, D = x.shape
+    out = torch.empty(B, T, H, D, dtype=x.dtype)  # (B, T, H, D)
+    lib = native.load()
+    for b in range(B):
+        xb = x[b]  # (H, T, D)
+        lib.rotary(xb.data_ptr(), xb.stride(0), xb.stride(1), H, T, D, cos.data_ptr(), signed_sin.data_ptr(),
+                   out[b].data_ptr())
+    return out.transpose(1, 2)  # (B, H, T, D)
