@@ -7,7 +7,7 @@
    added in a fixed order: the result is F.linear's up to the order of the sums. */
 
 #include <stdint.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__SSE__)
 #include <immintrin.h>
 #endif
 
@@ -33,9 +33,28 @@ static float row_dot(const float *w, const float *x, int64_t K) {
     return tail;
 }
 
+/* Ask for row n + AHEAD's cache lines while row n is summed: the hardware's stream prefetcher alone kept
+   fewer reads in flight than the memory can serve. On a 2-core Xeon, SmolLM2's 121 matrices of a
+   decode token (538 MB, cycled so none stays in cache), 2 threads: 22.2-23.3 GB/s without it,
+   25.1-25.6 with it, where a plain read of the same bytes runs at 25.2 (bench/README.md). */
+#define AHEAD 4
+
+static inline void prefetch_row(const float *w, int64_t n, int64_t N, int64_t K) {
+#ifdef __SSE__
+    if (n + AHEAD >= N) return;
+    const char *p = (const char *)(w + (n + AHEAD) * K);
+    for (int64_t b = 0; b < K * (int64_t)sizeof(float); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+#else
+    (void)w; (void)n; (void)N; (void)K;
+#endif
+}
+
 void float_matvec(const float *x, int64_t K, const float *w, int64_t N, const float *bias, float *y) {
 #pragma omp parallel for schedule(static) if (N * K > 65536)
-    for (int64_t n = 0; n < N; n++) y[n] = row_dot(w + n * K, x, K) + (bias ? bias[n] : 0.0f);
+    for (int64_t n = 0; n < N; n++) {
+        prefetch_row(w, n, N, K);
+        y[n] = row_dot(w + n * K, x, K) + (bias ? bias[n] : 0.0f);
+    }
 }
 
 /* y (M, N) = x (M, K) W^T (+ bias) for a few rows (a batched decode step's): each weight row is read
@@ -48,6 +67,7 @@ void float_matmul_few(const float *x, int64_t M, int64_t K, const float *w, int6
     }
 #pragma omp parallel for schedule(static) if (N * K * M > 65536)
     for (int64_t n = 0; n < N; n++) {
+        prefetch_row(w, n, N, K);
         const float b = bias ? bias[n] : 0.0f;
         for (int64_t m = 0; m < M; m++) y[m * N + n] = row_dot(w + n * K, x + m * K, K) + b;
     }
