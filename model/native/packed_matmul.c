@@ -225,22 +225,42 @@ static inline __attribute__((always_inline)) float one_row(const uint8_t *row, i
     return horizontal_sum(_mm256_add_ps(acc0, acc1)) + (off0 + off1);
 }
 
+/* Ask for the bytes AHEAD_BYTES past row n's while row n is summed (as float_matvec.c does): the
+   hardware's prefetcher alone left the product waiting on memory. SmolLM2's 121 packed matrices of a
+   decode token (96 MB, in turns, best of 40, 2 threads): 8.7-9.5 ms without, 5.4-5.8 with (1,024 to
+   8,192 bytes ahead all alike) */
+#define AHEAD_BYTES 4096
+
+static inline void prefetch_ahead(const uint8_t *w, int64_t n, int64_t N, int64_t row_bytes) {
+    const int64_t from = (n + 1) * row_bytes + AHEAD_BYTES - row_bytes, end = N * row_bytes;
+    for (int64_t b = from; b < from + row_bytes && b < end; b += 64) _mm_prefetch((const char *)w + b, _MM_HINT_T0);
+}
+
 static void one_row_q4_0(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t nb, const float *x, const float *xs,
                          float *y) {
 #pragma omp parallel for schedule(static) if (N * nb > 1024)
-    for (int64_t n = 0; n < N; n++) y[n] = one_row(w + n * row_bytes, Q4_0, nb, x, xs);
+    for (int64_t n = 0; n < N; n++) {
+        prefetch_ahead(w, n, N, row_bytes);
+        y[n] = one_row(w + n * row_bytes, Q4_0, nb, x, xs);
+    }
 }
 
 static void one_row_q4_1(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t nb, const float *x, const float *xs,
                          float *y) {
 #pragma omp parallel for schedule(static) if (N * nb > 1024)
-    for (int64_t n = 0; n < N; n++) y[n] = one_row(w + n * row_bytes, Q4_1, nb, x, xs);
+    for (int64_t n = 0; n < N; n++) {
+        prefetch_ahead(w, n, N, row_bytes);
+        y[n] = one_row(w + n * row_bytes, Q4_1, nb, x, xs);
+    }
 }
 
 static void one_row_q8_0(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t nb, const float *x, const float *xs,
                          float *y) {
 #pragma omp parallel for schedule(static) if (N * nb > 1024)
-    for (int64_t n = 0; n < N; n++) y[n] = one_row(w + n * row_bytes, Q8_0, nb, x, xs);
+    for (int64_t n = 0; n < N; n++) {
+        prefetch_ahead(w, n, N, row_bytes);
+        y[n] = one_row(w + n * row_bytes, Q8_0, nb, x, xs);
+    }
 }
 #endif
 
@@ -266,6 +286,9 @@ int packed_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_
 #pragma omp parallel for schedule(static) if (N * K * M > 32768)
     for (int64_t n = 0; n < N; n++) {
         float out[TILE];
+#ifdef __AVX2__
+        prefetch_ahead(w, n, N, row_bytes);
+#endif
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
             const int mt = M - m0 < TILE ? (int)(M - m0) : TILE;
             row_products(w + n * row_bytes, fmt, nb, x, xsum, K, m0, mt, out);
