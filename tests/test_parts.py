@@ -558,15 +558,14 @@ def test_the_new_parts_train_on_a_tiny_repeated_batch(overrides):
 # --- Linear: y^T = W x^T in float32 inference on the CPU ------------------------------------------------
 
 
-@pytest.mark.parametrize("product", ["onednn", "w-xt", "w-xt-no-c-kernel", "mkl"])
+@pytest.mark.parametrize("product", ["onednn", "w-xt", "w-xt-no-c-kernel"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 32, 65, 300])
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_products_on_the_cpu_equal_torchs_linear(rows, bias, product, monkeypatch):
     """Linear's inference products on the CPU (model/parts/linear.py: one row by
     model/native/float_matvec.c, or padded to two without it; more rows by oneDNN, or without it
     W x^T up to MAX_ROWS and F.linear above) against nn.Linear on the same weights, for 2-d and 3-d
-    inputs; on an Intel processor ("mkl") W x^T up to MKL_MAX_ROWS and F.linear above; with autograd
-    on it is nn.Linear's own product, and its gradients are."""
+    inputs; with autograd on it is nn.Linear's own product, and its gradients are."""
     from attnlens.model.native import library as native
     from attnlens.model.parts import linear
 
@@ -574,7 +573,6 @@ def test_linear_products_on_the_cpu_equal_torchs_linear(rows, bias, product, mon
         pytest.skip("this torch has no oneDNN")
     if product == "w-xt" and not native.available()[0]:
         pytest.skip(f"C kernels: {native.available()[1]}")
-    monkeypatch.setattr(linear, "MKL_FULL_SPEED", product == "mkl")
     if product != "onednn":
         monkeypatch.setattr(linear, "USE_ONEDNN", False)
     if product == "w-xt-no-c-kernel":
@@ -594,11 +592,8 @@ def test_linear_products_on_the_cpu_equal_torchs_linear(rows, bias, product, mon
             assert got.shape == x.shape[:-1] + (80,) and got.is_contiguous()
             torch.testing.assert_close(got, ref(x), atol=1e-5, rtol=1e-5)
         n = x.numel() // 48
-        if product == "mkl":
-            want = "cpu_linear" if n <= linear.MKL_MAX_ROWS else None
-        else:
-            want = ("onednn_linear" if product == "onednn" and n >= linear.ONEDNN_MIN_ROWS else
-                    "cpu_linear" if n <= linear.MAX_ROWS else None)  # None: F.linear itself
+        want = ("onednn_linear" if product == "onednn" and n >= linear.ONEDNN_MIN_ROWS else
+                "cpu_linear" if n <= linear.MAX_ROWS else None)  # None: F.linear itself
         assert used == ([want] if want else [])
     x = torch.randn(rows, 48, requires_grad=True)
     assert not linear.cpu_inference(x, ours.weight)  # autograd on

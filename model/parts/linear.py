@@ -6,19 +6,13 @@ Which product (float32 inference on the CPU; `cpu_product`):
 * 2 to ONEDNN_MIN_ROWS - 1 rows: W x^T, below, which streams the weight once;
 * ONEDNN_MIN_ROWS rows or more: oneDNN's matmul (`onednn_linear`, the library torch's CPU build
   carries), on the weight as it lies, no reordered copy. Its kernels are chosen by instruction
-  set, where MKL, torch's default for F.linear, runs generic ones on AMD processors. On a
-  2-core EPYC (AVX-512; this project's machine until 2026-11-27), against what ran before (W x^T to 64 rows, F.linear above), each pair
+  set, where MKL, torch's default for F.linear, runs generic ones on AMD processors. On this
+  2-core EPYC (AVX-512), against what ran before (W x^T to 64 rows, F.linear above), each pair
   in turns in one process: a batch-16 decode step of the default model 1.12-1.13x faster, of
   SmolLM2 at 24-32 rows 1.27x, at 64 rows 1.13x; SmolLM2's prefill of 512 and 2,048 tokens
   1.14x and 1.12x. At 8 rows it was slower (0.85-0.89x: it packs the weight as a sgemm's right
   operand every call);
-* where torch has no oneDNN: W x^T up to MAX_ROWS rows, F.linear above;
-* on Intel processors (MKL_FULL_SPEED), where MKL runs its own AVX-512 kernels: W x^T up to
-  MKL_MAX_ROWS rows, F.linear above. On a 2-core Xeon (AVX-512 and AMX; the project's machine from
-  2026-11-28), 2 threads, SmolLM2's
-  four products of a layer together against oneDNN's: 16 rows 0.56 ms by W x^T (F.linear 0.71,
-  oneDNN 0.70), 32 rows 0.80 (0.93, 1.02), 64 rows 1.47 by F.linear (W x^T 1.84, oneDNN 1.62),
-  2,048 rows 33.7 (oneDNN 36.7).
+* where torch has no oneDNN: W x^T up to MAX_ROWS rows, F.linear above.
 
 nn.Linear computes y = x W^T with W stored (out, in). On the CPU, BLAS runs that product as a
 small-by-large sgemm whose large operand is transposed, and for the few rows of a decode step it
@@ -38,14 +32,11 @@ F.linear). The results are F.linear's numbers summed in another order: equal to 
 
     Linear          the module
     cpu_product     the product for float32 inference on the CPU, chosen as above
-    MKL_FULL_SPEED  whether MKL runs at full speed here (an Intel processor)
     cpu_linear      W x^T: (..., in) x (out, in) [+ (out,)] -> (..., out)
     onednn_linear   oneDNN's x W^T, or None where this torch has no oneDNN
 """
 
 from __future__ import annotations
-
-import platform
 
 import torch
 import torch.nn as nn
@@ -54,7 +45,6 @@ import torch.nn.functional as F
 from attnlens.model.native import library as native
 
 MAX_ROWS = 64  # rows (batch x positions) up to which W x^T is faster than F.linear (bench/README.md)
-MKL_MAX_ROWS = 32  # ... where MKL runs at full speed (MKL_FULL_SPEED)
 ONEDNN_MIN_ROWS = 16  # rows from which oneDNN's product is the faster one (module docstring)
 USE_ONEDNN = True  # bench/ switches it to measure the products against each other
 
@@ -70,21 +60,6 @@ def _onednn_op():
 
 
 _ONEDNN = _onednn_op()
-
-
-def _intel_processor() -> bool:
-    """Whether this is an Intel processor (Linux's /proc/cpuinfo; elsewhere, platform's name for it)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return "GenuineIntel" in line
-    except OSError:
-        pass
-    return "Intel" in platform.processor()
-
-
-MKL_FULL_SPEED = _intel_processor()  # MKL picks its kernels by vendor: generic ones on AMD
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,8 +100,6 @@ def cpu_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """F.linear(x, weight, bias) for float32 inference on the CPU, by the product the module docstring
     picks for x's rows."""
     rows = x.numel() // max(1, x.shape[-1])
-    if MKL_FULL_SPEED:
-        return cpu_linear(x, weight, bias) if rows <= MKL_MAX_ROWS else F.linear(x, weight, bias)
     if rows >= ONEDNN_MIN_ROWS and _ONEDNN is not None and USE_ONEDNN:
         return onednn_linear(x, weight, bias)
     if rows <= MAX_ROWS:
