@@ -558,6 +558,29 @@ def test_the_new_parts_train_on_a_tiny_repeated_batch(overrides):
 # --- Linear: y^T = W x^T in float32 inference on the CPU ------------------------------------------------
 
 
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 16, 64, 300])
+def test_linear_products_on_the_cpu_give_the_same_bits_with_any_threads(rows):
+    """The products Linear picks (our kernels, oneDNN) answer the same bits with 1 and 2 threads, at
+    1,024 inputs, where MKL's (torch.mm, F.linear) differ: the same request, the same answer."""
+    from attnlens.model.native import library as native
+    from attnlens.model.parts import linear
+
+    if not native.available()[0] or linear._ONEDNN is None:
+        pytest.skip("our C kernels and oneDNN are both needed here")
+    torch.manual_seed(rows)
+    w, x = torch.randn(256, 1024), torch.randn(rows, 1024)
+    before = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            answers = []
+            for threads in (2, 1, 2):
+                torch.set_num_threads(threads)
+                answers.append(linear.cpu_product(x, w))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(answers[0], answers[1]) and torch.equal(answers[0], answers[2])
+
+
 @pytest.mark.parametrize("product", ["onednn", "w-xt", "w-xt-no-c-kernel"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 32, 65, 300])
 @pytest.mark.parametrize("bias", [True, False])

@@ -3,16 +3,28 @@ inference forward on the CPU picks the fastest product for its rows.
 
 Which product (float32 inference on the CPU; `cpu_product`):
 * one row: our matrix-vector kernel (model/native/float_matvec.c), below;
-* 2 to ONEDNN_MIN_ROWS - 1 rows: W x^T, below, which streams the weight once;
+* 2 to FEW_ROWS rows: our few-row kernel (float_matmul_few, the same file): each weight row read
+  once and met by every row of x, SmolLM2's four products of a layer at 2 / 4 / 8 rows 0.33 /
+  0.38 / 0.63 ms against W x^T's 0.82 / 0.65 / 0.68 (2-core Xeon, 2 threads);
 * ONEDNN_MIN_ROWS rows or more: oneDNN's matmul (`onednn_linear`, the library torch's CPU build
   carries), on the weight as it lies, no reordered copy. Its kernels are chosen by instruction
-  set, where MKL, torch's default for F.linear, runs generic ones on AMD processors. On this
-  2-core EPYC (AVX-512), against what ran before (W x^T to 64 rows, F.linear above), each pair
+  set, where MKL, torch's default for F.linear, runs generic ones on AMD processors. On a
+  2-core EPYC (AVX-512; the project's machine until 2026-11-27), against what ran before (W x^T to 64 rows, F.linear above), each pair
   in turns in one process: a batch-16 decode step of the default model 1.12-1.13x faster, of
   SmolLM2 at 24-32 rows 1.27x, at 64 rows 1.13x; SmolLM2's prefill of 512 and 2,048 tokens
   1.14x and 1.12x. At 8 rows it was slower (0.85-0.89x: it packs the weight as a sgemm's right
-  operand every call);
-* where torch has no oneDNN: W x^T up to MAX_ROWS rows, F.linear above.
+  operand every call). At 9-15 rows W x^T would be a little faster (Xeon, 12-16 rows: 0.67-0.72
+  ms against 0.83-0.90), but its bits change with the threads (below);
+* where torch has no oneDNN: W x^T up to MAX_ROWS rows, F.linear above; without our kernels,
+  W x^T below ONEDNN_MIN_ROWS.
+
+Every product above gives the same bits whatever the number of threads (a thread computes each
+output whole, in a fixed order), so the same request gets the same answer however busy the
+machine. MKL does not: through torch.mm or F.linear, products over 1,024 inputs (the default
+model's down projection) from 2 rows up differ in the last bits between 1 and 2 threads, and on
+an Intel Xeon, where MKL is otherwise ~8% faster than oneDNN at 2,048 rows, a test run with
+F.linear taking those products had an explanation asked twice of a busy server differ by 5e-6
+(tests/test_client_explain.py). MKL is used only where neither our kernels nor oneDNN exist.
 
 nn.Linear computes y = x W^T with W stored (out, in). On the CPU, BLAS runs that product as a
 small-by-large sgemm whose large operand is transposed, and for the few rows of a decode step it
@@ -45,7 +57,8 @@ import torch.nn.functional as F
 from attnlens.model.native import library as native
 
 MAX_ROWS = 64  # rows (batch x positions) up to which W x^T is faster than F.linear (bench/README.md)
-ONEDNN_MIN_ROWS = 16  # rows from which oneDNN's product is the faster one (module docstring)
+FEW_ROWS = 8  # rows up to which our few-row kernel is the faster (module docstring)
+ONEDNN_MIN_ROWS = FEW_ROWS + 1  # rows from which oneDNN's product is used (module docstring)
 USE_ONEDNN = True  # bench/ switches it to measure the products against each other
 
 
@@ -69,15 +82,16 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) computed as (weight @ x^T)^T: x (..., in), weight (out, in)."""
+    """F.linear(x, weight, bias) computed as (weight @ x^T)^T: x (..., in), weight (out, in); up to
+    FEW_ROWS rows by our kernel where it is built."""
     lead, d_in = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, d_in)  # (M, in)
     M = rows.shape[0]
-    if M == 1 and native.available()[0]:  # one row: our matrix-vector kernel, where it is built
-        y = torch.empty(weight.shape[0], dtype=x.dtype)
-        row, b = rows.contiguous(), None if bias is None else bias.contiguous()  # held while the kernel reads them
-        native.load().float_matvec(row.data_ptr(), d_in, weight.data_ptr(), weight.shape[0],
-                                   None if b is None else b.data_ptr(), y.data_ptr())
+    if M <= FEW_ROWS and native.available()[0]:  # our kernels, where they are built (one row: matrix-vector)
+        y = torch.empty(M, weight.shape[0], dtype=x.dtype)
+        xs, b = rows.contiguous(), None if bias is None else bias.contiguous()  # held while the kernel reads them
+        native.load().float_matmul_few(xs.data_ptr(), M, d_in, weight.data_ptr(), weight.shape[0],
+                                       None if b is None else b.data_ptr(), y.data_ptr())
         return y.view(*lead, weight.shape[0])  # (..., out)
     if M == 1:  # two columns: BLAS's one-column routine is the slow one
         rows = torch.cat((rows, rows))
