@@ -1,6 +1,6 @@
 """app/engine/allocator.py: with the thresholds set, freed tensors' pages are reused, not
-faulted in again; without them (glibc's defaults) 96 MB freed at once go back to the kernel
-and the next tensors fault their pages in."""
+faulted in again (with glibc's defaults, 96 MB freed at once may go back to the kernel and the
+next tensors fault their pages in: bench/README.md measures the real prefill both ways)."""
 
 import os
 import subprocess
@@ -45,7 +45,7 @@ def test_freed_pages_are_reused_not_faulted_again():
     kept, with_retain = faults(512 << 20)
     if kept != "True":
         pytest.skip("this C library is not glibc")
-    _, default = faults(0)
     pages = 20 * 4 * (24 << 20) // 4096  # what the 20 rounds touch
-    assert with_retain < pages // 20, (with_retain, default)
-    assert default > pages // 2, (with_retain, default)
+    assert with_retain < pages // 20, with_retain  # at most the first round's pages
+    # glibc's defaults are not asserted: whether they hand the 96 MB back depends on the process's
+    # history (its dynamic thresholds; here 491 k faults, in a CI run's environment none)
