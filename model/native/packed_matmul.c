@@ -189,40 +189,38 @@ static inline __attribute__((always_inline)) __m512 block_dot16(const uint8_t *b
    ~1.3x faster than 8 a vector: bench/README.md) */
 static inline __attribute__((always_inline)) float one_row(const uint8_t *row, int fmt, int64_t nb, const float *x,
                                                            const float *xsum) {
-#ifdef __AVX512F__
-    {
-        const int bb = block_bytes(fmt);
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        float off0 = 0.0f, off1 = 0.0f, c0, c1;
-        int64_t b = 0;
-        for (; b + 1 < nb; b += 2) {
-            acc0 = _mm512_add_ps(acc0, block_dot16(row + b * bb, fmt, x + b * 32, &c0));
-            acc1 = _mm512_add_ps(acc1, block_dot16(row + (b + 1) * bb, fmt, x + (b + 1) * 32, &c1));
-            off0 += c0 * xsum[b];
-            off1 += c1 * xsum[b + 1];
-        }
-        if (b < nb) {
-            acc0 = _mm512_add_ps(acc0, block_dot16(row + b * bb, fmt, x + b * 32, &c0));
-            off0 += c0 * xsum[b];
-        }
-        return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + (off0 + off1);
-    }
+#ifdef __AVX512F__  /* the vector width the loop below sums in */
+    typedef __m512 vsum;
+#define VSUM_ZERO _mm512_setzero_ps
+#define VSUM_ADD _mm512_add_ps
+#define VSUM_DOT block_dot16
+#define VSUM_TOTAL _mm512_reduce_add_ps
+#else
+    typedef __m256 vsum;
+#define VSUM_ZERO _mm256_setzero_ps
+#define VSUM_ADD _mm256_add_ps
+#define VSUM_DOT block_dot
+#define VSUM_TOTAL horizontal_sum
 #endif
     const int bb = block_bytes(fmt);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    vsum acc0 = VSUM_ZERO(), acc1 = VSUM_ZERO();
     float off0 = 0.0f, off1 = 0.0f, c0, c1;
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
-        acc0 = _mm256_add_ps(acc0, block_dot(row + b * bb, fmt, x + b * 32, &c0));
-        acc1 = _mm256_add_ps(acc1, block_dot(row + (b + 1) * bb, fmt, x + (b + 1) * 32, &c1));
+        acc0 = VSUM_ADD(acc0, VSUM_DOT(row + b * bb, fmt, x + b * 32, &c0));
+        acc1 = VSUM_ADD(acc1, VSUM_DOT(row + (b + 1) * bb, fmt, x + (b + 1) * 32, &c1));
         off0 += c0 * xsum[b];
         off1 += c1 * xsum[b + 1];
     }
     if (b < nb) {
-        acc0 = _mm256_add_ps(acc0, block_dot(row + b * bb, fmt, x + b * 32, &c0));
+        acc0 = VSUM_ADD(acc0, VSUM_DOT(row + b * bb, fmt, x + b * 32, &c0));
         off0 += c0 * xsum[b];
     }
-    return horizontal_sum(_mm256_add_ps(acc0, acc1)) + (off0 + off1);
+    return VSUM_TOTAL(VSUM_ADD(acc0, acc1)) + (off0 + off1);
+#undef VSUM_ZERO
+#undef VSUM_ADD
+#undef VSUM_DOT
+#undef VSUM_TOTAL
 }
 
 /* Ask for the bytes AHEAD_BYTES past row n's while row n is summed (as float_matvec.c does): the
