@@ -31,6 +31,7 @@ from attnlens.model.families import build_model
 from attnlens.model.families.decoder import Transformer
 from attnlens.model.packed.loading import PACKED_FILE, pack_model, read_packed
 from attnlens.model.tokenizer import Tokenizer
+from attnlens.model.weight_arena import gather
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -282,7 +283,10 @@ def load_checkpoint(
             pack_model(model, state, tied=getattr(config, "tie_embeddings", False))
         except ValueError as e:
             raise CheckpointError(str(e)) from e
+        gather(model)
         return Checkpoint(model=model.eval(), tokenizer=tokenizer, config=config, path=ckpt, report=load_report(ckpt))
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        gather(model)  # before the weights are read: its copies are of pages not yet touched
     load_weights(model, ckpt / WEIGHTS_FILE)
     model.to(device=device, dtype=dtype).eval()
     # Linear weights stay row-major (out, in): model/parts/linear.py takes W x^T from that layout

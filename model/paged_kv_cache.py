@@ -29,34 +29,18 @@ A forward call over the rows `rows` (the same contract as model/kv_cache.py's KV
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import heapq
-import mmap
 from dataclasses import dataclass
 
 import torch
 
 from attnlens.model.kv_cache import CacheWrite, keys_seen, new_positions, rows_mask, rows_of
+from attnlens.model.memory_pages import DONTNEED, MADVISE, NOHUGEPAGE, advise_within
 from attnlens.model.native import library as native
 
 BLOCK = 64  # positions per block: at most 63 positions of memory a row holds unused (bench/README.md)
-_MADV_DONTNEED = 4
-_MADV_NOHUGEPAGE = 15
 _SMALL_POOL = 64 << 20  # below this the pool is zero-filled up front (it may come from the heap) and kept
-
-
-def _madvise():
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return fn
-
-
-MADVISE = _madvise()
 
 
 class KVCacheFullError(RuntimeError):
@@ -244,7 +228,7 @@ class PagedKVCache:
         if self._releases:
             # small pages: a 2 MB huge page (THP_MEM_ALLOC_ENABLE, app/cli/commands.py) would hold ~40 blocks of
             # one layer's keys, so a one-block row would keep 2 MB of each of the 2 x layers planes
-            self._advise(0, self._storage.numel() * self._storage.element_size(), _MADV_NOHUGEPAGE)
+            self._advise(0, self._storage.numel() * self._storage.element_size(), NOHUGEPAGE)
         self.keys = [self._storage[i, 0] for i in range(n_layers)]  # (N, K, P, D) views
         self.values = [self._storage[i, 1] for i in range(n_layers)]
         self._free = set(range(self.n_blocks))
@@ -352,15 +336,12 @@ class PagedKVCache:
         for plane in range(2 * self.n_layers):
             for lo, hi in runs:
                 start = (plane * self.n_blocks + lo) * self.block_elements * element
-                self._advise(start, (hi - lo) * self.block_elements * element, _MADV_DONTNEED)
+                self._advise(start, (hi - lo) * self.block_elements * element, DONTNEED)
         return True
 
     def _advise(self, start: int, length: int, advice: int) -> None:
         """madvise the whole pages within bytes start .. start+length of the pool."""
-        page, base = mmap.PAGESIZE, self._storage.data_ptr()
-        first, last = -(-(base + start) // page) * page, (base + start + length) // page * page
-        if last > first:
-            MADVISE(first, last - first, advice)
+        advise_within(self._storage.data_ptr() + start, length, advice)
 
     # --- one forward call ----------------------------------------------------
     def row_slice(self, rows: slice | None, batch: int) -> slice:
