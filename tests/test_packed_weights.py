@@ -46,13 +46,27 @@ def test_blocks_dequantize_exactly_as_gguf_and_multiply_within_rounding(fmt):
     rows = torch.tensor([299, 0, 7, 7])
     assert torch.equal(packed.dequantize(rows), reference[rows])
     w64 = reference.double()
-    for m in (1, 2, 3, 4, 5, 16, 17, 40):  # the kernel (up to 16 rows, in tiles of 4), then BLAS tiles
+    for m in (1, 2, 3, 4, 5, 16, 17, 40):  # the kernel (up to 16 rows, in tiles), then BLAS tiles
         x = torch.randn(m, 576)
         got, want = packed.matmul(x).double(), x.double() @ w64.T
         scale = x.double().abs() @ w64.abs().T  # what the sums' rounding can reach
         assert ((got - want).abs() <= 1e-6 * scale + 1e-6).all(), (fmt, m)
     x3 = torch.randn(2, 3, 576)  # any leading shape
     assert packed.matmul(x3).shape == (2, 3, 300)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_gets_the_same_bits_alone_or_in_a_batch(fmt):
+    """A decode step's row summed with up to 15 others (the kernel's tiles) gets exactly the bits it
+    gets alone: a stream's tokens do not depend on how many streams share its steps. Odd block
+    counts (K = 608: 19 blocks) included."""
+    for cols in (576, 608):
+        blocks, _ = quantized(fmt, 130, cols, seed=1)
+        packed = PackedMatrix(torch.from_numpy(blocks.copy()), fmt, cols)
+        x = torch.randn(16, cols)
+        alone = torch.cat([packed.matmul(x[i:i + 1]) for i in range(16)])
+        for m in (2, 3, 4, 5, 8, 9, 13, 16):
+            assert torch.equal(packed.matmul(x[:m]), alone[:m]), (fmt, cols, m)
 
 
 def test_a_malformed_matrix_or_input_is_refused_with_the_reason():

@@ -103,35 +103,127 @@ static inline float horizontal_sum(__m256 v) {
 }
 #endif
 
-#define TILE 4 /* rows of x that share one widening of a weight block */
-
-/* y[m, n] for rows m0 .. m0+mt-1 of x and one weight row */
-static void row_products(const uint8_t *row, int fmt, int64_t nb, const float *x, const float *xsum, int64_t K,
-                         int64_t m0, int mt, float *out /* mt values */) {
-    const int bb = block_bytes(fmt);
 #ifdef __AVX2__
-    __m256 acc[TILE];
-    float offset[TILE] = {0};
-    for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * bb;
-        float d, c;
-        block_scales(blk, fmt, &d, &c);
-        __m256 v[4];
-        block_vectors(block_q(blk, fmt), fmt, v);
-        const __m256 dv = _mm256_set1_ps(d);
+/* A block widened once, to meet one or more rows of x: its 32 q as float vectors, its scale d and
+   column-sum factor c. With AVX-512 16 columns a vector (on this project's 2-core Xeon, SmolLM2's
+   packed decode step's products ~1.3x faster than 8 a vector: bench/README.md), else 8. */
+#ifdef __AVX512F__
+typedef __m512 vsum;
+typedef struct { __m512 v0, v1; float d, c; } wide_block;
+
+static inline __attribute__((always_inline)) wide_block widen(const uint8_t *blk, int fmt) {
+    wide_block w;
+    block_scales(blk, fmt, &w.d, &w.c);
+    const uint8_t *q = block_q(blk, fmt);
+    if (fmt == Q8_0) {
+        w.v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+        w.v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+    } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(0x0f);
+        w.v0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low)));
+        w.v1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low)));
+    }
+    return w;
+}
+
+/* d * sum q x over the block's 32 columns of one row of x, as a vector of partial sums */
+static inline __attribute__((always_inline)) vsum wide_dot(const wide_block *w, const float *xb) {
+    const __m512 s = _mm512_fmadd_ps(w->v1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(w->v0, _mm512_loadu_ps(xb)));
+    return _mm512_mul_ps(_mm512_set1_ps(w->d), s);
+}
+#define VSUM_ZERO _mm512_setzero_ps
+#define VSUM_ADD _mm512_add_ps
+#define VSUM_TOTAL _mm512_reduce_add_ps
+#define TILE 8 /* rows of x that share one widening of a weight block: 16 sums in registers */
+#else
+typedef __m256 vsum;
+typedef struct { __m256 v[4]; float d, c; } wide_block;
+
+static inline __attribute__((always_inline)) wide_block widen(const uint8_t *blk, int fmt) {
+    wide_block w;
+    block_scales(blk, fmt, &w.d, &w.c);
+    block_vectors(block_q(blk, fmt), fmt, w.v);
+    return w;
+}
+
+/* two independent pairs of products, then their sum */
+static inline __attribute__((always_inline)) vsum wide_dot(const wide_block *w, const float *xb) {
+    const __m256 s01 = _mm256_fmadd_ps(w->v[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(w->v[0], _mm256_loadu_ps(xb)));
+    const __m256 s23 = _mm256_fmadd_ps(w->v[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(w->v[2], _mm256_loadu_ps(xb + 16)));
+    return _mm256_mul_ps(_mm256_set1_ps(w->d), _mm256_add_ps(s01, s23));
+}
+#define VSUM_ZERO _mm256_setzero_ps
+#define VSUM_ADD _mm256_add_ps
+#define VSUM_TOTAL horizontal_sum
+#define TILE 4
+#endif
+
+/* y[n] for rows m0 .. m0+mt-1 of x (mt <= TILE) and one weight row. Each row of x is summed as if it
+   came alone: even blocks into one sum and odd ones into another, so no sum waits on the one before
+   it, then the two added. A decode step's row gets the same bits in a batch of any size up to the
+   kernel's 16 rows as by itself (tests/test_packed_weights.py). Each block is widened once per tile
+   and met by every row of it. */
+static inline __attribute__((always_inline)) void tile_rows(const uint8_t *row, int fmt, int64_t nb, const float *x,
+                                                            const float *xsum, int64_t K, int64_t m0, int mt,
+                                                            float *out /* mt values */) {
+    const int bb = block_bytes(fmt);
+    vsum acc0[TILE], acc1[TILE];
+    float off0[TILE], off1[TILE];
+    for (int t = 0; t < mt; t++) {
+        acc0[t] = VSUM_ZERO(); acc1[t] = VSUM_ZERO();
+        off0[t] = 0.0f; off1[t] = 0.0f;
+    }
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const wide_block w0 = widen(row + b * bb, fmt);
         for (int t = 0; t < mt; t++) {
-            const float *xb = x + (m0 + t) * K + b * 32;
-            __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
-            s = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), s);
-            s = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), s);
-            s = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), s);
-            acc[t] = _mm256_fmadd_ps(dv, s, acc[t]);
-            offset[t] += c * xsum[(m0 + t) * nb + b];
+            acc0[t] = VSUM_ADD(acc0[t], wide_dot(&w0, x + (m0 + t) * K + b * 32));
+            off0[t] += w0.c * xsum[(m0 + t) * nb + b];
+        }
+        const wide_block w1 = widen(row + (b + 1) * bb, fmt);
+        for (int t = 0; t < mt; t++) {
+            acc1[t] = VSUM_ADD(acc1[t], wide_dot(&w1, x + (m0 + t) * K + (b + 1) * 32));
+            off1[t] += w1.c * xsum[(m0 + t) * nb + b + 1];
         }
     }
-    for (int t = 0; t < mt; t++) out[t] = horizontal_sum(acc[t]) + offset[t];
+    if (b < nb) {
+        const wide_block w0 = widen(row + b * bb, fmt);
+        for (int t = 0; t < mt; t++) {
+            acc0[t] = VSUM_ADD(acc0[t], wide_dot(&w0, x + (m0 + t) * K + b * 32));
+            off0[t] += w0.c * xsum[(m0 + t) * nb + b];
+        }
+    }
+    for (int t = 0; t < mt; t++) out[t] = VSUM_TOTAL(VSUM_ADD(acc0[t], acc1[t])) + (off0[t] + off1[t]);
+}
+
+/* one row of x: the tile of one, with the format a constant (the callers below) */
+static inline __attribute__((always_inline)) float one_row(const uint8_t *row, int fmt, int64_t nb, const float *x,
+                                                           const float *xsum) {
+    float out;
+    tile_rows(row, fmt, nb, x, xsum, 0, 0, 1, &out);
+    return out;
+}
+
+/* a tile of mt rows of x, mt a constant in each case (the sums stay in registers) */
+static void some_rows(const uint8_t *row, int fmt, int64_t nb, const float *x, const float *xsum, int64_t K,
+                      int64_t m0, int mt, float *out) {
+    switch (mt) {
+#define ROWS(n) case n: tile_rows(row, fmt, nb, x, xsum, K, m0, n, out); break;
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+#if TILE > 4
+        ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#endif
+#undef ROWS
+        default: tile_rows(row, fmt, nb, x, xsum, K, m0, mt, out);
+    }
+}
 #else
+#define TILE 4 /* rows of x that share one widening of a weight block */
+
+/* y[m, n] for rows m0 .. m0+mt-1 of x and one weight row (without AVX2: plain C) */
+static void some_rows(const uint8_t *row, int fmt, int64_t nb, const float *x, const float *xsum, int64_t K,
+                      int64_t m0, int mt, float *out /* mt values */) {
+    const int bb = block_bytes(fmt);
     float vals[32];
     for (int t = 0; t < mt; t++) out[t] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
@@ -146,83 +238,10 @@ static void row_products(const uint8_t *row, int fmt, int64_t nb, const float *x
             out[t] += d * s + c * xsum[(m0 + t) * nb + b];
         }
     }
-#endif
 }
+#endif
 
 #ifdef __AVX2__
-/* one block's d * sum q x for one row of x: two independent pairs of products, then their sum */
-static inline __attribute__((always_inline)) __m256 block_dot(const uint8_t *blk, int fmt, const float *xb,
-                                                              float *c) {
-    float d;
-    block_scales(blk, fmt, &d, c);
-    __m256 v[4];
-    block_vectors(block_q(blk, fmt), fmt, v);
-    const __m256 s01 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(xb)));
-    const __m256 s23 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(v[2], _mm256_loadu_ps(xb + 16)));
-    return _mm256_mul_ps(_mm256_set1_ps(d), _mm256_add_ps(s01, s23));
-}
-
-#ifdef __AVX512F__
-/* block_dot 16 columns a vector: the 32 q widened in two conversions each way instead of four */
-static inline __attribute__((always_inline)) __m512 block_dot16(const uint8_t *blk, int fmt, const float *xb,
-                                                                float *c) {
-    float d;
-    block_scales(blk, fmt, &d, c);
-    const uint8_t *q = block_q(blk, fmt);
-    __m512 v0, v1;
-    if (fmt == Q8_0) {
-        v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
-        v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
-    } else {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(0x0f);
-        v0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low)));
-        v1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low)));
-    }
-    const __m512 s = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(v0, _mm512_loadu_ps(xb)));
-    return _mm512_mul_ps(_mm512_set1_ps(d), s);
-}
-#endif
-
-/* y[n] for one row of x (a decode step): the format fixed at compile time (the callers below), and
-   two blocks at a time into separate sums, so no sum waits on the one before it. With AVX-512, 16
-   columns a vector (on this project's 2-core Xeon, SmolLM2's packed decode step's products
-   ~1.3x faster than 8 a vector: bench/README.md) */
-static inline __attribute__((always_inline)) float one_row(const uint8_t *row, int fmt, int64_t nb, const float *x,
-                                                           const float *xsum) {
-#ifdef __AVX512F__  /* the vector width the loop below sums in */
-    typedef __m512 vsum;
-#define VSUM_ZERO _mm512_setzero_ps
-#define VSUM_ADD _mm512_add_ps
-#define VSUM_DOT block_dot16
-#define VSUM_TOTAL _mm512_reduce_add_ps
-#else
-    typedef __m256 vsum;
-#define VSUM_ZERO _mm256_setzero_ps
-#define VSUM_ADD _mm256_add_ps
-#define VSUM_DOT block_dot
-#define VSUM_TOTAL horizontal_sum
-#endif
-    const int bb = block_bytes(fmt);
-    vsum acc0 = VSUM_ZERO(), acc1 = VSUM_ZERO();
-    float off0 = 0.0f, off1 = 0.0f, c0, c1;
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        acc0 = VSUM_ADD(acc0, VSUM_DOT(row + b * bb, fmt, x + b * 32, &c0));
-        acc1 = VSUM_ADD(acc1, VSUM_DOT(row + (b + 1) * bb, fmt, x + (b + 1) * 32, &c1));
-        off0 += c0 * xsum[b];
-        off1 += c1 * xsum[b + 1];
-    }
-    if (b < nb) {
-        acc0 = VSUM_ADD(acc0, VSUM_DOT(row + b * bb, fmt, x + b * 32, &c0));
-        off0 += c0 * xsum[b];
-    }
-    return VSUM_TOTAL(VSUM_ADD(acc0, acc1)) + (off0 + off1);
-#undef VSUM_ZERO
-#undef VSUM_ADD
-#undef VSUM_DOT
-#undef VSUM_TOTAL
-}
-
 /* Ask for the bytes AHEAD_BYTES past row n's while row n is summed (as float_matvec.c does): the
    hardware's prefetcher alone left the product waiting on memory. SmolLM2's 121 packed matrices of a
    decode token (96 MB, in turns, best of 40, 2 threads): 8.7-9.5 ms without, 5.4-5.8 with (1,024 to
@@ -289,7 +308,7 @@ int packed_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_
 #endif
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
             const int mt = M - m0 < TILE ? (int)(M - m0) : TILE;
-            row_products(w + n * row_bytes, fmt, nb, x, xsum, K, m0, mt, out);
+            some_rows(w + n * row_bytes, fmt, nb, x, xsum, K, m0, mt, out);
             for (int t = 0; t < mt; t++) y[(m0 + t) * N + n] = out[t];
         }
     }
