@@ -223,3 +223,24 @@ def test_two_threads_decoding_one_model_each_get_their_own_answer():
     for got in results:
         for a, b in zip(got[0], want[0]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", [None, "Q4_0", "Q4_1", "Q8_0"])
+def test_a_rows_decode_step_is_the_same_bits_alone_or_batched(fmt):
+    """Two rows decoded in one fused step get exactly the logits each gets decoded alone (float32:
+    the one-row and few-row kernels sum in one order; packed: the tiles sum each row as one_row
+    does): a stream's tokens do not depend on the streams beside it in a step."""
+    net = model_of({}) if fmt is None else packed(model_of({}), fmt)
+    caches = [net.new_kv_cache(2, paged=True) for _ in range(2)]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (1, 9), generator=g), torch.randint(0, 97, (1, 70), generator=g)]
+    with torch.inference_mode():
+        for cache in caches:
+            for row, prompt in enumerate(prompts):
+                net(prompt, kv_cache=cache, rows=slice(row, row + 1))
+        ids = torch.tensor([[3], [5]])
+        for _ in range(5):
+            batched = net(ids, kv_cache=caches[0], rows=slice(0, 2)).logits
+            alone = torch.cat([net(ids[r:r + 1], kv_cache=caches[1], rows=slice(r, r + 1)).logits for r in range(2)])
+            assert torch.equal(batched, alone)
+            ids = batched[:, -1:].argmax(-1)
