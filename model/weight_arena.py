@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from attnlens.model.memory_pages import HUGEPAGE, advise_within
+from attnlens.model.packed.modules import PackedEmbedding, PackedLinear
 
 MIN_BYTES = 64 << 10  # a norm's weight or a bias stays where it is
 HUGE_PAGE = 2 << 20
@@ -41,8 +42,6 @@ ALIGN = 64  # each tensor starts on a cache line
 def _members(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """(module, what, tensor) for each tensor to gather, in module order; a tensor two modules hold
     (a tied head) appears for each."""
-    from attnlens.model.packed.modules import PackedEmbedding, PackedLinear
-
     found = []
     for module in model.modules():
         if isinstance(module, (PackedLinear, PackedEmbedding)):
