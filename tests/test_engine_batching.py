@@ -8,6 +8,7 @@ import asyncio
 import math
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -487,12 +488,13 @@ def test_a_long_model_call_hands_over_heartbeats(ckpt, fn_calls):
 
 def test_generations_take_turns_with_a_long_model_call(ckpt, fn_calls):
     """A long model call (an /attention analysis) gives the generations decoding beside it a step
-    at each of its report points: their tokens keep coming, and they finish before it does."""
+    at each of its report points: their tokens keep coming, and they finish before it does. The
+    core steps the call between its own steps: no decode step runs from inside it."""
     from attnlens.app.engine import Engine, progress
     from attnlens.model.hooks import active as active_hooks
 
     engine = Engine(ckpt, max_concurrent=2, max_queue=2)
-    call_done, seen_hooks = [], []
+    call_done, seen_hooks, seen_stacks = [], [], []
 
     def long_call(model):
         for _ in range(60):
@@ -503,8 +505,9 @@ def test_generations_take_turns_with_a_long_model_call(ckpt, fn_calls):
 
     real_forward = engine.client.core.model.forward
 
-    def forward(*a, **kw):  # the turn's steps run without the call's hooks or reporter
+    def forward(*a, **kw):  # the turn's steps run without the call's hooks or reporter, on the core's stack
         seen_hooks.append(active_hooks())
+        seen_stacks.append({f.name for f in traceback.extract_stack()})
         return real_forward(*a, **kw)
 
     engine.client.core.model.forward = forward
@@ -527,6 +530,8 @@ def test_generations_take_turns_with_a_long_model_call(ckpt, fn_calls):
     assert finished < call_done[0]  # all 12 tokens came while the call still worked
     assert [t.id for t in tokens] == reference_ids(ckpt, "To be", 12, temperature=0.0)
     assert seen_hooks and all(h is None for h in seen_hooks)
+    # the core steps the call: no decode step runs inside the call (from one of its report points)
+    assert seen_stacks and not any({"long_call", "run_operation"} & names for names in seen_stacks)
 
 
 def test_a_model_call_stops_at_its_next_report_point_when_its_caller_goes(ckpt, fn_calls):

@@ -8,11 +8,13 @@ class runs, on whichever thread calls run().
 Each `step()` (vLLM v1's EngineCore.step: schedule, execute, update):
   1. schedule  take the generations handed over since the last step; drop cancelled and stopped
                ones (their cache rows are freed and the rows kept contiguous);
-  2. call      run at most one model call (an /attention analysis), bounded on its own line.
-               A long one reports after each block of its work (progress.py): there the
-               generations get a step of their own (3-5, `_generations_turn`), so their streams
-               keep their tokens coming beside it; a heartbeat (an empty hand-over) goes to the
-               sink for the watchdog; and a call whose caller went away stops;
+  2. call      a slice of the model call that runs (an /attention analysis), from where it
+               paused to its next report point (stepped_call.py): a long call pauses after
+               each block of its work, so the generations get this step's prefill piece and
+               decode step between its slices and their streams keep their tokens coming; a
+               heartbeat (an empty hand-over, at most one a second) goes to the sink for the
+               watchdog; a call whose caller went away stops at its next report point. The
+               calls run one at a time, oldest first;
   3. prefill   the next piece of a long prompt (one over `prefill_chunk` tokens, prefilled a
                piece a step into the row after the decoding ones, one such prompt at a time;
                `prefill_chunk_alone` tokens a piece while nothing else decodes or waits);
@@ -54,6 +56,7 @@ from attnlens.app.engine.records import (
     TokenRecord,
 )
 from attnlens.app.engine.request import Generation, GenerationParams
+from attnlens.app.engine.stepped_call import SteppedCall
 from attnlens.model import Checkpoint
 from attnlens.model.analysis.operations import run_operation
 from attnlens.model.cuda_graphs import GraphedDecoder
@@ -110,7 +113,9 @@ class EngineCore:
         self._wakeup = threading.Condition(self._lock)
         self._closed = False
         self._incoming: collections.deque[Generation] = collections.deque()  # handed over, not scheduled yet
-        self._calls: collections.deque[Any] = collections.deque()  # model calls, oldest first
+        self._calls: collections.deque[Any] = collections.deque()  # model calls waiting, oldest first
+        self._call: tuple[Any, SteppedCall] | None = None  # the model call that runs, paused between slices
+        self._last_beat = 0.0  # when the last heartbeat went (time.monotonic)
         self._held_generations = 0  # handed over and not finished: at most max_concurrent
         # On CUDA a decode step's records are held until the next step has been launched, and
         # handed over while the device computes it: the output stage turns them into events in
@@ -215,10 +220,13 @@ class EngineCore:
                     if self._closed:
                         break
                 self.step()
+        if self._call is not None:  # unwind the paused call on this thread (its caller is ended by the front)
+            self._call[1].abandon()
+            self._call = None
         self._deliver([])  # what is held goes before the end
 
     def _has_work(self) -> bool:
-        return bool(self._incoming or self._calls or self._prefill or self._decoding or self._chunking is not None)
+        return bool(self._incoming or self._calls or self._call is not None or self._prefill or self._decoding or self._chunking is not None)
 
     def _deliver(self, records: list[CoreRecord]) -> None:
         """Hand over the held records, then these ones (in that order)."""
@@ -232,18 +240,19 @@ class EngineCore:
         self._deliver([])
 
     def _heartbeat(self) -> None:
+        self._last_beat = time.monotonic()
         self.sink([])
 
-    def step(self, calls: bool = True) -> None:
-        """One step: schedule, then execute (a model call when `calls`, a prefill piece, a decode
+    def step(self) -> None:
+        """One step: schedule, then execute (a slice of the model call, a prefill piece, a decode
         step), then update (hand the step's records to the sink)."""
         records: list[CoreRecord] = []
         self._schedule(records)
         if records:
             self._deliver(records)
             records = []
-        if calls and self._calls:
-            self._run_call()
+        if self._call is not None or self._calls:
+            self._run_call_slice()
         if self._chunking is not None:
             self._run_chunk(records)
         if self._prefill and (batch := self._next_prefills()):
@@ -279,34 +288,39 @@ class EngineCore:
         if self._chunking is not None and self._chunking.cancelled:
             self._end_chunking("cancelled", records)
 
-    def _run_call(self) -> None:
-        with self._lock:
-            work = self._calls.popleft()
-        if work.cancelled:  # its caller left while it waited
-            self._deliver([CallResult(work, error=progress.CallCancelled("the caller went away"))])
-            return
+    def _run_call_slice(self) -> None:
+        """Start the oldest waiting call if none runs, then run the running one to its next report
+        point; its result goes to the sink once it ends."""
+        if self._call is None:
+            with self._lock:
+                work = self._calls.popleft()
+            if work.cancelled:  # its caller left while it waited
+                self._deliver([CallResult(work, error=progress.CallCancelled("the caller went away"))])
+                return
+            model, operation = self.model, work.operation
+            self._call = (work, SteppedCall(lambda: run_operation(model, operation, report=progress.report)))
+            self._last_beat = time.monotonic()
+        work, call = self._call
+        if work.cancelled:
+            call.stop()
         t0 = time.perf_counter()
-        try:
-            # at each of a long call's report points: a heartbeat for the watchdog, a stop once its
-            # caller has gone, and a step of the generations decoding beside it
-            with progress.reporting(self._heartbeat, cancelled=lambda: work.cancelled, turn=self._generations_turn):
-                result = run_operation(self.model, work.operation, report=progress.report)
-            outcome = CallResult(work, value=result)
-        except progress.CallCancelled as e:
+        if not call.advance():
+            if time.monotonic() - self._last_beat >= 1.0:
+                self._heartbeat()  # the watchdog's sign of progress while the call works
+            return
+        self._call = None
+        if isinstance(call.error, progress.CallCancelled):
             self.calls_cancelled += 1
-            log.info("a model call stopped after %.1f s: its caller went away", time.perf_counter() - t0)
-            outcome = CallResult(work, error=e)
-        except Exception:  # the call's failure is its own
+            log.info("a model call stopped after %d slices (the last %.2f s): its caller went away",
+                     call.slices, time.perf_counter() - t0)
+            outcome = CallResult(work, error=call.error)
+        elif call.error is not None:  # the call's failure is its own
             self.errors += 1
-            log.exception("model call failed")
+            log.error("model call failed", exc_info=call.error)
             outcome = CallResult(work, error=RuntimeError(MODEL_CALL_FAILED))
+        else:
+            outcome = CallResult(work, value=call.value)
         self._deliver([outcome])
-
-    def _generations_turn(self) -> None:
-        """Inside a long model call, at one of its report points: one step of the generations (a
-        prefill piece, a decode step), so their streams keep their tokens coming while it works."""
-        if self._decoding or self._prefill or self._chunking is not None or self._incoming:
-            self.step(calls=False)
 
     def _next_prefills(self) -> list[Generation]:
         """The prompts to prefill in this step: the oldest one, plus more while the padded batch

@@ -1,11 +1,8 @@
 """A long model call's report points (an /attention analysis of a long prompt): the function the
-engine runs calls `report()` after each block of its work, and the engine uses each one to
-
-- hand over an empty step (at most one a second), which an engine process's watchdog
-  (ATTNLENS_ENGINE_STALL_S) counts as progress;
-- stop the call once its caller has gone (`cancelled`): report() raises CallCancelled;
-- give the generations decoding beside it a turn (`turn`): a long analysis takes turns with the
-  decode steps instead of holding them up until it ends.
+engine runs calls `report()` after each block of its work. In the engine's core a report point
+ends one slice of the call (stepped_call.py): the core hands over a heartbeat for the watchdog
+(ATTNLENS_ENGINE_STALL_S), gives the generations decoding beside it their step, and resumes the
+call, or stops it there once its caller has gone (report() raises CallCancelled).
 
 Outside a model call, `report()` does nothing.
 """
@@ -14,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import time
 from typing import Callable, Iterator
 
 
@@ -27,31 +23,25 @@ _reporter: contextvars.ContextVar[Callable[[], None] | None] = contextvars.Conte
 
 
 def report() -> None:
-    """The running model call is still working (and may be stopped or paused here)."""
+    """The running model call is still working (and may be paused or stopped here)."""
     fn = _reporter.get()
     if fn is not None:
         fn()
 
 
 @contextlib.contextmanager
-def reporting(heartbeat: Callable[[], None] | None = None, every_s: float = 1.0, clock=time.monotonic, *,
-              cancelled: Callable[[], bool] | None = None, turn: Callable[[], None] | None = None) -> Iterator[None]:
-    """Within this block report() raises CallCancelled once `cancelled()` is true, calls
-    `heartbeat` at most once every `every_s` seconds, then `turn()` (other work's turn, run in a
-    context of its own: it sees neither this call's reporter nor its hooks)."""
-    last = [clock()]
+def reporting(*, cancelled: Callable[[], bool] | None = None,
+              at_report: Callable[[], None] | None = None) -> Iterator[None]:
+    """Within this block report() raises CallCancelled once `cancelled()` is true, else calls
+    `at_report()` (the stepped call's pause: the core's turn)."""
 
-    def at_report() -> None:
+    def on_report() -> None:
         if cancelled is not None and cancelled():
             raise CallCancelled("the caller went away")
-        now = clock()
-        if heartbeat is not None and now - last[0] >= every_s:
-            last[0] = now
-            heartbeat()
-        if turn is not None:
-            contextvars.Context().run(turn)
+        if at_report is not None:
+            at_report()
 
-    token = _reporter.set(at_report)
+    token = _reporter.set(on_report)
     try:
         yield
     finally:
