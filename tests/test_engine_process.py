@@ -206,7 +206,7 @@ def test_a_hand_over_the_server_cannot_take_ends_everything_with_an_error(ckpt, 
     def broken(item, generation):
         raise ValueError("a record the server cannot read")
 
-    monkeypatch.setattr(process, "decode_record", broken)
+    monkeypatch.setattr(process, "_record", broken)
     engine = engine_process(ckpt, tiny_checkpoint, max_concurrent=1, max_queue=1)
     ids = ckpt.tokenizer.encode("To be")
 

@@ -9,7 +9,7 @@
   thread and emitting typed records (records.py) to a sink;
 * one client interface with two transports: InprocClient (the core on a thread of this
   process) and ProcessClient (process.py: the same core in an engine process of its own,
-  worker.py, over pipes, wire.py).
+  worker.py, over pipes, in the typed messages of messages.py).
 
 Engine(...) and EngineProcess(...) (engines.py) build the two; supervisor.py restarts a lost
 engine process.

@@ -8,20 +8,20 @@ client hands the core's records back to the front (a `FrontSink`), on a thread o
 Two transports (vLLM v1's InprocClient / SyncMPClient):
   InprocClient   the core on a thread of this process (below);
   ProcessClient  the core in an engine process of its own, over two pipes (process.py, with
-                 worker.py and wire.py on the other side): the same EngineCore runs there.
+                 worker.py and messages.py on the other side): the same EngineCore runs there.
 """
 
 from __future__ import annotations
 
 import abc
 import threading
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from attnlens.app.engine.core import EngineCore
 from attnlens.app.engine.records import CoreRecord
-from attnlens.app.engine.request import Generation
+from attnlens.app.engine.request import CoreCall, Generation
 
 
 class FrontSink(Protocol):
@@ -61,11 +61,11 @@ class CoreClient(abc.ABC):
         """The output stage found a stop string: the core ends g ("stop") at its next step."""
 
     @abc.abstractmethod
-    def add_call(self, call: Any) -> None:
-        """A model call (its payload is opaque here); raises if it cannot be handed over."""
+    def add_call(self, call: CoreCall) -> None:
+        """A model call; raises if it cannot be handed over (its operation does not pickle)."""
 
     @abc.abstractmethod
-    def cancel_call(self, call: Any) -> None:
+    def cancel_call(self, call: CoreCall) -> None:
         """The call's caller went away: it stops at its next report point."""
 
     # --- counters and health -----------------------------------------------
@@ -143,10 +143,10 @@ class InprocClient(CoreClient):
     def stop(self, g: Generation) -> None:
         self.core.stop(g)
 
-    def add_call(self, call: Any) -> None:
+    def add_call(self, call: CoreCall) -> None:
         self.core.add_call(call)
 
-    def cancel_call(self, call: Any) -> None:
+    def cancel_call(self, call: CoreCall) -> None:
         self.core.cancel_call(call)
 
     @property

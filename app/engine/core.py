@@ -42,7 +42,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -55,7 +55,7 @@ from attnlens.app.engine.records import (
     PromptRecord,
     TokenRecord,
 )
-from attnlens.app.engine.request import Generation, GenerationParams
+from attnlens.app.engine.request import CoreCall, Generation, GenerationParams
 from attnlens.app.engine.stepped_call import SteppedCall
 from attnlens.model import Checkpoint
 from attnlens.model.analysis.operations import run_operation
@@ -113,8 +113,8 @@ class EngineCore:
         self._wakeup = threading.Condition(self._lock)
         self._closed = False
         self._incoming: collections.deque[Generation] = collections.deque()  # handed over, not scheduled yet
-        self._calls: collections.deque[Any] = collections.deque()  # model calls waiting, oldest first
-        self._call: tuple[Any, SteppedCall] | None = None  # the model call that runs, paused between slices
+        self._calls: collections.deque[CoreCall] = collections.deque()  # model calls waiting, oldest first
+        self._call: tuple[CoreCall, SteppedCall] | None = None  # the model call that runs, paused between slices
         self._last_beat = 0.0  # when the last heartbeat went (time.monotonic)
         self._held_generations = 0  # handed over and not finished: at most max_concurrent
         # On CUDA a decode step's records are held until the next step has been launched, and
@@ -192,14 +192,14 @@ class EngineCore:
         """The output stage found a stop string in g's text: it ends ("stop") at the next step."""
         g.stop_requested = True
 
-    def add_call(self, call: Any) -> None:
-        """A model call (an object with the payload the core runs, and `cancelled`): run once, in
-        turn with the other calls; its CallResult goes to the sink."""
+    def add_call(self, call: CoreCall) -> None:
+        """A model call: run once, in turn with the other calls, a slice a step; its CallResult goes
+        to the sink."""
         with self._lock:
             self._calls.append(call)
             self._wakeup.notify()
 
-    def cancel_call(self, call: Any) -> None:
+    def cancel_call(self, call: CoreCall) -> None:
         """The call's caller went away: skipped if it waits, stopped at its next report point if it runs."""
         call.cancelled = True
 

@@ -15,8 +15,8 @@ from typing import Callable
 from attnlens.app.engine.client import InprocClient
 from attnlens.app.engine.core import EngineCore
 from attnlens.app.engine.front import EngineFront
+from attnlens.app.engine.messages import EngineSpec
 from attnlens.app.engine.process import ProcessClient
-from attnlens.app.engine.worker import EngineSpec
 from attnlens.model import Checkpoint
 
 
@@ -47,7 +47,7 @@ def EngineProcess(checkpoint: Checkpoint, *, model_dir: Path | None = None, devi
     model_dir = model_dir or checkpoint.path
     if model_dir is None:
         raise ValueError("an engine process loads its model from a checkpoint directory; this one has none")
-    spec = EngineSpec(Path(model_dir), device, dtype, dict(
+    spec = EngineSpec(str(model_dir), device, dtype, dict(
         max_concurrent=max_concurrent, cuda_graphs=cuda_graphs, overlap_outputs=overlap_outputs,
         kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk, prefill_chunk_alone=prefill_chunk_alone), log_level,
         malloc_retain_bytes)

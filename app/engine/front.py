@@ -27,25 +27,25 @@ from attnlens.app.engine.admission import Admission, EngineClosed, EngineFailed,
 from attnlens.app.engine.client import CoreClient
 from attnlens.app.engine.outputs import RequestState, call_soon, hand_over
 from attnlens.app.engine.records import MODEL_CALL_FAILED, CallResult, CoreRecord, FinishRecord, Record
-from attnlens.app.engine.request import Generation, GenerationParams
+from attnlens.app.engine.request import CoreCall, Generation, GenerationParams
 from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.model import Checkpoint
+from attnlens.model.analysis.operations import ModelOperation
 
 __all__ = ["MODEL_CALL_FAILED", "EngineFront", "ModelCall"]
 
 log = logging.getLogger("attnlens.engine")
 
 
-class ModelCall:
+class ModelCall(CoreCall):
     """Run a model operation once on the model's side (e.g. one attention forward): `operation` is
-    one of model/analysis/operations.py's calls, plain data that travels by pickle to an engine
-    process."""
+    one of model/analysis/operations.py's calls, plain data that travels pickled to an engine
+    process. Besides what the core reads (CoreCall), its caller's event loop and future."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, operation: Any):
+    def __init__(self, loop: asyncio.AbstractEventLoop, operation: ModelOperation):
+        super().__init__(operation)
         self.loop = loop
-        self.operation = operation
         self.future: asyncio.Future = loop.create_future()
-        self.cancelled = False
         self.t_start = 0.0  # when the core was given it
 
     def settle(self, result: Any = None, error: BaseException | None = None) -> None:
@@ -179,7 +179,7 @@ class EngineFront:
             self.admission.admit_generations(generations, param=param)
             self._dispatch()
 
-    async def call(self, operation: Any) -> Any:
+    async def call(self, operation: ModelOperation) -> Any:
         """Run a model operation on the model's side between decode steps, on the model-call line."""
         work = ModelCall(asyncio.get_running_loop(), operation)
         self.admit_call(work)
@@ -252,15 +252,17 @@ class EngineFront:
         """One hand-over from the core: a finish frees its slot (and the next waiting generation
         is handed over) before its record goes to the output stage; a call's result answers it."""
         outputs: list[Record] = []
-        results: list[CallResult] = []
+        results: list[tuple[ModelCall, CallResult]] = []
         with self._lock:
             self.admission.drain.step_seconds = self.client.step_seconds
             freed = False
             for r in records:
                 if isinstance(r, CallResult):
-                    if r.call in self.admission.calls.running:  # else it was ended already
-                        self.admission.call_finished(r.call, time.perf_counter() - r.call.t_start)
-                        results.append(r)
+                    work = r.call
+                    assert isinstance(work, ModelCall)  # the calls this front hands over
+                    if work in self.admission.calls.running:  # else it was ended already
+                        self.admission.call_finished(work, time.perf_counter() - work.t_start)
+                        results.append((work, r))
                         freed = True
                     continue
                 if isinstance(r, FinishRecord) and r.generation in self.admission.generations.running:
@@ -271,8 +273,8 @@ class EngineFront:
                 self._dispatch()
         if outputs:
             self._deliver(outputs)
-        for r in results:
-            r.call.settle(result=r.value, error=r.error)
+        for work, r in results:
+            work.settle(result=r.value, error=r.error)
 
     def on_started(self) -> None:
         with self._lock:

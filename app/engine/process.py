@@ -8,7 +8,7 @@ process turns the previous step's tokens into events and writes them to sockets.
 This process keeps the front (admission, the generations' output stages, the model-call
 futures). A generation is sent to the engine process only when it has a slot there; the engine
 process's final record for it frees the slot here, and the next waiting one is sent. A reader
-thread turns each hand-over (wire.py) into records for the front.
+thread turns each hand-over (a Step of messages.py) into records for the front.
 
 Nothing here waits on the engine process from the event loop: commands are pickled where
 they are made and written to the pipe by a writer thread of their own, so an engine process
@@ -31,22 +31,47 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 import attnlens
-from attnlens.app.engine import worker
 from attnlens.app.engine.admission import EngineClosed
 from attnlens.app.engine.client import CoreClient, FrontSink
-from attnlens.app.engine.records import CallResult, CoreRecord, FinishRecord
-from attnlens.app.engine.request import Generation
-from attnlens.app.engine.wire import Counters, decode_record, dumps, receive, send
+from attnlens.app.engine.messages import (
+    AddCall,
+    AddGeneration,
+    CallDone,
+    CancelCall,
+    CancelGeneration,
+    Close,
+    Counters,
+    EngineInfo,
+    EngineSpec,
+    Failed,
+    FinishOut,
+    PromptOut,
+    Ready,
+    RecordOut,
+    Start,
+    Step,
+    StopGeneration,
+    ToEngine,
+    TokenOut,
+    decode_from_engine,
+    encode,
+    pickled,
+    send,
+    unpickled,
+)
+from attnlens.app.engine.records import CallResult, CoreRecord, FinishRecord, PromptRecord, Record, TokenRecord
+from attnlens.app.engine.request import CoreCall, Generation
+from attnlens.model.decoding import GeneratedToken
 
 log = logging.getLogger("attnlens.engine")
 
 
-def _spawn(spec: worker.EngineSpec) -> tuple[subprocess.Popen, Connection, Connection]:
+def _spawn(spec: EngineSpec) -> tuple[subprocess.Popen, Connection, Connection]:
     """Start `python -m attnlens.app.engine` with two inherited pipes and send it its spec: a fresh
     interpreter (never a fork of one that holds threads or CUDA) that imports this package and
     nothing of the server's __main__. Returns the process, our command end, our record end."""
@@ -59,21 +84,23 @@ def _spawn(spec: worker.EngineSpec) -> tuple[subprocess.Popen, Connection, Conne
     os.close(their_commands)
     os.close(their_records)
     commands_end = Connection(commands, readable=False)
-    send(commands_end, ("spec", spec))  # a few hundred bytes: the empty pipe takes them at once
+    send(commands_end, Start(spec))  # a few hundred bytes: the empty pipe takes them at once
     return process, commands_end, Connection(records, writable=False)
 
 
-def _wait_until_ready(process: subprocess.Popen, records: Connection, timeout: float) -> dict:
+def _wait_until_ready(process: subprocess.Popen, records: Connection, timeout: float) -> EngineInfo:
     if not records.poll(timeout):
         raise RuntimeError(f"the engine process did not load the model in {timeout:.0f} s")
     try:
-        message = receive(records)
+        message = decode_from_engine(records.recv_bytes())
     except EOFError:
         raise RuntimeError(f"the engine process exited while loading the model (exit code "
                            f"{process.wait(5)}); see the log above") from None
-    if message[0] == "failed":
-        raise RuntimeError(message[1])
-    return message[1]
+    if isinstance(message, Failed):
+        raise RuntimeError(message.message)
+    if not isinstance(message, Ready):
+        raise RuntimeError(f"the engine process said {type(message).__name__} before it was ready")
+    return message.info
 
 
 class _Writer:
@@ -108,7 +135,7 @@ class ProcessClient(CoreClient):
 
     restartable = True
 
-    def __init__(self, spec: worker.EngineSpec, *, start_timeout_s: float = 600.0,
+    def __init__(self, spec: EngineSpec, *, start_timeout_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic):
         self.spec = spec
         self.start_timeout_s = start_timeout_s
@@ -125,21 +152,21 @@ class ProcessClient(CoreClient):
         self._writer: _Writer | None = None
         self._reader: threading.Thread | None = None
         self._generations: dict[int, Generation] = {}  # by number: sent to the engine process, not finished
-        self._calls: dict[int, Any] = {}  # model calls sent to it, by number, not answered
+        self._calls: dict[int, CoreCall] = {}  # model calls sent to it, by number, not answered
         self._call_numbers = itertools.count(1)
-        self.counters = Counters(0.0, 0, 0)
-        self._earlier = Counters(0.0, 0, 0)  # the counts of engine processes that died before this one
+        self.counters = Counters()
+        self._earlier = Counters()  # the counts of engine processes that died before this one
         self.last_progress = clock()  # the last message from the engine process, or when it was given work
-        self._info: dict = {}
+        self._info = EngineInfo("cpu", "float32", 0, False)
 
     # --- the engine process's life -------------------------------------------------
     def start(self, sink: FrontSink) -> None:
         self.sink = sink
         self._info = self._start()
-        self.device = torch.device(self._info["device"])
-        self.dtype = getattr(torch, self._info["dtype"])
+        self.device = torch.device(self._info.device)
+        self.dtype = getattr(torch, self._info.dtype)
 
-    def _start(self) -> dict:
+    def _start(self) -> EngineInfo:
         """Spawn an engine process, wait until it has loaded the model, then run its reader and
         writer and tell the front (which sends it the work waiting in line). Blocks."""
         t0 = time.perf_counter()
@@ -198,7 +225,7 @@ class ProcessClient(CoreClient):
             running = self._running
             if running:
                 assert self._writer is not None  # set whenever an engine process runs
-                self._writer.put(dumps(("close",)))
+                self._writer.put(encode(Close()))
                 self._writer.stop()
         if running:
             assert self._reader is not None and self.process is not None  # set whenever one runs
@@ -221,7 +248,7 @@ class ProcessClient(CoreClient):
     @property
     def cache_bytes(self) -> int:
         """The KV cache in the engine process."""
-        return self._info["cache_bytes"]
+        return self._info.cache_bytes
 
     @property
     def cache_held(self) -> int:
@@ -234,7 +261,7 @@ class ProcessClient(CoreClient):
 
     @property
     def cuda_graphs(self) -> bool:
-        return self._info["cuda_graphs"]
+        return self._info.cuda_graphs
 
     @property
     def alive(self) -> bool:
@@ -250,51 +277,52 @@ class ProcessClient(CoreClient):
         return max(0.0, now - self.last_progress)
 
     # --- to the engine process ---------------------------------------------
-    def _send(self, message: tuple) -> None:
-        """Pickle here (a message that cannot pickle raises here), write on the writer thread."""
+    def _send(self, message: ToEngine) -> None:
+        """Encode here (a message that cannot be encoded raises here), write on the writer thread."""
+        data = encode(message)
         if not (self._generations or self._calls):
             self.last_progress = self.clock()  # idle until now: the watchdog counts from here
         assert self._writer is not None, "work is sent only once an engine process was started"
-        self._writer.put(dumps(message))
+        self._writer.put(data)
 
     def add_generation(self, g: Generation) -> None:
-        self._send(("add", g.number, g.params))
+        self._send(AddGeneration(g.number, g.params))
         self._generations[g.number] = g
 
     def cancel(self, g: Generation) -> None:
         if g.number in self._generations:
-            self._send(("cancel", g.number))
+            self._send(CancelGeneration(g.number))
 
     def stop(self, g: Generation) -> None:
         if g.number in self._generations:
-            self._send(("stop", g.number))
+            self._send(StopGeneration(g.number))
 
-    def add_call(self, call: Any) -> None:
-        """Its payload travels by pickle (raises here when it cannot)."""
+    def add_call(self, call: CoreCall) -> None:
+        """Its operation travels pickled (raises here when it cannot)."""
         number = next(self._call_numbers)
-        self._send(("call", number, call.operation))
+        self._send(AddCall(number, pickled(call.operation)))
         self._calls[number] = call
         call.number = number
 
-    def cancel_call(self, call: Any) -> None:
+    def cancel_call(self, call: CoreCall) -> None:
         """The engine process holds its own copy of the call: tell it to stop at its next report point."""
-        number = getattr(call, "number", None)
-        if number is not None and self._calls.get(number) is call:
-            self._send(("cancel_call", number))
+        if call.number is not None and self._calls.get(call.number) is call:
+            self._send(CancelCall(call.number))
 
     # --- from the engine process (the reader thread) -------------------------
     def _read(self, epoch: int, process: subprocess.Popen, records: Connection) -> None:
         try:
             while True:
                 try:
-                    message = receive(records)
+                    data = records.recv_bytes()
                 except (EOFError, OSError):
                     break
+                message = decode_from_engine(data)
                 self.last_progress = self.clock()
-                if message[0] == "step":
-                    self._on_step(message[1], message[2])
-                elif message[0] == "result":
-                    self._on_result(*message[1:])
+                if isinstance(message, Step):
+                    self._on_step(message.counters, message.records)
+                elif isinstance(message, CallDone):
+                    self._on_result(message)
         except Exception:  # a bug here must not leave requests waiting for records nobody reads
             log.exception("cannot take the engine process's hand-over; stopping the engine process")
             process.kill()
@@ -302,24 +330,25 @@ class ProcessClient(CoreClient):
             records.close()
             self._engine_gone(epoch, process)
 
-    def _on_step(self, counters: Counters, items: list[tuple]) -> None:
+    def _on_step(self, counters: Counters, items: list[RecordOut]) -> None:
         self.counters = counters
         records: list[CoreRecord] = []
         for item in items:
-            g = self._generations.get(item[1])
+            g = self._generations.get(item.number)
             if g is None:
                 continue
-            record = decode_record(item, g)
+            record = _record(item, g)
             if isinstance(record, FinishRecord):
                 self._generations.pop(g.number, None)
             records.append(record)
         self._sink().on_records(records)
 
-    def _on_result(self, number: int, ok: bool, value) -> None:
-        work = self._calls.pop(number, None)
+    def _on_result(self, done: CallDone) -> None:
+        work = self._calls.pop(done.number, None)
         if work is None:
             return
-        if ok:
+        value = unpickled(done.payload)
+        if done.ok:
             self._sink().on_records([CallResult(work, value=value)])
         else:
             self._sink().on_records([CallResult(work, error=value if isinstance(value, BaseException)
@@ -341,6 +370,24 @@ class ProcessClient(CoreClient):
             self._calls.clear()
             self._earlier = Counters(0.0, self._earlier.errors + self.counters.errors,
                                      self._earlier.cancelled + self.counters.cancelled)
-            self.counters = Counters(self.counters.step_seconds, 0, 0)
+            self.counters = Counters(self.counters.step_seconds)
             self.exit_code = code
         self._sink().on_lost(f"the engine process stopped ({self.kill_reason or f'exit code {code}'})")
+
+
+def _record(item: RecordOut, generation: Generation) -> Record:
+    """A record as it came up the pipe -> the record for its generation (whose counters it updates)."""
+    if isinstance(item, TokenOut):
+        generation.produced += 1
+        return TokenRecord(generation, GeneratedToken(item.id, item.logprob, item.top_ids, item.top_logprobs,
+                                                      _tensors(item.attention), _tensors(item.cross_attention)))
+    if isinstance(item, PromptOut):
+        return PromptRecord(generation, item.logprobs, item.top_ids, item.top_logprobs)
+    assert isinstance(item, FinishOut)
+    generation.produced, generation.t_start = item.produced, item.t_start
+    generation.t_first, generation.t_end = item.t_first, item.t_end
+    return FinishRecord(generation, item.reason, item.message)
+
+
+def _tensors(rows: list | None) -> list[torch.Tensor] | None:
+    return None if rows is None else [torch.from_numpy(r) for r in rows]

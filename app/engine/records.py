@@ -2,7 +2,7 @@
 
 The core emits them to the output sink it was given (core.py); the front turns a generation's
 records into its events (outputs.py) and a model call's result into its caller's answer; an
-engine process sends them down its pipe first (wire.py)."""
+engine process sends them down its pipe first (messages.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Union
 from attnlens.model.decoding import GeneratedToken
 
 if TYPE_CHECKING:
-    from attnlens.app.engine.request import Generation
+    from attnlens.app.engine.request import CoreCall, Generation
 
 # What a model call's caller is told when it fails (the details stay in the server's log)
 MODEL_CALL_FAILED = "internal error in a model call; see the server log"
@@ -45,10 +45,10 @@ class FinishRecord:
 
 @dataclass
 class CallResult:
-    """A model call's end: its value, or the error its caller gets. `call` is the object the core
-    was given (it reads only its payload and `cancelled`)."""
+    """A model call's end: its value (plain data), or the error its caller gets. `call` is the
+    object the core was given."""
 
-    call: Any
+    call: "CoreCall"
     value: Any = None
     error: BaseException | None = None
 

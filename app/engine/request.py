@@ -14,6 +14,7 @@ from attnlens.model import SamplingParams
 from attnlens.model.hooks import ZEdit
 
 if TYPE_CHECKING:
+    from attnlens.model.analysis.operations import ModelOperation
     from attnlens.model.decoding import RowSampler
 
 _numbers = itertools.count(1)
@@ -90,3 +91,14 @@ class Generation:
         self.stop_requested = True
         if self.owner is not None:
             self.owner.stop_generation(self)
+
+
+class CoreCall:
+    """A model call as the core sees it: the operation to run (plain data:
+    model/analysis/operations.py), the number its front gave it (an engine process's calls are
+    keyed by it), and whether its caller went away."""
+
+    def __init__(self, operation: "ModelOperation", number: int | None = None):
+        self.operation = operation
+        self.number = number
+        self.cancelled = False

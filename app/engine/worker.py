@@ -1,7 +1,7 @@
 """The engine process's main: load the model, run the engine core, talk over two pipes.
 
 The very EngineCore that runs on a thread of the server (client.py's InprocClient) runs here,
-with a sink that sends its records down the pipe (wire.py) instead of to the front; the server's
+with a sink that sends its records down the pipe (messages.py: typed messages) instead of to the front; the server's
 ProcessClient (process.py) turns them back into records for its front. This process's main
 thread runs the model (EngineCore.run: on the CPU, OpenMP's workers serve the main thread's
 parallel regions without a wake-up each, twice as fast a decode step as from a second thread);
@@ -18,44 +18,71 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+
+import msgspec
 
 from attnlens.app.engine.allocator import retain_freed_memory
 from attnlens.app.engine.core import EngineCore
-from attnlens.app.engine.records import MODEL_CALL_FAILED, CallResult, CoreRecord, FinishRecord
-from attnlens.app.engine.request import Generation
-from attnlens.app.engine.wire import Counters, dumps, encode_records, receive, send
+from attnlens.app.engine.messages import (
+    AddCall,
+    AddGeneration,
+    CallDone,
+    CancelCall,
+    CancelGeneration,
+    Close,
+    Counters,
+    EngineInfo,
+    EngineSpec,
+    Failed,
+    FinishOut,
+    FromEngine,
+    PromptOut,
+    Ready,
+    RecordOut,
+    Start,
+    Step,
+    StopGeneration,
+    TokenOut,
+    decode_to_engine,
+    encode,
+    pickled,
+    send,
+    unpickled,
+)
+from attnlens.app.engine.records import (
+    MODEL_CALL_FAILED,
+    CallResult,
+    CoreRecord,
+    FinishRecord,
+    PromptRecord,
+    TokenRecord,
+)
+from attnlens.app.engine.request import CoreCall, Generation
+
+__all__ = ["EngineSpec", "main"]
 
 log = logging.getLogger("attnlens.engine")
 
 
-@dataclass
-class EngineSpec:
-    """What the engine process loads and how it runs (picklable)."""
-
-    model_dir: Path
-    device: str = "auto"
-    dtype: str = "auto"
-    engine: dict = field(default_factory=dict)  # EngineCore's keyword arguments
-    log_level: str = "info"
-    malloc_retain_bytes: int = 0  # app/engine/allocator.py
-
-
-class CoreCall:
-    """A model call from the server, as the core runs it: its operation (plain data, run by
-    name: model/analysis/operations.py), and whether its caller went away."""
-
-    def __init__(self, number: int, operation: Any):
-        self.number, self.operation = number, operation
-        self.cancelled = False
+def _record_out(r: CoreRecord) -> RecordOut:
+    """A generation's record as it travels (keyed by the generation's number in the server)."""
+    g = r.generation  # type: ignore[union-attr]  # a CallResult goes as a message of its own
+    if isinstance(r, TokenRecord):
+        t = r.token
+        return TokenOut(g.number, t.id, t.logprob, t.top_ids, t.top_logprobs,
+                        None if t.attention is None else [a.numpy() for a in t.attention],
+                        None if t.cross_attention is None else [a.numpy() for a in t.cross_attention])
+    if isinstance(r, PromptRecord):
+        return PromptOut(g.number, r.logprobs, r.top_ids, r.top_logprobs)
+    assert isinstance(r, FinishRecord)
+    return FinishOut(g.number, r.reason, r.message, g.produced, g.t_start, g.t_first, g.t_end)
 
 
 class PipeSink:
-    """The core's output sink in an engine process: each hand-over goes down the pipe, with the
-    core's counters; a model call's result goes as a message of its own."""
+    """The core's output sink in an engine process: each hand-over goes down the pipe as a Step,
+    with the core's counters; a model call's result goes as a CallDone of its own."""
 
     def __init__(self, core: EngineCore, records: Connection):
         self.core = core
@@ -72,24 +99,24 @@ class PipeSink:
         if steps or not records:  # an empty hand-over is a heartbeat
             core = self.core
             counters = Counters(core.step_seconds, core.errors, core.cancelled, core.cache_held)
-            self.send(("step", counters, encode_records(steps)))
+            self.send(Step(counters, [_record_out(r) for r in steps]))
         for record in records:
             if isinstance(record, CallResult):
                 self._result(record)
 
     def _result(self, r: CallResult) -> None:
-        self.calls.pop(r.call.number, None)
+        number = r.call.number
+        assert number is not None  # the engine process's calls are numbered by the server
+        self.calls.pop(number, None)
         try:
-            data = dumps(("result", r.call.number, r.error is None, r.value if r.error is None else r.error))
+            done = CallDone(number, r.error is None, pickled(r.value if r.error is None else r.error))
         except Exception as e:
             log.error("a model call's answer does not pickle: %s", e)
-            data = dumps(("result", r.call.number, False, RuntimeError(MODEL_CALL_FAILED)))
-        self.send_bytes(data)
+            done = CallDone(number, False, pickled(RuntimeError(MODEL_CALL_FAILED)))
+        self.send(done)
 
-    def send(self, message: tuple) -> None:
-        self.send_bytes(dumps(message))
-
-    def send_bytes(self, data: bytes) -> None:
+    def send(self, message: FromEngine) -> None:
+        data = encode(message)
         with self._send_lock:
             try:
                 self._records.send_bytes(data)
@@ -98,7 +125,7 @@ class PipeSink:
 
 
 def main(spec: EngineSpec, commands: Connection, records: Connection) -> None:
-    """The engine process: runs until ("close",) or until the server goes."""
+    """The engine process: runs until Close or until the server goes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it closes us
     logging.basicConfig(level=spec.log_level.upper() if spec.log_level != "trace" else "DEBUG", stream=sys.stderr,
                         format="%(levelname)s:     [engine %(process)d] %(name)s: %(message)s")
@@ -106,15 +133,16 @@ def main(spec: EngineSpec, commands: Connection, records: Connection) -> None:
 
     retain_freed_memory(spec.malloc_retain_bytes)
     try:
-        checkpoint = load_for_serving(spec.model_dir, spec.device, spec.dtype)
+        checkpoint = load_for_serving(Path(spec.model_dir), spec.device, spec.dtype)
         core = EngineCore(checkpoint, **spec.engine)
     except Exception as e:
-        send(records, ("failed", f"{type(e).__name__}: {e}"))
+        send(records, Failed(f"{type(e).__name__}: {e}"))
         return
-    sink = core.sink = PipeSink(core, records)
+    sink = PipeSink(core, records)
+    core.sink = sink
     gc.freeze()  # the model and core live as long as the process: out of the collector's full walks
-    sink.send(("ready", {"device": str(core.device), "dtype": str(core.dtype).removeprefix("torch."),
-                         "cache_bytes": core.cache_bytes, "cuda_graphs": core.graphs is not None}))
+    sink.send(Ready(EngineInfo(str(core.device), str(core.dtype).removeprefix("torch."), core.cache_bytes,
+                               core.graphs is not None)))
     reader = threading.Thread(target=_read_commands, args=(core, sink, commands), name="attnlens-commands",
                               daemon=True)
     reader.start()
@@ -134,31 +162,36 @@ def _read_commands(core: EngineCore, sink: PipeSink, commands: Connection) -> No
 def _serve(core: EngineCore, sink: PipeSink, commands: Connection) -> None:
     while True:
         try:
-            message = receive(commands)
+            data = commands.recv_bytes()
         except (EOFError, OSError):  # the server went away without saying so
             return
-        kind = message[0]
-        if kind == "add":
-            _, number, params = message
-            g = Generation(params)
-            g.number = number
-            g.t_submit = time.perf_counter()
-            sink.generations[number] = g
-            try:
-                core.add_generation(g)
-            except Exception as e:  # the server hands over only into free slots: this is a bug, but g's own
-                sink([FinishRecord(g, "error", f"the engine process refused it: {e}")])
-        elif kind in ("cancel", "stop"):
-            running = sink.generations.get(message[1])
-            if running is not None:
-                core.cancel(running) if kind == "cancel" else core.stop(running)
-        elif kind == "cancel_call":  # its caller went away: it stops at its next report point
-            call = sink.calls.get(message[1])
-            if call is not None:
-                core.cancel_call(call)
-        elif kind == "call":
-            _, number, operation = message
-            call = sink.calls[number] = CoreCall(number, operation)
-            core.add_call(call)
-        elif kind == "close":
-            return
+        try:
+            message = decode_to_engine(data)
+        except msgspec.DecodeError as e:  # not one of ToEngine's messages: a bug on the server's side
+            log.error("ignored a message from the server that is not a command: %s", e)
+            continue
+        match message:
+            case AddGeneration(number=number, params=params):
+                g = Generation(params)
+                g.number = number
+                g.t_submit = time.perf_counter()
+                sink.generations[number] = g
+                try:
+                    core.add_generation(g)
+                except Exception as e:  # the server hands over only into free slots: this is a bug, but g's own
+                    sink([FinishRecord(g, "error", f"the engine process refused it: {e}")])
+            case CancelGeneration(number=number) | StopGeneration(number=number):
+                running = sink.generations.get(number)
+                if running is not None:
+                    core.cancel(running) if isinstance(message, CancelGeneration) else core.stop(running)
+            case CancelCall(number=number):  # its caller went away: it stops at its next report point
+                call = sink.calls.get(number)
+                if call is not None:
+                    core.cancel_call(call)
+            case AddCall(number=number, payload=payload):
+                call = sink.calls[number] = CoreCall(unpickled(payload), number)
+                core.add_call(call)
+            case Close():
+                return
+            case Start():
+                log.warning("an engine process is started once; a second spec is ignored")
