@@ -50,3 +50,33 @@ def test_one_scheduler_the_core_subclassed_nowhere():
         assert not cls.__subclasses__(), cls.__subclasses__()
     worker = (ENGINE / "worker.py").read_text()
     assert "EngineCore(" in worker  # the engine process runs the same core
+
+
+def _engine_uses(path: Path) -> tuple[set[str], set[str]]:
+    """The attributes of `engine` / `self.engine` that a module assigns, and those it reads."""
+    import ast
+
+    written, read = set(), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            is_engine = (isinstance(base, ast.Name) and base.id == "engine") or (
+                isinstance(base, ast.Attribute) and base.attr == "engine")
+            if is_engine:
+                (written if isinstance(node.ctx, ast.Store) else read).add(node.attr)
+    return written, read
+
+
+def test_the_supervisor_acts_only_through_the_fronts_methods():
+    """It sets no field of the front and reaches into none of its parts (admission, client)."""
+    written, read = _engine_uses(ENGINE / "supervisor.py")
+    assert written == set()
+    assert not read & {"admission", "client", "_state", "_supervised"}
+
+
+def test_the_front_is_the_one_place_an_engines_state_is_derived():
+    from attnlens.app.engine import EngineFront
+
+    assert isinstance(EngineFront.__dict__["state"], property)  # derived, never assigned from outside
+    source = (ENGINE / "supervisor.py").read_text()
+    assert '"running" if' not in source and "return self.engine.state" in source

@@ -36,11 +36,18 @@ class FrontSink(Protocol):
     def on_lost(self, detail: str) -> None:
         """The core went away (its process died) with everything it held; `detail` says why."""
 
+    def generation(self, number: int) -> Generation | None:
+        """The admitted generation with this number (None once it has ended): the front's registry."""
+
+    def running_call(self, number: int) -> CoreCall | None:
+        """The model call with this number while the core holds it (None once it has ended)."""
+
 
 class CoreClient(abc.ABC):
     """The front's handle on a core (see the module docstring)."""
 
     restartable: bool = False  # the core can die and be started again (kill, restart)
+    pid: int | None = None  # the core's process, where it has one of its own
     start_seconds: float = 0.0  # how long the core took to start, the last time
 
     @abc.abstractmethod
@@ -76,8 +83,8 @@ class CoreClient(abc.ABC):
     @abc.abstractmethod
     def alive(self) -> bool: ...
 
-    def stalled_for(self, now: float) -> float:
-        """Seconds the core has held work without a sign of progress (0: idle or progressing)."""
+    def silent_for(self, now: float) -> float:
+        """Seconds since the core last handed anything over (0 where nothing watches it: in-process)."""
         return 0.0
 
     @property

@@ -79,13 +79,15 @@ class EngineFront:
         self.waiting_cancelled = 0  # generations that left the line before they ran
         # what every stream's unread events may hold between them, shared by all engines (main.py)
         self.stream_budget: StreamBudget | None = None
-        # each admitted generation's server-side state, by number, until its last record
+        # the one registry of generations: each admitted one's server-side state, by number, until
+        # its last record (the client finds a record's generation here)
         self._states: dict[int, RequestState] = {}
-        # starting | running | restarting | failed | stopped (an EngineSupervisor reports it)
-        self.state = "starting"
+        self._state = "starting"  # see `state`
         self.detail: str | None = None  # why it is not running, when it is not
-        self.supervised = False  # set by an EngineSupervisor: a lost core keeps the line for restart()
+        self._supervised = False  # an EngineSupervisor watches: a lost core keeps the line for restart()
         self._closing = False
+        self._busy_since = clock()  # when the core was last given work while it held none (the watchdog)
+        self.clock = clock
         client.start(self)
 
     # --- introspection (metrics, supervision) -------------------------------
@@ -143,9 +145,41 @@ class EngineFront:
     def start_seconds(self) -> float:
         return self.client.start_seconds
 
+    @property
+    def core_pid(self) -> int | None:
+        """The engine process's pid (None in-process)."""
+        return self.client.pid
+
+    @property
+    def state(self) -> str:
+        """starting | running | restarting | failed | stopped: the one place it is derived (the
+        supervisor, /models and /readyz read it here). A core that cannot be restarted has failed
+        once its thread is gone."""
+        if self._state == "running" and not self.client.restartable and not self.client.alive:
+            return "failed"
+        return self._state
+
+    def supervise(self) -> None:
+        """An EngineSupervisor watches this engine: a lost core keeps the line for restart()."""
+        self._supervised = True
+
     def stalled_for(self, now: float) -> float:
         """Seconds the core has held work without a sign of progress (0: idle or progressing)."""
-        return self.client.stalled_for(now) if self.state == "running" else 0.0
+        if self.state != "running" or not self._holds_work():
+            return 0.0
+        return max(0.0, min(self.client.silent_for(now), now - self._busy_since))
+
+    def _holds_work(self) -> bool:
+        return bool(self.admission.generations.running or self.admission.calls.running)
+
+    # --- the registry, for the client (its reader thread) ------------------------------
+    def generation(self, number: int) -> Generation | None:
+        state = self._states.get(number)
+        return state.generation if state is not None else None
+
+    def running_call(self, number: int) -> ModelCall | None:
+        with self._lock:
+            return next((c for c in self.admission.calls.running if c.number == number), None)
 
     # --- event loop side ---------------------------------------------------
     def submit(self, params: GenerationParams) -> RequestState:
@@ -227,6 +261,7 @@ class EngineFront:
         (only to a running core: while one restarts, the work waits in line)."""
         if self.state != "running" or self._closing:
             return
+        idle = not self._holds_work()
         for g in self.admission.generations.take():
             self.client.add_generation(g)
         calls = self.admission.calls
@@ -242,6 +277,8 @@ class EngineFront:
                 self.admission.call_finished(work, 0.0)
                 log.error("a model call cannot be sent to the engine's core: %s", e)
                 work.settle(error=RuntimeError(MODEL_CALL_FAILED))
+        if idle and self._holds_work():
+            self._busy_since = self.clock()  # the watchdog counts from here, not from the core's last word
 
     def _deliver(self, records: list[Record]) -> None:
         """From any thread: records to their requests' output stages (a finished one's state leaves here)."""
@@ -278,7 +315,7 @@ class EngineFront:
 
     def on_started(self) -> None:
         with self._lock:
-            self.state, self.detail = "running", None
+            self._state, self.detail = "running", None
             if self.admission.closed_as is EngineRestarting:  # refused while it was down: takes work again
                 self.admission.reopen()
             self._dispatch()  # what waited for the (re)start
@@ -287,9 +324,9 @@ class EngineFront:
         """The core went away: what it held ends with an error; unsupervised (or closing), so does
         everything waiting, and admission closes. Supervised, the line waits for restart()."""
         with self._lock:
-            closing, supervised = self._closing, self.supervised
+            closing, supervised = self._closing, self._supervised
             if not closing:
-                self.state = "restarting" if supervised else "failed"
+                self._state = "restarting" if supervised else "failed"
                 self.detail = detail
             running = ([], []) if closing or not supervised else self.admission.take_running()
         if closing:
@@ -311,7 +348,11 @@ class EngineFront:
         runs). Blocks: call it off the event loop."""
         if self.state == "running" or self._closing:
             return
-        self.client.restart()
+        try:
+            self.client.restart()
+        except Exception as e:
+            self.detail = f"the engine process could not be started again ({type(e).__name__}: {e})"
+            raise
 
     def kill(self, reason: str) -> None:
         """Kill the core (the watchdog): on_lost follows."""
@@ -327,9 +368,15 @@ class EngineFront:
             generations, calls = self.admission.take_waiting()
         self._end_with(generations, calls, EngineRestarting(message, retry_after))
 
+    def update_retry_after(self, seconds: int) -> None:
+        """While refusing during a restart: the Retry-After new refusals carry."""
+        with self._lock:
+            if self.admission.closed_as is EngineRestarting:
+                self.admission.closed_retry_after = seconds
+
     def give_up(self, message: str, kind: type[EngineClosed]) -> None:
         """No more restarts: everything waiting ends, and admission answers `kind(message)`."""
-        self.state, self.detail = "failed", message
+        self._state, self.detail = "failed", message
         self._end_everything(message, kind)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -340,7 +387,7 @@ class EngineFront:
             self.admission.closed = True
         self.client.close(timeout)
         self._end_everything("the server is shutting down")
-        self.state = "stopped"
+        self._state = "stopped"
 
     def _end_everything(self, message: str, kind: type[EngineClosed] = EngineClosed,
                         retry_after: int | None = None) -> None:

@@ -20,7 +20,6 @@ with an error; restart() starts a new engine process from the same spec (supervi
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
@@ -151,9 +150,6 @@ class ProcessClient(CoreClient):
         self._epoch = 0  # which engine process the reader and writer belong to
         self._writer: _Writer | None = None
         self._reader: threading.Thread | None = None
-        self._generations: dict[int, Generation] = {}  # by number: sent to the engine process, not finished
-        self._calls: dict[int, CoreCall] = {}  # model calls sent to it, by number, not answered
-        self._call_numbers = itertools.count(1)
         self.counters = Counters()
         self._earlier = Counters()  # the counts of engine processes that died before this one
         self.last_progress = clock()  # the last message from the engine process, or when it was given work
@@ -191,8 +187,6 @@ class ProcessClient(CoreClient):
             self._writer = _Writer(commands, f"attnlens-engine-writer-{process.pid}")
             self._reader = threading.Thread(target=self._read, args=(self._epoch, process, records),
                                             name=f"attnlens-engine-reader-{process.pid}", daemon=True)
-            self._generations.clear()
-            self._calls.clear()
             self._running, self.kill_reason = True, None
             self.last_progress = self.clock()
             self._reader.start()
@@ -264,50 +258,44 @@ class ProcessClient(CoreClient):
         return self._info.cuda_graphs
 
     @property
+    def pid(self) -> int | None:  # type: ignore[override]  # the base's attribute, here the process's
+        return self.process.pid if self.process is not None else None
+
+    @property
     def alive(self) -> bool:
         if not self._running:
             return False
         assert self._reader is not None and self.process is not None  # set whenever one runs
         return self._reader.is_alive() and self.process.poll() is None
 
-    def stalled_for(self, now: float) -> float:
-        """Seconds since the engine process last showed progress while it holds work (0 when idle)."""
-        if not self._running or not (self._generations or self._calls):
-            return 0.0
-        return max(0.0, now - self.last_progress)
+    def silent_for(self, now: float) -> float:
+        """Seconds since the engine process last handed anything over (its heartbeats included)."""
+        return max(0.0, now - self.last_progress) if self._running else 0.0
 
     # --- to the engine process ---------------------------------------------
     def _send(self, message: ToEngine) -> None:
         """Encode here (a message that cannot be encoded raises here), write on the writer thread."""
         data = encode(message)
-        if not (self._generations or self._calls):
-            self.last_progress = self.clock()  # idle until now: the watchdog counts from here
         assert self._writer is not None, "work is sent only once an engine process was started"
         self._writer.put(data)
 
+    # (the front sends only what it holds running: the generations and calls are its to track)
     def add_generation(self, g: Generation) -> None:
         self._send(AddGeneration(g.number, g.params))
-        self._generations[g.number] = g
 
     def cancel(self, g: Generation) -> None:
-        if g.number in self._generations:
-            self._send(CancelGeneration(g.number))
+        self._send(CancelGeneration(g.number))
 
     def stop(self, g: Generation) -> None:
-        if g.number in self._generations:
-            self._send(StopGeneration(g.number))
+        self._send(StopGeneration(g.number))
 
     def add_call(self, call: CoreCall) -> None:
         """Its operation travels pickled (raises here when it cannot)."""
-        number = next(self._call_numbers)
-        self._send(AddCall(number, pickled(call.operation)))
-        self._calls[number] = call
-        call.number = number
+        self._send(AddCall(call.number, pickled(call.operation)))
 
     def cancel_call(self, call: CoreCall) -> None:
         """The engine process holds its own copy of the call: tell it to stop at its next report point."""
-        if call.number is not None and self._calls.get(call.number) is call:
-            self._send(CancelCall(call.number))
+        self._send(CancelCall(call.number))
 
     # --- from the engine process (the reader thread) -------------------------
     def _read(self, epoch: int, process: subprocess.Popen, records: Connection) -> None:
@@ -332,20 +320,17 @@ class ProcessClient(CoreClient):
 
     def _on_step(self, counters: Counters, items: list[RecordOut]) -> None:
         self.counters = counters
+        sink = self._sink()
         records: list[CoreRecord] = []
         for item in items:
-            g = self._generations.get(item.number)
-            if g is None:
-                continue
-            record = _record(item, g)
-            if isinstance(record, FinishRecord):
-                self._generations.pop(g.number, None)
-            records.append(record)
-        self._sink().on_records(records)
+            g = sink.generation(item.number)  # the front's registry
+            if g is not None:  # else it has ended already
+                records.append(_record(item, g))
+        sink.on_records(records)
 
     def _on_result(self, done: CallDone) -> None:
-        work = self._calls.pop(done.number, None)
-        if work is None:
+        work = self._sink().running_call(done.number)
+        if work is None:  # ended already
             return
         value = unpickled(done.payload)
         if done.ok:
@@ -366,8 +351,6 @@ class ProcessClient(CoreClient):
             self._running = False
             assert self._writer is not None  # the epoch's engine process had its writer
             self._writer.stop()
-            self._generations.clear()
-            self._calls.clear()
             self._earlier = Counters(0.0, self._earlier.errors + self.counters.errors,
                                      self._earlier.cancelled + self.counters.cancelled)
             self.counters = Counters(self.counters.step_seconds)

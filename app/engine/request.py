@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from attnlens.model.decoding import RowSampler
 
 _numbers = itertools.count(1)
+_call_numbers = itertools.count(1)
 
 
 @dataclass
@@ -95,10 +96,10 @@ class Generation:
 
 class CoreCall:
     """A model call as the core sees it: the operation to run (plain data:
-    model/analysis/operations.py), the number its front gave it (an engine process's calls are
-    keyed by it), and whether its caller went away."""
+    model/analysis/operations.py), its number (an engine process's calls are keyed by the
+    server's), and whether its caller went away."""
 
     def __init__(self, operation: "ModelOperation", number: int | None = None):
         self.operation = operation
-        self.number = number
+        self.number = next(_call_numbers) if number is None else number
         self.cancelled = False

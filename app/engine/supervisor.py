@@ -33,7 +33,6 @@ from typing import Callable, Iterable
 
 from attnlens.app.engine.admission import EngineFailed
 from attnlens.app.engine.front import EngineFront
-from attnlens.app.engine.process import ProcessClient
 
 log = logging.getLogger("attnlens.engine")
 
@@ -60,7 +59,7 @@ class EngineSupervisor:
         self.name, self.engine, self.policy, self.clock = name, engine, policy, clock
         self.restartable = engine.restartable and policy.max_restarts > 0
         if engine.restartable:
-            engine.supervised = True  # a death keeps the line: this decides (restart, or give up and say why)
+            engine.supervise()  # a death keeps the line: this decides (restart, or give up and say why)
         self.restarts = 0  # engine processes started after the first
         self.deaths: collections.deque[float] = collections.deque()  # within the window
         self.down_since: float | None = None  # when the running engine process was lost
@@ -71,10 +70,7 @@ class EngineSupervisor:
 
     @property
     def state(self) -> str:
-        engine = self.engine
-        if engine.restartable:
-            return engine.state
-        return "running" if engine.alive else "failed"
+        return self.engine.state
 
     @property
     def detail(self) -> str | None:
@@ -123,7 +119,7 @@ class EngineSupervisor:
                 engine.refuse_while_down(f"the engine of model {self.name!r} is restarting "
                                          f"({engine.detail}); retry later", self.retry_after())
             else:
-                engine.admission.closed_retry_after = self.retry_after()
+                engine.update_retry_after(self.retry_after())
         if self._attempt is None:
             assert self.next_attempt is not None  # _died scheduled it (above, or when the last attempt failed)
             if now >= self.next_attempt:
@@ -159,16 +155,12 @@ class EngineSupervisor:
         if error is None:
             self.restarts += 1
             self.down_since, self.refusing, self.last_error = None, False, None
-            client = self.engine.client
-            # only a restartable engine is supervised: its client runs an engine process, now started
-            assert isinstance(client, ProcessClient) and client.process is not None
-            log.warning("model %r: a new engine process (pid %d) runs, after %.1f s to start", self.name,
-                        client.process.pid, self.engine.start_seconds)
+            log.warning("model %r: a new engine process (pid %s) runs, after %.1f s to start", self.name,
+                        self.engine.core_pid, self.engine.start_seconds)
             return
         # the new engine process did not start: the next check counts it as one more death
         self.last_error = f"{type(error).__name__}: {error}"
         log.error("model %r: the engine process did not start: %s", self.name, self.last_error)
-        self.engine.detail = f"the engine process could not be started again ({self.last_error})"
 
 
 class Supervision:
