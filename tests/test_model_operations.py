@@ -129,15 +129,29 @@ def test_anything_else_is_no_operation(ckpt):
         run_operation(ckpt.model, lambda model: model)
 
 
-def test_a_full_encoder_runner_refuses_in_words(ckpt):
-    """Past max_concurrent + max_queue a ModelRunner answers 429 with a sentence naming the limit."""
-    from attnlens.app.engine import QueueFull
-    from attnlens.app.registry.model_registry import ModelRunner
+def test_an_encoders_engine_runs_its_calls_and_refuses_in_words_when_full(encoder):
+    """A model that does not generate runs its operations through an engine like every model:
+    no KV cache, no generation slots, the same answers as run_operation, and past its line
+    (ATTNLENS_MAX_ENCODER_CONCURRENT + ATTNLENS_MAX_QUEUE) a 429 that names the settings."""
+    from helpers import run_async
 
-    runner = ModelRunner(ckpt, max_concurrent=1, max_queue=0)
-    runner._in_flight = 1  # one call running, and none may wait beside it
-    with pytest.raises(QueueFull, match=r"server busy: 1 requests for this model .*\(limit 1, "
-                                        r"ATTNLENS_MAX_ENCODER_CONCURRENT \+ ATTNLENS_MAX_QUEUE\)"):
-        # refused before its first await: driven one step by hand (no event loop; the browser tests
-        # may leave one running in this thread)
-        runner.call(WarmUpCall(ids=[1])).send(None)
+    from attnlens.app.engine import Engine, QueueFull
+
+    limit = "ATTNLENS_MAX_ENCODER_CONCURRENT + ATTNLENS_MAX_QUEUE"
+    engine = Engine(encoder, max_concurrent=0, max_queue=0, max_attention_concurrent=1, calls_limit=limit)
+    try:
+        assert engine.max_concurrent == 0 and engine.cache_bytes == 0 and engine.client.core.cache is None
+        ids = framed_ids(encoder, "the king is dead")
+        got = run_async(engine.call(ClassifyCall(ids)))
+        assert got == run_operation(encoder.model, ClassifyCall(ids))
+        engine.admission.calls.running.append(object())  # one call running, and none may wait beside it
+
+        async def one_more():
+            return await engine.call(WarmUpCall(ids=[1]))
+
+        with pytest.raises(QueueFull, match=r"server busy: 1 model calls .*\(limit 1, "
+                                            r"ATTNLENS_MAX_ENCODER_CONCURRENT \+ ATTNLENS_MAX_QUEUE\)"):
+            run_async(one_more())
+        engine.admission.calls.running.clear()
+    finally:
+        engine.close()

@@ -148,9 +148,10 @@ class Admission:
     """Admission for generations and model calls (see the module docstring)."""
 
     def __init__(self, max_concurrent: int, max_queue: int, max_calls: int, *,
-                 clock: Callable[[], float] = time.monotonic):
+                 calls_limit: str = "ATTNLENS_MAX_ATTENTION_CONCURRENT", clock: Callable[[], float] = time.monotonic):
         self.generations: Line = Line(max_concurrent, max_queue)
         self.calls: Line = Line(1, max(0, max_calls - 1))
+        self.calls_limit = calls_limit  # the setting(s) a full call line names
         self.drain = DrainRate(clock)
         self.call_seconds = 0.0  # moving average of one model call
         self.closed = False
@@ -202,8 +203,8 @@ class Admission:
         if line.room() < 1:
             wait = math.ceil(max(self.call_seconds, 0.1) * (line.held + 1))
             raise QueueFull(
-                f"server busy: {line.held} attention requests already running or waiting (limit "
-                f"{line.capacity}, ATTNLENS_MAX_ATTENTION_CONCURRENT); retry later",
+                f"server busy: {line.held} model calls already running or waiting (limit "
+                f"{line.capacity}, {self.calls_limit}); retry later",
                 int(min(RETRY_AFTER_MAX_S, max(1, wait))))
         line.waiting.append(item)
 

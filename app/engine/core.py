@@ -57,7 +57,7 @@ from attnlens.app.engine.records import (
 )
 from attnlens.app.engine.request import CoreCall, Generation, GenerationParams
 from attnlens.app.engine.stepped_call import SteppedCall
-from attnlens.model import Checkpoint
+from attnlens.model import Checkpoint, family_of
 from attnlens.model.analysis.operations import run_operation
 from attnlens.model.cuda_graphs import GraphedDecoder
 from attnlens.model.decoding import RowSampler, decode_step, make_generator
@@ -94,8 +94,16 @@ class EngineCore:
         # (_fits); on CUDA (graphs capture fixed addresses), or for a family whose cache is not in
         # blocks, one row per slot is allocated whole and reused
         self.kv_budget = kv_cache_bytes
-        self.cache = self.model.new_kv_cache(max_concurrent, paged=True, pool_bytes=kv_cache_bytes) \
-            if cache_paged(self.model, kv_cache_bytes, self.device) else self.model.new_kv_cache(max_concurrent)
+        # a family that does not generate (an encoder) has no cache and no generations: its core
+        # runs model calls alone, with the same admission, progress and cancellation
+        self.generates = family_of(self.model).generation is not None
+        if not self.generates:
+            self.max_concurrent = 0
+            self.cache = None
+        elif cache_paged(self.model, kv_cache_bytes, self.device):
+            self.cache = self.model.new_kv_cache(max_concurrent, paged=True, pool_bytes=kv_cache_bytes)
+        else:
+            self.cache = self.model.new_kv_cache(max_concurrent)
         # a vocabulary padded past the tokenizer's last id (Qwen2): those ids are never sampled
         vocab = checkpoint.tokenizer.vocab_size
         self.vocab_limit = vocab if vocab < checkpoint.config.vocab_size else None
@@ -103,12 +111,12 @@ class EngineCore:
         # the families whose module offers a fixed-shape step, FixedShapeDecoder; the others decode
         # eagerly)
         self.graphs: GraphedDecoder | None = None
-        if cuda_graphs and self.device.type == "cuda" and isinstance(self.model, FixedShapeDecoder):
+        if cuda_graphs and self.generates and self.device.type == "cuda" and isinstance(self.model, FixedShapeDecoder):
             try:
-                self.graphs = GraphedDecoder(self.model, self.cache)
+                self.graphs = GraphedDecoder(self.model, self.kv)
             except Exception:  # the eager step always works: use it
                 log.warning("could not capture the decode step in CUDA graphs; decoding eagerly", exc_info=True)
-                self.cache.reset()
+                self.kv.reset()
         self._lock = threading.Lock()  # the inbox (handed-over work) and the closed flag
         self._wakeup = threading.Condition(self._lock)
         self._closed = False
@@ -140,25 +148,33 @@ class EngineCore:
 
     # --- counters ----------------------------------------------------------
     @property
+    def kv(self):
+        """The KV cache, for the generations' work (only a model that generates has one)."""
+        assert self.cache is not None, "a model that does not generate has no KV cache"
+        return self.cache
+
+    @property
     def cache_paged(self) -> bool:
-        return hasattr(self.cache, "tables")
+        return self.cache is not None and hasattr(self.cache, "tables")
 
     @property
     def cache_bytes(self) -> int:
         """The most the KV cache may hold: the budget when it is in blocks, else what it
         holds (MAX_CONCURRENT rows x the context, every layer)."""
+        if self.cache is None:
+            return 0
         if self.cache_paged:
             return int(self.kv_budget or 0)
-        return sum(t.numel() * t.element_size() for t in self.cache.keys + self.cache.values)
+        return sum(t.numel() * t.element_size() for t in self.kv.keys + self.kv.values)
 
     @property
     def cache_held(self) -> int:
         """Bytes the KV cache holds now: the blocks in use when it is in blocks, else all of it."""
-        return self.cache.bytes_held if self.cache_paged else self.cache_bytes
+        return self.kv.bytes_held if self.cache_paged else self.cache_bytes
 
     def _reserved(self, g: Generation) -> int:
         """Positions g may come to hold: its prompt and every token it may generate."""
-        return min(self.cache.capacity, len(g.params.prompt_ids) + g.params.max_new_tokens)
+        return min(self.kv.capacity, len(g.params.prompt_ids) + g.params.max_new_tokens)
 
     def _fits(self, batch: list[Generation]) -> bool:
         """Whether the decoding generations and the prompts of `batch` (prefilled together) fit the KV
@@ -172,7 +188,7 @@ class EngineCore:
         # forward ends (the padding's blocks go back then)
         padded = max(len(g.params.prompt_ids) for g in batch) if len(batch) > 1 else 0
         lengths = [self._reserved(g) for g in running] + [max(self._reserved(g), padded) for g in batch]
-        return self.cache.bytes_for_lengths(lengths) <= self.kv_budget
+        return self.kv.bytes_for_lengths(lengths) <= self.kv_budget
 
     # --- what a client calls (any thread) ----------------------------------
     def add_generation(self, g: Generation) -> None:
@@ -353,7 +369,7 @@ class EngineCore:
     def _start_chunking(self, g: Generation) -> None:
         p = g.params
         row = len(self._decoding)
-        self.cache.free(row)
+        self.kv.free(row)
         g.t_start = time.perf_counter()
         g.sampler = RowSampler(p.sampling, make_generator(p.sampling.seed), p.n_logprobs, p.return_attention,
                                vocab_limit=self.vocab_limit)
@@ -366,18 +382,18 @@ class EngineCore:
         assert g is not None  # called while a long prompt is being prefilled
         row = len(self._decoding)
         ids = g.params.prompt_ids
-        done = int(self.cache.lengths[row])
+        done = int(self.kv.lengths[row])
         alone = not (self._decoding or self._prefill or self._incoming)
         size = self.prefill_chunk_alone if alone else self.prefill_chunk
         piece = torch.tensor([ids[done:done + size]], dtype=torch.long, device=self.device)
         rows = slice(row, row + 1)
         try:
             if done + size < len(ids):
-                self.model(piece, kv_cache=self.cache, rows=rows, last_only=True)
+                self.model(piece, kv_cache=self.kv, rows=rows, last_only=True)
                 if not records and not self._held:
                     self._heartbeat()  # progress for the watchdog while nothing else decodes
                 return
-            step = decode_step(self.model, self.cache, piece, [g.row_sampler], rows=rows, last_only=True)
+            step = decode_step(self.model, self.kv, piece, [g.row_sampler], rows=rows, last_only=True)
         except Exception as e:
             self._fail(g, e)
             self._end_chunking("error", records)
@@ -389,7 +405,7 @@ class EngineCore:
     def _end_chunking(self, reason: str, records: list[CoreRecord]) -> None:
         g, self._chunking = self._chunking, None
         assert g is not None  # called while a long prompt is being prefilled
-        self.cache.free(len(self._decoding))
+        self.kv.free(len(self._decoding))
         self._retire(g, reason, records)
 
     def _run_prefills(self, batch: list[Generation], records: list[CoreRecord]) -> None:
@@ -397,10 +413,10 @@ class EngineCore:
         generation then decodes with the others."""
         first = len(self._decoding)
         if self._chunking is not None:  # the long prompt's row (after the decoding ones) makes room
-            self.cache.move(first, first + len(batch))
+            self.kv.move(first, first + len(batch))
         for i, g in enumerate(batch):
             p = g.params
-            self.cache.free(first + i)
+            self.kv.free(first + i)
             g.t_start = time.perf_counter()
             g.sampler = RowSampler(p.sampling, make_generator(p.sampling.seed), p.n_logprobs,
                                    p.return_attention, vocab_limit=self.vocab_limit)
@@ -413,10 +429,10 @@ class EngineCore:
         try:
             with hooked(self.model, self._hooks(batch, lengths if len(batch) > 1 else None)):
                 if len(batch) == 1:
-                    step = decode_step(self.model, self.cache, inputs, [batch[0].row_sampler], rows=rows,
+                    step = decode_step(self.model, self.kv, inputs, [batch[0].row_sampler], rows=rows,
                                        last_only=batch[0].params.prompt_logprobs is None)
                 else:
-                    step = decode_step(self.model, self.cache, inputs, [g.row_sampler for g in batch], rows=rows,
+                    step = decode_step(self.model, self.kv, inputs, [g.row_sampler for g in batch], rows=rows,
                                        n_new=lengths)
         except Exception as e:
             if len(batch) == 1:
@@ -424,11 +440,11 @@ class EngineCore:
                 return
             for i, g in enumerate(batch):  # whose prompt fails? prefill them one by one
                 one = slice(first + i, first + i + 1)
-                self.cache.free(first + i)
+                self.kv.free(first + i)
                 g.ablation_means.clear()
                 try:
                     with hooked(self.model, self._hooks([g])):
-                        alone = decode_step(self.model, self.cache, inputs[i : i + 1, : lengths[i]],
+                        alone = decode_step(self.model, self.kv, inputs[i : i + 1, : lengths[i]],
                                             [g.row_sampler], rows=one)
                 except Exception as e:
                     self._fail(g, e)
@@ -444,7 +460,7 @@ class EngineCore:
         if g.params.max_new_tokens == 0:
             g.finish_reason = "length"
             return
-        self._advance(g, step.tokens[index], int(self.cache.lengths[row]), records)
+        self._advance(g, step.tokens[index], int(self.kv.lengths[row]), records)
 
     def _prompt_record(self, g: Generation, logits: torch.Tensor) -> PromptRecord:
         ids = g.params.prompt_ids
@@ -463,30 +479,30 @@ class EngineCore:
         # (B, 1) ids; replayed CUDA graphs copy them in from the host with the rows' lengths
         inputs = torch.tensor([[g.last_token] for g in rows], dtype=torch.long,
                               device="cpu" if self.graphs is not None else self.device)
-        before = self.cache.lengths[: len(rows)].tolist()
+        before = self.kv.lengths[: len(rows)].tolist()
         hooks = self._hooks(rows)
         try:
             # a step with an ablated row runs eagerly (a captured graph has no hooks); its other rows
             # share that step, each with its own edits (none for most)
             with hooked(self.model, hooks):
-                step = decode_step(self.model, self.cache, inputs, [g.row_sampler for g in rows],
+                step = decode_step(self.model, self.kv, inputs, [g.row_sampler for g in rows],
                                    graphs=self.graphs if hooks is None else None, while_running=self._deliver_held)
         except Exception:
             # find whose input fails: decode the rows one by one from where they were (their
             # cache positions are written again)
-            self.cache.lengths[: len(rows)] = torch.tensor(before)
+            self.kv.lengths[: len(rows)] = torch.tensor(before)
             if self.graphs is not None:
                 log.warning("a replayed CUDA graph step failed; decoding eagerly from now on", exc_info=True)
                 self.graphs = None
             for i, g in enumerate(rows):
                 try:
                     with hooked(self.model, self._hooks([g])):
-                        one = decode_step(self.model, self.cache, inputs[i : i + 1], [g.row_sampler],
+                        one = decode_step(self.model, self.kv, inputs[i : i + 1], [g.row_sampler],
                                           rows=slice(i, i + 1))
                 except Exception as e:
                     self._fail(g, e)
                     continue
-                self._advance(g, one.tokens[0], int(self.cache.lengths[i]), records)
+                self._advance(g, one.tokens[0], int(self.kv.lengths[i]), records)
             return
         for g, token, length in zip(rows, step.tokens, before):
             self._advance(g, token, length + 1, records)  # each row took one token
@@ -505,7 +521,7 @@ class EngineCore:
         records.append(TokenRecord(g, token))
         if token.id in self.tokenizer.eos_ids and not g.params.ignore_eos:  # EOS, or another end (Llama 3's <|eot_id|>)
             g.finish_reason = "eos"
-        elif g.produced >= g.params.max_new_tokens or length >= self.cache.capacity:
+        elif g.produced >= g.params.max_new_tokens or length >= self.kv.capacity:
             g.finish_reason = "length"
 
     def _fail(self, g: Generation, error: Exception) -> None:
@@ -524,15 +540,15 @@ class EngineCore:
         if g in self._decoding:
             row, last = self._decoding.index(g), len(self._decoding) - 1
             if row != last:
-                self.cache.move(last, row)
+                self.kv.move(last, row)
                 self._decoding[row] = self._decoding[last]
             else:
-                self.cache.free(row)
+                self.kv.free(row)
             self._decoding.pop()
             if self._chunking is not None:  # the long prompt's row follows the decoding ones down
-                self.cache.move(last + 1, last)
+                self.kv.move(last + 1, last)
             # give back what the finished rows held, to the system too (freed tensors stay in the heap)
-            if self.cache_paged and self.cache.trim(len(self._decoding) + (self._chunking is not None)):
+            if self.cache_paged and self.kv.trim(len(self._decoding) + (self._chunking is not None)):
                 heap.trim()
         g.t_end = time.perf_counter()
         if reason == "cancelled":

@@ -23,14 +23,16 @@ from attnlens.model import Checkpoint
 def Engine(checkpoint: Checkpoint, *, max_concurrent: int = 32, max_queue: int = 64,
            max_attention_concurrent: int = 4, cuda_graphs: bool = True, max_stream_backlog_bytes: int = 64_000_000,
            overlap_outputs: bool | None = None, kv_cache_bytes: int | None = None, prefill_chunk: int = 256,
-           prefill_chunk_alone: int | None = None, clock: Callable[[], float] = time.monotonic) -> EngineFront:
-    """An engine whose core runs on a thread of this process, on this checkpoint's model."""
+           prefill_chunk_alone: int | None = None, calls_limit: str = "ATTNLENS_MAX_ATTENTION_CONCURRENT",
+           clock: Callable[[], float] = time.monotonic) -> EngineFront:
+    """An engine whose core runs on a thread of this process, on this checkpoint's model (a model
+    that does not generate gets no KV cache and no generation slots: model calls only)."""
     core = EngineCore(checkpoint, max_concurrent=max_concurrent, cuda_graphs=cuda_graphs,
                       overlap_outputs=overlap_outputs, kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
                       prefill_chunk_alone=prefill_chunk_alone)
-    return EngineFront(checkpoint, InprocClient(core), max_concurrent=max_concurrent, max_queue=max_queue,
+    return EngineFront(checkpoint, InprocClient(core), max_concurrent=core.max_concurrent, max_queue=max_queue,
                        max_attention_concurrent=max_attention_concurrent,
-                       max_stream_backlog_bytes=max_stream_backlog_bytes, clock=clock)
+                       max_stream_backlog_bytes=max_stream_backlog_bytes, calls_limit=calls_limit, clock=clock)
 
 
 def EngineProcess(checkpoint: Checkpoint, *, model_dir: Path | None = None, device: str = "auto",

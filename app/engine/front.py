@@ -66,7 +66,7 @@ class EngineFront:
 
     def __init__(self, checkpoint: Checkpoint, client: CoreClient, *, max_concurrent: int, max_queue: int,
                  max_attention_concurrent: int, max_stream_backlog_bytes: int,
-                 clock: Callable[[], float] = time.monotonic):
+                 calls_limit: str = "ATTNLENS_MAX_ATTENTION_CONCURRENT", clock: Callable[[], float] = time.monotonic):
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.config = checkpoint.config
@@ -74,7 +74,8 @@ class EngineFront:
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.max_stream_backlog_bytes = max_stream_backlog_bytes  # per generation, unread events
-        self.admission = Admission(max_concurrent, max_queue, max_attention_concurrent, clock=clock)
+        self.admission = Admission(max_concurrent, max_queue, max_attention_concurrent, calls_limit=calls_limit,
+                                   clock=clock)
         self._lock = threading.Lock()
         self.waiting_cancelled = 0  # generations that left the line before they ran
         # what every stream's unread events may hold between them, shared by all engines (main.py)

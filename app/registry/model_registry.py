@@ -3,28 +3,24 @@ model/families/contract.py), the tasks it answers and, for a classifier, its lab
 the registry for a model *and* a task, so an unknown name or the wrong endpoint for a model is
 one clear 4xx in one place.
 
-A family that generates (its declaration has a GenerationSpec) is run by a generation engine;
-the others by a `ModelRunner`: one forward per request on a worker thread, at most
-`max_concurrent` at once per model and at most `max_queue` waiting (then 429), like the
-engine's admission limits. Either runs a model operation (model/analysis/operations.py) the same
-way, `run_operation(model, call)`, and both take it as `await served.runner.call(call)`.
+Every model is run by an engine (app/engine/): a family that generates (its declaration has a
+GenerationSpec) with generation slots and a KV cache, the others (encoders) with model calls
+only. Each runs a model operation (model/analysis/operations.py) the same way, stepped by its core
+with the same admission, progress and cancellation: `await served.runner.call(call)`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attnlens.app.engine import QueueFull, progress
+from attnlens.app.engine import EngineFront
 from attnlens.app.registry.memory import weight_bytes
 from attnlens.app.server.api_errors import ApiError
 from attnlens.app.server.metrics import note_request_model
 from attnlens.model import Checkpoint, Family, family_of
-from attnlens.model.analysis.operations import ModelOperation, run_operation
 from attnlens.model.families.contract import GenerationSpec
 
 # Task names (a family declares which it has), as /models lists them and error messages name them.
@@ -52,53 +48,20 @@ def tasks_of(ckpt: Checkpoint) -> list[str]:
     return family_of(ckpt.model).task_names(checkpoint_features(ckpt))
 
 
-class ModelRunner:
-    """Runs the requests of a model that does not generate on worker threads, bounded like the engine."""
-
-    def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 2, max_queue: int = 32):
-        self.checkpoint = checkpoint
-        self.model = checkpoint.model
-        self.tokenizer = checkpoint.tokenizer
-        self.config = checkpoint.config
-        self.max_concurrent, self.max_queue = max_concurrent, max_queue
-        self._slots = asyncio.Semaphore(max_concurrent)
-        self._in_flight = 0
-
-    async def call(self, operation: ModelOperation) -> Any:
-        """Run the model operation on a worker thread (429 past the queue)."""
-        if self._in_flight >= self.max_concurrent + self.max_queue:
-            raise QueueFull(f"server busy: {self._in_flight} requests for this model already running or waiting "
-                            f"(limit {self.max_concurrent + self.max_queue}, ATTNLENS_MAX_ENCODER_CONCURRENT + "
-                            "ATTNLENS_MAX_QUEUE); retry later", retry_after=1)
-        self._in_flight += 1
-        abandoned = threading.Event()
-
-        def run(model) -> Any:  # a caller that goes away stops it at its next report point
-            with progress.reporting(cancelled=abandoned.is_set):
-                return run_operation(model, operation, report=progress.report)
-
-        try:
-            async with self._slots:
-                return await asyncio.to_thread(run, self.model)
-        finally:
-            abandoned.set()
-            self._in_flight -= 1
-
-
 @dataclass
 class ServedModel:
     name: str
     path: Path | None
     checkpoint: Checkpoint
-    # a generation engine (EngineFront) when the family generates, else a ModelRunner: either
-    # runs a model operation with `await runner.call(call)`
-    runner: Any = None
+    # the model's engine: generation slots and model calls, or model calls only (a family that
+    # does not generate); `await runner.call(call)` runs a model operation
+    runner: EngineFront
     tasks: list[str] = field(default_factory=list)
     supervisor: Any = None  # the engine's EngineSupervisor (engine/supervisor.py), for a model with an engine
 
     @property
     def state(self) -> str:
-        """starting | running | restarting | failed | stopped (an encoder's runner always runs)."""
+        """starting | running | restarting | failed | stopped (its engine's, as its supervisor reads it)."""
         return self.supervisor.state if self.supervisor is not None else "running"
 
     @property
@@ -132,10 +95,8 @@ class ServedModel:
 
     def memory(self) -> dict[str, int]:
         """What the model holds: its weights and, when it generates, its KV cache (rows x a context)."""
-        engine = self.runner if self.generates else None
-        return {"weights_bytes": weight_bytes(self.checkpoint.model),
-                "kv_cache_bytes": engine.cache_bytes if engine is not None else 0,
-                "kv_cache_rows": engine.max_concurrent if engine is not None else 0}
+        return {"weights_bytes": weight_bytes(self.checkpoint.model), "kv_cache_bytes": self.runner.cache_bytes,
+                "kv_cache_rows": self.runner.max_concurrent}
 
     def describe(self) -> str:
         name = self.family.name

@@ -2,9 +2,9 @@
 
 Start-up (lifespan): load every checkpoint Settings.model_dirs() names (ATTNLENS_MODELS, by
 default every bundled one; ATTNLENS_MODEL is the default model) onto ATTNLENS_DEVICE in
-ATTNLENS_DTYPE, start a generation engine per model whose family generates (a ModelRunner for
-the others: the family's declaration says which), warm each up through the same paths requests
-take, then report ready on /readyz.
+ATTNLENS_DTYPE, start an engine per model (with generation slots and a KV cache for a family that
+generates, model calls only for the others: the family's declaration says which), warm each up
+through the same paths requests take, then report ready on /readyz.
 
 If the checkpoint cannot be loaded, start-up fails: `attnlens serve` loads it before it
 starts the server, prints one line saying which directory and why ("attnlens: cannot load
@@ -40,7 +40,6 @@ from attnlens.app.api import ui_routes as ui
 from attnlens.app.api.generate_schemas import StreamDone, StreamError, StreamToken
 from attnlens.app.engine import Engine, EngineFront, EngineProcess, GenerationParams
 from attnlens.app.engine.allocator import retain_freed_memory
-from attnlens.app.engine.process import ProcessClient
 from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.app.engine.supervisor import EngineSupervisor, RestartPolicy, Supervision
 from attnlens.app.registry.memory import cache_paged, cache_row_bytes, cache_rows
@@ -48,7 +47,6 @@ from attnlens.app.registry.model_registry import (
     CLASSIFY,
     FILL_MASK,
     ModelRegistry,
-    ModelRunner,
     ServedModel,
     model_name,
     tasks_of,
@@ -91,12 +89,14 @@ async def warm_up(served: ServedModel) -> None:
     await served.runner.call(WarmUpCall(ids=ids, encoder_ids=encoder_ids))
 
 
-async def start_runner(s: Settings, ckpt: Checkpoint, name: str):
-    """The runner of one loaded model: an engine (in its own process, or on a thread) for a
-    family that generates, with as many KV-cache rows as ATTNLENS_KV_CACHE_BYTES allows; a
-    ModelRunner (worker threads) for one that does not."""
+async def start_engine(s: Settings, ckpt: Checkpoint, name: str) -> EngineFront:
+    """The engine of one loaded model: for a family that generates, in its own process (or on a
+    thread), with as many KV-cache rows as ATTNLENS_KV_CACHE_BYTES allows; for one that does not
+    (an encoder), on a thread of this process, with model calls only: its line holds
+    ATTNLENS_MAX_ENCODER_CONCURRENT + ATTNLENS_MAX_QUEUE requests, run one at a time."""
     if family_of(ckpt.model).generation is None:
-        return ModelRunner(ckpt, max_concurrent=s.max_encoder_concurrent, max_queue=s.max_queue)
+        return Engine(ckpt, max_concurrent=0, max_queue=0, max_attention_concurrent=s.max_encoder_concurrent + s.max_queue,
+                      calls_limit="ATTNLENS_MAX_ENCODER_CONCURRENT + ATTNLENS_MAX_QUEUE")
     rows = cache_rows(name, cache_row_bytes(ckpt.model), s.max_concurrent, s.kv_cache_bytes,
                       paged=cache_paged(ckpt.model, s.kv_cache_bytes, ckpt.weights_device))
     limits: dict[str, Any] = dict(max_concurrent=rows, max_queue=s.max_queue,
@@ -108,13 +108,6 @@ async def start_runner(s: Settings, ckpt: Checkpoint, name: str):
                                        start_timeout_s=s.engine_start_timeout_s,
                                        malloc_retain_bytes=s.malloc_retain_bytes, **limits)
     return Engine(ckpt, **limits)
-
-
-def _pid(engine: EngineFront) -> int:
-    """The pid of a restartable engine's process (its client is a ProcessClient, started)."""
-    client = engine.client
-    assert isinstance(client, ProcessClient) and client.process is not None
-    return client.process.pid
 
 
 def restart_policy(s: Settings) -> RestartPolicy:
@@ -147,19 +140,17 @@ async def lifespan(app: FastAPI):
                 raise RuntimeError(f"cannot load the model from {model_dir}: {e}") from None
             loaded.append((model_dir, ckpt))
         # every engine process starts at once: each loads its model while the others load theirs
-        runners = await asyncio.gather(*(start_runner(s, ckpt, model_name(d)) for d, ckpt in loaded), return_exceptions=True)
+        runners = await asyncio.gather(*(start_engine(s, ckpt, model_name(d)) for d, ckpt in loaded), return_exceptions=True)
         engines.extend(r for r in runners if isinstance(r, EngineFront))
         for r in runners:
             if isinstance(r, BaseException):
                 raise r
         policy = restart_policy(s)
-        for (model_dir, ckpt), runner in zip(loaded, runners):
+        for (model_dir, ckpt), engine in zip(loaded, engines):
             name = model_name(model_dir)
-            supervisor = None
-            if isinstance(runner, EngineFront):
-                runner.stream_budget = budget
-                supervisor = EngineSupervisor(name, runner, policy)
-            registry.add(ServedModel(name, ckpt.path, ckpt, runner, tasks_of(ckpt), supervisor=supervisor))
+            engine.stream_budget = budget
+            registry.add(ServedModel(name, ckpt.path, ckpt, engine, tasks_of(ckpt),
+                                     supervisor=EngineSupervisor(name, engine, policy)))
         if s.max_prompt_tokens is None:  # the default follows the models (each checks its own context too)
             longest = max(m.checkpoint.config.context_length for m in registry.models.values())
             s = state.settings = s.model_copy(update={"max_prompt_tokens": longest})
@@ -190,7 +181,7 @@ async def lifespan(app: FastAPI):
         for engine in engines:
             log.info("engine for %s on %s as %s%s; KV cache %d rows, %.0f MB", engine.checkpoint.path,
                      engine.device, str(engine.dtype).removeprefix("torch."),
-                     f" in process {_pid(engine)}" if engine.restartable else "",
+                     f" in process {engine.core_pid}" if engine.restartable else "",
                      engine.max_concurrent, engine.cache_bytes / 2**20)
         yield
     finally:

@@ -23,8 +23,6 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 
-from attnlens.app.engine import EngineFront
-
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 # The model of the HTTP request being served: MetricsMiddleware puts a fresh one-item list here
@@ -96,8 +94,7 @@ class LoadedModels:
         for name, doc, read in ENGINE_GAUGES:
             gauge = GaugeMetricFamily(name, doc, labels=["model"])
             for m in served:
-                if isinstance(m.runner, EngineFront):
-                    gauge.add_metric([m.name], read(m.runner))
+                gauge.add_metric([m.name], read(m.runner))
             yield gauge
 
 

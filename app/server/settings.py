@@ -86,7 +86,8 @@ class Settings(BaseSettings):
     # that one alone. The default model is always served, and with PACKAGED_MODELS on the installed
     # packaged models served beside it (all-MiniLM-L6-v2) when no model is named.
     models: Annotated[list[Path], NoDecode] = []
-    max_encoder_concurrent: int = Field(2, ge=1)  # encoder forwards at once, per encoder model
+    # with max_queue: the requests an encoder's engine holds (running, one at a time, or waiting) before a 429
+    max_encoder_concurrent: int = Field(2, ge=1)
     max_embedding_inputs: int = Field(256, ge=1)  # texts in one /v1/embeddings request's `input`
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # packed: a GGUF import's Q4_0 / Q4_1 / Q8_0 weights kept in their blocks (model/packed/),

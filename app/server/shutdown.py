@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
 
-from attnlens.app.engine import EngineFront
 from attnlens.app.server.api_errors import error_response
 
 if TYPE_CHECKING:
@@ -108,7 +107,7 @@ async def close_engines(state: AppState) -> None:
     the engines; the lifespan's own close afterwards finds them closed."""
     registry = state.registry
     engines = [m.runner for m in registry.models.values()] if registry is not None else []
-    await asyncio.gather(*(asyncio.to_thread(e.close) for e in engines if isinstance(e, EngineFront)))
+    await asyncio.gather(*(asyncio.to_thread(e.close) for e in engines))
 
 
 async def drain(state: AppState, grace_s: float) -> None:
