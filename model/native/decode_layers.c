@@ -14,7 +14,7 @@
        h = rms_norm(x, ln2)
        g | u = h Wfc^T (+ b);   x = x + (silu(g) * u) Wdown^T (+ b)
 
-   What the modular path pays per operator (a torch dispatch, an allocation, a ctypes call: about
+   What the modular path pays per operator (a torch dispatch, an allocation, a call into C: about
    40 operators a layer, 1,200 a token of SmolLM2) is paid once here. Weights are float32 or a
    GGUF block format (packed_matmul.c); the products, norms and attention are this folder's
    kernels, so the numbers are the modular path's up to the order of a few sums.
