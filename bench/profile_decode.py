@@ -14,7 +14,7 @@ prints per token:
   OpenMP's threads spin between calls, which CPU time counts as work);
 * what each step spends beyond its products (attention, norms, rotary, sampling, Python);
 * the modular step's aten operators: their own CPU time and calls a token (our C kernels are
-  ctypes calls, invisible to the profiler).
+  cffi calls, invisible to the profiler).
 
 Profiled times carry the profiler's own cost per call (a few µs), so the small operators read
 high; the split is for comparing within one run, at one thread count.

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
 import threading
 from typing import Any
 
@@ -60,18 +59,6 @@ def modular_decode():
         _enabled.reset(token)
 
 
-class _Linear(ctypes.Structure):
-    _fields_ = [("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n_out", ctypes.c_int64),
-                ("n_in", ctypes.c_int64), ("format", ctypes.c_int64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("attn_out", _Linear), ("ffn_in", _Linear),
-                ("ffn_out", _Linear), ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
-                ("probs", ctypes.c_void_p)]
-
-
 def _float32_cpu(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
@@ -89,7 +76,8 @@ def _linear_weights(module: Any) -> tuple[torch.Tensor, int] | None:
 
 
 class FusedDecode:
-    """The C call's description of a model's blocks: one _Layer per block, built once."""
+    """The C call's description of a model's blocks: one fused_layer per block
+    (model/native/attnlens_kernels.h), built once."""
 
     def __init__(self, model: Any, layers: list[dict], tensors: list[torch.Tensor], eps: float, scale: float):
         c = model.config
@@ -100,7 +88,16 @@ class FusedDecode:
         self.F: int = c.d_ff
         self.R: int = c.rotary_dims if getattr(model, "rotary", None) is not None else 0
         self.eps, self.scale = eps, scale
-        self.layers = (_Layer * len(layers))(*[_Layer(**spec) for spec in layers])
+        ffi = native.load().ffi
+        self.layers = ffi.new("fused_layer[]", layers)
+        self.address = int(ffi.cast("intptr_t", self.layers))  # decode_layers' `layers`
+        # Each step points every layer at its cache's planes by writing addresses into the array seen
+        # as pointer-sized words: as cheap as ctypes' fields were (a cast per field costs 3x: ~15 µs a
+        # step at 30 layers). The offsets are the header's, from cffi.
+        word, size = ffi.sizeof("intptr_t"), ffi.sizeof("fused_layer")
+        self.words = ffi.cast("intptr_t *", self.layers)
+        self.fields = [tuple((i * size + ffi.offsetof("fused_layer", f)) // word for f in ("keys", "values", "probs"))
+                       for i in range(len(layers))]
         self.tensors = tensors  # held: their memory is what the pointers name
         self.pointers = [t.data_ptr() for t in tensors]
         self.lock = threading.Lock()  # each call points the layers at its own cache: one call at a time
@@ -113,25 +110,27 @@ class FusedDecode:
                 or c.norm_type != "rmsnorm":
             return None
         layers: list[dict[str, Any]] = []
+        cast = native.load().ffi.cast  # a pointer field's value: cast("void *", address), 0 for NULL
         tensors: list[torch.Tensor] = []
         eps: set[float] = set()
         scale: set[float] = set()
 
-        def linear(module: nn.Module) -> _Linear | None:
+        def linear(module: nn.Module) -> dict[str, Any] | None:
             found = _linear_weights(module)
             bias = getattr(module, "bias", None)
             if found is None or (bias is not None and not _float32_cpu(bias)):
                 return None
             tensors.extend([found[0]] + ([bias] if bias is not None else []))
-            return _Linear(found[0].data_ptr(), None if bias is None else bias.data_ptr(), module.out_features,
-                           module.in_features, found[1])
+            return {"weight": cast("void *", found[0].data_ptr()),
+                    "bias": cast("void *", 0 if bias is None else bias.data_ptr()),
+                    "n_out": module.out_features, "n_in": module.in_features, "format": found[1]}
 
-        def norm(module: Any) -> int | None:
+        def norm(module: Any) -> Any:
             if module is None:
-                return None
+                return cast("void *", 0)
             tensors.append(module.weight)
             eps.add(module.eps)
-            return module.weight.data_ptr()
+            return cast("void *", module.weight.data_ptr())
 
         for block in model.blocks:
             attn, ffn = block.attn, block.ffn
@@ -170,15 +169,16 @@ class FusedDecode:
             sin = sin.reshape(-1, self.R).expand(B, self.R).contiguous()
         probs: list[torch.Tensor] | None = None
         if want_probs:
-            probs = [torch.empty(B, self.H, 1, blocks.n_keys, dtype=torch.float32) for _ in self.layers]
+            probs = [torch.empty(B, self.H, 1, blocks.n_keys, dtype=torch.float32) for _ in self.fields]
         table, lengths, slots = blocks.table, blocks.lengths, write.slots
+        words = self.words
         with self.lock:
-            for i, layer in enumerate(self.layers):
-                layer.keys, layer.values = cache.keys[i].data_ptr(), cache.values[i].data_ptr()
-                layer.probs = probs[i].data_ptr() if probs is not None else None
+            for i, (keys, values, maps) in enumerate(self.fields):
+                words[keys], words[values] = cache.keys[i].data_ptr(), cache.values[i].data_ptr()
+                words[maps] = probs[i].data_ptr() if probs is not None else 0
             failed = native.load().decode_layers(
-                x.data_ptr(), B, C, self.layers, len(self.layers), self.H, self.K, self.D, self.F, self.R,
-                None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), slots.data_ptr(),
+                x.data_ptr(), B, C, self.address, len(self.layers), self.H, self.K, self.D, self.F, self.R,
+                0 if cos is None else cos.data_ptr(), 0 if sin is None else sin.data_ptr(), slots.data_ptr(),
                 table.data_ptr(), table.shape[1], lengths.data_ptr(), cache.block, blocks.n_keys, self.eps,
                 self.scale)
         if failed:

@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "attnlens_kernels.h"
 #include "vector_math.h"
 
 #define BQ 64     /* queries a work item */

@@ -14,7 +14,7 @@
        h = rms_norm(x, ln2)
        g | u = h Wfc^T (+ b);   x = x + (silu(g) * u) Wdown^T (+ b)
 
-   What the modular path pays per operator (a torch dispatch, an allocation, a ctypes call: about
+   What the modular path pays per operator (a torch dispatch, an allocation, a call into C: about
    40 operators a layer, 1,200 a token of SmolLM2) is paid once here. Weights are float32 or a
    GGUF block format (packed_matmul.c); the products, norms and attention are this folder's
    kernels, so the numbers are the modular path's up to the order of a few sums.
@@ -25,28 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-int packed_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt, float *y);
-void float_matmul_few(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y);
-void rms_norm(const float *x, int64_t rows, int64_t C, const float *w, float eps, float *out);
-int block_attention(const float *q, const float *keys, const float *values, const int64_t *table, int64_t nb,
-                    const int64_t *lengths, int64_t B, int64_t H, int64_t K, int64_t P, int64_t D, float scale,
-                    float *out, float *probs, int64_t S);
-
-typedef struct {
-    const void *weight;  /* float32 (n_out, n_in), or n_out rows of packed blocks */
-    const float *bias;   /* (n_out,) or NULL */
-    int64_t n_out, n_in;
-    int64_t format;      /* -1: float32; else packed_matmul.c's format id */
-} fused_linear;
-
-typedef struct {
-    const float *ln1, *ln2;        /* (C,) RMSNorm weights */
-    const float *q_norm, *k_norm;  /* (D,) per-head RMSNorm weights, or NULL */
-    fused_linear qkv, attn_out, ffn_in, ffn_out;
-    float *keys, *values;          /* the layer's cache planes, (N, K, P, D) */
-    float *probs;                  /* (B, H, S): this step's attention maps, or NULL */
-} fused_layer;
+#include "attnlens_kernels.h"
 
 /* y (M, n_out) = x (M, n_in) W^T (+ bias) */
 static int linear(const fused_linear *l, const float *x, int64_t M, float *y) {

@@ -16,6 +16,7 @@
    before); 29.6-30.7 from the arena on 2 MB pages with this (bench/README.md, issue 34). */
 
 #include <stdint.h>
+#include "attnlens_kernels.h"
 #if defined(__AVX2__) || defined(__SSE__)
 #include <immintrin.h>
 #endif

@@ -26,6 +26,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "attnlens_kernels.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif

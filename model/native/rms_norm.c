@@ -6,6 +6,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include "attnlens_kernels.h"
 
 void rms_norm(const float *x, int64_t rows, int64_t C, const float *w, float eps, float *out) {
 #pragma omp parallel for schedule(static) if (rows * C >= 65536)

@@ -11,6 +11,7 @@
    floats. */
 
 #include <stdint.h>
+#include "attnlens_kernels.h"
 
 void rotary(const float *x, int64_t x_head, int64_t x_row, int64_t heads, int64_t T, int64_t D, const float *cos,
             const float *signed_sin, float *out) {

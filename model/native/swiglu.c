@@ -9,6 +9,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include "attnlens_kernels.h"
 #include "vector_math.h"
 
 static inline float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }

@@ -18,6 +18,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include "attnlens_kernels.h"
 #include "vector_math.h"
 
 /* insert (v, id) into vals/ids[0..k) (descending), dropping the last */

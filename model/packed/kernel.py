@@ -45,6 +45,6 @@ def dequantize(w: torch.Tensor, fmt: str, K: int, rows: torch.Tensor | None = No
         rows = rows.reshape(-1).to(torch.int64).contiguous()
     R = w.shape[0] if rows is None else rows.numel()
     out = torch.empty(R, K, dtype=torch.float32)
-    lib.packed_dequantize(w.data_ptr(), K, FORMATS[fmt], None if rows is None else rows.data_ptr(), R,
+    lib.packed_dequantize(w.data_ptr(), K, FORMATS[fmt], 0 if rows is None else rows.data_ptr(), R,
                           out.data_ptr())
     return out

@@ -91,7 +91,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         y = torch.empty(M, weight.shape[0], dtype=x.dtype)
         xs, b = rows.contiguous(), None if bias is None else bias.contiguous()  # held while the kernel reads them
         native.load().float_matmul_few(xs.data_ptr(), M, d_in, weight.data_ptr(), weight.shape[0],
-                                       None if b is None else b.data_ptr(), y.data_ptr())
+                                       0 if b is None else b.data_ptr(), y.data_ptr())
         return y.view(*lead, weight.shape[0])  # (..., out)
     if M == 1:  # two columns: BLAS's one-column routine is the slow one
         rows = torch.cat((rows, rows))
