@@ -212,7 +212,7 @@ def test_long_prompts_are_prefilled_in_pieces_between_decode_steps(ckpt, tiny_ch
         engine.client.core._chunked_then = engine.client.core._run_chunk
 
         def spy(records):
-            chunked.append(int(engine.client.core.cache.lengths[len(engine.client.core._decoding)]))
+            chunked.append(int(engine.client.core.cache.lengths[len(engine.client.core.scheduler.decoding)]))
             engine.client.core._chunked_then(records)
         engine.client.core._run_chunk = spy
 
@@ -267,7 +267,7 @@ def test_a_long_prompt_alone_goes_in_larger_pieces_and_small_ones_beside_others(
     real = core._run_chunk
 
     def spy(records):
-        pieces.append((int(core.cache.lengths[len(core._decoding)]), bool(core._decoding)))
+        pieces.append((int(core.cache.lengths[len(core.scheduler.decoding)]), bool(core.scheduler.decoding)))
         real(records)
     core._run_chunk = spy
 

@@ -56,6 +56,7 @@ from attnlens.app.engine.records import (
     TokenRecord,
 )
 from attnlens.app.engine.request import CoreCall, Generation, GenerationParams
+from attnlens.app.engine.scheduler import Scheduler
 from attnlens.app.engine.stepped_call import SteppedCall
 from attnlens.model import Checkpoint, family_of
 from attnlens.model.analysis.operations import run_operation
@@ -91,7 +92,7 @@ class EngineCore:
         self.dtype = self.model.dtype
         # On the CPU, with a byte budget, the KV cache hands out blocks from one pool of that many
         # bytes (model/paged_kv_cache.py) and prompts are admitted while their reservations fit
-        # (_fits); on CUDA (graphs capture fixed addresses), or for a family whose cache is not in
+        # (Scheduler.fits); on CUDA (graphs capture fixed addresses), or for a family whose cache is not in
         # blocks, one row per slot is allocated whole and reused
         self.kv_budget = kv_cache_bytes
         # a family that does not generate (an encoder) has no cache and no generations: its core
@@ -130,17 +131,10 @@ class EngineCore:
         # that time instead of taking the GIL between this thread's launch calls (step).
         self._overlap_outputs = self.device.type == "cuda" if overlap_outputs is None else overlap_outputs
         self._held: list[CoreRecord] = []
-        self._prefill: collections.deque[Generation] = collections.deque()  # in a slot, no row yet
-        self._decoding: list[Generation] = []  # generation i owns cache row i
-        # A long prompt is prefilled `prefill_chunk` tokens a step into the row after the decoding
-        # ones, so the streams decoding beside it keep getting tokens between its pieces and the
-        # watchdog sees progress (_run_chunk); `prefill_chunk_alone` tokens a step while no other
-        # generation decodes or waits: fewer, larger products (a product's weights are packed for
-        # BLAS once per call; SmolLM2's 2,048-token prompt, 2 threads: 4.6-4.8 s in 256-token pieces,
-        # 4.0-4.3 s in one, bench/README.md)
-        self.prefill_chunk = prefill_chunk
-        self.prefill_chunk_alone = max(prefill_chunk, prefill_chunk_alone or prefill_chunk)
-        self._chunking: Generation | None = None
+        # which generations hold a row, which prompts are prefilled in a step, and in what pieces
+        self.scheduler = Scheduler(self.cache, self.config.context_length, paged=self.cache_paged,
+                                   kv_budget=kv_cache_bytes, prefill_chunk=prefill_chunk,
+                                   prefill_chunk_alone=prefill_chunk_alone)
         self.step_seconds = 0.0  # moving average of one decode step (0: not measured yet)
         self.errors = 0  # requests failed by an exception on the model thread
         self.cancelled = 0  # generations dropped from a slot because their client went away
@@ -171,24 +165,6 @@ class EngineCore:
     def cache_held(self) -> int:
         """Bytes the KV cache holds now: the blocks in use when it is in blocks, else all of it."""
         return self.kv.bytes_held if self.cache_paged else self.cache_bytes
-
-    def _reserved(self, g: Generation) -> int:
-        """Positions g may come to hold: its prompt and every token it may generate."""
-        return min(self.kv.capacity, len(g.params.prompt_ids) + g.params.max_new_tokens)
-
-    def _fits(self, batch: list[Generation]) -> bool:
-        """Whether the decoding generations and the prompts of `batch` (prefilled together) fit the KV
-        budget, each at the most it may come to hold (its prompt and every token it may generate, in
-        whole blocks): admitted work never runs out of blocks. One generation alone always does (the
-        pool holds a whole context)."""
-        running = self._decoding + ([self._chunking] if self._chunking else [])
-        if not self.cache_paged or len(running) + len(batch) == 1:
-            return True
-        # prompts prefilled together are right-padded to the longest: each holds that much until the
-        # forward ends (the padding's blocks go back then)
-        padded = max(len(g.params.prompt_ids) for g in batch) if len(batch) > 1 else 0
-        lengths = [self._reserved(g) for g in running] + [max(self._reserved(g), padded) for g in batch]
-        return self.kv.bytes_for_lengths(lengths) <= self.kv_budget
 
     # --- what a client calls (any thread) ----------------------------------
     def add_generation(self, g: Generation) -> None:
@@ -242,7 +218,7 @@ class EngineCore:
         self._deliver([])  # what is held goes before the end
 
     def _has_work(self) -> bool:
-        return bool(self._incoming or self._calls or self._call is not None or self._prefill or self._decoding or self._chunking is not None)
+        return bool(self._incoming or self._calls or self._call is not None) or self.scheduler.has_work()
 
     def _deliver(self, records: list[CoreRecord]) -> None:
         """Hand over the held records, then these ones (in that order)."""
@@ -269,21 +245,21 @@ class EngineCore:
             records = []
         if self._call is not None or self._calls:
             self._run_call_slice()
-        if self._chunking is not None:
+        if self.scheduler.chunking is not None:
             self._run_chunk(records)
-        if self._prefill and (batch := self._next_prefills()):
-            if self._chunked(batch[0]):
+        if self.scheduler.waiting and (batch := self.scheduler.next_prefills()):
+            if self.scheduler.chunked(batch[0]):
                 self._start_chunking(batch[0])
                 self._run_chunk(records)
             else:
                 self._run_prefills(batch, records)
         self._retire_finished(records)
-        if self._decoding:
+        if self.scheduler.decoding:
             t0 = time.perf_counter()
             self._run_decode(records)
             self._note_step(time.perf_counter() - t0)
             self._retire_finished(records)
-        if self._overlap_outputs and self._decoding:
+        if self._overlap_outputs and self.scheduler.decoding:
             self._held.extend(records)  # handed over while the next step runs on the device
         else:
             self._deliver(records)
@@ -294,14 +270,14 @@ class EngineCore:
     def _schedule(self, records: list[CoreRecord]) -> None:
         if self._incoming:  # read without the lock: a stale answer only waits one step
             with self._lock:
-                self._prefill.extend(self._incoming)
+                self.scheduler.waiting.extend(self._incoming)
                 self._incoming.clear()
-        for g in [g for g in self._decoding if g.cancelled or g.stop_requested]:
+        for g in [g for g in self.scheduler.decoding if g.cancelled or g.stop_requested]:
             self._retire(g, "stop" if g.stop_requested and not g.cancelled else "cancelled", records)
-        for g in [g for g in self._prefill if g.cancelled]:
-            self._prefill.remove(g)
+        for g in [g for g in self.scheduler.waiting if g.cancelled]:
+            self.scheduler.waiting.remove(g)
             self._retire(g, "cancelled", records)
-        if self._chunking is not None and self._chunking.cancelled:
+        if self.scheduler.chunking is not None and self.scheduler.chunking.cancelled:
             self._end_chunking("cancelled", records)
 
     def _run_call_slice(self) -> None:
@@ -338,53 +314,24 @@ class EngineCore:
             outcome = CallResult(work, value=call.value)
         self._deliver([outcome])
 
-    def _next_prefills(self) -> list[Generation]:
-        """The prompts to prefill in this step: the oldest one, plus more while the padded batch
-        holds no more tokens than one full-context prompt (so the running streams never wait
-        longer than one long prefill). A prompt to score (echo) goes alone. None while the oldest
-        does not fit the KV budget beside the decoding ones (it waits for some of them to finish),
-        or is a long prompt while another is prefilled in pieces. Short prompts are prefilled
-        while a long one goes in pieces."""
-        if not self._fits([self._prefill[0]]) or (self._chunking is not None and self._chunked(self._prefill[0])):
-            return []  # it waits for room, or for the long prompt in pieces to finish (one at a time)
-        batch = [self._prefill.popleft()]
-        if batch[0].params.prompt_logprobs is not None or self._chunked(batch[0]):
-            return batch
-        longest = len(batch[0].params.prompt_ids)
-        while self._prefill and self._prefill[0].params.prompt_logprobs is None:
-            n = len(self._prefill[0].params.prompt_ids)
-            if (len(batch) + 1) * max(longest, n) > self.config.context_length or self._chunked(self._prefill[0]) \
-                    or not self._fits(batch + [self._prefill[0]]):
-                break
-            batch.append(self._prefill.popleft())
-            longest = max(longest, n)
-        return batch
-
-    def _chunked(self, g: Generation) -> bool:
-        """Whether g's prompt is prefilled in pieces: longer than one piece, and nothing that needs
-        the whole prompt in one forward (prompt scores; a mean ablation's mean over the prompt)."""
-        p = g.params
-        return len(p.prompt_ids) > self.prefill_chunk and p.prompt_logprobs is None and not p.ablate
-
     def _start_chunking(self, g: Generation) -> None:
         p = g.params
-        row = len(self._decoding)
+        row = len(self.scheduler.decoding)
         self.kv.free(row)
         g.t_start = time.perf_counter()
         g.sampler = RowSampler(p.sampling, make_generator(p.sampling.seed), p.n_logprobs, p.return_attention,
                                vocab_limit=self.vocab_limit)
-        self._chunking = g
+        self.scheduler.chunking = g
 
     def _run_chunk(self, records: list[CoreRecord]) -> None:
         """The next piece of the long prompt being prefilled into row len(decoding); the last piece
         samples its first token and the generation joins the decoding ones."""
-        g = self._chunking
+        g = self.scheduler.chunking
         assert g is not None  # called while a long prompt is being prefilled
-        row = len(self._decoding)
+        row = len(self.scheduler.decoding)
         ids = g.params.prompt_ids
         done = int(self.kv.lengths[row])
-        alone = not (self._decoding or self._prefill or self._incoming)
-        size = self.prefill_chunk_alone if alone else self.prefill_chunk
+        size = self.scheduler.piece_size(others_waiting=bool(self._incoming))
         piece = torch.tensor([ids[done:done + size]], dtype=torch.long, device=self.device)
         rows = slice(row, row + 1)
         try:
@@ -398,21 +345,21 @@ class EngineCore:
             self._fail(g, e)
             self._end_chunking("error", records)
             return
-        self._chunking = None
-        self._decoding.append(g)  # owns row `row`, the one after the decoding rows
+        self.scheduler.chunking = None
+        self.scheduler.decoding.append(g)  # owns row `row`, the one after the decoding rows
         self._prefilled(g, step, 0, row, records)
 
     def _end_chunking(self, reason: str, records: list[CoreRecord]) -> None:
-        g, self._chunking = self._chunking, None
+        g, self.scheduler.chunking = self.scheduler.chunking, None
         assert g is not None  # called while a long prompt is being prefilled
-        self.kv.free(len(self._decoding))
+        self.kv.free(len(self.scheduler.decoding))
         self._retire(g, reason, records)
 
     def _run_prefills(self, batch: list[Generation], records: list[CoreRecord]) -> None:
         """Prefill these prompts into the next free rows (one right-padded forward); each
         generation then decodes with the others."""
-        first = len(self._decoding)
-        if self._chunking is not None:  # the long prompt's row (after the decoding ones) makes room
+        first = len(self.scheduler.decoding)
+        if self.scheduler.chunking is not None:  # the long prompt's row (after the decoding ones) makes room
             self.kv.move(first, first + len(batch))
         for i, g in enumerate(batch):
             p = g.params
@@ -420,7 +367,7 @@ class EngineCore:
             g.t_start = time.perf_counter()
             g.sampler = RowSampler(p.sampling, make_generator(p.sampling.seed), p.n_logprobs,
                                    p.return_attention, vocab_limit=self.vocab_limit)
-            self._decoding.append(g)  # owns row first + i from now on
+            self.scheduler.decoding.append(g)  # owns row first + i from now on
         lengths = [len(g.params.prompt_ids) for g in batch]
         T = max(lengths)
         padded = [g.params.prompt_ids + [0] * (T - n) for g, n in zip(batch, lengths)]  # (B, T), pad id 0
@@ -475,7 +422,7 @@ class EngineCore:
         return PromptRecord(g, chosen, top_ids, top_values)
 
     def _run_decode(self, records: list[CoreRecord]) -> None:
-        rows = self._decoding  # finished generations were retired: row i is rows[i]
+        rows = self.scheduler.decoding  # finished generations were retired: row i is rows[i]
         # (B, 1) ids; replayed CUDA graphs copy them in from the host with the rows' lengths
         inputs = torch.tensor([[g.last_token] for g in rows], dtype=torch.long,
                               device="cpu" if self.graphs is not None else self.device)
@@ -532,23 +479,23 @@ class EngineCore:
         g.error_message = "internal error while generating; see the server log"  # details stay in the log
 
     def _retire_finished(self, records: list[CoreRecord]) -> None:
-        for g, reason in [(g, g.finish_reason) for g in self._decoding if g.finish_reason is not None]:
+        for g, reason in [(g, g.finish_reason) for g in self.scheduler.decoding if g.finish_reason is not None]:
             self._retire(g, reason, records)
 
     def _retire(self, g: Generation, reason: str, records: list[CoreRecord]) -> None:
         """Free g's slot and cache row (the last row moves into it), then its final record."""
-        if g in self._decoding:
-            row, last = self._decoding.index(g), len(self._decoding) - 1
+        if g in self.scheduler.decoding:
+            row, last = self.scheduler.decoding.index(g), len(self.scheduler.decoding) - 1
             if row != last:
                 self.kv.move(last, row)
-                self._decoding[row] = self._decoding[last]
+                self.scheduler.decoding[row] = self.scheduler.decoding[last]
             else:
                 self.kv.free(row)
-            self._decoding.pop()
-            if self._chunking is not None:  # the long prompt's row follows the decoding ones down
+            self.scheduler.decoding.pop()
+            if self.scheduler.chunking is not None:  # the long prompt's row follows the decoding ones down
                 self.kv.move(last + 1, last)
             # give back what the finished rows held, to the system too (freed tensors stay in the heap)
-            if self.cache_paged and self.kv.trim(len(self._decoding) + (self._chunking is not None)):
+            if self.cache_paged and self.kv.trim(len(self.scheduler.decoding) + (self.scheduler.chunking is not None)):
                 heap.trim()
         g.t_end = time.perf_counter()
         if reason == "cancelled":
