@@ -6,16 +6,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from attnlens.app.api.common_schemas import stop_list
-from attnlens.app.api.deps import get_state
-from attnlens.app.api.generate_schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
+from attnlens.app.api.deps import GeneratingModel, StateDep
+from attnlens.app.api.generate_schemas import GenerateResponse, StreamDone, StreamError, StreamToken
 from attnlens.app.engine import EngineFront, GenerationParams
-from attnlens.app.registry.model_registry import GENERATE, lookup
 from attnlens.app.server.api_errors import field_error, public_message
-from attnlens.app.server.state import AppState
 from attnlens.app.serving.ablation_edits import resolve_ablate
 from attnlens.app.serving.answer_budget import off_loop
 from attnlens.app.serving.chat_serving import conversation_ids
@@ -56,8 +54,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
                                "description": "JSON, or with stream=true a stream of `token` events, "
                                               "then one `done` (or `error`) event"}},
 )
-async def generate(body: GenerateRequest, request: Request, state: AppState = Depends(get_state)):
-    served = lookup(state, body.model, GENERATE)
+async def generate(asked: GeneratingModel, request: Request, state: StateDep):
+    body, served = asked.body, asked.served
     engine: EngineFront = served.runner
     settings = state.settings
     check_new_token_limit(settings, body.max_new_tokens, "max_new_tokens")

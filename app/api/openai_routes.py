@@ -21,15 +21,14 @@ import codecs
 import time
 import uuid
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
-from attnlens.app.api.deps import get_state
+from attnlens.app.api.deps import CompletionsModel, ListedModel, RegistryDep, StateDep
 from attnlens.app.api.generate_schemas import GeneratedTokenOut, StreamDone, StreamToken
 from attnlens.app.api.openai_schemas import Completion, CompletionRequest, ModelCard, ModelList
 from attnlens.app.engine import EngineFront, GenerationParams, RequestState
-from attnlens.app.registry.model_registry import COMPLETIONS, ServedModel, lookup
+from attnlens.app.registry.model_registry import COMPLETIONS, ServedModel
 from attnlens.app.server.api_errors import ApiError
-from attnlens.app.server.state import AppState
 from attnlens.app.serving.generation_streams import sse
 from attnlens.app.serving.openai_serving import (
     ERRORS,
@@ -37,8 +36,6 @@ from attnlens.app.serving.openai_serving import (
     check_capacity,
     check_logit_bias,
     collect_choices,
-    lookup_v1,
-    not_found,
     sampling,
     stream_choices,
     stream_description,
@@ -195,8 +192,8 @@ class _CompletionChunks:
 @router.post("/completions", response_model=Completion, response_model_exclude_none=False,
              responses={**ERRORS, 200: stream_description("Completion", "a Completion whose choices carry the "
                                                                         "new text")})
-async def completions(body: CompletionRequest, request: Request, state: AppState = Depends(get_state)):
-    served = lookup_v1(state, body.model, COMPLETIONS)
+async def completions(asked: CompletionsModel, request: Request, state: StateDep):
+    body, served = asked.body, asked.served
     engine: EngineFront = served.runner
     settings = state.settings
     check_new_token_limit(settings, body.max_tokens, "max_tokens")
@@ -256,20 +253,12 @@ def _card(served: ServedModel) -> dict:
 
 
 @router.get("/models", response_model=ModelList, responses=ERRORS)
-async def models(state: AppState = Depends(get_state)):
+async def models(registry: RegistryDep):
     """The models that generate (decoders, encoder-decoders); GET /models lists every loaded model."""
-    lookup(state, None, None)  # 503 until the models are ready
-    registry = state.registry
-    assert registry is not None  # ready: lookup was no 503
     return {"object": "list", "data": [_card(m) for m in registry.models.values() if COMPLETIONS in m.tasks]}
 
 
 @router.get("/models/{model}", response_model=ModelCard, responses=ERRORS)
-async def model_card(model: str, state: AppState = Depends(get_state)):
+async def model_card(served: ListedModel):
     """One model of GET /v1/models (OpenAI's models.retrieve); a model /v1 cannot use is a 404."""
-    lookup(state, None, None)  # 503 until the models are ready
-    assert state.registry is not None  # ready: lookup was no 503
-    served = state.registry.models.get(model)
-    if served is None or COMPLETIONS not in served.tasks:
-        raise not_found(state, model)
     return _card(served)
