@@ -6,11 +6,10 @@ app/serving/attention_serving.py, its serving side)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
-from attnlens.app.api.attention_schemas import AttentionRequest, AttentionResponse
-from attnlens.app.api.deps import get_state
-from attnlens.app.server.state import AppState
+from attnlens.app.api.attention_schemas import AttentionResponse
+from attnlens.app.api.deps import AttentionModel, StateDep
 from attnlens.app.serving.attention_serving import AttentionServing
 
 router = APIRouter(tags=["attention"])
@@ -26,7 +25,7 @@ router = APIRouter(tags=["attention"])
                                     "ATTNLENS_MAX_ANSWER_BYTES for ATTNLENS_ANSWER_WAIT_S; see Retry-After"},
                503: {}},
 )
-async def attention(body: AttentionRequest, request: Request, state: AppState = Depends(get_state)):
+async def attention(asked: AttentionModel, request: Request, state: StateDep):
     """Attention maps of `text`, of token `ids` as they are, or of a conversation (`messages`,
     rendered with a chat model's template: the maps show the template's tokens); exactly one.
 
@@ -40,4 +39,4 @@ async def attention(body: AttentionRequest, request: Request, state: AppState = 
     `rows` / `cols` a window at full resolution. Maps are made a block of query rows at a time and
     reduced at once, so a request's memory follows its answer, not T x T.
     """
-    return await AttentionServing(state).attention(body, request)
+    return await AttentionServing(state).attention(asked.body, asked.served, request)

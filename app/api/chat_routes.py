@@ -10,11 +10,10 @@ ATTNLENS_MAX_NEW_TOKENS. Tools, images and audio are not supported (a 422 names 
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
-from attnlens.app.api.chat_schemas import ChatCompletion, ChatCompletionRequest
-from attnlens.app.api.deps import get_state
-from attnlens.app.server.state import AppState
+from attnlens.app.api.chat_schemas import ChatCompletion
+from attnlens.app.api.deps import ChatModel, StateDep
 from attnlens.app.serving.chat_serving import chat_completion
 from attnlens.app.serving.openai_serving import ERRORS, stream_description
 
@@ -27,6 +26,6 @@ STREAM = stream_description("ChatCompletion", "object chat.completion.chunk: the
 
 @router.post("/chat/completions", response_model=ChatCompletion, response_model_exclude_none=False,
              responses={**ERRORS, 200: STREAM})
-async def chat_completions(body: ChatCompletionRequest, request: Request, state: AppState = Depends(get_state)):
+async def chat_completions(asked: ChatModel, request: Request, state: StateDep):
     """The assistant's next turn in a conversation, rendered with the model's own chat template."""
-    return await chat_completion(body, request, state)
+    return await chat_completion(asked.body, asked.served, request, state)

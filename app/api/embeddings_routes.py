@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from attnlens.app.api.deps import StateDep
-from attnlens.app.api.openai_schemas import EmbeddingList, EmbeddingRequest
+from attnlens.app.api.deps import EmbeddingModel, StateDep
+from attnlens.app.api.openai_schemas import EmbeddingList
 from attnlens.app.serving.embeddings_serving import EmbeddingsServing
 from attnlens.app.serving.openai_serving import ERRORS
 
@@ -19,7 +19,7 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 
 
 @router.post("/embeddings", response_model=EmbeddingList, responses=ERRORS)
-async def embeddings(body: EmbeddingRequest, state: StateDep):
+async def embeddings(asked: EmbeddingModel, state: StateDep):
     """Each input's sentence embedding from an encoder: its hidden states pooled (the mean over its
     tokens, or [CLS]) and L2-normalised."""
-    return await EmbeddingsServing(state).create(body)
+    return await EmbeddingsServing(state).create(asked.body, asked.served)

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from attnlens.app.api.deps import RegistryDep
+from attnlens.app.api.deps import ClassifyModel, FillMaskModel, RegistryDep
 from attnlens.app.api.encoder_schemas import (
-    ClassifyRequest,
     ClassifyResponse,
-    FillMaskRequest,
     FillMaskResponse,
     ModelsResponse,
     ModelSummary,
@@ -44,14 +42,14 @@ async def list_models(registry: RegistryDep) -> ModelsResponse:
              responses={400: {"description": "no [MASK], too long (by its bytes, before tokenising, or by its "
                                              "tokens), or a model that cannot fill masks"},
                         404: {"description": "unknown model"}, 429: {}, 503: {}})
-async def fill_mask_route(body: FillMaskRequest, registry: RegistryDep) -> FillMaskResponse:
+async def fill_mask_route(asked: FillMaskModel) -> FillMaskResponse:
     """The top-k tokens for each `[MASK]` in `text`, as Hugging Face's fill-mask pipeline gives them."""
-    return await EncoderServing(registry).fill_mask(body)
+    return await EncoderServing().fill_mask(asked.body, asked.served)
 
 
 @router.post("/classify", response_model=ClassifyResponse,
              responses={400: {"description": "too long, or a model without a classification head"},
                         404: {"description": "unknown model"}, 429: {}, 503: {}})
-async def classify_route(body: ClassifyRequest, registry: RegistryDep) -> ClassifyResponse:
+async def classify_route(asked: ClassifyModel) -> ClassifyResponse:
     """Every label's probability for `text`, highest first (Hugging Face's text-classification, top_k=None)."""
-    return await EncoderServing(registry).classify(body)
+    return await EncoderServing().classify(asked.body, asked.served)

@@ -5,11 +5,10 @@ model/analysis/head_scores.py's)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
-from attnlens.app.api.deps import get_state
-from attnlens.app.api.heads_schemas import HeadsRequest, HeadsResponse
-from attnlens.app.server.state import AppState
+from attnlens.app.api.deps import HeadsModel, StateDep
+from attnlens.app.api.heads_schemas import HeadsResponse
 from attnlens.app.serving.heads_serving import HeadsServing
 
 router = APIRouter(tags=["heads"])
@@ -26,7 +25,7 @@ router = APIRouter(tags=["heads"])
                                     "ATTNLENS_MAX_QUEUE), or maps in flight over ATTNLENS_MAX_ANSWER_BYTES for "
                                     "ATTNLENS_ANSWER_WAIT_S; see Retry-After"}, 503: {}},
 )
-async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
+async def heads(asked: HeadsModel, state: StateDep):
     """Per-head scores and roles of every attention group, on `text`, `ids` or `probe` (exactly one).
 
     Scores come from the attention maps /attention shows. previous_token, duplicate_token and
@@ -40,4 +39,4 @@ async def heads(body: HeadsRequest, state: AppState = Depends(get_state)):
     The probe {"kind": "repeated_random", "length": n, "seed": s} is BOS + n random tokens + the
     same n, where an induction head shows (about 0.5 at most on a causal model).
     """
-    return await HeadsServing(state).heads(body)
+    return await HeadsServing(state).heads(asked.body, asked.served)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from attnlens.app.api.deps import RegistryDep, StateDep
+from attnlens.app.api.deps import AnyModel, SettingsDep, StateDep
 from attnlens.app.api.ops_schemas import Health, ModelInfo, Readiness
 from attnlens.app.server.metrics import CONTENT_TYPE_LATEST
 from attnlens.model.placement import weights_label
@@ -60,10 +60,9 @@ def training_summary(report: dict | None) -> dict | None:
 
 
 @router.get("/model", response_model=ModelInfo, responses={404: {"description": "unknown model"}})
-async def model_info(registry: RegistryDep, state: StateDep, model: str | None = None):
+async def model_info(served: AnyModel, s: SettingsDep):
     """The default model, or the loaded model named by `?model=` (GET /models lists them)."""
-    served = registry.get(model)
-    ckpt, name, s = served.checkpoint, served.name, state.settings
+    ckpt, name = served.checkpoint, served.name
     cfg = ckpt.config
     return {
         "name": name,

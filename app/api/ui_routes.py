@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import FileResponse, JSONResponse
 
-from attnlens.app.api.deps import get_settings
-from attnlens.app.server.settings import Settings
+from attnlens.app.api.deps import SettingsDep
 
 router = APIRouter(tags=["ui"])
 
 
 @router.get("/", include_in_schema=False)
-async def index(settings: Settings = Depends(get_settings)):
+async def index(settings: SettingsDep):
     page = settings.static_dir / "index.html"
     if not page.is_file():
         return JSONResponse({"detail": f"no web page is installed ({page} is missing); the API is "

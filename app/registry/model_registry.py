@@ -75,7 +75,8 @@ class ServedModel:
 
     @property
     def generation(self) -> GenerationSpec:
-        """How the family generates: for a model looked up for a generating task (lookup checks it)."""
+        """How the family generates: for a model looked up for a generating task (its route's
+        dependency, app/api/deps.py, checks it)."""
         spec = self.family.generation
         assert spec is not None, f"{self.describe()} does not generate"
         return spec
@@ -148,11 +149,3 @@ def bundled_checkpoints(root: Path) -> list[Path]:
         return []
     return sorted(p for p in root.iterdir() if (p / "config.json").is_file())
 
-
-def lookup(state, name: str | None, task: str | None, *, param: str = "model") -> ServedModel:
-    """The served model for a request (503 until start-up is done; 404 / 400 as `get`)."""
-    registry = getattr(state, "registry", None)
-    if not state.ready or registry is None:
-        raise ApiError(503, f"the model is not ready ({state.status})", code="not_ready",
-                       headers={"Retry-After": "5"})
-    return registry.get(name, task, param=param)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from attnlens.app.api.attention_schemas import AttentionRequest
-from attnlens.app.registry.model_registry import ATTENTION, lookup
+from attnlens.app.registry.model_registry import ServedModel
 from attnlens.app.server.api_errors import ApiError, field_error
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.ablation_edits import resolve_ablate
@@ -136,9 +136,8 @@ class AttentionServing:
     def __init__(self, state: AppState):
         self.state = state
 
-    async def attention(self, body: AttentionRequest, request: Request):
+    async def attention(self, body: AttentionRequest, served: ServedModel, request: Request):
         state = self.state
-        served = lookup(state, body.model, ATTENTION)
         family, cfg, tok = served.family, served.checkpoint.config, served.checkpoint.tokenizer
         if body.packing == "tril" and not family.has_causal_group:
             raise field_error("packing", f"'tril' keeps only the lower triangle, but this model's attention is "

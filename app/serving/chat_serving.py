@@ -25,7 +25,7 @@ from attnlens.app.api.chat_schemas import ChatCompletionRequest
 from attnlens.app.api.common_schemas import ChatMessage
 from attnlens.app.api.generate_schemas import GeneratedTokenOut, StreamDone, StreamToken
 from attnlens.app.engine import GenerationParams
-from attnlens.app.registry.model_registry import CHAT, COMPLETIONS, ServedModel, lookup
+from attnlens.app.registry.model_registry import CHAT, ServedModel
 from attnlens.app.server.api_errors import ApiError
 from attnlens.app.server.settings import Settings
 from attnlens.app.server.state import AppState
@@ -36,7 +36,6 @@ from attnlens.app.serving.openai_serving import (
     check_capacity,
     check_logit_bias,
     collect_choices,
-    lookup_v1,
     sampling,
     stream_choices,
     usage,
@@ -60,22 +59,6 @@ def require_template(state: AppState, served: ServedModel, param: str = "model")
         assert state.registry is not None  # `served` came from it
         raise no_template(served, [m.name for m in state.registry.models.values() if CHAT in m.tasks], param)
     return template
-
-
-def chat_model(state: AppState, name: str | None) -> ServedModel:
-    """The model a chat request names; with no name, the default model, or else the one loaded
-    model that has a chat template. A model that does not generate is the registry's 400 (what it
-    can do); one that generates without a template, `no_template`'s."""
-    registry = state.registry if state.ready else None
-    if name is None and registry is not None and CHAT not in registry.models[registry.default].tasks:
-        able = [m.name for m in registry.models.values() if CHAT in m.tasks]
-        if len(able) == 1:
-            name = able[0]
-    served = lookup_v1(state, name, None)  # 503 until ready; an unknown name is OpenAI's 404
-    if COMPLETIONS not in served.tasks:
-        lookup(state, served.name, CHAT)  # the registry's 400: what this model can do instead
-    require_template(state, served)
-    return served
 
 
 async def conversation_ids(state: AppState, served: ServedModel, messages: list[ChatMessage], limit: int, *,
@@ -180,8 +163,8 @@ def _new_tokens(body: ChatCompletionRequest, settings: Settings, prompt_len: int
     return min(settings.max_new_tokens, context - prompt_len), "max_completion_tokens"
 
 
-async def chat_completion(body: ChatCompletionRequest, request: Request, state: AppState):
-    served = chat_model(state, body.model)
+async def chat_completion(body: ChatCompletionRequest, served: ServedModel, request: Request, state: AppState):
+    """The assistant's next turn from `served` (the chat model app/api/deps.py found for the request)."""
     engine, settings = served.runner, state.settings
     tok = engine.tokenizer
     check_logit_bias(body, tok)

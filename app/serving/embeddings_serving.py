@@ -22,37 +22,11 @@ import base64
 import numpy as np
 
 from attnlens.app.api.openai_schemas import EmbeddingRequest
-from attnlens.app.registry.model_registry import EMBEDDINGS, ServedModel, lookup
+from attnlens.app.registry.model_registry import ServedModel
 from attnlens.app.server.api_errors import ApiError
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.prompts import check_text_bytes, tokenize_texts
 from attnlens.model.analysis.operations import EmbedCall
-
-
-def encoders(state: AppState) -> list[str]:
-    assert state.registry is not None  # asked only once lookup found the models loaded
-    return [m.name for m in state.registry.models.values() if EMBEDDINGS in m.tasks]
-
-
-def embedding_model(state: AppState, name: str | None) -> ServedModel:
-    """The encoder a request names; with no name, the default model, or else the one loaded
-    encoder. An unknown name is OpenAI's 404 and a model that is no encoder a 400, both naming
-    the encoders served here."""
-    try:
-        return lookup(state, name, EMBEDDINGS)  # 503 until ready
-    except ApiError as e:
-        if e.code not in ("model_not_found", "unsupported_task"):
-            raise
-        able = encoders(state)
-        listed = f"the encoders served here are: {', '.join(able)}" if able else "no encoder is served here"
-        if e.code == "model_not_found":
-            raise ApiError(404, f"the model {name!r} does not exist; {listed}", param="model",
-                           code="model_not_found") from None
-        assert state.registry is not None  # lookup's 404 or 400: the models are loaded
-        served = state.registry.models[name or state.registry.default]
-        which = "" if name else "the default "
-        raise ApiError(400, f"embeddings need an encoder: {which}{served.describe()} is not one; {listed} "
-                            f"(name one in `model`)", param="model", code="unsupported_task") from None
 
 
 def check_request(body: EmbeddingRequest, served: ServedModel, max_inputs: int) -> list[str]:
@@ -108,9 +82,9 @@ class EmbeddingsServing:
     def __init__(self, state: AppState):
         self.state = state
 
-    async def create(self, body: EmbeddingRequest) -> dict:
-        """OpenAI's embedding list for the request: one unit vector per input, in input order."""
-        served = embedding_model(self.state, body.model)
+    async def create(self, body: EmbeddingRequest, served: ServedModel) -> dict:
+        """OpenAI's embedding list for the request from `served` (the encoder app/api/deps.py found
+        for it): one unit vector per input, in input order."""
         texts = check_request(body, served, self.state.settings.max_embedding_inputs)
         rows = await framed_inputs(body, served, texts)
         tok = served.checkpoint.tokenizer

@@ -6,7 +6,7 @@ answer made of its scores (candidates' texts, labels' names)."""
 from __future__ import annotations
 
 from attnlens.app.api.encoder_schemas import ClassifyRequest, ClassifyResponse, FillMaskRequest, FillMaskResponse
-from attnlens.app.registry.model_registry import CLASSIFY, FILL_MASK, ModelRegistry, ServedModel
+from attnlens.app.registry.model_registry import ServedModel
 from attnlens.app.server.api_errors import ApiError
 from attnlens.app.serving.answer_budget import off_loop
 from attnlens.app.serving.encoder_tasks import TaskInputError, candidates, fill_mask_call, framed_ids, ranked_labels
@@ -29,13 +29,9 @@ def input_error(e: TaskInputError) -> ApiError:
 
 
 class EncoderServing:
-    """Answers an encoder's tasks (fill-mask, classify) for the models in `registry`."""
+    """Answers an encoder's tasks (fill-mask, classify), each for the model the route's dependency found."""
 
-    def __init__(self, registry: ModelRegistry):
-        self.registry = registry
-
-    async def fill_mask(self, body: FillMaskRequest) -> FillMaskResponse:
-        served = self.registry.get(body.model, FILL_MASK)
+    async def fill_mask(self, body: FillMaskRequest, served: ServedModel) -> FillMaskResponse:
         check_text(served, body.text)
         ckpt = served.checkpoint
         try:
@@ -46,8 +42,7 @@ class EncoderServing:
         masks = await off_loop(candidates, ckpt.tokenizer, body.text, call, spans, scores)
         return FillMaskResponse(model=served.name, masks=[[c.__dict__ for c in row] for row in masks])
 
-    async def classify(self, body: ClassifyRequest) -> ClassifyResponse:
-        served = self.registry.get(body.model, CLASSIFY)
+    async def classify(self, body: ClassifyRequest, served: ServedModel) -> ClassifyResponse:
         check_text(served, body.text)
         try:
             ids = await off_loop(framed_ids, served.checkpoint, body.text)

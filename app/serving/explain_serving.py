@@ -24,7 +24,7 @@ from attnlens.app.api.explain_schemas import (
     LogitsRequest,
     LogitsResponse,
 )
-from attnlens.app.registry.model_registry import ATTENTION, ServedModel, lookup
+from attnlens.app.registry.model_registry import ServedModel
 from attnlens.app.server.api_errors import ApiError
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.ablation_edits import resolve_ablate
@@ -38,16 +38,9 @@ FLOAT_BYTES = 24  # a float in JSON, with its separator, at most
 TOKEN_BYTES = 96  # {"id":..,"text":..,"prob":..}
 
 
-def _served(state, name: str | None) -> ServedModel:
-    served = lookup(state, name, ATTENTION)
-    if served.family.lens is None:
-        raise ApiError(400, f"{served.describe()} declares no logits to read per position", param="model",
-                       code="unsupported_task")
-    return served
-
-
 def _lens(served: ServedModel) -> LensSpec:
-    """The family's lens: every model here came through _served, which refuses a family without one."""
+    """The family's lens: every model here came through app/api/deps.py's lens_model, which refuses a
+    family without one."""
     lens = served.family.lens
     assert lens is not None, f"{served.describe()} declares no lens"
     return lens
@@ -120,9 +113,8 @@ class ExplainServing:
     def __init__(self, state: AppState):
         self.state = state
 
-    async def logits(self, body: LogitsRequest):
+    async def logits(self, body: LogitsRequest, served: ServedModel):
         state = self.state
-        served = _served(state, body.model)
         edits, echo = resolve_ablate(served, body.ablate, state.settings)
         ids, target = await read_sequence(body, served, state)
         n = 1 if body.positions == "last" else _stream_length(served, ids, target)
@@ -141,9 +133,8 @@ class ExplainServing:
         return await answer_with_claim(state, served, call, content, what="this answer",
                                        need=n * per_position * (2 if edits else 1) + len(ids) * TOKEN_BYTES)
 
-    async def lens(self, body: LensRequest):
+    async def lens(self, body: LensRequest, served: ServedModel):
         state = self.state
-        served = _served(state, body.model)
         edits, echo = resolve_ablate(served, body.ablate, state.settings)
         ids, target = await read_sequence(body, served, state)
         rows = served.checkpoint.config.n_layers + 1
@@ -173,9 +164,8 @@ class ExplainServing:
                                        need=rows * (n if body.positions is None else len(body.positions))
                                        * (body.top_k + 2) * TOKEN_BYTES, check=_reached("positions"))
 
-    async def explain_head(self, body: ExplainRequest):
+    async def explain_head(self, body: ExplainRequest, served: ServedModel):
         state = self.state
-        served = _served(state, body.model)
         family, cfg = served.family, served.checkpoint.config
         names = [g.name for g in family.groups]
         group = family.primary.name if body.group is None else body.group

@@ -6,7 +6,7 @@ scores (app/serving/head_atlas.py), checked against the schema and encoded."""
 from __future__ import annotations
 
 from attnlens.app.api.heads_schemas import HeadsRequest, HeadsResponse
-from attnlens.app.registry.model_registry import ATTENTION, ServedModel, lookup
+from attnlens.app.registry.model_registry import ServedModel
 from attnlens.app.server.api_errors import ApiError, field_error
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.answer_budget import answer_with_claim, off_loop
@@ -39,9 +39,8 @@ class HeadsServing:
     def __init__(self, state: AppState):
         self.state = state
 
-    async def heads(self, body: HeadsRequest):
+    async def heads(self, body: HeadsRequest, served: ServedModel):
         state = self.state
-        served = lookup(state, body.model, ATTENTION)
         family, cfg, tok = served.family, served.checkpoint.config, served.checkpoint.tokenizer
         one_input(body)
         ids, target, probe = await self._ids(body, served)

@@ -1,5 +1,5 @@
-"""What the OpenAI-compatible routes share (/v1/completions, /v1/chat/completions): the model a
-/v1 request names, what a request's choices would claim, each choice's sampling, and running
+"""What the OpenAI-compatible routes share (/v1/completions, /v1/chat/completions): the 404 for a
+model /v1 does not list, what a request's choices would claim, each choice's sampling, and running
 the choices' generations, as one answer or as one stream of `data:` chunks ending `[DONE]`.
 
 A route says only how its chunks and choices look: `stream_choices` takes a `ChunkWriter`
@@ -20,10 +20,9 @@ from fastapi.responses import StreamingResponse
 from attnlens.app.api.generate_schemas import StreamDone, StreamToken
 from attnlens.app.api.openai_schemas import OpenAIErrorResponse, SamplingRequest
 from attnlens.app.engine import EngineFront, RequestState, RequestTooLarge
-from attnlens.app.registry.model_registry import COMPLETIONS, ServedModel, lookup
+from attnlens.app.registry.model_registry import COMPLETIONS, ModelRegistry
 from attnlens.app.server.api_errors import ApiError, public_message
 from attnlens.app.server.metrics import Metrics
-from attnlens.app.server.state import AppState
 from attnlens.app.serving.generation_streams import (
     SSE_HEADERS,
     Outcome,
@@ -41,20 +40,11 @@ ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": OpenAIErrorResponse} 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-def not_found(state: AppState, name: str) -> ApiError:
+def not_found(registry: ModelRegistry, name: str) -> ApiError:
     """OpenAI's 404 for a model: it names only the models GET /v1/models lists."""
-    assert state.registry is not None  # asked only once the models are loaded
-    listed = [m.name for m in state.registry.models.values() if COMPLETIONS in m.tasks]
+    listed = [m.name for m in registry.models.values() if COMPLETIONS in m.tasks]
     return ApiError(404, f"the model {name!r} does not exist; the models here are: {', '.join(listed)} "
                          f"(GET /v1/models)", param="model", code="model_not_found")
-
-
-def lookup_v1(state: AppState, name: str | None, task: str | None) -> ServedModel:
-    """The model a /v1 request names: a 404 for a name no loaded model has (naming the /v1
-    models); a loaded model that cannot do `task` is a 400 that says what it can do."""
-    if name is not None and state.ready and state.registry is not None and name not in state.registry.models:
-        raise not_found(state, name)
-    return lookup(state, name, task)
 
 
 def check_logit_bias(body: SamplingRequest, tok) -> None:
