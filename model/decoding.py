@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 
 from attnlens.model.families.contract import GenerativeModel, family_of
-from attnlens.model.kv_cache import KVCache, pageable
+from attnlens.model.kv_cache import RowCache, pageable
 
 # each row's sampling rules and the tokens they pick (model/sampling.py), named here too: the
 # decode loop's vocabulary, and where callers have always imported them from
@@ -34,7 +34,7 @@ class StepOutput:
 
 def decode_step(
     model: GenerativeModel,
-    cache: KVCache,
+    cache: RowCache,
     inputs: torch.Tensor,
     samplers: list[RowSampler],
     *,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -168,6 +169,45 @@ class KVCache:
 
     def reset(self) -> None:
         self.lengths.zero_()
+
+
+@runtime_checkable
+class RowCache(Protocol):
+    """What the engine asks of every KV cache (this module's, the paged one, the translator's): rows,
+    each with its own length, that a forward call fills and the engine frees and moves."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def lengths(self) -> torch.Tensor: ...
+
+    @property
+    def keys(self) -> list[torch.Tensor]: ...
+
+    @property
+    def values(self) -> list[torch.Tensor]: ...
+
+    def row_slice(self, rows: slice | None, batch: int) -> slice: ...
+
+    def free(self, row: int) -> None: ...
+
+    def move(self, src: int, dst: int) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+@runtime_checkable
+class BlockCache(RowCache, Protocol):
+    """A cache in blocks from one budget (model/paged_kv_cache.py): the engine admits prompts while
+    their blocks fit, and trims the pool when rows end."""
+
+    @property
+    def bytes_held(self) -> int: ...
+
+    def bytes_for_lengths(self, lengths: list[int]) -> int: ...
+
+    def trim(self, active_rows: int) -> bool: ...
 
 
 def pageable(model) -> bool:

@@ -203,54 +203,22 @@ class PagedWrite(CacheWrite):
         return PagedLayer(self, index)
 
 
-class PagedKVCache:
-    """The KV cache in blocks (the module docstring); the engine's on the CPU."""
+class BlockTable:
+    """Which blocks each row holds, and which are free (vLLM's block table and free-block queue):
+    bookkeeping alone, no tensors. A row takes the block after its last one when that is free (a
+    row is usually one run), else the lowest free one."""
 
-    def __init__(self, n_layers: int, n_rows: int, n_kv_heads: int, capacity: int, d_head: int, *,
-                 device=None, dtype=None, pool_bytes: int | None = None, block: int = BLOCK):
-        self.n_layers, self.n_kv_heads, self.d_head = n_layers, n_kv_heads, d_head
-        self.dtype = dtype if dtype is not None else torch.get_default_dtype()
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.n_rows, self.capacity, self.block = n_rows, capacity, block
-        self.lengths = torch.zeros(n_rows, dtype=torch.long)
+    def __init__(self, n_rows: int, n_blocks: int, block: int):
+        self.n_rows, self.n_blocks, self.block = n_rows, n_blocks, block
+        self.lengths = torch.zeros(n_rows, dtype=torch.long)  # positions filled in each row
         self.tables: list[list[int]] = [[] for _ in range(n_rows)]
-        element = torch.empty((), dtype=self.dtype).element_size()
-        self.block_elements = n_kv_heads * block * d_head
-        self.block_bytes = 2 * n_layers * self.block_elements * element  # keys and values, every layer
-        context_blocks = blocks_for(capacity, block)
-        wanted = pool_bytes // self.block_bytes if pool_bytes is not None else n_rows * context_blocks
-        self.n_blocks = max(int(wanted), context_blocks)  # one whole context always fits
-        shape = (n_layers, 2, self.n_blocks, n_kv_heads, block, d_head)
-        small = self.n_blocks * self.block_bytes < _SMALL_POOL or self.device.type != "cpu"
-        # torch.empty of a large size is fresh anonymous memory: zero, and backed only where written
-        self._storage = (torch.zeros if small else torch.empty)(shape, dtype=self.dtype, device=self.device)
-        self._releases = not small and MADVISE is not None
-        if self._releases:
-            # small pages: a 2 MB huge page (THP_MEM_ALLOC_ENABLE, app/cli/commands.py) would hold ~40 blocks of
-            # one layer's keys, so a one-block row would keep 2 MB of each of the 2 x layers planes
-            self._advise(0, self._storage.numel() * self._storage.element_size(), NOHUGEPAGE)
-        self.keys = [self._storage[i, 0] for i in range(n_layers)]  # (N, K, P, D) views
-        self.values = [self._storage[i, 1] for i in range(n_layers)]
-        self._free = set(range(self.n_blocks))
-        self._lowest = list(range(self.n_blocks))  # a heap of free-block candidates (stale ones skipped)
+        self._free = set(range(n_blocks))
+        self._lowest = list(range(n_blocks))  # a heap of free-block candidates (stale ones skipped)
         self._dirty: set[int] = set()  # free blocks written since their pages were last released
 
-    # --- memory --------------------------------------------------------------
     @property
     def blocks_in_use(self) -> int:
         return self.n_blocks - len(self._free)
-
-    @property
-    def bytes_held(self) -> int:
-        return self.blocks_in_use * self.block_bytes
-
-    def bytes_for(self, rows: int, positions: int) -> int:
-        """Bytes of keys and values for `rows` rows of `positions` each, in whole blocks."""
-        return rows * blocks_for(positions, self.block) * self.block_bytes
-
-    def bytes_for_lengths(self, lengths: list[int]) -> int:
-        """Bytes for rows of these lengths: what admitting them may come to hold."""
-        return sum(blocks_for(n, self.block) for n in lengths) * self.block_bytes
 
     def _take(self, after: int | None) -> int:
         """A free block: the one after `after` when free (a row stays one run), else the lowest."""
@@ -277,24 +245,29 @@ class PagedKVCache:
         for _ in range(blocks_for(positions, self.block) - len(table)):
             table.append(self._take(table[-1] if table else None))
 
-    def _shrink(self, row: int) -> None:
+    def shrink(self, row: int) -> None:
         """Give back the blocks past the row's length (a right-padded prompt's padding)."""
         table, keep = self.tables[row], blocks_for(int(self.lengths[row]), self.block)
         if len(table) > keep:
             self._give(table[keep:])
             del table[keep:]
 
-    def trim(self, active_rows: int) -> bool:
-        """Rows active_rows .. are free: pack the remaining rows when they are scattered, and give
-        the pages of the free blocks back to the system. Whether any went back."""
-        for row in range(active_rows, self.n_rows):
-            if self.tables[row]:
-                self.free(row)
-        if self._scattered():
-            self.compact()
-        return self.release()
+    def free(self, row: int) -> None:
+        """Forget a row's tokens; its blocks go back."""
+        self._give(self.tables[row])
+        self.tables[row] = []
+        self.lengths[row] = 0
 
-    def _scattered(self) -> bool:
+    def move(self, src: int, dst: int) -> None:
+        """Row src becomes row dst (dst's own blocks go back): its table moves."""
+        if src == dst:
+            return
+        self.free(dst)
+        self.tables[dst], self.tables[src] = self.tables[src], []
+        self.lengths[dst] = self.lengths[src]
+        self.lengths[src] = 0
+
+    def scattered(self) -> bool:
         """Whether the blocks in use span twice their number and more, or a lone row is not one run."""
         held = [t for t in self.tables if t]
         if not held:
@@ -304,15 +277,14 @@ class PagedKVCache:
         lone = len(held) == 1 and held[0] != list(range(held[0][0], held[0][0] + len(held[0])))
         return lone or span > 2 * used + 4
 
-    def compact(self) -> None:
-        """Move every row's blocks into one packed run from block 0, each row one run."""
+    def pack(self) -> list[int]:
+        """Renumber every row's blocks into one packed run from block 0, each row one run. Returns
+        the old block of each new one (0, 1, ...), for the pool to move their contents; [] when
+        they are packed already."""
         order = [(row, t) for row, t in enumerate(self.tables) if t]
         src = [b for _, t in order for b in t]
         if src == list(range(len(src))):
-            return
-        index = torch.tensor(src, device=self.device)
-        for plane in self.keys + self.values:  # via a copy: sources and destinations may overlap
-            plane[: len(src)] = plane.index_select(0, index)
+            return []
         self._dirty |= set(src) - set(range(len(src)))
         start = 0
         for row, t in order:
@@ -320,16 +292,65 @@ class PagedKVCache:
             start += len(t)
         self._free = set(range(start, self.n_blocks))
         self._lowest = list(range(start, self.n_blocks))
+        return src
 
-    def release(self) -> bool:
-        """Hand the pages of free, written blocks back to the system (they read as zeros after)."""
+    def take_dirty_free(self) -> list[int]:
+        """The free blocks written since the last call, in order (their pages may go back)."""
         dirty = sorted(self._dirty & self._free)
         self._dirty.clear()
-        if not dirty or not self._releases:
+        return dirty
+
+
+class BlockPool:
+    """Every block's keys and values, every layer, in one allocation (N blocks of K heads x P
+    positions x D): where the blocks' tensors live. The operating system backs it only where
+    blocks have been written; `release` hands pages of blocks back."""
+
+    def __init__(self, n_layers: int, n_blocks: int, n_kv_heads: int, block: int, d_head: int, *,
+                 device: torch.device, dtype: torch.dtype, block_bytes: int):
+        self.n_layers, self.n_blocks = n_layers, n_blocks
+        self.block_elements = n_kv_heads * block * d_head
+        shape = (n_layers, 2, n_blocks, n_kv_heads, block, d_head)
+        small = n_blocks * block_bytes < _SMALL_POOL or device.type != "cpu"
+        # torch.empty of a large size is fresh anonymous memory: zero, and backed only where written
+        self._storage = (torch.zeros if small else torch.empty)(shape, dtype=dtype, device=device)
+        self.releases = not small and MADVISE is not None
+        if self.releases:
+            # small pages: a 2 MB huge page (THP_MEM_ALLOC_ENABLE, app/cli/commands.py) would hold ~40 blocks of
+            # one layer's keys, so a one-block row would keep 2 MB of each of the 2 x layers planes
+            self._advise(0, self._storage.numel() * self._storage.element_size(), NOHUGEPAGE)
+        self.keys = [self._storage[i, 0] for i in range(n_layers)]  # (N, K, P, D) views
+        self.values = [self._storage[i, 1] for i in range(n_layers)]
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put (B, K, T, D) keys/values in their slots (flat (block, head, position) indices)."""
+        D = k.shape[-1]
+        self.keys[layer].view(-1, D).index_copy_(0, slots, k.reshape(-1, D))
+        self.values[layer].view(-1, D).index_copy_(0, slots, v.reshape(-1, D))
+
+    @staticmethod
+    def gathered(plane: torch.Tensor, table: torch.Tensor, n_keys: int) -> torch.Tensor:
+        """The rows' blocks (table: (B, nb) block ids) of one (N, K, P, D) plane as (B, K, S, D), in
+        position order."""
+        B, nb = table.shape
+        K, P, D = plane.shape[1:]
+        blocks = plane.index_select(0, table.reshape(-1).to(plane.device))  # (B*nb, K, P, D)
+        return blocks.view(B, nb, K, P, D).transpose(1, 2).reshape(B, K, nb * P, D)[:, :, :n_keys]
+
+    def move_blocks(self, src: list[int]) -> None:
+        """Block src[i]'s contents to block i, every plane (via a copy: they may overlap)."""
+        index = torch.tensor(src, device=self._storage.device)
+        for plane in self.keys + self.values:
+            plane[: len(src)] = plane.index_select(0, index)
+
+    def release(self, blocks: list[int]) -> bool:
+        """Hand the pages of these (sorted, free) blocks back to the system (they read as zeros
+        after). Whether any went back."""
+        if not blocks or not self.releases:
             return False
         element = self._storage.element_size()
-        runs, start = [], dirty[0]
-        for a, b in zip(dirty, dirty[1:] + [-1]):  # -1: past the last, which ends the last run
+        runs, start = [], blocks[0]
+        for a, b in zip(blocks, blocks[1:] + [-1]):  # -1: past the last, which ends the last run
             if b != a + 1:
                 runs.append((start, a + 1))
                 start = b
@@ -343,6 +364,84 @@ class PagedKVCache:
         """madvise the whole pages within bytes start .. start+length of the pool."""
         advise_within(self._storage.data_ptr() + start, length, advice)
 
+
+class PagedKVCache:
+    """The KV cache in blocks (the module docstring): a BlockTable (which blocks each row holds)
+    over a BlockPool (the blocks' keys and values); the engine's on the CPU."""
+
+    def __init__(self, n_layers: int, n_rows: int, n_kv_heads: int, capacity: int, d_head: int, *,
+                 device=None, dtype=None, pool_bytes: int | None = None, block: int = BLOCK):
+        self.n_layers, self.n_kv_heads, self.d_head = n_layers, n_kv_heads, d_head
+        self.dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.n_rows, self.capacity, self.block = n_rows, capacity, block
+        element = torch.empty((), dtype=self.dtype).element_size()
+        self.block_bytes = 2 * n_layers * n_kv_heads * block * d_head * element  # keys and values, every layer
+        context_blocks = blocks_for(capacity, block)
+        wanted = pool_bytes // self.block_bytes if pool_bytes is not None else n_rows * context_blocks
+        self.n_blocks = max(int(wanted), context_blocks)  # one whole context always fits
+        self.table = BlockTable(n_rows, self.n_blocks, block)
+        self.pool = BlockPool(n_layers, self.n_blocks, n_kv_heads, block, d_head, device=self.device,
+                              dtype=self.dtype, block_bytes=self.block_bytes)
+
+    # the table's and the pool's state, as every cache names it
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.table.lengths
+
+    @property
+    def tables(self) -> list[list[int]]:
+        return self.table.tables
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return self.pool.keys
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return self.pool.values
+
+    # --- memory --------------------------------------------------------------
+    @property
+    def blocks_in_use(self) -> int:
+        return self.table.blocks_in_use
+
+    @property
+    def bytes_held(self) -> int:
+        return self.blocks_in_use * self.block_bytes
+
+    def bytes_for(self, rows: int, positions: int) -> int:
+        """Bytes of keys and values for `rows` rows of `positions` each, in whole blocks."""
+        return rows * blocks_for(positions, self.block) * self.block_bytes
+
+    def bytes_for_lengths(self, lengths: list[int]) -> int:
+        """Bytes for rows of these lengths: what admitting them may come to hold."""
+        return sum(blocks_for(n, self.block) for n in lengths) * self.block_bytes
+
+    def reserve(self, row: int, positions: int) -> None:
+        """Blocks for `positions` positions in `row` (taking more as needed)."""
+        self.table.reserve(row, positions)
+
+    def trim(self, active_rows: int) -> bool:
+        """Rows active_rows .. are free: pack the remaining rows when they are scattered, and give
+        the pages of the free blocks back to the system. Whether any went back."""
+        for row in range(active_rows, self.n_rows):
+            if self.table.tables[row]:
+                self.free(row)
+        if self.table.scattered():
+            self.compact()
+        return self.release()
+
+    def compact(self) -> None:
+        """Move every row's blocks into one packed run from block 0, each row one run."""
+        src = self.table.pack()
+        if src:
+            self.pool.move_blocks(src)
+
+    def release(self) -> bool:
+        """Hand the pages of free, written blocks back to the system (they read as zeros after)."""
+        return self.pool.release(self.table.take_dirty_free())
+
     # --- one forward call ----------------------------------------------------
     def row_slice(self, rows: slice | None, batch: int) -> slice:
         return rows_of(rows, batch, self.n_rows)
@@ -355,7 +454,7 @@ class PagedKVCache:
         longest = max(starts)
         S = keys_seen(starts, n_new, self.capacity)
         for row, start in zip(range(rows.start, rows.stop), starts):
-            self.reserve(row, start + n_new)
+            self.table.reserve(row, start + n_new)
         tables = [self.tables[r] for r in range(rows.start, rows.stop)]
         P, K = self.block, self.n_kv_heads
         positions = new_positions(starts, n_new)  # (B, T)
@@ -373,9 +472,7 @@ class PagedKVCache:
 
     def store(self, write: PagedWrite, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put the call's (B, K, T, D) keys/values in their slots."""
-        D = k.shape[-1]
-        self.keys[layer].view(-1, D).index_copy_(0, write.slots, k.reshape(-1, D))
-        self.values[layer].view(-1, D).index_copy_(0, write.slots, v.reshape(-1, D))
+        self.pool.store(layer, write.slots, k, v)
 
     def update(self, write: PagedWrite, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store (B, K, T, D) keys/values; return the (B, K, S, D) keys/values the queries see."""
@@ -387,10 +484,7 @@ class PagedKVCache:
     def _gathered(self, plane: torch.Tensor, write: PagedWrite) -> torch.Tensor:
         """The rows' blocks of one (N, K, P, D) plane as (B, K, S, D), in position order."""
         assert write.gather is not None  # begin() sets it on every call
-        B, nb = write.gather.shape
-        K, P, D = plane.shape[1:]
-        blocks = plane.index_select(0, write.gather.reshape(-1).to(plane.device))  # (B*nb, K, P, D)
-        return blocks.view(B, nb, K, P, D).transpose(1, 2).reshape(B, K, nb * P, D)[:, :, :write.n_keys]
+        return self.pool.gathered(plane, write.gather, write.n_keys)
 
     def commit(self, write: PagedWrite, n_new: int | torch.Tensor) -> None:
         """Advance the rows by n_new tokens (an int, or (B,) per row when rows were right-padded);
@@ -398,23 +492,16 @@ class PagedKVCache:
         self.lengths[write.rows] += n_new
         if not isinstance(n_new, int):
             for row in range(write.rows.start, write.rows.stop):
-                self._shrink(row)
+                self.table.shrink(row)
 
     # --- rows ----------------------------------------------------------------
     def free(self, row: int) -> None:
         """Forget a row's tokens; its blocks go back to the pool."""
-        self._give(self.tables[row])
-        self.tables[row] = []
-        self.lengths[row] = 0
+        self.table.free(row)
 
     def move(self, src: int, dst: int) -> None:
         """Row src becomes row dst (dst's own blocks go back): its table moves, not its keys."""
-        if src == dst:
-            return
-        self.free(dst)
-        self.tables[dst], self.tables[src] = self.tables[src], []
-        self.lengths[dst] = self.lengths[src]
-        self.lengths[src] = 0
+        self.table.move(src, dst)
 
     def reset(self) -> None:
         for row in range(self.n_rows):

@@ -359,3 +359,34 @@ def test_long_rows_split_over_the_threads_attend_as_one_softmax(D):
             assert not probs[row, h, 0, n:].any()
             torch.testing.assert_close(out[row, h, 0].double(), p @ values[row, h // G, :n].double(),
                                        atol=2e-5, rtol=1e-5)
+
+
+def test_every_cache_offers_the_engines_protocol_and_only_the_paged_one_its_blocks():
+    from attnlens.model.families.encoder_decoder import TranslationCache
+    from attnlens.model.kv_cache import BlockCache, KVCache, RowCache
+
+    rows = KVCache(2, 3, 2, 16, 4)
+    paged = PagedKVCache(2, 3, 2, 16, 4, block=4)
+    translation = TranslationCache(2, 3, 2, 16, 4)
+    assert all(isinstance(c, RowCache) for c in (rows, paged, translation))
+    assert isinstance(paged, BlockCache) and not isinstance(rows, BlockCache)
+    assert not isinstance(translation, BlockCache)
+
+
+def test_the_block_table_keeps_the_books_without_a_tensor():
+    """Rows take runs of blocks, give them back, move their tables, and pack into one run; the
+    pool's contents are another object's (BlockPool)."""
+    from attnlens.model.paged_kv_cache import BlockTable
+
+    t = BlockTable(n_rows=3, n_blocks=8, block=4)
+    t.reserve(0, 9)  # 3 blocks
+    t.reserve(1, 4)
+    t.reserve(2, 5)
+    assert t.tables == [[0, 1, 2], [3], [4, 5]] and t.blocks_in_use == 6
+    t.free(1)
+    t.lengths[2] = 5
+    t.move(2, 1)
+    assert t.tables == [[0, 1, 2], [4, 5], []] and int(t.lengths[1]) == 5 and int(t.lengths[2]) == 0
+    assert t.pack() == [0, 1, 2, 4, 5] and t.tables == [[0, 1, 2], [3, 4], []]
+    assert t.pack() == []  # packed already
+    assert t.take_dirty_free() == [5] and t.take_dirty_free() == []  # block 5 was written, now free

@@ -64,7 +64,7 @@ from attnlens.model.cuda_graphs import GraphedDecoder
 from attnlens.model.decoding import RowSampler, decode_step, make_generator
 from attnlens.model.families.contract import FixedShapeDecoder
 from attnlens.model.hooks import batch_hooks, hooked
-from attnlens.model.kv_cache import cache_paged
+from attnlens.model.kv_cache import BlockCache, KVCache, RowCache, cache_paged
 
 __all__ = ["EngineCore", "Generation", "GenerationParams", "OutputSink"]
 
@@ -112,9 +112,10 @@ class EngineCore:
         # the families whose module offers a fixed-shape step, FixedShapeDecoder; the others decode
         # eagerly)
         self.graphs: GraphedDecoder | None = None
-        if cuda_graphs and self.generates and self.device.type == "cuda" and isinstance(self.model, FixedShapeDecoder):
+        if cuda_graphs and isinstance(self.cache, KVCache) and self.device.type == "cuda" \
+                and isinstance(self.model, FixedShapeDecoder):
             try:
-                self.graphs = GraphedDecoder(self.model, self.kv)
+                self.graphs = GraphedDecoder(self.model, self.cache)
             except Exception:  # the eager step always works: use it
                 log.warning("could not capture the decode step in CUDA graphs; decoding eagerly", exc_info=True)
                 self.kv.reset()
@@ -142,14 +143,14 @@ class EngineCore:
 
     # --- counters ----------------------------------------------------------
     @property
-    def kv(self):
+    def kv(self) -> RowCache:
         """The KV cache, for the generations' work (only a model that generates has one)."""
         assert self.cache is not None, "a model that does not generate has no KV cache"
         return self.cache
 
     @property
     def cache_paged(self) -> bool:
-        return self.cache is not None and hasattr(self.cache, "tables")
+        return isinstance(self.cache, BlockCache)
 
     @property
     def cache_bytes(self) -> int:
@@ -164,7 +165,7 @@ class EngineCore:
     @property
     def cache_held(self) -> int:
         """Bytes the KV cache holds now: the blocks in use when it is in blocks, else all of it."""
-        return self.kv.bytes_held if self.cache_paged else self.cache_bytes
+        return self.cache.bytes_held if isinstance(self.cache, BlockCache) else self.cache_bytes
 
     # --- what a client calls (any thread) ----------------------------------
     def add_generation(self, g: Generation) -> None:
@@ -495,7 +496,7 @@ class EngineCore:
             if self.scheduler.chunking is not None:  # the long prompt's row follows the decoding ones down
                 self.kv.move(last + 1, last)
             # give back what the finished rows held, to the system too (freed tensors stay in the heap)
-            if self.cache_paged and self.kv.trim(len(self.scheduler.decoding) + (self.scheduler.chunking is not None)):
+            if isinstance(self.cache, BlockCache) and self.cache.trim(len(self.scheduler.decoding) + (self.scheduler.chunking is not None)):
                 heap.trim()
         g.t_end = time.perf_counter()
         if reason == "cancelled":
