@@ -311,8 +311,7 @@ def test_an_ablated_run_from_the_clean_runs_unchanged_blocks_equals_a_full_recom
         sequence_logits(model, seq, clean)
     given = unchanged_outputs(clean.captured, edits)
     assert list(given) == [f"{b}.hook_resid_post" for b in skipped]
-    blocks = {m.hook_name: m for m in model.modules() if getattr(m, "hook_name", None)}  # named by hooked()
-    first = blocks[skipped[0]].attn if skipped else None
+    first = model.get_submodule(f"{skipped[0]}.attn") if skipped else None  # a module's path is its hook name
     calls = []
     handle = first.register_forward_hook(lambda *_: calls.append(1)) if first is not None else None
     try:

@@ -21,7 +21,7 @@ and feeds the first target tokens; later calls `forward(next_ids, kv_cache=cache
 reuse the cached cross K/V and never run the encoder again.
 
 Each side's blocks sit at `encoder.blocks` / `decoder.blocks` (a `Stack`), so their module paths
-are their hook names (model/hooks.py: "decoder.blocks.1.cross_attn"). Checkpoints store
+are their hook names (model/hooks.py: "decoder.blocks.1.cross_attn.hook_z"). Checkpoints store
 them as "encoder_blocks.{l}..." / "decoder_blocks.{l}..." (where the attributes used to be):
 `state_dict` writes those names and `load_state_dict` reads them (STORED_NAMES), so the committed
 checkpoints load as they are, while `named_parameters` gives the paths.
@@ -46,6 +46,7 @@ from attnlens.model.families.contract import (
 )
 from attnlens.model.families.decoder import Transformer
 from attnlens.model.family_parts import FAMILY_PARTS
+from attnlens.model.hooks import name_hook_points
 from attnlens.model.kv_cache import ContextLengthError, KVCache, bytes_per_row, move_row
 from attnlens.model.parts import Block, Embeddings
 from attnlens.model.parts.linear import Linear
@@ -229,6 +230,7 @@ class EncoderDecoder(Embeddings, nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.apply(Transformer._init_weights)
+        name_hook_points(self)  # every HookPoint's name is its path: "decoder.blocks.1.cross_attn.hook_z"
         self.register_state_dict_post_hook(_to_stored_names)
         self.register_load_state_dict_pre_hook(_from_stored_names)
 
