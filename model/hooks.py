@@ -3,8 +3,10 @@
 Shapes: B = batch, T = query positions of the call, S = key positions the queries see, C = d_model,
 H = query heads, K = key/value heads, D = d_head.
 
-Hook points live in the shared parts (model/parts/block.py, attention.py), so every family and
-architecture has them. A point's name is its module's place in the stack plus its own:
+Hook points are modules (`HookPoint`, as TransformerLens's hook_points.py): each part owns its own
+(model/parts/block.py, attention.py: `self.hook_z = HookPoint()`), so every family and architecture
+has them, and each knows its name, its path in the model (`name_hook_points`, when the model is
+built): `[n for n, m in model.named_modules() if isinstance(m, HookPoint)]` lists them all.
 
     {stack}.{l}.hook_resid_pre        [B, T, C]     the block's input (the residual stream)
     {stack}.{l}.hook_resid_post       [B, T, C]     the block's output
@@ -28,6 +30,9 @@ architecture has them. A point's name is its module's place in the stack plus it
     stack: "blocks" (decoder, encoder), "encoder.blocks" / "decoder.blocks" (encoder-decoder)
     attn:  "attn" (self-attention), "cross_attn" (the encoder-decoder's cross-attention)
 
+(and an encoder's "classifier_blocks.{l}": the classification head's own blocks). A point runs only
+under active hooks: without them the parts never call it, and a call returns its input at once.
+
 A family's attention group names the module its heads live in (AttentionGroup.hook, e.g.
 "decoder.blocks.{layer}.cross_attn"); `ablation_targets` resolves (group, layer, head) through it.
 
@@ -40,7 +45,7 @@ mean over the row's positions in the call that first sees the row (a prompt's pr
 engine keeps that mean per row, `row_means`, and reuses it at every decode step). Edits are per
 row: `row_ablate` gives each row of a batch its own (an ablated generation shares its decode
 batch with unablated ones). Unused, the hooks cost one context-variable read and a None check
-per block and attention module (bench/bench_explain.py measures the decode rate).
+per block and attention module, and no module call (bench/bench_explain.py measures the decode rate).
 """
 
 from __future__ import annotations
@@ -157,13 +162,13 @@ class Hooks:
     def __post_init__(self) -> None:
         if not callable(self.record):
             self.record = set(self.record)
-        # module -> [(row or None for every row, head, how)]
+        # hook point ("blocks.2.attn.hook_z") -> [(row or None for every row, head, how)]
         self._edits: dict[str, list[tuple[int | None, int, str]]] = {}
         for e in self.ablate:
-            self._edits.setdefault(e.module, []).append((None, e.head, e.how))
+            self._edits.setdefault(f"{e.module}.hook_z", []).append((None, e.head, e.how))
         for b, edits in enumerate(self.row_ablate or []):
             for e in edits:
-                self._edits.setdefault(e.module, []).append((b, e.head, e.how))
+                self._edits.setdefault(f"{e.module}.hook_z", []).append((b, e.head, e.how))
 
     @property
     def edits(self) -> bool:
@@ -180,6 +185,14 @@ class Hooks:
         if name == self.stop_after:
             raise StopForward(name)
 
+    def point(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """What HookPoint `name` passes on: `tensor` kept as it came, then edited where an ablation
+        says (a hook_z's heads); the tensor itself when nothing edits it."""
+        self.keep(name, tensor)
+        if name not in self._edits:
+            return tensor
+        return self.edit_z(name, tensor)
+
     def means_of(self, row: int) -> dict:
         if self.row_means is None:
             self.row_means = []
@@ -187,14 +200,15 @@ class Hooks:
             self.row_means.append({})
         return self.row_means[row]
 
-    def edit_z(self, module: str, y: torch.Tensor) -> torch.Tensor:
-        """y (B, H, T, D), each head's output: the ablated heads' rows replaced."""
-        edits = self._edits.get(module)
+    def edit_z(self, name: str, z: torch.Tensor) -> torch.Tensor:
+        """z [B, T, H, D], each head's output at hook point `name`: the ablated heads' entries replaced."""
+        edits = self._edits.get(name)
         if not edits:
-            return y
-        y = y.clone()
-        B, _, T, _ = y.shape
-        # each row's real positions when y's rows are right-padded, else None
+            return z
+        module = name.removesuffix(".hook_z")  # the held means' key names the attention module
+        z = z.clone()
+        B, T = z.shape[:2]
+        # each row's real positions when z's rows are right-padded, else None
         valid = self.valid if self.valid is not None and len(self.valid) == B and T == max(self.valid) else None
         for row, head, how in edits:
             rows = range(B) if row is None else (row,)
@@ -202,43 +216,45 @@ class Hooks:
                 if b >= B:
                     continue
                 if how == "zero":
-                    y[b, head] = 0
+                    z[b, :, head] = 0
                     continue
                 held = self.means_of(b)
                 key = (module, head)
                 if key not in held:
                     n = valid[b] if valid is not None else T
-                    held[key] = y[b, head, :n].mean(dim=0).detach().clone()  # (D,) over the row's positions
-                y[b, head] = held[key]
-        return y
+                    held[key] = z[b, :n, head].mean(dim=0).detach().clone()  # (D,) over the row's positions
+                z[b, :, head] = held[key]
+        return z
 
 
-def hook_name(path: str) -> str:
-    """A module's place in the model -> its hook prefix: "encoder_blocks.3" -> "encoder.blocks.3"."""
-    for stack in ("encoder", "decoder"):
-        if path.startswith(f"{stack}_blocks."):
-            return f"{stack}.blocks." + path[len(stack) + len("_blocks."):]
-    return path
+class HookPoint(nn.Module):
+    """An identity module at one named intermediate: called with a tensor under active hooks, it
+    hands the tensor to them under its name (Hooks.point: kept, maybe edited) and returns what
+    they give back; without hooks it returns its input. The parts call it only under hooks, so a
+    forward without them makes no module call. No parameters: a model's state_dict is unchanged."""
 
+    def __init__(self):
+        super().__init__()
+        self.name = ""  # its path in the model ("blocks.2.attn.hook_z"), set by name_hook_points
 
-def hooked_module(model: nn.Module, name: str) -> nn.Module:
-    """The block or attention module whose hook name is `name` (e.g. "decoder.blocks.1.cross_attn")."""
-    name_hook_points(model)
-    for module in model.modules():
-        if getattr(module, "hook_name", None) == name:
-            return module
-    raise KeyError(f"no module has the hook name {name!r}")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hooks = _active.get()
+        if hooks is None:
+            return x
+        return hooks.point(self.name, x)
+
+    def extra_repr(self) -> str:
+        return repr(self.name)
 
 
 def name_hook_points(model: nn.Module) -> None:
-    """Give every block and attention module its hook name (once per model). The hook points are
-    the modules that declare a `hook_name` (model/parts: Block, MultiHeadAttention), so this
-    module never imports the parts, which import it (`active`)."""
+    """Give every HookPoint its path in `model` as its name (once per model: the families do it
+    when they build one, `hooked` for a part used alone). The paths are the hook names."""
     if getattr(model, "_hook_points_named", False):
         return
     for path, module in model.named_modules():
-        if hasattr(module, "hook_name"):
-            module.hook_name = hook_name(path)
+        if isinstance(module, HookPoint):
+            module.name = path
     # nn.Module's __setattr__ is typed for tensors and modules only; a plain flag is fine there
     model._hook_points_named = True  # type: ignore[assignment]
 

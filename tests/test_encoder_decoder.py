@@ -51,13 +51,13 @@ def torch_transformer_from(model: EncoderDecoder) -> nn.Transformer:
                          num_decoder_layers=c.n_layers, dim_feedforward=c.d_ff, dropout=0.0,
                          activation="relu", batch_first=True, norm_first=False)
     with torch.no_grad():
-        for ours, theirs in zip(model.encoder_blocks, ref.encoder.layers):
+        for ours, theirs in zip(model.encoder.blocks, ref.encoder.layers):
             copy_attention_into_torch(ours.attn, theirs.self_attn)
             copy_linear_norm(ours.ffn.fc, theirs.linear1)
             copy_linear_norm(ours.ffn.proj, theirs.linear2)
             copy_linear_norm(ours.ln1, theirs.norm1)
             copy_linear_norm(ours.ln2, theirs.norm2)
-        for ours, theirs in zip(model.decoder_blocks, ref.decoder.layers):
+        for ours, theirs in zip(model.decoder.blocks, ref.decoder.layers):
             copy_attention_into_torch(ours.attn, theirs.self_attn)
             copy_attention_into_torch(ours.cross_attn, theirs.multihead_attn)
             copy_linear_norm(ours.ffn.fc, theirs.linear1)
@@ -156,7 +156,7 @@ def test_cross_attention_equals_an_explicit_softmax(model):
         out = model(tgt, source=src, source_mask=src_keep, target_mask=tgt_keep, return_attention=True)
         memory, _ = model.encode(src, src_keep)
         # decoder layer 0's queries, by hand: post-LN self-attention sub-layer, then q . k
-        block = model.decoder_blocks[0]
+        block = model.decoder.blocks[0]
         y = model.embed(tgt)
         y = block.ln1(y + block.attn(y, mask=tgt_keep[:, None, None, :], causal=True)[0])
         q = (y @ block.cross_attn.qkv.weight[:C].T + block.cross_attn.qkv.bias[:C]).view(3, 6, H, C // H).transpose(1, 2)
@@ -267,6 +267,21 @@ def test_checkpoint_round_trip_builds_the_family(tmp_path, model):
     src = torch.tensor([[5, 6, 7]])
     tgt = torch.tensor([[0, 8]])
     torch.testing.assert_close(ck.model(tgt, source=src).logits, m(tgt, source=src).logits)
+
+
+def test_blocks_sit_at_their_hook_names_and_checkpoints_keep_their_names(tmp_path, model):
+    """The blocks' module paths are their hook names (encoder.blocks.{l}, decoder.blocks.{l}); the
+    state_dict, and so every checkpoint, names them as before (encoder_blocks.{l}, decoder_blocks.{l}),
+    and load_state_dict reads those names back into the same parameters."""
+    params = dict(model.named_parameters())
+    assert "encoder.blocks.1.attn.qkv.weight" in params and "decoder.blocks.0.cross_attn.proj.bias" in params
+    state = model.state_dict()
+    assert "encoder_blocks.1.attn.qkv.weight" in state and "decoder_blocks.0.cross_attn.proj.bias" in state
+    assert not any(k.startswith(("encoder.", "decoder.")) for k in state)
+    assert len(state) == len(params) + 1  # + the tied head, stored once by save_checkpoint
+    fresh = EncoderDecoder(model.config)
+    fresh.load_state_dict(state, strict=True)
+    assert all(torch.equal(p, params[n]) for n, p in fresh.named_parameters())
 
 
 def test_attention_groups_of_one_pair(model):

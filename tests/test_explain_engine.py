@@ -105,7 +105,7 @@ def test_translator_rows_ablate_each_group_in_one_batch(tmp_path):
     ckpt = load_checkpoint(make_tiny_translator(tmp_path / "tr"))
     model = ckpt.model
     with torch.no_grad():  # sharp attention, so that a head's z moves away from its mean
-        for block in [*model.encoder_blocks, *model.decoder_blocks]:
+        for block in [*model.encoder.blocks, *model.decoder.blocks]:
             for attn in (block.attn, block.cross_attn):
                 if attn is not None:
                     attn.qkv.weight.mul_(8)

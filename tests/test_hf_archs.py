@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from attnlens.model.checkpoint import CheckpointError, load_checkpoint
 from attnlens.model.decoding import RowSampler, SamplingParams, decode_step, generate_tokens
+from attnlens.model.hooks import HookPoint, Hooks, hooked
 from attnlens.model.interop.convert import export_checkpoint, find_for_export, import_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -89,6 +90,26 @@ def test_logits_and_every_attention_map_match_transformers(arch):
     assert (ours.attentions[0][:, 0] - ours.attentions[0][:, 1]).abs().max() > 0.05  # heads differ
     if arch.case.name == "mistral":  # the window of 8: a query's keys more than 7 back get exactly 0
         assert (ours.attentions[1][:, :, 30, :23] == 0).all() and (ours.attentions[1][:, :, 30, 23:31] > 0).all()
+
+
+def test_every_hook_point_is_a_module_named_as_hooks_see_it(arch):
+    """named_modules lists each HookPoint under its TransformerLens name, every one of them, and those
+    names are what a forward that keeps everything keeps; the logits stay the same bits."""
+    model = arch.ckpt.model
+    points = {n for n, m in model.named_modules() if isinstance(m, HookPoint)}
+    rotary = {"hook_rot_q", "hook_rot_k"}  # every architecture here has rotary positions
+    per_attn = {"hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z"} | rotary
+    per_block = {"hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post"}
+    assert points == {f"blocks.{l}.{p}" for l in range(model.config.n_layers) for p in per_block} | {
+        f"blocks.{l}.attn.{p}" for l in range(model.config.n_layers) for p in per_attn}
+    ids = ids_for(arch.ckpt, 1, 12)
+    everything = Hooks(record=lambda n: True)
+    with torch.no_grad():
+        plain = model(ids).logits
+        with hooked(model, everything):
+            kept = model(ids).logits
+    assert set(everything.captured) == points
+    torch.testing.assert_close(kept, plain, atol=1e-5, rtol=0)  # hook_pattern takes the explicit softmax
 
 
 @pytest.mark.slow

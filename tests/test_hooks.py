@@ -23,6 +23,7 @@ from attnlens.model.families import family_of
 from attnlens.model.hooks import (
     AblationError,
     HeadAblation,
+    HookPoint,
     Hooks,
     ablation_targets,
     hooked,
@@ -99,6 +100,94 @@ def test_hook_names_and_shapes_gqa_rotary(models):
     c = hooks.captured
     torch.testing.assert_close(c["blocks.0.hook_resid_post"],
                                c["blocks.0.hook_resid_pre"] + c["blocks.0.hook_attn_out"] + c["blocks.0.hook_mlp_out"])
+
+
+def expected_points(model) -> list[str]:
+    """TransformerLens's names of every hook point of `model`, in the order a forward passes them,
+    written out from the family and the config (model/hooks.py's table)."""
+    rotary = model.config.positional == "rotary"
+    attn = ["hook_q", "hook_k", *(["hook_rot_q", "hook_rot_k"] if rotary else []), "hook_v", "hook_pattern", "hook_z"]
+    cross = family_of(model).name == "encoder-decoder"
+    stacks = [("encoder.blocks", False), ("decoder.blocks", True)] if cross else [("blocks", False)]
+    names = []
+    for stack, with_cross in stacks:
+        for l in range(model.config.n_layers):
+            b = f"{stack}.{l}"
+            names += [f"{b}.hook_resid_pre", *(f"{b}.attn.{a}" for a in attn), f"{b}.hook_attn_out"]
+            if with_cross:
+                names += [*(f"{b}.cross_attn.{a}" for a in attn if "rot" not in a), f"{b}.hook_cross_out"]
+            names += [f"{b}.hook_mlp_out", f"{b}.hook_resid_post"]
+    return names
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "neox", "encoder", "translator"])
+def test_named_modules_list_every_hook_point_by_the_name_hooks_see(models, name):
+    """Hook points are modules: named_modules lists each under its TransformerLens name (its path, and
+    its own `name`), and a forward that keeps everything keeps exactly those names."""
+    model = models[name]
+    points = [(n, m) for n, m in model.named_modules() if isinstance(m, HookPoint)]
+    assert [n for n, _ in points] == expected_points(model)
+    assert all(m.name == n for n, m in points)
+    seq = sequence_of(model, source(model), [5, 6, 7] if family_of(model).takes_target else None)
+    everything = Hooks(record=lambda n: True)
+    with torch.inference_mode():
+        sequence_logits(model, seq, everything)
+    assert set(everything.captured) == {n for n, _ in points}
+    assert not any("hook_" in k for k in model.state_dict())  # no parameters, no buffers: no checkpoint keys
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "neox", "encoder", "translator"])
+def test_forward_returns_the_same_with_and_without_hooks(models, name):
+    """Keeping every point, or ablating a head, never changes what forward returns: the same output
+    type and fields, every tensor the same shape; kept or unused, the same bits."""
+    model = models[name]
+    ids = torch.tensor([source(model)])
+    extra = {"source": ids} if family_of(model).takes_target else {}
+    inputs = torch.tensor([[5, 6, 7, 8]]) if extra else ids
+    with torch.inference_mode():
+        plain = model(inputs, return_attention=True, **extra)
+        with hooked(model, Hooks(record=lambda n: True)):
+            kept = model(inputs, return_attention=True, **extra)
+        with hooked(model, Hooks(ablate=targets(model, HeadAblation(1, 2, "zero")))):
+            ablated = model(inputs, return_attention=True, **extra)
+    for out in (kept, ablated):
+        assert type(out) is type(plain)
+        for a, b in zip(plain, out):
+            assert (a is None) == (b is None)
+            if a is not None:
+                pairs = zip(a, b) if isinstance(a, list) else [(a, b)]
+                assert all(x.shape == y.shape for x, y in pairs)
+    for a, b in zip(plain, kept):
+        if a is not None:
+            assert all(torch.equal(x, y) for x, y in (zip(a, b) if isinstance(a, list) else [(a, b)]))
+    assert not torch.equal(plain.logits, ablated.logits)
+
+
+def test_a_hook_point_is_a_module_a_torch_hook_on_it_can_edit(models):
+    """Without active hooks a point returns its input and the forward never calls it; under them a
+    torch forward hook on it sees the tensor, and what it returns is what the forward goes on with."""
+    model = models["gpt2"]
+    point = model.get_submodule("blocks.1.hook_resid_post")
+    x = torch.randn(2, 3)
+    assert point(x) is x and point.name == "blocks.1.hook_resid_post"
+    seen = []
+
+    def zero(module, args, out):
+        seen.append(out.shape)
+        return torch.zeros_like(out)
+
+    handle = point.register_forward_hook(zero)
+    try:
+        with torch.inference_mode():
+            plain = model(torch.tensor([source(model)])).logits
+            assert seen == []  # no hooks: the point was never called
+            with hooked(model, Hooks()):
+                zeroed = model(torch.tensor([source(model)])).logits
+    finally:
+        handle.remove()
+    assert seen == [(1, 9, model.config.d_model)]
+    # the last block's output zeroed: every position's logits are the head's of ln_f(0)
+    assert torch.equal(zeroed[0], zeroed[0, :1].expand_as(zeroed[0])) and not torch.equal(zeroed, plain)
 
 
 def test_translator_hook_names(models):
@@ -311,8 +400,7 @@ def test_an_ablated_run_from_the_clean_runs_unchanged_blocks_equals_a_full_recom
         sequence_logits(model, seq, clean)
     given = unchanged_outputs(clean.captured, edits)
     assert list(given) == [f"{b}.hook_resid_post" for b in skipped]
-    blocks = {m.hook_name: m for m in model.modules() if getattr(m, "hook_name", None)}  # named by hooked()
-    first = blocks[skipped[0]].attn if skipped else None
+    first = model.get_submodule(f"{skipped[0]}.attn") if skipped else None  # a module's path is its hook name
     calls = []
     handle = first.register_forward_hook(lambda *_: calls.append(1)) if first is not None else None
     try:

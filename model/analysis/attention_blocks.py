@@ -31,7 +31,7 @@ from typing import Callable, Hashable
 import torch
 
 from attnlens.model.families.contract import family_of
-from attnlens.model.hooks import Hooks, hooked, hooked_module
+from attnlens.model.hooks import Hooks, hooked
 from attnlens.model.hooks import active as active_hooks
 from attnlens.model.parts.attention import MultiHeadAttention
 
@@ -269,7 +269,7 @@ def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: 
     sequence = (tuple(tuple(tokens[axis]) for axis in family.axes), tuple(ablate))
 
     def reduce(module: str, group, i: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        attn = hooked_module(model, module)
+        attn = model.get_submodule(module)  # a module's path is its hook name
         assert isinstance(attn, MultiHeadAttention)  # a group's hook names its attention module
         reduce_layer(reductions[group.name], i, q, k, heads, attn.groups, attn.scale, group.causal,
                      window if group.causal else None, block_bytes=block_bytes, progress=progress)

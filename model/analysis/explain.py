@@ -232,11 +232,6 @@ def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tup
             "positions": at, "layers": layers}
 
 
-def _attention_module(model, hook_name: str):
-    """The attention module whose hook points are named `hook_name` ("blocks.2.attn")."""
-    return next(m for m in model.modules() if getattr(m, "hook_name", None) == hook_name and hasattr(m, "scale"))
-
-
 def head_mask(model, group, query: int, n_keys: int) -> list[bool]:
     """Which keys query `query` may attend to in one unpadded sequence: causality and a sliding window."""
     if not group.causal:
@@ -283,7 +278,7 @@ def explain_head(model, ids: list[int], target_ids: list[int] | None, group_name
     keys = got[kn][:, kv].double()  # (S, D)
     values = got["hook_v"][:, kv].double()  # (S, D)
     D = q.shape[0]
-    scale = _attention_module(model, module).scale  # what the forward multiplied q.k by
+    scale = model.get_submodule(module).scale  # what the forward multiplied q.k by (its path is its hook name)
     scores = keys @ q  # (S,)
     scaled = scores * scale
     mask = head_mask(model, group, query, keys.shape[0])

@@ -37,6 +37,7 @@ from attnlens.model.families.contract import (
 )
 from attnlens.model.family_parts import FAMILY_PARTS
 from attnlens.model.fused_decode import fused_step
+from attnlens.model.hooks import name_hook_points
 from attnlens.model.kv_cache import ContextLengthError, KVCache, bytes_per_row
 from attnlens.model.paged_kv_cache import PagedKVCache
 from attnlens.model.parts import (
@@ -97,6 +98,7 @@ class Transformer(Embeddings, nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("attn.proj.weight") or name.endswith("ffn.proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layers))
+        name_hook_points(self)  # every HookPoint's name is its path: "blocks.2.attn.hook_z"
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -36,6 +36,7 @@ from attnlens.model.config import ModelConfig
 from attnlens.model.families.contract import AttentionAnalysis, AttentionGroup, Family, LensSpec, TaskSpec, TrainingSpec
 from attnlens.model.families.decoder import Transformer
 from attnlens.model.family_parts import FAMILY_PARTS
+from attnlens.model.hooks import name_hook_points
 from attnlens.model.kv_cache import ContextLengthError
 from attnlens.model.parts import Block, Embeddings, activate
 from attnlens.model.parts.linear import Linear
@@ -107,6 +108,7 @@ class Encoder(Embeddings, nn.Module):
             self.classifier = Linear(C, len(config.labels), bias=True)
         self.classifier_blocks = nn.ModuleList(Block(config, causal=False) for _ in range(config.classifier_layers))
         self.apply(Transformer._init_weights)
+        name_hook_points(self)  # every HookPoint's name is its path: "blocks.2.attn.hook_z"
 
     # --- the stack -------------------------------------------------------------------
     def encode(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

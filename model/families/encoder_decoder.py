@@ -19,11 +19,17 @@ Decoding: `new_kv_cache(n_rows)` gives a TranslationCache: the decoder's per-row
 `forward(start_ids, source=src, kv_cache=cache, rows=r)` encodes the source into rows r
 and feeds the first target tokens; later calls `forward(next_ids, kv_cache=cache, rows=r)`
 reuse the cached cross K/V and never run the encoder again.
+
+Each side's blocks sit at `encoder.blocks` / `decoder.blocks` (a `Stack`), so their module paths
+are their hook names (model/hooks.py: "decoder.blocks.1.cross_attn.hook_z"). Checkpoints store
+them as "encoder_blocks.{l}..." / "decoder_blocks.{l}..." (where the attributes used to be):
+`state_dict` writes those names and `load_state_dict` reads them (STORED_NAMES), so the committed
+checkpoints load as they are, while `named_parameters` gives the paths.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Iterable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -40,6 +46,7 @@ from attnlens.model.families.contract import (
 )
 from attnlens.model.families.decoder import Transformer
 from attnlens.model.family_parts import FAMILY_PARTS
+from attnlens.model.hooks import name_hook_points
 from attnlens.model.kv_cache import ContextLengthError, KVCache, bytes_per_row, move_row
 from attnlens.model.parts import Block, Embeddings
 from attnlens.model.parts.linear import Linear
@@ -172,6 +179,40 @@ class TranslationCache:
         self.source_lengths.zero_()
 
 
+# module path prefix -> the name checkpoints store it under
+STORED_NAMES = {"encoder.blocks.": "encoder_blocks.", "decoder.blocks.": "decoder_blocks."}
+
+
+def _renamed(state: dict, prefix: str, names: dict[str, str]) -> None:
+    """Rename `state`'s keys in place (their order kept): prefix + old... -> prefix + new..."""
+    items = list(state.items())
+    state.clear()
+    for key, value in items:
+        for old, new in names.items():
+            if key.startswith(prefix + old):
+                key = prefix + new + key[len(prefix + old):]
+                break
+        state[key] = value
+
+
+def _to_stored_names(module, state, prefix, local_metadata) -> None:
+    """state_dict post-hook: the keys checkpoints store ("encoder_blocks.0.attn.qkv.weight")."""
+    _renamed(state, prefix, STORED_NAMES)
+
+
+def _from_stored_names(module, state, prefix, *args) -> None:
+    """load_state_dict pre-hook: stored keys back to module paths ("encoder.blocks.0.attn.qkv.weight")."""
+    _renamed(state, prefix, {new: old for old, new in STORED_NAMES.items()})
+
+
+class Stack(nn.Module):
+    """One side's blocks, at `blocks`: the encoder-decoder's `encoder.blocks.{l}` and `decoder.blocks.{l}`."""
+
+    def __init__(self, blocks: Iterable[Block]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+
 class EncoderDecoder(Embeddings, nn.Module):
     family: ClassVar[Family] = FAMILY
 
@@ -181,15 +222,17 @@ class EncoderDecoder(Embeddings, nn.Module):
         self.config = config
         C = config.d_model
         self.init_embeddings(config)  # tok_emb (shared: source, target, LM head), positions, dropout
-        self.encoder_blocks = nn.ModuleList(Block(config, causal=False) for _ in range(config.n_layers))
+        self.encoder = Stack(Block(config, causal=False) for _ in range(config.n_layers))
         self.encoder_norm = nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
-        self.decoder_blocks = nn.ModuleList(
-            Block(config, causal=True, cross_attention=True) for _ in range(config.n_layers))
+        self.decoder = Stack(Block(config, causal=True, cross_attention=True) for _ in range(config.n_layers))
         self.decoder_norm = nn.LayerNorm(C, eps=config.layer_norm_eps, bias=config.bias)
         self.lm_head = Linear(C, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.apply(Transformer._init_weights)
+        name_hook_points(self)  # every HookPoint's name is its path: "decoder.blocks.1.cross_attn.hook_z"
+        self.register_state_dict_post_hook(_to_stored_names)
+        self.register_load_state_dict_pre_hook(_from_stored_names)
 
     def new_kv_cache(self, n_rows: int = 1) -> TranslationCache:
         c, p = self.config, next(self.parameters())  # device and dtype
@@ -213,7 +256,7 @@ class EncoderDecoder(Embeddings, nn.Module):
         """(B, S, C) embedded source -> memory (B, S, C), encoder attentions or None."""
         mask = key_mask(source_keep)
         attentions: list[torch.Tensor] | None = [] if return_attention else None
-        for block in self.encoder_blocks:
+        for block in self.encoder.blocks:
             out = block(x, mask=mask, return_attention=return_attention)
             x = out.x
             if attentions is not None:  # return_attention
@@ -222,7 +265,7 @@ class EncoderDecoder(Embeddings, nn.Module):
 
     def cross_kv(self, memory: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every decoder layer's cross-attention keys/values (B, H, S, D) of memory (B, S, C)."""
-        return [block.cross_attn.project_memory(memory) for block in self.decoder_blocks]
+        return [block.cross_attn.project_memory(memory) for block in self.decoder.blocks]
 
     def decoder_stack(self, y: torch.Tensor, memory_kv, *, source_keep=None, self_mask=None,
                       target_keep=None, write=None, return_attention: bool = False):
@@ -235,7 +278,7 @@ class EncoderDecoder(Embeddings, nn.Module):
         memory_mask = key_mask(source_keep)
         self_attn: list[torch.Tensor] | None = [] if return_attention else None
         cross_attn: list[torch.Tensor] | None = [] if return_attention else None
-        for i, block in enumerate(self.decoder_blocks):
+        for i, block in enumerate(self.decoder.blocks):
             out = block(y, mask=self_mask, kv_update=write.layer(i) if write is not None else None,
                         return_attention=return_attention, memory_kv=memory_kv[i], memory_mask=memory_mask)
             y = out.x

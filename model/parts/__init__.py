@@ -25,9 +25,9 @@ H = query heads, K = key/value heads, D = d_head, R = rotary dims, F = d_ff.
                                      (Vaswani, BERT) or parallel (GPT-NeoX); self-attention
                                      (causal or not), an optional cross-attention, the FFN
 
-Hook points (model/hooks.py): Block and MultiHeadAttention read the active Hooks (a context
-variable; None unless a caller enters `hooks.hooked`), record their named intermediates
-(blocks.{l}.hook_resid_pre, blocks.{l}.attn.hook_z, ...) and apply head ablations to z before
+Hook points (model/hooks.py): Block and MultiHeadAttention own their HookPoints as submodules
+(hook_resid_pre, attn.hook_z, ...) and, when a caller has entered `hooks.hooked` (a context
+variable), pass their named intermediates through them: kept, and z's ablated heads edited before
 the output projection. Unused, that is one context-variable read and a None check per module.
 
 Which parts a model uses is its config's choice (model/config.py); a family (decoder:

@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnlens.model import hooks as _hooks
 from attnlens.model.config import ModelConfig
+from attnlens.model.hooks import HookPoint
 from attnlens.model.parts import causal_attention
 from attnlens.model.parts.linear import Linear
 from attnlens.model.parts.norms import RMSNorm
@@ -103,14 +104,16 @@ class MultiHeadAttention(nn.Module):
     Rotary positions (`rope`, the angles of this call's positions) rotate queries and keys
     before the keys reach the cache.
 
+    Hook points (model/hooks.py), submodules named as TransformerLens names them: hook_q, hook_k,
+    hook_v, hook_pattern, hook_z, and with `rotary` hook_rot_q, hook_rot_k. The forward calls them
+    only under active hooks; what they return is what it computes on with (an ablation edits z).
+
     Masking: `mask` (bool, broadcastable to (B, H, T, S), True = may attend) and `causal`
     (query i, at absolute position S - T + i, sees keys up to that position) both apply
     when both are given. A masked key gets exactly zero probability.
     """
 
-    hook_name: str | None = None  # e.g. "blocks.2.attn", set by model.hooks.name_hook_points
-
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, *, rotary: bool = False):
         super().__init__()
         self.n_heads = config.n_heads
         self.n_kv_heads = config.kv_heads
@@ -125,6 +128,14 @@ class MultiHeadAttention(nn.Module):
         # Qwen3's q/k norm: one RMSNorm over each head's D dims for the queries, one for the keys
         self.q_norm = RMSNorm(D, eps=config.layer_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(D, eps=config.layer_norm_eps) if config.qk_norm else None
+        # the hook points in the order the forward passes them; with rotary positions hook_q / hook_k
+        # are before rotation, hook_rot_q / hook_rot_k after
+        self.hook_q, self.hook_k = HookPoint(), HookPoint()  # [B, T, H, D], [B, S, K, D]
+        if rotary:
+            self.hook_rot_q, self.hook_rot_k = HookPoint(), HookPoint()  # [B, T, H, D], [B, S, K, D]
+        self.hook_v = HookPoint()  # [B, S, K, D]
+        self.hook_pattern = HookPoint()  # [B, H, T, S]
+        self.hook_z = HookPoint()  # [B, T, H, D], before the output projection
 
     def project(self, x: torch.Tensor, memory: torch.Tensor | None, memory_kv=None, rope: RotaryAngles | None = None,
                 hooks=None):
@@ -146,9 +157,9 @@ class MultiHeadAttention(nn.Module):
             if self.q_norm is not None and self.k_norm is not None:  # both or neither (config.qk_norm)
                 q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:
-                if hooks is not None:
-                    hooks.keep(f"{self.hook_name}.hook_q", q.transpose(1, 2))
-                    hooks.keep(f"{self.hook_name}.hook_k", k.transpose(1, 2))
+                if hooks is not None:  # (B, H, T, D) <-> [B, T, H, D], views both ways
+                    q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)
+                    k = self.hook_k(k.transpose(1, 2)).transpose(1, 2)
                 q, k = apply_rotary(q, rope), apply_rotary(k, rope)
             return q, k, v
         w, b = self.qkv.weight, self.qkv.bias
@@ -203,7 +214,8 @@ class MultiHeadAttention(nn.Module):
                 k, v = kv_update(k, v)  # (B, K, S, D): the cached keys/values followed by the new ones
         S = k.shape[2]
         if hooks is not None:
-            return_attention = return_attention or self._record_inputs(hooks, q, k, v, rope is not None)
+            q, k, v = self._hook_inputs(q, k, v, rope is not None)
+            return_attention = return_attention or hooks.wants(self.hook_pattern.name)
         dropout_p = self.dropout if self.training else 0.0
         # causality at T == 1 lets the single newest query see every key: nothing to mask
         causal = causal and T > 1
@@ -212,7 +224,7 @@ class MultiHeadAttention(nn.Module):
         if in_place is not None:
             y, probs = in_place
         elif return_attention:
-            y, probs = self.explicit_attention(q, k, v, mask, causal, dropout_p)
+            y, probs = self.explicit_attention(q, k, v, mask, causal, dropout_p, hooked=hooks is not None)
         else:
             probs = None
             native_y = None
@@ -228,27 +240,21 @@ class MultiHeadAttention(nn.Module):
                 y = sdpa(q, k, v, attn_mask=self.full_mask(mask, causal, T, S, q.device), dropout_p=dropout_p,
                          scale=self.scale, **gqa)
 
-        if hooks is not None:
-            if probs is not None:
-                hooks.keep(f"{self.hook_name}.hook_pattern", probs)
-            hooks.keep(f"{self.hook_name}.hook_z", y.transpose(1, 2))  # (B, H, T, D) -> [B, T, H, D]
-            y = hooks.edit_z(str(self.hook_name), y)
+        if hooks is not None:  # (B, H, T, D) <-> [B, T, H, D]; kept as computed, then ablated
+            y = self.hook_z(y.transpose(1, 2)).transpose(1, 2)
         y = self.proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, H, T, D) -> (B, T, HD), project
         if self.training:  # dropout is the identity at inference; skip the call when decoding
             y = self.resid_dropout(y)
         return y, probs if keep_probs else None
 
-    def _record_inputs(self, hooks, q, k, v, rotary: bool) -> bool:
-        """Keep this call's q, k, v ([B, T, H, D], [B, S, K, D]); True when the pattern is asked for."""
-        name = self.hook_name
-        if rotary:  # hook_q / hook_k are before rotation (project kept them), hook_rot_* after
-            hooks.keep(f"{name}.hook_rot_q", q.transpose(1, 2))
-            hooks.keep(f"{name}.hook_rot_k", k.transpose(1, 2))
-        else:
-            hooks.keep(f"{name}.hook_q", q.transpose(1, 2))
-            hooks.keep(f"{name}.hook_k", k.transpose(1, 2))
-        hooks.keep(f"{name}.hook_v", v.transpose(1, 2))
-        return hooks.wants(f"{name}.hook_pattern")
+    def _hook_inputs(self, q, k, v, rotary: bool):
+        """This call's q, k, v through their hook points ([B, T, H, D], [B, S, K, D]): with rotary
+        positions, q and k after rotation (hook_rot_*: `project` passed them before)."""
+        hook_q, hook_k = (self.hook_rot_q, self.hook_rot_k) if rotary else (self.hook_q, self.hook_k)
+        q = hook_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, T, D) <-> [B, T, H, D]
+        k = hook_k(k.transpose(1, 2)).transpose(1, 2)
+        v = self.hook_v(v.transpose(1, 2)).transpose(1, 2)
+        return q, k, v
 
     @staticmethod
     def full_mask(mask: torch.Tensor | None, causal: bool, T: int, S: int, device) -> torch.Tensor | None:
@@ -284,8 +290,9 @@ class MultiHeadAttention(nn.Module):
                                    alpha=scale)  # (B*K, G, S): q k^T * scale + mask
         return torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * K, S, D)).view(B, H, 1, D)
 
-    def explicit_attention(self, q, k, v, mask, causal: bool, dropout_p: float):
-        """The textbook formula, keeping the probabilities: (B, H, T, D), (B, H, T, S)."""
+    def explicit_attention(self, q, k, v, mask, causal: bool, dropout_p: float, *, hooked: bool = False):
+        """The textbook formula, keeping the probabilities: (B, H, T, D), (B, H, T, S). `hooked`
+        (active hooks): the probabilities pass through hook_pattern before they weigh the values."""
         B, H, T, D = q.shape
         K, S = k.shape[1], k.shape[2]
         G = H // K
@@ -298,6 +305,8 @@ class MultiHeadAttention(nn.Module):
         if full is not None:
             scores = scores.masked_fill(~full, float("-inf"))  # exp(-inf) = 0: masked keys get exactly 0
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        if hooked:
+            probs = self.hook_pattern(probs)
         weights = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
         if G == 1:
             return weights @ v, probs

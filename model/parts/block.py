@@ -16,21 +16,12 @@ import torch.nn as nn
 
 from attnlens.model import hooks as _hooks
 from attnlens.model.config import ModelConfig
+from attnlens.model.hooks import HookPoint
 from attnlens.model.parts.attention import KVUpdate, MultiHeadAttention
 from attnlens.model.parts.feedforward import FeedForward
 from attnlens.model.parts.norms import make_norm
 from attnlens.model.parts.positions import RotaryAngles
 
-
-def _skip(point: str, tensor: torch.Tensor) -> None:
-    """No hooks on this forward: nothing is kept."""
-
-
-def _keeper(hooks, name: str | None):
-    """keep(point, tensor): hand `tensor` to the active hooks as f"{name}.{point}"; a no-op when none."""
-    if hooks is None:
-        return _skip
-    return lambda point, tensor: hooks.keep(f"{name}.{point}", tensor)
 
 class BlockOutput(NamedTuple):
     x: torch.Tensor  # (B, T, C)
@@ -44,24 +35,32 @@ class Block(nn.Module):
 
     Parameter names (ln1, attn, ln2, ffn) are those of the saved checkpoints and GPT-2 interop;
     the cross-attention sub-layer (ln_cross, cross_attn) exists only with cross_attention=True.
-    """
 
-    hook_name: str | None = None  # e.g. "blocks.2", set by model.hooks.name_hook_points
+    Hook points (model/hooks.py), all [B, T, C]: hook_resid_pre, hook_attn_out, hook_cross_out
+    (with cross-attention), hook_mlp_out, hook_resid_post. The forward calls them only under
+    active hooks, and goes on with what they return.
+    """
 
     def __init__(self, config: ModelConfig, *, causal: bool = True, cross_attention: bool = False):
         super().__init__()
         self.causal = causal
         self.pre_norm = config.norm == "pre"
         self.parallel = config.parallel_residual
+        # the hook points in the order the forward passes them (no parameters: no checkpoint keys)
+        self.hook_resid_pre = HookPoint()
         self.ln1 = make_norm(config)
-        self.attn = MultiHeadAttention(config)
+        self.attn = MultiHeadAttention(config, rotary=config.positional == "rotary")
+        self.hook_attn_out = HookPoint()
         self.ln_cross: nn.Module | None = None
         self.cross_attn: MultiHeadAttention | None = None
         if cross_attention:  # the encoder-decoder's decoder: attend to the encoder's output
             self.ln_cross = make_norm(config)
             self.cross_attn = MultiHeadAttention(config)
+            self.hook_cross_out = HookPoint()
         self.ln2 = make_norm(config)
         self.ffn = FeedForward(config)
+        self.hook_mlp_out = HookPoint()
+        self.hook_resid_post = HookPoint()
 
     def _input(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """What a sub-layer reads: ln(x) before the sum (pre-LN), x itself (post-LN)."""
@@ -83,20 +82,21 @@ class Block(nn.Module):
         memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         rope: RotaryAngles | None = None,
     ) -> BlockOutput:
-        hooks = _hooks.active()
-        if hooks is not None and hooks.given:  # this block's output, given (Hooks.given): not recomputed
-            given = hooks.given.get(f"{self.hook_name}.hook_resid_post")
-            if given is not None:
+        hooks = _hooks.active()  # None (the common case): no hook point is called
+        if hooks is not None:
+            given = hooks.given.get(self.hook_resid_post.name) if hooks.given else None
+            if given is not None:  # this block's output, given (Hooks.given): not recomputed
                 return BlockOutput(given, None, None)
-        keep = _keeper(hooks, self.hook_name)  # records named intermediates (model/hooks.py)
-        keep("hook_resid_pre", x)  # (B, T, C)
+            x = self.hook_resid_pre(x)  # (B, T, C)
         out, self_probs = self.attn(self._input(x, self.ln1), mask=mask, causal=self.causal, kv_update=kv_update,
                                     return_attention=return_attention, rope=rope)
-        keep("hook_attn_out", out)
+        if hooks is not None:
+            out = self.hook_attn_out(out)
         cross_probs = None
         if self.parallel:  # GPT-NeoX: the FFN reads the block's input too; one residual sum
             mlp = self.ffn(self.ln2(x))
-            keep("hook_mlp_out", mlp)
+            if hooks is not None:
+                mlp = self.hook_mlp_out(mlp)
             x = mlp + out + x
         else:
             x = self._residual(x, out, self.ln1)
@@ -107,10 +107,13 @@ class Block(nn.Module):
                 assert self.ln_cross is not None  # made with cross_attn
                 out, cross_probs = self.cross_attn(self._input(x, self.ln_cross), memory, mask=memory_mask,
                                                    return_attention=return_attention, memory_kv=memory_kv)
-                keep("hook_cross_out", out)
+                if hooks is not None:
+                    out = self.hook_cross_out(out)
                 x = self._residual(x, out, self.ln_cross)
             mlp = self.ffn(self._input(x, self.ln2))
-            keep("hook_mlp_out", mlp)
+            if hooks is not None:
+                mlp = self.hook_mlp_out(mlp)
             x = self._residual(x, mlp, self.ln2)
-        keep("hook_resid_post", x)  # (B, T, C)
+        if hooks is not None:
+            x = self.hook_resid_post(x)  # (B, T, C)
         return BlockOutput(x, self_probs, cross_probs)
