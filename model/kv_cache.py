@@ -55,6 +55,7 @@ class CacheWrite:
     mask: torch.Tensor | None  # (B, 1, T, S) True = may attend; None when plain causality covers it
     n_keys: int  # S = max(starts) + T
     slots: torch.Tensor | None = None  # (B*K*T,) where each new key goes in a layer's flat (R*K*P, D) view
+    narrowed: bool = False  # the family narrowed the rows' mask (a sliding window)
 
     def layer(self, index: int) -> KVUpdate:
         return partial(self.cache.update, self, index)

@@ -38,6 +38,7 @@ import torch
 from attnlens.model.kv_cache import CacheWrite, keys_seen, new_positions, rows_mask, rows_of
 from attnlens.model.memory_pages import DONTNEED, MADVISE, NOHUGEPAGE, advise_within
 from attnlens.model.native import library as native
+from attnlens.model.parts.attention import InPlaceDecode
 
 BLOCK = 64  # positions per block: at most 63 positions of memory a row holds unused (bench/README.md)
 _SMALL_POOL = 64 << 20  # below this the pool is zero-filled up front (it may come from the heap) and kept
@@ -173,12 +174,11 @@ class BlockAttention:
         return out.view(H, B, S_pad).transpose(0, 1)[:, :, None, :self.n_keys]  # (B, H, 1, S)
 
 
-class PagedLayer:
+class PagedLayer(InPlaceDecode):
     """Layer `index`'s view of a call (model/parts/attention.py's KVUpdate, and the in-place decode)."""
 
     def __init__(self, write: "PagedWrite", index: int):
         self.write, self.index = write, index
-        self.mask = write.mask  # the rows' own mask: a family that narrows it (a window) gets the gathered path
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor):
         return self.write.cache.update(self.write, self.index, k, v)
@@ -187,7 +187,7 @@ class PagedLayer:
         """Store this step's keys/values, then attend over the blocks: (B, H, 1, D), probs or None.
         None when the call is not a decode step (the caller uses __call__)."""
         w = self.write
-        if w.blocks is None:
+        if w.blocks is None or w.narrowed:  # a family that narrows the rows' mask (a window) gets the gathered path
             return None
         w.cache.store(w, self.index, k, v)
         return w.blocks(q, w.cache.keys[self.index], w.cache.values[self.index], scale, want_probs)

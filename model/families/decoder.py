@@ -159,6 +159,8 @@ class Transformer(Embeddings, nn.Module):
             positions = write.positions
             x, rope = self.embed(ids, positions=positions), self.rotary_angles(T, positions=positions)
             mask = self.window_mask(T, write.n_keys, positions=positions, mask=write.mask)
+        if write is not None and self.windowed(write.n_keys):
+            write.narrowed = True  # the rows' mask is narrowed: a cache in blocks gathers the keys
 
         fused = fused_step(self, write, mask) if write is not None else None
         if fused is not None:  # a decode step through every block in one C call (model/fused_decode.py)
@@ -200,14 +202,20 @@ class Transformer(Embeddings, nn.Module):
                                         rope=rope)
         return DecoderOutput(self.lm_head(self.ln_f(x)), attentions)  # (B, 1, V)
 
+    def windowed(self, n_keys: int) -> bool:
+        """Whether a sliding window narrows the keys a query sees among n_keys."""
+        window = self.config.sliding_window
+        return window is not None and n_keys > window
+
     def window_mask(self, n: int, n_keys: int, *, start: int = 0, positions: torch.Tensor | None = None,
                     mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """`mask` narrowed to the sliding window of n queries (at start .. start+n-1, or each row's
         (B, T) `positions`) over n_keys keys: (T, S) or (B, 1, T, S). Unchanged without a window,
         or when every key is within it."""
-        window = self.config.sliding_window
-        if window is None or n_keys <= window:
+        if not self.windowed(n_keys):
             return mask
+        window = self.config.sliding_window
+        assert window is not None  # windowed says so
         if positions is None:
             positions = torch.arange(start, start + n, device=self.device)  # (T,)
         band = sliding_window_mask(positions, n_keys, window)  # (T, S) or (B, T, S)

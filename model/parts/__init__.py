@@ -15,7 +15,11 @@ H = query heads, K = key/value heads, D = d_head, R = rotary dims, F = d_ff.
                                      (B, H, T, S), True = may attend, and/or `causal`; the SDPA
                                      fast path, or the explicit path that also returns the
                                      (B, H, T, S) probabilities, one map per query head
-                 causal_mask, sliding_window_mask, sdpa, fixed_shapes
+                 sliding_window_mask, InPlaceDecode (a cache layer that attends a decode step
+                 where its keys lie)
+    attention_backends               how attention is computed on a device, chosen once per
+                 device (backend_for: CpuAttention, CudaAttention, TorchAttention); causal_mask,
+                 sdpa, fixed_shapes
     causal_attention                 a causal prefill's attention on the CPU by our C kernel
                                      (model/native/causal_attention.c), SDPA's numbers faster
     feedforward  FeedForward         Linear(C -> F), act, Linear(F -> C); gated: SwiGLU / GeGLU
@@ -35,13 +39,18 @@ model/families/decoder.py) chooses how to stack them; it never copies them.
 """
 
 from attnlens.model.parts.attention import (
-    CUDA_SDPA_BACKENDS,
+    InPlaceDecode,
     KVUpdate,
     MultiHeadAttention,
+    sliding_window_mask,
+)
+from attnlens.model.parts.attention_backends import (
+    CUDA_SDPA_BACKENDS,
+    AttentionBackend,
+    backend_for,
     causal_mask,
     fixed_shapes,
     sdpa,
-    sliding_window_mask,
 )
 from attnlens.model.parts.block import Block, BlockOutput
 from attnlens.model.parts.embeddings import Embeddings
@@ -58,10 +67,12 @@ from attnlens.model.parts.positions import (
 
 __all__ = [
     "CUDA_SDPA_BACKENDS",
+    "AttentionBackend",
     "Block",
     "BlockOutput",
     "Embeddings",
     "FeedForward",
+    "InPlaceDecode",
     "KVUpdate",
     "MultiHeadAttention",
     "RMSNorm",
@@ -69,6 +80,7 @@ __all__ = [
     "RotaryEmbedding",
     "activate",
     "apply_rotary",
+    "backend_for",
     "causal_mask",
     "fixed_shapes",
     "make_norm",

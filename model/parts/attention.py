@@ -5,33 +5,36 @@ queries may see (cached + new, or the memory's length for cross-attention), C = 
 H = query heads, K = key/value heads (H for multi-head, fewer for grouped-query, 1 for
 multi-query attention), G = H / K query heads per key/value head, D = d_head.
 
-    causal_mask          (T, S) query i, at absolute position S - T + i, sees keys up to it
     sliding_window_mask  (..., T, S) a query sees only its last `window` positions (Mistral)
-    sdpa                 F.scaled_dot_product_attention, with the CUDA backends chosen below
+    InPlaceDecode        a cache's layer that attends a decode step where its keys lie
     MultiHeadAttention   self-attention (keys/values from x) or cross-attention (from `memory`);
                          an optional RMSNorm per head on queries and keys (Qwen3's q_norm /
-                         k_norm); rotary positions on queries and keys; grouped-query attention; the SDPA
-                         fast path (a causal prefill on the CPU: our C kernel, causal_attention.py),
+                         k_norm); rotary positions on queries and keys; grouped-query attention; the
+                         device's attention backend (attention_backends.py, chosen once per device),
                          or the explicit path that also returns the (B, H, T, S) probabilities: one
                          map per query head
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnlens.model import hooks as _hooks
 from attnlens.model.config import ModelConfig
 from attnlens.model.hooks import HookPoint
-from attnlens.model.parts import causal_attention
+from attnlens.model.parts.attention_backends import (  # noqa: F401  (causal_mask, sdpa, fixed_shapes: re-exported)
+    backend_for,
+    causal_mask,
+    fixed_shapes,
+    full_mask,
+    one_query_attention,
+    sdpa,
+)
 from attnlens.model.parts.linear import Linear
 from attnlens.model.parts.norms import RMSNorm
 from attnlens.model.parts.positions import RotaryAngles, apply_rotary
@@ -40,38 +43,15 @@ from attnlens.model.parts.positions import RotaryAngles, apply_rotary
 # the queries may see (see KVCache.begin): how a cache reaches one attention module.
 KVUpdate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
-# On CUDA, the fused attention kernels that need no set-up per shape. cuDNN's attention builds
-# an execution plan for each new (batch, length) shape, 80 ms on average on an H100 and up to
-# 160 (bench/README.md), which a prefill of every new prompt length would pay. Where the shapes
-# never change (a decode step captured in a CUDA graph) the plan is built once, at capture, and
-# cuDNN's masked decode kernel is the fastest: there every backend may run (`fixed_shapes`).
-CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-_fixed_shapes = contextvars.ContextVar("attnlens_fixed_shapes", default=False)
 
+class InPlaceDecode:
+    """A cache layer's KVUpdate that can also attend a decode step over its keys where they lie
+    (model/paged_kv_cache.py's blocks): store this step's keys and values, then attend. None when
+    this call cannot (not a decode step, or the family narrowed the rows' mask: a sliding window)."""
 
-@contextlib.contextmanager
-def fixed_shapes():
-    """Within this block the attention shapes are fixed (a CUDA graph capture): any backend."""
-    token = _fixed_shapes.set(True)
-    try:
-        yield
-    finally:
-        _fixed_shapes.reset(token)
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """F.scaled_dot_product_attention; on CUDA one of CUDA_SDPA_BACKENDS unless in `fixed_shapes`."""
-    if not q.is_cuda or _fixed_shapes.get():
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    with sdpa_kernel(CUDA_SDPA_BACKENDS):
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
-
-
-def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
-    """(T, S) boolean mask, True where query i (at absolute position S - T + i) may look."""
-    offset = n_keys - n_queries
-    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=offset)
-
+    def decode_in_place(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        want_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        raise NotImplementedError
 
 def sliding_window_mask(query_positions: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
     """(..., T) absolute query positions -> (..., T, S) boolean mask, True where key k is within
@@ -205,21 +185,17 @@ class MultiHeadAttention(nn.Module):
         in_place = None
         if kv_update is not None:
             # a decode step over a cache in blocks attends where the keys lie (model/paged_kv_cache.py),
-            # unless hooks read the keys or the family narrowed the rows' mask (a sliding window)
-            decode = getattr(kv_update, "decode_in_place", None)
-            if decode is not None and T == 1 and hooks is None and not self.training \
-                    and mask is getattr(kv_update, "mask", None):
-                in_place = decode(q, k, v, self.scale, return_attention)
+            # unless hooks read the keys (the cache says when else it cannot: InPlaceDecode)
+            if isinstance(kv_update, InPlaceDecode) and T == 1 and hooks is None and not self.training:
+                in_place = kv_update.decode_in_place(q, k, v, self.scale, return_attention)
             if in_place is None:
                 k, v = kv_update(k, v)  # (B, K, S, D): the cached keys/values followed by the new ones
-        S = k.shape[2]
         if hooks is not None:
             q, k, v = self._hook_inputs(q, k, v, rope is not None)
             return_attention = return_attention or hooks.wants(self.hook_pattern.name)
         dropout_p = self.dropout if self.training else 0.0
         # causality at T == 1 lets the single newest query see every key: nothing to mask
         causal = causal and T > 1
-        gqa = {"enable_gqa": True} if self.groups > 1 else {}
 
         if in_place is not None:
             y, probs = in_place
@@ -227,18 +203,8 @@ class MultiHeadAttention(nn.Module):
             y, probs = self.explicit_attention(q, k, v, mask, causal, dropout_p, hooked=hooks is not None)
         else:
             probs = None
-            native_y = None
-            if mask is None and causal and dropout_p == 0.0:  # None where the kernel does not apply
-                native_y = causal_attention.causal_attention(q, k, v, self.scale)  # a prefill on the CPU
-            if native_y is not None:
-                y = native_y
-            elif mask is None and causal and S == T:
-                y = sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.scale, **gqa)
-            elif (T == 1 and (mask is not None or self.groups > 1) and not q.is_cuda and dropout_p == 0.0):
-                y = self.one_query_attention(q, k, v, mask, self.scale)  # a decode step on the CPU
-            else:
-                y = sdpa(q, k, v, attn_mask=self.full_mask(mask, causal, T, S, q.device), dropout_p=dropout_p,
-                         scale=self.scale, **gqa)
+            y = backend_for(q.device.type).attend(q, k, v, mask=mask, causal=causal, scale=self.scale,
+                                                   dropout_p=dropout_p)
 
         if hooks is not None:  # (B, H, T, D) <-> [B, T, H, D]; kept as computed, then ablated
             y = self.hook_z(y.transpose(1, 2)).transpose(1, 2)
@@ -256,39 +222,9 @@ class MultiHeadAttention(nn.Module):
         v = self.hook_v(v.transpose(1, 2)).transpose(1, 2)
         return q, k, v
 
-    @staticmethod
-    def full_mask(mask: torch.Tensor | None, causal: bool, T: int, S: int, device) -> torch.Tensor | None:
-        """One boolean mask (True = may attend) from `mask` and `causal`; None = all visible."""
-        if not causal:
-            return mask
-        tri = causal_mask(T, S, device=device)  # (T, S)
-        return tri if mask is None else mask & tri
-
-    @staticmethod
-    def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                            scale: float | None = None) -> torch.Tensor:
-        """One query per row over keys (rows of different lengths decoding together, with a mask;
-        or a grouped-query step): (B, H, 1, D). On the CPU, MKL's batched products (scale and mask
-        fused into one baddbmm) run this faster than SDPA's kernel: the default model's batch-16
-        step, 7.08 against 7.52 ms (bench/README.md). The G query heads of a key/value head are
-        the G rows of one product, so grouped keys are read once, never repeated. Keys and values
-        stay views of the cache (B and K merge without a copy). `scale`: 1/sqrt(D) unless given."""
-        B, H, _, D = q.shape
-        scale = 1.0 / math.sqrt(D) if scale is None else scale
-        K, S = k.shape[1], k.shape[2]
-        G = H // K
-        qg = q.reshape(B * K, G, D)  # (B, H, 1, D) -> (B*K, G, D): a group's queries side by side
-        keys_t = k.reshape(B * K, S, D).transpose(1, 2)  # (B*K, D, S)
-        if mask is None:
-            scores = torch.bmm(qg, keys_t).mul_(scale)  # (B*K, G, S)
-        else:
-            blocked = ~mask
-            if blocked.dim() == 4 and blocked.shape[1] != 1:  # a mask per query head: (B, H, 1, S) -> (B, K, G, S)
-                blocked = blocked.expand(B, H, 1, S).reshape(B, K, G, S)
-            bias = torch.zeros(B, K, G, S, dtype=q.dtype, device=q.device).masked_fill_(blocked, float("-inf"))
-            scores = torch.baddbmm(bias.view(B * K, G, S), qg, keys_t,
-                                   alpha=scale)  # (B*K, G, S): q k^T * scale + mask
-        return torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * K, S, D)).view(B, H, 1, D)
+    # the backends' helpers, as this layer's (tests and the explain view read them here)
+    full_mask = staticmethod(full_mask)
+    one_query_attention = staticmethod(one_query_attention)
 
     def explicit_attention(self, q, k, v, mask, causal: bool, dropout_p: float, *, hooked: bool = False):
         """The textbook formula, keeping the probabilities: (B, H, T, D), (B, H, T, S). `hooked`
@@ -301,7 +237,7 @@ class MultiHeadAttention(nn.Module):
         else:  # a group's G x T queries in one product with its keys: (B, K, G*T, S) -> (B, H, T, S)
             scores = (q.reshape(B, K, G * T, D) @ k.transpose(-2, -1)).mul_(self.scale)
             scores = scores.view(B, H, T, S)
-        full = self.full_mask(mask, causal, T, S, q.device)
+        full = full_mask(mask, causal, T, S, q.device)
         if full is not None:
             scores = scores.masked_fill(~full, float("-inf"))  # exp(-inf) = 0: masked keys get exactly 0
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
