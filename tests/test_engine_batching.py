@@ -534,6 +534,49 @@ def test_generations_take_turns_with_a_long_model_call(ckpt, fn_calls):
     assert seen_stacks and not any({"long_call", "run_operation"} & names for names in seen_stacks)
 
 
+def test_a_call_paused_inside_its_own_autograd_leaves_the_generations_in_inference_mode(ckpt, fn_calls):
+    """Attribution patching enables autograd inside its call; at its report points the core runs
+    decode steps on the same thread, which must still see inference mode (the KV cache's tensors
+    are inference tensors: an in-place write outside inference mode raises)."""
+    from attnlens.app.engine import Engine, progress
+
+    engine = Engine(ckpt, max_concurrent=2, max_queue=2)
+    modes = []
+    real_forward = engine.client.core.model.forward
+
+    def forward(*a, **kw):  # the generations' forwards: in inference mode, whatever the call's mode
+        modes.append(torch.is_inference_mode_enabled())
+        return real_forward(*a, **kw)
+
+    engine.client.core.model.forward = forward
+
+    def with_grad(model):
+        with torch.inference_mode(False), torch.enable_grad():
+            w = torch.ones(3, requires_grad=True)
+            for _ in range(40):
+                time.sleep(0.02)
+                progress.report()
+                assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()  # its own mode back
+            (w * 2).sum().backward()
+            return w.grad.tolist()
+
+    async def main():
+        call = asyncio.ensure_future(engine.call(FnCall(with_grad)))
+        await asyncio.sleep(0.1)
+        params = GenerationParams(ckpt.tokenizer.encode("To be"), 8, SamplingParams(temperature=0.0))
+        tokens, done = await collect_tokens(engine.submit_all([params])[0])
+        return tokens, done, await call
+
+    try:
+        tokens, done, grad = run_async(main())
+    finally:
+        engine.client.core.model.forward = real_forward
+        engine.close()
+    assert isinstance(done, DoneEvent) and [t.id for t in tokens] == reference_ids(ckpt, "To be", 8, temperature=0.0)
+    assert grad == [2.0, 2.0, 2.0]
+    assert modes and all(modes)
+
+
 def test_a_model_call_stops_at_its_next_report_point_when_its_caller_goes(ckpt, fn_calls):
     from attnlens.app.engine import Engine, progress
 

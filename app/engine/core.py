@@ -239,13 +239,25 @@ class EngineCore:
     def step(self) -> None:
         """One step: schedule, then execute (a slice of the model call, a prefill piece, a decode
         step), then update (hand the step's records to the sink)."""
+        # torch's grad and inference modes are the thread's: a call paused inside its own (attribution
+        # patching's autograd) leaves them so; the generations' work runs in inference mode all the same
         records: list[CoreRecord] = []
-        self._schedule(records)
+        with torch.inference_mode():
+            self._schedule(records)
         if records:
             self._deliver(records)
             records = []
         if self._call is not None or self._calls:
             self._run_call_slice()
+        with torch.inference_mode():
+            self._run_generations(records)
+        if self._overlap_outputs and self.scheduler.decoding:
+            self._held.extend(records)  # handed over while the next step runs on the device
+        else:
+            self._deliver(records)
+
+    def _run_generations(self, records: list[CoreRecord]) -> None:
+        """This step's prefill piece or prompts, then one decode step of every decoding row."""
         if self.scheduler.chunking is not None:
             self._run_chunk(records)
         if self.scheduler.waiting and (batch := self.scheduler.next_prefills()):
@@ -260,10 +272,6 @@ class EngineCore:
             self._run_decode(records)
             self._note_step(time.perf_counter() - t0)
             self._retire_finished(records)
-        if self._overlap_outputs and self.scheduler.decoding:
-            self._held.extend(records)  # handed over while the next step runs on the device
-        else:
-            self._deliver(records)
 
     def _note_step(self, seconds: float) -> None:
         self.step_seconds = seconds if self.step_seconds == 0 else 0.9 * self.step_seconds + 0.1 * seconds
