@@ -9,17 +9,56 @@ exactly the held ones: bertviz then indexes the right tensors and labels them 1,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .answers import Attention, AttentionGroup
+
+class _Group(Protocol):
+    """What of an answer's AttentionGroup (answers.py) is read here."""
+
+    @property
+    def maps(self) -> np.ndarray: ...  # (layers held, heads held, rows, cols)
+
+    @property
+    def queries(self) -> str: ...
+
+    @property
+    def keys(self) -> str: ...
+
+
+class _Answer(Protocol):
+    """What of an Attention answer (answers.py) is read here: declared, so this module needs no
+    import of answers.py, which imports it."""
+
+    @property
+    def n_layers(self) -> int: ...
+
+    @property
+    def n_heads(self) -> int: ...
+
+    @property
+    def layers(self) -> Sequence[int]: ...
+
+    @property
+    def heads(self) -> Sequence[int]: ...
+
+    @property
+    def groups(self) -> Mapping[str, Any]: ...
+
+    @property
+    def tokens(self) -> Sequence[Any]: ...
+
+    @property
+    def target_tokens(self) -> Sequence[Any] | None: ...
+
+    def axes(self) -> Any: ...
+
 
 VIEWS = ("head", "model")
 
 
-def _per_layer(answer: Attention, group: AttentionGroup) -> list:
+def _per_layer(answer: _Answer, group: _Group) -> list:
     """[n_layers] tensors of [1, n_heads, rows, cols]: the held maps in place, zeros elsewhere."""
     import torch
 
@@ -34,7 +73,7 @@ def _texts(tokens) -> list[str]:
     return [t.text for t in tokens]
 
 
-def bertviz_arguments(answer: Attention, view: str = "head") -> dict[str, Any]:
+def bertviz_arguments(answer: _Answer, view: str = "head") -> dict[str, Any]:
     """The keyword arguments of bertviz.head_view (view="head") or model_view (view="model")."""
     if view not in VIEWS:
         raise ValueError(f"view must be one of {VIEWS} (bertviz's head_view and model_view), not {view!r}")

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fastapi.responses import JSONResponse
 
+from attnlens.app.registry.model_registry import ModelRegistry
 from attnlens.app.server.api_errors import error_response
-
-if TYPE_CHECKING:
-    from attnlens.app.server.state import AppState
 
 log = logging.getLogger("attnlens.shutdown")
 
@@ -102,7 +100,17 @@ class DrainMiddleware:
             self.drain.request_ended()
 
 
-async def close_engines(state: AppState) -> None:
+class Draining(Protocol):
+    """What of the server's state (state.py's AppState, which holds a Drain) the drain reads."""
+
+    @property
+    def drain(self) -> Drain: ...
+
+    @property
+    def registry(self) -> ModelRegistry | None: ...
+
+
+async def close_engines(state: Draining) -> None:
     """End every generation and model call the engines hold ("the server is shutting down"), and
     the engines; the lifespan's own close afterwards finds them closed."""
     registry = state.registry
@@ -110,7 +118,7 @@ async def close_engines(state: AppState) -> None:
     await asyncio.gather(*(asyncio.to_thread(e.close) for e in engines))
 
 
-async def drain(state: AppState, grace_s: float) -> None:
+async def drain(state: Draining, grace_s: float) -> None:
     """Drain (the module docstring). Returns once no request is running, or once the
     generations still running after `grace_s` seconds have been ended."""
     d = state.drain
