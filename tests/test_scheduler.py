@@ -8,12 +8,26 @@ from attnlens.app.engine.scheduler import Scheduler
 
 
 class Blocks:
-    """The accounting a paged cache offers the scheduler: 64-position blocks of 1 byte each."""
+    """A cache in blocks as the scheduler reads it: 64-position blocks of 1 byte each."""
 
     capacity = 1024
+    lengths = keys = values = []
+    bytes_held = 0
 
     def bytes_for_lengths(self, lengths: list[int]) -> int:
         return sum(-(-n // 64) for n in lengths)
+
+    def row_slice(self, rows, batch):
+        return rows
+
+    def free(self, row): ...
+
+    def move(self, src, dst): ...
+
+    def reset(self): ...
+
+    def trim(self, active_rows):
+        return False
 
 
 def gen(n: int, new: int = 8, **kw) -> Generation:
@@ -21,8 +35,7 @@ def gen(n: int, new: int = 8, **kw) -> Generation:
 
 
 def scheduler(budget: int | None = None, chunk: int = 256, alone: int | None = 2048) -> Scheduler:
-    return Scheduler(Blocks(), 1024, paged=budget is not None, kv_budget=budget, prefill_chunk=chunk,
-                     prefill_chunk_alone=alone)
+    return Scheduler(Blocks(), 1024, kv_budget=budget, prefill_chunk=chunk, prefill_chunk_alone=alone)
 
 
 def test_short_prompts_go_together_while_the_padded_batch_holds_at_most_one_context():

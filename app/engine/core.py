@@ -133,8 +133,7 @@ class EngineCore:
         self._overlap_outputs = self.device.type == "cuda" if overlap_outputs is None else overlap_outputs
         self._held: list[CoreRecord] = []
         # which generations hold a row, which prompts are prefilled in a step, and in what pieces
-        self.scheduler = Scheduler(self.cache, self.config.context_length, paged=self.cache_paged,
-                                   kv_budget=kv_cache_bytes, prefill_chunk=prefill_chunk,
+        self.scheduler = Scheduler(self.cache, self.config.context_length, kv_budget=kv_cache_bytes, prefill_chunk=prefill_chunk,
                                    prefill_chunk_alone=prefill_chunk_alone)
         self.step_seconds = 0.0  # moving average of one decode step (0: not measured yet)
         self.errors = 0  # requests failed by an exception on the model thread

@@ -30,7 +30,7 @@ from attnlens.app.engine.records import MODEL_CALL_FAILED, CallResult, CoreRecor
 from attnlens.app.engine.request import CoreCall, Generation, GenerationParams
 from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.model import Checkpoint
-from attnlens.model.analysis.operations import ModelOperation
+from attnlens.model.analysis.operations import Operation, R
 
 __all__ = ["MODEL_CALL_FAILED", "EngineFront", "ModelCall"]
 
@@ -42,13 +42,13 @@ class ModelCall(CoreCall):
     one of model/analysis/operations.py's calls, plain data that travels pickled to an engine
     process. Besides what the core reads (CoreCall), its caller's event loop and future."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, operation: ModelOperation):
+    def __init__(self, loop: asyncio.AbstractEventLoop, operation: Operation[Any]):
         super().__init__(operation)
         self.loop = loop
         self.future: asyncio.Future = loop.create_future()
         self.t_start = 0.0  # when the core was given it
 
-    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
+    def settle(self, result: object = None, error: BaseException | None = None) -> None:
         def apply():
             if not self.future.done():
                 if error is not None:
@@ -214,7 +214,7 @@ class EngineFront:
             self.admission.admit_generations(generations, param=param)
             self._dispatch()
 
-    async def call(self, operation: ModelOperation) -> Any:
+    async def call(self, operation: Operation[R]) -> R:
         """Run a model operation on the model's side between decode steps, on the model-call line."""
         work = ModelCall(asyncio.get_running_loop(), operation)
         self.admit_call(work)

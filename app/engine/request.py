@@ -14,7 +14,7 @@ from attnlens.model import SamplingParams
 from attnlens.model.hooks import ZEdit
 
 if TYPE_CHECKING:
-    from attnlens.model.analysis.operations import ModelOperation
+    from attnlens.model.analysis.operations import Operation
     from attnlens.model.decoding import RowSampler
 
 _numbers = itertools.count(1)
@@ -99,7 +99,7 @@ class CoreCall:
     model/analysis/operations.py), its number (an engine process's calls are keyed by the
     server's), and whether its caller went away."""
 
-    def __init__(self, operation: "ModelOperation", number: int | None = None):
+    def __init__(self, operation: "Operation[object]", number: int | None = None):
         self.operation = operation
         self.number = next(_call_numbers) if number is None else number
         self.cancelled = False

@@ -11,17 +11,19 @@ lists; the core (core.py) runs the forwards, samples, and moves the cache rows i
 from __future__ import annotations
 
 import collections
-from typing import Any
 
 from attnlens.app.engine.request import Generation
+from attnlens.model.kv_cache import BlockCache, RowCache
 
 
 class Scheduler:
-    def __init__(self, cache: Any, context_length: int, *, paged: bool, kv_budget: int | None,
+    def __init__(self, cache: RowCache | None, context_length: int, *, kv_budget: int | None,
                  prefill_chunk: int, prefill_chunk_alone: int | None):
-        self.cache = cache  # read for its accounting (capacity, bytes for lengths): None without one
+        # read for its accounting: the positions a row holds, and, in blocks, the bytes rows take
+        self.capacity = cache.capacity if cache is not None else 0
+        self.blocks = cache if isinstance(cache, BlockCache) else None
         self.context_length = context_length
-        self.paged, self.kv_budget = paged, kv_budget
+        self.kv_budget = kv_budget
         # A long prompt is prefilled `prefill_chunk` tokens a step into the row after the decoding
         # ones, so the streams decoding beside it keep getting tokens between its pieces and the
         # watchdog sees progress; `prefill_chunk_alone` tokens a step while no other generation
@@ -43,7 +45,7 @@ class Scheduler:
 
     def reserved(self, g: Generation) -> int:
         """Positions g may come to hold: its prompt and every token it may generate."""
-        return min(self.cache.capacity, len(g.params.prompt_ids) + g.params.max_new_tokens)
+        return min(self.capacity, len(g.params.prompt_ids) + g.params.max_new_tokens)
 
     def fits(self, batch: list[Generation]) -> bool:
         """Whether the running generations and the prompts of `batch` (prefilled together) fit the KV
@@ -51,13 +53,13 @@ class Scheduler:
         whole blocks): admitted work never runs out of blocks. One generation alone always does (the
         pool holds a whole context)."""
         running = self.running()
-        if not self.paged or len(running) + len(batch) == 1:
+        if self.blocks is None or self.kv_budget is None or len(running) + len(batch) == 1:
             return True
         # prompts prefilled together are right-padded to the longest: each holds that much until the
         # forward ends (the padding's blocks go back then)
         padded = max(len(g.params.prompt_ids) for g in batch) if len(batch) > 1 else 0
         lengths = [self.reserved(g) for g in running] + [max(self.reserved(g), padded) for g in batch]
-        return self.cache.bytes_for_lengths(lengths) <= self.kv_budget
+        return self.blocks.bytes_for_lengths(lengths) <= self.kv_budget
 
     def chunked(self, g: Generation) -> bool:
         """Whether g's prompt is prefilled in pieces: longer than one piece, and nothing that needs

@@ -25,7 +25,9 @@ heartbeat, and where a call whose caller went away stops (app/engine/progress.py
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Generic, TypeVar
+
+import numpy as np
 
 from attnlens.model.analysis import explain
 from attnlens.model.analysis.attention_maps import AnalysisMaps, MapRequest, analyse_attention
@@ -47,8 +49,18 @@ def _no_report() -> None:
     pass
 
 
+R = TypeVar("R", covariant=True)
+
+
+class Operation(Generic[R]):
+    """A model operation whose result is an R: run_operation(model, call) gives one, and so does
+    `await engine.call(call)`."""
+
+    operation: ClassVar[str]
+
+
 @dataclass(frozen=True)
-class AttentionCall:
+class AttentionCall(Operation[AnalysisMaps]):
     """The asked layers' and heads' maps of every group (MapRequest: whole, window, pool, top-k)."""
 
     operation: ClassVar[str] = "attention"
@@ -63,7 +75,7 @@ class AttentionCall:
 
 
 @dataclass(frozen=True)
-class HeadScoresCall:
+class HeadScoresCall(Operation[HeadScoreResult]):
     """Every head's scores of every group (with `clark`, an encoder's Clark et al. scores too)."""
 
     operation: ClassVar[str] = "head_scores"
@@ -73,7 +85,7 @@ class HeadScoresCall:
 
 
 @dataclass(frozen=True)
-class LogitsCall:
+class LogitsCall(Operation[explain.LogitsReport]):
     """Per position (or the last only) the top-k predictions, with and without ablated heads."""
 
     operation: ClassVar[str] = "logits"
@@ -85,7 +97,7 @@ class LogitsCall:
 
 
 @dataclass(frozen=True)
-class LensCall:
+class LensCall(Operation[explain.LensReport]):
     """The logit lens: every block's residual stream through the final norm and the head."""
 
     operation: ClassVar[str] = "lens"
@@ -98,7 +110,7 @@ class LensCall:
 
 
 @dataclass(frozen=True)
-class ExplainHeadCall:
+class ExplainHeadCall(Operation[explain.HeadStep]):
     """One head's attention at one query, step by step."""
 
     operation: ClassVar[str] = "explain_head"
@@ -112,7 +124,7 @@ class ExplainHeadCall:
 
 
 @dataclass(frozen=True)
-class FillMaskCall:
+class FillMaskCall(Operation[MaskScores]):
     """The masked-LM head's top_k at `positions` of framed `ids`, over the tokenizer's `vocab_size`
     tokens, never one of `never`."""
 
@@ -125,7 +137,7 @@ class FillMaskCall:
 
 
 @dataclass(frozen=True)
-class ClassifyCall:
+class ClassifyCall(Operation[list[float]]):
     """Every label's probability of framed `ids`."""
 
     operation: ClassVar[str] = "classify"
@@ -133,7 +145,7 @@ class ClassifyCall:
 
 
 @dataclass(frozen=True)
-class EmbedCall:
+class EmbedCall(Operation[np.ndarray]):
     """The unit sentence embedding of each framed row, in right-padded batches."""
 
     operation: ClassVar[str] = "embed"
@@ -143,7 +155,7 @@ class EmbedCall:
 
 
 @dataclass(frozen=True)
-class WarmUpCall:
+class WarmUpCall(Operation[None]):
     """Start-up: one attention analysis of `ids` (layer 0, head 0) and, given `encoder_ids`
     ([CLS] [MASK] [SEP]), a forward through the encoder's heads."""
 
@@ -184,7 +196,7 @@ def _classify(model, call: ClassifyCall, report: Report) -> list[float]:
     return class_probabilities(model, call.ids)
 
 
-def _embed(model, call: EmbedCall, report: Report):
+def _embed(model, call: EmbedCall, report: Report) -> np.ndarray:
     return embed_rows(model, call.rows, call.pad_id, call.max_tokens, report=report)
 
 
@@ -211,7 +223,7 @@ ModelOperation = (AttentionCall | HeadScoresCall | LogitsCall | LensCall | Expla
                   | ClassifyCall | EmbedCall | WarmUpCall)
 
 
-def run_operation(model, call: ModelOperation, report: Report | None = None) -> Any:
+def run_operation(model, call: Operation[R], report: Report | None = None) -> R:
     """Run the operation `call` names on `model` (the nn.Module, on whatever device holds it)."""
     try:
         run = OPERATIONS[call.operation]
