@@ -67,6 +67,24 @@ def check_pre_norm(model, what: str) -> None:
                          "each sub-layer, so the stream is no sum of what the parts wrote")
 
 
+def check_attribution(config, ids: list[int], answer_id: int | None, foil_id: int | None, position: int | None
+                      ) -> None:
+    """A ValueError naming the field that a model of `config` cannot attribute."""
+    if config.family != "decoder" or config.norm != "pre":
+        raise ValueError("direct logit attribution needs a pre-norm decoder (a causal language model whose residual "
+                         "stream is the sum of what its parts wrote)")
+    if not ids:
+        raise ValueError("ids is empty")
+    bad = [i for i in ids if not 0 <= i < config.vocab_size]
+    if bad:
+        raise ValueError(f"ids: token id {bad[0]} out of range 0..{config.vocab_size - 1}")
+    for name, i in (("answer_id", answer_id), ("foil_id", foil_id)):
+        if i is not None and not 0 <= i < config.vocab_size:
+            raise ValueError(f"{name} {i} out of range 0..{config.vocab_size - 1}")
+    if position is not None and not 0 <= position < len(ids):
+        raise ValueError(f"position {position} out of range 0..{len(ids) - 1}")
+
+
 def stream_names(model, layer: int) -> set[str]:
     """The hook points stream_parts reads for the stream entering block `layer` (layer = L: the final)."""
     names = {"blocks.0.hook_resid_pre"}
@@ -173,6 +191,7 @@ def logit_attribution(model, ids: list[int], answer_id: int | None = None, foil_
     """Each part's direct effect on logit(answer) - logit(foil) at `position` (default the last);
     answer and foil default to the top two predictions there (module docstring)."""
     check_pre_norm(model, "direct logit attribution")
+    check_attribution(model.config, ids, answer_id, foil_id, position)
     pos = len(ids) - 1 if position is None else position
     L = model.config.n_layers
     final = f"blocks.{L - 1}.hook_resid_post"

@@ -86,6 +86,9 @@ class PatchResult:
 def check_patch(config, clean_ids: list[int], corrupted_ids: list[int], answer_id: int, foil_id: int,
                 position: int | None, component: str, method: str, sender: tuple[int, int] | None) -> None:
     """A ValueError naming the field that a model of `config` cannot patch."""
+    if config.family != "decoder":
+        raise ValueError(f"activation patching needs a decoder (a causal language model); this model is an "
+                         f"{config.family}")
     if component not in COMPONENTS:
         raise ValueError(f"component must be one of {COMPONENTS}, got {component!r}")
     if method not in METHODS:

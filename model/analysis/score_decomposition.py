@@ -62,8 +62,14 @@ class ScoreDecomposition(TypedDict):
 
 def check_score(config, ids: list[int], layer: int, head: int, query: int, key: int) -> None:
     """A ValueError naming the field that is out of range."""
+    if config.family != "decoder" or config.norm != "pre":
+        raise ValueError("score decomposition needs a pre-norm decoder (a causal language model whose residual "
+                         "stream is the sum of what its parts wrote)")
     if not ids:
         raise ValueError("ids is empty")
+    bad = [i for i in ids if not 0 <= i < config.vocab_size]
+    if bad:
+        raise ValueError(f"ids: token id {bad[0]} out of range 0..{config.vocab_size - 1}")
     if not 0 <= layer < config.n_layers:
         raise ValueError(f"layer {layer} out of range 0..{config.n_layers - 1}")
     if not 0 <= head < config.n_heads:
