@@ -259,6 +259,7 @@ def _warm_up(model, call: WarmUpCall, report: Report) -> None:
 
 
 def _patch(model, call: PatchCall, report: Report) -> PatchResult:
+    call.check(model.config)
     if call.method == "attribution":
         return attribution_patch(model, call.clean_ids, call.corrupted_ids, call.answer_id, call.foil_id,
                                  call.position, call.component, report=report)
