@@ -413,6 +413,16 @@ def test_attribution_with_inference_tensor_weights_under_inference_mode():
     np.testing.assert_allclose(got.values, want.values, atol=1e-6)
 
 
+def test_attribution_reports_in_the_callers_inference_mode(small):
+    """The engine's decode steps run at a report point on the call's thread: never in its autograd."""
+    model, task = small
+    modes = []
+    with torch.inference_mode():
+        attribution_patch(model, component="heads", report=lambda: modes.append(
+            (torch.is_inference_mode_enabled(), torch.is_grad_enabled())), **task.kwargs)
+    assert len(modes) >= 2 * model.config.n_layers and set(modes) == {(True, False)}
+
+
 # --- SmolLM2 ------------------------------------------------------------------------------------------
 IOI_CLEAN = "When Mary and John went to the store, John gave a drink to"
 IOI_CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"

@@ -11,7 +11,8 @@ components heads [L][H], heads_by_position [L][T][H], residual [L][T] and layers
 
 Autograd runs inside the call whatever the caller's mode (the engine runs operations under
 torch.inference_mode): the corrupted run enables it, and block_runs gives its products plain
-tensors, never inference tensors (which autograd cannot save).
+tensors, never inference tensors (which autograd cannot save). Its report points return to the
+caller's mode while they last (`in_callers_mode`): the engine's other work runs there.
 """
 
 from __future__ import annotations
@@ -49,14 +50,27 @@ def _run(model, ids: torch.Tensor, want: set[str], report: Report) -> tuple[Reco
     return runs, final
 
 
+def in_callers_mode(report: Report) -> Report:
+    """report() run in the autograd mode of the caller (as it is now). Grad and inference modes are the
+    thread's: the engine's core runs its decode steps on this very thread at a report point (the call
+    runs on a greenlet that pauses there), and they must not run in this call's autograd."""
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def outside() -> None:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            report()
+    return outside
+
+
 def gradients(model, ids: torch.Tensor, want: set[str], answer_id: int, foil_id: int, report: Report
               ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[torch.Tensor]], float]:
     """The corrupted run's activations and d metric / d activation, [name] -> per layer (N, ...), and its
     metric: one forward and one backward with autograd on, inside any inference mode."""
     L = model.config.n_layers
+    paused = in_callers_mode(report)
     with torch.inference_mode(False), torch.enable_grad():
         direction = unembed_direction(model, answer_id, foil_id)  # plain tensors, made here
-        runs, final = _run(model, ids.clone(), want, report)
+        runs, final = _run(model, ids.clone(), want, paused)
         value = metric(model, final[:, -1], direction)[0]
         names = [(name, layer) for name in sorted(want) for layer in range(L)]
         grads = torch.autograd.grad(value, [runs.got[name][layer] for name, layer in names], allow_unused=True)
