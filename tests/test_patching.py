@@ -423,6 +423,27 @@ def test_attribution_reports_in_the_callers_inference_mode(small):
     assert len(modes) >= 2 * model.config.n_layers and set(modes) == {(True, False)}
 
 
+def test_attribution_stepped_by_the_engines_core_leaves_the_decode_steps_between_in_inference_mode(small):
+    """As the engine runs it: a slice at a time on the core's thread, a decode step of a cache made under
+    inference mode between slices (which an autograd mode left over would refuse to write)."""
+    from attnlens.app.engine import progress
+    from attnlens.app.engine.stepped_call import SteppedCall
+
+    model, task = small
+    with torch.inference_mode():
+        cache = model.new_kv_cache(1)
+        model(torch.tensor([[1, 2]]), kv_cache=cache)
+        call = SteppedCall(lambda: run_operation(model, PatchCall(**task.kwargs, method="attribution"),
+                                                 report=progress.report))
+        turns = 0
+        while not call.advance():
+            assert torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
+            model(torch.tensor([[3]]), kv_cache=cache)
+            turns += 1
+    assert call.error is None and turns >= 2 * model.config.n_layers
+    assert call.value == attribution_patch(model, **task.kwargs)
+
+
 # --- SmolLM2 ------------------------------------------------------------------------------------------
 IOI_CLEAN = "When Mary and John went to the store, John gave a drink to"
 IOI_CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
