@@ -75,7 +75,8 @@ def gpt2(tmp_path_factory):
     return SimpleNamespace(model=model, bridge=bridge, task=task_for(model.config.vocab_size))
 
 
-TL_FUNCTIONS = {"heads": "get_act_patch_attn_head_out_all_pos", "heads_by_position": "get_act_patch_attn_head_out_by_pos",
+TL_FUNCTIONS = {"heads": "get_act_patch_attn_head_out_all_pos",
+                "heads_by_position": "get_act_patch_attn_head_out_by_pos",
                 "residual": "get_act_patch_resid_pre"}
 
 
@@ -91,7 +92,8 @@ def test_every_component_equals_transformer_lens_patching(gpt2, component):
         assert got.corrupted_metric == pytest.approx(float(task.metric(bridge(task.corrupted))), abs=1e-5)
     assert got.first_difference == 4 and got.position == 8
     if component == "layers":
-        assert_values(got.values["attention"], tl.get_act_patch_attn_out(bridge, task.corrupted, clean_cache, task.metric))
+        want = tl.get_act_patch_attn_out(bridge, task.corrupted, clean_cache, task.metric)
+        assert_values(got.values["attention"], want)
         assert_values(got.values["mlp"], tl.get_act_patch_mlp_out(bridge, task.corrupted, clean_cache, task.metric))
     else:
         want = getattr(tl, TL_FUNCTIONS[component])(bridge, task.corrupted, clean_cache, task.metric)
@@ -155,8 +157,8 @@ class HookedLoop:
 
     def __init__(self, hf, task: Task):
         self.hf, self.task = hf, task
-        self.D = hf.config.hidden_size // hf.config.num_attention_heads if getattr(hf.config, "head_dim", None) is None \
-            else hf.config.head_dim
+        c = hf.config
+        self.D = c.head_dim if getattr(c, "head_dim", None) is not None else c.hidden_size // c.num_attention_heads
         self.clean = self.record(task.clean)
         self.corrupted = self.record(task.corrupted)
 
@@ -442,6 +444,34 @@ def test_attribution_stepped_by_the_engines_core_leaves_the_decode_steps_between
             turns += 1
     assert call.error is None and turns >= 2 * model.config.n_layers
     assert call.value == attribution_patch(model, **task.kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_every_causal_call_on_cuda_equals_the_cpus(small):
+    import copy
+
+    from attnlens.model.analysis.logit_attribution import logit_attribution
+    from attnlens.model.analysis.score_decomposition import decompose_score
+
+    model, task = small
+    cuda = copy.deepcopy(model).to("cuda")
+    for component in ("heads", "heads_by_position", "residual", "layers"):
+        for method in ("exact", "attribution"):
+            call = PatchCall(**task.kwargs, component=component, method=method)
+            got, want = run_operation(cuda, call), run_operation(model, call)
+            np.testing.assert_allclose(np.array(got.values if component != "layers" else list(got.values.values())),
+                                       np.array(want.values if component != "layers" else list(want.values.values())),
+                                       atol=1e-4)
+    got = patch(cuda, component="paths", sender=(0, 1), **task.kwargs).values
+    want = patch(model, component="paths", sender=(0, 1), **task.kwargs).values
+    for kind in ("q", "k", "v"):
+        np.testing.assert_allclose(got[kind][1:], want[kind][1:], atol=1e-4)
+    ids = task.kwargs["clean_ids"]
+    np.testing.assert_allclose(logit_attribution(cuda, ids, 3, 4)["heads"], logit_attribution(model, ids, 3, 4)["heads"],
+                               atol=1e-4)
+    np.testing.assert_allclose(decompose_score(cuda, ids, 2, 1, 8, 3)["matrix"],
+                               decompose_score(model, ids, 2, 1, 8, 3)["matrix"], atol=1e-4)
 
 
 # --- SmolLM2 ------------------------------------------------------------------------------------------

@@ -75,6 +75,8 @@ def check_attribution(config, ids: list[int], answer_id: int | None, foil_id: in
                          "stream is the sum of what its parts wrote)")
     if not ids:
         raise ValueError("ids is empty")
+    if len(ids) > config.context_length:
+        raise ValueError(f"ids has {len(ids)} tokens, over the context length {config.context_length}")
     bad = [i for i in ids if not 0 <= i < config.vocab_size]
     if bad:
         raise ValueError(f"ids: token id {bad[0]} out of range 0..{config.vocab_size - 1}")

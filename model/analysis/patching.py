@@ -233,6 +233,7 @@ class PatchTap(Tap):
         if G > 1 and kinds & {"k", "v"}:  # each query head its own keys and values: (R, K, Tn, D) -> (R, H, Tn, D)
             k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
         out = {"q": q, "k": k, "v": v}
+        as_index = lambda values: torch.tensor(values, dtype=torch.long, device=x.device)
         for kind, mine in (("q", q2), ("k", k2), ("v", v2)):
             picked = [j for j, i in enumerate(rows) if self.cells[i].kind == kind]
             if not picked:
@@ -240,7 +241,8 @@ class PatchTap(Tap):
             heads = [self.cells[rows[j]].head for j in picked]
             src = heads if kind == "q" else [h // G for h in heads]  # the key/value head a query head reads
             t = out[kind].clone()
-            t[index[picked], torch.tensor(heads)] = mine[torch.tensor(picked), torch.tensor(src)]  # (n, Tn, D)
+            receivers = as_index([rows[j] for j in picked])
+            t[receivers, as_index(heads)] = mine[as_index(picked), as_index(src)]  # (n, Tn, D)
             out[kind] = t
         return out["q"], out["k"], out["v"]
 
@@ -270,7 +272,8 @@ def patch_by_position(model, pair: Pair, kinds: list[str], heads: bool, report: 
     the corrupted metric (the patch changes nothing the metric reads)."""
     L, H = model.config.n_layers, model.config.n_heads
     blank = lambda: [pair.metrics[1]] * H if heads else pair.metrics[1]
-    out: dict[str, list[list[Any]]] = {kind: [[blank() for _ in range(pair.length)] for _ in range(L)] for kind in kinds}
+    out: dict[str, list[list[Any]]] = {kind: [[blank() for _ in range(pair.length)] for _ in range(L)]
+                                       for kind in kinds}
     for p in range(pair.differs, pair.n):
         cells = [Cell(layer, kind, h) for layer in range(L) for kind in kinds for h in (range(H) if heads else (-1,))]
         for cell, value in zip(cells, run_cells(model, pair, cells, p, report, max_bytes)):

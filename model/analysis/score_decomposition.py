@@ -67,6 +67,8 @@ def check_score(config, ids: list[int], layer: int, head: int, query: int, key: 
                          "stream is the sum of what its parts wrote)")
     if not ids:
         raise ValueError("ids is empty")
+    if len(ids) > config.context_length:
+        raise ValueError(f"ids has {len(ids)} tokens, over the context length {config.context_length}")
     bad = [i for i in ids if not 0 <= i < config.vocab_size]
     if bad:
         raise ValueError(f"ids: token id {bad[0]} out of range 0..{config.vocab_size - 1}")
@@ -128,7 +130,8 @@ def decompose_score(model, ids: list[int], layer: int, head: int, query: int, ke
     names, qs = side(model, got, ids, layer, query, slice(0, H * D), head)  # (P, D)
     _, ks = side(model, got, ids, layer, key, slice(H * D, (H + K) * D), kv)
     matrix = (qs @ ks.t() * attn.scale).cpu().numpy()  # (P, P)
-    score = float(got[f"{module}.{qn}"][0, query, head].double() @ got[f"{module}.{kn}"][0, key, kv].double()) * attn.scale
+    q, k = got[f"{module}.{qn}"][0, query, head].double(), got[f"{module}.{kn}"][0, key, kv].double()  # (D,)
+    score = float(q @ k) * attn.scale
     order = np.argsort(-np.abs(matrix), axis=None)[:top_k]
     top: list[Pair] = [{"query": names[i // len(names)], "key": names[i % len(names)], "value": float(matrix.flat[i])}
                        for i in order]
