@@ -147,6 +147,8 @@ class Pair:
 
 def pair_of(model, clean_ids: list[int], corrupted_ids: list[int], answer_id: int, foil_id: int,
             position: int | None) -> Pair:
+    """The prompts cut after the metric's position (default the last), and what the patches need to know
+    of them; the runs come from run_pair."""
     pos = len(clean_ids) - 1 if position is None else position
     differs = next((i for i, (a, b) in enumerate(zip(clean_ids, corrupted_ids)) if a != b), len(clean_ids))
     device = model.device
