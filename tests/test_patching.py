@@ -309,6 +309,34 @@ def test_a_grouped_query_receivers_keys_and_values_are_its_own(arch):
         assert np.std(want[kind][1]) > 1e-4
 
 
+ROTARY = dict(positional="rotary", norm_type="rmsnorm", ffn="gated", activation="silu", bias=False)
+
+
+@pytest.mark.parametrize("shape", [
+    {}, dict(norm="post"), dict(positional="sinusoidal", scale_embeddings=True), dict(ROTARY, n_kv_heads=2),
+    dict(ROTARY, qkv_bias=True, n_kv_heads=1), dict(ROTARY, n_kv_heads=2, qk_norm=True),
+    dict(ROTARY, n_kv_heads=2, sliding_window=4),
+    dict(positional="rotary", rotary_pct=0.25, parallel_residual=True, activation="gelu_exact", head_dim=16)])
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_blocks_run_by_hand_are_the_models_forward(shape, grad):
+    """block_runs on every decoder shape, with and without autograd: from block 0 the model's logits;
+    from block 1 and position 7, with the keys and values before from the first run, the same."""
+    from attnlens.model.analysis import block_runs as br
+
+    model = small_config_model(seed=1, **shape)
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(not grad), torch.set_grad_enabled(grad):
+        want = model(ids).logits
+        runs = br.Recorder({"keys", "values", "resid_pre"})
+        x = model.embed(ids)
+        final = br.run_rows(model, br.span(model, 0, 12), [0], lambda layer, n: x, runs, lambda: None, last_only=False)
+        torch.testing.assert_close(model.lm_head(br.norm(model.ln_f, final)), want, atol=1e-6, rtol=0)
+        later = br.run_rows(model, br.span(model, 7, 12, runs), [1], lambda layer, n: runs.got["resid_pre"][layer][:, 7:],
+                            br.Tap(), lambda: None)
+        got = float(br.metric(model, later[:, -1], br.unembed_direction(model, 3, 5)).detach())
+        assert got == pytest.approx(float(want[0, -1, 3] - want[0, -1, 5]), abs=1e-6)
+
+
 # --- the operation: by name, checked, stepped -----------------------------------------------------
 @pytest.fixture(scope="module")
 def small():
