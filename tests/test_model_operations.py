@@ -25,7 +25,10 @@ from attnlens.model.analysis.operations import (
     FillMaskCall,
     HeadScoresCall,
     LensCall,
+    LogitAttributionCall,
     LogitsCall,
+    PatchCall,
+    ScoreDecompositionCall,
     WarmUpCall,
     run_operation,
 )
@@ -46,7 +49,7 @@ def by_pickle(call):
 
 def test_every_operation_is_registered_under_its_calls_name():
     calls = [AttentionCall, HeadScoresCall, LogitsCall, LensCall, ExplainHeadCall, FillMaskCall, ClassifyCall,
-             EmbedCall, WarmUpCall]
+             EmbedCall, WarmUpCall, PatchCall, LogitAttributionCall, ScoreDecompositionCall]
     assert sorted(c.operation for c in calls) == sorted(OPERATIONS)
 
 

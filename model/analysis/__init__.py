@@ -2,7 +2,8 @@
 
     operations.py        one frozen dataclass of arguments per operation (AttentionCall,
                          HeadScoresCall, LogitsCall, LensCall, ExplainHeadCall, FillMaskCall,
-                         ClassifyCall, EmbedCall, WarmUpCall), the registry name -> function and
+                         ClassifyCall, EmbedCall, WarmUpCall, PatchCall, LogitAttributionCall,
+                         ScoreDecompositionCall), the registry name -> function and
                          `run_operation(model, call)`: only such plain data crosses to the
                          engine's process, never a closure
     attention_maps.py    /attention's maps of every group with their reductions (MapRequest)
@@ -14,6 +15,12 @@
     vocab_rows.py        per-row top-k and rank over the vocabulary
     encoder_outputs.py   an encoder's fill-mask and classification scores, sentence embeddings,
                          its warm-up forward
+    patching.py          activation patching of a decoder, TransformerLens's semantics, exact and
+                         batched (heads, heads by position, residual, layers, paths)
+    attribution_patching.py  its first-order estimates from one forward and one backward
+    block_runs.py        a decoder's blocks run by hand from any block and position, with taps
+    logit_attribution.py direct logit attribution through the frozen final norm
+    score_decomposition.py  one head's score split into pairs of query-side and key-side parts
 
 Nothing here tokenises text or encodes an answer: the service does both (app/).
 """

@@ -17,6 +17,13 @@ what comes back is plain data too (dataclasses, numpy, lists, dicts).
     ClassifyCall      classify         list[float], every label's probability in the config's order
     EmbedCall         embed            (N, C) float32 numpy unit vectors
     WarmUpCall        warm_up          None (one attention analysis, and an encoder's heads' forward)
+    PatchCall         patch            PatchResult (patching.py: exact, or attribution_patching.py)
+    LogitAttributionCall  logit_attribution  LogitAttribution (logit_attribution.py)
+    ScoreDecompositionCall  score_decomposition  ScoreDecomposition (score_decomposition.py)
+
+The causal calls (patch, logit_attribution, score_decomposition) have `check(config)`: the
+ValueError, naming the field, that the operation itself raises for arguments the model cannot take,
+raised before the call is queued.
 
 `report`, given to run_operation, is called at a long operation's progress points: the engine's
 heartbeat, and where a call whose caller went away stops (app/engine/progress.py's report()).
@@ -31,6 +38,7 @@ import numpy as np
 
 from attnlens.model.analysis import explain
 from attnlens.model.analysis.attention_maps import AnalysisMaps, MapRequest, analyse_attention
+from attnlens.model.analysis.attribution_patching import attribution_patch
 from attnlens.model.analysis.encoder_outputs import (
     MAX_BATCH_TOKENS,
     MaskScores,
@@ -40,6 +48,9 @@ from attnlens.model.analysis.encoder_outputs import (
     mask_scores,
 )
 from attnlens.model.analysis.head_atlas_scores import ClarkProbe, HeadScoreResult, score_heads
+from attnlens.model.analysis.logit_attribution import LogitAttribution, check_attribution, logit_attribution
+from attnlens.model.analysis.patching import PatchResult, check_patch, patch
+from attnlens.model.analysis.score_decomposition import ScoreDecomposition, check_score, decompose_score
 from attnlens.model.hooks import ZEdit
 
 Report = Callable[[], None]
@@ -164,6 +175,59 @@ class WarmUpCall(Operation[None]):
     encoder_ids: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class PatchCall:
+    """Activation patching of a decoder: each cell of `component` patched from the clean run into the
+    corrupted one, the metric logit(answer) - logit(foil) at `position` (default the last); `method`
+    "exact" or "attribution" (first-order estimates); `sender` (layer, head) for component "paths"."""
+
+    operation: ClassVar[str] = "patch"
+    clean_ids: list[int]
+    corrupted_ids: list[int]
+    answer_id: int
+    foil_id: int
+    position: int | None = None
+    component: str = "heads"  # heads | heads_by_position | residual | layers | paths
+    method: str = "exact"  # exact | attribution
+    sender: tuple[int, int] | None = None
+
+    def check(self, config) -> None:
+        check_patch(config, self.clean_ids, self.corrupted_ids, self.answer_id, self.foil_id, self.position,
+                    self.component, self.method, self.sender)
+
+
+@dataclass(frozen=True)
+class LogitAttributionCall:
+    """Each head's, MLP's, the embedding's and the rest's direct effect on logit(answer) - logit(foil) at
+    `position` (defaults: the last position, its top two predictions)."""
+
+    operation: ClassVar[str] = "logit_attribution"
+    ids: list[int]
+    answer_id: int | None = None
+    foil_id: int | None = None
+    position: int | None = None
+
+    def check(self, config) -> None:
+        check_attribution(config, self.ids, self.answer_id, self.foil_id, self.position)
+
+
+@dataclass(frozen=True)
+class ScoreDecompositionCall:
+    """Why head `head` of block `layer` attends from `query` to `key`: its score split into pairs of
+    parts of the two residual streams, the `top_k` largest listed."""
+
+    operation: ClassVar[str] = "score_decomposition"
+    ids: list[int]
+    layer: int
+    head: int
+    query: int
+    key: int
+    top_k: int = 20
+
+    def check(self, config) -> None:
+        check_score(config, self.ids, self.layer, self.head, self.query, self.key)
+
+
 def _attention(model, call: AttentionCall, report: Report) -> AnalysisMaps:
     return analyse_attention(model, call.ids, call.layers, call.heads, call.target_ids, call.ablate, call.want,
                              call.fmt, call.keep_bytes, report=report)
@@ -206,6 +270,23 @@ def _warm_up(model, call: WarmUpCall, report: Report) -> None:
         encoder_warm_up(model, call.encoder_ids)
 
 
+def _patch(model, call: PatchCall, report: Report) -> PatchResult:
+    call.check(model.config)
+    if call.method == "attribution":
+        return attribution_patch(model, call.clean_ids, call.corrupted_ids, call.answer_id, call.foil_id,
+                                 call.position, call.component, report=report)
+    return patch(model, call.clean_ids, call.corrupted_ids, call.answer_id, call.foil_id, call.position,
+                 call.component, call.sender, report=report)
+
+
+def _logit_attribution(model, call: LogitAttributionCall, report: Report) -> LogitAttribution:
+    return logit_attribution(model, call.ids, call.answer_id, call.foil_id, call.position, report=report)
+
+
+def _score_decomposition(model, call: ScoreDecompositionCall, report: Report) -> ScoreDecomposition:
+    return decompose_score(model, call.ids, call.layer, call.head, call.query, call.key, call.top_k, report=report)
+
+
 # name -> what runs it: fn(model, call, report)
 OPERATIONS: dict[str, Callable[[Any, Any, Report], Any]] = {
     AttentionCall.operation: _attention,
@@ -217,10 +298,13 @@ OPERATIONS: dict[str, Callable[[Any, Any, Report], Any]] = {
     ClassifyCall.operation: _classify,
     EmbedCall.operation: _embed,
     WarmUpCall.operation: _warm_up,
+    PatchCall.operation: _patch,
+    LogitAttributionCall.operation: _logit_attribution,
+    ScoreDecompositionCall.operation: _score_decomposition,
 }
 
 ModelOperation = (AttentionCall | HeadScoresCall | LogitsCall | LensCall | ExplainHeadCall | FillMaskCall
-                  | ClassifyCall | EmbedCall | WarmUpCall)
+                  | ClassifyCall | EmbedCall | WarmUpCall | PatchCall | LogitAttributionCall | ScoreDecompositionCall)
 
 
 def run_operation(model, call: Operation[R], report: Report | None = None) -> R:

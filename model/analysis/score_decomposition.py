@@ -1,0 +1,144 @@
+"""Why a head attends: one attention score q_i . k_j * scale split into pairs of what wrote the
+query's and the key's residual streams (a decoder's, pre-norm).
+
+The stream entering block l at a position is a sum of parts (logit_attribution.stream_parts: the
+token embedding, positions, each earlier head's output, each earlier MLP's, the biases). With the
+block's norm frozen at each position's scale, the query and the key are linear in those parts:
+
+    q_i = sum over parts a of Q_i(a)     Q_i(a) = rot_i(g_q * W_Q,h norm_i(a))   (+ the biases' row:
+    k_j = sum over parts b of K_j(b)     K_j(b) = rot_j(g_k * W_K,h' norm_j(b))    the norm's and the
+                                                                                  projection's bias)
+
+rot_i: the rotary rotation at position i (linear, applied to each part's projection); g_q, g_k:
+the per-head q/k norm's gain over its frozen root mean square (Qwen3; 1 elsewhere); h' the key/value
+head query head h reads. So the score is a sum over pairs,
+
+    score = scale * q_i . k_j = sum over (a, b) of scale * Q_i(a) . K_j(b)
+
+a matrix (query parts x key parts) that sums to the model's score (the pre-softmax logit, before the
+mask) within float rounding. The top pairs by magnitude come first.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+import numpy as np
+import torch
+
+from attnlens.model.analysis.block_runs import Report
+from attnlens.model.analysis.logit_attribution import check_pre_norm, frozen_norm, stream_names, stream_parts, through
+from attnlens.model.hooks import Hooks, hooked
+from attnlens.model.parts.positions import apply_rotary
+
+
+def _no_report() -> None:
+    pass
+
+
+class Pair(TypedDict):
+    query: str  # the part on the query's side
+    key: str  # the part on the key's side
+    value: float
+
+
+class ScoreDecomposition(TypedDict):
+    layer: int
+    head: int
+    kv_head: int
+    query: int
+    key: int
+    scale: float
+    score: float  # the model's scaled score q . k * scale (hook_q / hook_k, rotated where rotary)
+    probability: float  # the head's attention from the query to the key
+    masked: bool  # the key is outside the query's sliding window (its probability is 0)
+    parts: list[str]  # the rows' and the columns' names
+    matrix: np.ndarray  # (P, P) float64 [query part, key part]; sums to score
+    query_totals: list[float]  # each query part against the whole key (row sums)
+    key_totals: list[float]  # each key part against the whole query (column sums)
+    top: list[Pair]  # the top_k pairs by magnitude, largest first
+    rest: float  # score minus the listed pairs
+
+
+def check_score(config, ids: list[int], layer: int, head: int, query: int, key: int) -> None:
+    """A ValueError naming the field that is out of range."""
+    if config.family != "decoder" or config.norm != "pre":
+        raise ValueError("score decomposition needs a pre-norm decoder (a causal language model whose residual "
+                         "stream is the sum of what its parts wrote)")
+    if not ids:
+        raise ValueError("ids is empty")
+    if len(ids) > config.context_length:
+        raise ValueError(f"ids has {len(ids)} tokens, over the context length {config.context_length}")
+    bad = [i for i in ids if not 0 <= i < config.vocab_size]
+    if bad:
+        raise ValueError(f"ids: token id {bad[0]} out of range 0..{config.vocab_size - 1}")
+    if not 0 <= layer < config.n_layers:
+        raise ValueError(f"layer {layer} out of range 0..{config.n_layers - 1}")
+    if not 0 <= head < config.n_heads:
+        raise ValueError(f"head {head} out of range 0..{config.n_heads - 1}")
+    if not 0 <= query < len(ids):
+        raise ValueError(f"query {query} out of range 0..{len(ids) - 1}")
+    if not 0 <= key <= query:
+        raise ValueError(f"key {key} out of range 0..{query}: a causal head's query sees itself and the positions "
+                         "before it")
+
+
+def side(model, captured: dict[str, torch.Tensor], ids: list[int], layer: int, position: int, rows: slice,
+         head: int) -> tuple[list[str], torch.Tensor]:
+    """The parts' names and their contributions (P, D) float64 to the query (rows: the q rows of the fused
+    projection) or the key of `head` at `position` of block `layer`, rotated and q/k-normed as the model."""
+    block = model.blocks[layer]
+    attn = block.attn
+    D = attn.d_head
+    names, parts = stream_parts(model, captured, ids, layer, position).stacked()  # (P, C)
+    gain, beta, centred, _ = frozen_norm(block.ln1, captured[f"blocks.{layer}.hook_resid_pre"][0, position])
+    normed = through(parts, gain, centred)
+    normed[-1] += beta  # the norm's bias joins the biases' row
+    w = attn.qkv.weight.detach()[rows].double()[head * D:(head + 1) * D]  # (D, C)
+    out = normed @ w.t()  # (P, D)
+    b = attn.qkv.bias
+    if b is not None:
+        out[-1] += b.detach()[rows].double()[head * D:(head + 1) * D]
+    q_norm = attn.q_norm if rows.start == 0 else attn.k_norm
+    if q_norm is not None:  # Qwen3: an RMSNorm over the head's D dims, its scale frozen at this q (or k)
+        total = out.sum(dim=0)
+        out = out * (q_norm.weight.detach().double() / torch.sqrt(total.pow(2).mean() + q_norm.eps))
+    angles = model.rotary_angles(1, start=position)
+    if angles is not None:  # each part rotated by the position's angles: (P, D) -> (1, P, 1, D) and back
+        out = apply_rotary(out[None, :, None], type(angles)(*(a.double() for a in angles)))[0, :, 0]
+    return names, out
+
+
+@torch.inference_mode()
+def decompose_score(model, ids: list[int], layer: int, head: int, query: int, key: int, top_k: int = 20,
+                    report: Report = _no_report) -> ScoreDecomposition:
+    """The score of `head` of block `layer` from `query` to `key`, split into pairs of parts (module docstring)."""
+    check_pre_norm(model, "score decomposition")
+    check_score(model.config, ids, layer, head, query, key)
+    attn = model.blocks[layer].attn
+    H, K, D = attn.n_heads, attn.n_kv_heads, attn.d_head
+    kv = head // (H // K)
+    rotary = model.config.positional == "rotary"
+    qn, kn = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
+    module = f"blocks.{layer}.attn"
+    record = stream_names(model, layer) | {f"blocks.{layer}.hook_resid_pre", f"{module}.{qn}", f"{module}.{kn}",
+                                           f"{module}.hook_pattern"}
+    hooks = Hooks(record=record, progress=report)
+    with hooked(model, hooks):
+        model(torch.tensor([ids[:query + 1]], device=model.device), last_only=True)
+    got = hooks.captured
+    names, qs = side(model, got, ids, layer, query, slice(0, H * D), head)  # (P, D)
+    _, ks = side(model, got, ids, layer, key, slice(H * D, (H + K) * D), kv)
+    matrix = (qs @ ks.t() * attn.scale).cpu().numpy()  # (P, P)
+    q, k = got[f"{module}.{qn}"][0, query, head].double(), got[f"{module}.{kn}"][0, key, kv].double()  # (D,)
+    score = float(q @ k) * attn.scale
+    order = np.argsort(-np.abs(matrix), axis=None)[:top_k]
+    top: list[Pair] = [{"query": names[i // len(names)], "key": names[i % len(names)], "value": float(matrix.flat[i])}
+                       for i in order]
+    window = model.config.sliding_window
+    report()
+    return {"layer": layer, "head": head, "kv_head": kv, "query": query, "key": key, "scale": attn.scale,
+            "score": score, "probability": float(got[f"{module}.hook_pattern"][0, head, query, key]),
+            "masked": window is not None and key <= query - window, "parts": names, "matrix": matrix,
+            "query_totals": matrix.sum(axis=1).tolist(), "key_totals": matrix.sum(axis=0).tolist(), "top": top,
+            "rest": score - sum(p["value"] for p in top)}
