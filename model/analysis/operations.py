@@ -176,7 +176,7 @@ class WarmUpCall(Operation[None]):
 
 
 @dataclass(frozen=True)
-class PatchCall:
+class PatchCall(Operation[PatchResult]):
     """Activation patching of a decoder: each cell of `component` patched from the clean run into the
     corrupted one, the metric logit(answer) - logit(foil) at `position` (default the last); `method`
     "exact" or "attribution" (first-order estimates); `sender` (layer, head) for component "paths"."""
@@ -197,7 +197,7 @@ class PatchCall:
 
 
 @dataclass(frozen=True)
-class LogitAttributionCall:
+class LogitAttributionCall(Operation[LogitAttribution]):
     """Each head's, MLP's, the embedding's and the rest's direct effect on logit(answer) - logit(foil) at
     `position` (defaults: the last position, its top two predictions)."""
 
@@ -212,7 +212,7 @@ class LogitAttributionCall:
 
 
 @dataclass(frozen=True)
-class ScoreDecompositionCall:
+class ScoreDecompositionCall(Operation[ScoreDecomposition]):
     """Why head `head` of block `layer` attends from `query` to `key`: its score split into pairs of
     parts of the two residual streams, the `top_k` largest listed."""
 
