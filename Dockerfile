@@ -29,7 +29,7 @@ RUN pip install "torch==${TORCH_VERSION}"
 #    the directory the server (and its engine processes, `python -m attnlens.app.engine`) runs
 #    from would shadow the installed package. attnlens/ holds relative links to app/, model/ and
 #    static/ (COPY keeps them as links), so the four folders are copied side by side.
-#    tests/test_wheel.py builds the same wheel.
+#    tests/api/test_wheel.py builds the same wheel.
 COPY pyproject.toml README.md /tmp/attnlens-src/
 COPY attnlens /tmp/attnlens-src/attnlens
 COPY model /tmp/attnlens-src/model

@@ -16,7 +16,7 @@ the model once; `fused_step` checks the call):
                MAX_ROWS rows, the rows' own mask (no sliding window narrowing it), no hooks
                (model/hooks.py), no autograd, not training, and the C kernels built here
 Everything else, hooks and every explanation included, takes the modular path, which the tests
-hold this one equal to (tests/test_fused_decode.py). Attention maps (return_attention) come
+hold this one equal to (tests/model/test_fused_decode.py). Attention maps (return_attention) come
 from the same kernel either way.
 
 The description of a model's weights is built on its first fused step and rebuilt when their

@@ -4,9 +4,18 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The tests sit in folders by layer (model, engine, api, live; browser is a package of its own).
+# The shared helpers here, and the few test modules that others import from, are found by name.
+TESTS = Path(__file__).resolve().parent
+for _folder in [TESTS, *(TESTS / layer for layer in ("model", "engine", "api", "live"))]:
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 # Keep the 2-core CI machine responsive: tests never need more than one intra-op thread
 # per process (the service tests start extra processes of their own).

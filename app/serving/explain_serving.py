@@ -73,7 +73,7 @@ def with_rows(schema: type[BaseModel], fields: dict, **rows: list | None) -> dic
     """schema(**fields, **rows).model_dump(mode="json"), where `rows` are lists this module builds
     already in the schema's JSON shape (plain ids, texts and floats): only `fields` go through
     pydantic. Validating and dumping /lens's 1,280 rows of a 256-token answer again took ~15 ms of
-    its ~85 (py-spy); tests/test_explain_api.py holds every answer equal to the full round trip."""
+    its ~85 (py-spy); tests/api/test_explain_api.py holds every answer equal to the full round trip."""
     answer = schema(**fields, **{name: [] if value is not None else None for name, value in rows.items()})
     out = answer.model_dump(mode="json")
     out.update((name, value) for name, value in rows.items() if value is not None)

@@ -16,7 +16,7 @@ The interface is written once, in attnlens_kernels.h, because a copy that drifts
 silently. Each source includes it, so the compiler checks every definition against its declaration
 (and -Werror=missing-prototypes refuses an exported function the header lacks); `load()` hands
 the same text to cffi (`ffi.cdef`, then `ffi.dlopen` of the built library: ABI mode, no second
-compile), so Python repeats no signature or struct. tests/test_native_interface.py checks the
+compile), so Python repeats no signature or struct. tests/model/test_native_interface.py checks the
 header against the sources' definitions and the built library.
 
 The sources are compiled by the system C compiler (`cc`, or $CC) with -O3 -march=native -fopenmp

@@ -162,7 +162,7 @@ static inline __attribute__((always_inline)) vsum wide_dot(const wide_block *w, 
 /* y[n] for rows m0 .. m0+mt-1 of x (mt <= TILE) and one weight row. Each row of x is summed as if it
    came alone: even blocks into one sum and odd ones into another, so no sum waits on the one before
    it, then the two added. A decode step's row gets the same bits in a batch of any size up to the
-   kernel's 16 rows as by itself (tests/test_packed_weights.py). Each block is widened once per tile
+   kernel's 16 rows as by itself (tests/model/test_packed_weights.py). Each block is widened once per tile
    and met by every row of it. */
 static inline __attribute__((always_inline)) void tile_rows(const uint8_t *row, int fmt, int64_t nb, const float *x,
                                                             const float *xsum, int64_t K, int64_t m0, int mt,

@@ -14,7 +14,7 @@ tokens 1.76 against 3.04 ms; 8,192 keys after a 2,048-token piece 131 against 19
 mask there): its
 products run at the machine's peak, and its softmax reads the row maxima the score products leave
 in registers (bench/README.md). The numbers agree with SDPA's to float32 rounding
-(tests/test_causal_attention.py: within 2e-6 of a float64 reference).
+(tests/model/test_causal_attention.py: within 2e-6 of a float64 reference).
 """
 
 from __future__ import annotations

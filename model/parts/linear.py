@@ -24,7 +24,7 @@ machine. MKL does not: through torch.mm or F.linear, products over 1,024 inputs 
 model's down projection) from 2 rows up differ in the last bits between 1 and 2 threads, and on
 an Intel Xeon, where MKL is otherwise ~8% faster than oneDNN at 2,048 rows, a test run with
 F.linear taking those products had an explanation asked twice of a busy server differ by 5e-6
-(tests/test_client_explain.py). MKL is used only where neither our kernels nor oneDNN exist.
+(tests/api/test_client_explain.py). MKL is used only where neither our kernels nor oneDNN exist.
 
 nn.Linear computes y = x W^T with W stored (out, in). On the CPU, BLAS runs that product as a
 small-by-large sgemm whose large operand is transposed, and for the few rows of a decode step it

@@ -178,7 +178,7 @@ def test_model_imports_nothing_of_the_app(graph):
     assert not wrong, "model/ imports app/:\n" + "\n".join(wrong)
 
 
-if __name__ == "__main__":  # print the cycles: python tests/test_import_graph.py
+if __name__ == "__main__":  # print the cycles: python tests/engine/test_import_graph.py
     g = import_graph()
     for within in ("attnlens.model", "attnlens.app"):
         print(within, "\n" + (describe(cycles(g, within)) or "none"))

@@ -1,5 +1,5 @@
 """The package in a checkout: one import name whose client loads on first use, and the page,
-checkpoints and data found beside it (the wheel's side is tests/test_wheel.py)."""
+checkpoints and data found beside it (the wheel's side is tests/api/test_wheel.py)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ ENGINE = Path(engine_package.__file__).parent
 
 def engine_import_graph() -> dict[str, set[str]]:
     """module -> the modules it imports, every module of the package read with `ast`
-    (tests/test_import_graph.py), TYPE_CHECKING blocks included: a circle there is a circle of
+    (tests/engine/test_import_graph.py), TYPE_CHECKING blocks included: a circle there is a circle of
     meaning too."""
     return import_graph(type_checking=True)
 
