@@ -38,8 +38,8 @@ _EXPORTS = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 # submodules reachable as attributes without their own import (attnlens.local.attention(...))
-_SUBMODULES = {"ablation", "answers", "app", "bertviz", "bundle", "client", "codec", "errors", "inline", "local", "model",
-               "resources", "serve"}
+_SUBMODULES = {"ablation", "answers", "app", "bertviz", "bundle", "causes_html", "client", "codec", "errors", "inline",
+               "local", "model", "resources", "serve"}
 __all__ = sorted(_MODULE_OF)
 
 
