@@ -202,4 +202,5 @@ class CausesServing:
             return with_rows(LogitAttributionResponse, fields, heads=result["heads"], mlps=result["mlps"])
 
         need = (cfg.n_layers * (cfg.n_heads + 1) + 16) * FLOAT_BYTES + len(ids) * TOKEN_BYTES + 1024
-        return await answer_with_claim(state, served, call, content, need=need, what="this answer", request=request)
+        return await answer_with_claim(state, served, call, content, need=need, what="this answer",
+                                       instead="no attribution of this model fits it", request=request)

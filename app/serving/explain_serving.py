@@ -8,6 +8,10 @@ indices (400 naming the field), claims the answer's estimated bytes from the ans
 model-call line, bounded by
 ATTNLENS_MAX_ATTENTION_CONCURRENT, or the encoder's runner) and builds the answer on a worker
 thread. Nothing here runs the model on the event loop.
+
+/attention/explain's optional `key` adds a second call, ScoreDecompositionCall (a pre-norm
+decoder's): why the head attends from the query to that key (`score_parts`); an answer without
+`key` has no such field, as before.
 """
 
 from __future__ import annotations
@@ -214,9 +218,10 @@ class ExplainServing:
             + (lengths["tokens"] + lengths["target"]) * TOKEN_BYTES
         if score is not None:  # parts' names and two totals each, and the top pairs
             need += (cfg.n_layers * (cfg.n_heads + 1) + 4) * (2 * FLOAT_BYTES + 16) + score.top_k * 64
+        reached = _reached("query")
         return await answer_with_claim(state, served, call if score is None else (call, score), content,
-                                       what="this answer", check=lambda done: _reached("query")(
-                                           done[0] if isinstance(done, tuple) else done), need=need)
+                                       what="this answer", need=need,
+                                       check=lambda done: reached(done[0] if isinstance(done, tuple) else done))
 
 
 def _score_call(served: ServedModel, body: ExplainRequest, ids: list[int], group: str) -> ScoreDecompositionCall:
@@ -226,8 +231,8 @@ def _score_call(served: ServedModel, body: ExplainRequest, ids: list[int], group
     cfg = served.checkpoint.config
     if cfg.family != "decoder" or cfg.norm != "pre":
         raise ApiError(400, f"key (why a head attends: its score split into what wrote the residual streams) needs a "
-                            f"pre-norm decoder, whose stream is the sum of what its parts wrote; {served.describe()}"
-                            f"{' is post-norm' if cfg.family == 'decoder' else ''}: ask without key",
+                            f"pre-norm decoder, whose stream is the sum of what its parts wrote; {served.describe()} is "
+                            f"{'post-norm' if cfg.family == 'decoder' else 'not one'}: ask without key",
                        param="key", code="unsupported")
     if body.ablate:
         raise ApiError(400, "key decomposes the unablated model's score: ask without ablate, or without key",
