@@ -26,8 +26,9 @@ _EXPORTS = {
     "ablation": ("Ablation", "format_ablation", "parse_ablation"),
     "answers": ("Attention", "AttentionGroup", "Classification", "Embeddings", "FillMask", "FillMaskCandidate",
                 "GeneratedToken", "Generation", "GroupSpec", "HeadAtlas", "HeadExplanation", "HeadGroupScores",
-                "LabelScore", "LensAnswer", "LogitsAnswer", "LogitsEffect", "ModelSummary", "PositionLogits",
-                "RankedHead", "Recomputed", "StreamDone", "Token", "TokenProb"),
+                "LabelScore", "LensAnswer", "LogitAttributionAnswer", "LogitsAnswer", "LogitsEffect", "ModelSummary",
+                "PatchAnswer", "PositionLogits", "RankedHead", "Recomputed", "ScorePair", "ScoreParts", "StreamDone",
+                "Token", "TokenProb"),
     "client": ("AsyncClient", "Client", "TokenStream"),
     "errors": ("APIConnectionError", "APIError", "AttnlensError", "AuthenticationError", "BadRequestError",
                "InternalServerError", "NotFoundError", "PayloadTooLargeError", "RateLimitError", "RequestTimeoutError",
@@ -37,8 +38,8 @@ _EXPORTS = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 # submodules reachable as attributes without their own import (attnlens.local.attention(...))
-_SUBMODULES = {"ablation", "answers", "app", "bertviz", "bundle", "client", "codec", "errors", "inline", "local", "model",
-               "resources", "serve"}
+_SUBMODULES = {"ablation", "answers", "app", "bertviz", "bundle", "causes_html", "client", "codec", "errors", "inline",
+               "local", "model", "resources", "serve"}
 __all__ = sorted(_MODULE_OF)
 
 

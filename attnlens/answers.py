@@ -691,7 +691,8 @@ class HeadExplanation:
     """An /attention/explain answer: one head's attention at one query, step by step, as float64
     arrays: `q` [d_head], `keys` / `values` [keys, d_head], `scores` = keys @ q, `scaled` = scores
     * scale, `mask` (True = may attend), `masked` (-inf where masked), `softmax`, the model's own
-    `pattern_row` beside it, and `z` = softmax @ values. `recompute()` does it again here."""
+    `pattern_row` beside it, and `z` = softmax @ values. `recompute()` does it again here.
+    Asked with key=, `score_parts` (ScoreParts) says why the head attends to that key."""
 
     model: str
     family: str
@@ -720,6 +721,7 @@ class HeadExplanation:
     target_tokens: list[Token] | None = None
     generated: bool | None = None
     ablate: list[Ablation] | None = None
+    score_parts: ScoreParts | None = None  # asked with key=: why the head attends to that key
 
     @classmethod
     def from_json(cls, body: dict) -> HeadExplanation:
@@ -735,7 +737,8 @@ class HeadExplanation:
                    np.array(body["pattern_row"], dtype=np.float64), np.array(body["z"], dtype=np.float64),
                    _tokens(body["tokens"]),
                    _tokens(body["target_tokens"]) if body.get("target_tokens") is not None else None,
-                   body.get("generated"), _ablations(body))
+                   body.get("generated"), _ablations(body),
+                   None if body.get("score_parts") is None else ScoreParts.from_json(body["score_parts"]))
 
     def recompute(self) -> Recomputed:
         """softmax(q . k * scale, masked) and its weighted sum of the values, from q, keys and
@@ -748,3 +751,152 @@ class HeadExplanation:
     def __repr__(self) -> str:
         return (f"HeadExplanation(model={self.model!r}, group={self.group!r}, layer={self.layer}, head={self.head}, "
                 f"query={self.query} {self.query_token.text!r}, keys={len(self.key_tokens)}, d_head={self.d_head})")
+
+
+@dataclass(frozen=True)
+class ScorePair:
+    """One pair of parts: what wrote the query's stream (`query_part`) against what wrote the key's."""
+
+    query_part: str
+    key_part: str
+    value: float
+
+    @classmethod
+    def from_json(cls, d: dict) -> ScorePair:
+        return cls(d["query_part"], d["key_part"], float(d["value"]))
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreParts:
+    """Why a head attends from its query to `key` (/attention/explain with key=): its scaled score
+    split into pairs of parts of the two residual streams (`parts`: embedding, positions, L{l}H{h},
+    L{l} MLP, biases). `top_pairs` the largest first; `query_totals` / `key_totals` [parts] each
+    part against the whole other side; `rest` = score minus the listed pairs."""
+
+    key: int
+    score: float
+    probability: float
+    parts: list[str]
+    top_pairs: list[ScorePair]
+    query_totals: np.ndarray
+    key_totals: np.ndarray
+    rest: float
+
+    @classmethod
+    def from_json(cls, d: dict) -> ScoreParts:
+        return cls(int(d["key"]), float(d["score"]), float(d["probability"]), list(d["parts"]),
+                   [ScorePair.from_json(p) for p in d["top_pairs"]], np.array(d["query_totals"], dtype=np.float64),
+                   np.array(d["key_totals"], dtype=np.float64), float(d["rest"]))
+
+    def __repr__(self) -> str:
+        top = self.top_pairs[0] if self.top_pairs else None
+        first = f", top {top.query_part} x {top.key_part} {top.value:+.3f}" if top else ""
+        return f"ScoreParts(key={self.key}, score={self.score:.3f}, probability={self.probability:.3f}{first})"
+
+
+# --- /patch, /logit-attribution --------------------------------------------------------------------
+def _grid(values: list) -> np.ndarray:
+    """Nested lists of floats (None: no value) as a float64 array, nan for None."""
+    return np.array(values, dtype=np.float64)  # numpy reads None as nan
+
+
+def _top(grid: np.ndarray, k: int) -> list[tuple[tuple[int, ...], float]]:
+    flat = np.where(np.isnan(grid), -np.inf, grid).ravel()
+    order = np.argsort(-flat, kind="stable")[:k]
+    return [(tuple(int(i) for i in np.unravel_index(j, grid.shape)), float(grid.ravel()[j])) for j in order]
+
+
+@dataclass(frozen=True, eq=False)
+class PatchAnswer:
+    """A /patch answer: each cell of `component` patched from the clean run into the corrupted one, its
+    patched metric logit(answer) - logit(foil) at `position`, raw. `values` a float64 array (heads
+    [L, H], heads_by_position [L, T, H], residual [L, T]) or a dict of them (layers: "attention",
+    "mlp" [L, T]; paths: "q", "k", "v" [L, H], nan at layers up to the sender's). `normalized`: 0 =
+    the corrupted run, 1 = the clean run; `top(k)` the cells that restore the most."""
+
+    model: str
+    component: str
+    method: str
+    position: int
+    clean_metric: float
+    corrupted_metric: float
+    values: Any  # np.ndarray, or dict[str, np.ndarray] for layers and paths
+    clean_tokens: list[Token]
+    corrupted_tokens: list[Token]
+    differing: list[int]
+    answer: Token
+    foil: Token
+    sender: tuple[int, int] | None = None
+
+    @classmethod
+    def from_json(cls, body: dict) -> PatchAnswer:
+        raw = body["values"]
+        values = {name: _grid(v) for name, v in raw.items()} if isinstance(raw, dict) else _grid(raw)
+        sender = body.get("sender")
+        return cls(body["model"], body["component"], body["method"], int(body["position"]),
+                   float(body["clean_metric"]), float(body["corrupted_metric"]), values, _tokens(body["clean_tokens"]),
+                   _tokens(body["corrupted_tokens"]), [int(p) for p in body["differing"]], Token.from_json(body["answer"]),
+                   Token.from_json(body["foil"]), None if sender is None else (int(sender["layer"]), int(sender["head"])))
+
+    @property
+    def normalized(self) -> Any:
+        """values as (v - corrupted_metric) / (clean_metric - corrupted_metric), same shapes."""
+        span = self.clean_metric - self.corrupted_metric
+        scale = lambda v: (v - self.corrupted_metric) / span if span else v * np.nan
+        return {k: scale(v) for k, v in self.values.items()} if isinstance(self.values, dict) else scale(self.values)
+
+    def top(self, k: int = 5, part: str | None = None) -> list[tuple[tuple[int, ...], float]]:
+        """The k cells whose patch raises the metric most ((index, value), largest first): heads
+        ((layer, head), v); by position ((layer, position[, head]), v). `part` picks layers' "attention"
+        or "mlp", paths' "q", "k" or "v" (default the first)."""
+        grid = self.values
+        if isinstance(grid, dict):
+            grid = grid[part if part is not None else next(iter(grid))]
+        return _top(grid, k)
+
+    def __repr__(self) -> str:
+        return (f"PatchAnswer(model={self.model!r}, component={self.component!r}, method={self.method!r}, "
+                f"clean={self.clean_metric:.3f}, corrupted={self.corrupted_metric:.3f}, T={len(self.clean_tokens)})")
+
+
+@dataclass(frozen=True, eq=False)
+class LogitAttributionAnswer:
+    """A /logit-attribution answer: each part's direct write into logit(answer) - logit(foil) at
+    `position`: `heads` [L, H], `mlps` [L], `embedding`, `other` (`other_parts` by name); they sum
+    to `logit_difference`. `top(k)` the heads that write the most."""
+
+    model: str
+    tokens: list[Token]
+    position: int
+    answer: Token
+    foil: Token
+    logit_difference: float
+    heads: np.ndarray
+    mlps: np.ndarray
+    embedding: float
+    other: float
+    answer_logit: float | None = None
+    foil_logit: float | None = None
+    other_parts: dict[str, float] | None = None
+
+    @classmethod
+    def from_json(cls, body: dict) -> LogitAttributionAnswer:
+        parts = body.get("other_parts")
+        return cls(body["model"], _tokens(body["tokens"]), int(body["position"]), Token.from_json(body["answer"]),
+                   Token.from_json(body["foil"]), float(body["logit_difference"]),
+                   np.array(body["heads"], dtype=np.float64), np.array(body["mlps"], dtype=np.float64),
+                   float(body["embedding"]), float(body["other"]), body.get("answer_logit"), body.get("foil_logit"),
+                   None if parts is None else {k: float(v) for k, v in parts.items()})
+
+    @property
+    def total(self) -> float:
+        """The parts' sum: logit_difference within float rounding."""
+        return float(self.heads.sum() + self.mlps.sum() + self.embedding + self.other)
+
+    def top(self, k: int = 5) -> list[tuple[tuple[int, ...], float]]:
+        """The k heads that write the most into the difference (((layer, head), value), largest first)."""
+        return _top(self.heads, k)
+
+    def __repr__(self) -> str:
+        return (f"LogitAttributionAnswer(model={self.model!r}, position={self.position}, answer={self.answer.text!r}, "
+                f"foil={self.foil.text!r}, logit_difference={self.logit_difference:.3f})")

@@ -10,8 +10,9 @@
 Every endpoint is written once, as a generator of requests (`_Call`s) that receives each answer's
 JSON and returns the typed answer; Client drives it with blocking httpx calls, AsyncClient with
 awaited ones, so both have the same methods (AsyncClient's are awaited): models, attention,
-generate, stream, fill_mask, classify, embeddings, and the explain routes heads (HeadAtlas), logits
-(LogitsAnswer), lens (LensAnswer) and explain (HeadExplanation). Errors are exceptions
+generate, stream, fill_mask, classify, embeddings, the explain routes heads (HeadAtlas), logits
+(LogitsAnswer), lens (LensAnswer) and explain (HeadExplanation), and the causal routes patch
+(PatchAnswer) and logit_attribution (LogitAttributionAnswer). Errors are exceptions
 carrying the server's status, message, `param`, `code` and Retry-After (attnlens.errors).
 """
 
@@ -37,8 +38,10 @@ from .answers import (
     HeadAtlas,
     HeadExplanation,
     LensAnswer,
+    LogitAttributionAnswer,
     LogitsAnswer,
     ModelSummary,
+    PatchAnswer,
     StreamDone,
 )
 from .errors import APIConnectionError, APIError, StreamError, error_from_response
@@ -266,13 +269,46 @@ class _Endpoints:
 
     def explain(self, text: str | None = None, *, layer: int, head: int, query: int, group: str | None = None,
                 ids: list[int] | None = None, messages: list[dict] | None = None, target: str | None = None,
-                target_ids: list[int] | None = None, model: str | None = None, ablate: AblateSpec = None):
+                target_ids: list[int] | None = None, model: str | None = None, ablate: AblateSpec = None,
+                key: int | None = None):
         """POST /attention/explain: head `head` of layer `layer` (in `group`, default the family's
         first) at query position `query`, step by step -> HeadExplanation (q, keys, values,
-        scores, softmax, pattern_row, z as arrays; `.recompute()` does it again here)."""
+        scores, softmax, pattern_row, z as arrays; `.recompute()` does it again here). With `key`
+        (a position 0..query; a pre-norm decoder, no ablate) also `.score_parts`: why the head
+        attends there, its score split into pairs of what wrote the two residual streams."""
         body = {**_sequence(text, ids, messages, target, target_ids, model, ablate),
-                **_given(group=group), "layer": layer, "head": head, "query": query}
+                **_given(group=group, key=key), "layer": layer, "head": head, "query": query}
         return self._drive(self._post("/attention/explain", body, HeadExplanation))
+
+    # --- the causal routes: which components carry a behaviour -------------------------------------
+    def patch(self, clean: str | None = None, corrupted: str | None = None, *, answer: str | None = None,
+              foil: str | None = None, clean_ids: list[int] | None = None, corrupted_ids: list[int] | None = None,
+              answer_id: int | None = None, foil_id: int | None = None, position: int | None = None,
+              component: Literal["heads", "heads_by_position", "residual", "layers", "paths"] | None = None,
+              method: Literal["exact", "attribution"] | None = None, sender: tuple[int, int] | None = None,
+              model: str | None = None):
+        """POST /patch (a decoder): each cell of `component` (default "heads") patched from the
+        `clean` prompt's run into the `corrupted` one's (as many tokens; or `clean_ids`,
+        `corrupted_ids`), the metric logit(answer) - logit(foil) at `position` (default the last)
+        -> PatchAnswer (`.values`, `.normalized`, `.top(k)`). `answer` / `foil`: one token's text
+        each (or `answer_id` / `foil_id`). `method` "attribution": first-order estimates from one
+        forward pair and one backward. `sender` (layer, head): the head of component "paths"."""
+        body = _given(model=model, clean=clean, clean_ids=_listed(clean_ids), corrupted=corrupted,
+                      corrupted_ids=_listed(corrupted_ids), answer=answer, answer_id=answer_id, foil=foil,
+                      foil_id=foil_id, position=position, component=component, method=method,
+                      sender=None if sender is None else {"layer": sender[0], "head": sender[1]})
+        return self._drive(self._post("/patch", body, PatchAnswer))
+
+    def logit_attribution(self, text: str | None = None, *, ids: list[int] | None = None, answer: str | None = None,
+                          foil: str | None = None, answer_id: int | None = None, foil_id: int | None = None,
+                          position: int | None = None, model: str | None = None):
+        """POST /logit-attribution (a pre-norm decoder): each head's, MLP's, the embedding's and the
+        rest's direct write into logit(answer) - logit(foil) at `position` (default the last; answer
+        and foil default to the top two predictions there) -> LogitAttributionAnswer (`.heads`
+        [L, H], `.mlps` [L], `.top(k)`; the parts sum to `.logit_difference`)."""
+        body = _given(model=model, text=text, ids=_listed(ids), answer=answer, answer_id=answer_id, foil=foil,
+                      foil_id=foil_id, position=position)
+        return self._drive(self._post("/logit-attribution", body, LogitAttributionAnswer))
 
     def _drive(self, endpoint: Endpoint):
         raise NotImplementedError

@@ -5,6 +5,7 @@
     attnlens.show(answer, view="lines", layer=2, head=5)
     attnlens.show(client.fill_mask("The [MASK] of Denmark", model="encoder"))
     attnlens.show(text="To be, or not to be", model="checkpoints/default")   # in this process
+    attnlens.show(client.patch(clean, corrupted, answer=" Mary", foil=" John"))   # heatmap tables
 
 The object it returns displays itself in Jupyter (`_repr_html_`): an iframe whose document holds
 the page's own view modules (static/js, bundled by attnlens/bundle.py), its CSS and the answer.
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .answers import Attention, Classification, FillMask, Generation
+from .answers import Attention, Classification, FillMask, Generation, LogitAttributionAnswer, PatchAnswer
 from .codec import encode
 from .resources import checkpoints_dir, static_dir
 
@@ -200,6 +201,34 @@ class InlineView:
         return f"<attnlens view: {self.title}>"
 
 
+class DocumentView(InlineView):
+    """An InlineView of a document made here rather than by the page's views (attnlens/causes_html.py:
+    the causal answers, which the page draws no view of yet)."""
+
+    def __init__(self, document: str, title: str, height: int = 560):
+        super().__init__({}, title, height)
+        self.document = document
+
+    def html(self) -> str:
+        return self.document
+
+
+def _causes(answer: PatchAnswer | LogitAttributionAnswer, view: str | None, theme: str | None,
+            height: int | None, options: dict) -> DocumentView:
+    """A /patch or /logit-attribution answer's heatmap tables (attnlens/causes_html.py)."""
+    from .causes_html import attribution_document, patch_document
+
+    if view not in (None, "causes"):
+        raise ValueError(f"a {type(answer).__name__} has one view, 'causes', not {view!r}")
+    if options:
+        raise TypeError(f"a {type(answer).__name__}'s view takes no options (got {sorted(options)})")
+    if isinstance(answer, PatchAnswer):
+        document, title = patch_document(answer, theme), f"{answer.model}: patching {answer.component}"
+    else:
+        document, title = attribution_document(answer, theme), f"{answer.model}: direct logit attribution"
+    return DocumentView(document, title, height or min(900, 200 + 19 * document.count("<tr>")))
+
+
 def _held(rows: np.ndarray | None) -> np.ndarray:
     """A step's attention rows: every token holds them (_generation checks it first)."""
     assert rows is not None, "a token without attention"
@@ -228,7 +257,8 @@ def _check_index(name: str, value: int | None, held: list[int]) -> int | None:
     return value
 
 
-def show(answer: Attention | Generation | FillMask | Classification | None = None, view: str | None = None, *,
+def show(answer: Attention | Generation | FillMask | Classification | PatchAnswer | LogitAttributionAnswer | None = None,
+         view: str | None = None, *,
          layer: int | None = None, head: int | None = None, text: str | None = None,
          model: str | Path | None = None, theme: str | None = None, height: int | None = None,
          **options: Any) -> InlineView:
@@ -236,8 +266,9 @@ def show(answer: Attention | Generation | FillMask | Classification | None = Non
 
     answer: an Attention (attnlens.Client.attention), a Generation made with
     return_attention=True (its "gen" view: what each step attended to), a FillMask or a
-    Classification. Or give `text` (and `model`, a checkpoint directory, default
-    checkpoints/default) instead: the attention is then computed in this process
+    Classification; a PatchAnswer or LogitAttributionAnswer (client.patch, client.logit_attribution)
+    as heatmap tables of its own (attnlens/causes_html.py: the page has no Causes view yet). Or
+    give `text` (and `model`, a checkpoint directory, default checkpoints/default) instead: the attention is then computed in this process
     (attnlens.local; needs attnlens[model]).
     view: one of the page's views for this family ("head", "model", "aggregate", "diff",
     "lines"; a translator's also "cross", "align", "decoder"; default "head", a translator's
@@ -254,6 +285,10 @@ def show(answer: Attention | Generation | FillMask | Classification | None = Non
         raise TypeError("give either an answer or text= / model=, not both")
     if theme not in (None, "light", "dark"):
         raise ValueError(f"theme must be 'light' or 'dark', not {theme!r}")
+    if isinstance(answer, (PatchAnswer, LogitAttributionAnswer)):
+        if layer is not None or head is not None:
+            raise TypeError(f"a {type(answer).__name__}'s view shows every layer and head: give no layer or head")
+        return _causes(answer, view, theme, height, options)
     if isinstance(answer, FillMask):
         spec: dict[str, Any] = {"kind": "fill-mask", "model": answer.model, "text": answer.text,
                 "masks": [[c.__dict__ for c in row] for row in answer.masks], "theme": theme}
@@ -282,7 +317,8 @@ def show(answer: Attention | Generation | FillMask | Classification | None = Non
         layers, heads = answer.layers, answer.heads
         payload = {"answer": _wire(answer), "text": answer.text or ""}
     else:
-        raise TypeError(f"show() draws an Attention, Generation, FillMask or Classification answer, not "
+        raise TypeError(f"show() draws an Attention, Generation, FillMask, Classification, PatchAnswer or "
+                        f"LogitAttributionAnswer, not "
                         f"{type(answer).__name__}")
     views = inline_views(answer)
     # the first view: a generation's steps; an answer with a cross group, its cross-attention

@@ -22,6 +22,7 @@ from typing import Annotated, Callable, Generic, Protocol, TypeVar
 from fastapi import Depends, Request
 
 from attnlens.app.api.attention_schemas import AttentionRequest
+from attnlens.app.api.causes_schemas import LogitAttributionRequest, PatchRequest
 from attnlens.app.api.chat_schemas import ChatCompletionRequest
 from attnlens.app.api.encoder_schemas import ClassifyRequest, FillMaskRequest
 from attnlens.app.api.explain_schemas import ExplainRequest, LensRequest, LogitsRequest
@@ -89,6 +90,25 @@ def lens_model(state: AppState, name: str | None) -> ServedModel:
     if served.family.lens is None:
         raise ApiError(400, f"{served.describe()} declares no logits to read per position", param="model",
                        code="unsupported_task")
+    return served
+
+
+def causal_model(state: AppState, name: str | None) -> ServedModel:
+    """A decoder (/patch, /logit-attribution): the causal analyses patch and read one causal residual
+    stream. An encoder's is bidirectional; an encoder-decoder has two streams and a cross-attention
+    between them, which these analyses do not follow."""
+    served = attention_model(state, name)
+    family = served.checkpoint.config.family
+    if family != "decoder":
+        registry = get_registry(state)
+        able = [m.name for m in registry.models.values() if m.checkpoint.config.family == "decoder"]
+        listed = f"the decoders served here are: {', '.join(able)}" if able else "no decoder is served here"
+        missing = ("its attention is bidirectional, with no causal stream to patch" if family == "encoder" else
+                   "its source and target are two streams joined by cross-attention, which patching and logit "
+                   "attribution do not follow (a decoder-only model's one causal stream is what they read)")
+        raise ApiError(400, f"patching and logit attribution need a decoder (a causal language model): "
+                            f"{served.describe()} is not one: {missing}; {listed} (name one in `model`)",
+                       param="model", code="unsupported_task")
     return served
 
 
@@ -189,6 +209,9 @@ HeadsModel = Annotated[ModelRequest[HeadsRequest], Depends(BodyModel(HeadsReques
 LogitsModel = Annotated[ModelRequest[LogitsRequest], Depends(BodyModel(LogitsRequest, lens_model))]
 LensModel = Annotated[ModelRequest[LensRequest], Depends(BodyModel(LensRequest, lens_model))]
 ExplainModel = Annotated[ModelRequest[ExplainRequest], Depends(BodyModel(ExplainRequest, lens_model))]
+PatchModel = Annotated[ModelRequest[PatchRequest], Depends(BodyModel(PatchRequest, causal_model))]
+LogitAttributionModel = Annotated[ModelRequest[LogitAttributionRequest],
+                                  Depends(BodyModel(LogitAttributionRequest, causal_model))]
 FillMaskModel = Annotated[ModelRequest[FillMaskRequest], Depends(BodyModel(FillMaskRequest, fill_mask_model))]
 ClassifyModel = Annotated[ModelRequest[ClassifyRequest], Depends(BodyModel(ClassifyRequest, classify_model))]
 CompletionsModel = Annotated[ModelRequest[CompletionRequest],

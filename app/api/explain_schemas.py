@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.config import JsonDict
 
+from attnlens.app.api.causes_schemas import ScoreParts
 from attnlens.app.api.common_schemas import MODEL_FIELD, Ablate, Ablation, Messages, ModelName, Strict, Text
 from attnlens.app.api.generate_schemas import TokenText
 
@@ -67,6 +68,9 @@ class ExplainRequest(SequenceRequest):
     layer: int = Field(description="0..n_layers-1")
     head: int = Field(description="0..n_heads-1")
     query: int = Field(description="the query position: a row of the group's map")
+    key: int | None = Field(None, ge=0, description="a key position (0..query) of a pre-norm decoder: the answer "
+                            "also says why the head attends there (`score_parts`: its score split into pairs of what "
+                            "wrote the query's and the key's residual streams); not with `ablate`")
 
 
 # --- answers -------------------------------------------------------------------------------
@@ -168,3 +172,5 @@ class ExplainResponse(BaseModel):
     generated: bool | None = Field(None, description="encoder-decoder only: the target is the model's own greedy "
                                    "translation")
     ablate: list[Ablation] | None = None
+    score_parts: ScoreParts | None = Field(None, description="only when the request names a `key`: why the head "
+                                           "attends from the query to it")

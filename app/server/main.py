@@ -28,6 +28,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.middleware.gzip import GZipMiddleware
 
 from attnlens.app.api import attention_routes as attention
+from attnlens.app.api import causes_routes as causes  # POST /patch, /logit-attribution
 from attnlens.app.api import chat_routes as chat
 from attnlens.app.api import embeddings_routes as embeddings
 from attnlens.app.api import encoder_routes as encoder
@@ -234,7 +235,7 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
                                   preloaded=dict(preloaded or {}))
     install_error_handlers(app)
     install_docs(app)
-    for module in (generate, attention, explain, encoder, openai, chat, embeddings, ops, ui):
+    for module in (generate, attention, explain, causes, encoder, openai, chat, embeddings, ops, ui):
         app.include_router(module.router)
     add_stream_schemas(app)
     app.include_router(heads_router.router)

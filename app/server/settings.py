@@ -122,6 +122,8 @@ class Settings(BaseSettings):
     max_queue: int = Field(64, ge=0)  # generations waiting for a slot
     max_attention_concurrent: int = Field(4, ge=1)  # /attention forwards running or waiting
     max_ablations: int = Field(64, ge=0)  # heads one request may ablate (`ablate` entries)
+    # /patch: the most tokens a prompt may have (exact patching by position runs a batch of rows per position)
+    max_patch_tokens: int = Field(512, ge=1)
     # Per generation: estimated bytes of events (attention rows above all) its client may leave
     # unread; past it the generation ends with an error event and frees its row
     max_stream_backlog_bytes: int = Field(64_000_000, ge=1)

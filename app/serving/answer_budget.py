@@ -167,12 +167,16 @@ async def claimed_json(build: Callable[[], Any], claim: Claim, send_timeout_s: f
     return ClaimedJSONResponse(body, claim, send_timeout_s)
 
 
+async def _in_turn(served, calls: tuple) -> tuple:
+    return tuple([await served.runner.call(call) for call in calls])
+
+
 async def answer_with_claim(state, served, call, build: Callable[[Any], Any], *, need: float, what: str,
                             instead: str | None = None, request=None, check: Callable[[Any], None] | None = None,
                             hold: bool = True) -> Response:
     """One model call whose memory is claimed from the answer budget: claim `need` bytes (a 400 over
     the whole budget, saying what to ask `instead`; a 429 when it stays spent), run the model
-    operation `call` on `served`'s model side (with `request`, a client that goes away cancels it),
+    operation `call` (a tuple of operations: each in turn, the result a tuple) on `served`'s model side (with `request`, a client that goes away cancels it),
     `check` its result (an ApiError for a result the request cannot have), then `build` the answer's
     content from it on a worker thread.
 
@@ -182,7 +186,7 @@ async def answer_with_claim(state, served, call, build: Callable[[Any], Any], *,
     claim goes back at once."""
     claim = await state.answers.claim(need, what=what, **({"instead": instead} if instead is not None else {}))
     try:
-        work = served.runner.call(call)
+        work = served.runner.call(call) if not isinstance(call, tuple) else _in_turn(served, call)
         result = await (unless_disconnected(request, work) if request is not None else work)
         if check is not None:
             check(result)

@@ -8,6 +8,10 @@ indices (400 naming the field), claims the answer's estimated bytes from the ans
 model-call line, bounded by
 ATTNLENS_MAX_ATTENTION_CONCURRENT, or the encoder's runner) and builds the answer on a worker
 thread. Nothing here runs the model on the event loop.
+
+/attention/explain's optional `key` adds a second call, ScoreDecompositionCall (a pre-norm
+decoder's): why the head attends from the query to that key (`score_parts`); an answer without
+`key` has no such field, as before.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from attnlens.app.serving.ablation_edits import resolve_ablate
 from attnlens.app.serving.answer_budget import answer_with_claim
 from attnlens.app.serving.sequences import read_sequence
 from attnlens.model.analysis import explain
-from attnlens.model.analysis.operations import ExplainHeadCall, LensCall, LogitsCall
+from attnlens.model.analysis.operations import ExplainHeadCall, LensCall, LogitsCall, ScoreDecompositionCall
+from attnlens.model.analysis.score_decomposition import ScoreDecomposition
 from attnlens.model.families.contract import LensSpec
 
 FLOAT_BYTES = 24  # a float in JSON, with its separator, at most
@@ -186,8 +191,10 @@ class ExplainServing:
         call = ExplainHeadCall(ids=ids, target_ids=target, group_name=group, layer=body.layer, head=body.head,
                                query=body.query, ablate=edits)
         tok = served.checkpoint.tokenizer
+        score = None if body.key is None else _score_call(served, body, ids, group)
 
-        def content(report: explain.HeadStep) -> dict:
+        def content(done: explain.HeadStep | tuple[explain.HeadStep, ScoreDecomposition]) -> dict:
+            report, parts = done if isinstance(done, tuple) else (done, None)
             tokens = report["tokens"]
             translated = family.takes_target
             answer = ExplainResponse(
@@ -200,10 +207,48 @@ class ExplainServing:
                                           "pattern_row", "z")},
                 tokens=_tokens(tok, tokens["source"] if translated else tokens["tokens"]),
                 target_tokens=_tokens(tok, tokens["target"]) if translated else None,
-                generated=report["generated"] if translated else None, ablate=echo)
-            return answer.model_dump(mode="json")
+                generated=report["generated"] if translated else None, ablate=echo,
+                score_parts=None if parts is None else _score_parts(parts))
+            out = answer.model_dump(mode="json")
+            if parts is None:
+                del out["score_parts"]  # an answer without `key` is as it always was
+            return out
 
-        return await answer_with_claim(state, served, call, content, what="this answer", check=_reached("query"),
-                                       need=(2 * keys + 4) * cfg.d_head * FLOAT_BYTES
-                                       + keys * (6 * FLOAT_BYTES + TOKEN_BYTES)
-                                       + (lengths["tokens"] + lengths["target"]) * TOKEN_BYTES)
+        need = (2 * keys + 4) * cfg.d_head * FLOAT_BYTES + keys * (6 * FLOAT_BYTES + TOKEN_BYTES) \
+            + (lengths["tokens"] + lengths["target"]) * TOKEN_BYTES
+        if score is not None:  # parts' names and two totals each, and the top pairs
+            need += (cfg.n_layers * (cfg.n_heads + 1) + 4) * (2 * FLOAT_BYTES + 16) + score.top_k * 64
+        reached = _reached("query")
+        return await answer_with_claim(state, served, call if score is None else (call, score), content,
+                                       what="this answer", need=need,
+                                       check=lambda done: reached(done[0] if isinstance(done, tuple) else done))
+
+
+def _score_call(served: ServedModel, body: ExplainRequest, ids: list[int], group: str) -> ScoreDecompositionCall:
+    """/attention/explain's `key`: the head's score from the query to the key split into pairs of parts
+    (a pre-norm decoder's; 400s naming `key`)."""
+    assert body.key is not None
+    cfg = served.checkpoint.config
+    if cfg.family != "decoder" or cfg.norm != "pre":
+        raise ApiError(400, f"key (why a head attends: its score split into what wrote the residual streams) needs a "
+                            f"pre-norm decoder, whose stream is the sum of what its parts wrote; {served.describe()} is "
+                            f"{'post-norm' if cfg.family == 'decoder' else 'not one'}: ask without key",
+                       param="key", code="unsupported")
+    if body.ablate:
+        raise ApiError(400, "key decomposes the unablated model's score: ask without ablate, or without key",
+                       param="key", code="unsupported")
+    if not body.key <= body.query:
+        raise ApiError(400, f"key {body.key} out of range 0..{body.query}: a causal head's query sees itself and the "
+                            "positions before it", param="key", code="out_of_range")
+    call = ScoreDecompositionCall(ids=ids, layer=body.layer, head=body.head, query=body.query, key=body.key)
+    try:
+        call.check(cfg)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="key", code="invalid_value") from None
+    return call
+
+
+def _score_parts(parts: ScoreDecomposition) -> dict:
+    return {"key": parts["key"], "score": parts["score"], "probability": parts["probability"], "parts": parts["parts"],
+            "top_pairs": [{"query_part": p["query"], "key_part": p["key"], "value": p["value"]} for p in parts["top"]],
+            "query_totals": parts["query_totals"], "key_totals": parts["key_totals"], "rest": parts["rest"]}

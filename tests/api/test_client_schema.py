@@ -34,6 +34,10 @@ SCHEMA_OF = {
     "LogitsAnswer": "LogitsResponse",
     "LensAnswer": "LensResponse",
     "HeadExplanation": "ExplainResponse",
+    "ScorePair": "ScorePair",
+    "ScoreParts": "ScoreParts",
+    "PatchAnswer": "PatchResponse",
+    "LogitAttributionAnswer": "LogitAttributionResponse",
 }
 
 

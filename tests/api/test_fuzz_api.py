@@ -48,6 +48,7 @@ POSTS = ["POST /generate", "POST /attention", "POST /v1/completions", "POST /v1/
 GETS = ["GET /v1/models", "GET /v1/models/{model}", "GET /models", "GET /model", "GET /healthz", "GET /readyz",
         "GET /metrics"]  # no inputs: no invalid ones
 POSTS.append("POST /heads")  # the head atlas (app/api/heads_routes.py)
+POSTS += ["POST /patch", "POST /logit-attribution"]  # the causal routes (app/api/causes_routes.py)
 
 
 @pytest.mark.parametrize("label,mode", [(p, m) for p in POSTS for m in MODES] + [(g, "positive") for g in GETS])

@@ -25,6 +25,8 @@ MODEL_ROUTES: dict[tuple[str, str], dict] = {
     ("POST", "/logits"): {"json": TEXT},
     ("POST", "/lens"): {"json": TEXT},
     ("POST", "/attention/explain"): {"json": {**TEXT, "layer": 0, "head": 0, "query": 1}},
+    ("POST", "/patch"): {"json": {"clean": "To be", "corrupted": "To go", "answer_id": 1, "foil_id": 2}},
+    ("POST", "/logit-attribution"): {"json": TEXT},
     ("POST", "/fill-mask"): {"json": {"text": "To be, or not to [MASK]"}},
     ("POST", "/classify"): {"json": TEXT},
     ("POST", "/v1/completions"): {"json": {"prompt": "To be"}},

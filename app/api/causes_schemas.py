@@ -1,0 +1,164 @@
+"""Request and response bodies of the causal routes: POST /patch (activation and attribution patching)
+and POST /logit-attribution (direct logit attribution), both of a decoder (model/analysis/patching.py,
+attribution_patching.py, logit_attribution.py).
+
+The metric is logit(answer) - logit(foil) at `position` (default the last). A prompt is `text`
+(tokenised as /attention tokenises a decoder's prompt) or `ids` (as they are); an answer or a foil
+is the text of exactly one token, or its id.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.config import JsonDict
+
+from attnlens.app.api.common_schemas import MODEL_FIELD, ModelName, Strict, Text
+from attnlens.app.api.generate_schemas import TokenText
+
+Component = Literal["heads", "heads_by_position", "residual", "layers", "paths"]
+Method = Literal["exact", "attribution"]
+
+ANSWER_FIELD = "the answer token's text, exactly one token (e.g. \" Mary\", its leading space included)"
+FOIL_FIELD = "the foil token's text, exactly one token: the metric is logit(answer) - logit(foil)"
+
+
+class Sender(Strict):
+    """The head whose write is patched along its paths (component "paths")."""
+
+    layer: int = Field(description="0..n_layers-1")
+    head: int = Field(description="0..n_heads-1")
+
+
+PATCH_ONE_OF: JsonDict = {"allOf": [
+    {"oneOf": [{"required": ["clean"]}, {"required": ["clean_ids"]}]},
+    {"oneOf": [{"required": ["corrupted"]}, {"required": ["corrupted_ids"]}]},
+    {"oneOf": [{"required": ["answer"]}, {"required": ["answer_id"]}]},
+    {"oneOf": [{"required": ["foil"]}, {"required": ["foil_id"]}]},
+]}
+
+
+class PatchRequest(Strict):
+    """Which components carry the difference between a clean and a corrupted prompt: each cell of
+    `component` patched from the clean run into the corrupted one, the metric logit(answer) -
+    logit(foil) read at `position`. Give one of clean / clean_ids, corrupted / corrupted_ids,
+    answer / answer_id and foil / foil_id each; the prompts have the same number of tokens."""
+
+    model_config = ConfigDict(**Strict.model_config, json_schema_extra=PATCH_ONE_OF)
+
+    model: ModelName | None = Field(None, description=MODEL_FIELD + "; a decoder")
+    clean: Text | None = Field(None, min_length=1, description="the clean prompt's text (tokenised as /attention "
+                               "tokenises a decoder's prompt)")
+    clean_ids: list[int] | None = Field(None, min_length=1, description="the clean prompt's token ids as they are")
+    corrupted: Text | None = Field(None, min_length=1, description="the corrupted prompt's text: as many tokens as "
+                                   "the clean one")
+    corrupted_ids: list[int] | None = Field(None, min_length=1, description="the corrupted prompt's token ids: as "
+                                            "many as the clean one's")
+    answer: Text | None = Field(None, min_length=1, description=ANSWER_FIELD)
+    answer_id: int | None = Field(None, description="the answer token's id")
+    foil: Text | None = Field(None, min_length=1, description=FOIL_FIELD)
+    foil_id: int | None = Field(None, description="the foil token's id")
+    position: int | None = Field(None, ge=0, description="where the metric is read (its logits predict the next "
+                                 "token); default the last position")
+    component: Component = Field("heads", description="heads: each head's output at every position [L][H]; "
+                                 "heads_by_position: at one position [L][T][H]; residual: a block's input stream "
+                                 "at one position [L][T]; layers: each attention and MLP output at one position "
+                                 "{attention, mlp: [L][T]}; paths: from `sender` to each later head's query, key "
+                                 "or value input {q, k, v: [L][H]}")
+    method: Method = Field("exact", description="exact: each cell patched in a run of its own (batched); "
+                           "attribution: every cell's first-order estimate from one forward pair and one backward "
+                           "(not for paths)")
+    sender: Sender | None = Field(None, description="component paths only (required there): the sender head")
+
+
+class LogitAttributionRequest(Strict):
+    """Each head's, MLP's, the embedding's and the rest's direct write into logit(answer) -
+    logit(foil) at `position`, through the final norm at its scale there. Give `text` or `ids`;
+    answer and foil default to the model's top two predictions there."""
+
+    model_config = ConfigDict(**Strict.model_config,
+                              json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["ids"]}]})
+
+    model: ModelName | None = Field(None, description=MODEL_FIELD + "; a pre-norm decoder")
+    text: Text | None = Field(None, min_length=1, description="the prompt's text (tokenised as /attention "
+                              "tokenises a decoder's prompt)")
+    ids: list[int] | None = Field(None, min_length=1, description="the prompt's token ids as they are")
+    answer: Text | None = Field(None, min_length=1, description=ANSWER_FIELD + "; default the top prediction")
+    answer_id: int | None = Field(None, description="the answer token's id")
+    foil: Text | None = Field(None, min_length=1, description=FOIL_FIELD + "; default the best other prediction")
+    foil_id: int | None = Field(None, description="the foil token's id")
+    position: int | None = Field(None, ge=0, description="where the logits are read; default the last position")
+
+
+# --- answers -------------------------------------------------------------------------------
+class LayerValues(BaseModel):
+    attention: list[list[float]] = Field(description="[L][T]: the attention output patched at one position")
+    mlp: list[list[float]] = Field(description="[L][T]: the MLP output patched at one position")
+
+
+class PathValues(BaseModel):
+    q: list[list[float | None]] = Field(description="[L][H]: into the receiver's queries; null at layers up to "
+                                        "the sender's")
+    k: list[list[float | None]] = Field(description="[L][H]: into its keys")
+    v: list[list[float | None]] = Field(description="[L][H]: into its values")
+
+
+PatchValues = list[list[float]] | list[list[list[float]]] | LayerValues | PathValues
+
+
+class PatchResponse(BaseModel):
+    model: str
+    component: Component
+    method: Method
+    position: int = Field(description="where the metric was read")
+    clean_metric: float = Field(description="logit(answer) - logit(foil) of the clean prompt")
+    corrupted_metric: float = Field(description="of the corrupted prompt")
+    values: PatchValues = Field(description="each cell's patched metric, raw (normalise as (v - corrupted_metric) "
+                                "/ (clean_metric - corrupted_metric)); heads [L][H], heads_by_position [L][T][H], "
+                                "residual [L][T], layers {attention, mlp}, paths {q, k, v}")
+    sender: Sender | None = Field(None, description="paths: the sender head")
+    clean_tokens: list[TokenText]
+    corrupted_tokens: list[TokenText]
+    differing: list[int] = Field(description="the positions where the prompts differ")
+    answer: TokenText
+    foil: TokenText
+
+
+class LogitAttributionResponse(BaseModel):
+    model: str
+    tokens: list[TokenText]
+    position: int = Field(description="where the logits were read")
+    answer: TokenText
+    foil: TokenText
+    answer_logit: float
+    foil_logit: float
+    logit_difference: float = Field(description="logit(answer) - logit(foil), the model's own: what the parts sum to")
+    heads: list[list[float]] = Field(description="[L][H]: each head's direct write")
+    mlps: list[float] = Field(description="[L]: each MLP's")
+    embedding: float = Field(description="the token embedding's")
+    other: float = Field(description="the rest: positions, the attention output and value biases, the final norm's "
+                         "bias and the head's")
+    other_parts: dict[str, float] = Field(description="`other` by part")
+
+
+class ScorePair(BaseModel):
+    query_part: str = Field(description="the part of the query's residual stream")
+    key_part: str = Field(description="the part of the key's residual stream")
+    value: float = Field(description="its share of the score")
+
+
+class ScoreParts(BaseModel):
+    """Why the head attends from the query to `key`: its score split into pairs of what wrote the two
+    residual streams (model/analysis/score_decomposition.py)."""
+
+    key: int
+    score: float = Field(description="the head's scaled score q . k * scale from the query to the key")
+    probability: float = Field(description="its attention from the query to the key")
+    parts: list[str] = Field(description="the parts' names: embedding, positions, each earlier head (L3H1), each "
+                             "earlier MLP (L3 MLP), biases")
+    top_pairs: list[ScorePair] = Field(description="the largest pairs by magnitude, largest first")
+    query_totals: list[float] = Field(description="per part (in `parts`' order): its query side against the whole "
+                                      "key")
+    key_totals: list[float] = Field(description="per part: its key side against the whole query")
+    rest: float = Field(description="score minus the listed pairs")

@@ -1,0 +1,144 @@
+"""attnlens.show for the causal answers (PatchAnswer, LogitAttributionAnswer): a self-contained HTML
+document of heatmap tables, with no script, no server and no network.
+
+The page has no Causes view to bundle yet (static/js/views/ holds none), so these documents are drawn
+here in plain HTML and CSS: one table per grid, each cell coloured by its value (red raises the
+metric, blue lowers it) with its exact figure in its tooltip.
+
+    patch_document(answer)        heads [L x H]; by position [rows x T]; layers: attention and MLP;
+                                  paths: q, k, v. Coloured by the normalised value (0 = the corrupted
+                                  run, 1 = the clean run)
+    attribution_document(answer)  heads [L x H] beside each layer's MLP, then the embedding, the rest
+                                  and the logit difference they sum to
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Sequence
+
+import numpy as np
+
+from .answers import LogitAttributionAnswer, PatchAnswer, Token
+
+CSS = """
+body { font: 12px/1.4 system-ui, sans-serif; margin: 12px; background: #fff; color: #222; }
+body.dark { background: #16181c; color: #ddd; }
+@media (prefers-color-scheme: dark) { body.auto { background: #16181c; color: #ddd; } }
+h1 { font-size: 14px; margin: 0 0 6px; } h2 { font-size: 13px; margin: 14px 0 4px; }
+.meta { margin: 2px 0; } .tok { font-family: ui-monospace, monospace; white-space: pre; padding: 0 1px; }
+.tok.diff { background: #fde68a; color: #222; border-radius: 2px; }
+table.grid { border-collapse: collapse; font-family: ui-monospace, monospace; font-size: 11px; }
+table.grid th { font-weight: normal; padding: 1px 4px; text-align: right; white-space: pre; }
+table.grid thead th { text-align: center; }
+table.grid td { width: 38px; height: 16px; text-align: right; padding: 0 3px; border: 1px solid rgba(128,128,128,.15); }
+td.none { background: repeating-linear-gradient(45deg, transparent 0 3px, rgba(128,128,128,.25) 3px 4px); }
+.note { opacity: .7; margin-top: 8px; }
+"""
+
+
+def _colour(x: float) -> str:
+    """x in [-1, 1]: red for positive, blue for negative, transparent at 0."""
+    if math.isnan(x):
+        return "transparent"
+    a = min(1.0, abs(x))
+    return f"rgba(220,38,38,{a:.3f})" if x > 0 else f"rgba(37,99,235,{a:.3f})"
+
+
+def heatmap(grid: np.ndarray, rows: Sequence[str], cols: Sequence[str], *, scale: float,
+            raw: np.ndarray | None = None, digits: int = 2) -> str:
+    """An HTML table of `grid` (R, C): each cell coloured by grid / scale, showing its value; `raw`
+    (same shape) the figures shown in the tooltips (default grid itself)."""
+    raw = grid if raw is None else raw
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = []
+    for r, label in enumerate(rows):
+        cells = []
+        for c, col in enumerate(cols):
+            v, shown = float(grid[r, c]), float(raw[r, c])
+            if math.isnan(v):
+                cells.append(f'<td class="none" title="{html.escape(label)} {html.escape(col)}: none"></td>')
+                continue
+            tip = html.escape(f"{label} {col}: {shown:.4f}", quote=True)
+            cells.append(f'<td style="background:{_colour(v / scale if scale else 0.0)}" title="{tip}">'
+                         f"{v:.{digits}f}</td>")
+        body.append(f"<tr><th>{html.escape(label)}</th>{''.join(cells)}</tr>")
+    return f'<table class="grid"><thead><tr><th></th>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def _tokens(tokens: list[Token], differing: Sequence[int] = ()) -> str:
+    marked = set(differing)
+    return "".join(f'<span class="tok{" diff" if i in marked else ""}" title="position {i}, id {t.id}">'
+                   f"{html.escape(t.text)}</span>" for i, t in enumerate(tokens))
+
+
+def _document(title: str, body: str, theme: str | None) -> str:
+    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{CSS}</style></head><body class=\"{theme or 'auto'}\">{body}</body></html>")
+
+
+def _labels(tokens: list[Token], positions: Sequence[int]) -> list[str]:
+    return [f"{p} {tokens[p].text.strip()[:8]}" for p in positions]
+
+
+def patch_document(answer: PatchAnswer, theme: str | None = None) -> str:
+    """The document of a /patch answer (module docstring)."""
+    norm = answer.normalized
+    values = answer.values
+    first = answer.differing[0] if answer.differing else answer.position
+    shown = list(range(min(first, answer.position), answer.position + 1))  # earlier positions change nothing
+    tables: list[tuple[str, str]] = []
+    if answer.component in ("heads", "paths"):
+        grids = {"": (values, norm)} if answer.component == "heads" else {k: (values[k], norm[k]) for k in values}
+        for name, (raw, scaled) in grids.items():
+            L, H = raw.shape
+            tables.append((f"into the receivers' {name}" if name else "each head, every position",
+                           heatmap(scaled, [f"L{l}" for l in range(L)], [f"H{h}" for h in range(H)], scale=1.0,
+                                   raw=raw)))
+    elif answer.component == "heads_by_position":
+        L, _, H = values.shape
+        raw = values[:, shown, :].transpose(0, 2, 1).reshape(L * H, len(shown))  # rows L{l}H{h}, columns positions
+        scaled = norm[:, shown, :].transpose(0, 2, 1).reshape(L * H, len(shown))
+        tables.append(("each head at one position", heatmap(scaled, [f"L{l}H{h}" for l in range(L) for h in range(H)],
+                                                           _labels(answer.clean_tokens, shown), scale=1.0, raw=raw)))
+    else:
+        grids = {"residual stream (block input)": (values, norm)} if answer.component == "residual" else \
+            {f"{k} output": (values[k], norm[k]) for k in values}
+        for name, (raw, scaled) in grids.items():
+            L = raw.shape[0]
+            tables.append((name, heatmap(scaled[:, shown], [f"L{l}" for l in range(L)],
+                                         _labels(answer.clean_tokens, shown), scale=1.0, raw=raw[:, shown])))
+    sender = f", sender L{answer.sender[0]}H{answer.sender[1]}" if answer.sender else ""
+    title = f"{answer.model}: patching {answer.component} ({answer.method}{sender})"
+    body = (f"<h1>{html.escape(title)}</h1>"
+            f"<div class=\"meta\">metric: logit({html.escape(repr(answer.answer.text))}) - "
+            f"logit({html.escape(repr(answer.foil.text))}) at position {answer.position}; clean "
+            f"{answer.clean_metric:.3f}, corrupted {answer.corrupted_metric:.3f}</div>"
+            f"<div class=\"meta\">clean: {_tokens(answer.clean_tokens, answer.differing)}</div>"
+            f"<div class=\"meta\">corrupted: {_tokens(answer.corrupted_tokens, answer.differing)}</div>"
+            + "".join(f"<h2>{html.escape(name)}</h2>{table}" for name, table in tables)
+            + "<div class=\"note\">cells: the patched metric normalised, (v - corrupted) / (clean - corrupted): 1 "
+              "restores the clean run, 0 changes nothing; red raises the metric, blue lowers it; the tooltip gives "
+              "the raw metric</div>")
+    return _document(title, body, theme)
+
+
+def attribution_document(answer: LogitAttributionAnswer, theme: str | None = None) -> str:
+    """The document of a /logit-attribution answer (module docstring)."""
+    L, H = answer.heads.shape
+    grid = np.concatenate([answer.heads, answer.mlps[:, None]], axis=1)  # (L, H + 1)
+    scale = float(np.nanmax(np.abs(grid))) if grid.size else 1.0
+    title = f"{answer.model}: direct logit attribution"
+    rest = "".join(f"{html.escape(k)} {v:+.3f}; " for k, v in (answer.other_parts or {}).items())
+    body = (f"<h1>{html.escape(title)}</h1>"
+            f"<div class=\"meta\">logit({html.escape(repr(answer.answer.text))}) - "
+            f"logit({html.escape(repr(answer.foil.text))}) at position {answer.position} = "
+            f"{answer.logit_difference:.3f}</div>"
+            f"<div class=\"meta\">{_tokens(answer.tokens, [answer.position])}</div>"
+            f"<h2>each head's and MLP's direct write</h2>"
+            + heatmap(grid, [f"L{l}" for l in range(L)], [f"H{h}" for h in range(H)] + ["MLP"], scale=scale)
+            + f"<div class=\"meta\">embedding {answer.embedding:+.3f}; other {answer.other:+.3f} ({rest.rstrip('; ')}); "
+              f"heads {float(answer.heads.sum()):+.3f}; MLPs {float(answer.mlps.sum()):+.3f}; sum {answer.total:.3f}</div>"
+            + "<div class=\"note\">red writes toward the answer, blue toward the foil</div>")
+    return _document(title, body, theme)
