@@ -98,14 +98,17 @@ def test_types_both_prompts_picks_answer_and_foil_and_draws_the_heads(page, serv
         c = canvas_digest(page, f'.cz-att figure[data-side="{side}"] .heatmap-base')
         assert c.get("colours", 0) > 8, (side, c)
     assert routes.patch_bodies[-1]["component"] == "paths" and routes.patch_bodies[-1]["sender"] == {"layer": L - 1, "head": 1 % H}
-    assert page.eval_on_selector_all(".cz-paths figure", "fs => fs.map(f => f.dataset.path)") == ["q", "k", "v"]
-    assert canvas_digest(page, '.cz-paths [data-path="q"] .heatmap-base')["nonBlank"] > 0
-    # a bar's head opens it too
+    assert "No head reads this one" in page.inner_text(".cz-paths")  # the last layer's head: no later reader
+    # a bar's head opens it too: a layer-0 head, whose paths reach the next layer
     r = rendered(page)
-    page.click(f'.cz-attr button[data-layer="{L // 2}"][data-head="0"]')
-    wait_rendered(page, r, prefix=f"causes:{L // 2}:0:")
-    page.wait_for_selector(f'.cz-detail[data-head="{L // 2}.0"][data-state="done"]')
-    assert page.get_attribute(f'.cz-attr button[data-layer="{L // 2}"][data-head="0"]', "aria-pressed") == "true"
+    page.click(f'.cz-attr button[data-layer="0"][data-head="{H - 1}"]')
+    wait_rendered(page, r, prefix=f"causes:0:{H - 1}:")
+    page.wait_for_selector(f'.cz-detail[data-head="0.{H - 1}"][data-state="done"]')
+    assert page.get_attribute(f'.cz-attr button[data-layer="0"][data-head="{H - 1}"]', "aria-pressed") == "true"
+    assert page.eval_on_selector_all(".cz-paths figure", "fs => fs.map(f => f.dataset.path)") == ["q", "k", "v"]
+    q = page.evaluate("() => Array.from(window.__attnlens.current().detailMaps[2].model.data)")
+    assert all(x != x for x in q[:H]) and all(x == x for x in q[H:])  # layer 0 masked (not after the sender), later drawn
+    assert canvas_digest(page, '.cz-paths [data-path="q"] .heatmap-base')["colours"] > 3
     assert not [e for e in page.console_log.errors if "favicon" not in e]
     screenshot(page, "causes-desktop.png")
 
@@ -196,5 +199,8 @@ def test_270_heads_draw_in_under_300_ms_and_fit_a_phone(browser, server):
         s = spill(pg)
         assert s["scrollWidth"] <= PHONE["width"] and not s["wide"], s
         screenshot(pg, "causes-phone.png")
+        pg.set_viewport_size({"width": 1280, "height": 900})
+        wait_rendered(pg, rendered(pg), prefix="causes:")
+        screenshot(pg, "causes-270-desktop.png")
     finally:
         context.close()

@@ -103,9 +103,9 @@ export class CausesView {
         </div>
         <div class="cz-choose">
           <span class="cz-pick"><label for="cz-answer">Answer</label> <select id="cz-answer" name="answer"></select>
-            <input name="answerTyped" type="text" spellcheck="false" placeholder="or type a token" aria-label="Answer token, typed (used instead of the list)"></span>
+            <input name="answerTyped" type="text" spellcheck="false" placeholder="or type one" aria-label="Answer token, typed (used instead of the list)"></span>
           <span class="cz-pick"><label for="cz-foil">Foil</label> <select id="cz-foil" name="foil"></select>
-            <input name="foilTyped" type="text" spellcheck="false" placeholder="or type a token" aria-label="Foil token, typed (used instead of the list)"></span>
+            <input name="foilTyped" type="text" spellcheck="false" placeholder="or type one" aria-label="Foil token, typed (used instead of the list)"></span>
           <button type="submit" class="btn small primary cz-run">Patch</button>
         </div>
         <div class="cz-bar" role="group" aria-label="What to patch">
@@ -298,7 +298,8 @@ export class CausesView {
       const R = rows.length;
       const C = rows[0]?.length ?? 0;
       const hm = new MarkedHeatmap(fig.querySelector(".cz-canvas"), {
-        maxCell: heads ? 26 : 22,
+        maxCell: heads ? 34 : 22,
+        maxHeight: heads ? 560 : 420, // SmolLM2's 30 layers: cells of 18 px, not a page of them
         minWidth: 120,
         labelMax: 8,
         onHover: (h) => this.hoverCell(h, rows, datas[i], heads, tokens, figures[i][2]),
@@ -491,6 +492,10 @@ export class CausesView {
   /** The q, k and v paths from the chosen head: three layers × heads maps (null below the sender: masked). */
   drawPaths(host, p) {
     const parts = ["q", "k", "v"].filter((k) => p.values?.[k]);
+    if (parts.every((k) => p.values[k].every((row) => row.every((v) => v == null)))) {
+      host.innerHTML = `<p class="hint">No head reads this one: layer ${p.sender?.layer ?? ""} is the last.</p>`;
+      return;
+    }
     const datas = parts.map((k) => normalise(p.values[k], p.clean_metric, p.corrupted_metric));
     const m = Math.max(1, ...datas.map(extent));
     host.innerHTML = `<div class="cz-triple">${parts.map((k) => `<figure data-path="${k}"><figcaption>${k === "q" ? "query" : k === "k" ? "key" : "value"} (${k})</figcaption><div class="cz-canvas"></div></figure>`).join("")}</div>`;
