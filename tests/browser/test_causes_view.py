@@ -58,13 +58,16 @@ def test_types_both_prompts_picks_answer_and_foil_and_draws_the_heads(page, serv
     # prefilled: the clean prompt is the analysed text, the corrupted one starts from it
     assert page.input_value("#cz-clean") == CLEAN and page.input_value("#cz-corrupted") == CLEAN
     assert not routes.patch_bodies  # nothing to patch while the prompts are the same
-    patch(page)
     _, top = tokens(server, CLEAN)
     # the choices are the clean prompt's top predictions, the first two chosen by default
     options = page.eval_on_selector("#cz-answer", "s => [...s.options].map(o => o.value)")
     assert options == [t["text"] for t in top]
-    assert routes.patch_bodies[-1]["answer"] == top[0]["id"] and routes.patch_bodies[-1]["foil"] == top[1]["id"]
+    assert page.input_value("#cz-answer") == top[0]["text"] and page.input_value("#cz-foil") == top[1]["text"]
+    # type the corrupted prompt, then pick: the choice applies the prompts as typed
+    page.fill("#cz-clean", CLEAN)
+    page.fill("#cz-corrupted", CORRUPTED)
     answer = pick(page, "answer", 2)
+    assert routes.patch_bodies[-1]["corrupted"] == CORRUPTED and routes.patch_bodies[-1]["foil"] == top[1]["id"]
     foil = pick(page, "foil", 3)
     body = routes.patch_bodies[-1]
     assert body == {"clean": CLEAN, "corrupted": CORRUPTED, "answer": top[2]["id"], "foil": top[3]["id"], "component": "heads", "method": "exact"}
@@ -160,6 +163,13 @@ def test_a_typed_answer_and_an_error(page, server):
     wait_rendered(page, r, prefix="causes:")
     assert routes.patch_bodies[-1]["answer"] == " sleep"  # not in the list: sent as text
     assert page.eval_on_selector("#cz-answer", "s => s.options[s.selectedIndex].textContent") == "“␣sleep” (typed)"
+    # an edit not applied yet survives a redraw (here: another diverging colour map)
+    page.fill("#cz-corrupted", "not applied yet")
+    r = rendered(page)
+    page.evaluate("() => window.__attnlens.store.set({dcmap: 'berlin'})")
+    wait_rendered(page, r, prefix="causes:")
+    assert page.input_value("#cz-corrupted") == "not applied yet" and state(page, "s.corrupted") == CORRUPTED
+    assert page.evaluate("() => window.__attnlens.current().maps[0].model.cmap") == "berlin"
     # a 4xx answer: the server's detail is shown
     routes.status = 422
     r = rendered(page)

@@ -133,14 +133,15 @@ export class CausesView {
           this.submit();
         }
       });
+    // every choice applies the whole form: the prompts as typed go with it
     for (const name of ["answer", "foil"]) {
       form.elements[name].addEventListener("change", () => {
         form.elements[name + "Typed"].value = "";
-        this.ctx.select({ [name]: form.elements[name].value });
+        this.submit();
       });
     }
-    for (const b of form.querySelectorAll("[data-method]")) b.addEventListener("click", () => this.ctx.select({ method: b.dataset.method }));
-    form.elements.component.addEventListener("change", () => this.ctx.select({ component: form.elements.component.value }));
+    for (const b of form.querySelectorAll("[data-method]")) b.addEventListener("click", () => this.submit({ method: b.dataset.method }));
+    form.elements.component.addEventListener("change", () => this.submit({ component: form.elements.component.value }));
     this.root.querySelector(".cz-attr").addEventListener("click", (e) => {
       const b = e.target.closest("button[data-layer]");
       if (b) this.open(+b.dataset.layer, +b.dataset.head);
@@ -153,12 +154,12 @@ export class CausesView {
     this.root?.remove();
   }
 
-  /** The form's prompts and tokens into the state (a clean prompt equal to the analysed text follows it: ""). */
-  submit() {
+  /** The form's prompts and tokens (and `extra` keys) into the state (a clean prompt equal to the analysed text follows it: ""). */
+  submit(extra = {}) {
     const f = this.form.elements;
     const clean = f.clean.value;
     const pick = (name) => f[name + "Typed"].value || f[name].value;
-    this.ctx.select({ clean: clean === this.params.text ? "" : clean, corrupted: f.corrupted.value, answer: pick("answer"), foil: pick("foil") });
+    this.ctx.select({ clean: clean === this.params.text ? "" : clean, corrupted: f.corrupted.value, answer: pick("answer"), foil: pick("foil"), ...extra });
   }
 
   /** Open head (l, h)'s detail (and make it the page's chosen head). */
@@ -180,11 +181,13 @@ export class CausesView {
     return { clean, corrupted, answer, foil, answerArg: arg(answer), foilArg: arg(foil), differs: !!corrupted && corrupted !== clean };
   }
 
+  /** The state into the form; a prompt is rewritten only when the state's changed (an edit not applied yet stays). */
   syncForm(clean, corrupted) {
     const f = this.form.elements;
     const { method, component } = this.params.settings;
-    if (document.activeElement !== f.clean) f.clean.value = clean;
-    if (document.activeElement !== f.corrupted) f.corrupted.value = corrupted || clean; // start from the clean one: change a few words
+    const shown = { clean, corrupted: corrupted || clean }; // the corrupted box starts from the clean prompt: change a few words
+    for (const k of ["clean", "corrupted"]) if (document.activeElement !== f[k] && shown[k] !== this.shown?.[k]) f[k].value = shown[k];
+    this.shown = shown;
     for (const b of this.form.querySelectorAll("[data-method]")) b.setAttribute("aria-checked", String(b.dataset.method === method));
     f.component.value = component;
   }
