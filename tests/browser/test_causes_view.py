@@ -11,7 +11,7 @@ import json
 
 from .causes_fixtures import CLEAN_METRIC, CORRUPTED_METRIC, head_pattern, install, tokens
 from .conftest import PHONE
-from .helpers import canvas_digest, open_page, rendered, screenshot, spill, state, wait_rendered
+from .helpers import canvas_digest, download, open_page, rendered, screenshot, spill, state, wait_rendered
 
 CLEAN = "To be, or not to be, that is the question:\nWhether"
 CORRUPTED = "To be, or not to sleep, that is the question:\nWhether"  # the same 30 tokens but one
@@ -114,6 +114,13 @@ def test_types_both_prompts_picks_answer_and_foil_and_draws_the_heads(page, serv
     assert canvas_digest(page, '.cz-paths [data-path="q"] .heatmap-base')["colours"] > 3
     assert not [e for e in page.console_log.errors if "favicon" not in e]
     screenshot(page, "causes-desktop.png")
+    # the exports: the map as PNG, the answers as JSON
+    path, name = download(page, "#export-png")
+    assert name == "attnlens-causes.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    path, name = download(page, "#export-json")
+    data = json.loads(path.read_text())
+    assert name == "attnlens-causes.json" and data["corrupted"] == CORRUPTED and data["patch"]["clean_metric"] == CLEAN_METRIC
+    assert data["logit_attribution"]["heads"][L - 1][1 % H] == 2.76
 
 
 def test_the_state_round_trips_through_the_url(page, server):
@@ -134,6 +141,7 @@ def test_the_state_round_trips_through_the_url(page, server):
     page.click('.cz-attr button[data-layer="1"][data-head="2"]')
     wait_rendered(page, r, prefix="causes:1:2:")
     page.wait_for_selector('.cz-detail[data-state="done"]')
+    screenshot(page, "causes-layers.png")
     before = state(page, "[s.clean, s.corrupted, s.answer, s.foil, s.method, s.component, s.sender]")
     assert before[1:] == [CORRUPTED, before[2], before[3], "attribution", "layers", [1, 2]] and before[2] and before[3]
     body = routes.patch_bodies[-2] if routes.patch_bodies[-1]["component"] == "paths" else routes.patch_bodies[-1]

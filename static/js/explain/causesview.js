@@ -291,12 +291,17 @@ export class CausesView {
     const wrap = document.createElement("div");
     wrap.className = figures.length > 1 ? "cz-pair" : "cz-single";
     host.append(wrap);
-    figures.forEach(([name, rows], i) => {
+    // every figure in its place first: a map fits the width its column has once all are there
+    const figs = figures.map(([name, , caption]) => {
       const fig = document.createElement("figure");
       fig.className = "cz-map";
       fig.dataset.part = name;
-      fig.innerHTML = `<figcaption>${escapeHTML(figures[i][2])}</figcaption><div class="cz-canvas"></div>`;
+      fig.innerHTML = `<figcaption>${escapeHTML(caption)}</figcaption><div class="cz-canvas"></div>`;
       wrap.append(fig);
+      return fig;
+    });
+    figures.forEach(([, rows], i) => {
+      const fig = figs[i];
       const heads = p.component === "heads";
       const R = rows.length;
       const C = rows[0]?.length ?? 0;
@@ -434,7 +439,7 @@ export class CausesView {
     box.innerHTML = `
       <div class="cz-detail-head"><h3>Layer ${l}, head ${h}</h3><button type="button" class="btn small ghost cz-close" aria-label="Close the head's detail">✕</button></div>
       <dl class="cz-values">
-        <div><dt>patching effect (normalised)</dt><dd data-effect>${effect == null ? "— (component heads)" : num(effect)}</dd></div>
+        <div><dt>patching effect (normalised)</dt><dd data-effect>${effect == null ? '— <span class="hint">(patch the heads to see it)</span>' : num(effect)}</dd></div>
         <div><dt>direct logit attribution</dt><dd data-dla>${signed(dla)}</dd></div>
       </dl>
       <h4>Its attention</h4>
