@@ -222,3 +222,14 @@ def test_270_heads_draw_in_under_300_ms_and_fit_a_phone(browser, server):
         screenshot(pg, "causes-270-desktop.png")
     finally:
         context.close()
+
+
+def test_only_a_model_that_continues_its_prompt_has_the_tab(page, encoder_server):
+    """Patching reads a causal language model: the decoder has the tab, the encoder not, and a
+    link to the view on the encoder opens its first view instead."""
+    open_page(page, encoder_server)
+    assert page.is_visible("#tab-causes")
+    page.goto(f"{encoder_server.base_url}/?model=genre&view=causes&prompt=a+film+about+a+cat")
+    page.wait_for_function("() => window.__attnlens.store.state.meta?.name === 'genre'")
+    wait_rendered(page)
+    assert page.is_hidden("#tab-causes") and state(page, "s.view") == "head"
