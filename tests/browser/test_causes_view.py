@@ -17,6 +17,13 @@ CLEAN = "To be, or not to be, that is the question:\nWhether"
 CORRUPTED = "To be, or not to sleep, that is the question:\nWhether"  # the same 30 tokens but one
 
 
+CLICK_TO_RENDERED = """() => {
+    document.addEventListener('click', () => { window.__clickAt = performance.now(); }, true);
+    new MutationObserver(() => { window.__renderedAt = performance.now(); })
+        .observe(document.querySelector('#view-host'), {attributes: true, attributeFilter: ['data-rendered']});
+}"""
+
+
 def open_causes(page, server) -> None:
     open_page(page, server, prompt=CLEAN)
     r = rendered(page)
@@ -112,6 +119,14 @@ def test_types_both_prompts_picks_answer_and_foil_and_draws_the_heads(page, serv
     q = page.evaluate("() => Array.from(window.__attnlens.current().detailMaps[2].model.data)")
     assert all(x != x for x in q[:H]) and all(x == x for x in q[H:])  # layer 0 masked (not after the sender), later drawn
     assert canvas_digest(page, '.cz-paths [data-path="q"] .heatmap-base')["colours"] > 3
+    # the keyboard: focus the map, move with the arrows, Enter opens the head
+    page.focus(".cz-maps .heatmap-overlay")
+    page.keyboard.press("ArrowDown")
+    assert "layer 1 · head 0" in page.inner_text("#tooltip")
+    r = rendered(page)
+    page.keyboard.press("Enter")
+    wait_rendered(page, r, prefix="causes:1:0:")
+    page.wait_for_selector('.cz-detail[data-head="1.0"][data-state="done"]')
     assert not [e for e in page.console_log.errors if "favicon" not in e]
     screenshot(page, "causes-desktop.png")
     # the exports: the map as PNG, the answers as JSON
@@ -200,13 +215,17 @@ def test_270_heads_draw_in_under_300_ms_and_fit_a_phone(browser, server):
         perf = pg.evaluate("() => window.__attnlens.perf.causes")
         assert perf["cells"] == 270 and perf["drawMs"] < 300, perf
         print("causes draw at 270 heads:", json.dumps(perf))
-        # redrawing with another method (answers cached in the page after the first time): still under 300 ms
+        # another method, drawn: the click to the view's mark of a finished drawing, in the page's clock
+        pg.evaluate(CLICK_TO_RENDERED)
         for method in ("Attribution", "Exact"):
             r = rendered(pg)
-            pg.get_by_role("radio", name=method).click()
+            pg.get_by_role("radio", name=method).tap()
             wait_rendered(pg, r, prefix="causes:")
             perf = pg.evaluate("() => window.__attnlens.perf.causes")
+            click_ms = pg.evaluate("() => window.__renderedAt - window.__clickAt")
+            print(f"causes {method}: draw {perf['drawMs']:.1f} ms, click to drawn {click_ms:.1f} ms")
             assert perf["cells"] == 270 and perf["drawMs"] < 300, (method, perf)
+        assert click_ms < 300, click_ms  # back to exact: every answer is in the page already
         m = pg.evaluate("() => { const h = window.__attnlens.current().maps[0]; return [h.model.rows, h.model.cols, h.layout.W]; }")
         assert m[:2] == [30, 9] and m[2] <= PHONE["width"], m
         s = spill(pg)
@@ -217,6 +236,10 @@ def test_270_heads_draw_in_under_300_ms_and_fit_a_phone(browser, server):
         s = spill(pg)
         assert s["scrollWidth"] <= PHONE["width"] and not s["wide"], s
         screenshot(pg, "causes-phone.png")
+        pg.locator(".cz-maps").scroll_into_view_if_needed()
+        screenshot(pg, "causes-phone-map.png", full_page=False)
+        pg.locator(".cz-detail").scroll_into_view_if_needed()
+        screenshot(pg, "causes-phone-detail.png", full_page=False)
         pg.set_viewport_size({"width": 1280, "height": 900})
         wait_rendered(pg, rendered(pg), prefix="causes:")
         screenshot(pg, "causes-270-desktop.png")
