@@ -93,6 +93,8 @@ def capabilities(info: dict) -> set[str]:
         caps.add("generation")
         if info["generation"]["prompt"] == "source":
             caps.add("prompt-source")
+        if info["generation"]["prompt"] == "prefix":
+            caps.add("prompt-prefix")
         if cross & set(info["generation"]["step_groups"]):
             caps.add("step-cross")
     if "target" in info["axes"]:

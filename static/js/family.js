@@ -3,6 +3,7 @@
 // knows a family only through its declaration, never by its name:
 //   "generation"     the family generates (its GenerationSpec)
 //   "prompt-source"  its prompt is a source an encoder reads (a translator's), not a prefix
+//   "prompt-prefix"  it continues its prompt (a causal language model's: what patching reads)
 //   "target"         its analysis has a target axis (the decoder side of an encoder-decoder)
 //   "cross"          it has a cross group (queries over another sequence: target over source)
 //   "step-cross"     a generated token's attention rows come from a cross group
@@ -23,6 +24,7 @@ export function capabilities(familyInfo, tasks = []) {
   if (info.generation) {
     caps.add("generation");
     if (info.generation.prompt === "source") caps.add("prompt-source");
+    if (info.generation.prompt === "prefix") caps.add("prompt-prefix");
     if (info.generation.step_groups.some((g) => cross.has(g))) caps.add("step-cross");
   }
   if ((info.axes ?? []).includes("target")) caps.add("target");

@@ -1,6 +1,7 @@
-// The issue-18 analysis routes the views call: POST /heads (the atlas), /lens (the logit lens),
+// The analysis routes the views call: POST /heads (the atlas), /lens (the logit lens),
 // /logits (next-token predictions, with an ablation's effect) and /attention/explain (one
-// attention row computed step by step). Answers are kept per request body (a few), so a view
+// attention row computed step by step) (issue 18); POST /patch (activation and path patching)
+// and /logit-attribution (each head's and MLP's direct effect) for the Causes view (issue 46). Answers are kept per request body (a few), so a view
 // drawn again, or another view on the same text, does not ask twice.
 
 import { postJSON } from "../api.js";
@@ -59,6 +60,30 @@ export function fetchExplain(att, { layer, head, query, group = null }) {
   const body = { ...sequenceBody(att), layer, head, query };
   if (group) body.group = group;
   return cachedPost("/attention/explain", body);
+}
+
+/** The top `topK` next tokens after `text` (its last position): the Causes view's answer and foil choices. */
+export const fetchNextTokens = (text, topK = 10) => cachedPost("/logits", { text, top_k: topK, positions: "last" });
+
+/**
+ * Activation patching of `clean` into `corrupted`, the metric logit(answer) − logit(foil) at the
+ * last position: `component` "heads" | "heads_by_position" | "residual" | "layers" | "paths"
+ * (with `sender` {layer, head}), `method` "exact" | "attribution". answer / foil: a token id, or
+ * a token's text.
+ */
+export function fetchPatch({ clean, corrupted, answer, foil, component = "heads", method = "exact", sender = null, position = null }) {
+  const body = { clean, corrupted, answer, foil, component, method };
+  if (sender) body.sender = { layer: sender[0], head: sender[1] };
+  if (position != null) body.position = position;
+  return cachedPost("/patch", body);
+}
+
+/** Each head's, MLP's, the embedding's and the rest's direct effect on logit(answer) − logit(foil) at the last position of `text`. */
+export function fetchLogitAttribution({ text, answer = null, foil = null }) {
+  const body = { text };
+  if (answer != null) body.answer = answer;
+  if (foil != null) body.foil = foil;
+  return cachedPost("/logit-attribution", body);
 }
 
 /** The repeated-random probe for a model: as long as its context allows, at most 50. */

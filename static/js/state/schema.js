@@ -65,6 +65,17 @@ export const STATE_KEYS = [
   { key: "morder", type: "string", def: "grid", url: true },
   // the head view's window on a long input: [row start, row end, column start, column end] (null: the whole map)
   { key: "win", type: "list", def: null, url: true },
+  // the Causes view (issue 46): the clean and corrupted prompts ("" = the analysed text / none
+  // yet), the answer and foil tokens (their text; "" = the clean prompt's top two predictions),
+  // the patching method ("exact" | "attribution") and component ("heads" | "residual" | "layers"),
+  // and the head whose detail is open ([layer, head]; null: none), the sender of its paths
+  { key: "clean", type: "string", def: "", url: true },
+  { key: "corrupted", type: "string", def: "", url: true },
+  { key: "answer", type: "string", def: "", url: true },
+  { key: "foil", type: "string", def: "", url: true },
+  { key: "method", type: "string", def: "exact", url: true },
+  { key: "component", type: "string", def: "heads", url: true },
+  { key: "sender", type: "list", def: null, url: true },
   // data and activity (never in the URL)
   { key: "meta", type: "object", def: null }, // /model, normalised
   { key: "att", type: "object", def: null }, // AttentionSet of the analysed sequence

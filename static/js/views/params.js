@@ -7,6 +7,7 @@ import { SCALES } from "../scales.js";
 import { OPS } from "./aggregateview.js";
 import { parseAblation, constrainAblation, defaultGroup } from "../explain/ablation.js";
 import { chatMode } from "../chat.js";
+import { CAUSES_METHODS, CAUSES_COMPONENTS } from "../explain/causesview.js";
 
 const clamp = (v, n) => Math.max(0, Math.min(n - 1, v | 0));
 
@@ -20,6 +21,9 @@ export function constrainState(s, meta, viewIds) {
   if (!Object.hasOwn(OPS, out.op)) out.op = "mean";
   if (!["heads", "prompts", "ablation"].includes(out.diff)) out.diff = "heads";
   if (!["head", "layer", "all"].includes(out.xavg)) out.xavg = "head";
+  if (!CAUSES_METHODS.includes(out.method)) out.method = "exact";
+  if (!CAUSES_COMPONENTS.includes(out.component)) out.component = "heads";
+  if (out.sender && out.sender.length !== 2) out.sender = null;
   out.zoom = Math.max(0.25, Math.min(8, out.zoom || 1));
   out.fillk = Math.max(1, Math.min(100, out.fillk || 5));
   if (meta) {
@@ -34,6 +38,7 @@ export function constrainState(s, meta, viewIds) {
     if (out.layers) out.layers = out.layers.filter((l) => l < L);
     if (out.heads) out.heads = out.heads.filter((h) => h < H);
     if (out.lheads) out.lheads = out.lheads.filter((h) => h < H);
+    if (out.sender && !(out.sender[0] < L && out.sender[1] < H)) out.sender = null;
     out.ablate = constrainAblation(out.ablate, meta, (meta.family_info?.groups ?? []).map((g) => g.name), defaultGroup(meta.family_info));
   }
   if (out.gen) out.step = Math.min(out.step, Math.max(0, out.gen.tokens.length - 1));
@@ -95,8 +100,10 @@ export function viewParams(s) {
       heads: (s.heads ?? all(meta.n_heads)).slice().sort((a, b) => a - b),
       lineHeads: s.lheads == null ? null : s.lheads.slice().sort((a, b) => a - b), // null: the chosen head alone
       explain: s.explain, // the query row the Head view explains, or null
+      sender: s.sender ? s.sender.slice() : null, // the Causes view's head: [layer, head], or null
     }),
-    settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom, fillk: s.fillk, xavg: s.xavg, probe: s.probe, lensat: s.lensat, morder: s.morder, win: s.win }),
+    settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom, fillk: s.fillk, xavg: s.xavg, probe: s.probe, lensat: s.lensat, morder: s.morder, win: s.win,
+      clean: s.clean, corrupted: s.corrupted, answer: s.answer, foil: s.foil, method: s.method, component: s.component }),
     axes: Object.freeze({ rows: "query", cols: "key" }),
     // what the shared views' maps are when the family has other groups too: its primary group's
     // (an encoder-decoder's encoder, over the source)
