@@ -106,8 +106,8 @@ class CausalRoutes:
                       for part, scale in (("q", 0.8), ("k", 0.2), ("v", 0.5))}
         else:
             raise ValueError(component)
-        answer = _token(body["answer"], top, top[0])
-        foil = _token(body["foil"], top, top[1])
+        answer = _token(body.get("answer_id", body.get("answer")), top, top[0])
+        foil = _token(body.get("foil_id", body.get("foil")), top, top[1])
         out = {"model": "default", "component": component, "method": method, "position": T - 1,
                "clean_metric": CLEAN_METRIC, "corrupted_metric": CORRUPTED_METRIC, "values": values,
                "clean_tokens": clean, "corrupted_tokens": corrupted, "differing": differing,
@@ -124,8 +124,8 @@ class CausalRoutes:
         embedding, other = 0.3, -0.05
         total = embedding + other + sum(map(sum, heads)) + sum(mlps)
         return {"model": "default", "tokens": toks, "position": len(toks) - 1,
-                "answer": _token(body.get("answer", top[0]["id"]), top, top[0]),
-                "foil": _token(body.get("foil", top[1]["id"]), top, top[1]),
+                "answer": _token(body.get("answer_id", body.get("answer", top[0]["id"])), top, top[0]),
+                "foil": _token(body.get("foil_id", body.get("foil", top[1]["id"])), top, top[1]),
                 "logit_difference": round(total, 6), "heads": heads, "mlps": mlps, "embedding": embedding, "other": other}
 
     def handle(self, route, request) -> None:

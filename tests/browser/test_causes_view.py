@@ -74,11 +74,11 @@ def test_types_both_prompts_picks_answer_and_foil_and_draws_the_heads(page, serv
     page.fill("#cz-clean", CLEAN)
     page.fill("#cz-corrupted", CORRUPTED)
     answer = pick(page, "answer", 2)
-    assert routes.patch_bodies[-1]["corrupted"] == CORRUPTED and routes.patch_bodies[-1]["foil"] == top[1]["id"]
+    assert routes.patch_bodies[-1]["corrupted"] == CORRUPTED and routes.patch_bodies[-1]["foil_id"] == top[1]["id"]
     foil = pick(page, "foil", 3)
     body = routes.patch_bodies[-1]
-    assert body == {"clean": CLEAN, "corrupted": CORRUPTED, "answer": top[2]["id"], "foil": top[3]["id"], "component": "heads", "method": "exact"}
-    assert routes.attribution_bodies[-1] == {"text": CLEAN, "answer": top[2]["id"], "foil": top[3]["id"]}
+    assert body == {"clean": CLEAN, "corrupted": CORRUPTED, "answer_id": top[2]["id"], "foil_id": top[3]["id"], "component": "heads", "method": "exact"}
+    assert routes.attribution_bodies[-1] == {"text": CLEAN, "answer_id": top[2]["id"], "foil_id": top[3]["id"]}
     assert state(page, "[s.answer, s.foil]") == [answer, foil]
     # the differing token is marked on both sides
     assert page.eval_on_selector_all(".cz-tokens[data-side=clean] mark.diff", "ms => ms.map(m => +m.dataset.pos)") == [8]

@@ -71,8 +71,13 @@ export const fetchNextTokens = (text, topK = 10) => cachedPost("/logits", { text
  * (with `sender` {layer, head}), `method` "exact" | "attribution". answer / foil: a token id, or
  * a token's text.
  */
+/** A token as the causal routes take it: an id (a number) as `<name>_id`, a typed text as `<name>`. */
+function tokenField(name, token) {
+  return typeof token === "number" ? { [`${name}_id`]: token } : { [name]: token };
+}
+
 export function fetchPatch({ clean, corrupted, answer, foil, component = "heads", method = "exact", sender = null, position = null }) {
-  const body = { clean, corrupted, answer, foil, component, method };
+  const body = { clean, corrupted, ...tokenField("answer", answer), ...tokenField("foil", foil), component, method };
   if (sender) body.sender = { layer: sender[0], head: sender[1] };
   if (position != null) body.position = position;
   return cachedPost("/patch", body);
@@ -80,9 +85,7 @@ export function fetchPatch({ clean, corrupted, answer, foil, component = "heads"
 
 /** Each head's, MLP's, the embedding's and the rest's direct effect on logit(answer) − logit(foil) at the last position of `text`. */
 export function fetchLogitAttribution({ text, answer = null, foil = null }) {
-  const body = { text };
-  if (answer != null) body.answer = answer;
-  if (foil != null) body.foil = foil;
+  const body = { text, ...(answer != null ? tokenField("answer", answer) : {}), ...(foil != null ? tokenField("foil", foil) : {}) };
   return cachedPost("/logit-attribution", body);
 }
 
