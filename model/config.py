@@ -12,6 +12,7 @@ config.json files still load.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,22 @@ class ModelConfig:
     # of the queries and of the keys, after their projection and before rotary positions (every
     # attention module: model/parts/attention.py)
     qk_norm: bool = False
+    # --- Gemma 2 / 3 ---------------------------------------------------------------------------
+    # the scores' factor: None = 1/sqrt(d_head); Gemma: query_pre_attn_scalar ** -0.5
+    attn_scale: float | None = None
+    # soft-capping (Gemma 2): scores = cap * tanh(scores / cap) before the mask, and the same on the
+    # final logits; None = no cap. The capped scores have no fused kernel: attention takes the explicit path
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    # which layers the sliding window applies to: None = every one (Mistral), else one entry a layer,
+    # "sliding" (windowed by sliding_window) or "full" (Gemma 2: alternating; Gemma 3: 5 sliding, 1 full)
+    layer_types: list[str] | None = None
+    # the rotary base of the "sliding" layers (Gemma 3's rope_local_base_freq; they take no rope_scaling);
+    # None = rope_theta for every layer
+    rope_local_theta: float | None = None
+    # a norm on each sub-layer's output before it joins the residual (Gemma 2 / 3: beside the pre-norms):
+    # x = x + ln1_post(attn(ln1(x))); x = x + ln2_post(ffn(ln2(x)))
+    post_norms: bool = False
     # the transformers class this model was imported from (e.g. "LlamaForCausalLM"): what it is
     # called, and the architecture `export-hf` writes back by default; None for attnlens' own
     architecture: str | None = None
@@ -103,6 +120,23 @@ class ModelConfig:
     def rotary_dims(self) -> int:
         """Dims of each query/key head that rotary positions rotate (0 without them)."""
         return int(self.d_head * self.rotary_pct) if self.positional == "rotary" else 0
+
+    @property
+    def scores_scale(self) -> float:
+        """What q . k is multiplied by before the softmax."""
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.d_head)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it sees every earlier position)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding":
+            return None
+        return self.sliding_window
+
+    def rope_theta_of(self, layer: int) -> float:
+        """The rotary base of layer `layer` (rope_local_theta on the "sliding" layers when given)."""
+        if self.rope_local_theta is not None and self.window_of(layer) is not None:
+            return self.rope_local_theta
+        return self.rope_theta
 
     def bias_of(self, layer: str) -> bool:
         """Whether the linear layer "qkv", "attn_out" or "ffn" has a bias."""
@@ -154,12 +188,27 @@ class ModelConfig:
             raise ConfigError(f"decoder_start_id must be a token id below vocab_size, got {self.decoder_start_id!r}")
         if not self.layer_norm_eps > 0:
             raise ConfigError(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
-        for name in ("parallel_residual", "bias", "tie_embeddings", "scale_embeddings", "qk_norm"):
+        for name in ("attn_scale", "attn_softcap", "final_softcap", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
+                raise ConfigError(f"{name} must be a positive number or null, got {value!r}")
+        if self.layer_types is not None:
+            if not isinstance(self.layer_types, list) or len(self.layer_types) != self.n_layers \
+                    or any(t not in ("full", "sliding") for t in self.layer_types):
+                raise ConfigError(f"layer_types must be null or one of 'full' / 'sliding' per layer "
+                                  f"({self.n_layers}), got {self.layer_types!r}")
+            if self.sliding_window is None and "sliding" in self.layer_types:
+                raise ConfigError("layer_types has sliding layers: it needs a sliding_window")
+        if self.rope_local_theta is not None and self.positional != "rotary":
+            raise ConfigError("rope_local_theta is a rotary base: it needs positional='rotary'")
+        for name in ("parallel_residual", "bias", "tie_embeddings", "scale_embeddings", "qk_norm", "post_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("qkv_bias", "attn_out_bias", "ffn_bias"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true, false or null (= bias), got {getattr(self, name)!r}")
+        if self.post_norms and (self.norm != "pre" or self.parallel_residual):
+            raise ConfigError("post_norms (Gemma) needs norm='pre' and no parallel_residual")
         if self.parallel_residual and self.norm != "pre":
             raise ConfigError("parallel_residual (GPT-NeoX) needs norm='pre': both sub-layers read the block's input")
         self._validate_rotary()
@@ -281,9 +330,22 @@ class ModelConfig:
             reasons.append("BERT's activations are GELU or ReLU, not SiLU")
         return reasons + self._classic_parts_reasons("BERT")
 
+    def special_parts(self) -> dict[str, str]:
+        """The parts past Llama's this config uses (Gemma's and later), by field: {field: what it
+        is}. An export to an architecture without one of them is refused, naming it."""
+        parts = {
+            "attn_scale": (self.attn_scale is not None, f"scores scaled by {self.attn_scale} (attn_scale)"),
+            "attn_softcap": (self.attn_softcap is not None, "soft-capped attention scores (attn_softcap)"),
+            "final_softcap": (self.final_softcap is not None, "soft-capped logits (final_softcap)"),
+            "layer_types": (self.layer_types is not None, "sliding-window and full layers (layer_types)"),
+            "rope_local_theta": (self.rope_local_theta is not None, "a rotary base per layer type (rope_local_theta)"),
+            "post_norms": (self.post_norms, "norms after each sub-layer (post_norms)"),
+        }
+        return {name: what for name, (on, what) in parts.items() if on}
+
     def _classic_parts_reasons(self, name: str) -> list[str]:
         """What GPT-2 and BERT share: none of the newer decoders' parts."""
-        reasons = []
+        reasons = [f"{name} has no {what}" for what in self.special_parts().values()]
         if self.kv_heads != self.n_heads:
             reasons.append(f"{name} has as many key/value heads as query heads (n_kv_heads={self.n_kv_heads})")
         if self.head_dim is not None and self.head_dim * self.n_heads != self.d_model:

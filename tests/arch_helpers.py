@@ -159,6 +159,25 @@ CASES = {
 }
 ARCH_NAMES = list(CASES)
 
+GEMMA_CHAT = ("{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + (message['role'] | replace('assistant', "
+              "'model')) + '\n' + message['content'] + '<end_of_turn>\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+GEMMA_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+                "chat_template": GEMMA_CHAT}
+
+# The architectures of issue 47 (tests/test_hf_archs_more.py), each with its special paths made to
+# bite: windows of 8 shorter than the prompts, soft-caps small enough to cap, ...
+MORE_CASES = {
+    # Gemma 2: sliding (8) and full layers alternating, both soft-caps small (the weights perturbed
+    # make scores and logits far above them), query_pre_attn_scalar 24 (not head_dim 16), GQA,
+    # head_dim 16 with hidden 48 / 4 heads, pre- and post-norms, GeGLU, a tied head
+    "gemma2": Case("gemma2", "Gemma2Config", "Gemma2ForCausalLM",
+                   dict(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=5.0,
+                        final_logit_softcapping=3.0, num_hidden_layers=3, tie_word_embeddings=True),
+                   "sentencepiece", [], GEMMA_TOKENS),
+}
+
 
 def perturb_(model: torch.nn.Module, seed: int) -> None:
     """Weights away from transformers' small init: norms around 1, biases and matrices large

@@ -232,11 +232,12 @@ def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tup
             "positions": at, "layers": layers}
 
 
-def head_mask(model, group, query: int, n_keys: int) -> list[bool]:
-    """Which keys query `query` may attend to in one unpadded sequence: causality and a sliding window."""
+def head_mask(model, group, query: int, n_keys: int, layer: int = 0) -> list[bool]:
+    """Which keys query `query` may attend to in one unpadded sequence: causality and the layer's
+    sliding window."""
     if not group.causal:
         return [True] * n_keys
-    window = model.config.sliding_window  # a decoder's (Mistral); None elsewhere
+    window = model.config.window_of(layer)  # a decoder's (Mistral, Gemma's sliding layers); None elsewhere
     return [k <= query and (window is None or k > query - window) for k in range(n_keys)]
 
 
@@ -281,7 +282,10 @@ def explain_head(model, ids: list[int], target_ids: list[int] | None, group_name
     scale = model.get_submodule(module).scale  # what the forward multiplied q.k by (its path is its hook name)
     scores = keys @ q  # (S,)
     scaled = scores * scale
-    mask = head_mask(model, group, query, keys.shape[0])
+    cap = model.get_submodule(module).softcap
+    if cap is not None:  # Gemma 2: the scores soft-capped before the mask, as the forward caps them
+        scaled = torch.tanh(scaled / cap) * cap
+    mask = head_mask(model, group, query, keys.shape[0], layer)
     allowed = torch.tensor(mask)
     softmax = torch.softmax(scaled.masked_fill(~allowed, float("-inf")), dim=-1)
     z = softmax @ values  # (D,)

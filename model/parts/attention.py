@@ -17,7 +17,6 @@ multi-query attention), G = H / K query heads per key/value head, D = d_head.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -62,7 +61,8 @@ def sliding_window_mask(query_positions: torch.Tensor, n_keys: int, window: int)
 
 
 class MultiHeadAttention(nn.Module):
-    """softmax(Q K^T * scale + mask) V per query head (scale = 1/sqrt(D), the `scale` attribute),
+    """softmax(Q K^T * scale + mask) V per query head (scale = 1/sqrt(D) or config.attn_scale, the
+    `scale` attribute; with config.attn_softcap the scores are capped first: cap * tanh(s / cap)),
     then an output projection.
 
     The input projection is one fused ((H + 2K) D, C) matrix `qkv` (rows: q, then k, then v),
@@ -99,7 +99,10 @@ class MultiHeadAttention(nn.Module):
         self.n_kv_heads = config.kv_heads
         self.groups = self.n_heads // self.n_kv_heads
         self.d_head = config.d_head
-        self.scale = 1.0 / math.sqrt(config.d_head)  # the scores' factor: every path here and the explain view read it
+        self.scale = config.scores_scale  # the scores' factor (1/sqrt(D) or attn_scale): every path and view reads it
+        # Gemma 2's soft-cap: scores = cap * tanh(scores / cap) before the mask. No backend's fused
+        # kernel applies it: with a cap every call takes the explicit path
+        self.softcap = config.attn_softcap
         self.dropout = config.dropout
         H, K, D = self.n_heads, self.n_kv_heads, self.d_head
         self.qkv = Linear(config.d_model, (H + 2 * K) * D, bias=config.bias_of("qkv"))
@@ -186,7 +189,8 @@ class MultiHeadAttention(nn.Module):
         if kv_update is not None:
             # a decode step over a cache in blocks attends where the keys lie (model/paged_kv_cache.py),
             # unless hooks read the keys (the cache says when else it cannot: InPlaceDecode)
-            if isinstance(kv_update, InPlaceDecode) and T == 1 and hooks is None and not self.training:
+            if isinstance(kv_update, InPlaceDecode) and T == 1 and hooks is None and not self.training \
+                    and self.softcap is None:
                 in_place = kv_update.decode_in_place(q, k, v, self.scale, return_attention)
             if in_place is None:
                 k, v = kv_update(k, v)  # (B, K, S, D): the cached keys/values followed by the new ones
@@ -199,7 +203,7 @@ class MultiHeadAttention(nn.Module):
 
         if in_place is not None:
             y, probs = in_place
-        elif return_attention:
+        elif return_attention or self.softcap is not None:
             y, probs = self.explicit_attention(q, k, v, mask, causal, dropout_p, hooked=hooks is not None)
         else:
             probs = None
@@ -237,6 +241,8 @@ class MultiHeadAttention(nn.Module):
         else:  # a group's G x T queries in one product with its keys: (B, K, G*T, S) -> (B, H, T, S)
             scores = (q.reshape(B, K, G * T, D) @ k.transpose(-2, -1)).mul_(self.scale)
             scores = scores.view(B, H, T, S)
+        if self.softcap is not None:  # Gemma 2: cap * tanh(scores / cap), before the mask
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         full = full_mask(mask, causal, T, S, q.device)
         if full is not None:
             scores = scores.masked_fill(~full, float("-inf"))  # exp(-inf) = 0: masked keys get exactly 0

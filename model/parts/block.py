@@ -5,6 +5,7 @@ Shapes: B = batch, T = query positions, S = key positions, C = d_model, H = quer
     pre-LN (GPT-2, Llama):    x = x + attn(ln1(x));  x = x + ffn(ln2(x))
     post-LN (Vaswani, BERT):  x = ln1(x + attn(x));  x = ln2(x + ffn(x))
     parallel (GPT-NeoX):      x = x + attn(ln1(x)) + ffn(ln2(x))    one sum, both read x
+    pre + post (Gemma 2/3):   x = x + ln1_post(attn(ln1(x)));  x = x + ln2_post(ffn(ln2(x)))
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class Block(nn.Module):
             self.hook_cross_out = HookPoint()
         self.ln2 = make_norm(config)
         self.ffn = FeedForward(config)
+        # Gemma's norms of each sub-layer's output, before it joins the residual (config.post_norms)
+        self.ln1_post = make_norm(config) if config.post_norms else None
+        self.ln2_post = make_norm(config) if config.post_norms else None
         self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
 
@@ -90,6 +94,8 @@ class Block(nn.Module):
             x = self.hook_resid_pre(x)  # (B, T, C)
         out, self_probs = self.attn(self._input(x, self.ln1), mask=mask, causal=self.causal, kv_update=kv_update,
                                     return_attention=return_attention, rope=rope)
+        if self.ln1_post is not None:
+            out = self.ln1_post(out)
         if hooks is not None:
             out = self.hook_attn_out(out)
         cross_probs = None
@@ -111,6 +117,8 @@ class Block(nn.Module):
                     out = self.hook_cross_out(out)
                 x = self._residual(x, out, self.ln_cross)
             mlp = self.ffn(self._input(x, self.ln2))
+            if self.ln2_post is not None:
+                mlp = self.ln2_post(mlp)
             if hooks is not None:
                 mlp = self.hook_mlp_out(mlp)
             x = self._residual(x, mlp, self.ln2)

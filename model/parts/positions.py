@@ -91,10 +91,13 @@ class RotaryEmbedding(nn.Module):
     bf16 model rotates by the same angles; cos and sin are cast to the queries' dtype.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, *, theta: float | None = None, scaling: bool = True):
+        """The config's angles, or with `theta` another base (Gemma 3's local layers), with or
+        without the config's rope_scaling."""
         super().__init__()
         self.rotary_dims = config.rotary_dims
-        self._spec = (config.rotary_dims, float(config.rope_theta), config.rope_scaling)
+        self._spec = (config.rotary_dims, float(theta if theta is not None else config.rope_theta),
+                      config.rope_scaling if scaling else None)
         self.register_buffer("inv_freq", rotary_inv_freq(*self._spec), persistent=False)  # (R/2,)
 
     def _apply(self, fn, recurse=True):

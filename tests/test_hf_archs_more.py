@@ -1,0 +1,131 @@
+"""The architectures of issue 47 from disk, each proven against transformers: a small random
+model of each class (tests/arch_helpers.py's MORE_CASES, special paths made to bite) saved with
+a tokenizer, imported with import-hf, then: logits and every attention map against transformers
+(eager attention), greedy generation, incremental decoding (dense and paged caches) against our
+own full recompute, the fused C decode step refused, export back to transformers, the chat
+template carried."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from attnlens.model.checkpoint import load_checkpoint
+from attnlens.model.decoding import SamplingParams, generate_tokens
+from attnlens.model.fused_decode import FusedDecode
+from attnlens.model.interop.convert import export_checkpoint, import_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+from arch_helpers import MORE_CASES, load_hf, write_hf_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=list(MORE_CASES))
+def arch(request, tmp_path_factory):
+    case = MORE_CASES[request.param]
+    root = tmp_path_factory.mktemp(case.name)
+    src, _ = write_hf_checkpoint(case, root / "hf")
+    out, architecture = import_checkpoint(src, root / "ours")
+    return SimpleNamespace(case=case, src=src, ours=out, ckpt=load_checkpoint(out), hf=load_hf(src, case),
+                           architecture=architecture)
+
+
+def ids_for(ckpt, n_rows: int, n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, ckpt.config.vocab_size, (n_rows, n), generator=torch.Generator().manual_seed(seed))
+
+
+def check_maps(ours, ref, n_heads: int, T: int) -> None:
+    assert len(ours) == len(ref)
+    for a, b in zip(ours, ref):
+        assert a.shape == b.shape == (b.shape[0], n_heads, T, T)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_logits_and_every_attention_map_match_transformers(arch):
+    model, hf, cfg = arch.ckpt.model, arch.hf, arch.ckpt.config
+    assert arch.architecture.hf_class == cfg.architecture == arch.case.model_class
+    ids = ids_for(arch.ckpt, 2, 40)
+    with torch.no_grad():
+        ref = hf(ids, output_attentions=True)
+        ours = model(ids, return_attention=True)
+        fast = model(ids).logits
+    torch.testing.assert_close(ours.logits, ref.logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(fast, ref.logits, atol=1e-4, rtol=0)
+    check_maps(ours.attentions, ref.attentions, cfg.n_heads, 40)
+    for i, a in enumerate(ours.attentions):  # each windowed layer: keys more than window - 1 back get 0
+        window = cfg.window_of(i)
+        if window is not None:
+            assert (a[:, :, 30, :31 - window] == 0).all() and (a[:, :, 30, 31 - window:31] > 0).all()
+        else:
+            assert (a[:, :, 30, :31] > 0).all()
+    if cfg.final_softcap is not None:  # the cap bites: logits pressed against it
+        assert ours.logits.abs().max() < cfg.final_softcap and ours.logits.abs().max() > 0.9 * cfg.final_softcap
+
+
+def test_greedy_tokens_equal_transformers_generate(arch):
+    tok, model = arch.ckpt.tokenizer, arch.ckpt.model
+    prompt = tok.encode_prompt("To be, or not to be, that is the question")
+    ours = [t.id for t in generate_tokens(model, prompt, 16, SamplingParams(temperature=0))]
+    with torch.no_grad():
+        out = arch.hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, pad_token_id=tok.eos_id,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    theirs = out[0, len(prompt):].tolist()
+    assert ours[:len(theirs)] == theirs
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_incremental_decoding_equals_a_full_recompute(arch, paged):
+    """A 7-token prefill, a 5-token chunk, then one token at a time to 24 (windows of 8 slide past
+    the start): every step's logits and attention rows against our own full recompute; the fused
+    C step refuses the model (it computes none of its special parts)."""
+    model = arch.ckpt.model
+    assert FusedDecode.build(model) is None
+    ids = ids_for(arch.ckpt, 1, 24, seed=1)[0].tolist()
+    cache = model.new_kv_cache(1, paged=paged, pool_bytes=1 << 22) if paged else model.new_kv_cache(1)
+    with torch.no_grad():
+        model(torch.tensor([ids[:7]]), kv_cache=cache)
+        chunk = model(torch.tensor([ids[7:12]]), kv_cache=cache, return_attention=True)
+        full = model(torch.tensor([ids[:12]]), return_attention=True)
+        torch.testing.assert_close(chunk.logits, full.logits[:, 7:12], atol=1e-4, rtol=0)
+        for a, b in zip(chunk.attentions, full.attentions):
+            torch.testing.assert_close(a, b[:, :, 7:12, :12], atol=1e-5, rtol=0)
+        for t in range(12, 24):
+            step = model(torch.tensor([[ids[t]]]), kv_cache=cache, return_attention=t % 2 == 0)
+            whole = model(torch.tensor([ids[:t + 1]]), return_attention=True)
+            torch.testing.assert_close(step.logits[0, -1], whole.logits[0, -1], atol=1e-4, rtol=0)
+            if step.attentions is not None:
+                for a, b in zip(step.attentions, whole.attentions):
+                    torch.testing.assert_close(a[0, :, -1, :t + 1], b[0, :, -1], atol=1e-5, rtol=0)
+
+
+def test_export_loads_in_transformers_and_imports_back_exactly(arch, tmp_path):
+    out, architecture = export_checkpoint(arch.ours, tmp_path / "hf")
+    assert architecture is arch.architecture
+    hf = load_hf(out, arch.case)
+    ids = ids_for(arch.ckpt, 2, 30, seed=3)
+    with torch.no_grad():
+        ref, ours = hf(ids, output_attentions=True), arch.ckpt.model(ids, return_attention=True)
+    torch.testing.assert_close(ours.logits, ref.logits, atol=1e-4, rtol=0)
+    check_maps(ours.attentions, ref.attentions, arch.ckpt.config.n_heads, 30)
+    back, _ = import_checkpoint(out, tmp_path / "back")
+    a, b = load_checkpoint(arch.ours), load_checkpoint(back)
+    assert b.config == a.config
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_chat_template_renders_as_transformers(arch):
+    from attnlens.app.serving.chat_template import render_chat
+
+    tok = arch.ckpt.tokenizer
+    template = arch.case.tokenizer_config.get("chat_template")
+    if template is None:
+        pytest.skip("this tokenizer has no chat template")
+    assert tok.chat_template == template
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"},
+                {"role": "user", "content": "To be?"}]
+    auto = transformers.AutoTokenizer.from_pretrained(arch.src)
+    want = auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert render_chat(template, messages, tok.template_tokens) == want
