@@ -176,6 +176,17 @@ MORE_CASES = {
                         head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=5.0,
                         final_logit_softcapping=3.0, num_hidden_layers=3, tie_word_embeddings=True),
                    "sentencepiece", [], GEMMA_TOKENS),
+    # Gemma 3 text: a per-head q/k norm, three sliding layers (window 8) to one full, the sliding
+    # layers' own rotary base (10000) beside the full layers' linearly scaled one (1e6, factor 4),
+    # no soft-caps, an untied head
+    "gemma3": Case("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM",
+                   dict(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=4,
+                        layer_types=["sliding_attention"] * 3 + ["full_attention"], tie_word_embeddings=False,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                            "rope_theta": 1000000.0}}),
+                   "sentencepiece", [], GEMMA_TOKENS),
 }
 
 
