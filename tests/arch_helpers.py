@@ -187,6 +187,14 @@ MORE_CASES = {
                                          "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                             "rope_theta": 1000000.0}}),
                    "sentencepiece", [], GEMMA_TOKENS),
+    # Phi-3: fused qkv_proj and gate_up_proj, half of each head rotary (partial_rotary_factor 0.5, as
+    # Phi-4 mini's 0.75), a sliding window of 8 on every layer, GQA, an untied head
+    "phi3": Case("phi3", "Phi3Config", "Phi3ForCausalLM",
+                 dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                      sliding_window=8, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+                 "sentencepiece", [], {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                                       "add_bos_token": True, "chat_template": LLAMA2_CHAT}),
 }
 
 

@@ -14,7 +14,7 @@ import torch
 
 from attnlens.model.checkpoint import load_checkpoint
 from attnlens.model.decoding import SamplingParams, generate_tokens
-from attnlens.model.fused_decode import FusedDecode
+from attnlens.model.fused_decode import FUSED_PARTS, FusedDecode
 from attnlens.model.interop.convert import export_checkpoint, import_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -78,10 +78,11 @@ def test_greedy_tokens_equal_transformers_generate(arch):
 @pytest.mark.parametrize("paged", [False, True])
 def test_incremental_decoding_equals_a_full_recompute(arch, paged):
     """A 7-token prefill, a 5-token chunk, then one token at a time to 24 (windows of 8 slide past
-    the start): every step's logits and attention rows against our own full recompute; the fused
-    C step refuses the model (it computes none of its special parts)."""
+    the start): every step's logits and attention rows against our own full recompute. The fused
+    C step refuses a model with any part it does not compute (Gemma's), and takes the others'
+    paged steps (Phi-3's until the window narrows the rows' mask)."""
     model = arch.ckpt.model
-    assert FusedDecode.build(model) is None
+    assert (FusedDecode.build(model) is None) == bool(set(arch.ckpt.config.special_parts()) - FUSED_PARTS)
     ids = ids_for(arch.ckpt, 1, 24, seed=1)[0].tolist()
     cache = model.new_kv_cache(1, paged=paged, pool_bytes=1 << 22) if paged else model.new_kv_cache(1)
     with torch.no_grad():
@@ -129,3 +130,38 @@ def test_chat_template_renders_as_transformers(arch):
     auto = transformers.AutoTokenizer.from_pretrained(arch.src)
     want = auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert render_chat(template, messages, tok.template_tokens) == want
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                                  "long_factor": [2.0] * 4, "original_max_position_embeddings": 16}},
+     r"cannot import this Phi-3: rope scaling rope_type 'longrope' is not supported"),
+    ("gemma3", {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+     r"cannot import this Gemma 3: a scaled rotary base on the sliding layers \(rope_type 'linear'\)"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
+    ("gemma2", {"layer_types": ["chunked_attention"] * 3}, "layer_types other than sliding_attention"),
+])
+def test_import_refuses_what_it_cannot_run_naming_it(tmp_path, name, changes, message):
+    import json
+
+    from attnlens.model.checkpoint import CheckpointError
+
+    src, _ = write_hf_checkpoint(MORE_CASES[name], tmp_path / "hf")
+    data = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**data, **changes}))
+    with pytest.raises(CheckpointError, match=message):
+        import_checkpoint(src, tmp_path / "out")
+
+
+def test_export_refuses_what_the_architecture_cannot_express(arch):
+    """A Gemma's parts named when it is written as a Llama; a Llama-shaped model refused as Gemma 2."""
+    from attnlens.model.interop.convert import find_for_export
+
+    cfg = arch.ckpt.config
+    if cfg.special_parts():
+        with pytest.raises(ValueError, match="cannot export as Llama: .*Llama has no "):
+            find_for_export(cfg, "llama")
+    else:
+        with pytest.raises(ValueError, match=r"cannot export as Gemma 2: .*post_norms=True"):
+            find_for_export(cfg, "gemma2")

@@ -44,11 +44,13 @@ from attnlens.model.interop.architectures.base import (
 
 
 def rotary_decoder_config(cfg: HFConfig, cap: int | None, *, architecture: str, qkv_bias: bool, attn_out_bias: bool,
-                          ffn_bias: bool, sliding_window: int | None = None, qk_norm: bool = False) -> ModelConfig:
-    """The ModelConfig of a Llama-shaped config.json (Llama, Qwen2, Mistral, Qwen3): their
-    differences are the biases, the sliding window and the q/k norm, passed in."""
+                          ffn_bias: bool, sliding_window: int | None = None, qk_norm: bool = False,
+                          partial_rotary: bool = False) -> ModelConfig:
+    """The ModelConfig of a Llama-shaped config.json (Llama, Qwen2, Mistral, Qwen3, Phi-3): their
+    differences are the biases, the sliding window, the q/k norm and whether a partial_rotary_factor
+    is theirs (Phi-3), passed in."""
     rope = rope_from_hf(cfg)
-    if rope["rotary_pct"] != 1.0:
+    if rope["rotary_pct"] != 1.0 and not partial_rotary:
         cfg.refuse(f"partial_rotary_factor {rope['rotary_pct']} is not supported by {cfg.title} (it rotates whole heads)")
         rope["rotary_pct"] = 1.0
     d_model, n_heads = cfg.need("hidden_size"), cfg.need("num_attention_heads")
