@@ -100,6 +100,12 @@ class ModelConfig:
     # a norm on each sub-layer's output before it joins the residual (Gemma 2 / 3: beside the pre-norms):
     # x = x + ln1_post(attn(ln1(x))); x = x + ln2_post(ffn(ln2(x)))
     post_norms: bool = False
+    # the norms before each sub-layer (ln1, ln2); False (OLMo 2, with post_norms): none,
+    # x = x + ln1_post(attn(x)); x = x + ln2_post(ffn(x))
+    pre_norms: bool = True
+    # what config.qk_norm normalises over: "head" (each head's D dims: Qwen3, Gemma 3) or "all" (the
+    # whole projection, H * D queries and K * D keys, before the split into heads: OLMo 2)
+    qk_norm_over: str = "head"
     # the transformers class this model was imported from (e.g. "LlamaForCausalLM"): what it is
     # called, and the architecture `export-hf` writes back by default; None for attnlens' own
     architecture: str | None = None
@@ -201,7 +207,8 @@ class ModelConfig:
                 raise ConfigError("layer_types has sliding layers: it needs a sliding_window")
         if self.rope_local_theta is not None and self.positional != "rotary":
             raise ConfigError("rope_local_theta is a rotary base: it needs positional='rotary'")
-        for name in ("parallel_residual", "bias", "tie_embeddings", "scale_embeddings", "qk_norm", "post_norms"):
+        for name in ("parallel_residual", "bias", "tie_embeddings", "scale_embeddings", "qk_norm", "post_norms",
+                     "pre_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("qkv_bias", "attn_out_bias", "ffn_bias"):
@@ -209,6 +216,10 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be true, false or null (= bias), got {getattr(self, name)!r}")
         if self.post_norms and (self.norm != "pre" or self.parallel_residual):
             raise ConfigError("post_norms (Gemma) needs norm='pre' and no parallel_residual")
+        if not self.pre_norms and not self.post_norms:
+            raise ConfigError("pre_norms=False (OLMo 2) needs post_norms: a block normalises somewhere")
+        if self.qk_norm_over not in ("head", "all"):
+            raise ConfigError(f"qk_norm_over must be 'head' or 'all', got {self.qk_norm_over!r}")
         if self.parallel_residual and self.norm != "pre":
             raise ConfigError("parallel_residual (GPT-NeoX) needs norm='pre': both sub-layers read the block's input")
         self._validate_rotary()
@@ -340,6 +351,8 @@ class ModelConfig:
             "layer_types": (self.layer_types is not None, "sliding-window and full layers (layer_types)"),
             "rope_local_theta": (self.rope_local_theta is not None, "a rotary base per layer type (rope_local_theta)"),
             "post_norms": (self.post_norms, "norms after each sub-layer (post_norms)"),
+            "pre_norms": (not self.pre_norms, "sub-layers without a norm before them (pre_norms=False)"),
+            "qk_norm_over": (self.qk_norm_over != "head", "a q/k norm over all heads at once (qk_norm_over='all')"),
         }
         return {name: what for name, (on, what) in parts.items() if on}
 

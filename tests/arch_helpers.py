@@ -195,6 +195,12 @@ MORE_CASES = {
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
                  "sentencepiece", [], {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
                                        "add_bos_token": True, "chat_template": LLAMA2_CHAT}),
+    # OLMo 2: norms after each sub-layer only, one RMSNorm over all heads' queries (and keys), GQA,
+    # an untied head, no chat template
+    "olmo2": Case("olmo2", "Olmo2Config", "Olmo2ForCausalLM",
+                  dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+                  "byte_level", ["<|endoftext|>", "<|pad|>"], {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>"}),
 }
 
 

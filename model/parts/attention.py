@@ -76,7 +76,8 @@ class MultiHeadAttention(nn.Module):
     repeated: the cache holds K heads, and the G queries of a group meet its keys in one product.
 
     Q/K norm (config.qk_norm, Qwen3): `q_norm` and `k_norm`, RMSNorms over the D dims of each
-    head (weights of size D, eps config.layer_norm_eps), normalise every query and key right
+    head (weights of size D, eps config.layer_norm_eps; OLMo 2, config.qk_norm_over="all": over
+    all H * D queries / K * D keys of a position), normalise every query and key right
     after the projection (`project`, `project_memory`): before rotary positions, the cache,
     the hook points (hook_q / hook_k and what follows see the normalised ones) and every path
     below. Without it both are None.
@@ -109,8 +110,10 @@ class MultiHeadAttention(nn.Module):
         self.proj = Linear(H * D, config.d_model, bias=config.bias_of("attn_out"))
         self.resid_dropout = nn.Dropout(config.dropout)
         # Qwen3's q/k norm: one RMSNorm over each head's D dims for the queries, one for the keys
-        self.q_norm = RMSNorm(D, eps=config.layer_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(D, eps=config.layer_norm_eps) if config.qk_norm else None
+        # (OLMo 2: over all heads at once, H * D and K * D wide, before the split: qk_norm_over="all")
+        self.qk_norm_all = config.qk_norm_over == "all"
+        self.q_norm = RMSNorm(H * D if self.qk_norm_all else D, eps=config.layer_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(K * D if self.qk_norm_all else D, eps=config.layer_norm_eps) if config.qk_norm else None
         # the hook points in the order the forward passes them; with rotary positions hook_q / hook_k
         # are before rotation, hook_rot_q / hook_rot_k after
         self.hook_q, self.hook_k = HookPoint(), HookPoint()  # [B, T, H, D], [B, S, K, D]
@@ -138,7 +141,7 @@ class MultiHeadAttention(nn.Module):
                 return qk[:, :H], qk[:, H:], heads[:, H + K:]
             q, k, v = heads[:, :H], heads[:, H:H + K], heads[:, H + K:]
             if self.q_norm is not None and self.k_norm is not None:  # both or neither (config.qk_norm)
-                q, k = self.q_norm(q), self.k_norm(k)
+                q, k = self.norm_q(q), self.norm_k(k)
             if rope is not None:
                 if hooks is not None:  # (B, H, T, D) <-> [B, T, H, D], views both ways
                     q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)
@@ -149,7 +152,7 @@ class MultiHeadAttention(nn.Module):
         q = F.linear(x, w[:H * D], None if b is None else b[:H * D])  # (B, T, HD)
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, T, HD) -> (B, H, T, D)
         if self.q_norm is not None:
-            q = self.q_norm(q)
+            q = self.norm_q(q)
         if memory_kv is None:
             assert memory is not None  # the first branch took every call with neither
             memory_kv = self.project_memory(memory)
@@ -165,8 +168,25 @@ class MultiHeadAttention(nn.Module):
         kv = F.linear(memory, w[HD:], None if b is None else b[HD:])  # (B, S, 2KD)
         k, v = kv.view(B, S, 2, K, D).permute(2, 0, 3, 1, 4).unbind(0)  # 2 x (B, K, S, D)
         if self.k_norm is not None:
-            k = self.k_norm(k)
+            k = self.norm_k(k)
         return k, v
+
+    def norm_q(self, q: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, D) queries through q_norm: per head, or over all H * D at once (qk_norm_all)."""
+        assert self.q_norm is not None
+        return self._norm_heads(q, self.q_norm) if self.qk_norm_all else self.q_norm(q)
+
+    def norm_k(self, k: torch.Tensor) -> torch.Tensor:
+        """(B, K, S, D) keys through k_norm, as norm_q."""
+        assert self.k_norm is not None
+        return self._norm_heads(k, self.k_norm) if self.qk_norm_all else self.k_norm(k)
+
+    @staticmethod
+    def _norm_heads(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """(B, N, T, D) -> the same, normalised over the N * D values of each position."""
+        B, N, T, D = x.shape
+        flat = x.transpose(1, 2).reshape(B, T, N * D)  # (B, T, N D)
+        return norm(flat).view(B, T, N, D).transpose(1, 2)
 
     def forward(
         self,

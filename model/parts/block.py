@@ -6,6 +6,7 @@ Shapes: B = batch, T = query positions, S = key positions, C = d_model, H = quer
     post-LN (Vaswani, BERT):  x = ln1(x + attn(x));  x = ln2(x + ffn(x))
     parallel (GPT-NeoX):      x = x + attn(ln1(x)) + ffn(ln2(x))    one sum, both read x
     pre + post (Gemma 2/3):   x = x + ln1_post(attn(ln1(x)));  x = x + ln2_post(ffn(ln2(x)))
+    post only (OLMo 2):       x = x + ln1_post(attn(x));       x = x + ln2_post(ffn(x))
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Block(nn.Module):
         self.parallel = config.parallel_residual
         # the hook points in the order the forward passes them (no parameters: no checkpoint keys)
         self.hook_resid_pre = HookPoint()
-        self.ln1 = make_norm(config)
+        self.ln1 = make_norm(config) if config.pre_norms else nn.Identity()  # OLMo 2: none
         self.attn = MultiHeadAttention(config, rotary=config.positional == "rotary")
         self.hook_attn_out = HookPoint()
         self.ln_cross: nn.Module | None = None
@@ -58,7 +59,7 @@ class Block(nn.Module):
             self.ln_cross = make_norm(config)
             self.cross_attn = MultiHeadAttention(config)
             self.hook_cross_out = HookPoint()
-        self.ln2 = make_norm(config)
+        self.ln2 = make_norm(config) if config.pre_norms else nn.Identity()
         self.ffn = FeedForward(config)
         # Gemma's norms of each sub-layer's output, before it joins the residual (config.post_norms)
         self.ln1_post = make_norm(config) if config.post_norms else None

@@ -110,10 +110,12 @@ def rotary_decoder_hf(config: ModelConfig, hf_class: str, model_type: str) -> di
     }
 
 
-def rotary_decoder_reasons(config: ModelConfig, title: str, *, qk_norm: bool = False) -> list[str]:
+def rotary_decoder_reasons(config: ModelConfig, title: str, *, qk_norm: bool = False,
+                           has: tuple[str, ...] = ()) -> list[str]:
     """Why a config is not a Llama-shaped decoder at all (before each one's own biases);
-    `qk_norm`: whether this one normalises queries and keys (Qwen3)."""
-    reasons = common_export_reasons(config, title, qk_norm=qk_norm)
+    `qk_norm`: whether this one normalises queries and keys (Qwen3); `has`: the newer parts it
+    has (ModelConfig.special_parts: OLMo 2's post-norms)."""
+    reasons = common_export_reasons(config, title, qk_norm=qk_norm, has=has)
     if config.norm_type != "rmsnorm":
         reasons.append(f"{title} uses RMSNorm (norm_type='rmsnorm')")
     if config.ffn != "gated":
