@@ -106,6 +106,10 @@ class ModelConfig:
     # what config.qk_norm normalises over: "head" (each head's D dims: Qwen3, Gemma 3) or "all" (the
     # whole projection, H * D queries and K * D keys, before the split into heads: OLMo 2)
     qk_norm_over: str = "head"
+    # --- Granite ------------------------------------------------------------------------------
+    embedding_multiplier: float = 1.0  # the token embeddings times this (after scale_embeddings)
+    residual_multiplier: float = 1.0  # each sub-layer's output times this before it joins the residual
+    logits_divisor: float = 1.0  # the logits divided by this (Granite's logits_scaling)
     # the transformers class this model was imported from (e.g. "LlamaForCausalLM"): what it is
     # called, and the architecture `export-hf` writes back by default; None for attnlens' own
     architecture: str | None = None
@@ -198,6 +202,10 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
                 raise ConfigError(f"{name} must be a positive number or null, got {value!r}")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_divisor"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
         if self.layer_types is not None:
             if not isinstance(self.layer_types, list) or len(self.layer_types) != self.n_layers \
                     or any(t not in ("full", "sliding") for t in self.layer_types):
@@ -351,6 +359,11 @@ class ModelConfig:
             "layer_types": (self.layer_types is not None, "sliding-window and full layers (layer_types)"),
             "rope_local_theta": (self.rope_local_theta is not None, "a rotary base per layer type (rope_local_theta)"),
             "post_norms": (self.post_norms, "norms after each sub-layer (post_norms)"),
+            "embedding_multiplier": (self.embedding_multiplier != 1.0,
+                                     f"embeddings multiplied by {self.embedding_multiplier} (embedding_multiplier)"),
+            "residual_multiplier": (self.residual_multiplier != 1.0,
+                                    f"sub-layer outputs multiplied by {self.residual_multiplier} (residual_multiplier)"),
+            "logits_divisor": (self.logits_divisor != 1.0, f"logits divided by {self.logits_divisor} (logits_divisor)"),
             "pre_norms": (not self.pre_norms, "sub-layers without a norm before them (pre_norms=False)"),
             "qk_norm_over": (self.qk_norm_over != "head", "a q/k norm over all heads at once (qk_norm_over='all')"),
         }

@@ -46,10 +46,11 @@ from attnlens.model.native import library as native
 from attnlens.model.parts.norms import RMSNorm
 from attnlens.model.parts.positions import RotaryAngles, signed
 
-# of the newer parts (ModelConfig.special_parts), the ones the C step computes (the scale: it reads
-# attn.scale); a model with any other (soft-caps, per-layer windows or rotary bases, post-norms, ...)
-# takes the modular path
-FUSED_PARTS = {"attn_scale"}
+# of the newer parts (ModelConfig.special_parts), the ones a fused step computes: the scale (it reads
+# attn.scale) and those outside the blocks (the embedding's multiplier, the logits' divisor and cap:
+# the modular code's before and after it); a model with any other (attention soft-caps, per-layer
+# windows or rotary bases, post-norms, residual multipliers, ...) takes the modular path
+FUSED_PARTS = {"attn_scale", "embedding_multiplier", "logits_divisor", "final_softcap"}
 MAX_ROWS = 16  # the packed kernel's few-row path (model/packed/modules.py's MAX_KERNEL_ROWS)
 _enabled = contextvars.ContextVar("attnlens_fused_decode", default=True)
 

@@ -201,6 +201,14 @@ MORE_CASES = {
                   dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
                   "byte_level", ["<|endoftext|>", "<|pad|>"], {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>"}),
+    # Granite: its four multipliers away from 1 (embeddings x 6, sub-layer outputs x 0.5, scores x
+    # 0.3 instead of 1/sqrt(16), logits / 4), attention and MLP biases, GQA, a tied head, ChatML
+    "granite": Case("granite", "GraniteConfig", "GraniteForCausalLM",
+                    dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True, attention_bias=True, mlp_bias=True, embedding_multiplier=6.0,
+                         residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0),
+                    "byte_level", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                    {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}),
 }
 
 

@@ -273,9 +273,11 @@ class Transformer(Embeddings, nn.Module):
         return self(inputs).logits[0]
 
     def unembed(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., C) residual -> (..., V) logits: the final norm, the LM head, and Gemma 2's cap
-        (config.final_softcap: cap * tanh(logits / cap))."""
+        """(..., C) residual -> (..., V) logits: the final norm, the LM head, Granite's divisor
+        (config.logits_divisor) and Gemma 2's cap (config.final_softcap: cap * tanh(logits / cap))."""
         logits = self.lm_head(self.ln_f(x))
+        if self.config.logits_divisor != 1.0:
+            logits = logits / self.config.logits_divisor
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

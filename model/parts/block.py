@@ -7,6 +7,8 @@ Shapes: B = batch, T = query positions, S = key positions, C = d_model, H = quer
     parallel (GPT-NeoX):      x = x + attn(ln1(x)) + ffn(ln2(x))    one sum, both read x
     pre + post (Gemma 2/3):   x = x + ln1_post(attn(ln1(x)));  x = x + ln2_post(ffn(ln2(x)))
     post only (OLMo 2):       x = x + ln1_post(attn(x));       x = x + ln2_post(ffn(x))
+
+Granite multiplies each sub-layer's output by config.residual_multiplier before the sum.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Block(nn.Module):
         self.causal = causal
         self.pre_norm = config.norm == "pre"
         self.parallel = config.parallel_residual
+        self.residual_multiplier = config.residual_multiplier  # Granite: each sub-layer's output times this
         # the hook points in the order the forward passes them (no parameters: no checkpoint keys)
         self.hook_resid_pre = HookPoint()
         self.ln1 = make_norm(config) if config.pre_norms else nn.Identity()  # OLMo 2: none
@@ -97,11 +100,15 @@ class Block(nn.Module):
                                     return_attention=return_attention, rope=rope)
         if self.ln1_post is not None:
             out = self.ln1_post(out)
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
         if hooks is not None:
             out = self.hook_attn_out(out)
         cross_probs = None
         if self.parallel:  # GPT-NeoX: the FFN reads the block's input too; one residual sum
             mlp = self.ffn(self.ln2(x))
+            if self.residual_multiplier != 1.0:
+                mlp = mlp * self.residual_multiplier
             if hooks is not None:
                 mlp = self.hook_mlp_out(mlp)
             x = mlp + out + x
@@ -120,6 +127,8 @@ class Block(nn.Module):
             mlp = self.ffn(self._input(x, self.ln2))
             if self.ln2_post is not None:
                 mlp = self.ln2_post(mlp)
+            if self.residual_multiplier != 1.0:
+                mlp = mlp * self.residual_multiplier
             if hooks is not None:
                 mlp = self.hook_mlp_out(mlp)
             x = self._residual(x, mlp, self.ln2)

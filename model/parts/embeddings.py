@@ -50,6 +50,8 @@ class Embeddings:
         x = self.tok_emb(ids)  # (B, T, C)
         if self.config.scale_embeddings:  # Gemma: sqrt(C) in the embedding's dtype, as transformers rounds it
             x = x * math.sqrt(self.config.d_model)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = x * self.config.embedding_multiplier
         if self.rotary is None:
             pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (P, C)
             if positions is None:
