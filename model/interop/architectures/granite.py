@@ -36,8 +36,8 @@ def config_from_hf(data: dict[str, Any], path: Path, cap: int | None = None) -> 
     attention_bias, mlp_bias = cfg.flag("attention_bias", False), cfg.flag("mlp_bias", False)
     llama = rotary_decoder_config(cfg, cap, architecture="GraniteForCausalLM", qkv_bias=attention_bias,
                                   attn_out_bias=attention_bias, ffn_bias=mlp_bias)
-    return replace(llama, attn_scale=values["attention_multiplier"],
-                   **{ours: values[theirs] for theirs, ours in MULTIPLIERS.items()})
+    return replace(llama, attn_scale=values["attention_multiplier"], embedding_multiplier=values["embedding_multiplier"],
+                   residual_multiplier=values["residual_multiplier"], logits_divisor=values["logits_scaling"])
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
