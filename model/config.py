@@ -103,9 +103,12 @@ class ModelConfig:
     # the norms before each sub-layer (ln1, ln2); False (OLMo 2, with post_norms): none,
     # x = x + ln1_post(attn(x)); x = x + ln2_post(ffn(x))
     pre_norms: bool = True
-    # what config.qk_norm normalises over: "head" (each head's D dims: Qwen3, Gemma 3) or "all" (the
-    # whole projection, H * D queries and K * D keys, before the split into heads: OLMo 2)
+    # what config.qk_norm normalises over: "head" (each head's D dims: Qwen3, Gemma 3), "all" (the
+    # whole projection, H * D queries and K * D keys, before the split into heads: OLMo 2) or
+    # "own" (each head's D dims by a LayerNorm without bias of the head's own weights: StableLM 2)
     qk_norm_over: str = "head"
+    # parallel_residual with one norm (GPT-J, StableLM 2 12B): x + attn(ln1(x)) + ffn(ln1(x)), no ln2
+    parallel_shared_norm: bool = False
     # --- Granite ------------------------------------------------------------------------------
     embedding_multiplier: float = 1.0  # the token embeddings times this (after scale_embeddings)
     residual_multiplier: float = 1.0  # each sub-layer's output times this before it joins the residual
@@ -216,7 +219,7 @@ class ModelConfig:
         if self.rope_local_theta is not None and self.positional != "rotary":
             raise ConfigError("rope_local_theta is a rotary base: it needs positional='rotary'")
         for name in ("parallel_residual", "bias", "tie_embeddings", "scale_embeddings", "qk_norm", "post_norms",
-                     "pre_norms"):
+                     "pre_norms", "parallel_shared_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("qkv_bias", "attn_out_bias", "ffn_bias"):
@@ -226,8 +229,10 @@ class ModelConfig:
             raise ConfigError("post_norms (Gemma) needs norm='pre' and no parallel_residual")
         if not self.pre_norms and not self.post_norms:
             raise ConfigError("pre_norms=False (OLMo 2) needs post_norms: a block normalises somewhere")
-        if self.qk_norm_over not in ("head", "all"):
-            raise ConfigError(f"qk_norm_over must be 'head' or 'all', got {self.qk_norm_over!r}")
+        if self.qk_norm_over not in ("head", "all", "own"):
+            raise ConfigError(f"qk_norm_over must be 'head', 'all' or 'own', got {self.qk_norm_over!r}")
+        if self.parallel_shared_norm and not self.parallel_residual:
+            raise ConfigError("parallel_shared_norm (GPT-J) needs parallel_residual")
         if self.parallel_residual and self.norm != "pre":
             raise ConfigError("parallel_residual (GPT-NeoX) needs norm='pre': both sub-layers read the block's input")
         self._validate_rotary()
@@ -365,7 +370,8 @@ class ModelConfig:
                                     f"sub-layer outputs multiplied by {self.residual_multiplier} (residual_multiplier)"),
             "logits_divisor": (self.logits_divisor != 1.0, f"logits divided by {self.logits_divisor} (logits_divisor)"),
             "pre_norms": (not self.pre_norms, "sub-layers without a norm before them (pre_norms=False)"),
-            "qk_norm_over": (self.qk_norm_over != "head", "a q/k norm over all heads at once (qk_norm_over='all')"),
+            "qk_norm_over": (self.qk_norm_over != "head", f"a q/k norm over {self.qk_norm_over!r} (qk_norm_over)"),
+            "parallel_shared_norm": (self.parallel_shared_norm, "one norm for attention and MLP (parallel_shared_norm)"),
         }
         return {name: what for name, (on, what) in parts.items() if on}
 

@@ -209,6 +209,20 @@ MORE_CASES = {
                          residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0),
                     "byte_level", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                     {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}),
+    # StableLM 2: a quarter of each head rotary, LayerNorm with biases, q/k/v biases, GQA
+    "stablelm": Case("stablelm", "StableLmConfig", "StableLmForCausalLM",
+                     dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                          use_qkv_bias=True, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
+                     "byte_level", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                     {"eos_token": "<|endoftext|>", "chat_template": CHATML}),
+    # StableLM 2 12B's parts: the parallel residual with one norm, a LayerNorm per head on q and k
+    "stablelm_parallel": Case("stablelm_parallel", "StableLmConfig", "StableLmForCausalLM",
+                              dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                   use_parallel_residual=True, qk_layernorm=True, tie_word_embeddings=False,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.25}),
+                              "byte_level", ["<|endoftext|>"], {"eos_token": "<|endoftext|>"}),
 }
 
 

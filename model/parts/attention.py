@@ -35,7 +35,7 @@ from attnlens.model.parts.attention_backends import (  # noqa: F401  (causal_mas
     sdpa,
 )
 from attnlens.model.parts.linear import Linear
-from attnlens.model.parts.norms import RMSNorm
+from attnlens.model.parts.norms import HeadLayerNorm, RMSNorm
 from attnlens.model.parts.positions import RotaryAngles, apply_rotary
 
 # Stores this call's new (B, K, T, D) keys/values and returns all (B, K, S, D) keys/values
@@ -77,7 +77,8 @@ class MultiHeadAttention(nn.Module):
 
     Q/K norm (config.qk_norm, Qwen3): `q_norm` and `k_norm`, RMSNorms over the D dims of each
     head (weights of size D, eps config.layer_norm_eps; OLMo 2, config.qk_norm_over="all": over
-    all H * D queries / K * D keys of a position), normalise every query and key right
+    all H * D queries / K * D keys of a position; StableLM 2, "own": a LayerNorm per head with the
+    head's own weights), normalise every query and key right
     after the projection (`project`, `project_memory`): before rotary positions, the cache,
     the hook points (hook_q / hook_k and what follows see the normalised ones) and every path
     below. Without it both are None.
@@ -112,8 +113,14 @@ class MultiHeadAttention(nn.Module):
         # Qwen3's q/k norm: one RMSNorm over each head's D dims for the queries, one for the keys
         # (OLMo 2: over all heads at once, H * D and K * D wide, before the split: qk_norm_over="all")
         self.qk_norm_all = config.qk_norm_over == "all"
-        self.q_norm = RMSNorm(H * D if self.qk_norm_all else D, eps=config.layer_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(K * D if self.qk_norm_all else D, eps=config.layer_norm_eps) if config.qk_norm else None
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if config.qk_norm and config.qk_norm_over == "own":  # StableLM 2: a LayerNorm of each head's own weights
+            self.q_norm = HeadLayerNorm(H, D, eps=config.layer_norm_eps)
+            self.k_norm = HeadLayerNorm(K, D, eps=config.layer_norm_eps)
+        elif config.qk_norm:
+            self.q_norm = RMSNorm(H * D if self.qk_norm_all else D, eps=config.layer_norm_eps)
+            self.k_norm = RMSNorm(K * D if self.qk_norm_all else D, eps=config.layer_norm_eps)
         # the hook points in the order the forward passes them; with rotary positions hook_q / hook_k
         # are before rotation, hook_rot_q / hook_rot_k after
         self.hook_q, self.hook_k = HookPoint(), HookPoint()  # [B, T, H, D], [B, S, K, D]
