@@ -109,6 +109,11 @@ class ModelConfig:
     qk_norm_over: str = "head"
     # parallel_residual with one norm (GPT-J, StableLM 2 12B): x + attn(ln1(x)) + ffn(ln1(x)), no ln2
     parallel_shared_norm: bool = False
+    # --- GPT-J --------------------------------------------------------------------------------
+    # rotary pairs (0, 1), (2, 3), ... of each head's rotated dims (GPT-J's rotate_every_two) instead
+    # of (i, i + R/2) (GPT-NeoX's rotate_half, which Llama's checkpoints use)
+    rotary_interleaved: bool = False
+    lm_head_bias: bool = False  # a bias on the LM head (GPT-J)
     # --- Granite ------------------------------------------------------------------------------
     embedding_multiplier: float = 1.0  # the token embeddings times this (after scale_embeddings)
     residual_multiplier: float = 1.0  # each sub-layer's output times this before it joins the residual
@@ -216,10 +221,12 @@ class ModelConfig:
                                   f"({self.n_layers}), got {self.layer_types!r}")
             if self.sliding_window is None and "sliding" in self.layer_types:
                 raise ConfigError("layer_types has sliding layers: it needs a sliding_window")
+        if self.lm_head_bias and self.tie_embeddings:
+            raise ConfigError("lm_head_bias (GPT-J) needs an untied head (tie_embeddings=False)")
         if self.rope_local_theta is not None and self.positional != "rotary":
             raise ConfigError("rope_local_theta is a rotary base: it needs positional='rotary'")
         for name in ("parallel_residual", "bias", "tie_embeddings", "scale_embeddings", "qk_norm", "post_norms",
-                     "pre_norms", "parallel_shared_norm"):
+                     "pre_norms", "parallel_shared_norm", "rotary_interleaved", "lm_head_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("qkv_bias", "attn_out_bias", "ffn_bias"):
@@ -369,6 +376,8 @@ class ModelConfig:
             "residual_multiplier": (self.residual_multiplier != 1.0,
                                     f"sub-layer outputs multiplied by {self.residual_multiplier} (residual_multiplier)"),
             "logits_divisor": (self.logits_divisor != 1.0, f"logits divided by {self.logits_divisor} (logits_divisor)"),
+            "rotary_interleaved": (self.rotary_interleaved, "rotary positions on interleaved pairs (rotary_interleaved)"),
+            "lm_head_bias": (self.lm_head_bias, "a bias on the LM head (lm_head_bias)"),
             "pre_norms": (not self.pre_norms, "sub-layers without a norm before them (pre_norms=False)"),
             "qk_norm_over": (self.qk_norm_over != "head", f"a q/k norm over {self.qk_norm_over!r} (qk_norm_over)"),
             "parallel_shared_norm": (self.parallel_shared_norm, "one norm for attention and MLP (parallel_shared_norm)"),

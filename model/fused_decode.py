@@ -50,7 +50,7 @@ from attnlens.model.parts.positions import RotaryAngles, signed
 # attn.scale) and those outside the blocks (the embedding's multiplier, the logits' divisor and cap:
 # the modular code's before and after it); a model with any other (attention soft-caps, per-layer
 # windows or rotary bases, post-norms, residual multipliers, ...) takes the modular path
-FUSED_PARTS = {"attn_scale", "embedding_multiplier", "logits_divisor", "final_softcap"}
+FUSED_PARTS = {"attn_scale", "embedding_multiplier", "logits_divisor", "final_softcap", "lm_head_bias"}
 MAX_ROWS = 16  # the packed kernel's few-row path (model/packed/modules.py's MAX_KERNEL_ROWS)
 _enabled = contextvars.ContextVar("attnlens_fused_decode", default=True)
 

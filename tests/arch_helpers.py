@@ -223,6 +223,12 @@ MORE_CASES = {
                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                     "partial_rotary_factor": 0.25}),
                               "byte_level", ["<|endoftext|>"], {"eos_token": "<|endoftext|>"}),
+    # GPT-J: interleaved rotary pairs on 8 of each head's 16 dims, the parallel residual with one
+    # LayerNorm, a plain MLP with tanh GELU, a head with a bias
+    "gptj": Case("gptj", "GPTJConfig", "GPTJForCausalLM",
+                 dict(n_embd=64, n_inner=128, n_head=4, n_layer=2, n_positions=64, rotary_dim=8,
+                      tie_word_embeddings=False),
+                 "byte_level", ["<|endoftext|>"], {"eos_token": "<|endoftext|>"}),
 }
 
 

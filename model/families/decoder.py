@@ -90,7 +90,7 @@ class Transformer(Embeddings, nn.Module):
         self.blocks = nn.ModuleList(Block(config, causal=True) for _ in range(config.n_layers))
         # Post-LN already normalises every block's output; pre-LN needs a final norm.
         self.ln_f = make_norm(config) if config.norm == "pre" else nn.Identity()
-        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)  # GPT-J's has a bias
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
