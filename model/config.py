@@ -114,6 +114,12 @@ class ModelConfig:
     # of (i, i + R/2) (GPT-NeoX's rotate_half, which Llama's checkpoints use)
     rotary_interleaved: bool = False
     lm_head_bias: bool = False  # a bias on the LM head (GPT-J)
+    # --- Mixtral ------------------------------------------------------------------------------
+    # a mixture of experts in place of the FFN: 0 = the dense FFN; else n_experts FFNs (each as
+    # ffn / activation / d_ff say), a router scoring them per token, the experts_per_token best
+    # kept and their outputs weighed by the softmax of the router's scores renormalised over them
+    n_experts: int = 0
+    experts_per_token: int = 2
     # --- Granite ------------------------------------------------------------------------------
     embedding_multiplier: float = 1.0  # the token embeddings times this (after scale_embeddings)
     residual_multiplier: float = 1.0  # each sub-layer's output times this before it joins the residual
@@ -221,6 +227,12 @@ class ModelConfig:
                                   f"({self.n_layers}), got {self.layer_types!r}")
             if self.sliding_window is None and "sliding" in self.layer_types:
                 raise ConfigError("layer_types has sliding layers: it needs a sliding_window")
+        for name in ("n_experts", "experts_per_token"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise ConfigError(f"experts_per_token must be 1..n_experts ({self.n_experts}), got {self.experts_per_token}")
         if self.lm_head_bias and self.tie_embeddings:
             raise ConfigError("lm_head_bias (GPT-J) needs an untied head (tie_embeddings=False)")
         if self.rope_local_theta is not None and self.positional != "rotary":
@@ -378,6 +390,8 @@ class ModelConfig:
             "logits_divisor": (self.logits_divisor != 1.0, f"logits divided by {self.logits_divisor} (logits_divisor)"),
             "rotary_interleaved": (self.rotary_interleaved, "rotary positions on interleaved pairs (rotary_interleaved)"),
             "lm_head_bias": (self.lm_head_bias, "a bias on the LM head (lm_head_bias)"),
+            "n_experts": (self.n_experts > 0,
+                          f"a mixture of {self.n_experts} experts, {self.experts_per_token} a token (n_experts)"),
             "pre_norms": (not self.pre_norms, "sub-layers without a norm before them (pre_norms=False)"),
             "qk_norm_over": (self.qk_norm_over != "head", f"a q/k norm over {self.qk_norm_over!r} (qk_norm_over)"),
             "parallel_shared_norm": (self.parallel_shared_norm, "one norm for attention and MLP (parallel_shared_norm)"),

@@ -229,6 +229,12 @@ MORE_CASES = {
                  dict(n_embd=64, n_inner=128, n_head=4, n_layer=2, n_positions=64, rotary_dim=8,
                       tie_word_embeddings=False),
                  "byte_level", ["<|endoftext|>"], {"eos_token": "<|endoftext|>"}),
+    # Mixtral: 4 experts, 2 a token, a sliding window of 8, GQA, an untied head
+    "mixtral": Case("mixtral", "MixtralConfig", "MixtralForCausalLM",
+                    dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                         num_local_experts=4, num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False),
+                    "sentencepiece", [], {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                                          "add_bos_token": True, "chat_template": LLAMA2_CHAT}),
 }
 
 

@@ -166,3 +166,45 @@ def test_export_refuses_what_the_architecture_cannot_express(arch):
     else:
         with pytest.raises(ValueError, match=r"cannot export as Gemma 2: .*post_norms=True"):
             find_for_export(cfg, "gemma2")
+
+
+def test_mixtral_hooks_record_which_experts_each_token_chose(tmp_path):
+    """blocks.{i}.ffn.hook_experts holds the experts transformers' router chose for every token
+    (the same set, most probable first) and hook_router their probabilities; recording them
+    changes no logit; editing the router's probabilities reroutes."""
+    from attnlens.model.hooks import Hooks, hooked
+
+    case = MORE_CASES["mixtral"]
+    src, _ = write_hf_checkpoint(case, tmp_path / "hf", seed=2)
+    ckpt, hf = load_checkpoint(import_checkpoint(src, tmp_path / "ours")[0]), load_hf(src, case)
+    ids = ids_for(ckpt, 2, 20, seed=4)
+    seen = {}
+    handle = hf.model.layers[1].mlp.gate.register_forward_hook(lambda m, i, o: seen.__setitem__("gate", o))
+    try:
+        with torch.no_grad():
+            want = hf(ids).logits
+    finally:
+        handle.remove()
+    names = {"blocks.1.ffn.hook_router", "blocks.1.ffn.hook_experts"}
+    with torch.no_grad():
+        plain = ckpt.model(ids).logits
+        with hooked(ckpt.model, Hooks(record=names)) as hooks:
+            recorded = ckpt.model(ids).logits
+    assert torch.equal(recorded, plain)
+    torch.testing.assert_close(plain, want, atol=1e-4, rtol=0)
+    experts, probs = hooks.captured["blocks.1.ffn.hook_experts"], hooks.captured["blocks.1.ffn.hook_router"]
+    assert experts.shape == (2, 20, 2) and probs.shape == (2, 20, 4)
+    logits, _, indices = seen["gate"]
+    assert torch.equal(experts.reshape(-1, 2), indices)
+    torch.testing.assert_close(probs.reshape(-1, 4), torch.softmax(logits.float(), dim=-1), atol=1e-6, rtol=0)
+    assert len(experts.unique()) == 4  # every expert serves some token
+
+    class ExpertZeroFirst(Hooks):  # every token's router probabilities edited: expert 0 most probable
+        def point(self, name, tensor):
+            tensor = super().point(name, tensor)
+            return tensor + torch.tensor([1.0, 0, 0, 0]) if name.endswith("hook_router") else tensor
+
+    with torch.no_grad(), hooked(ckpt.model, ExpertZeroFirst(record=names)) as hooks:
+        rerouted = ckpt.model(ids).logits
+    assert (hooks.captured["blocks.1.ffn.hook_experts"][..., 0] == 0).all()
+    assert not torch.allclose(rerouted, plain)

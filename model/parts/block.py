@@ -23,7 +23,7 @@ from attnlens.model import hooks as _hooks
 from attnlens.model.config import ModelConfig
 from attnlens.model.hooks import HookPoint
 from attnlens.model.parts.attention import KVUpdate, MultiHeadAttention
-from attnlens.model.parts.feedforward import FeedForward
+from attnlens.model.parts.feedforward import FeedForward, MixtureOfExperts
 from attnlens.model.parts.norms import make_norm
 from attnlens.model.parts.positions import RotaryAngles
 
@@ -65,7 +65,7 @@ class Block(nn.Module):
             self.cross_attn = MultiHeadAttention(config)
             self.hook_cross_out = HookPoint()
         self.ln2 = make_norm(config) if config.pre_norms and not self.shared_norm else nn.Identity()
-        self.ffn = FeedForward(config)
+        self.ffn = MixtureOfExperts(config) if config.n_experts else FeedForward(config)  # Mixtral: experts
         # Gemma's norms of each sub-layer's output, before it joins the residual (config.post_norms)
         self.ln1_post = make_norm(config) if config.post_norms else None
         self.ln2_post = make_norm(config) if config.post_norms else None
