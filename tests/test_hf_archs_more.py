@@ -102,6 +102,66 @@ def test_incremental_decoding_equals_a_full_recompute(arch, paged):
                     torch.testing.assert_close(a[0, :, -1, :t + 1], b[0, :, -1], atol=1e-5, rtol=0)
 
 
+def test_batched_rows_of_different_lengths_equal_each_row_alone(arch):
+    """The engine's path: right-padded prompts of 3, 17 and 9 tokens prefilled together, then 8
+    batched decode steps (each row's own positions, windows and rotary bases): each row's tokens,
+    log-probabilities and attention rows equal that row decoded alone."""
+    from attnlens.model.decoding import RowSampler, decode_step
+
+    model = arch.ckpt.model
+    prompts = [ids_for(arch.ckpt, 1, n, seed=n)[0].tolist() for n in (3, 17, 9)]
+
+    def run(rows: list[int]):
+        cache = model.new_kv_cache(len(rows))
+        samplers = [RowSampler(SamplingParams(temperature=0), return_attention=(r == 2)) for r in rows]
+        width = max(len(prompts[r]) for r in rows)
+        padded = torch.tensor([prompts[r] + [0] * (width - len(prompts[r])) for r in rows])
+        out = {r: [] for r in rows}
+        with torch.no_grad():
+            step = decode_step(model, cache, padded, samplers, n_new=[len(prompts[r]) for r in rows])
+            for _ in range(8):
+                for r, t in zip(rows, step.tokens):
+                    out[r].append(t)
+                step = decode_step(model, cache, torch.tensor([[t.id] for t in step.tokens]), samplers)
+        return out
+
+    together = run([0, 1, 2])
+    for r in range(3):
+        alone = run([r])[r]
+        assert [t.id for t in together[r]] == [t.id for t in alone]
+        for a, b in zip(together[r], alone):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            for x, y in zip(a.attention or [], b.attention or []):
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+
+
+def test_the_fixed_shape_step_equals_the_cached_forward(arch):
+    """The CUDA-graph step (decode_fixed: keys over the whole capacity, each layer's window and
+    rotary angles from each row's length), run eagerly: the same logits, tokens and maps."""
+    from attnlens.model.cuda_graphs import GraphedDecoder
+    from attnlens.model.decoding import RowSampler, decode_step
+
+    model = arch.ckpt.model
+    prompts = [ids_for(arch.ckpt, 1, n, seed=n)[0].tolist() for n in (5, 12, 2)]
+    plain, graphed = model.new_kv_cache(4), model.new_kv_cache(4)
+    decoder = GraphedDecoder(model, graphed, capture=False)
+    samplers = [RowSampler(SamplingParams(temperature=0), return_attention=True) for _ in prompts]
+    with torch.no_grad():
+        for cache in (plain, graphed):
+            for row, ids in enumerate(prompts):
+                model(torch.tensor([ids]), kv_cache=cache, rows=slice(row, row + 1))
+        last = torch.tensor([[1], [2], [3]])
+        for _ in range(6):
+            a = decode_step(model, plain, last, samplers)
+            b = decode_step(model, graphed, last, samplers, graphs=decoder)
+            torch.testing.assert_close(b.output.logits, a.output.logits, atol=1e-4, rtol=0)
+            assert [t.id for t in a.tokens] == [t.id for t in b.tokens]
+            for x, y in zip(a.tokens, b.tokens):
+                for ra, rb in zip(x.attention, y.attention):
+                    torch.testing.assert_close(rb, ra, atol=1e-5, rtol=0)
+            last = torch.tensor([[t.id] for t in a.tokens])
+
+
 def test_export_loads_in_transformers_and_imports_back_exactly(arch, tmp_path):
     out, architecture = export_checkpoint(arch.ours, tmp_path / "hf")
     assert architecture is arch.architecture
@@ -208,3 +268,27 @@ def test_mixtral_hooks_record_which_experts_each_token_chose(tmp_path):
         rerouted = ckpt.model(ids).logits
     assert (hooks.captured["blocks.1.ffn.hook_experts"][..., 0] == 0).all()
     assert not torch.allclose(rerouted, plain)
+
+
+def test_the_views_recompute_gemma_2s_capped_windowed_maps(tmp_path):
+    """The analysis views that recompute a head's attention from its q and k (the attention
+    reductions' blocks; the step-by-step explain) cap the scores and use each layer's own window,
+    as the forward does: their maps equal the model's on both kinds of layer."""
+    from attnlens.model.analysis.attention_blocks import Window, blocked_maps
+    from attnlens.model.analysis.explain import explain_head
+
+    case = MORE_CASES["gemma2"]
+    ckpt = load_checkpoint(import_checkpoint(write_hf_checkpoint(case, tmp_path / "hf")[0], tmp_path / "ours")[0])
+    model, ids = ckpt.model, ids_for(ckpt, 1, 24, seed=7)[0].tolist()
+    with torch.no_grad():
+        full = model(torch.tensor([ids]), return_attention=True).attentions  # per layer (1, H, T, T)
+    layers, heads = [0, 1], [0, 3]
+    reductions = {"self": Window(2, 2, (0, 24), (0, 24))}
+    blocked_maps(model, {"tokens": ids}, layers, heads, reductions, block_bytes=2048)
+    got = reductions["self"].result()["maps"]  # (L', H', T, T)
+    for i, layer in enumerate(layers):
+        torch.testing.assert_close(got[i], full[layer][0, heads], atol=1e-5, rtol=0)
+    for layer in layers:  # 0: sliding (window 8), 1: full
+        step = explain_head(model, ids, None, "self", layer, 2, 20, ())
+        torch.testing.assert_close(torch.tensor(step["softmax"]).float(), full[layer][0, 2, 20], atol=1e-5, rtol=0)
+        assert sum(step["mask"]) == (8 if layer == 0 else 21)
