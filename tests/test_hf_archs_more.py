@@ -292,3 +292,23 @@ def test_the_views_recompute_gemma_2s_capped_windowed_maps(tmp_path):
         step = explain_head(model, ids, None, "self", layer, 2, 20, ())
         torch.testing.assert_close(torch.tensor(step["softmax"]).float(), full[layer][0, 2, 20], atol=1e-5, rtol=0)
         assert sum(step["mask"]) == (8 if layer == 0 else 21)
+
+
+def test_the_lens_shows_which_experts_each_block_chose(tmp_path):
+    """The logit lens of a Mixtral: each block's row carries, per position, the experts the block
+    routed it to and their weights (as transformers' router chose them: the hooks test above)."""
+    from attnlens.model.analysis.explain import lens_report
+    from attnlens.model.hooks import Hooks, hooked
+
+    case = MORE_CASES["mixtral"]
+    ckpt = load_checkpoint(import_checkpoint(write_hf_checkpoint(case, tmp_path / "hf")[0], tmp_path / "ours")[0])
+    ids = ids_for(ckpt, 1, 12, seed=5)[0].tolist()
+    report = lens_report(ckpt.model, ids, None, (), top_k=3, positions=[0, 5, 11])
+    assert "experts" not in report["layers"][0]  # the embeddings
+    names = {f"blocks.{l}.ffn.hook_experts" for l in range(2)}
+    with torch.no_grad(), hooked(ckpt.model, Hooks(record=names)) as hooks:
+        ckpt.model(torch.tensor([ids]))
+    for row in report["layers"][1:]:
+        chosen = hooks.captured[f"blocks.{row['index']}.ffn.hook_experts"][0, [0, 5, 11]].tolist()
+        assert [[e for e, _ in p] for p in row["experts"]] == chosen
+        assert all(abs(sum(w for _, w in p) - 1) < 1e-6 and p[0][1] >= p[1][1] for p in row["experts"])
