@@ -64,6 +64,7 @@ def test_logits_and_every_attention_map_match_transformers(arch):
         assert ours.logits.abs().max() < cfg.final_softcap and ours.logits.abs().max() > 0.9 * cfg.final_softcap
 
 
+@pytest.mark.slow
 def test_greedy_tokens_equal_transformers_generate(arch):
     tok, model = arch.ckpt.tokenizer, arch.ckpt.model
     prompt = tok.encode_prompt("To be, or not to be, that is the question")
@@ -75,6 +76,7 @@ def test_greedy_tokens_equal_transformers_generate(arch):
     assert ours[:len(theirs)] == theirs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("paged", [False, True])
 def test_incremental_decoding_equals_a_full_recompute(arch, paged):
     """A 7-token prefill, a 5-token chunk, then one token at a time to 24 (windows of 8 slide past
@@ -102,6 +104,7 @@ def test_incremental_decoding_equals_a_full_recompute(arch, paged):
                     torch.testing.assert_close(a[0, :, -1, :t + 1], b[0, :, -1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_batched_rows_of_different_lengths_equal_each_row_alone(arch):
     """The engine's path: right-padded prompts of 3, 17 and 9 tokens prefilled together, then 8
     batched decode steps (each row's own positions, windows and rotary bases): each row's tokens,
@@ -135,6 +138,7 @@ def test_batched_rows_of_different_lengths_equal_each_row_alone(arch):
                 torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_the_fixed_shape_step_equals_the_cached_forward(arch):
     """The CUDA-graph step (decode_fixed: keys over the whole capacity, each layer's window and
     rotary angles from each row's length), run eagerly: the same logits, tokens and maps."""
