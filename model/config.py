@@ -4,7 +4,9 @@ An architecture is a config choosing parts (model/parts): GPT-2 is the defaults;
 rotary positions, RMSNorm, a gated SiLU FFN (SwiGLU), no biases, grouped-query attention and
 an untied head; Qwen2 adds biases to q/k/v only; Mistral adds a sliding window; Qwen3 drops
 the biases and adds an RMSNorm over each head's queries and keys (qk_norm); GPT-NeoX (Pythia)
-is partial rotary positions, LayerNorm and the parallel attention + FFN residual.
+is partial rotary positions, LayerNorm and the parallel attention + FFN residual. Gemma 2 / 3,
+Phi-3, OLMo 2, Granite, StableLM, GPT-J and Mixtral add the parts listed by `special_parts`
+(soft-caps, per-layer windows and rotary bases, post-norms, multipliers, experts, ...).
 Every field added since the first checkpoints has a default that means "as before", so their
 config.json files still load.
 """
@@ -155,12 +157,6 @@ class ModelConfig:
         if self.layer_types is not None and self.layer_types[layer] != "sliding":
             return None
         return self.sliding_window
-
-    def rope_theta_of(self, layer: int) -> float:
-        """The rotary base of layer `layer` (rope_local_theta on the "sliding" layers when given)."""
-        if self.rope_local_theta is not None and self.window_of(layer) is not None:
-            return self.rope_local_theta
-        return self.rope_theta
 
     def bias_of(self, layer: str) -> bool:
         """Whether the linear layer "qkv", "attn_out" or "ffn" has a bias."""
