@@ -3,7 +3,7 @@ model of each class written the way llama.cpp's converter writes it (its tensor 
 norms as 1 + w, Phi-3's fused qkv and gate|up, the metadata llama.cpp reads: soft-caps, the
 sliding window, rope scaling), imported, and checked against the transformers model it came
 from (logits and every attention map, the F32 file) and against transformers' own GGUF loader
-(every weight, Q8_0 too)."""
+(every weight, Q8_0 too, and the Q8_0 blocks served packed)."""
 
 from __future__ import annotations
 
@@ -161,6 +161,11 @@ def test_every_weight_equals_transformers_gguf_loader(arch, tmp_path):
     assert set(mine) == set(want)
     for name, t in mine.items():
         torch.testing.assert_close(t, want[name], atol=1e-6, rtol=0, msg=name)
+    packed = load_checkpoint(out, packed=True)  # the Q8_0 matrices served in their blocks: the same logits
+    assert any("Packed" in type(m).__name__ for m in packed.model.modules())
+    ids = torch.tensor([[5, 40, 71, 100, 7, 26, 9, 10, 11, 12, 13, 14]])
+    with torch.no_grad():
+        torch.testing.assert_close(packed.model(ids).logits, ckpt.model(ids).logits, atol=1e-4, rtol=0)
 
 
 def test_longrope_factors_are_refused_by_name(tmp_path):
