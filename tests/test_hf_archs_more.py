@@ -316,3 +316,27 @@ def test_the_lens_shows_which_experts_each_block_chose(tmp_path):
         chosen = hooks.captured[f"blocks.{row['index']}.ffn.hook_experts"][0, [0, 5, 11]].tolist()
         assert [[e for e, _ in p] for p in row["experts"]] == chosen
         assert all(abs(sum(w for _, w in p) - 1) < 1e-6 and p[0][1] >= p[1][1] for p in row["experts"])
+
+
+@pytest.mark.parametrize("name, changes, want", [
+    ("gemma2", {"layer_types": None}, ["sliding", "full", "sliding"]),  # Gemma 2's released configs
+    ("gemma3", {"layer_types": None, "sliding_window_pattern": 2}, ["sliding", "full"] * 2),
+    ("gemma3", {"layer_types": None, "rope_parameters": None, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, None),  # 4 layers, the default 6: all sliding
+])
+def test_gemma_configs_without_layer_types_take_transformers_defaults(tmp_path, name, changes, want):
+    """The configs Gemma 2 and 3 were released with list no layer_types (nor Gemma 3's rope per
+    layer type): the pattern transformers fills in is the one imported, and the logits agree."""
+    import json
+
+    case = MORE_CASES[name]
+    src, _ = write_hf_checkpoint(case, tmp_path / "hf", seed=4)
+    data = json.loads((src / "config.json").read_text())
+    data.update(changes)
+    (src / "config.json").write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
+    ckpt = load_checkpoint(import_checkpoint(src, tmp_path / "ours")[0])
+    assert ckpt.config.layer_types == want and ckpt.config.sliding_window == 8
+    hf = load_hf(src, case)
+    ids = ids_for(ckpt, 1, 30, seed=2)
+    with torch.no_grad():
+        torch.testing.assert_close(ckpt.model(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)

@@ -63,9 +63,16 @@ def gemma_norm(ours: str, theirs: str) -> Rule:
     return converted(ours, theirs, plus_one, minus_one)
 
 
-def layer_types_from_hf(cfg: HFConfig, window: Any) -> tuple[list[str] | None, int | None]:
-    """(layer_types, sliding_window) of config.json's layer_types: None when every layer is alike."""
-    given = cfg.get("layer_types") or []
+def layer_types_from_hf(cfg: HFConfig, window: Any, pattern: int) -> tuple[list[str] | None, int | None]:
+    """(layer_types, sliding_window) of config.json's layer_types: None when every layer is alike.
+    Without layer_types (the configs Gemma 2 and 3 were released with) transformers' default: every
+    `pattern`-th layer full, the others sliding (Gemma 2: 2, from a sliding first layer; Gemma 3:
+    sliding_window_pattern, 6)."""
+    given = cfg.get("layer_types")
+    if given is None:
+        n = cfg.need("num_hidden_layers")
+        given = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)] \
+            if isinstance(n, int) and isinstance(pattern, int) and pattern > 0 else []
     if any(t not in LAYER_TYPES_FROM_HF for t in given):
         cfg.refuse(f"layer_types other than sliding_attention / full_attention ({sorted(set(given))}) "
                    "are not supported")
@@ -80,9 +87,10 @@ def layer_types_from_hf(cfg: HFConfig, window: Any) -> tuple[list[str] | None, i
 
 
 def gemma_config(cfg: HFConfig, cap: int | None, *, architecture: str, rope: dict[str, Any],
-                 qk_norm: bool, rope_local_theta: float | None = None) -> ModelConfig:
+                 qk_norm: bool, pattern: int, rope_local_theta: float | None = None) -> ModelConfig:
     """The ModelConfig of a Gemma 2 or Gemma 3 text config.json (their rotary parameters read
-    by each: Gemma 3 has one per layer type)."""
+    by each: Gemma 3 has one per layer type; `pattern`: every pattern-th layer is full where
+    config.json lists no layer_types)."""
     if cfg.get("use_bidirectional_attention", False):
         cfg.refuse("use_bidirectional_attention=true is not supported (a decoder attends causally)")
     if rope["rotary_pct"] != 1.0:
@@ -96,7 +104,7 @@ def gemma_config(cfg: HFConfig, cap: int | None, *, architecture: str, rope: dic
     if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or not scalar > 0:
         cfg.refuse(f"query_pre_attn_scalar must be a positive number, got {scalar!r}")
         scalar = head_dim
-    layer_types, window = layer_types_from_hf(cfg, cfg.get("sliding_window"))
+    layer_types, window = layer_types_from_hf(cfg, cfg.data.get("sliding_window", 4096), pattern)
     if rope_local_theta is not None:
         if layer_types is None and window is not None:  # every layer sliding: theirs is the only base
             rope = {**rope, "rope_theta": rope_local_theta, "rope_scaling": None}
@@ -217,7 +225,7 @@ def gemma_tensors(config: ModelConfig) -> list[Rule]:
 
 def config_from_hf(data: dict[str, Any], path: Path, cap: int | None = None) -> ModelConfig:
     cfg = HFConfig(data, path, "Gemma 2")
-    return gemma_config(cfg, cap, architecture="Gemma2ForCausalLM", rope=rope_from_hf(cfg), qk_norm=False)
+    return gemma_config(cfg, cap, architecture="Gemma2ForCausalLM", rope=rope_from_hf(cfg), qk_norm=False, pattern=2)
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def config_from_hf(data: dict[str, Any], path: Path, cap: int | None = None) -> 
     rope = rope_from_hf(full_cfg)
     cfg.reasons += full_cfg.reasons
     return gemma_config(cfg, cap, architecture="Gemma3ForCausalLM", rope=rope, qk_norm=True,
-                        rope_local_theta=float(local))
+                        pattern=cfg.get("sliding_window_pattern", 6), rope_local_theta=float(local))
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
