@@ -1,6 +1,6 @@
 """Write the OpenAPI reference from the live schema: docs/openapi.json (create_app().openapi(),
 the same document the server gives at /openapi.json) and docs/openapi.md (a page listing every
-route, linking the JSON). tests/test_docs_openapi.py fails when either is stale.
+route, linking the JSON). tests/api/test_docs_openapi.py fails when either is stale.
 
     PYTHONPATH=. .venv/bin/python docs/make_openapi.py          # rewrite both
     PYTHONPATH=. .venv/bin/python docs/make_openapi.py --check  # exit 1 if they differ

@@ -9,7 +9,7 @@ window at 1280 x 800.
     PYTHONPATH=. .venv/bin/python docs/make_screenshots.py                    # start a server
     PYTHONPATH=. .venv/bin/python docs/make_screenshots.py --url http://127.0.0.1:8000
 
-The views are the page's own ids (static/js/views/registry.js); tests/test_docs_views.py fails
+The views are the page's own ids (static/js/views/registry.js); tests/api/test_docs_views.py fails
 when one the docs show is renamed or gone. PNGs are written with Chromium's own encoder; each
 is 1280 wide and a few hundred KB at most.
 """

@@ -4,7 +4,9 @@ An architecture is a config choosing parts (model/parts): GPT-2 is the defaults;
 rotary positions, RMSNorm, a gated SiLU FFN (SwiGLU), no biases, grouped-query attention and
 an untied head; Qwen2 adds biases to q/k/v only; Mistral adds a sliding window; Qwen3 drops
 the biases and adds an RMSNorm over each head's queries and keys (qk_norm); GPT-NeoX (Pythia)
-is partial rotary positions, LayerNorm and the parallel attention + FFN residual.
+is partial rotary positions, LayerNorm and the parallel attention + FFN residual. Gemma 2 / 3,
+Phi-3, OLMo 2, Granite, StableLM, GPT-J and Mixtral add the parts listed by `special_parts`
+(soft-caps, per-layer windows and rotary bases, post-norms, multipliers, experts, ...).
 Every field added since the first checkpoints has a default that means "as before", so their
 config.json files still load.
 """
@@ -12,6 +14,7 @@ config.json files still load.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -83,6 +86,46 @@ class ModelConfig:
     # of the queries and of the keys, after their projection and before rotary positions (every
     # attention module: model/parts/attention.py)
     qk_norm: bool = False
+    # --- Gemma 2 / 3 ---------------------------------------------------------------------------
+    # the scores' factor: None = 1/sqrt(d_head); Gemma: query_pre_attn_scalar ** -0.5
+    attn_scale: float | None = None
+    # soft-capping (Gemma 2): scores = cap * tanh(scores / cap) before the mask, and the same on the
+    # final logits; None = no cap. The capped scores have no fused kernel: attention takes the explicit path
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    # which layers the sliding window applies to: None = every one (Mistral), else one entry a layer,
+    # "sliding" (windowed by sliding_window) or "full" (Gemma 2: alternating; Gemma 3: 5 sliding, 1 full)
+    layer_types: list[str] | None = None
+    # the rotary base of the "sliding" layers (Gemma 3's rope_local_base_freq; they take no rope_scaling);
+    # None = rope_theta for every layer
+    rope_local_theta: float | None = None
+    # a norm on each sub-layer's output before it joins the residual (Gemma 2 / 3: beside the pre-norms):
+    # x = x + ln1_post(attn(ln1(x))); x = x + ln2_post(ffn(ln2(x)))
+    post_norms: bool = False
+    # the norms before each sub-layer (ln1, ln2); False (OLMo 2, with post_norms): none,
+    # x = x + ln1_post(attn(x)); x = x + ln2_post(ffn(x))
+    pre_norms: bool = True
+    # what config.qk_norm normalises over: "head" (each head's D dims: Qwen3, Gemma 3), "all" (the
+    # whole projection, H * D queries and K * D keys, before the split into heads: OLMo 2) or
+    # "own" (each head's D dims by a LayerNorm without bias of the head's own weights: StableLM 2)
+    qk_norm_over: str = "head"
+    # parallel_residual with one norm (GPT-J, StableLM 2 12B): x + attn(ln1(x)) + ffn(ln1(x)), no ln2
+    parallel_shared_norm: bool = False
+    # --- GPT-J --------------------------------------------------------------------------------
+    # rotary pairs (0, 1), (2, 3), ... of each head's rotated dims (GPT-J's rotate_every_two) instead
+    # of (i, i + R/2) (GPT-NeoX's rotate_half, which Llama's checkpoints use)
+    rotary_interleaved: bool = False
+    lm_head_bias: bool = False  # a bias on the LM head (GPT-J)
+    # --- Mixtral ------------------------------------------------------------------------------
+    # a mixture of experts in place of the FFN: 0 = the dense FFN; else n_experts FFNs (each as
+    # ffn / activation / d_ff say), a router scoring them per token, the experts_per_token best
+    # kept and their outputs weighed by the softmax of the router's scores renormalised over them
+    n_experts: int = 0
+    experts_per_token: int = 2
+    # --- Granite ------------------------------------------------------------------------------
+    embedding_multiplier: float = 1.0  # the token embeddings times this (after scale_embeddings)
+    residual_multiplier: float = 1.0  # each sub-layer's output times this before it joins the residual
+    logits_divisor: float = 1.0  # the logits divided by this (Granite's logits_scaling)
     # the transformers class this model was imported from (e.g. "LlamaForCausalLM"): what it is
     # called, and the architecture `export-hf` writes back by default; None for attnlens' own
     architecture: str | None = None
@@ -103,6 +146,17 @@ class ModelConfig:
     def rotary_dims(self) -> int:
         """Dims of each query/key head that rotary positions rotate (0 without them)."""
         return int(self.d_head * self.rotary_pct) if self.positional == "rotary" else 0
+
+    @property
+    def scores_scale(self) -> float:
+        """What q . k is multiplied by before the softmax."""
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.d_head)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it sees every earlier position)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding":
+            return None
+        return self.sliding_window
 
     def bias_of(self, layer: str) -> bool:
         """Whether the linear layer "qkv", "attn_out" or "ffn" has a bias."""
@@ -154,12 +208,46 @@ class ModelConfig:
             raise ConfigError(f"decoder_start_id must be a token id below vocab_size, got {self.decoder_start_id!r}")
         if not self.layer_norm_eps > 0:
             raise ConfigError(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
-        for name in ("parallel_residual", "bias", "tie_embeddings", "scale_embeddings", "qk_norm"):
+        for name in ("attn_scale", "attn_softcap", "final_softcap", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
+                raise ConfigError(f"{name} must be a positive number or null, got {value!r}")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_divisor"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
+        if self.layer_types is not None:
+            if not isinstance(self.layer_types, list) or len(self.layer_types) != self.n_layers \
+                    or any(t not in ("full", "sliding") for t in self.layer_types):
+                raise ConfigError(f"layer_types must be null or one of 'full' / 'sliding' per layer "
+                                  f"({self.n_layers}), got {self.layer_types!r}")
+            if self.sliding_window is None and "sliding" in self.layer_types:
+                raise ConfigError("layer_types has sliding layers: it needs a sliding_window")
+        for name in ("n_experts", "experts_per_token"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise ConfigError(f"experts_per_token must be 1..n_experts ({self.n_experts}), got {self.experts_per_token}")
+        if self.lm_head_bias and self.tie_embeddings:
+            raise ConfigError("lm_head_bias (GPT-J) needs an untied head (tie_embeddings=False)")
+        if self.rope_local_theta is not None and self.positional != "rotary":
+            raise ConfigError("rope_local_theta is a rotary base: it needs positional='rotary'")
+        for name in ("parallel_residual", "bias", "tie_embeddings", "scale_embeddings", "qk_norm", "post_norms",
+                     "pre_norms", "parallel_shared_norm", "rotary_interleaved", "lm_head_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("qkv_bias", "attn_out_bias", "ffn_bias"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true, false or null (= bias), got {getattr(self, name)!r}")
+        if self.post_norms and (self.norm != "pre" or self.parallel_residual):
+            raise ConfigError("post_norms (Gemma) needs norm='pre' and no parallel_residual")
+        if not self.pre_norms and not self.post_norms:
+            raise ConfigError("pre_norms=False (OLMo 2) needs post_norms: a block normalises somewhere")
+        if self.qk_norm_over not in ("head", "all", "own"):
+            raise ConfigError(f"qk_norm_over must be 'head', 'all' or 'own', got {self.qk_norm_over!r}")
+        if self.parallel_shared_norm and not self.parallel_residual:
+            raise ConfigError("parallel_shared_norm (GPT-J) needs parallel_residual")
         if self.parallel_residual and self.norm != "pre":
             raise ConfigError("parallel_residual (GPT-NeoX) needs norm='pre': both sub-layers read the block's input")
         self._validate_rotary()
@@ -281,9 +369,34 @@ class ModelConfig:
             reasons.append("BERT's activations are GELU or ReLU, not SiLU")
         return reasons + self._classic_parts_reasons("BERT")
 
+    def special_parts(self) -> dict[str, str]:
+        """The parts past Llama's this config uses (Gemma's and later), by field: {field: what it
+        is}. An export to an architecture without one of them is refused, naming it."""
+        parts = {
+            "attn_scale": (self.attn_scale is not None, f"scores scaled by {self.attn_scale} (attn_scale)"),
+            "attn_softcap": (self.attn_softcap is not None, "soft-capped attention scores (attn_softcap)"),
+            "final_softcap": (self.final_softcap is not None, "soft-capped logits (final_softcap)"),
+            "layer_types": (self.layer_types is not None, "sliding-window and full layers (layer_types)"),
+            "rope_local_theta": (self.rope_local_theta is not None, "a rotary base per layer type (rope_local_theta)"),
+            "post_norms": (self.post_norms, "norms after each sub-layer (post_norms)"),
+            "embedding_multiplier": (self.embedding_multiplier != 1.0,
+                                     f"embeddings multiplied by {self.embedding_multiplier} (embedding_multiplier)"),
+            "residual_multiplier": (self.residual_multiplier != 1.0,
+                                    f"sub-layer outputs multiplied by {self.residual_multiplier} (residual_multiplier)"),
+            "logits_divisor": (self.logits_divisor != 1.0, f"logits divided by {self.logits_divisor} (logits_divisor)"),
+            "rotary_interleaved": (self.rotary_interleaved, "rotary positions on interleaved pairs (rotary_interleaved)"),
+            "lm_head_bias": (self.lm_head_bias, "a bias on the LM head (lm_head_bias)"),
+            "n_experts": (self.n_experts > 0,
+                          f"a mixture of {self.n_experts} experts, {self.experts_per_token} a token (n_experts)"),
+            "pre_norms": (not self.pre_norms, "sub-layers without a norm before them (pre_norms=False)"),
+            "qk_norm_over": (self.qk_norm_over != "head", f"a q/k norm over {self.qk_norm_over!r} (qk_norm_over)"),
+            "parallel_shared_norm": (self.parallel_shared_norm, "one norm for attention and MLP (parallel_shared_norm)"),
+        }
+        return {name: what for name, (on, what) in parts.items() if on}
+
     def _classic_parts_reasons(self, name: str) -> list[str]:
         """What GPT-2 and BERT share: none of the newer decoders' parts."""
-        reasons = []
+        reasons = [f"{name} has no {what}" for what in self.special_parts().values()]
         if self.kv_heads != self.n_heads:
             reasons.append(f"{name} has as many key/value heads as query heads (n_kv_heads={self.n_kv_heads})")
         if self.head_dim is not None and self.head_dim * self.n_heads != self.d_model:

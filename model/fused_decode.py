@@ -11,7 +11,8 @@ It runs only where it computes exactly what the modular path would (`FusedDecode
 the model once; `fused_step` checks the call):
     the model  pre-norm blocks with RMSNorm, self-attention only, a SwiGLU feed-forward, no
                parallel residual; weights float32 (Linear) or packed (PackedLinear) on the CPU;
-               optional q/k norm (Qwen3), biases, rotary positions (partial or whole)
+               optional q/k norm (Qwen3), biases, rotary positions (partial or whole); of the
+               newer parts (ModelConfig.special_parts) only a scores' scale of its own
     the call   a decode step (one new token a row) over a KV cache in blocks, float32, at most
                MAX_ROWS rows, the rows' own mask (no sliding window narrowing it), no hooks
                (model/hooks.py), no autograd, not training, and the C kernels built here
@@ -45,6 +46,11 @@ from attnlens.model.native import library as native
 from attnlens.model.parts.norms import RMSNorm
 from attnlens.model.parts.positions import RotaryAngles, signed
 
+# of the newer parts (ModelConfig.special_parts), the ones a fused step computes: the scale (it reads
+# attn.scale) and those outside the blocks (the embedding's multiplier, the logits' divisor and cap:
+# the modular code's before and after it); a model with any other (attention soft-caps, per-layer
+# windows or rotary bases, post-norms, residual multipliers, ...) takes the modular path
+FUSED_PARTS = {"attn_scale", "embedding_multiplier", "logits_divisor", "final_softcap", "lm_head_bias"}
 MAX_ROWS = 16  # the packed kernel's few-row path (model/packed/modules.py's MAX_KERNEL_ROWS)
 _enabled = contextvars.ContextVar("attnlens_fused_decode", default=True)
 
@@ -108,6 +114,8 @@ class FusedDecode:
         c = model.config
         if c.norm != "pre" or c.parallel_residual or c.ffn != "gated" or c.activation != "silu" \
                 or c.norm_type != "rmsnorm":
+            return None
+        if set(c.special_parts()) - FUSED_PARTS:  # Gemma's and later parts: the C step computes none of them
             return None
         layers: list[dict[str, Any]] = []
         cast = native.load().ffi.cast  # a pointer field's value: cast("void *", address), 0 for NULL

@@ -13,6 +13,9 @@ built): `[n for n, m in model.named_modules() if isinstance(m, HookPoint)]` list
     {stack}.{l}.hook_attn_out         [B, T, C]     self-attention's output (after its projection)
     {stack}.{l}.hook_cross_out        [B, T, C]     cross-attention's output (encoder-decoder only)
     {stack}.{l}.hook_mlp_out          [B, T, C]     the FFN's output
+    {stack}.{l}.ffn.hook_router       [B, T, E]     a mixture of experts' router probabilities over its E
+                                                    experts (Mixtral; an edit reroutes)
+    {stack}.{l}.ffn.hook_experts      [B, T, k]     the k experts each token was routed to (int64)
     {stack}.{l}.{attn}.hook_q         [B, T, H, D]  queries, before rotary positions (after the
                                                     per-head q/k norm where config.qk_norm, as
                                                     are hook_k and the maps: Qwen3)

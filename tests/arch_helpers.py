@@ -159,6 +159,84 @@ CASES = {
 }
 ARCH_NAMES = list(CASES)
 
+GEMMA_CHAT = ("{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + (message['role'] | replace('assistant', "
+              "'model')) + '\n' + message['content'] + '<end_of_turn>\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+GEMMA_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+                "chat_template": GEMMA_CHAT}
+
+# The architectures of issue 47 (tests/model/test_hf_archs_more.py), each with its special paths made to
+# bite: windows of 8 shorter than the prompts, soft-caps small enough to cap, ...
+MORE_CASES = {
+    # Gemma 2: sliding (8) and full layers alternating, both soft-caps small (the weights perturbed
+    # make scores and logits far above them), query_pre_attn_scalar 24 (not head_dim 16), GQA,
+    # head_dim 16 with hidden 48 / 4 heads, pre- and post-norms, GeGLU, a tied head
+    "gemma2": Case("gemma2", "Gemma2Config", "Gemma2ForCausalLM",
+                   dict(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=5.0,
+                        final_logit_softcapping=3.0, num_hidden_layers=3, tie_word_embeddings=True),
+                   "sentencepiece", [], GEMMA_TOKENS),
+    # Gemma 3 text: a per-head q/k norm, three sliding layers (window 8) to one full, the sliding
+    # layers' own rotary base (10000) beside the full layers' linearly scaled one (1e6, factor 4),
+    # no soft-caps, an untied head
+    "gemma3": Case("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM",
+                   dict(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=4,
+                        layer_types=["sliding_attention"] * 3 + ["full_attention"], tie_word_embeddings=False,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                            "rope_theta": 1000000.0}}),
+                   "sentencepiece", [], GEMMA_TOKENS),
+    # Phi-3: fused qkv_proj and gate_up_proj, half of each head rotary (partial_rotary_factor 0.5, as
+    # Phi-4 mini's 0.75), a sliding window of 8 on every layer, GQA, an untied head
+    "phi3": Case("phi3", "Phi3Config", "Phi3ForCausalLM",
+                 dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                      sliding_window=8, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+                 "sentencepiece", [], {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                                       "add_bos_token": True, "chat_template": LLAMA2_CHAT}),
+    # OLMo 2: norms after each sub-layer only, one RMSNorm over all heads' queries (and keys), GQA,
+    # an untied head, no chat template
+    "olmo2": Case("olmo2", "Olmo2Config", "Olmo2ForCausalLM",
+                  dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+                  "byte_level", ["<|endoftext|>", "<|pad|>"], {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>"}),
+    # Granite: its four multipliers away from 1 (embeddings x 6, sub-layer outputs x 0.5, scores x
+    # 0.3 instead of 1/sqrt(16), logits / 4), attention and MLP biases, GQA, a tied head, ChatML
+    "granite": Case("granite", "GraniteConfig", "GraniteForCausalLM",
+                    dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True, attention_bias=True, mlp_bias=True, embedding_multiplier=6.0,
+                         residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0),
+                    "byte_level", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                    {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}),
+    # StableLM 2: a quarter of each head rotary, LayerNorm with biases, q/k/v biases, GQA
+    "stablelm": Case("stablelm", "StableLmConfig", "StableLmForCausalLM",
+                     dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                          use_qkv_bias=True, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
+                     "byte_level", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                     {"eos_token": "<|endoftext|>", "chat_template": CHATML}),
+    # StableLM 2 12B's parts: the parallel residual with one norm, a LayerNorm per head on q and k
+    "stablelm_parallel": Case("stablelm_parallel", "StableLmConfig", "StableLmForCausalLM",
+                              dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                   use_parallel_residual=True, qk_layernorm=True, tie_word_embeddings=False,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.25}),
+                              "byte_level", ["<|endoftext|>"], {"eos_token": "<|endoftext|>"}),
+    # GPT-J: interleaved rotary pairs on 8 of each head's 16 dims, the parallel residual with one
+    # LayerNorm, a plain MLP with tanh GELU, a head with a bias
+    "gptj": Case("gptj", "GPTJConfig", "GPTJForCausalLM",
+                 dict(n_embd=64, n_inner=128, n_head=4, n_layer=2, n_positions=64, rotary_dim=8,
+                      tie_word_embeddings=False),
+                 "byte_level", ["<|endoftext|>"], {"eos_token": "<|endoftext|>"}),
+    # Mixtral: 4 experts, 2 a token, a sliding window of 8, GQA, an untied head
+    "mixtral": Case("mixtral", "MixtralConfig", "MixtralForCausalLM",
+                    dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                         num_local_experts=4, num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False),
+                    "sentencepiece", [], {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                                          "add_bos_token": True, "chat_template": LLAMA2_CHAT}),
+}
+
 
 def perturb_(model: torch.nn.Module, seed: int) -> None:
     """Weights away from transformers' small init: norms around 1, biases and matrices large

@@ -122,11 +122,20 @@ class LensActual(TokenText):
     prob: float
 
 
+class ExpertChoice(BaseModel):
+    expert: int
+    weight: float = Field(description="its share of the MLP's output (the router's probability, renormalised "
+                          "over the chosen experts)")
+
+
 class LensPosition(BaseModel):
     position: int = Field(description="the position in the stream (the request's `positions`, in order)")
     top: list[TokenProb]
     actual: LensActual | None = Field(description="the token the position predicts (see `predicts`); null at a "
                                       "decoder's last position")
+    experts: list[ExpertChoice] | None = Field(default=None, description="a mixture of experts (Mixtral): the "
+                                               "experts this block routed the position to, heaviest first; "
+                                               "null for other models and the embeddings' row")
 
 
 class LensLayer(BaseModel):
@@ -150,7 +159,10 @@ class ExplainResponse(BaseModel):
     query_token: TokenText
     key_tokens: list[TokenText]
     d_head: int
-    scale: float = Field(description="what the model multiplies q.k by (its attention module's scale: 1/sqrt(d_head))")
+    scale: float = Field(description="what the model multiplies q.k by (its attention module's scale: 1/sqrt(d_head) "
+                         "unless the model sets its own)")
+    softcap: float | None = Field(default=None, description="Gemma 2's soft-cap: `scaled` is cap * tanh(scores * "
+                                  "scale / cap); null without one")
     kv_head: int = Field(description="the key/value head this query head reads (grouped-query attention: "
                          "head // (n_heads / n_kv_heads); else the head itself)")
     positions: str = Field(description="how positions enter the computation")
@@ -159,7 +171,7 @@ class ExplainResponse(BaseModel):
     keys: list[list[float]] = Field(description="[keys][d_head]")
     values: list[list[float]] = Field(description="[keys][d_head]")
     scores: list[float] = Field(description="q . k per key")
-    scaled: list[float] = Field(description="scores * scale")
+    scaled: list[float] = Field(description="scores * scale (soft-capped where `softcap` is given)")
     mask: list[bool] = Field(description="true = the query may attend to the key")
     masked: list[float | None] = Field(description="scaled, null where masked (-inf before the softmax)")
     softmax: list[float] = Field(description="softmax of masked: recomputed here")

@@ -112,6 +112,13 @@ def _check_index(name: str, value: int, n: int, what: str) -> None:
                        code="out_of_range")
 
 
+def head_formula(softcap: float | None, own_scale: bool) -> str:
+    """What a head computes, as the step-by-step answer shows it: its own scale (Gemma, Granite)
+    and Gemma 2's soft-cap where the model has them."""
+    if softcap is not None:
+        return "z = softmax(cap(q K^T * scale) + mask) V, cap(s) = softcap * tanh(s / softcap)"
+    return "z = softmax(q K^T * scale + mask) V" if own_scale else "z = softmax(q K^T / sqrt(d_head) + mask) V"
+
 class ExplainServing:
     """Answers POST /logits, /lens and /attention/explain for the models in `state`."""
 
@@ -158,10 +165,13 @@ class ExplainServing:
             layers = [{"index": layer["index"], "label": label(layer["index"]),
                        "positions": [{"position": at, "top": [{"id": i, "text": text(i), "prob": p}
                                                               for i, p in zip(top_ids, probs)],
-                                      "actual": None if a is None else {**a, "rank": rank, "prob": prob}}
-                                     for at, top_ids, probs, a, rank, prob in zip(
+                                      "actual": None if a is None else {**a, "rank": rank, "prob": prob},
+                                      "experts": None if routes is None else [{"expert": e, "weight": w}
+                                                                              for e, w in routes]}
+                                     for at, top_ids, probs, a, rank, prob, routes in zip(
                                          report["positions"], layer["top_ids"], layer["top_probs"], actual,
-                                         layer["rank"], layer["prob"])]}
+                                         layer["rank"], layer["prob"],
+                                         layer.get("experts") or [None] * len(report["positions"]))]}
                       for layer in report["layers"]]
             return with_rows(LensResponse, _common(served, report, echo), layers=layers)
 
@@ -202,7 +212,7 @@ class ExplainServing:
                 query_token={"id": report["query_id"], "text": tok.display_text(report["query_id"])},
                 key_tokens=_tokens(tok, report["key_ids"]), d_head=report["d_head"], scale=report["scale"],
                 kv_head=report["kv_head"], positions=explain.positions_note(cfg),
-                formula="z = softmax(q K^T / sqrt(d_head) + mask) V",
+                formula=head_formula(report["softcap"], cfg.attn_scale is not None), softcap=report["softcap"],
                 **{k: report[k] for k in ("q", "keys", "values", "scores", "scaled", "mask", "masked", "softmax",
                                           "pattern_row", "z")},
                 tokens=_tokens(tok, tokens["source"] if translated else tokens["tokens"]),

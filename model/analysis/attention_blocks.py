@@ -210,9 +210,11 @@ def _visible(causal: bool, window: int | None, row0: int, row1: int, n_keys: int
 
 def reduce_layer(reduction: Reduction, layer: int, q: torch.Tensor, k: torch.Tensor, heads: list[int],
                  groups: int, scale: float, causal: bool, window: int | None, *,
-                 block_bytes: int = BLOCK_BYTES, progress: Callable[[], None] | None = None) -> None:
+                 block_bytes: int = BLOCK_BYTES, progress: Callable[[], None] | None = None,
+                 softcap: float | None = None) -> None:
     """One layer's asked heads, q (Q, H, D) over k (S, K, D) (K = H / groups key heads), made in
-    blocks of query rows within reduction.rows and fed to `reduction` as `layer`."""
+    blocks of query rows within reduction.rows and fed to `reduction` as `layer`; `softcap`: the
+    scores capped first, as the layer's forward caps them (Gemma 2)."""
     a, b = reduction.rows
     S = k.shape[0]
     kv = torch.tensor([h // groups for h in heads], device=k.device)
@@ -223,6 +225,8 @@ def reduce_layer(reduction: Reduction, layer: int, q: torch.Tensor, k: torch.Ten
         row1 = min(b, row0 + rows_per_block)
         lo, hi, hidden = _visible(causal, window, row0, row1, S, q.device)
         scores = torch.bmm(q_heads[:, row0 - a:row1 - a], k_heads[:, :, lo:hi]).mul_(scale)  # (H', B, n)
+        if softcap is not None:
+            scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
         if hidden is not None:
             scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
@@ -261,7 +265,6 @@ def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: 
         for name, reduction in reductions.items():
             _reduce_whole(reduction, analysis.maps[name], layers, heads)
         return
-    window = model.config.sliding_window
     pending = {}  # attention module's hook name -> (group, index of the layer among the asked ones)
     for name in reductions:
         for i, layer in enumerate(layers):
@@ -271,8 +274,9 @@ def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: 
     def reduce(module: str, group, i: int, q: torch.Tensor, k: torch.Tensor) -> None:
         attn = model.get_submodule(module)  # a module's path is its hook name
         assert isinstance(attn, MultiHeadAttention)  # a group's hook names its attention module
+        window = model.config.window_of(layers[i]) if group.causal else None  # this layer's (Gemma: some)
         reduce_layer(reductions[group.name], i, q, k, heads, attn.groups, attn.scale, group.causal,
-                     window if group.causal else None, block_bytes=block_bytes, progress=progress)
+                     window, block_bytes=block_bytes, progress=progress, softcap=attn.softcap)
 
     for module, (group, i) in list(pending.items()):  # layers analysed before: no forward for them
         pair = kept.get((sequence, module)) if kept is not None else None

@@ -84,7 +84,7 @@ class LensReport(TypedDict, total=False):
     stream: list[int]
     actual: list[int | None]
     positions: list[int]
-    layers: list[dict]  # per row: index, top_ids, top_probs, rank, prob
+    layers: list[dict]  # per row: index, top_ids, top_probs, rank, prob (and a mixture of experts' experts)
 
 
 class HeadStep(TypedDict, total=False):
@@ -99,6 +99,7 @@ class HeadStep(TypedDict, total=False):
     key_ids: list[int]
     d_head: int
     scale: float  # the attention module's own scale, what the forward multiplied q.k by
+    softcap: float | None  # Gemma 2's cap: scaled = cap * tanh(scores * scale / cap); None without one
     kv_head: int
     q: list[float]
     keys: list[list[float]]
@@ -202,8 +203,11 @@ def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tup
     stream = seq.stream(model)
     actual = actual_ids(model, stream)
     names = lens_names(model)
+    # a mixture of experts (Mixtral): the experts each block routed each position to, and their weights
+    routes = [f"{lens_of(model).stack}.{l}.ffn.{p}" for l in range(model.config.n_layers)
+              for p in ("hook_experts", "hook_router")] if getattr(model.config, "n_experts", 0) else []
     # the forward stops at the last block's output: the model's own logits are that through unembed
-    hooks = Hooks(record=set(names), ablate=ablate, stop_after=names[-1], progress=progress)
+    hooks = Hooks(record=set(names) | set(routes), ablate=ablate, stop_after=names[-1], progress=progress)
     run_until(model, hooks, lambda: model.stream_logits(seq.tokens))
     at = list(range(len(stream))) if positions is None else list(positions)
     if at and max(at) >= len(stream):  # only a generated target's length is not known before this call
@@ -228,15 +232,22 @@ def lens_report(model, ids: list[int], target_ids: list[int] | None, ablate: tup
         layers.append({"index": row - 1, "top_ids": top_ids[rows], "top_probs": top_probs[rows],
                        "rank": [None if a is None else r for a, r in zip(actual_at, ranks[rows])],
                        "prob": [None if a is None else p for a, p in zip(actual_at, probs[rows])]})
+        if routes and row > 0:  # block row - 1's experts at each position: [(expert, weight), ...], heaviest first
+            prefix = f"{lens_of(model).stack}.{row - 1}.ffn."
+            chosen = hooks.captured[prefix + "hook_experts"][0].index_select(0, index)  # (P, k)
+            weights = hooks.captured[prefix + "hook_router"][0].index_select(0, index).gather(-1, chosen)  # (P, k)
+            weights = weights / weights.sum(-1, keepdim=True)
+            layers[-1]["experts"] = [list(zip(e, w)) for e, w in zip(chosen.tolist(), weights.tolist())]
     return {"tokens": seq.tokens, "generated": seq.generated, "stream": stream, "actual": actual_at,
             "positions": at, "layers": layers}
 
 
-def head_mask(model, group, query: int, n_keys: int) -> list[bool]:
-    """Which keys query `query` may attend to in one unpadded sequence: causality and a sliding window."""
+def head_mask(model, group, query: int, n_keys: int, layer: int = 0) -> list[bool]:
+    """Which keys query `query` may attend to in one unpadded sequence: causality and the layer's
+    sliding window."""
     if not group.causal:
         return [True] * n_keys
-    window = model.config.sliding_window  # a decoder's (Mistral); None elsewhere
+    window = model.config.window_of(layer)  # a decoder's (Mistral, Gemma's sliding layers); None elsewhere
     return [k <= query and (window is None or k > query - window) for k in range(n_keys)]
 
 
@@ -281,7 +292,10 @@ def explain_head(model, ids: list[int], target_ids: list[int] | None, group_name
     scale = model.get_submodule(module).scale  # what the forward multiplied q.k by (its path is its hook name)
     scores = keys @ q  # (S,)
     scaled = scores * scale
-    mask = head_mask(model, group, query, keys.shape[0])
+    cap = model.get_submodule(module).softcap
+    if cap is not None:  # Gemma 2: the scores soft-capped before the mask, as the forward caps them
+        scaled = torch.tanh(scaled / cap) * cap
+    mask = head_mask(model, group, query, keys.shape[0], layer)
     allowed = torch.tensor(mask)
     softmax = torch.softmax(scaled.masked_fill(~allowed, float("-inf")), dim=-1)
     z = softmax @ values  # (D,)
@@ -289,7 +303,7 @@ def explain_head(model, ids: list[int], target_ids: list[int] | None, group_name
     return {
         "group": group.name, "layer": layer, "head": head, "query": query,
         "query_id": queries_axis[query], "key_ids": keys_axis,
-        "d_head": D, "scale": scale, "kv_head": kv,
+        "d_head": D, "scale": scale, "softcap": cap, "kv_head": kv,
         "q": q.tolist(), "keys": keys.tolist(), "values": values.tolist(),
         "scores": scores.tolist(), "scaled": scaled.tolist(), "mask": mask,
         "masked": [s if m else None for s, m in zip(scaled.tolist(), mask)],

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from attnlens.model.checkpoint import load_checkpoint
+from attnlens.model.config import ModelConfig
 
 
 def summary(ckpt_dir: str | Path) -> dict:
@@ -81,6 +82,9 @@ def describe(ckpt_dir: str | Path) -> str:
         + (f", sliding window {cfg['sliding_window']}" if cfg.get("sliding_window") else "")
         + (", q/k norm" if cfg.get("qk_norm") else ""),
     ]
+    special = ModelConfig.from_dict(cfg).special_parts() if cfg.get("family", "decoder") == "decoder" else {}
+    if special:  # Gemma's, Mixtral's, ...: as the export refusals name them
+        lines.append("also         " + "; ".join(special.values()))
     if cfg.get("architecture"):
         lines.insert(2, f"imported     from a transformers {cfg['architecture']}")
     if cfg.get("family", "decoder") != "encoder":

@@ -90,7 +90,7 @@ class Transformer(Embeddings, nn.Module):
         self.blocks = nn.ModuleList(Block(config, causal=True) for _ in range(config.n_layers))
         # Post-LN already normalises every block's output; pre-LN needs a final norm.
         self.ln_f = make_norm(config) if config.norm == "pre" else nn.Identity()
-        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)  # GPT-J's has a bias
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
@@ -150,24 +150,26 @@ class Transformer(Embeddings, nn.Module):
                 f"sequence of {T} tokens exceeds the context length {self.config.context_length}"
             )
         if write is None:  # positions 0 .. T-1
-            x, rope, mask = self.embed(ids), self.rotary_angles(T), self.window_mask(T, T)
+            x, ropes, masks = self.embed(ids), self.layer_rotary_angles(T), self.window_masks(T, T)
         elif write.positions is None:  # every row continues from the same position
             start = write.start
-            x, rope = self.embed(ids, start=start), self.rotary_angles(T, start=start)
-            mask = self.window_mask(T, write.n_keys, start=start)
+            x, ropes = self.embed(ids, start=start), self.layer_rotary_angles(T, start=start)
+            masks = self.window_masks(T, write.n_keys, start=start)
         else:  # each row its own (B, T) positions
             positions = write.positions
-            x, rope = self.embed(ids, positions=positions), self.rotary_angles(T, positions=positions)
-            mask = self.window_mask(T, write.n_keys, positions=positions, mask=write.mask)
+            x, ropes = self.embed(ids, positions=positions), self.layer_rotary_angles(T, positions=positions)
+            masks = self.window_masks(T, write.n_keys, positions=positions, mask=write.mask)
         if write is not None and self.windowed(write.n_keys):
             write.narrowed = True  # the rows' mask is narrowed: a cache in blocks gathers the keys
 
-        fused = fused_step(self, write, mask) if write is not None else None
+        # the fused step takes one mask and one set of angles for every layer (it refuses models
+        # whose layers differ: model/fused_decode.py)
+        fused = fused_step(self, write, masks[0]) if write is not None else None
         if fused is not None:  # a decode step through every block in one C call (model/fused_decode.py)
-            x, attentions = fused.run(x, rope, write, return_attention)
+            x, attentions = fused.run(x, ropes[0], write, return_attention)
         else:
-            x, attentions = self.run_blocks(x, mask, write.layer if write is not None else None, return_attention,
-                                            rope=rope)
+            x, attentions = self.run_blocks(x, masks, write.layer if write is not None else None, return_attention,
+                                            ropes=ropes)
         if kv_cache is not None and write is not None:
             kv_cache.commit(write, T if valid is None else valid.cpu())
 
@@ -176,8 +178,7 @@ class Transformer(Embeddings, nn.Module):
                 x = x[:, -1:, :]
             else:  # each row's last real position: (B, T, C) -> (B, 1, C)
                 x = x[torch.arange(B, device=x.device), valid.to(x.device) - 1][:, None, :]
-        x = self.ln_f(x)
-        return DecoderOutput(self.lm_head(x), attentions)  # (B, T, V)
+        return DecoderOutput(self.unembed(x), attentions)  # (B, T, V)
 
     def decode_fixed(self, ids: torch.Tensor, kv_cache: KVCache, lengths: torch.Tensor, *,
                      return_attention: bool = False) -> DecoderOutput:
@@ -193,19 +194,26 @@ class Transformer(Embeddings, nn.Module):
         B = ids.shape[0]
         positions = lengths[:, None]  # (B, 1): each row's new token sits at its length
         x = self.embed(ids, positions=positions, dropout=False)  # (B, 1, C)
-        rope = self.rotary_angles(1, positions=positions)  # (B, 1, R) angles, or None
+        ropes = self.layer_rotary_angles(1, positions=positions)  # each layer's (B, 1, R) angles, or None
         keys = torch.arange(kv_cache.capacity, device=ids.device)  # (P,)
         seen = (keys[None, :] <= lengths[:, None])[:, None, None, :]  # (B, P) -> (B, 1, 1, P)
-        mask = self.window_mask(1, kv_cache.capacity, positions=positions, mask=seen)
+        masks = self.window_masks(1, kv_cache.capacity, positions=positions, mask=seen)
         rows = torch.arange(B, device=ids.device)
-        x, attentions = self.run_blocks(x, mask, lambda i: kv_cache.fixed_update(i, rows, lengths), return_attention,
-                                        rope=rope)
-        return DecoderOutput(self.lm_head(self.ln_f(x)), attentions)  # (B, 1, V)
+        x, attentions = self.run_blocks(x, masks, lambda i: kv_cache.fixed_update(i, rows, lengths), return_attention,
+                                        ropes=ropes)
+        return DecoderOutput(self.unembed(x), attentions)  # (B, 1, V)
 
     def windowed(self, n_keys: int) -> bool:
-        """Whether a sliding window narrows the keys a query sees among n_keys."""
+        """Whether a sliding window narrows the keys some layer's queries see among n_keys."""
         window = self.config.sliding_window
         return window is not None and n_keys > window
+
+    def window_masks(self, n: int, n_keys: int, *, start: int = 0, positions: torch.Tensor | None = None,
+                     mask: torch.Tensor | None = None) -> list[torch.Tensor | None]:
+        """Each layer's mask: window_mask for the layers with a sliding window (config.window_of),
+        `mask` itself for the others; made once, shared by the layers of a kind."""
+        windowed = self.window_mask(n, n_keys, start=start, positions=positions, mask=mask)
+        return [windowed if self.config.window_of(i) is not None else mask for i in range(self.config.n_layers)]
 
     def window_mask(self, n: int, n_keys: int, *, start: int = 0, positions: torch.Tensor | None = None,
                     mask: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -223,16 +231,16 @@ class Transformer(Embeddings, nn.Module):
             band = band[:, None]  # (B, 1, T, S): the same for every head
         return band if mask is None else mask & band
 
-    def run_blocks(self, x: torch.Tensor, mask: torch.Tensor | None, kv_update: Callable[[int], KVUpdate] | None,
-                   return_attention: bool, *, rope: RotaryAngles | None = None,
-                   ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """x (B, T, C) through every block (layer i's cache through kv_update(i); `rope`, the
-        rotary angles of the tokens' positions, shared by every layer); with return_attention,
-        each layer's (B, H, T, S) probabilities."""
+    def run_blocks(self, x: torch.Tensor, masks: list[torch.Tensor | None],
+                   kv_update: Callable[[int], KVUpdate] | None, return_attention: bool, *,
+                   ropes: list[RotaryAngles | None]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """x (B, T, C) through every block (layer i's cache through kv_update(i), its mask masks[i]
+        and the rotary angles of the tokens' positions ropes[i]: window_masks, layer_rotary_angles);
+        with return_attention, each layer's (B, H, T, S) probabilities."""
         attentions: list = []  # each layer's maps (None for a block its hooks gave: model/hooks.py)
         for i, block in enumerate(self.blocks):
-            out = block(x, mask=mask, kv_update=kv_update(i) if kv_update is not None else None,
-                        return_attention=return_attention, rope=rope)
+            out = block(x, mask=masks[i], kv_update=kv_update(i) if kv_update is not None else None,
+                        return_attention=return_attention, rope=ropes[i])
             x = out.x
             if return_attention:
                 attentions.append(out.self_attention)
@@ -265,7 +273,13 @@ class Transformer(Embeddings, nn.Module):
         return self(inputs).logits[0]
 
     def unembed(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
+        """(..., C) residual -> (..., V) logits: the final norm, the LM head, Granite's divisor
+        (config.logits_divisor) and Gemma 2's cap (config.final_softcap: cap * tanh(logits / cap))."""
+        logits = self.lm_head(self.ln_f(x))
+        if self.config.logits_divisor != 1.0:
+            logits = logits / self.config.logits_divisor
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def step_attention(self, output: DecoderOutput, cache: KVCache, rows: slice,
                        queries: list[int]) -> list[dict[str, list[torch.Tensor]]]:

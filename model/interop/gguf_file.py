@@ -16,7 +16,8 @@ what a transformers directory gives the converter (model/interop/convert.py):
                 per weight row, the same un-permutation), for serving them packed (model/packed/)
 
 Supported: `general.architecture` llama (a llama file whose name says Mistral is imported as
-Mistral, as transformers does), qwen2. Everything else, and every unreadable file, is a
+Mistral, as transformers does), qwen2, gemma2, gemma3 (text), phi3 (LongRoPE's rope_factors
+refused). Everything else, and every unreadable file, is a
 CheckpointError naming what is wrong.
 """
 
@@ -39,7 +40,11 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "mistral": ("MistralForCausalLM", "mistral", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
 }
+GEMMAS = ("gemma2", "gemma3")  # llama.cpp stores their norms as 1 + w (transformers' w: subtracted here)
 # block formats `gguf.quants.dequantize` turns into float32 here
 DEQUANTIZED = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -51,6 +56,16 @@ LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # Gemma 2 / 3: the norms after each sub-layer and Gemma 3's per-head q/k norms
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+# where an architecture's names differ: Gemma's ffn_norm is the norm before the MLP (its
+# post_attention_norm the one after attention); Phi-3's q|k|v and gate|up are one tensor each
+LAYER_NAMES_OF = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 
 
@@ -113,8 +128,9 @@ def read_gguf(path: str | Path, *, progress: Callable[[int, int], None] | None =
     config = config_from_metadata(meta, names, path, arch_name)
     tokenizer = tokenizer_from_metadata(meta, path)
     permuted = ARCHITECTURES[arch_name][2]
-    tensors, formats = read_tensors(reader, config, path, permuted=permuted, progress=progress)
-    return GGUFSource(path, config, tensors, tokenizer, formats, read_blocks(reader, config, path, permuted=permuted))
+    tensors, formats = read_tensors(reader, config, path, permuted=permuted, progress=progress, arch=arch_name)
+    return GGUFSource(path, config, tensors, tokenizer, formats,
+                      read_blocks(reader, config, path, permuted=permuted, arch=arch_name))
 
 
 def config_from_metadata(meta: dict[str, Any], tensor_names: list[str], path: Path, arch_name: str) -> dict[str, Any]:
@@ -166,12 +182,45 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: list[str], path: Pa
     if "rope_freqs.weight" in tensor_names:
         raise CheckpointError(f"{path}: GGUF tensor rope_freqs.weight (llama.cpp's per-frequency rope "
                               "factors, as for Llama 3.1) is not supported")
+    if any(n.startswith("rope_factors_") for n in tensor_names):
+        raise CheckpointError(f"{path}: GGUF tensors rope_factors_long / rope_factors_short (LongRoPE, the long-context "
+                              "Phi-3 models' rope scaling) are not supported")
     window = meta.get(f"{prefix}.attention.sliding_window")
-    if window is not None and arch_name == "mistral":
+    if window is not None and arch_name in ("mistral", "phi3"):
         config["sliding_window"] = window
+    if arch_name in GEMMAS:
+        config.update(gemma_config(meta, prefix, config, window))
     if any(n.endswith(".attn_q.bias") for n in tensor_names) and arch_name == "llama":
         config["attention_bias"] = True
     return config
+
+
+def gemma_config(meta: dict[str, Any], prefix: str, config: dict[str, Any], window: Any) -> dict[str, Any]:
+    """A Gemma 2 / 3 file's config.json keys as llama.cpp reads its metadata: the soft-caps; the
+    scores' scale 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B models (46 layers: Gemma
+    2, 62: Gemma 3), which llama.cpp knows by their size; Gemma 2's layers sliding and full in turn
+    from the first, Gemma 3's five sliding to one full; Gemma 3's sliding layers rotating by base
+    10000 unscaled, its full ones by rope.freq_base with the file's linear scaling."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    big = config["num_hidden_layers"] == (46 if prefix == "gemma2" else 62)
+    n = config["num_hidden_layers"]
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if big else head_dim,
+        "attn_logit_softcapping": meta.get(f"{prefix}.attn_logit_softcapping"),
+        "final_logit_softcapping": meta.get(f"{prefix}.final_logit_softcapping"),
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if (i % 2 == 0 if prefix == "gemma2" else i % 6 < 5) else "full_attention"
+                        for i in range(n)],
+    }
+    if prefix == "gemma3":
+        full: dict[str, Any] = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+        scaling = config.pop("rope_scaling", None)
+        if scaling is not None:
+            full.update(rope_type=scaling["rope_type"], factor=scaling["factor"])
+        out["rope_parameters"] = {"full_attention": full,
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return out
 
 
 def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -183,15 +232,16 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def hf_name(name: str, path: Path) -> str:
+def hf_name(name: str, path: Path, arch: str = "llama") -> str:
     """transformers' name of a llama.cpp tensor name ('blk.3.attn_q.weight' ->
     'model.layers.3.self_attn.q_proj.weight'); a name it does not know is a CheckpointError."""
     stem, _, kind = name.rpartition(".")
     if stem in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[stem]}.{kind}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{kind}"
+    names = {**LAYER_NAMES, **LAYER_NAMES_OF.get(arch, {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{kind}"
     raise CheckpointError(f"{path}: unexpected GGUF tensor {name!r}")
 
 
@@ -213,15 +263,19 @@ def dequantize(tensor, path: Path) -> torch.Tensor:
 
 
 def read_tensors(reader, config: dict[str, Any], path: Path, *, permuted: bool,
-                 progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """Every tensor, float32, under transformers' names; Q and K rows un-permuted when `permuted`."""
+                 progress: Callable[[int, int], None] | None = None, arch: str = "llama",
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """Every tensor, float32, under transformers' names; Q and K rows un-permuted when `permuted`;
+    a Gemma's norms as transformers keeps them (w, where the file holds 1 + w)."""
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     out: dict[str, torch.Tensor] = {}
     formats: dict[str, int] = {}
     total = len(reader.tensors)
     for i, tensor in enumerate(reader.tensors):
-        name = hf_name(tensor.name, path)
+        name = hf_name(tensor.name, path, arch)
         w = dequantize(tensor, path)
+        if arch in GEMMAS and name.endswith("norm.weight"):
+            w = w - 1
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             w = unpermute(w, n_heads if ".q_proj." in name else n_kv)
         out[name] = w
@@ -234,7 +288,8 @@ def read_tensors(reader, config: dict[str, Any], path: Path, *, permuted: bool,
 PACKABLE = ("Q4_0", "Q4_1", "Q8_0")  # block formats model/packed/ multiplies with directly
 
 
-def read_blocks(reader, config: dict[str, Any], path: Path, *, permuted: bool) -> dict[str, tuple[torch.Tensor, str]]:
+def read_blocks(reader, config: dict[str, Any], path: Path, *, permuted: bool,
+                arch: str = "llama") -> dict[str, tuple[torch.Tensor, str]]:
     """The 2-D tensors in a PACKABLE format as their raw blocks: (rows, row bytes) uint8 under
     transformers' names, Q and K rows un-permuted like the float32 ones (a row permutation moves
     whole rows of blocks)."""
@@ -244,7 +299,7 @@ def read_blocks(reader, config: dict[str, Any], path: Path, *, permuted: bool) -
         kind = tensor.tensor_type.name
         if kind not in PACKABLE or len(tensor.shape) != 2:
             continue
-        name = hf_name(tensor.name, path)
+        name = hf_name(tensor.name, path, arch)
         rows = int(tensor.shape[1])  # ggml lists the fastest dimension first
         raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1))
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -23,6 +23,7 @@ H = query heads, K = key/value heads, D = d_head, R = rotary dims, F = d_ff.
     causal_attention                 a causal prefill's attention on the CPU by our C kernel
                                      (model/native/causal_attention.c), SDPA's numbers faster
     feedforward  FeedForward         Linear(C -> F), act, Linear(F -> C); gated: SwiGLU / GeGLU
+                 MixtureOfExperts    a router and top-k of E FeedForward experts (Mixtral)
                  activate            gelu (tanh) | gelu_exact | relu | silu
     norms        RMSNorm, make_norm  LayerNorm | RMSNorm
     block        Block, BlockOutput  residual sub-layers: pre-LN (GPT-2, Llama), post-LN
@@ -54,7 +55,7 @@ from attnlens.model.parts.attention_backends import (
 )
 from attnlens.model.parts.block import Block, BlockOutput
 from attnlens.model.parts.embeddings import Embeddings
-from attnlens.model.parts.feedforward import FeedForward, activate
+from attnlens.model.parts.feedforward import FeedForward, MixtureOfExperts, activate
 from attnlens.model.parts.norms import RMSNorm, make_norm
 from attnlens.model.parts.positions import (
     RotaryAngles,
@@ -72,6 +73,7 @@ __all__ = [
     "BlockOutput",
     "Embeddings",
     "FeedForward",
+    "MixtureOfExperts",
     "InPlaceDecode",
     "KVUpdate",
     "MultiHeadAttention",

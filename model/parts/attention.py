@@ -17,7 +17,6 @@ multi-query attention), G = H / K query heads per key/value head, D = d_head.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -36,7 +35,7 @@ from attnlens.model.parts.attention_backends import (  # noqa: F401  (causal_mas
     sdpa,
 )
 from attnlens.model.parts.linear import Linear
-from attnlens.model.parts.norms import RMSNorm
+from attnlens.model.parts.norms import HeadLayerNorm, RMSNorm
 from attnlens.model.parts.positions import RotaryAngles, apply_rotary
 
 # Stores this call's new (B, K, T, D) keys/values and returns all (B, K, S, D) keys/values
@@ -62,7 +61,8 @@ def sliding_window_mask(query_positions: torch.Tensor, n_keys: int, window: int)
 
 
 class MultiHeadAttention(nn.Module):
-    """softmax(Q K^T * scale + mask) V per query head (scale = 1/sqrt(D), the `scale` attribute),
+    """softmax(Q K^T * scale + mask) V per query head (scale = 1/sqrt(D) or config.attn_scale, the
+    `scale` attribute; with config.attn_softcap the scores are capped first: cap * tanh(s / cap)),
     then an output projection.
 
     The input projection is one fused ((H + 2K) D, C) matrix `qkv` (rows: q, then k, then v),
@@ -76,7 +76,9 @@ class MultiHeadAttention(nn.Module):
     repeated: the cache holds K heads, and the G queries of a group meet its keys in one product.
 
     Q/K norm (config.qk_norm, Qwen3): `q_norm` and `k_norm`, RMSNorms over the D dims of each
-    head (weights of size D, eps config.layer_norm_eps), normalise every query and key right
+    head (weights of size D, eps config.layer_norm_eps; OLMo 2, config.qk_norm_over="all": over
+    all H * D queries / K * D keys of a position; StableLM 2, "own": a LayerNorm per head with the
+    head's own weights), normalise every query and key right
     after the projection (`project`, `project_memory`): before rotary positions, the cache,
     the hook points (hook_q / hook_k and what follows see the normalised ones) and every path
     below. Without it both are None.
@@ -99,15 +101,26 @@ class MultiHeadAttention(nn.Module):
         self.n_kv_heads = config.kv_heads
         self.groups = self.n_heads // self.n_kv_heads
         self.d_head = config.d_head
-        self.scale = 1.0 / math.sqrt(config.d_head)  # the scores' factor: every path here and the explain view read it
+        self.scale = config.scores_scale  # the scores' factor (1/sqrt(D) or attn_scale): every path and view reads it
+        # Gemma 2's soft-cap: scores = cap * tanh(scores / cap) before the mask. No backend's fused
+        # kernel applies it: with a cap every call takes the explicit path
+        self.softcap = config.attn_softcap
         self.dropout = config.dropout
         H, K, D = self.n_heads, self.n_kv_heads, self.d_head
         self.qkv = Linear(config.d_model, (H + 2 * K) * D, bias=config.bias_of("qkv"))
         self.proj = Linear(H * D, config.d_model, bias=config.bias_of("attn_out"))
         self.resid_dropout = nn.Dropout(config.dropout)
         # Qwen3's q/k norm: one RMSNorm over each head's D dims for the queries, one for the keys
-        self.q_norm = RMSNorm(D, eps=config.layer_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(D, eps=config.layer_norm_eps) if config.qk_norm else None
+        # (OLMo 2: over all heads at once, H * D and K * D wide, before the split: qk_norm_over="all")
+        self.qk_norm_all = config.qk_norm_over == "all"
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if config.qk_norm and config.qk_norm_over == "own":  # StableLM 2: a LayerNorm of each head's own weights
+            self.q_norm = HeadLayerNorm(H, D, eps=config.layer_norm_eps)
+            self.k_norm = HeadLayerNorm(K, D, eps=config.layer_norm_eps)
+        elif config.qk_norm:
+            self.q_norm = RMSNorm(H * D if self.qk_norm_all else D, eps=config.layer_norm_eps)
+            self.k_norm = RMSNorm(K * D if self.qk_norm_all else D, eps=config.layer_norm_eps)
         # the hook points in the order the forward passes them; with rotary positions hook_q / hook_k
         # are before rotation, hook_rot_q / hook_rot_k after
         self.hook_q, self.hook_k = HookPoint(), HookPoint()  # [B, T, H, D], [B, S, K, D]
@@ -135,7 +148,7 @@ class MultiHeadAttention(nn.Module):
                 return qk[:, :H], qk[:, H:], heads[:, H + K:]
             q, k, v = heads[:, :H], heads[:, H:H + K], heads[:, H + K:]
             if self.q_norm is not None and self.k_norm is not None:  # both or neither (config.qk_norm)
-                q, k = self.q_norm(q), self.k_norm(k)
+                q, k = self.norm_q(q), self.norm_k(k)
             if rope is not None:
                 if hooks is not None:  # (B, H, T, D) <-> [B, T, H, D], views both ways
                     q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)
@@ -146,7 +159,7 @@ class MultiHeadAttention(nn.Module):
         q = F.linear(x, w[:H * D], None if b is None else b[:H * D])  # (B, T, HD)
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, T, HD) -> (B, H, T, D)
         if self.q_norm is not None:
-            q = self.q_norm(q)
+            q = self.norm_q(q)
         if memory_kv is None:
             assert memory is not None  # the first branch took every call with neither
             memory_kv = self.project_memory(memory)
@@ -162,8 +175,25 @@ class MultiHeadAttention(nn.Module):
         kv = F.linear(memory, w[HD:], None if b is None else b[HD:])  # (B, S, 2KD)
         k, v = kv.view(B, S, 2, K, D).permute(2, 0, 3, 1, 4).unbind(0)  # 2 x (B, K, S, D)
         if self.k_norm is not None:
-            k = self.k_norm(k)
+            k = self.norm_k(k)
         return k, v
+
+    def norm_q(self, q: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, D) queries through q_norm: per head, or over all H * D at once (qk_norm_all)."""
+        assert self.q_norm is not None
+        return self._norm_heads(q, self.q_norm) if self.qk_norm_all else self.q_norm(q)
+
+    def norm_k(self, k: torch.Tensor) -> torch.Tensor:
+        """(B, K, S, D) keys through k_norm, as norm_q."""
+        assert self.k_norm is not None
+        return self._norm_heads(k, self.k_norm) if self.qk_norm_all else self.k_norm(k)
+
+    @staticmethod
+    def _norm_heads(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """(B, N, T, D) -> the same, normalised over the N * D values of each position."""
+        B, N, T, D = x.shape
+        flat = x.transpose(1, 2).reshape(B, T, N * D)  # (B, T, N D)
+        return norm(flat).view(B, T, N, D).transpose(1, 2)
 
     def forward(
         self,
@@ -186,7 +216,8 @@ class MultiHeadAttention(nn.Module):
         if kv_update is not None:
             # a decode step over a cache in blocks attends where the keys lie (model/paged_kv_cache.py),
             # unless hooks read the keys (the cache says when else it cannot: InPlaceDecode)
-            if isinstance(kv_update, InPlaceDecode) and T == 1 and hooks is None and not self.training:
+            if isinstance(kv_update, InPlaceDecode) and T == 1 and hooks is None and not self.training \
+                    and self.softcap is None:
                 in_place = kv_update.decode_in_place(q, k, v, self.scale, return_attention)
             if in_place is None:
                 k, v = kv_update(k, v)  # (B, K, S, D): the cached keys/values followed by the new ones
@@ -199,7 +230,7 @@ class MultiHeadAttention(nn.Module):
 
         if in_place is not None:
             y, probs = in_place
-        elif return_attention:
+        elif return_attention or self.softcap is not None:
             y, probs = self.explicit_attention(q, k, v, mask, causal, dropout_p, hooked=hooks is not None)
         else:
             probs = None
@@ -237,6 +268,8 @@ class MultiHeadAttention(nn.Module):
         else:  # a group's G x T queries in one product with its keys: (B, K, G*T, S) -> (B, H, T, S)
             scores = (q.reshape(B, K, G * T, D) @ k.transpose(-2, -1)).mul_(self.scale)
             scores = scores.view(B, H, T, S)
+        if self.softcap is not None:  # Gemma 2: cap * tanh(scores / cap), before the mask
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         full = full_mask(mask, causal, T, S, q.device)
         if full is not None:
             scores = scores.masked_fill(~full, float("-inf"))  # exp(-inf) = 0: masked keys get exactly 0

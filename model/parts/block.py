@@ -5,6 +5,11 @@ Shapes: B = batch, T = query positions, S = key positions, C = d_model, H = quer
     pre-LN (GPT-2, Llama):    x = x + attn(ln1(x));  x = x + ffn(ln2(x))
     post-LN (Vaswani, BERT):  x = ln1(x + attn(x));  x = ln2(x + ffn(x))
     parallel (GPT-NeoX):      x = x + attn(ln1(x)) + ffn(ln2(x))    one sum, both read x
+    parallel, one norm (GPT-J): x = x + attn(ln1(x)) + ffn(ln1(x))
+    pre + post (Gemma 2/3):   x = x + ln1_post(attn(ln1(x)));  x = x + ln2_post(ffn(ln2(x)))
+    post only (OLMo 2):       x = x + ln1_post(attn(x));       x = x + ln2_post(ffn(x))
+
+Granite multiplies each sub-layer's output by config.residual_multiplier before the sum.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from attnlens.model import hooks as _hooks
 from attnlens.model.config import ModelConfig
 from attnlens.model.hooks import HookPoint
 from attnlens.model.parts.attention import KVUpdate, MultiHeadAttention
-from attnlens.model.parts.feedforward import FeedForward
+from attnlens.model.parts.feedforward import FeedForward, MixtureOfExperts
 from attnlens.model.parts.norms import make_norm
 from attnlens.model.parts.positions import RotaryAngles
 
@@ -46,9 +51,11 @@ class Block(nn.Module):
         self.causal = causal
         self.pre_norm = config.norm == "pre"
         self.parallel = config.parallel_residual
+        self.shared_norm = config.parallel_shared_norm  # GPT-J: the FFN reads ln1(x) too (no ln2)
+        self.residual_multiplier = config.residual_multiplier  # Granite: each sub-layer's output times this
         # the hook points in the order the forward passes them (no parameters: no checkpoint keys)
         self.hook_resid_pre = HookPoint()
-        self.ln1 = make_norm(config)
+        self.ln1 = make_norm(config) if config.pre_norms else nn.Identity()  # OLMo 2: none
         self.attn = MultiHeadAttention(config, rotary=config.positional == "rotary")
         self.hook_attn_out = HookPoint()
         self.ln_cross: nn.Module | None = None
@@ -57,8 +64,11 @@ class Block(nn.Module):
             self.ln_cross = make_norm(config)
             self.cross_attn = MultiHeadAttention(config)
             self.hook_cross_out = HookPoint()
-        self.ln2 = make_norm(config)
-        self.ffn = FeedForward(config)
+        self.ln2 = make_norm(config) if config.pre_norms and not self.shared_norm else nn.Identity()
+        self.ffn = MixtureOfExperts(config) if config.n_experts else FeedForward(config)  # Mixtral: experts
+        # Gemma's norms of each sub-layer's output, before it joins the residual (config.post_norms)
+        self.ln1_post = make_norm(config) if config.post_norms else None
+        self.ln2_post = make_norm(config) if config.post_norms else None
         self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
 
@@ -88,13 +98,20 @@ class Block(nn.Module):
             if given is not None:  # this block's output, given (Hooks.given): not recomputed
                 return BlockOutput(given, None, None)
             x = self.hook_resid_pre(x)  # (B, T, C)
-        out, self_probs = self.attn(self._input(x, self.ln1), mask=mask, causal=self.causal, kv_update=kv_update,
+        h = self._input(x, self.ln1)
+        out, self_probs = self.attn(h, mask=mask, causal=self.causal, kv_update=kv_update,
                                     return_attention=return_attention, rope=rope)
+        if self.ln1_post is not None:
+            out = self.ln1_post(out)
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
         if hooks is not None:
             out = self.hook_attn_out(out)
         cross_probs = None
         if self.parallel:  # GPT-NeoX: the FFN reads the block's input too; one residual sum
-            mlp = self.ffn(self.ln2(x))
+            mlp = self.ffn(h if self.shared_norm else self.ln2(x))
+            if self.residual_multiplier != 1.0:
+                mlp = mlp * self.residual_multiplier
             if hooks is not None:
                 mlp = self.hook_mlp_out(mlp)
             x = mlp + out + x
@@ -111,6 +128,10 @@ class Block(nn.Module):
                     out = self.hook_cross_out(out)
                 x = self._residual(x, out, self.ln_cross)
             mlp = self.ffn(self._input(x, self.ln2))
+            if self.ln2_post is not None:
+                mlp = self.ln2_post(mlp)
+            if self.residual_multiplier != 1.0:
+                mlp = mlp * self.residual_multiplier
             if hooks is not None:
                 mlp = self.hook_mlp_out(mlp)
             x = self._residual(x, mlp, self.ln2)

@@ -36,6 +36,9 @@ class Embeddings:
             self.register_buffer("pos_table", sinusoidal_table(config.context_length, C), persistent=False)
         else:  # rotary
             self.rotary = RotaryEmbedding(config)
+        # Gemma 3: the sliding layers' own rotary base (config.rope_local_theta), without scaling
+        self.rotary_local = RotaryEmbedding(config, theta=config.rope_local_theta, scaling=False) \
+            if config.rope_local_theta is not None else None
         self.emb_dropout = nn.Dropout(config.dropout)
 
     def embed(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None, *,
@@ -45,8 +48,10 @@ class Embeddings:
         (rotary positions add nothing here); then `norm` (BERT's embedding LayerNorm) and
         dropout while training."""
         x = self.tok_emb(ids)  # (B, T, C)
-        if self.config.scale_embeddings:
+        if self.config.scale_embeddings:  # Gemma: sqrt(C) in the embedding's dtype, as transformers rounds it
             x = x * math.sqrt(self.config.d_model)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = x * self.config.embedding_multiplier
         if self.rotary is None:
             pos = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (P, C)
             if positions is None:
@@ -65,6 +70,18 @@ class Embeddings:
         if positions is None:
             positions = torch.arange(start, start + n, device=self.device)  # (T,)
         return self.rotary(positions, self.dtype)
+
+    def layer_rotary_angles(self, n: int, start: int = 0, positions: torch.Tensor | None = None
+                            ) -> list[RotaryAngles | None]:
+        """rotary_angles for each layer: the sliding layers' own base where the config gives one
+        (rope_local_theta), computed once for all of them."""
+        angles = self.rotary_angles(n, start, positions)
+        if self.rotary_local is None:
+            return [angles] * self.config.n_layers
+        if positions is None:
+            positions = torch.arange(start, start + n, device=self.device)  # (T,)
+        local = self.rotary_local(positions, self.dtype)
+        return [local if self.config.window_of(i) is not None else angles for i in range(self.config.n_layers)]
 
     @property
     def device(self) -> torch.device:

@@ -8,6 +8,9 @@ Shapes: (..., C) -> (..., C), C = d_model, F = d_ff.
                                                  float32 inference on the CPU one C pass
                                                  (model/native/swiglu.c);
                                                  act = gelu / gelu_exact: GeGLU (Shazeer 2020)
+    experts  sum over the top k of E experts      router: (E, C); each expert a FeedForward;
+             of weight_e * expert_e(x)            weights: softmax of the router's probabilities
+                                                  renormalised over the k kept (Mixtral)
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attnlens.model import hooks as _hooks
 from attnlens.model.config import ModelConfig
+from attnlens.model.hooks import HookPoint
 from attnlens.model.native import library as native
 from attnlens.model.parts.linear import Linear
 
@@ -65,3 +70,54 @@ class FeedForward(nn.Module):
             h = activate(h, self.activation)
         h = self.proj(h)  # (B, T, C)
         return self.dropout(h) if self.training else h
+
+
+class MixtureOfExperts(nn.Module):
+    """A sparse mixture of experts (Mixtral): `router` scores the E experts of each token, the k
+    (config.experts_per_token) most probable are kept, and their FFN outputs are summed weighed by
+    their probabilities renormalised over the k (= the softmax of their k router logits).
+
+    Each expert computes only its own tokens. Inside a CUDA graph capture (no host reads there)
+    every expert computes every token with weight 0 for those not routed to it: the same sums.
+
+    Hook points (model/hooks.py), called only under active hooks: hook_router [B, T, E] the
+    router's probabilities over every expert (what the choice is made from: an edit reroutes),
+    hook_experts [B, T, k] the chosen experts' indices, most probable first (int64).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k = config.experts_per_token
+        self.router = Linear(config.d_model, config.n_experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(config) for _ in range(config.n_experts))
+        self.hook_router = HookPoint()  # [B, T, E]
+        self.hook_experts = HookPoint()  # [B, T, k]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, C) -> (N, k) weights (float32) and chosen experts, N = B * T tokens."""
+        B, T, C = x.shape
+        probs = torch.softmax(self.router(x.reshape(-1, C)).float(), dim=-1)  # (N, E)
+        hooks = _hooks.active()
+        if hooks is not None:
+            probs = self.hook_router(probs.view(B, T, -1)).reshape(B * T, -1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if hooks is not None:
+            chosen = self.hook_experts(chosen.view(B, T, -1)).reshape(B * T, -1)
+        return weights, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)  # (N, C)
+        weights, chosen = self.route(x)
+        out = torch.zeros_like(flat)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # no host reads: every expert, weight 0 if unrouted
+            for e, expert in enumerate(self.experts):
+                w = (weights * (chosen == e)).sum(dim=-1, keepdim=True)  # (N, 1)
+                out += expert(flat) * w.to(x.dtype)
+            return out.view(B, T, C)
+        for e in torch.unique(chosen).tolist():  # the experts some token chose, in order
+            rows, slot = torch.where(chosen == e)  # (n,), (n,)
+            y = self.experts[e](flat[rows]) * weights[rows, slot, None].to(x.dtype)  # (n, C)
+            out.index_add_(0, rows, y)
+        return out.view(B, T, C)

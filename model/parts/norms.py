@@ -52,6 +52,20 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
+class HeadLayerNorm(nn.Module):
+    """A LayerNorm without bias over each head's D dims, each head with its own weights (StableLM 2's
+    q/k layernorm): (B, N, T, D) -> (B, N, T, D), weight (N, D)."""
+
+    def __init__(self, n_heads: int, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n_heads, dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)  # (B, N, T, D)
+        return h * self.weight[:, None, :]
+
+
 def make_norm(config: ModelConfig) -> nn.Module:
     """The config's norm over d_model: LayerNorm (with a bias when config.bias) or RMSNorm."""
     if config.norm_type == "rmsnorm":

@@ -14,8 +14,9 @@ Shapes: T = positions in this call, B = batch, C = d_model, D = d_head, R = rota
 
 Rotary positions (Su et al. 2021) rotate each pair of dims (i, i + R/2) of a query or key by
 the angle pos * inv_freq[i] (GPT-NeoX's "rotate half" pairing, which Llama's transformers
-checkpoints use too), so q . k depends only on the distance between the two positions. Keys go
-into the KV cache already rotated: a cached key never needs its position again.
+checkpoints use too; GPT-J's pairs are (2i, 2i + 1): config.rotary_interleaved), so q . k
+depends only on the distance between the two positions. Keys go into the KV cache already
+rotated: a cached key never needs its position again.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class RotaryAngles(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor
     signed_sin: torch.Tensor | None = None
+    interleaved: bool = False  # GPT-J: dims (2i, 2i + 1) share angle i (cos and sin laid out so)
 
 
 class RotaryEmbedding(nn.Module):
@@ -91,11 +93,15 @@ class RotaryEmbedding(nn.Module):
     bf16 model rotates by the same angles; cos and sin are cast to the queries' dtype.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, *, theta: float | None = None, scaling: bool = True):
+        """The config's angles, or with `theta` another base (Gemma 3's local layers), with or
+        without the config's rope_scaling."""
         super().__init__()
         self.rotary_dims = config.rotary_dims
-        self._spec = (config.rotary_dims, float(config.rope_theta), config.rope_scaling)
+        self._spec = (config.rotary_dims, float(theta if theta is not None else config.rope_theta),
+                      config.rope_scaling if scaling else None)
         self.register_buffer("inv_freq", rotary_inv_freq(*self._spec), persistent=False)  # (R/2,)
+        self.interleaved = config.rotary_interleaved
 
     def _apply(self, fn, recurse=True):
         """model.to(dtype) casts every floating buffer: put inv_freq back in float32 (recomputed,
@@ -107,6 +113,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
         """positions (T,) or (B, T) int -> RotaryAngles with cos, sin (T, R) or (B, T, R)."""
         freqs = positions[..., None].float() * self.inv_freq  # (..., T, R/2)
+        if self.interleaved:  # (..., T, R): dims 2i and 2i + 1 share an angle (GPT-J)
+            angles = freqs.repeat_interleave(2, dim=-1)
+            return RotaryAngles(angles.cos().to(dtype), angles.sin().to(dtype), None, True)
         angles = torch.cat((freqs, freqs), dim=-1)  # (..., T, R): dims i and i + R/2 share an angle
         sin = angles.sin().to(dtype)
         return RotaryAngles(angles.cos().to(dtype), sin, signed(sin))
@@ -124,6 +133,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    """(..., R) -> (..., R): each pair (x_2i, x_2i+1) -> (-x_2i+1, x_2i) (GPT-J's pairing)."""
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
 def apply_rotary(x: torch.Tensor, angles: RotaryAngles) -> torch.Tensor:
     """Rotate the first R dims of (B, H, T, D) queries or keys; the other D - R pass unchanged."""
     cos, sin, signed_sin = angles.cos, angles.sin, angles.signed_sin
@@ -131,6 +145,9 @@ def apply_rotary(x: torch.Tensor, angles: RotaryAngles) -> torch.Tensor:
         cos, sin = cos[:, None], sin[:, None]
         signed_sin = signed_sin[:, None] if signed_sin is not None else None
     R = cos.shape[-1]
+    if angles.interleaved:  # GPT-J: pairs (2i, 2i + 1)
+        rot = x[..., :R] * cos + rotate_every_two(x[..., :R]) * sin
+        return rot if R == x.shape[-1] else torch.cat((rot, x[..., R:]), dim=-1)
     if R == x.shape[-1]:
         if signed_sin is not None and cos.dim() == 2 and native_rotary(x, cos, signed_sin):
             return rotary_in_c(x, cos, signed_sin)

@@ -367,12 +367,12 @@ def test_invalid_configs_raise_config_error(overrides, message):
 
 def test_unknown_json_field_raises_config_error():
     data = ModelConfig(**SMALL).to_dict()
-    data["n_experts"] = 8
-    with pytest.raises(ConfigError, match="unknown config field.*n_experts"):
+    data["n_shared_experts"] = 8
+    with pytest.raises(ConfigError, match="unknown config field.*n_shared_experts"):
         ModelConfig.from_dict(data)
     import json
 
-    with pytest.raises(ConfigError, match="n_experts"):
+    with pytest.raises(ConfigError, match="n_shared_experts"):
         ModelConfig.from_json(json.dumps(data))
 
 

@@ -12,7 +12,7 @@ import importlib
 
 from attnlens.model.interop.architectures.base import Architecture, Rule
 
-REGISTERED = ("gpt2", "bert", "llama", "qwen2", "mistral", "gpt_neox", "qwen3")  # export-hf tries them in this order
+REGISTERED = ("gpt2", "bert", "llama", "qwen2", "mistral", "gpt_neox", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "stablelm", "gptj", "mixtral")  # export-hf tries them in this order
 
 ARCHITECTURES: tuple[Architecture, ...] = tuple(
     importlib.import_module(f".{name}", __name__).ARCHITECTURE for name in REGISTERED)

@@ -197,18 +197,20 @@ def context_length(cfg: HFConfig, cap: int | None, default: int) -> int:
     return n
 
 
-def common_export_reasons(config: ModelConfig, title: str, *, qk_norm: bool = False) -> list[str]:
+def common_export_reasons(config: ModelConfig, title: str, *, qk_norm: bool = False,
+                          has: tuple[str, ...] = ()) -> list[str]:
     """What no transformers decoder here can express: another family, learned positions beside
-    rotary ones, scaled embeddings, post-LN; and a q/k norm (config.qk_norm) where the
-    architecture has none, or none where it has one (`qk_norm`: Qwen3)."""
-    reasons = []
+    rotary ones, scaled embeddings, post-LN; a q/k norm (config.qk_norm) where the
+    architecture has none, or none where it has one (`qk_norm`: Qwen3); and the newer parts
+    (ModelConfig.special_parts) but those it `has`."""
+    reasons = [f"{title} has no {what}" for name, what in config.special_parts().items() if name not in has]
     if config.family != "decoder":
         reasons.append(f"{title} is a decoder (family='decoder'), this is {config.family!r}")
     if config.positional != "rotary":
         reasons.append(f"{title} uses rotary positions (positional='rotary')")
     if config.norm != "pre":
         reasons.append(f"{title} is pre-LN (norm='pre')")
-    if config.scale_embeddings:
+    if config.scale_embeddings and "scale_embeddings" not in has:
         reasons.append(f"{title} does not scale embeddings (scale_embeddings=False)")
     if config.qk_norm != qk_norm:
         reasons.append(f"{title} normalises each head's queries and keys (qk_norm=True)" if qk_norm

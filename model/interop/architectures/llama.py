@@ -44,11 +44,13 @@ from attnlens.model.interop.architectures.base import (
 
 
 def rotary_decoder_config(cfg: HFConfig, cap: int | None, *, architecture: str, qkv_bias: bool, attn_out_bias: bool,
-                          ffn_bias: bool, sliding_window: int | None = None, qk_norm: bool = False) -> ModelConfig:
-    """The ModelConfig of a Llama-shaped config.json (Llama, Qwen2, Mistral, Qwen3): their
-    differences are the biases, the sliding window and the q/k norm, passed in."""
+                          ffn_bias: bool, sliding_window: int | None = None, qk_norm: bool = False,
+                          partial_rotary: bool = False) -> ModelConfig:
+    """The ModelConfig of a Llama-shaped config.json (Llama, Qwen2, Mistral, Qwen3, Phi-3): their
+    differences are the biases, the sliding window, the q/k norm and whether a partial_rotary_factor
+    is theirs (Phi-3), passed in."""
     rope = rope_from_hf(cfg)
-    if rope["rotary_pct"] != 1.0:
+    if rope["rotary_pct"] != 1.0 and not partial_rotary:
         cfg.refuse(f"partial_rotary_factor {rope['rotary_pct']} is not supported by {cfg.title} (it rotates whole heads)")
         rope["rotary_pct"] = 1.0
     d_model, n_heads = cfg.need("hidden_size"), cfg.need("num_attention_heads")
@@ -108,10 +110,12 @@ def rotary_decoder_hf(config: ModelConfig, hf_class: str, model_type: str) -> di
     }
 
 
-def rotary_decoder_reasons(config: ModelConfig, title: str, *, qk_norm: bool = False) -> list[str]:
+def rotary_decoder_reasons(config: ModelConfig, title: str, *, qk_norm: bool = False,
+                           has: tuple[str, ...] = ()) -> list[str]:
     """Why a config is not a Llama-shaped decoder at all (before each one's own biases);
-    `qk_norm`: whether this one normalises queries and keys (Qwen3)."""
-    reasons = common_export_reasons(config, title, qk_norm=qk_norm)
+    `qk_norm`: whether this one normalises queries and keys (Qwen3); `has`: the newer parts it
+    has (ModelConfig.special_parts: OLMo 2's post-norms)."""
+    reasons = common_export_reasons(config, title, qk_norm=qk_norm, has=has)
     if config.norm_type != "rmsnorm":
         reasons.append(f"{title} uses RMSNorm (norm_type='rmsnorm')")
     if config.ffn != "gated":
