@@ -25,16 +25,13 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-import attnlens
 from attnlens.app.engine.admission import EngineClosed
 from attnlens.app.engine.client import CoreClient, FrontSink
 from attnlens.app.engine.messages import (
@@ -65,26 +62,20 @@ from attnlens.app.engine.messages import (
 )
 from attnlens.app.engine.records import CallResult, CoreRecord, FinishRecord, PromptRecord, Record, TokenRecord
 from attnlens.app.engine.request import CoreCall, Generation
+from attnlens.app.server.engine_prestart import take_engine_process
 from attnlens.model.decoding import GeneratedToken
 
 log = logging.getLogger("attnlens.engine")
 
 
 def _spawn(spec: EngineSpec) -> tuple[subprocess.Popen, Connection, Connection]:
-    """Start `python -m attnlens.app.engine` with two inherited pipes and send it its spec: a fresh
-    interpreter (never a fork of one that holds threads or CUDA) that imports this package and
-    nothing of the server's __main__. Returns the process, our command end, our record end."""
-    their_commands, commands = os.pipe()
-    records, their_records = os.pipe()
-    package_root = str(Path(attnlens.__file__).resolve().parents[1])  # the folder holding the attnlens package
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    process = subprocess.Popen([sys.executable, "-m", "attnlens.app.engine", str(their_commands), str(their_records)],
-                               pass_fds=(their_commands, their_records), env=env)
-    os.close(their_commands)
-    os.close(their_records)
-    commands_end = Connection(commands, readable=False)
+    """An engine process (`python -m attnlens.app.engine`, with two inherited pipes: one `attnlens
+    serve` started early, else a fresh one; app/server/engine_prestart.py) sent its spec. Returns
+    the process, our command end, our record end."""
+    bare = take_engine_process()
+    commands_end = Connection(bare.commands, readable=False)
     send(commands_end, Start(spec))  # a few hundred bytes: the empty pipe takes them at once
-    return process, commands_end, Connection(records, writable=False)
+    return bare.process, commands_end, Connection(bare.records, writable=False)
 
 
 def _wait_until_ready(process: subprocess.Popen, records: Connection, timeout: float) -> EngineInfo:

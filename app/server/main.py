@@ -56,6 +56,7 @@ from attnlens.app.server.api_errors import install_error_handlers, scope_error_r
 from attnlens.app.server.auth import ApiKeyMiddleware, document_bearer
 from attnlens.app.server.body_limit import BodyLimitMiddleware
 from attnlens.app.server.docs import install_docs
+from attnlens.app.server.engine_prestart import close_unused_engine_processes
 from attnlens.app.server.metrics import Metrics, MetricsMiddleware
 from attnlens.app.server.settings import Settings, default_switch_interval_ms
 from attnlens.app.server.shutdown import DrainMiddleware
@@ -155,6 +156,7 @@ async def lifespan(app: FastAPI):
         # every engine process starts at once: each loads its model while the others load theirs
         runners = await asyncio.gather(*(start_engine(s, ckpt, model_name(d)) for d, ckpt, _ in loaded),
                                        return_exceptions=True)
+        close_unused_engine_processes()  # those `attnlens serve` started early that no model took
         engines.extend(r for r in runners if isinstance(r, EngineFront))
         for r in runners:
             if isinstance(r, BaseException):
@@ -201,6 +203,7 @@ async def lifespan(app: FastAPI):
         yield
     finally:
         gc.unfreeze()
+        close_unused_engine_processes()
         state.ready, state.status = False, "stopped"
         if supervision is not None:
             await supervision.stop()  # no restarts while the engines close
