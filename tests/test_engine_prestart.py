@@ -32,18 +32,52 @@ def test_which_models_get_an_engine_process_is_read_from_config_json(tmp_path):
     assert not generates(tmp_path / "missing")
 
 
-def test_the_serve_command_starts_them_before_it_imports_torch(tmp_path, tiny_checkpoint):
-    """`attnlens serve`'s first seconds, up to the import of the server: torch is not imported yet
-    when the engine processes are started, one per model whose family generates."""
-    code = ("import sys\n"
-            "from attnlens.app.server import engine_prestart as p\n"
-            "from attnlens.app.server.settings import Settings\n"
-            f"n = p.prestart_engine_processes(Settings(model={str(tiny_checkpoint)!r}))\n"
-            "print(n, 'torch' in sys.modules)\n"
-            "p.close_unused_engine_processes()\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+FORKED = """
+import asyncio, os, sys
+from attnlens.app.server import engine_prestart as p
+from attnlens.app.server.settings import Settings
+
+n = p.prestart_engine_processes(Settings(model=sys.argv[1], models=sys.argv[2]), fork=True)
+first, spare = p._waiting
+same = open(f"/proc/{first.process.pid}/cmdline").read() == open("/proc/self/cmdline").read()
+print(n, type(first.process).__name__, same)
+
+from helpers import drain, reference_ids
+from attnlens.app.engine import EngineProcess, GenerationParams
+from attnlens.model import SamplingParams, load_checkpoint
+
+ckpt = load_checkpoint(sys.argv[1])
+engine = EngineProcess(ckpt, model_dir=sys.argv[1], device="cpu", dtype="float32")
+print(open(f"/proc/{first.process.pid}/comm").read().strip())  # as `ps -e` names it
+ids = ckpt.tokenizer.encode("To be")
+
+
+async def generate():
+    return await drain(engine.submit(GenerationParams(ids, 4, SamplingParams(temperature=0.0))))
+
+
+tokens, _ = asyncio.run(generate())
+print(engine.client.process.pid == first.process.pid, tokens == reference_ids(ckpt, ids, 4, temperature=0.0))
+engine.close()
+p.close_unused_engine_processes()
+print(engine.client.process.returncode, spare.process.returncode)
+"""
+
+
+def test_serve_forks_its_engine_processes_once_torch_is_imported(tiny_checkpoint):
+    """`attnlens serve`'s first step: one engine process per generating model (the encoder gets
+    none), forked (the same command line: nothing executed again), and the model's engine runs in
+    the first; the spare is killed. In a fresh interpreter, as the command line's: a fork is for a
+    process that has run no torch operation."""
+    bundled = [REPO_ROOT / "checkpoints" / n for n in ("default", "encoder")]
+    if not all((d / "config.json").is_file() for d in bundled):
+        pytest.skip("the bundled checkpoints are not here")
+    done = subprocess.run([sys.executable, "-c", FORKED, str(tiny_checkpoint), ",".join(map(str, bundled))],
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT / "tests",
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "tests"),
+                                                                            os.environ.get("PYTHONPATH", "")])})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["1", "False"]
+    assert done.stdout.split() == ["2", "ForkedProcess", "True", "attnlens-engine", "True", "True", "0", "-9"], done.stdout
     assert "Traceback" not in done.stderr
 
 
@@ -57,6 +91,7 @@ def test_a_prestarted_process_runs_the_engine_and_an_unused_one_exits_quietly(ck
         engine = EngineProcess(ckpt, model_dir=tiny_checkpoint, device="cpu", dtype="float32")
         try:
             assert engine.client.process.pid == first.process.pid  # the one started first
+            assert open(f"/proc/{first.process.pid}/comm").read().strip() == "attnlens-engine"  # as forked ones
             ids = ckpt.tokenizer.encode("To be")
 
             async def generate():
