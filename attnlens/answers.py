@@ -333,6 +333,9 @@ class ModelSummary:
     labels: list[str] | None = None
     pooling: str | None = None
     family_info: dict | None = None  # the family's declaration (its attention groups and axes), when the server gives it
+    # a generating model's recommended sampling ({"temperature", "top_p", "top_k", ...}): what a generation
+    # that leaves those unset gets
+    sampling_defaults: dict | None = None
 
     @classmethod
     def from_json(cls, d: dict) -> ModelSummary:

@@ -286,7 +286,9 @@ def load_checkpoint(
         gather(model)
         return Checkpoint(model=model.eval(), tokenizer=tokenizer, config=config, path=ckpt, report=load_report(ckpt))
     if torch.device(device).type == "cpu" and dtype == torch.float32:
-        gather(model)  # before the weights are read: its copies are of pages not yet touched
+        # before the weights are read, which then go straight into the arena: load_weights writes every
+        # parameter (check_weights: the file holds them all), so nothing is copied there first
+        gather(model, values=False)
     load_weights(model, ckpt / WEIGHTS_FILE)
     model.to(device=device, dtype=dtype).eval()
     # Linear weights stay row-major (out, in): model/parts/linear.py takes W x^T from that layout

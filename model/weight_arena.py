@@ -15,6 +15,7 @@ MB a token. How fast they stream decides the step, and two things about where th
 The products read 23 GB/s as torch allocated the weights and 30 GB/s from the arena.
 
     gather(model) -> bytes moved into the arena (0 where nothing qualified)
+    gather(model, values=False)   the same, for weights a load is about to overwrite: nothing copied
 
 Gathered: every float32 parameter and every packed matrix (model/packed/) of at least MIN_BYTES,
 in module order (a block's attention products, then its feed-forward's; a tied head once, where
@@ -64,8 +65,10 @@ def _place(module: nn.Module, what: str, view: torch.Tensor) -> None:
         getattr(module, what).data = view
 
 
-def gather(model: nn.Module) -> int:
-    """Move the model's large CPU weights into one arena (module docstring); their values are kept."""
+def gather(model: nn.Module, *, values: bool = True) -> int:
+    """Move the model's large CPU weights into one arena (module docstring); their values are kept,
+    unless `values` is False: for weights about to be overwritten (a load reads every one of them),
+    the arena's pages are then first touched by that load, not by a copy of nothing."""
     members = _members(model)
     offsets: dict[int, int] = {}  # id(tensor) -> its byte offset in the arena
     total = 0
@@ -85,6 +88,7 @@ def gather(model: nn.Module) -> int:
         if id(t) not in placed:
             offset = offsets[id(t)]
             placed[id(t)] = arena[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            placed[id(t)].copy_(t)
+            if values:
+                placed[id(t)].copy_(t)
         _place(module, what, placed[id(t)])
     return total

@@ -12,6 +12,7 @@ from attnlens.app.api.encoder_schemas import (
     ModelsResponse,
     ModelSummary,
 )
+from attnlens.app.api.ops_schemas import SamplingDefaultsInfo
 from attnlens.app.registry.model_registry import CLASSIFY, EMBEDDINGS, ServedModel
 from attnlens.app.serving.encoder_serving import EncoderServing
 
@@ -28,6 +29,7 @@ def summary(served: ServedModel, default: str) -> ModelSummary:
         labels=served.labels, head_figures=served.head_figures, classifier_layers=getattr(cfg, "classifier_layers", 0), pooling=cfg.pooling if {CLASSIFY, EMBEDDINGS} & set(served.tasks) else None,
         state=served.state, restarts=served.supervisor.restarts if served.supervisor is not None else 0,
         detail=served.supervisor.detail if served.supervisor is not None else None,
+        sampling_defaults=SamplingDefaultsInfo.of(served.sampling),
     )
 
 

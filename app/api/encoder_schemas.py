@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from attnlens.app.api.common_schemas import ModelName, Strict, Text
+from attnlens.app.api.ops_schemas import SamplingDefaultsInfo
 
 
 class AttentionGroupInfo(BaseModel):
@@ -91,6 +92,9 @@ class ModelSummary(BaseModel):
                                "(restarting) or for good (failed)")
     restarts: int = Field(0, description="engine processes started again after one stopped")
     detail: str | None = Field(None, description="why it is not running, when it is not")
+    sampling_defaults: SamplingDefaultsInfo = Field(
+        default_factory=SamplingDefaultsInfo, description="a generating model's recommended sampling: what a "
+        "request that leaves temperature, top_p or top_k unset gets (all null: the API's own defaults)")
 
 
 class ModelsResponse(BaseModel):

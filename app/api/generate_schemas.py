@@ -18,6 +18,11 @@ from attnlens.app.api.common_schemas import (
     count_stops,
     stop_list,
 )
+from attnlens.model.generation_config import SamplingDefaults
+
+# What /generate samples with when neither the request nor the model (its generation_config.json,
+# ATTNLENS_GENERATION_CONFIG=auto) sets a field: top_k unset is off
+GENERATE_SAMPLING = SamplingDefaults(temperature=0.8, top_p=1.0)
 
 
 # --- /generate ---------------------------------------------------------------
@@ -36,9 +41,13 @@ class GenerateRequest(Strict):
                                   "ATTNLENS_MAX_PROMPT_TOKENS")
     messages: Messages | None = None
     max_new_tokens: int = Field(64, ge=1, description="1..ATTNLENS_MAX_NEW_TOKENS")
-    temperature: float = Field(0.8, ge=0, allow_inf_nan=False, description="0 = greedy")
-    top_k: int | None = Field(None, ge=1)
-    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    # sampling: a field left out (or null) is the model's recommended value (GET /models
+    # sampling_defaults), else GENERATE_SAMPLING's; each field on its own
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False, description=(
+        f"0 = greedy; default: the model's (GET /models sampling_defaults), else {GENERATE_SAMPLING.temperature}"))
+    top_k: int | None = Field(None, ge=0, description="0 = off (every token); default: the model's, else off")
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description=(
+        f"1 = off; default: the model's, else {GENERATE_SAMPLING.top_p:g}"))
     seed: int | None = Field(None, ge=0, lt=2**63, description="same seed and parameters, same text")
     stop: Stop = None
     logprobs: int = Field(0, ge=0, le=20, description="alternatives per token")
@@ -53,6 +62,11 @@ class GenerateRequest(Strict):
     @classmethod
     def _stops(cls, v):
         return stop_list(v)  # always a list from here on
+
+    @property
+    def sampling(self) -> SamplingDefaults:
+        """The sampling fields this request sets (None: left to the model, then to GENERATE_SAMPLING)."""
+        return SamplingDefaults(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
 class TokenText(BaseModel):

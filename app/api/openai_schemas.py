@@ -9,11 +9,15 @@ from typing import Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from attnlens.app.api.common_schemas import ModelName, NonEmptyText, Stop, Text, count_stops, stop_list
+from attnlens.model.generation_config import SamplingDefaults
 
 TokenIds = list[int]
 Prompt = Text | list[Text] | TokenIds | list[TokenIds]
 MAX_PROMPTS = 2048  # prompts in one request's list (the server's places bound it further, before tokenising)
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+# OpenAI's defaults, for a field neither the request nor the model (its generation_config.json,
+# ATTNLENS_GENERATION_CONFIG=auto) sets; top_k unset is off
+OPENAI_SAMPLING = SamplingDefaults(temperature=1.0, top_p=1.0)
 
 
 class SamplingRequest(BaseModel):
@@ -28,9 +32,14 @@ class SamplingRequest(BaseModel):
 
     model: ModelName | None = Field(None, description="a model id from GET /v1/models (others: 404); "
                                                       "default: the default model")
-    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=1, description="extension (as vLLM)")
+    # sampling: a field left out (or null) is the model's recommended value (GET /models
+    # sampling_defaults, as vLLM's --generation-config auto), else OpenAI's default; each field on its own
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False, description=(
+        f"default: the model's (GET /models sampling_defaults), else {OPENAI_SAMPLING.temperature:g}"))
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description=(
+        f"default: the model's (GET /models sampling_defaults), else {OPENAI_SAMPLING.top_p:g}"))
+    top_k: int | None = Field(None, ge=-1, description="extension (as vLLM): 0 or -1 = off (every token); "
+                                                        "default: the model's, else off")
     n: int = Field(1, ge=1, le=16)
     stop: Stop = None
     stream: bool = False
@@ -68,6 +77,11 @@ class SamplingRequest(BaseModel):
     @property
     def stops(self) -> list[str]:
         return stop_list(self.stop)
+
+    @property
+    def sampling(self) -> SamplingDefaults:
+        """The sampling fields this request sets (None: left to the model, then to OPENAI_SAMPLING)."""
+        return SamplingDefaults(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
     @property
     def include_usage(self) -> bool:

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from attnlens.app.api.deps import AnyModel, SettingsDep, StateDep
-from attnlens.app.api.ops_schemas import Health, ModelInfo, Readiness
+from attnlens.app.api.ops_schemas import Health, ModelInfo, Readiness, SamplingDefaultsInfo
 from attnlens.app.server.metrics import CONTENT_TYPE_LATEST
 from attnlens.model.placement import weights_label
 
@@ -81,6 +81,7 @@ async def model_info(served: AnyModel, s: SettingsDep):
                    "max_concurrent": s.max_concurrent, "max_queue": s.max_queue,
                    "max_attention_concurrent": s.max_attention_concurrent,
                    "max_body_bytes": s.max_body_bytes},
+        "sampling_defaults": SamplingDefaultsInfo.of(served.sampling),
     }
 
 

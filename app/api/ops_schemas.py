@@ -5,6 +5,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from attnlens.model.generation_config import ModelSampling
+
 
 # --- operations --------------------------------------------------------------
 class Health(BaseModel):
@@ -26,6 +28,27 @@ class Readiness(BaseModel):
     models: dict[str, ModelState] | None = Field(None, description="each model's state, by name")
 
 
+class SamplingDefaultsInfo(BaseModel):
+    """The model's recommended sampling: what a generating request that leaves a field unset (or null)
+    gets, each field on its own; null: the model recommends none, the API's default applies (/generate:
+    temperature 0.8, top_p 1; /v1: OpenAI's temperature 1, top_p 1; top_k off)."""
+
+    temperature: float | None = Field(None, description="0 = greedy")
+    top_p: float | None = None
+    top_k: int | None = Field(None, description="0 = off (every token)")
+    source: str | None = Field(None, description="where they come from: generation_config.json (the checkpoint's), "
+                               "or null for none (ATTNLENS_GENERATION_CONFIG=none, or a model that recommends none)")
+    not_applied: dict[str, Any] = Field(default_factory=dict, description=(
+        "fields of generation_config.json that change sampling but are not applied here (e.g. repetition_penalty)"))
+
+    @classmethod
+    def of(cls, sampling: ModelSampling) -> SamplingDefaultsInfo:
+        """A served model's `sampling` as GET /models and /model show it."""
+        given = not sampling.defaults.empty
+        return cls(**sampling.defaults.as_dict(), source="generation_config.json" if given else None,
+                   not_applied=sampling.not_applied)
+
+
 class ModelInfo(BaseModel):
     name: str
     path: str = Field(description="the checkpoint directory's name (never the server's absolute path)")
@@ -41,6 +64,7 @@ class ModelInfo(BaseModel):
     tokenizer_vocab_size: int
     training: dict[str, Any] | None
     limits: dict[str, int]
+    sampling_defaults: SamplingDefaultsInfo
 
 
 class ErrorBody(BaseModel):

@@ -1,13 +1,12 @@
-"""`python -m attnlens.app.engine COMMANDS_FD RECORDS_FD`: an engine process, as ProcessClient starts it."""
+"""`python -m attnlens.app.engine COMMANDS_FD RECORDS_FD`: an engine process, as ProcessClient starts it
+(worker.run_from_pipes: it imports first, then waits for its spec)."""
 
-import sys
-from multiprocessing.connection import Connection
+import signal
 
-from attnlens.app.engine.messages import Start, decode_to_engine
-from attnlens.app.engine.worker import main
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it closes us
 
-commands = Connection(int(sys.argv[1]), writable=False)
-records = Connection(int(sys.argv[2]), readable=False)
-start = decode_to_engine(commands.recv_bytes())
-assert isinstance(start, Start), f"an engine process starts with its spec, not {start!r}"
-main(start.spec, commands, records)
+import sys  # noqa: E402
+
+from attnlens.app.engine.worker import run_from_pipes  # noqa: E402
+
+run_from_pipes(int(sys.argv[1]), int(sys.argv[2]))

@@ -25,16 +25,13 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-import attnlens
 from attnlens.app.engine.admission import EngineClosed
 from attnlens.app.engine.client import CoreClient, FrontSink
 from attnlens.app.engine.messages import (
@@ -65,29 +62,23 @@ from attnlens.app.engine.messages import (
 )
 from attnlens.app.engine.records import CallResult, CoreRecord, FinishRecord, PromptRecord, Record, TokenRecord
 from attnlens.app.engine.request import CoreCall, Generation
+from attnlens.app.server.engine_prestart import ProcessHandle, take_engine_process
 from attnlens.model.decoding import GeneratedToken
 
 log = logging.getLogger("attnlens.engine")
 
 
-def _spawn(spec: EngineSpec) -> tuple[subprocess.Popen, Connection, Connection]:
-    """Start `python -m attnlens.app.engine` with two inherited pipes and send it its spec: a fresh
-    interpreter (never a fork of one that holds threads or CUDA) that imports this package and
-    nothing of the server's __main__. Returns the process, our command end, our record end."""
-    their_commands, commands = os.pipe()
-    records, their_records = os.pipe()
-    package_root = str(Path(attnlens.__file__).resolve().parents[1])  # the folder holding the attnlens package
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    process = subprocess.Popen([sys.executable, "-m", "attnlens.app.engine", str(their_commands), str(their_records)],
-                               pass_fds=(their_commands, their_records), env=env)
-    os.close(their_commands)
-    os.close(their_records)
-    commands_end = Connection(commands, readable=False)
+def _spawn(spec: EngineSpec) -> tuple[ProcessHandle, Connection, Connection]:
+    """An engine process with two pipes (one `attnlens serve` started early, else a fresh
+    `python -m attnlens.app.engine`: app/server/engine_prestart.py), sent its spec. Returns the
+    process, our command end, our record end."""
+    bare = take_engine_process()
+    commands_end = Connection(bare.commands, readable=False)
     send(commands_end, Start(spec))  # a few hundred bytes: the empty pipe takes them at once
-    return process, commands_end, Connection(records, writable=False)
+    return bare.process, commands_end, Connection(bare.records, writable=False)
 
 
-def _wait_until_ready(process: subprocess.Popen, records: Connection, timeout: float) -> EngineInfo:
+def _wait_until_ready(process: ProcessHandle, records: Connection, timeout: float) -> EngineInfo:
     if not records.poll(timeout):
         raise RuntimeError(f"the engine process did not load the model in {timeout:.0f} s")
     try:
@@ -141,7 +132,7 @@ class ProcessClient(CoreClient):
         self.clock = clock
         self.sink: FrontSink | None = None
         self._lock = threading.Lock()  # the engine process's life: start, death, close
-        self.process: subprocess.Popen | None = None
+        self.process: ProcessHandle | None = None
         self.exit_code: int | None = None  # of the last engine process that died
         self.kill_reason: str | None = None  # why we killed it (the watchdog), if we did
         self.start_seconds = 0.0  # how long the last engine process took to be ready
@@ -298,7 +289,7 @@ class ProcessClient(CoreClient):
         self._send(CancelCall(call.number))
 
     # --- from the engine process (the reader thread) -------------------------
-    def _read(self, epoch: int, process: subprocess.Popen, records: Connection) -> None:
+    def _read(self, epoch: int, process: ProcessHandle, records: Connection) -> None:
         try:
             while True:
                 try:
@@ -339,7 +330,7 @@ class ProcessClient(CoreClient):
             self._sink().on_records([CallResult(work, error=value if isinstance(value, BaseException)
                                               else RuntimeError(str(value)))])
 
-    def _engine_gone(self, epoch: int, process: subprocess.Popen) -> None:
+    def _engine_gone(self, epoch: int, process: ProcessHandle) -> None:
         """The engine process ended: the front ends what it held (and more, unsupervised)."""
         try:
             code = process.wait(1)

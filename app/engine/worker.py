@@ -124,6 +124,35 @@ class PipeSink:
                 pass
 
 
+def _name_process(name: bytes) -> None:
+    """What `ps -e` and `top` call this process (/proc/self/comm, 15 bytes at most), on Linux: the
+    same whether it was started afresh (python) or forked from `attnlens serve`."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def run_from_pipes(commands_fd: int, records_fd: int) -> None:
+    """An engine process over the two pipes it was given: its spec first (it may have been started
+    before its model was known: app/server/engine_prestart.py), then `main`. A server that goes
+    before sending it (or never needs this process) closes the pipe: nothing to do."""
+    _name_process(b"attnlens-engine")
+    commands = Connection(commands_fd, writable=False)
+    records = Connection(records_fd, readable=False)
+    try:
+        first = commands.recv_bytes()
+    except EOFError:
+        return
+    start = decode_to_engine(first)
+    assert isinstance(start, Start), f"an engine process starts with its spec, not {start!r}"
+    main(start.spec, commands, records)
+
+
 def main(spec: EngineSpec, commands: Connection, records: Connection) -> None:
     """The engine process: runs until Close or until the server goes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it closes us

@@ -20,8 +20,9 @@ from attnlens.app.engine import EngineFront
 from attnlens.app.registry.memory import weight_bytes
 from attnlens.app.server.api_errors import ApiError
 from attnlens.app.server.metrics import note_request_model
-from attnlens.model import Checkpoint, Family, family_of
+from attnlens.model import Checkpoint, CheckpointError, Family, family_of
 from attnlens.model.families.contract import GenerationSpec
+from attnlens.model.generation_config import ModelSampling, SamplingDefaults, choose, read_sampling
 
 # Task names (a family declares which it has), as /models lists them and error messages name them.
 GENERATE, COMPLETIONS, CHAT, ATTENTION = "generate", "completions", "chat", "attention"
@@ -58,6 +59,8 @@ class ServedModel:
     runner: EngineFront
     tasks: list[str] = field(default_factory=list)
     supervisor: Any = None  # the engine's EngineSupervisor (engine/supervisor.py), for a model with an engine
+    # its recommended sampling (model/generation_config.py), for requests that leave a field unset
+    sampling: ModelSampling = field(default_factory=ModelSampling)
 
     @property
     def state(self) -> str:
@@ -93,6 +96,11 @@ class ServedModel:
         from attnlens.model.evaluation.evaluate_encoder import head_figures
 
         return {task: f for task, f in head_figures(self.checkpoint.path).items() if task in self.tasks}
+
+    def sampling_for(self, asked: SamplingDefaults, api: SamplingDefaults) -> dict[str, Any]:
+        """SamplingParams' temperature, top_p and top_k for a request that set `asked`: each field
+        the request's, else this model's recommended one, else the API's default (`api`)."""
+        return choose(asked, self.sampling.defaults, api)
 
     def memory(self) -> dict[str, int]:
         """What the model holds: its weights and, when it generates, its KV cache (rows x a context)."""
@@ -137,6 +145,17 @@ class ModelRegistry:
             raise ApiError(400, f"{served.describe()} cannot do {task}: it can do {can}{hint}",
                            param=param, code="unsupported_task")
         return served
+
+
+def model_sampling(ckpt: Checkpoint, generation_config: str) -> ModelSampling:
+    """The checkpoint's recommended sampling (its generation_config.json) with
+    ATTNLENS_GENERATION_CONFIG=auto; none with `none`, or for a checkpoint that does not generate."""
+    if generation_config == "none" or ckpt.path is None or family_of(ckpt.model).generation is None:
+        return ModelSampling()
+    try:
+        return read_sampling(ckpt.path)
+    except ValueError as e:  # a generation_config.json that is no JSON object
+        raise CheckpointError(str(e)) from None
 
 
 def model_name(path: Path) -> str:

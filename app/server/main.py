@@ -50,12 +50,14 @@ from attnlens.app.registry.model_registry import (
     ModelRegistry,
     ServedModel,
     model_name,
+    model_sampling,
     tasks_of,
 )
 from attnlens.app.server.api_errors import install_error_handlers, scope_error_response
 from attnlens.app.server.auth import ApiKeyMiddleware, document_bearer
 from attnlens.app.server.body_limit import BodyLimitMiddleware
 from attnlens.app.server.docs import install_docs
+from attnlens.app.server.engine_prestart import close_unused_engine_processes
 from attnlens.app.server.metrics import Metrics, MetricsMiddleware
 from attnlens.app.server.settings import Settings, default_switch_interval_ms
 from attnlens.app.server.shutdown import DrainMiddleware
@@ -117,6 +119,17 @@ def restart_policy(s: Settings) -> RestartPolicy:
                          wait_s=s.engine_restart_wait_s, stall_s=s.engine_stall_s)
 
 
+def log_sampling(served: ServedModel) -> None:
+    """What a request that sets no sampling gets from the model, and what of its file is not applied."""
+    given = {k: v for k, v in served.sampling.defaults.as_dict().items() if v is not None}
+    if given:
+        log.info("%s: recommended sampling %s (its generation_config.json; ATTNLENS_GENERATION_CONFIG=none: "
+                 "the API's defaults)", served.name, ", ".join(f"{k} {v:g}" for k, v in given.items()))
+    if served.sampling.not_applied:
+        log.warning("%s: generation_config.json's %s not applied (no such sampling here)", served.name,
+                    ", ".join(f"{k}={v!r}" for k, v in served.sampling.not_applied.items()))
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     state: AppState = app.state.attnlens
@@ -135,23 +148,26 @@ async def lifespan(app: FastAPI):
                 if ckpt is None:
                     ckpt = await asyncio.to_thread(load_for_serving, model_dir, s.device, s.dtype,
                                                    engine_process=s.engine_process)
+                sampling = model_sampling(ckpt, s.generation_config)
             except Exception as e:
                 state.status = "failed"
                 log.error("cannot load the model from %s: %s", model_dir, e)
                 raise RuntimeError(f"cannot load the model from {model_dir}: {e}") from None
-            loaded.append((model_dir, ckpt))
+            loaded.append((model_dir, ckpt, sampling))
         # every engine process starts at once: each loads its model while the others load theirs
-        runners = await asyncio.gather(*(start_engine(s, ckpt, model_name(d)) for d, ckpt in loaded), return_exceptions=True)
+        runners = await asyncio.gather(*(start_engine(s, ckpt, model_name(d)) for d, ckpt, _ in loaded),
+                                       return_exceptions=True)
+        close_unused_engine_processes()  # those `attnlens serve` started early that no model took
         engines.extend(r for r in runners if isinstance(r, EngineFront))
         for r in runners:
             if isinstance(r, BaseException):
                 raise r
         policy = restart_policy(s)
-        for (model_dir, ckpt), engine in zip(loaded, engines):
+        for (model_dir, ckpt, sampling), engine in zip(loaded, engines):
             name = model_name(model_dir)
             engine.stream_budget = budget
             registry.add(ServedModel(name, ckpt.path, ckpt, engine, tasks_of(ckpt),
-                                     supervisor=EngineSupervisor(name, engine, policy)))
+                                     supervisor=EngineSupervisor(name, engine, policy), sampling=sampling))
         if s.max_prompt_tokens is None:  # the default follows the models (each checks its own context too)
             longest = max(m.checkpoint.config.context_length for m in registry.models.values())
             s = state.settings = s.model_copy(update={"max_prompt_tokens": longest})
@@ -179,6 +195,7 @@ async def lifespan(app: FastAPI):
                      served.name, served.family.name, cfg.n_layers, cfg.n_heads, cfg.context_length,
                      f"{served.checkpoint.model.num_parameters():,}", memory["weights_bytes"] / 2**20,
                      ", ".join(served.tasks), " [default]" if served.name == registry.default else "")
+            log_sampling(served)
         for engine in engines:
             log.info("engine for %s on %s as %s%s; KV cache %d rows, %.0f MB", engine.checkpoint.path,
                      engine.device, str(engine.dtype).removeprefix("torch."),
@@ -187,6 +204,7 @@ async def lifespan(app: FastAPI):
         yield
     finally:
         gc.unfreeze()
+        close_unused_engine_processes()
         state.ready, state.status = False, "stopped"
         if supervision is not None:
             await supervision.stop()  # no restarts while the engines close

@@ -100,6 +100,11 @@ class Settings(BaseSettings):
     # None = the model's context length (set once the model is loaded)
     max_prompt_tokens: int | None = Field(None, ge=1)
     max_new_tokens: int = Field(512, ge=1)
+    # Sampling for a request that leaves temperature, top_p or top_k unset (each field on its own),
+    # as vLLM's --generation-config: auto, the model's recommended values (its checkpoint's
+    # generation_config.json: model/generation_config.py; GET /models shows them), else the API's
+    # defaults; none, the API's defaults alone (/generate temperature 0.8, /v1 OpenAI's 1.0; top_p 1)
+    generation_config: Literal["auto", "none"] = "auto"
     # messages in one conversation (/v1/chat/completions; /generate and /attention `messages`)
     max_chat_messages: int = Field(256, ge=1)
     # generations decoded together in one batch (= KV cache rows); see bench/README.md

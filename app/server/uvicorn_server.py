@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
@@ -76,12 +76,8 @@ def build_server(app: FastAPI, settings: Settings) -> DrainingServer:
     return DrainingServer(config, app.state.attnlens)
 
 
-def serve(model: str | None = None, host: str | None = None, port: int | None = None,
-          models: str | None = None) -> None:
-    """Serve with ATTNLENS_* settings; arguments that are not None override them."""
-    overrides: dict[str, Any] = {k: v for k, v in {"model": model, "host": host, "port": port, "models": models}.items()
-                 if v is not None}
-    settings = Settings(**overrides)
+def serve(settings: Settings) -> None:
+    """Serve the models of `settings` until a signal stops the server."""
     logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from attnlens.app.server.main import create_app  # after logging is set up

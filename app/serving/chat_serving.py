@@ -179,8 +179,8 @@ async def chat_completion(body: ChatCompletionRequest, served: ServedModel, requ
     check_lengths(context, settings, ids, max_new, served.generation, prompt_field="messages",
                   max_field=max_field)
     n_top = body.top_logprobs or 0
-    jobs = [GenerationParams(prompt_ids=ids, max_new_tokens=max_new, sampling=sampling(body, k), stop=body.stops,
-                             n_logprobs=n_top) for k in range(body.n)]
+    jobs = [GenerationParams(prompt_ids=ids, max_new_tokens=max_new, sampling=sampling(body, k, served),
+                             stop=body.stops, n_logprobs=n_top) for k in range(body.n)]
     generations = engine.submit_all(jobs, param=n_param)  # all choices or none
     cid, created, name = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), served.name
     choices = [ChatChoice(i, tok, body.logprobs, n_top) for i in range(body.n)]

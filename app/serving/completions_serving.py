@@ -132,7 +132,8 @@ async def _prompt_ids(body: CompletionRequest, tok, limit: int) -> list[list[int
     return [next(encoded) if isinstance(p, str) else list(p) for p in body.prompts]
 
 
-def _generation_params(body: CompletionRequest, prompts_ids: list[list[int]]) -> list[GenerationParams]:
+def _generation_params(body: CompletionRequest, prompts_ids: list[list[int]],
+                       served: ServedModel) -> list[GenerationParams]:
     """One generation per prompt and candidate (len(prompts) x (best_of or n)), in choice order."""
     jobs = []
     for ids in prompts_ids:
@@ -140,7 +141,7 @@ def _generation_params(body: CompletionRequest, prompts_ids: list[list[int]]) ->
             jobs.append(GenerationParams(
                 prompt_ids=ids,
                 max_new_tokens=body.max_tokens,
-                sampling=sampling(body, k),
+                sampling=sampling(body, k, served),
                 stop=body.stops,
                 n_logprobs=body.logprobs or 0,
                 prompt_logprobs=(body.logprobs or 0) if (body.echo and body.logprobs is not None) else None,
@@ -207,7 +208,7 @@ class CompletionsServing:
                            param="echo", code="unsupported")
         # all choices or none: a 429 never leaves part of them running; more than can ever fit is a 400
         candidates = body.best_of or body.n
-        generations = engine.submit_all(_generation_params(body, prompts_ids), param=_choices_param(body))
+        generations = engine.submit_all(_generation_params(body, prompts_ids, served), param=_choices_param(body))
         want_lp = body.logprobs is not None
         cid, created, name = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), served.name
         prompt_tokens = sum(len(ids) for ids in prompts_ids)

@@ -12,7 +12,14 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from attnlens.app.api.common_schemas import stop_list
-from attnlens.app.api.generate_schemas import GenerateRequest, GenerateResponse, StreamDone, StreamError, StreamToken
+from attnlens.app.api.generate_schemas import (
+    GENERATE_SAMPLING,
+    GenerateRequest,
+    GenerateResponse,
+    StreamDone,
+    StreamError,
+    StreamToken,
+)
 from attnlens.app.engine import EngineFront, GenerationParams, RequestState
 from attnlens.app.registry.model_registry import ServedModel
 from attnlens.app.server.api_errors import field_error, public_message
@@ -94,8 +101,7 @@ class GenerateServing:
         params = GenerationParams(
             prompt_ids=prompt_ids,
             max_new_tokens=body.max_new_tokens,
-            sampling=SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                    seed=body.seed),
+            sampling=SamplingParams(**served.sampling_for(body.sampling, GENERATE_SAMPLING), seed=body.seed),
             stop=stop_list(body.stop),  # already a list (GenerateRequest._stops)
             n_logprobs=body.logprobs,
             return_attention=body.return_attention,

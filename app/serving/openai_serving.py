@@ -18,9 +18,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from attnlens.app.api.generate_schemas import StreamDone, StreamToken
-from attnlens.app.api.openai_schemas import OpenAIErrorResponse, SamplingRequest
+from attnlens.app.api.openai_schemas import OPENAI_SAMPLING, OpenAIErrorResponse, SamplingRequest
 from attnlens.app.engine import EngineFront, RequestState, RequestTooLarge
-from attnlens.app.registry.model_registry import COMPLETIONS, ModelRegistry
+from attnlens.app.registry.model_registry import COMPLETIONS, ModelRegistry, ServedModel
 from attnlens.app.server.api_errors import ApiError, public_message
 from attnlens.app.server.metrics import Metrics
 from attnlens.app.serving.generation_streams import (
@@ -66,13 +66,13 @@ def check_capacity(engine: EngineFront, prompts: int, choices: int, param: str) 
             param=param)
 
 
-def sampling(body: SamplingRequest, k: int) -> SamplingParams:
-    """Choice k's sampling: with a seed, choice k uses seed + k (the choices differ, yet repeat)."""
+def sampling(body: SamplingRequest, k: int, served: ServedModel) -> SamplingParams:
+    """Choice k's sampling: the fields the request leaves unset are the model's recommended ones, else
+    OpenAI's defaults; with a seed, choice k uses seed + k (the choices differ, yet repeat)."""
     bias = {int(key): v for key, v in body.logit_bias.items()} if body.logit_bias else None
     seed = None if body.seed is None else (body.seed + k) % 2**63
-    return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed,
-                          logit_bias=bias, presence_penalty=body.presence_penalty,
-                          frequency_penalty=body.frequency_penalty)
+    return SamplingParams(**served.sampling_for(body.sampling, OPENAI_SAMPLING), seed=seed, logit_bias=bias,
+                          presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

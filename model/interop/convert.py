@@ -5,7 +5,8 @@ Import reads a transformers directory already on disk (nothing is downloaded, ev
 config.json -> the architecture (by its `architectures` class, else its model_type) -> our
 ModelConfig; the weights (model.safetensors, a sharded index or pytorch_model.bin) -> our
 names by the architecture's rules, every tensor's shape checked against the config before
-anything is written; tokenizer.json with its special tokens, chat template and stop ids.
+anything is written; tokenizer.json with its special tokens, chat template and stop ids;
+generation_config.json (stop ids, recommended sampling) copied beside them.
 The weights keep their dtype (a bf16 source stays bf16 on disk) and the model is never built
 to convert it, so a 7B model converts without 28 GB of float32.
 
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 
 from attnlens.model.checkpoint import CheckpointError, load_checkpoint, readable_by_all, state_shapes, write_checkpoint
 from attnlens.model.config import ModelConfig
+from attnlens.model.generation_config import copy_generation_config
 from attnlens.model.interop.architectures import ARCHITECTURES, Architecture
 from attnlens.model.interop.hf import read_hf_config, read_hf_weights, write_hf_dir, write_json
 from attnlens.model.packed.kernel import BLOCK_BYTES
@@ -70,15 +72,21 @@ def import_checkpoint(src_dir: str | Path, out_dir: str | Path, *, context_lengt
     data, config_path = read_hf_config(src)
     arch = find_for_import(data, config_path)
     if arch.import_dir is not None:
-        return arch.import_dir(src, Path(out_dir), context_length), arch
-    config = arch.config_from_hf(data, config_path, context_length)
-    tokenizer = read_tokenizer(src, data)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(f"{src}: tokenizer has {tokenizer.vocab_size} tokens but config.json says "
-                              f"vocab_size={config.vocab_size}")
-    tensors, weights_path = read_hf_weights(src)
-    state = state_from_rules(arch, config, tensors, weights_path)
-    return write_checkpoint(out_dir, config, state, tokenizer), arch
+        out = arch.import_dir(src, Path(out_dir), context_length)
+    else:
+        config = arch.config_from_hf(data, config_path, context_length)
+        tokenizer = read_tokenizer(src, data)
+        if tokenizer.vocab_size > config.vocab_size:
+            raise CheckpointError(f"{src}: tokenizer has {tokenizer.vocab_size} tokens but config.json says "
+                                  f"vocab_size={config.vocab_size}")
+        tensors, weights_path = read_hf_weights(src)
+        state = state_from_rules(arch, config, tensors, weights_path)
+        out = write_checkpoint(out_dir, config, state, tokenizer)
+    try:  # its recommended sampling (and every other field) comes along: model/generation_config.py
+        copy_generation_config(src, out)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    return out, arch
 
 
 def import_gguf(src: Path, out_dir: Path, *, context_length: int | None = None, progress=None

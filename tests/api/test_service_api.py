@@ -263,7 +263,7 @@ def test_eos_ends_generation(eos_checkpoint):
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"max_new_tokens": MAX_NEW + 1}, "max_new_tokens"),
     ({"temperature": -0.1}, "temperature"),
-    ({"top_k": 0}, "top_k"),
+    ({"top_k": -1}, "top_k"),
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"seed": "abc"}, "seed"),

@@ -170,7 +170,7 @@ def clients(base_url: str):
 
 def engine_processes(replicas) -> list[int]:
     pids = [pid for server in replicas.servers for pid in child_pids(server.process.pid)
-            if b"attnlens.app.engine" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "attnlens-engine"]
     assert len(pids) == 2, pids
     return pids
 

@@ -130,6 +130,30 @@ def test_the_openai_client_chats_with_it_on_a_live_server(smollm2, tmp_path):
         assert [m.id for m in models.data] == [SMOLLM2.name]
 
 
+def test_the_openai_clients_default_chat_gets_the_model_cards_sampling(smollm2, tmp_path):
+    """The official client sends no temperature; the server applies SmolLM2's recommended
+    temperature 0.2 and top_p 0.9 (its model card's), not OpenAI's 1.0. On this Q4_1 file the first
+    token is nearly a tie ("The" -1.88, "L" -1.97, "La" -2.27 nats): at 0.2 and 0.9 the nucleus is
+    "The" (p 0.60, then "The capital of France is Paris.") and "L" ("L'Étoile, ..."), where
+    temperature 1 spreads over dozens ("L", "B", "La", "The", "Al", "Bon", ...). Ten unseeded tries
+    all start inside that nucleus, and each "The" goes on to name Paris."""
+    import httpx
+    from live_server import live_server
+
+    with live_server(smollm2.path, tmp_path, timeout=180) as server:
+        info = httpx.get(server.base_url + "/models").json()["models"][0]
+        assert info["name"] == SMOLLM2.name
+        assert (info["sampling_defaults"]["temperature"], info["sampling_defaults"]["top_p"]) == (0.2, 0.9)
+        client = server.openai_client(timeout=120)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        answers = []
+        for _ in range(10):
+            r = client.chat.completions.create(model=SMOLLM2.name, messages=messages, max_tokens=20, logprobs=True)
+            answers.append((r.choices[0].logprobs.content[0].token, r.choices[0].message.content))
+        assert {first for first, _ in answers} <= {"The", "L"}, answers
+        assert all("Paris" in text for first, text in answers if first == "The"), answers
+
+
 def test_long_prompts_wait_for_the_kv_budget_on_a_live_server(smollm2, tmp_path):
     """Six ~2,000-token prompts of 48 new tokens each, at once, against a KV budget that holds three
     of them (it must hold one whole 8,192-token row, 360 MB): all are answered, none restarts the

@@ -63,6 +63,19 @@ def test_gather_keeps_the_model(tied):
     assert net.blocks[0].ln1.weight.untyped_storage().data_ptr() != big[0][1].untyped_storage().data_ptr()
 
 
+def test_gather_without_values_then_a_load_is_the_model():
+    """values=False (a load about to overwrite every weight): the same arena, nothing copied, and the
+    state loaded into it gives the model's own logits."""
+    net, ids = model_of(tie_embeddings=True), torch.randint(0, 512, (2, 17))
+    before, state = logits(net, ids), {k: v.clone() for k, v in net.state_dict().items()}
+    fresh = model_of(tie_embeddings=True)
+    assert gather(fresh, values=False) == gather(model_of(tie_embeddings=True))
+    assert not torch.equal(fresh.tok_emb.weight, state["tok_emb.weight"])  # the arena's, not the weights
+    fresh.load_state_dict(state)
+    assert len({p.untyped_storage().data_ptr() for _, p in large(fresh)}) == 1
+    assert torch.equal(logits(fresh, ids), before)
+
+
 def test_gather_then_train_and_save(tmp_path: Path, default_checkpoint):
     """A model loaded on the CPU is gathered; it still trains (its parameters are leaves with
     gradients) and saves a checkpoint that loads back equal."""

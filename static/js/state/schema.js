@@ -17,11 +17,13 @@ export const STATE_KEYS = [
   { key: "plen", type: "int", def: 0, url: true },
   // each generated token's probability in thousandths (0 … 1000), for the output's tint
   { key: "probs", type: "list", def: null, url: true },
-  // the sampling form, as typed ("" = the server's default; the server names a bad value)
+  // the sampling form, as typed ("" = the server's default; the server names a bad value). Temperature,
+  // top-k and top-p "" are the model's recommended values (GET /models sampling_defaults, else
+  // /generate's defaults), which their boxes show (controls.js)
   { key: "max_new_tokens", type: "string", def: "32", url: true },
-  { key: "temperature", type: "string", def: "0.8", url: true },
+  { key: "temperature", type: "string", def: "", url: true },
   { key: "top_k", type: "string", def: "", url: true },
-  { key: "top_p", type: "string", def: "1", url: true },
+  { key: "top_p", type: "string", def: "", url: true },
   { key: "seed", type: "string", def: "", url: true },
   { key: "logprobs", type: "string", def: "5", url: true },
   { key: "stop", type: "string", def: "", url: true },
