@@ -76,14 +76,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # weights, the KV cache) go on 2 MB pages, so a decode step that streams them all takes
     # fewer TLB misses (bench/README.md, "Huge pages for large tensors"). A value already set wins.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    from attnlens.app.server.engine_prestart import prestart_engine_processes
+    from attnlens.app.engine.prestart import prestart_engine_processes
     from attnlens.app.server.settings import Settings
 
     overrides = {k: v for k, v in {"model": args.model, "host": args.host, "port": args.port,
                                    "models": args.models}.items() if v is not None}
     settings = Settings(**overrides)  # ATTNLENS_* settings; the arguments given override them
-    # the engine processes import torch while this process does (app/server/engine_prestart.py)
-    prestart_engine_processes(settings)
+    # the engine processes import torch while this process does (app/engine/prestart.py)
+    if settings.engine_process:
+        prestart_engine_processes(settings.model_dirs())
     from attnlens.app.server.uvicorn_server import serve
 
     serve(settings)

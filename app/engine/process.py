@@ -60,9 +60,9 @@ from attnlens.app.engine.messages import (
     send,
     unpickled,
 )
+from attnlens.app.engine.prestart import ProcessHandle, take_engine_process
 from attnlens.app.engine.records import CallResult, CoreRecord, FinishRecord, PromptRecord, Record, TokenRecord
 from attnlens.app.engine.request import CoreCall, Generation
-from attnlens.app.server.engine_prestart import ProcessHandle, take_engine_process
 from attnlens.model.decoding import GeneratedToken
 
 log = logging.getLogger("attnlens.engine")
@@ -70,7 +70,7 @@ log = logging.getLogger("attnlens.engine")
 
 def _spawn(spec: EngineSpec) -> tuple[ProcessHandle, Connection, Connection]:
     """An engine process with two pipes (one `attnlens serve` started early, else a fresh
-    `python -m attnlens.app.engine`: app/server/engine_prestart.py), sent its spec. Returns the
+    `python -m attnlens.app.engine`: app/engine/prestart.py), sent its spec. Returns the
     process, our command end, our record end."""
     bare = take_engine_process()
     commands_end = Connection(bare.commands, readable=False)

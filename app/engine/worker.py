@@ -139,7 +139,7 @@ def _name_process(name: bytes) -> None:
 
 def run_from_pipes(commands_fd: int, records_fd: int) -> None:
     """An engine process over the two pipes it was given: its spec first (it may have been started
-    before its model was known: app/server/engine_prestart.py), then `main`. A server that goes
+    before its model was known: app/engine/prestart.py), then `main`. A server that goes
     before sending it (or never needs this process) closes the pipe: nothing to do."""
     _name_process(b"attnlens-engine")
     commands = Connection(commands_fd, writable=False)

@@ -41,6 +41,7 @@ from attnlens.app.api import ui_routes as ui
 from attnlens.app.api.generate_schemas import StreamDone, StreamError, StreamToken
 from attnlens.app.engine import Engine, EngineFront, EngineProcess, GenerationParams
 from attnlens.app.engine.allocator import retain_freed_memory
+from attnlens.app.engine.prestart import close_unused_engine_processes
 from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.app.engine.supervisor import EngineSupervisor, RestartPolicy, Supervision
 from attnlens.app.registry.memory import cache_paged, cache_row_bytes, cache_rows
@@ -57,7 +58,6 @@ from attnlens.app.server.api_errors import install_error_handlers, scope_error_r
 from attnlens.app.server.auth import ApiKeyMiddleware, document_bearer
 from attnlens.app.server.body_limit import BodyLimitMiddleware
 from attnlens.app.server.docs import install_docs
-from attnlens.app.server.engine_prestart import close_unused_engine_processes
 from attnlens.app.server.metrics import Metrics, MetricsMiddleware
 from attnlens.app.server.settings import Settings, default_switch_interval_ms
 from attnlens.app.server.shutdown import DrainMiddleware

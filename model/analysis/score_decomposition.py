@@ -105,7 +105,9 @@ def side(model, captured: dict[str, torch.Tensor], ids: list[int], layer: int, p
         out = out * (q_norm.weight.detach().double() / torch.sqrt(total.pow(2).mean() + q_norm.eps))
     angles = model.rotary_angles(1, start=position)
     if angles is not None:  # each part rotated by the position's angles: (P, D) -> (1, P, 1, D) and back
-        out = apply_rotary(out[None, :, None], type(angles)(*(a.double() for a in angles)))[0, :, 0]
+        as_double = angles._replace(cos=angles.cos.double(), sin=angles.sin.double(),
+                                    signed_sin=None if angles.signed_sin is None else angles.signed_sin.double())
+        out = apply_rotary(out[None, :, None], as_double)[0, :, 0]
     return names, out
 
 

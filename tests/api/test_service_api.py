@@ -557,7 +557,10 @@ def test_serve_asks_for_huge_pages_unless_told_otherwise(monkeypatch, preset, ex
     if preset is None:
         monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
     seen = {}
-    monkeypatch.setattr(server_module, "serve", lambda **kw: seen.setdefault("env", os.environ.get("THP_MEM_ALLOC_ENABLE")))
+    monkeypatch.setattr(server_module, "serve", lambda *a, **kw: seen.setdefault("env", os.environ.get("THP_MEM_ALLOC_ENABLE")))
+    import attnlens.app.engine.prestart as prestart
+
+    monkeypatch.setattr(prestart, "prestart_engine_processes", lambda settings: None)  # no engine processes here
     assert cli.main(["serve", "--port", "1"]) == 0
     assert seen["env"] == expected
 

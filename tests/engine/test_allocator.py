@@ -14,8 +14,9 @@ FAULTS = """
 import resource, sys, torch
 from attnlens.app.engine.allocator import retain_freed_memory
 print(retain_freed_memory(int(sys.argv[1])))
-for _ in range(3):  # glibc's dynamic threshold settles
-    torch.ones(6 << 20)
+for _ in range(3):  # glibc's dynamic threshold and the heap's layout settle, in the pattern measured
+    held = [torch.ones(6 << 20) for _ in range(4)]
+    del held
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(20):
     held = [torch.ones(6 << 20) for _ in range(4)]  # 4 x 24 MB, filled (touched), then freed together

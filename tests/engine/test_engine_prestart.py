@@ -1,4 +1,4 @@
-"""Engine processes `attnlens serve` starts before it imports torch (app/server/engine_prestart.py):
+"""Engine processes `attnlens serve` starts before it imports torch (app/engine/prestart.py):
 which models get one is read from config.json alone, as the families declare it; a prestarted
 process is the one a model's engine then runs in; one never used exits without a word."""
 
@@ -12,8 +12,8 @@ import sys
 import pytest
 from helpers import REPO_ROOT, drain, reference_ids, run_async
 
-from attnlens.app.server import engine_prestart
-from attnlens.app.server.engine_prestart import GENERATING_FAMILIES, generates
+from attnlens.app.engine import prestart as engine_prestart
+from attnlens.app.engine.prestart import GENERATING_FAMILIES, generates
 
 
 def test_the_generating_families_are_those_whose_declaration_generates():
@@ -34,10 +34,10 @@ def test_which_models_get_an_engine_process_is_read_from_config_json(tmp_path):
 
 FORKED = """
 import asyncio, os, sys
-from attnlens.app.server import engine_prestart as p
+from attnlens.app.engine import prestart as p
 from attnlens.app.server.settings import Settings
 
-n = p.prestart_engine_processes(Settings(model=sys.argv[1], models=sys.argv[2]), fork=True)
+n = p.prestart_engine_processes(Settings(model=sys.argv[1], models=sys.argv[2]).model_dirs(), fork=True)
 first, spare = p._waiting
 same = open(f"/proc/{first.process.pid}/cmdline").read() == open("/proc/self/cmdline").read()
 print(n, type(first.process).__name__, same)

@@ -28,10 +28,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from attnlens.app.server.settings import Settings
+from typing import Iterable, Protocol
 
 # the families whose declaration has a GenerationSpec (model/families): each such model's engine
 # runs in a process of its own (tests/engine/test_engine_prestart.py checks this against the declarations)
@@ -160,12 +157,10 @@ def generates(model_dir: Path) -> bool:
     return isinstance(config, dict) and config.get("family", "decoder") in GENERATING_FAMILIES
 
 
-def prestart_engine_processes(settings: Settings, *, fork: bool | None = None) -> int:
-    """Start one engine process per model that will have one (ATTNLENS_ENGINE_PROCESS): forked from
-    this process once it has imported the engine (`fork`; default: on Linux), else spawned. How many."""
-    if not settings.engine_process:
-        return 0
-    wanted = sum(generates(d) for d in settings.model_dirs())
+def prestart_engine_processes(model_dirs: Iterable[Path], *, fork: bool | None = None) -> int:
+    """Start one engine process per model of `model_dirs` that generates: forked from this process
+    once it has imported the engine (`fork`; default: on Linux), else spawned. How many."""
+    wanted = sum(generates(d) for d in model_dirs)
     if fork is None:
         fork = sys.platform == "linux"
     if fork and wanted:
