@@ -298,3 +298,44 @@ def load_hf(path: Path, case: Case):
 
     cls = getattr(transformers, case.model_class)
     return cls.from_pretrained(path, attn_implementation="eager").eval()
+
+
+def ids_for(ckpt, n_rows: int, n: int, seed: int = 0) -> torch.Tensor:
+    """(n_rows, n) random token ids of the checkpoint's vocabulary, seeded."""
+    return torch.randint(0, ckpt.config.vocab_size, (n_rows, n), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_batched_rows_equal_each_alone(ckpt, steps: int) -> dict:
+    """Right-padded prompts of 3, 17 and 9 tokens prefilled together, then `steps` batched decode
+    steps (row 2 streaming its attention): each row's tokens, log-probabilities and attention rows
+    equal that row decoded alone. Returns the batched run's tokens by row."""
+    import pytest
+
+    from attnlens.model.decoding import RowSampler, SamplingParams, decode_step
+
+    model = ckpt.model
+    prompts = [ids_for(ckpt, 1, n, seed=n)[0].tolist() for n in (3, 17, 9)]
+
+    def run(rows: list[int]):
+        cache = model.new_kv_cache(len(rows))
+        samplers = [RowSampler(SamplingParams(temperature=0), return_attention=(r == 2)) for r in rows]
+        width = max(len(prompts[r]) for r in rows)
+        padded = torch.tensor([prompts[r] + [0] * (width - len(prompts[r])) for r in rows])
+        out: dict = {r: [] for r in rows}
+        with torch.no_grad():
+            step = decode_step(model, cache, padded, samplers, n_new=[len(prompts[r]) for r in rows])
+            for _ in range(steps):
+                for r, t in zip(rows, step.tokens):
+                    out[r].append(t)
+                step = decode_step(model, cache, torch.tensor([[t.id] for t in step.tokens]), samplers)
+        return out
+
+    together = run([0, 1, 2])
+    for r in range(3):
+        alone = run([r])[r]
+        assert [t.id for t in together[r]] == [t.id for t in alone]
+        for a, b in zip(together[r], alone):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            for x, y in zip(a.attention or [], b.attention or []):
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+    return together

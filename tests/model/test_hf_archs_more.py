@@ -19,7 +19,13 @@ from attnlens.model.interop.convert import export_checkpoint, import_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-from arch_helpers import MORE_CASES, load_hf, write_hf_checkpoint  # noqa: E402
+from arch_helpers import (  # noqa: E402
+    MORE_CASES,
+    assert_batched_rows_equal_each_alone,
+    ids_for,
+    load_hf,
+    write_hf_checkpoint,
+)
 
 
 @pytest.fixture(scope="module", params=list(MORE_CASES))
@@ -30,10 +36,6 @@ def arch(request, tmp_path_factory):
     out, architecture = import_checkpoint(src, root / "ours")
     return SimpleNamespace(case=case, src=src, ours=out, ckpt=load_checkpoint(out), hf=load_hf(src, case),
                            architecture=architecture)
-
-
-def ids_for(ckpt, n_rows: int, n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, ckpt.config.vocab_size, (n_rows, n), generator=torch.Generator().manual_seed(seed))
 
 
 def check_maps(ours, ref, n_heads: int, T: int) -> None:
@@ -109,33 +111,7 @@ def test_batched_rows_of_different_lengths_equal_each_row_alone(arch):
     """The engine's path: right-padded prompts of 3, 17 and 9 tokens prefilled together, then 8
     batched decode steps (each row's own positions, windows and rotary bases): each row's tokens,
     log-probabilities and attention rows equal that row decoded alone."""
-    from attnlens.model.decoding import RowSampler, decode_step
-
-    model = arch.ckpt.model
-    prompts = [ids_for(arch.ckpt, 1, n, seed=n)[0].tolist() for n in (3, 17, 9)]
-
-    def run(rows: list[int]):
-        cache = model.new_kv_cache(len(rows))
-        samplers = [RowSampler(SamplingParams(temperature=0), return_attention=(r == 2)) for r in rows]
-        width = max(len(prompts[r]) for r in rows)
-        padded = torch.tensor([prompts[r] + [0] * (width - len(prompts[r])) for r in rows])
-        out = {r: [] for r in rows}
-        with torch.no_grad():
-            step = decode_step(model, cache, padded, samplers, n_new=[len(prompts[r]) for r in rows])
-            for _ in range(8):
-                for r, t in zip(rows, step.tokens):
-                    out[r].append(t)
-                step = decode_step(model, cache, torch.tensor([[t.id] for t in step.tokens]), samplers)
-        return out
-
-    together = run([0, 1, 2])
-    for r in range(3):
-        alone = run([r])[r]
-        assert [t.id for t in together[r]] == [t.id for t in alone]
-        for a, b in zip(together[r], alone):
-            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-            for x, y in zip(a.attention or [], b.attention or []):
-                torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+    assert_batched_rows_equal_each_alone(arch.ckpt, steps=8)
 
 
 @pytest.mark.slow
