@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Literal
 
@@ -72,6 +73,39 @@ _active: contextvars.ContextVar["Hooks | None"] = contextvars.ContextVar("attnle
 def active() -> "Hooks | None":
     """The hooks of the forward running in this context, or None (the common case)."""
     return _active.get()
+
+
+# A long forward under a reporting call (Hooks.progress) also reports between pieces of its largest
+# sub-layers (a long prompt's attention and FFN), so that a stream decoding beside it waits for
+# one piece, not for a whole sub-layer (at 8k tokens about a second each on 2 cores).
+PIECE_MACS = 1 << 30  # multiply-adds of one piece: ~20 ms at 2 cores' float32 rate
+
+
+def row_pieces(rows: int, macs_before: Callable[[int], float]) -> list[tuple[int, int]] | None:
+    """Row ranges [a, b) covering 0..rows, each about PIECE_MACS of work by `macs_before(t)` (the
+    work of rows 0..t-1, increasing); None when the forward reports no progress or one piece does."""
+    hooks = active()
+    if hooks is None or hooks.progress is None or rows < 2:
+        return None
+    n = min(rows, math.ceil(macs_before(rows) / PIECE_MACS))
+    if n <= 1:
+        return None
+    ends = []
+    for i in range(1, n):  # the first t whose work reaches i / n of the whole
+        goal, lo, hi = macs_before(rows) * i / n, 1, rows
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if macs_before(mid) < goal else (lo, mid)
+        ends.append(lo)
+    edges = sorted(set([0, *ends, rows]))
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def piece_done() -> None:
+    """Between two pieces of a sub-layer (row_pieces): the reporting call's progress point."""
+    hooks = active()
+    if hooks is not None and hooks.progress is not None:
+        hooks.progress()
 
 
 @dataclass(frozen=True)
@@ -148,8 +182,9 @@ class Hooks:
     [B, T, C]), as TransformerLens's start_at_layer: an ablated run takes the clean run's outputs
     of the blocks before the first ablated one (`unchanged_outputs`), which it would only
     recompute bit for bit. A given block keeps nothing and returns no attention maps.
-    progress: called after each attention and each block (_PROGRESS_POINTS): a long forward tells
-    a watchdog it is working, and lets other work take a turn, about twice a block.
+    progress: called after each attention and each block (_PROGRESS_POINTS), and between the pieces
+    of a long prompt's attention and FFN (row_pieces): a long forward tells a watchdog it is
+    working, and lets other work take a turn, every PIECE_MACS of work at most.
     """
 
     record: set[str] | Callable[[str], bool] = field(default_factory=set)

@@ -9,9 +9,10 @@ Each `step()` (vLLM v1's EngineCore.step: schedule, execute, update):
   1. schedule  take the generations handed over since the last step; drop cancelled and stopped
                ones (their cache rows are freed and the rows kept contiguous);
   2. call      a slice of the model call that runs (an /attention analysis), from where it
-               paused to its next report point (stepped_call.py): a long call pauses after
-               each block of its work, so the generations get this step's prefill piece and
-               decode step between its slices and their streams keep their tokens coming; a
+               paused through its report points (stepped_call.py) until `call_slice_s` has
+               passed: a long call pauses after each piece of its work (model/hooks.py's
+               row_pieces), so the generations get this step's prefill piece and decode step
+               between its slices and their streams keep their tokens coming; a
                heartbeat (an empty hand-over, at most one a second) goes to the sink for the
                watchdog; a call whose caller went away stops at its next report point. The
                calls run one at a time, oldest first;
@@ -81,7 +82,7 @@ class EngineCore:
 
     def __init__(self, checkpoint: Checkpoint, *, max_concurrent: int = 32, cuda_graphs: bool = True,
                  overlap_outputs: bool | None = None, kv_cache_bytes: int | None = None, prefill_chunk: int = 256,
-                 prefill_chunk_alone: int | None = None, sink: OutputSink | None = None):
+                 prefill_chunk_alone: int | None = None, sink: OutputSink | None = None, call_slice_s: float = 0.1):
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.config = checkpoint.config
@@ -125,6 +126,9 @@ class EngineCore:
         self._incoming: collections.deque[Generation] = collections.deque()  # handed over, not scheduled yet
         self._calls: collections.deque[CoreCall] = collections.deque()  # model calls waiting, oldest first
         self._call: tuple[CoreCall, SteppedCall] | None = None  # the model call that runs, paused between slices
+        # a call runs from report point to report point for this long before the generations get
+        # their step: a stream beside it waits about this long, and the call pays one step for it
+        self.call_slice_s = call_slice_s
         self._last_beat = 0.0  # when the last heartbeat went (time.monotonic)
         self._held_generations = 0  # handed over and not finished: at most max_concurrent
         # On CUDA a decode step's records are held until the next step has been launched, and
@@ -301,13 +305,16 @@ class EngineCore:
             self._call = (work, SteppedCall(lambda: run_operation(model, operation, report=progress.report)))
             self._last_beat = time.monotonic()
         work, call = self._call
-        if work.cancelled:
-            call.stop()
         t0 = time.perf_counter()
-        if not call.advance():
-            if time.monotonic() - self._last_beat >= 1.0:
-                self._heartbeat()  # the watchdog's sign of progress while the call works
-            return
+        while True:
+            if work.cancelled:
+                call.stop()
+            if call.advance():
+                break
+            if time.perf_counter() - t0 >= self.call_slice_s:
+                if time.monotonic() - self._last_beat >= 1.0:
+                    self._heartbeat()  # the watchdog's sign of progress while the call works
+                return
         self._call = None
         if isinstance(call.error, progress.CallCancelled):
             self.calls_cancelled += 1

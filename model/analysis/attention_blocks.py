@@ -35,7 +35,7 @@ from attnlens.model.hooks import Hooks, hooked
 from attnlens.model.hooks import active as active_hooks
 from attnlens.model.parts.attention import MultiHeadAttention
 
-BLOCK_BYTES = 64 << 20  # a block's scores (H' x B x n float32); its softmax and reduction take as much again
+BLOCK_BYTES = 16 << 20  # a block's scores (H' x B x n float32; its softmax and reduction take as much again): a stream beside the call waits about one block
 _QK = ("hook_rot_q", "hook_rot_k", "hook_q", "hook_k")
 
 

@@ -234,8 +234,7 @@ class MultiHeadAttention(nn.Module):
             y, probs = self.explicit_attention(q, k, v, mask, causal, dropout_p, hooked=hooks is not None)
         else:
             probs = None
-            y = backend_for(q.device.type).attend(q, k, v, mask=mask, causal=causal, scale=self.scale,
-                                                   dropout_p=dropout_p)
+            y = self.attend(q, k, v, mask, causal, dropout_p)
 
         if hooks is not None:  # (B, H, T, D) <-> [B, T, H, D]; kept as computed, then ablated
             y = self.hook_z(y.transpose(1, 2)).transpose(1, 2)
@@ -243,6 +242,32 @@ class MultiHeadAttention(nn.Module):
         if self.training:  # dropout is the identity at inference; skip the call when decoding
             y = self.resid_dropout(y)
         return y, probs if keep_probs else None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+               dropout_p: float) -> torch.Tensor:
+        """The device's backend on q (B, H, T, D), k, v (B, K, S, D) -> (B, H, T, D); a long prompt
+        under a reporting call in pieces of query rows (hooks.row_pieces), a progress point between."""
+        B, H, T, D = q.shape
+        S = k.shape[2]
+        backend = backend_for(q.device.type)
+        pieces = None
+        # rows split freely where a mask only names keys (padding); the hooks are read at a prompt only
+        if T > 1 and (mask is None or mask.shape[-2] == 1) and _hooks.active() is not None:
+            offset = S - T  # query t sees keys up to offset + t (causal), or all S
+            pieces = _hooks.row_pieces(T, (lambda t: 2 * B * H * D * (t * offset + t * (t + 1) / 2)) if causal
+                                       else (lambda t: 2 * B * H * D * S * t))
+        if pieces is None:
+            return backend.attend(q, k, v, mask=mask, causal=causal, scale=self.scale, dropout_p=dropout_p)
+        out = q.new_empty(B, T, H, D)
+        for a, b in pieces:
+            keys = S - T + b if causal else S  # what rows a..b-1 see
+            part_mask = None if mask is None else mask[..., :keys]
+            part = backend.attend(q[:, :, a:b], k[:, :, :keys], v[:, :, :keys], mask=part_mask, causal=causal,
+                                  scale=self.scale, dropout_p=dropout_p)  # (B, H, b - a, D)
+            out[:, a:b] = part.transpose(1, 2)
+            if b < T:
+                _hooks.piece_done()
+        return out.transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D), as the backends return
 
     def _hook_inputs(self, q, k, v, rotary: bool):
         """This call's q, k, v through their hook points ([B, T, H, D], [B, S, K, D]): with rotary

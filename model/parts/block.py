@@ -76,6 +76,22 @@ class Block(nn.Module):
         """What a sub-layer reads: ln(x) before the sum (pre-LN), x itself (post-LN)."""
         return norm(x) if self.pre_norm else x
 
+    def _ffn_of(self, hooks: _hooks.Hooks | None, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """ffn(norm(x)) (B, T, C); a long prompt under a reporting call in pieces of positions
+        (hooks.row_pieces), a progress point between (a mixture of experts, whose hook points see
+        every position, in one)."""
+        macs = getattr(self.ffn, "macs_per_row", None)
+        pieces = None if macs is None or hooks is None else _hooks.row_pieces(x.shape[1], lambda t: macs * x.shape[0] * t)
+        if pieces is None:
+            return self.ffn(x if norm is None else norm(x))
+        parts = []
+        for a, b in pieces:
+            part = x[:, a:b]
+            parts.append(self.ffn(part if norm is None else norm(part)))  # (B, b - a, C)
+            if b < x.shape[1]:
+                _hooks.piece_done()
+        return torch.cat(parts, dim=1)
+
     def _residual(self, x: torch.Tensor, out: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """x + sub(ln(x)) (pre-LN) or ln(x + sub(x)) (post-LN), given out = the sub-layer's output."""
         return x + out if self.pre_norm else norm(x + out)
@@ -109,7 +125,7 @@ class Block(nn.Module):
             out = self.hook_attn_out(out)
         cross_probs = None
         if self.parallel:  # GPT-NeoX: the FFN reads the block's input too; one residual sum
-            mlp = self.ffn(h if self.shared_norm else self.ln2(x))
+            mlp = self._ffn_of(hooks, h) if self.shared_norm else self._ffn_of(hooks, x, self.ln2)
             if self.residual_multiplier != 1.0:
                 mlp = mlp * self.residual_multiplier
             if hooks is not None:
@@ -127,7 +143,7 @@ class Block(nn.Module):
                 if hooks is not None:
                     out = self.hook_cross_out(out)
                 x = self._residual(x, out, self.ln_cross)
-            mlp = self.ffn(self._input(x, self.ln2))
+            mlp = self._ffn_of(hooks, x, self.ln2 if self.pre_norm else None)
             if self.ln2_post is not None:
                 mlp = self.ln2_post(mlp)
             if self.residual_multiplier != 1.0:

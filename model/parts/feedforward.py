@@ -56,6 +56,7 @@ class FeedForward(nn.Module):
         self.proj = Linear(config.d_ff, config.d_model, bias=bias)
         self.activation = config.activation
         self.dropout = nn.Dropout(config.dropout)
+        self.macs_per_row = (3 if self.gated else 2) * config.d_model * config.d_ff  # a position's multiply-adds
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)  # (B, T, F), gated: (B, T, 2F)

@@ -23,13 +23,15 @@ pytestmark = pytest.mark.slow
 T = 4000
 IDS = [(i * 7) % 250 for i in range(T)]
 OVERVIEW = {"ids": IDS, "pool": 32, "format": "u8"}
+GAP_BOUND_S = 0.25  # issue 50: a stream's longest wait while an analysis runs beside it
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("long-live")
     model = make_tiny_checkpoint(root / "long", context_length=4096, d_model=128, n_layers=4, n_heads=8, d_ff=256)
-    env = {"ATTNLENS_LOG_LEVEL": "info", "OMP_NUM_THREADS": "1", "ATTNLENS_MAX_PROMPT_TOKENS": "4096"}
+    env = {"ATTNLENS_LOG_LEVEL": "info", "OMP_NUM_THREADS": "1", "ATTNLENS_MAX_PROMPT_TOKENS": "4096",
+           "ATTNLENS_MAX_NEW_TOKENS": "4000"}
     with live_server(model, root, env=env) as s:
         yield s
 
@@ -72,6 +74,40 @@ def test_streams_take_turns_with_a_long_analysis(server):
     worker.join()
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     assert ended["status"] == 200 and finished < ended["analysis"]  # its tokens came while the analysis worked
+
+
+def test_a_stream_beside_a_long_analysis_never_waits_long(server):
+    """Between the tokens of a stream decoding beside the overview, no gap over GAP_BOUND_S: the analysis
+    pauses between pieces of its work (model/hooks.py's row_pieces) at most call_slice_s apart."""
+    arrivals: list[float] = []
+    stop = threading.Event()
+
+    def stream():
+        body = {"ids": IDS[:10], "max_new_tokens": 4000, "stream": True, "temperature": 1.0, "seed": 3}
+        with httpx.Client(base_url=server.base_url, timeout=120) as c, c.stream("POST", "/generate", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("event: token"):
+                    arrivals.append(time.monotonic())
+                if stop.is_set():
+                    break
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    while len(arrivals) < 5:
+        assert reader.is_alive()
+        time.sleep(0.01)
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        t0 = time.monotonic()
+        assert c.post("/attention", json=OVERVIEW).status_code == 200
+        t1 = time.monotonic()
+    stop.set()
+    reader.join()
+    marks = [t for t in arrivals if t < t0][-1:] + [t for t in arrivals if t0 <= t <= t1] + \
+        [t for t in arrivals if t > t1][:1]
+    gaps = [b - a for a, b in zip(marks, marks[1:])]
+    print(f"\nthe overview beside a stream: {t1 - t0:.1f} s, {len(gaps)} gaps, the longest {max(gaps) * 1000:.0f} ms")
+    assert arrivals[-1] > t1 and len(gaps) > 10  # the stream outlived the analysis
+    assert max(gaps) < GAP_BOUND_S, sorted(gaps)[-5:]
 
 
 def test_a_long_requests_peak_memory_follows_its_answer(server):
