@@ -26,6 +26,16 @@ export function lensWindow(T, at) {
   return { start, end: start + WINDOW, T };
 }
 
+/** Whether the answer is a mixture of experts' (its blocks' cells name the experts they routed each position to). */
+const routed = (a) => a.layers.some((layer) => layer.positions.some((p) => p.experts?.length));
+
+/** A cell's mark: the expert its block gave the position the most weight (experts come heaviest first). */
+function expertMark(experts) {
+  const mark = Object.assign(document.createElement("sup"), { className: "lens-expert", textContent: `E${experts[0].expert}` });
+  mark.dataset.expert = experts[0].expert;
+  return mark;
+}
+
 const pct = (p) => (p == null ? "—" : p >= 0.995 ? "100%" : p < 0.001 ? "<0.1%" : `${(100 * p).toFixed(p < 0.1 ? 1 : 0)}%`);
 
 export class LensView {
@@ -82,7 +92,9 @@ export class LensView {
     this.ctx.setCaption(
       `<b>Logit lens</b>: what the residual stream predicts at each position (columns) after each layer (rows), read through ${escapeHTML(a.head ?? "the final norm and the unembedding")}. ` +
         `Each cell is the top-1 token, tinted by its probability; <span class="lens-hit-key">outlined</span> where it is ${a.predicts === "same" ? "the token actually at that position" : "the token that actually comes next"}. ` +
-        `The last row is the model's own prediction. Hover or focus a cell for the top 5.${escapeHTML(abl)}`,
+        `The last row is the model's own prediction. Hover or focus a cell for the top 5.` +
+        (routed(a) ? " A mixture of experts: each block's cell also names, small, the expert that block routed the position to with the most weight (the tooltip lists each chosen expert and its weight)." : "") +
+        escapeHTML(abl),
     );
     const table = document.createElement("table");
     table.className = "lens-grid";
@@ -113,6 +125,7 @@ export class LensView {
         td.style.setProperty("--p", String(top?.prob ?? 0));
         if (top?.prob > 0.55) td.classList.add("dark");
         if (top && pos.actual && top.id === pos.actual.id) td.classList.add("hit");
+        if (pos.experts?.length) td.append(expertMark(pos.experts));
       });
     });
     // the token that comes next at each position, when there is one
@@ -163,9 +176,10 @@ export class LensView {
     const alts = (pos.top ?? [])
       .map((t) => `<span class="${pos.actual && t.id === pos.actual.id ? "chosen" : ""}">${escapeHTML(visible(t.text))}</span><span class="bar" style="width:${Math.max(1, 60 * t.prob)}px"></span><span class="num">${pct(t.prob)}</span>`)
       .join("");
+    const experts = pos.experts?.length ? `<div class="tt-muted">experts: ${pos.experts.map((e) => `E${e.expert} ${pct(e.weight)}`).join(" · ")}</div>` : "";
     const actual = pos.actual ? `<div class="tt-muted">actual next “${escapeHTML(visible(pos.actual.text))}”: rank ${pos.actual.rank}, ${pct(pos.actual.prob)}</div>` : "";
     const r = td.getBoundingClientRect();
-    showTooltip(`<div class="tt-cell"><b>${escapeHTML(layer.label)}</b> at #${i} “${escapeHTML(visible(cols[i]?.text))}”</div><div class="tt-alts">${alts}</div>${actual}`, r.right, r.top);
+    showTooltip(`<div class="tt-cell"><b>${escapeHTML(layer.label)}</b> at #${i} “${escapeHTML(visible(cols[i]?.text))}”</div><div class="tt-alts">${alts}</div>${actual}${experts}`, r.right, r.top);
   }
 
   /** Arrow keys move the focus between cells (one cell is in the tab order). */
@@ -216,6 +230,11 @@ export class LensView {
         }
         ctx.fillStyle = top.prob > 0.55 ? "#fff" : "#111";
         text(axisLabel(top.text, 7), x + w / 2, y + h / 2);
+        if (pos.experts?.length) {
+          ctx.font = `${8 * scale}px ui-monospace, monospace`;
+          text(`E${pos.experts[0].expert}`, x + w - 3 * scale, y + 6 * scale, "right");
+          ctx.font = `${11 * scale}px ui-monospace, monospace`;
+        }
       });
     });
     const y = (a.layers.length + 1) * h;
