@@ -64,10 +64,10 @@ def test_patch_answers_the_operation_by_group(bundled_client, translator, ids, c
 
 def test_the_cross_heads_of_the_last_layer_carry_the_month(bundled_client):
     """The month reaches the decoder through cross-attention: patching each last-layer cross head restores
-    a fifth or more of the difference, no encoder or decoder self-attention head a hundredth."""
+    8 to 22% of the difference, no encoder or decoder self-attention head a hundredth."""
     a = bundled_client.post("/patch", json=ASK).json()
     norm = lambda v: (np.array(v) - a["corrupted_metric"]) / (a["clean_metric"] - a["corrupted_metric"])
-    assert norm(a["values"]["cross"])[2].min() > 0.08 and norm(a["values"]["cross"])[2].max() > 0.2
+    assert norm(a["values"]["cross"])[2].min() > 0.05 and norm(a["values"]["cross"])[2].max() > 0.2
     assert np.abs(norm(a["values"]["encoder"])).max() < 0.01 and np.abs(norm(a["values"]["decoder"])).max() < 0.01
 
 
