@@ -8,6 +8,7 @@ decoded from whichever format and packing the server sent.
 from __future__ import annotations
 
 import base64
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -809,13 +810,42 @@ def _top(grid: np.ndarray, k: int) -> list[tuple[tuple[int, ...], float]]:
     return [(tuple(int(i) for i in np.unravel_index(j, grid.shape)), float(grid.ravel()[j])) for j in order]
 
 
+def _grids(values: Any) -> Any:
+    """A /patch answer's values as float64 arrays, dicts of them kept (nested by group: an encoder-decoder's)."""
+    return {k: _grids(v) for k, v in values.items()} if isinstance(values, dict) else _grid(values)
+
+
+def _leaves(values: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], np.ndarray]]:
+    """(path, array) of each grid in nested dicts of them, in order."""
+    if not isinstance(values, dict):
+        return [(path, values)]
+    return [leaf for k, v in values.items() for leaf in _leaves(v, (*path, k))]
+
+
+def _top_of(values: Any, k: int, part: str | None, by_group: bool) -> list[tuple[tuple, float]]:
+    """The k largest cells of `values`: of its `part` (a dotted path for nested dicts, "decoder.cross"); by
+    default of its first grid, or, by group (an encoder-decoder's answer), of every grid ranked together,
+    each index led by its path (("cross", layer, head), v)."""
+    if part is not None:
+        for name in part.split("."):
+            values = values[name]
+        return _top(values, k)
+    if not by_group or not isinstance(values, dict):
+        return _top(_leaves(values)[0][1], k)
+    cells = [((*path, *index), v) for path, grid in _leaves(values) for index, v in _top(grid, grid.size)]
+    return sorted(cells, key=lambda cell: -cell[1] if not math.isnan(cell[1]) else math.inf)[:k]
+
+
 @dataclass(frozen=True, eq=False)
 class PatchAnswer:
     """A /patch answer: each cell of `component` patched from the clean run into the corrupted one, its
     patched metric logit(answer) - logit(foil) at `position`, raw. `values` a float64 array (heads
     [L, H], heads_by_position [L, T, H], residual [L, T]) or a dict of them (layers: "attention",
-    "mlp" [L, T]; paths: "q", "k", "v" [L, H], nan at layers up to the sender's). `normalized`: 0 =
-    the corrupted run, 1 = the clean run; `top(k)` the cells that restore the most."""
+    "mlp" [L, T]; paths: "q", "k", "v" [L, H], nan at layers up to the sender's). An encoder-decoder's
+    (`target_tokens` given, `position` on the target) come by group: {"encoder", "decoder", "cross"} for
+    heads, {"encoder", "decoder"} for residual, {"encoder": {"attention", "mlp"}, "decoder": {"attention",
+    "cross", "mlp"}} for layers. `normalized`: 0 = the corrupted run, 1 = the clean run; `top(k)` the
+    cells that restore the most."""
 
     model: str
     component: str
@@ -823,39 +853,44 @@ class PatchAnswer:
     position: int
     clean_metric: float
     corrupted_metric: float
-    values: Any  # np.ndarray, or dict[str, np.ndarray] for layers and paths
+    values: Any  # np.ndarray, or dict[str, np.ndarray] for layers and paths (nested: an encoder-decoder's)
     clean_tokens: list[Token]
     corrupted_tokens: list[Token]
     differing: list[int]
     answer: Token
     foil: Token
     sender: tuple[int, int] | None = None
+    target_tokens: list[Token] | None = None  # an encoder-decoder's target, the start token first
 
     @classmethod
     def from_json(cls, body: dict) -> PatchAnswer:
-        raw = body["values"]
-        values = {name: _grid(v) for name, v in raw.items()} if isinstance(raw, dict) else _grid(raw)
         sender = body.get("sender")
+        target = body.get("target_tokens")
         return cls(body["model"], body["component"], body["method"], int(body["position"]),
-                   float(body["clean_metric"]), float(body["corrupted_metric"]), values, _tokens(body["clean_tokens"]),
-                   _tokens(body["corrupted_tokens"]), [int(p) for p in body["differing"]], Token.from_json(body["answer"]),
-                   Token.from_json(body["foil"]), None if sender is None else (int(sender["layer"]), int(sender["head"])))
+                   float(body["clean_metric"]), float(body["corrupted_metric"]), _grids(body["values"]),
+                   _tokens(body["clean_tokens"]), _tokens(body["corrupted_tokens"]), [int(p) for p in body["differing"]],
+                   Token.from_json(body["answer"]), Token.from_json(body["foil"]),
+                   None if sender is None else (int(sender["layer"]), int(sender["head"])),
+                   None if target is None else _tokens(target))
 
     @property
     def normalized(self) -> Any:
         """values as (v - corrupted_metric) / (clean_metric - corrupted_metric), same shapes."""
         span = self.clean_metric - self.corrupted_metric
-        scale = lambda v: (v - self.corrupted_metric) / span if span else v * np.nan
-        return {k: scale(v) for k, v in self.values.items()} if isinstance(self.values, dict) else scale(self.values)
 
-    def top(self, k: int = 5, part: str | None = None) -> list[tuple[tuple[int, ...], float]]:
+        def scale(v: Any) -> Any:
+            if isinstance(v, dict):
+                return {k: scale(x) for k, x in v.items()}
+            return (v - self.corrupted_metric) / span if span else v * np.nan
+        return scale(self.values)
+
+    def top(self, k: int = 5, part: str | None = None) -> list[tuple[tuple, float]]:
         """The k cells whose patch raises the metric most ((index, value), largest first): heads
         ((layer, head), v); by position ((layer, position[, head]), v). `part` picks layers' "attention"
-        or "mlp", paths' "q", "k" or "v" (default the first)."""
-        grid = self.values
-        if isinstance(grid, dict):
-            grid = grid[part if part is not None else next(iter(grid))]
-        return _top(grid, k)
+        or "mlp", paths' "q", "k" or "v" (default the first); an encoder-decoder's group ("cross",
+        "decoder.mlp"; default every group ranked together, each index led by its group:
+        (("cross", layer, head), v))."""
+        return _top_of(self.values, k, part, self.target_tokens is not None)
 
     def __repr__(self) -> str:
         return (f"PatchAnswer(model={self.model!r}, component={self.component!r}, method={self.method!r}, "
@@ -865,8 +900,9 @@ class PatchAnswer:
 @dataclass(frozen=True, eq=False)
 class LogitAttributionAnswer:
     """A /logit-attribution answer: each part's direct write into logit(answer) - logit(foil) at
-    `position`: `heads` [L, H], `mlps` [L], `embedding`, `other` (`other_parts` by name); they sum
-    to `logit_difference`. `top(k)` the heads that write the most."""
+    `position`: `heads` [L, H] (an encoder-decoder's {"decoder", "cross": [L, H]}, `target_tokens`
+    given and `position` on the target), `mlps` [L], `embedding`, `other` (`other_parts` by name); they
+    sum to `logit_difference`. `top(k)` the heads that write the most."""
 
     model: str
     tokens: list[Token]
@@ -874,31 +910,37 @@ class LogitAttributionAnswer:
     answer: Token
     foil: Token
     logit_difference: float
-    heads: np.ndarray
+    heads: Any  # np.ndarray, or dict[str, np.ndarray] (an encoder-decoder's)
     mlps: np.ndarray
     embedding: float
     other: float
     answer_logit: float | None = None
     foil_logit: float | None = None
     other_parts: dict[str, float] | None = None
+    target_tokens: list[Token] | None = None
 
     @classmethod
     def from_json(cls, body: dict) -> LogitAttributionAnswer:
         parts = body.get("other_parts")
+        target = body.get("target_tokens")
         return cls(body["model"], _tokens(body["tokens"]), int(body["position"]), Token.from_json(body["answer"]),
-                   Token.from_json(body["foil"]), float(body["logit_difference"]),
-                   np.array(body["heads"], dtype=np.float64), np.array(body["mlps"], dtype=np.float64),
-                   float(body["embedding"]), float(body["other"]), body.get("answer_logit"), body.get("foil_logit"),
-                   None if parts is None else {k: float(v) for k, v in parts.items()})
+                   Token.from_json(body["foil"]), float(body["logit_difference"]), _grids(body["heads"]),
+                   np.array(body["mlps"], dtype=np.float64), float(body["embedding"]), float(body["other"]),
+                   body.get("answer_logit"), body.get("foil_logit"),
+                   None if parts is None else {k: float(v) for k, v in parts.items()},
+                   None if target is None else _tokens(target))
 
     @property
     def total(self) -> float:
         """The parts' sum: logit_difference within float rounding."""
-        return float(self.heads.sum() + self.mlps.sum() + self.embedding + self.other)
+        heads = sum(float(grid.sum()) for _, grid in _leaves(self.heads))
+        return float(heads + self.mlps.sum() + self.embedding + self.other)
 
-    def top(self, k: int = 5) -> list[tuple[tuple[int, ...], float]]:
-        """The k heads that write the most into the difference (((layer, head), value), largest first)."""
-        return _top(self.heads, k)
+    def top(self, k: int = 5, part: str | None = None) -> list[tuple[tuple, float]]:
+        """The k heads that write the most into the difference (((layer, head), value), largest first); an
+        encoder-decoder's of `part` ("decoder" or "cross"), by default both ranked together
+        ((("cross", layer, head), value))."""
+        return _top_of(self.heads, k, part, isinstance(self.heads, dict))
 
     def __repr__(self) -> str:
         return (f"LogitAttributionAnswer(model={self.model!r}, position={self.position}, answer={self.answer.text!r}, "

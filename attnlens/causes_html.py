@@ -10,6 +10,9 @@ metric, blue lowers it) with its exact figure in its tooltip.
                                   run, 1 = the clean run)
     attribution_document(answer)  heads [L x H] beside each layer's MLP, then the embedding, the rest
                                   and the logit difference they sum to
+
+An encoder-decoder's answers (`target_tokens` given) draw a table per group: encoder heads over
+source positions, decoder and cross heads over target positions.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .answers import LogitAttributionAnswer, PatchAnswer, Token
+from .answers import LogitAttributionAnswer, PatchAnswer, Token, _leaves
 
 CSS = """
 body { font: 12px/1.4 system-ui, sans-serif; margin: 12px; background: #fff; color: #222; }
@@ -82,8 +85,52 @@ def _labels(tokens: list[Token], positions: Sequence[int]) -> list[str]:
     return [f"{p} {tokens[p].text.strip()[:8]}" for p in positions]
 
 
+GROUP_NAMES = {"encoder": "encoder self-attention", "decoder": "decoder self-attention", "cross": "cross-attention"}
+
+
+def _group_tables(answer: PatchAnswer) -> list[tuple[str, str]]:
+    """An encoder-decoder's tables: a grid per group (layers: per sub-layer), encoder grids over every
+    source position, the decoder's over the target up to the metric's position."""
+    target = answer.target_tokens
+    assert target is not None
+    tables = []
+    for path, raw in _leaves(answer.values):
+        scaled = _leaves_at(answer.normalized, path)
+        stack = path[0]
+        tokens = answer.clean_tokens if stack == "encoder" else target
+        shown = list(range(len(tokens) if stack == "encoder" else answer.position + 1))
+        if answer.component == "layers":
+            name = f"{'encoder' if stack == 'encoder' else 'decoder'} {path[1]} output"
+        elif answer.component == "residual":
+            name = f"{stack} residual stream (block input)"
+        else:
+            name = f"{GROUP_NAMES[stack]} heads"
+        L = raw.shape[0]
+        if answer.component == "heads":
+            H = raw.shape[1]
+            table = heatmap(scaled, [f"L{l}" for l in range(L)], [f"H{h}" for h in range(H)], scale=1.0, raw=raw)
+        elif answer.component == "heads_by_position":
+            H = raw.shape[2]
+            flat = lambda g: g[:, shown, :].transpose(0, 2, 1).reshape(L * H, len(shown))
+            table = heatmap(flat(scaled), [f"L{l}H{h}" for l in range(L) for h in range(H)], _labels(tokens, shown),
+                            scale=1.0, raw=flat(raw))
+        else:
+            table = heatmap(scaled[:, shown], [f"L{l}" for l in range(L)], _labels(tokens, shown), scale=1.0,
+                            raw=raw[:, shown])
+        tables.append((name, table))
+    return tables
+
+
+def _leaves_at(values, path: tuple[str, ...]):
+    for name in path:
+        values = values[name]
+    return values
+
+
 def patch_document(answer: PatchAnswer, theme: str | None = None) -> str:
     """The document of a /patch answer (module docstring)."""
+    if answer.target_tokens is not None:
+        return _patch_document(answer, _group_tables(answer), theme)
     norm = answer.normalized
     values = answer.values
     first = answer.differing[0] if answer.differing else answer.position
@@ -109,15 +156,23 @@ def patch_document(answer: PatchAnswer, theme: str | None = None) -> str:
             L = raw.shape[0]
             tables.append((name, heatmap(scaled[:, shown], [f"L{l}" for l in range(L)],
                                          _labels(answer.clean_tokens, shown), scale=1.0, raw=raw[:, shown])))
+    return _patch_document(answer, tables, theme)
+
+
+def _patch_document(answer: PatchAnswer, tables: list[tuple[str, str]], theme: str | None) -> str:
     sender = f", sender L{answer.sender[0]}H{answer.sender[1]}" if answer.sender else ""
+    where = "target position" if answer.target_tokens is not None else "position"
+    prompts = "source" if answer.target_tokens is not None else ""
+    target = "" if answer.target_tokens is None else \
+        f"<div class=\"meta\">target: {_tokens(answer.target_tokens, [answer.position])}</div>"
     title = f"{answer.model}: patching {answer.component} ({answer.method}{sender})"
     body = (f"<h1>{html.escape(title)}</h1>"
             f"<div class=\"meta\">metric: logit({html.escape(repr(answer.answer.text))}) - "
-            f"logit({html.escape(repr(answer.foil.text))}) at position {answer.position}; clean "
+            f"logit({html.escape(repr(answer.foil.text))}) at {where} {answer.position}; clean "
             f"{answer.clean_metric:.3f}, corrupted {answer.corrupted_metric:.3f}</div>"
-            f"<div class=\"meta\">clean: {_tokens(answer.clean_tokens, answer.differing)}</div>"
-            f"<div class=\"meta\">corrupted: {_tokens(answer.corrupted_tokens, answer.differing)}</div>"
-            + "".join(f"<h2>{html.escape(name)}</h2>{table}" for name, table in tables)
+            f"<div class=\"meta\">clean {prompts}: {_tokens(answer.clean_tokens, answer.differing)}</div>"
+            f"<div class=\"meta\">corrupted {prompts}: {_tokens(answer.corrupted_tokens, answer.differing)}</div>"
+            + target + "".join(f"<h2>{html.escape(name)}</h2>{table}" for name, table in tables)
             + "<div class=\"note\">cells: the patched metric normalised, (v - corrupted) / (clean - corrupted): 1 "
               "restores the clean run, 0 changes nothing; red raises the metric, blue lowers it; the tooltip gives "
               "the raw metric</div>")
@@ -126,8 +181,19 @@ def patch_document(answer: PatchAnswer, theme: str | None = None) -> str:
 
 def attribution_document(answer: LogitAttributionAnswer, theme: str | None = None) -> str:
     """The document of a /logit-attribution answer (module docstring)."""
-    L, H = answer.heads.shape
-    grid = np.concatenate([answer.heads, answer.mlps[:, None]], axis=1)  # (L, H + 1)
+    if isinstance(answer.heads, dict):  # an encoder-decoder's: decoder self and cross heads side by side
+        L, H = answer.heads["decoder"].shape
+        grid = np.concatenate([answer.heads["decoder"], answer.heads["cross"], answer.mlps[:, None]], axis=1)
+        cols = [f"self H{h}" for h in range(H)] + [f"cross H{h}" for h in range(H)] + ["MLP"]
+        heads = float(answer.heads["decoder"].sum() + answer.heads["cross"].sum())
+    else:
+        L, H = answer.heads.shape
+        grid = np.concatenate([answer.heads, answer.mlps[:, None]], axis=1)  # (L, H + 1)
+        cols, heads = [f"H{h}" for h in range(H)] + ["MLP"], float(answer.heads.sum())
+    tokens = f"<div class=\"meta\">{_tokens(answer.tokens, [answer.position])}</div>"
+    if answer.target_tokens is not None:  # the position is on the target
+        tokens = (f"<div class=\"meta\">source: {_tokens(answer.tokens)}</div>"
+                  f"<div class=\"meta\">target: {_tokens(answer.target_tokens, [answer.position])}</div>")
     scale = float(np.nanmax(np.abs(grid))) if grid.size else 1.0
     title = f"{answer.model}: direct logit attribution"
     rest = "".join(f"{html.escape(k)} {v:+.3f}; " for k, v in (answer.other_parts or {}).items())
@@ -135,10 +201,9 @@ def attribution_document(answer: LogitAttributionAnswer, theme: str | None = Non
             f"<div class=\"meta\">logit({html.escape(repr(answer.answer.text))}) - "
             f"logit({html.escape(repr(answer.foil.text))}) at position {answer.position} = "
             f"{answer.logit_difference:.3f}</div>"
-            f"<div class=\"meta\">{_tokens(answer.tokens, [answer.position])}</div>"
-            f"<h2>each head's and MLP's direct write</h2>"
-            + heatmap(grid, [f"L{l}" for l in range(L)], [f"H{h}" for h in range(H)] + ["MLP"], scale=scale)
+            + tokens + "<h2>each head's and MLP's direct write</h2>"
+            + heatmap(grid, [f"L{l}" for l in range(L)], cols, scale=scale)
             + f"<div class=\"meta\">embedding {answer.embedding:+.3f}; other {answer.other:+.3f} ({rest.rstrip('; ')}); "
-              f"heads {float(answer.heads.sum()):+.3f}; MLPs {float(answer.mlps.sum()):+.3f}; sum {answer.total:.3f}</div>"
+              f"heads {heads:+.3f}; MLPs {float(answer.mlps.sum()):+.3f}; sum {answer.total:.3f}</div>"
             + "<div class=\"note\">red writes toward the answer, blue toward the foil</div>")
     return _document(title, body, theme)

@@ -286,28 +286,34 @@ class _Endpoints:
               answer_id: int | None = None, foil_id: int | None = None, position: int | None = None,
               component: Literal["heads", "heads_by_position", "residual", "layers", "paths"] | None = None,
               method: Literal["exact", "attribution"] | None = None, sender: tuple[int, int] | None = None,
-              model: str | None = None):
-        """POST /patch (a decoder): each cell of `component` (default "heads") patched from the
-        `clean` prompt's run into the `corrupted` one's (as many tokens; or `clean_ids`,
-        `corrupted_ids`), the metric logit(answer) - logit(foil) at `position` (default the last)
-        -> PatchAnswer (`.values`, `.normalized`, `.top(k)`). `answer` / `foil`: one token's text
-        each (or `answer_id` / `foil_id`). `method` "attribution": first-order estimates from one
-        forward pair and one backward. `sender` (layer, head): the head of component "paths"."""
+              target: str | None = None, target_ids: list[int] | None = None, model: str | None = None):
+        """POST /patch (a decoder or an encoder-decoder): each cell of `component` (default "heads")
+        patched from the `clean` prompt's run into the `corrupted` one's (as many tokens; or
+        `clean_ids`, `corrupted_ids`), the metric logit(answer) - logit(foil) at `position` (default
+        the last) -> PatchAnswer (`.values`, `.normalized`, `.top(k)`). `answer` / `foil`: one token's
+        text each (or `answer_id` / `foil_id`). `method` "attribution": first-order estimates from one
+        forward pair and one backward. `sender` (layer, head): the head of component "paths". An
+        encoder-decoder's prompts are sources read with one `target` (or `target_ids`; default none),
+        `position` a target position: values by group (encoder, decoder, cross)."""
         body = _given(model=model, clean=clean, clean_ids=_listed(clean_ids), corrupted=corrupted,
                       corrupted_ids=_listed(corrupted_ids), answer=answer, answer_id=answer_id, foil=foil,
-                      foil_id=foil_id, position=position, component=component, method=method,
+                      foil_id=foil_id, target=target, target_ids=_listed(target_ids), position=position,
+                      component=component, method=method,
                       sender=None if sender is None else {"layer": sender[0], "head": sender[1]})
         return self._drive(self._post("/patch", body, PatchAnswer))
 
     def logit_attribution(self, text: str | None = None, *, ids: list[int] | None = None, answer: str | None = None,
                           foil: str | None = None, answer_id: int | None = None, foil_id: int | None = None,
-                          position: int | None = None, model: str | None = None):
-        """POST /logit-attribution (a pre-norm decoder): each head's, MLP's, the embedding's and the
-        rest's direct write into logit(answer) - logit(foil) at `position` (default the last; answer
-        and foil default to the top two predictions there) -> LogitAttributionAnswer (`.heads`
-        [L, H], `.mlps` [L], `.top(k)`; the parts sum to `.logit_difference`)."""
+                          position: int | None = None, target: str | None = None, target_ids: list[int] | None = None,
+                          model: str | None = None):
+        """POST /logit-attribution (a pre-norm decoder or an encoder-decoder): each head's, MLP's, the
+        embedding's and the rest's direct write into logit(answer) - logit(foil) at `position` (default
+        the last; answer and foil default to the top two predictions there) -> LogitAttributionAnswer
+        (`.heads` [L, H], `.mlps` [L], `.top(k)`; the parts sum to `.logit_difference`). An
+        encoder-decoder's `text` is its source, read with `target` (or `target_ids`): `.heads`
+        {"decoder", "cross"}."""
         body = _given(model=model, text=text, ids=_listed(ids), answer=answer, answer_id=answer_id, foil=foil,
-                      foil_id=foil_id, position=position)
+                      foil_id=foil_id, target=target, target_ids=_listed(target_ids), position=position)
         return self._drive(self._post("/logit-attribution", body, LogitAttributionAnswer))
 
     def _drive(self, endpoint: Endpoint):

@@ -1,10 +1,13 @@
 """Request and response bodies of the causal routes: POST /patch (activation and attribution patching)
-and POST /logit-attribution (direct logit attribution), both of a decoder (model/analysis/patching.py,
-attribution_patching.py, logit_attribution.py).
+and POST /logit-attribution (direct logit attribution), of a decoder (model/analysis/patching.py,
+attribution_patching.py, logit_attribution.py) or an encoder-decoder (encoder_decoder_patching.py,
+encoder_decoder_attribution.py).
 
 The metric is logit(answer) - logit(foil) at `position` (default the last). A prompt is `text`
 (tokenised as /attention tokenises a decoder's prompt) or `ids` (as they are); an answer or a foil
-is the text of exactly one token, or its id.
+is the text of exactly one token, or its id. An encoder-decoder's prompts are its sources, read with
+one target (`target` | `target_ids`, default none: the start token alone), and `position` is a
+target position (0: the start token); its values and heads come by group (encoder, decoder, cross).
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ Method = Literal["exact", "attribution"]
 
 ANSWER_FIELD = "the answer token's text, exactly one token (e.g. \" Mary\", its leading space included)"
 FOIL_FIELD = "the foil token's text, exactly one token: the metric is logit(answer) - logit(foil)"
+TARGET_FIELD = ("encoder-decoder only: the target both sources are read with (tokenised here; the decoder's start "
+                "token comes first); default none: the metric is on the first target token")
+TARGET_IDS_FIELD = "encoder-decoder only: the target's token ids (without the start token)"
+POSITION_FIELD = ("where the metric is read (its logits predict the next token); default the last position. An "
+                  "encoder-decoder's is a target position, 0 the start token")
 
 
 class Sender(Strict):
@@ -36,6 +44,7 @@ PATCH_ONE_OF: JsonDict = {"allOf": [
     {"oneOf": [{"required": ["corrupted"]}, {"required": ["corrupted_ids"]}]},
     {"oneOf": [{"required": ["answer"]}, {"required": ["answer_id"]}]},
     {"oneOf": [{"required": ["foil"]}, {"required": ["foil_id"]}]},
+    {"not": {"required": ["target", "target_ids"]}},
 ]}
 
 
@@ -43,13 +52,14 @@ class PatchRequest(Strict):
     """Which components carry the difference between a clean and a corrupted prompt: each cell of
     `component` patched from the clean run into the corrupted one, the metric logit(answer) -
     logit(foil) read at `position`. Give one of clean / clean_ids, corrupted / corrupted_ids,
-    answer / answer_id and foil / foil_id each; the prompts have the same number of tokens."""
+    answer / answer_id and foil / foil_id each; the prompts have the same number of tokens. An
+    encoder-decoder's prompts are two sources read with one target (target / target_ids)."""
 
     model_config = ConfigDict(**Strict.model_config, json_schema_extra=PATCH_ONE_OF)
 
-    model: ModelName | None = Field(None, description=MODEL_FIELD + "; a decoder")
+    model: ModelName | None = Field(None, description=MODEL_FIELD + "; a decoder or an encoder-decoder")
     clean: Text | None = Field(None, min_length=1, description="the clean prompt's text (tokenised as /attention "
-                               "tokenises a decoder's prompt)")
+                               "tokenises a decoder's prompt; an encoder-decoder's source)")
     clean_ids: list[int] | None = Field(None, min_length=1, description="the clean prompt's token ids as they are")
     corrupted: Text | None = Field(None, min_length=1, description="the corrupted prompt's text: as many tokens as "
                                    "the clean one")
@@ -59,13 +69,17 @@ class PatchRequest(Strict):
     answer_id: int | None = Field(None, description="the answer token's id")
     foil: Text | None = Field(None, min_length=1, description=FOIL_FIELD)
     foil_id: int | None = Field(None, description="the foil token's id")
-    position: int | None = Field(None, ge=0, description="where the metric is read (its logits predict the next "
-                                 "token); default the last position")
+    target: Text | None = Field(None, min_length=1, description=TARGET_FIELD)
+    target_ids: list[int] | None = Field(None, description=TARGET_IDS_FIELD)
+    position: int | None = Field(None, ge=0, description=POSITION_FIELD)
     component: Component = Field("heads", description="heads: each head's output at every position [L][H]; "
                                  "heads_by_position: at one position [L][T][H]; residual: a block's input stream "
                                  "at one position [L][T]; layers: each attention and MLP output at one position "
                                  "{attention, mlp: [L][T]}; paths: from `sender` to each later head's query, key "
-                                 "or value input {q, k, v: [L][H]}")
+                                 "or value input {q, k, v: [L][H]}. An encoder-decoder's by group: heads {encoder, "
+                                 "decoder, cross: [L][H]}, heads_by_position {encoder: [L][S][H], decoder, cross: "
+                                 "[L][T][H]}, residual {encoder: [L][S], decoder: [L][T]}, layers {encoder: "
+                                 "{attention, mlp}, decoder: {attention, cross, mlp}}; no paths")
     method: Method = Field("exact", description="exact: each cell patched in a run of its own (batched); "
                            "attribution: every cell's first-order estimate from one forward pair and one backward "
                            "(not for paths)")
@@ -75,20 +89,25 @@ class PatchRequest(Strict):
 class LogitAttributionRequest(Strict):
     """Each head's, MLP's, the embedding's and the rest's direct write into logit(answer) -
     logit(foil) at `position`, through the final norm at its scale there. Give `text` or `ids`;
-    answer and foil default to the model's top two predictions there."""
+    answer and foil default to the model's top two predictions there. An encoder-decoder's text is
+    its source, read with a target (target / target_ids): its decoder and cross heads, along its
+    decoder's stream (post-norm: every norm's scale frozen)."""
 
-    model_config = ConfigDict(**Strict.model_config,
-                              json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["ids"]}]})
+    model_config = ConfigDict(**Strict.model_config, json_schema_extra={"allOf": [
+        {"oneOf": [{"required": ["text"]}, {"required": ["ids"]}]}, {"not": {"required": ["target", "target_ids"]}}]})
 
-    model: ModelName | None = Field(None, description=MODEL_FIELD + "; a pre-norm decoder")
+    model: ModelName | None = Field(None, description=MODEL_FIELD + "; a pre-norm decoder or an encoder-decoder")
     text: Text | None = Field(None, min_length=1, description="the prompt's text (tokenised as /attention "
-                              "tokenises a decoder's prompt)")
+                              "tokenises a decoder's prompt; an encoder-decoder's source)")
     ids: list[int] | None = Field(None, min_length=1, description="the prompt's token ids as they are")
     answer: Text | None = Field(None, min_length=1, description=ANSWER_FIELD + "; default the top prediction")
     answer_id: int | None = Field(None, description="the answer token's id")
     foil: Text | None = Field(None, min_length=1, description=FOIL_FIELD + "; default the best other prediction")
     foil_id: int | None = Field(None, description="the foil token's id")
-    position: int | None = Field(None, ge=0, description="where the logits are read; default the last position")
+    target: Text | None = Field(None, min_length=1, description=TARGET_FIELD)
+    target_ids: list[int] | None = Field(None, description=TARGET_IDS_FIELD)
+    position: int | None = Field(None, ge=0, description="where the logits are read; default the last position (an "
+                                 "encoder-decoder's: a target position, 0 the start token)")
 
 
 # --- answers -------------------------------------------------------------------------------
@@ -104,7 +123,38 @@ class PathValues(BaseModel):
     v: list[list[float | None]] = Field(description="[L][H]: into its values")
 
 
-PatchValues = list[list[float]] | list[list[list[float]]] | LayerValues | PathValues
+Grid = list[list[float]] | list[list[list[float]]]
+
+
+class GroupValues(BaseModel):
+    """An encoder-decoder's heads, heads_by_position or residual values, by group."""
+
+    encoder: Grid = Field(description="the encoder's heads [L][H] (by position [L][S][H]); residual [L][S]")
+    decoder: Grid = Field(description="the decoder's self-attention heads [L][H] (by position [L][T][H]); "
+                          "residual [L][T]")
+    cross: Grid | None = Field(None, description="cross-attention heads [L][H] (by position [L][T][H]); none for "
+                               "residual")
+
+
+class EncoderLayerValues(BaseModel):
+    attention: list[list[float]] = Field(description="[L][S]: self-attention's output patched at a source position")
+    mlp: list[list[float]] = Field(description="[L][S]")
+
+
+class DecoderLayerValues(BaseModel):
+    attention: list[list[float]] = Field(description="[L][T]: self-attention's output at a target position")
+    cross: list[list[float]] = Field(description="[L][T]: cross-attention's output")
+    mlp: list[list[float]] = Field(description="[L][T]")
+
+
+class GroupLayerValues(BaseModel):
+    """An encoder-decoder's layers values, by stack."""
+
+    encoder: EncoderLayerValues
+    decoder: DecoderLayerValues
+
+
+PatchValues = list[list[float]] | list[list[list[float]]] | LayerValues | PathValues | GroupValues | GroupLayerValues
 
 
 class PatchResponse(BaseModel):
@@ -116,29 +166,41 @@ class PatchResponse(BaseModel):
     corrupted_metric: float = Field(description="of the corrupted prompt")
     values: PatchValues = Field(description="each cell's patched metric, raw (normalise as (v - corrupted_metric) "
                                 "/ (clean_metric - corrupted_metric)); heads [L][H], heads_by_position [L][T][H], "
-                                "residual [L][T], layers {attention, mlp}, paths {q, k, v}")
+                                "residual [L][T], layers {attention, mlp}, paths {q, k, v}; an encoder-decoder's "
+                                "by group (the request's `component`)")
     sender: Sender | None = Field(None, description="paths: the sender head")
-    clean_tokens: list[TokenText]
+    clean_tokens: list[TokenText] = Field(description="the clean prompt's (an encoder-decoder's source's) tokens")
     corrupted_tokens: list[TokenText]
+    target_tokens: list[TokenText] | None = Field(None, description="an encoder-decoder's target, the decoder's "
+                                                  "start token first: `position` indexes it; null for a decoder")
     differing: list[int] = Field(description="the positions where the prompts differ")
     answer: TokenText
     foil: TokenText
 
 
+class CrossHeads(BaseModel):
+    decoder: list[list[float]] = Field(description="[L][H]: each decoder self-attention head's direct write")
+    cross: list[list[float]] = Field(description="[L][H]: each cross-attention head's")
+
+
 class LogitAttributionResponse(BaseModel):
     model: str
-    tokens: list[TokenText]
+    tokens: list[TokenText] = Field(description="the prompt's (an encoder-decoder's source's) tokens")
+    target_tokens: list[TokenText] | None = Field(None, description="an encoder-decoder's target, the start token "
+                                                  "first: `position` indexes it; null for a decoder")
     position: int = Field(description="where the logits were read")
     answer: TokenText
     foil: TokenText
     answer_logit: float
     foil_logit: float
     logit_difference: float = Field(description="logit(answer) - logit(foil), the model's own: what the parts sum to")
-    heads: list[list[float]] = Field(description="[L][H]: each head's direct write")
-    mlps: list[float] = Field(description="[L]: each MLP's")
+    heads: list[list[float]] | CrossHeads = Field(description="[L][H]: each head's direct write (an "
+                                                  "encoder-decoder's {decoder, cross}: its encoder writes no logit "
+                                                  "directly)")
+    mlps: list[float] = Field(description="[L]: each (decoder) MLP's")
     embedding: float = Field(description="the token embedding's")
     other: float = Field(description="the rest: positions, the attention output and value biases, the final norm's "
-                         "bias and the head's")
+                         "bias (a post-norm encoder-decoder's: every norm's on the way) and the head's")
     other_parts: dict[str, float] = Field(description="`other` by part")
 
 

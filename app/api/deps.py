@@ -94,20 +94,19 @@ def lens_model(state: AppState, name: str | None) -> ServedModel:
 
 
 def causal_model(state: AppState, name: str | None) -> ServedModel:
-    """A decoder (/patch, /logit-attribution): the causal analyses patch and read one causal residual
-    stream. An encoder's is bidirectional; an encoder-decoder has two streams and a cross-attention
-    between them, which these analyses do not follow."""
+    """A decoder or an encoder-decoder (/patch, /logit-attribution): the causal analyses patch and read a
+    causal stream (an encoder-decoder's decoder, reading its source through cross-attention). An
+    encoder's attention is bidirectional, with no logits of a next token to read."""
     served = attention_model(state, name)
     family = served.checkpoint.config.family
-    if family != "decoder":
+    if family not in ("decoder", "encoder-decoder"):
         registry = get_registry(state)
-        able = [m.name for m in registry.models.values() if m.checkpoint.config.family == "decoder"]
-        listed = f"the decoders served here are: {', '.join(able)}" if able else "no decoder is served here"
-        missing = ("its attention is bidirectional, with no causal stream to patch" if family == "encoder" else
-                   "its source and target are two streams joined by cross-attention, which patching and logit "
-                   "attribution do not follow (a decoder-only model's one causal stream is what they read)")
-        raise ApiError(400, f"patching and logit attribution need a decoder (a causal language model): "
-                            f"{served.describe()} is not one: {missing}; {listed} (name one in `model`)",
+        able = [m.name for m in registry.models.values()
+                if m.checkpoint.config.family in ("decoder", "encoder-decoder")]
+        listed = f"the models served here that can are: {', '.join(able)}" if able else "none is served here"
+        raise ApiError(400, f"patching and logit attribution need a decoder (a causal language model) or an "
+                            f"encoder-decoder: {served.describe()} is neither: its attention is bidirectional, with "
+                            f"no causal stream to patch; {listed} (name one in `model`)",
                        param="model", code="unsupported_task")
     return served
 

@@ -1,7 +1,8 @@
 """POST /patch and POST /logit-attribution's serving side (app/api/causes_routes.py is the thin router):
 one request -> one model call -> one answer, as the explain routes (explain_serving.py).
 
-Each route reads its prompts (`clean` | `clean_ids`, `corrupted` | `corrupted_ids`; `text` | `ids`)
+Each route reads its prompts (`clean` | `clean_ids`, `corrupted` | `corrupted_ids`; `text` | `ids`;
+an encoder-decoder's are its sources, with one `target` | `target_ids`, as /attention reads it)
 and its answer and foil (one token's text, or its id), checks them against the model with a 400
 naming the field (the operation's own check, model/analysis/operations.py, is the last word: its
 ValueError is a 400 too, never a 500), bounds the prompt by ATTNLENS_MAX_PATCH_TOKENS, claims the
@@ -27,6 +28,7 @@ from attnlens.app.server.state import AppState
 from attnlens.app.serving.answer_budget import answer_with_claim
 from attnlens.app.serving.explain_serving import FLOAT_BYTES, TOKEN_BYTES, with_rows
 from attnlens.app.serving.prompts import check_token_ids, tokenize_text
+from attnlens.app.serving.sequences import target_ids
 from attnlens.model.analysis.logit_attribution import LogitAttribution
 from attnlens.model.analysis.operations import LogitAttributionCall, PatchCall
 from attnlens.model.analysis.patching import PatchResult
@@ -63,6 +65,15 @@ async def prompt_ids(state: AppState, served: ServedModel, text: str | None, ids
     return got, field
 
 
+def decoder_tokens(served: ServedModel, target: list[int] | None) -> list[dict] | None:
+    """An encoder-decoder's target as its decoder reads it, the start token first (None for a decoder)."""
+    return None if target is None else tokens_of(served, [served.checkpoint.config.decoder_start_id, *target])
+
+
+def target_field(body) -> str:
+    return "target" if body.target is not None else "target_ids"
+
+
 def one_token(served: ServedModel, text: str | None, token_id: int | None, name: str, *,
               required: bool = True) -> int | None:
     """The id of `name` (one token's text) or of `name`_id; exactly one of them (or neither, when not
@@ -92,10 +103,20 @@ def one_token(served: ServedModel, text: str | None, token_id: int | None, name:
     return ids[0]
 
 
-def check_position(position: int | None, n: int) -> None:
+def check_position(position: int | None, n: int, target: list[int] | None = None) -> None:
+    """`position` within the prompt's n tokens (an encoder-decoder's: its target's, start token first)."""
+    what = "the prompt has" if target is None else "the target has, the decoder's start token first,"
+    n = n if target is None else len(target) + 1
     if position is not None and not 0 <= position < n:
-        raise ApiError(400, f"position {position} out of range: the prompt has {n} tokens (0..{n - 1})",
+        raise ApiError(400, f"position {position} out of range: {what} {n} tokens (0..{n - 1})",
                        param="position", code="out_of_range")
+
+
+async def read_target(served: ServedModel, body) -> list[int] | None:
+    """An encoder-decoder's target (`target` | `target_ids`; none given: []), None for a decoder (which
+    refuses one with a 400 naming it)."""
+    got = await target_ids(body, served)
+    return (got or []) if served.family.takes_target else None
 
 
 def checked(call: Any, served: ServedModel, fields: dict[str, str]) -> None:
@@ -111,10 +132,14 @@ def checked(call: Any, served: ServedModel, fields: dict[str, str]) -> None:
             from None
 
 
-def patch_cells(component: str, L: int, H: int, T: int) -> int:
-    """The floats of a /patch answer's values."""
-    return {"heads": L * H, "heads_by_position": L * T * H, "residual": L * T, "layers": 2 * L * T,
-            "paths": 3 * L * H}[component]
+def patch_cells(component: str, L: int, H: int, T: int, target: list[int] | None = None) -> int:
+    """The floats of a /patch answer's values (an encoder-decoder's: T source and N target positions)."""
+    if target is None:
+        return {"heads": L * H, "heads_by_position": L * T * H, "residual": L * T, "layers": 2 * L * T,
+                "paths": 3 * L * H}[component]
+    N = len(target) + 1
+    return {"heads": 3 * L * H, "heads_by_position": L * (T + 2 * N) * H, "residual": L * (T + N),
+            "layers": L * (2 * T + 3 * N)}[component]
 
 
 class CausesServing:
@@ -125,6 +150,7 @@ class CausesServing:
 
     async def patch(self, body: PatchRequest, served: ServedModel, request: Request | None = None):
         state, cfg = self.state, served.checkpoint.config
+        target = await read_target(served, body)
         clean, clean_field = await prompt_ids(state, served, body.clean, body.clean_ids, "clean", "clean_ids")
         corrupted, corrupted_field = await prompt_ids(state, served, body.corrupted, body.corrupted_ids, "corrupted",
                                                       "corrupted_ids")
@@ -135,8 +161,16 @@ class CausesServing:
         answer = one_token(served, body.answer, body.answer_id, "answer")
         foil = one_token(served, body.foil, body.foil_id, "foil")
         assert answer is not None and foil is not None  # required
-        check_position(body.position, len(clean))
+        check_position(body.position, len(clean), target)
+        if target is not None and body.component == "paths":
+            raise ApiError(400, "component paths is a decoder's: an encoder-decoder's paths would run between its "
+                                "three groups of heads (encoder, decoder, cross); ask for heads or "
+                                "heads_by_position", param="component", code="unsupported")
         limit = state.settings.max_patch_tokens
+        if target is not None and len(target) + 1 > limit:
+            raise ApiError(400, f"{body.component} over {limit} target tokens (the target has {len(target) + 1} with "
+                                f"the start token, ATTNLENS_MAX_PATCH_TOKENS): ask for a shorter target",
+                           param=target_field(body), code="prompt_too_long")
         if len(clean) > limit:
             if body.method == "exact" and body.component in BY_POSITION:
                 instead = "ask for component heads (every position at once), method attribution, or a shorter prompt"
@@ -161,10 +195,11 @@ class CausesServing:
             raise ApiError(400, f"sender is for component paths only (this request asks for {body.component})",
                            param="sender", code="invalid_value")
         call = PatchCall(clean_ids=clean, corrupted_ids=corrupted, answer_id=answer, foil_id=foil,
-                         position=body.position, component=body.component, method=body.method, sender=sender)
+                         position=body.position, component=body.component, method=body.method, sender=sender,
+                         target_ids=target)
         checked(call, served, {"clean_ids": clean_field, "corrupted_ids": corrupted_field, "answer_id": "answer_id",
                                "foil_id": "foil_id", "position": "position", "component": "component",
-                               "method": "method", "sender": "sender"})
+                               "method": "method", "sender": "sender", "target_ids": target_field(body)})
         differing = [i for i, (a, b) in enumerate(zip(clean, corrupted)) if a != b]
         T = len(clean)
 
@@ -175,11 +210,12 @@ class CausesServing:
                       "sender": None if result.sender is None else {"layer": result.sender[0],
                                                                      "head": result.sender[1]},
                       "clean_tokens": tokens_of(served, clean), "corrupted_tokens": tokens_of(served, corrupted),
-                      "differing": differing, "answer": tokens_of(served, [answer])[0],
-                      "foil": tokens_of(served, [foil])[0]}
+                      "target_tokens": decoder_tokens(served, target), "differing": differing,
+                      "answer": tokens_of(served, [answer])[0], "foil": tokens_of(served, [foil])[0]}
             return with_rows(PatchResponse, fields, values=result.values)
 
-        need = patch_cells(body.component, cfg.n_layers, cfg.n_heads, T) * FLOAT_BYTES + 2 * T * TOKEN_BYTES + 1024
+        need = (patch_cells(body.component, cfg.n_layers, cfg.n_heads, T, target) * FLOAT_BYTES
+                + (2 * T + len(target or ())) * TOKEN_BYTES + 1024)
         return await answer_with_claim(state, served, call, content, need=need, what=f"{body.component}'s answer",
                                        instead="ask for component heads, or a shorter prompt", request=request)
 
@@ -187,20 +223,27 @@ class CausesServing:
                                 request: Request | None = None):
         state, cfg = self.state, served.checkpoint.config
         ids, field = await prompt_ids(state, served, body.text, body.ids, "text", "ids")
+        target = await read_target(served, body)
         answer = one_token(served, body.answer, body.answer_id, "answer", required=False)
         foil = one_token(served, body.foil, body.foil_id, "foil", required=False)
-        check_position(body.position, len(ids))
-        call = LogitAttributionCall(ids=ids, answer_id=answer, foil_id=foil, position=body.position)
-        checked(call, served, {"ids": field, "answer_id": "answer_id", "foil_id": "foil_id", "position": "position"})
+        check_position(body.position, len(ids), target)
+        call = LogitAttributionCall(ids=ids, answer_id=answer, foil_id=foil, position=body.position, target_ids=target)
+        checked(call, served, {"ids": field, "answer_id": "answer_id", "foil_id": "foil_id", "position": "position",
+                               "target_ids": target_field(body)})
 
         def content(result: LogitAttribution) -> dict:
             fields = {"model": served.name, "tokens": tokens_of(served, ids), "position": result["position"],
+                      "target_tokens": decoder_tokens(served, target),
                       "answer": tokens_of(served, [result["answer_id"]])[0],
                       "foil": tokens_of(served, [result["foil_id"]])[0],
                       **{k: result[k] for k in ("answer_logit", "foil_logit", "logit_difference", "embedding",
                                                 "other", "other_parts")}}
-            return with_rows(LogitAttributionResponse, fields, heads=result["heads"], mlps=result["mlps"])
+            heads = result["heads"]
+            if isinstance(heads, dict):  # an encoder-decoder's {decoder, cross}: validated as it is (2LH floats)
+                return with_rows(LogitAttributionResponse, {**fields, "heads": heads}, mlps=result["mlps"])
+            return with_rows(LogitAttributionResponse, fields, heads=heads, mlps=result["mlps"])
 
-        need = (cfg.n_layers * (cfg.n_heads + 1) + 16) * FLOAT_BYTES + len(ids) * TOKEN_BYTES + 1024
+        heads = 2 * cfg.n_heads if target is not None else cfg.n_heads  # an encoder-decoder's: decoder and cross
+        need = (cfg.n_layers * (heads + 1) + 16) * FLOAT_BYTES + (len(ids) + len(target or ())) * TOKEN_BYTES + 1024
         return await answer_with_claim(state, served, call, content, need=need, what="this answer",
                                        instead="no attribution of this model fits it", request=request)

@@ -52,7 +52,8 @@ class LogitAttribution(TypedDict):
     answer_logit: float
     foil_logit: float
     logit_difference: float  # the model's own, what the parts sum to
-    heads: list[list[float]]  # [L][H] each head's (z - b_V) W_O through the frozen final norm
+    heads: list[list[float]] | dict[str, list[list[float]]]  # [L][H] each head's (z - b_V) W_O through the frozen
+    # final norm (an encoder-decoder's: {"decoder", "cross": [L][H]}, encoder_decoder_attribution.py)
     mlps: list[float]  # [L]
     embedding: float  # the token embedding
     other: float  # sum of other_parts
@@ -72,7 +73,7 @@ def check_attribution(config, ids: list[int], answer_id: int | None, foil_id: in
     """A ValueError naming the field that a model of `config` cannot attribute."""
     if config.family != "decoder" or config.norm != "pre":
         raise ValueError("direct logit attribution needs a pre-norm decoder (a causal language model whose residual "
-                         "stream is the sum of what its parts wrote)")
+                         "stream is the sum of what its parts wrote) or an encoder-decoder")
     if not ids:
         raise ValueError("ids is empty")
     if len(ids) > config.context_length:

@@ -17,8 +17,10 @@ what comes back is plain data too (dataclasses, numpy, lists, dicts).
     ClassifyCall      classify         list[float], every label's probability in the config's order
     EmbedCall         embed            (N, C) float32 numpy unit vectors
     WarmUpCall        warm_up          None (one attention analysis, and an encoder's heads' forward)
-    PatchCall         patch            PatchResult (patching.py: exact, or attribution_patching.py)
-    LogitAttributionCall  logit_attribution  LogitAttribution (logit_attribution.py)
+    PatchCall         patch            PatchResult (patching.py: exact, or attribution_patching.py;
+                                       an encoder-decoder's: encoder_decoder_patching.py)
+    LogitAttributionCall  logit_attribution  LogitAttribution (logit_attribution.py; an encoder-
+                                       decoder's: encoder_decoder_attribution.py)
     ScoreDecompositionCall  score_decomposition  ScoreDecomposition (score_decomposition.py)
 
 The causal calls (patch, logit_attribution, score_decomposition) have `check(config)`: the
@@ -39,6 +41,15 @@ import numpy as np
 from attnlens.model.analysis import explain
 from attnlens.model.analysis.attention_maps import AnalysisMaps, MapRequest, analyse_attention
 from attnlens.model.analysis.attribution_patching import attribution_patch
+from attnlens.model.analysis.encoder_decoder_attribution import (
+    check_encoder_decoder_attribution,
+    encoder_decoder_logit_attribution,
+)
+from attnlens.model.analysis.encoder_decoder_patching import (
+    attribution_patch_encoder_decoder,
+    check_encoder_decoder_patch,
+    patch_encoder_decoder,
+)
 from attnlens.model.analysis.encoder_outputs import (
     MAX_BATCH_TOKENS,
     MaskScores,
@@ -179,7 +190,9 @@ class WarmUpCall(Operation[None]):
 class PatchCall(Operation[PatchResult]):
     """Activation patching of a decoder: each cell of `component` patched from the clean run into the
     corrupted one, the metric logit(answer) - logit(foil) at `position` (default the last); `method`
-    "exact" or "attribution" (first-order estimates); `sender` (layer, head) for component "paths"."""
+    "exact" or "attribution" (first-order estimates); `sender` (layer, head) for component "paths".
+    An encoder-decoder's clean and corrupted ids are sources, read with one target (`target_ids`,
+    after the start token; None: none) at whose `position` the metric is."""
 
     operation: ClassVar[str] = "patch"
     clean_ids: list[int]
@@ -190,8 +203,14 @@ class PatchCall(Operation[PatchResult]):
     component: str = "heads"  # heads | heads_by_position | residual | layers | paths
     method: str = "exact"  # exact | attribution
     sender: tuple[int, int] | None = None
+    target_ids: list[int] | None = None
 
     def check(self, config) -> None:
+        if config.family == "encoder-decoder":
+            check_encoder_decoder_patch(config, self.clean_ids, self.corrupted_ids, self.target_ids, self.answer_id,
+                                        self.foil_id, self.position, self.component, self.method, self.sender)
+            return
+        check_target(config, self.target_ids)
         check_patch(config, self.clean_ids, self.corrupted_ids, self.answer_id, self.foil_id, self.position,
                     self.component, self.method, self.sender)
 
@@ -199,15 +218,22 @@ class PatchCall(Operation[PatchResult]):
 @dataclass(frozen=True)
 class LogitAttributionCall(Operation[LogitAttribution]):
     """Each head's, MLP's, the embedding's and the rest's direct effect on logit(answer) - logit(foil) at
-    `position` (defaults: the last position, its top two predictions)."""
+    `position` (defaults: the last position, its top two predictions). An encoder-decoder's ids are the
+    source, `position` is on its target (`target_ids`, after the start token)."""
 
     operation: ClassVar[str] = "logit_attribution"
     ids: list[int]
     answer_id: int | None = None
     foil_id: int | None = None
     position: int | None = None
+    target_ids: list[int] | None = None
 
     def check(self, config) -> None:
+        if config.family == "encoder-decoder":
+            check_encoder_decoder_attribution(config, self.ids, self.target_ids, self.answer_id, self.foil_id,
+                                              self.position)
+            return
+        check_target(config, self.target_ids)
         check_attribution(config, self.ids, self.answer_id, self.foil_id, self.position)
 
 
@@ -226,6 +252,11 @@ class ScoreDecompositionCall(Operation[ScoreDecomposition]):
 
     def check(self, config) -> None:
         check_score(config, self.ids, self.layer, self.head, self.query, self.key)
+
+
+def check_target(config, target_ids: list[int] | None) -> None:
+    if target_ids is not None:
+        raise ValueError(f"target_ids is an encoder-decoder's target; this model is an {config.family}")
 
 
 def _attention(model, call: AttentionCall, report: Report) -> AnalysisMaps:
@@ -272,6 +303,10 @@ def _warm_up(model, call: WarmUpCall, report: Report) -> None:
 
 def _patch(model, call: PatchCall, report: Report) -> PatchResult:
     call.check(model.config)
+    if model.config.family == "encoder-decoder":
+        run = attribution_patch_encoder_decoder if call.method == "attribution" else patch_encoder_decoder
+        return run(model, call.clean_ids, call.corrupted_ids, call.answer_id, call.foil_id, call.position,
+                   call.component, call.target_ids, report=report)
     if call.method == "attribution":
         return attribution_patch(model, call.clean_ids, call.corrupted_ids, call.answer_id, call.foil_id,
                                  call.position, call.component, report=report)
@@ -280,6 +315,10 @@ def _patch(model, call: PatchCall, report: Report) -> PatchResult:
 
 
 def _logit_attribution(model, call: LogitAttributionCall, report: Report) -> LogitAttribution:
+    if model.config.family == "encoder-decoder":
+        call.check(model.config)
+        return encoder_decoder_logit_attribution(model, call.ids, call.target_ids, call.answer_id, call.foil_id,
+                                                 call.position, report=report)
     return logit_attribution(model, call.ids, call.answer_id, call.foil_id, call.position, report=report)
 
 

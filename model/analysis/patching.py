@@ -35,7 +35,8 @@ side, keeping what the patches read. Then, the model being causal:
 So `heads` on SmolLM2 (270 cells) costs about what 270 rows of (position + 1 - first_difference)
 tokens cost, on average through half the blocks, in 30 batched blocks.
 
-attribution_patching.py gives the same components' first-order estimates (method="attribution").
+attribution_patching.py gives the same components' first-order estimates (method="attribution");
+encoder_decoder_patching.py both, for an encoder-decoder's three groups of heads.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class PatchResult:
     component: str
     method: str  # "exact" | "attribution" (first-order estimates of the same values)
     position: int  # where the metric is read
-    first_difference: int  # the first position where the prompts differ (their length when none)
+    first_difference: int  # the first position where the prompts (an encoder-decoder's sources) differ, or their length
     clean_metric: float
     corrupted_metric: float
     values: Any
@@ -87,8 +88,8 @@ def check_patch(config, clean_ids: list[int], corrupted_ids: list[int], answer_i
                 position: int | None, component: str, method: str, sender: tuple[int, int] | None) -> None:
     """A ValueError naming the field that a model of `config` cannot patch."""
     if config.family != "decoder":
-        raise ValueError(f"activation patching needs a decoder (a causal language model); this model is an "
-                         f"{config.family}")
+        raise ValueError(f"activation patching needs a decoder (a causal language model) or an encoder-decoder; "
+                         f"this model is an {config.family}")
     if component not in COMPONENTS:
         raise ValueError(f"component must be one of {COMPONENTS}, got {component!r}")
     if method not in METHODS:

@@ -148,7 +148,8 @@ def patch_body(**change) -> dict:
 BAD_PATCH = [
     # (change, status, param, words in the message)
     ({"model": "encoder", "clean": "a b", "corrupted": "a c"}, 400, "model", ["decoder", "bidirectional"]),
-    ({"model": "translator", "clean": "a b", "corrupted": "a c"}, 400, "model", ["decoder", "cross-attention"]),
+    ({"model": "translator", "clean": "twenty one", "corrupted": "twenty two", "component": "paths"}, 400, "component",
+     ["a decoder's"]),  # the translator's own cases: tests/api/test_causes_translator.py
     ({"corrupted": TEXT + " again"}, 400, "corrupted", ["tokens and clean", "as many tokens"]),
     ({"answer_id": None, "answer": " not to be"}, 400, "answer", ["tokens (", "not one"]),
     ({"foil_id": None, "foil": "question mark"}, 400, "foil", ["tokens", "not one"]),
@@ -208,7 +209,7 @@ def test_an_answer_over_the_budget_is_a_400_saying_what_to_ask(bundled_client, p
 
 
 BAD_ATTRIBUTION = [
-    ({"model": "translator"}, 400, "model", ["decoder"]),
+    ({"model": "translator", "position": 3}, 400, "position", ["target has"]),
     ({"model": "encoder"}, 400, "model", ["decoder"]),
     ({"answer": " not to"}, 400, "answer", ["tokens (", "not one"]),
     ({"foil": ""}, 422, "foil", []),

@@ -10,6 +10,10 @@
 // attribution (POST /logit-attribution) and its paths: the sender's clean write patched into each
 // later head's query, key or value input only (component "paths"). The direct logit attribution
 // of every head and MLP is ranked as a bar chart under the map.
+// An encoder-decoder's (the translator's) prompts are two sources read with one target (typed
+// here; none: the metric is on the first target token), the metric at the target's last position;
+// its maps come by group (encoder, decoder and cross heads; each stack's residual stream and
+// sub-layers), a head clicked shows that group's map (its paths are a decoder's only).
 
 import { fetchNextTokens, fetchPatch, fetchLogitAttribution } from "./explain_api.js";
 import { Heatmap } from "../heatmap.js";
@@ -17,6 +21,7 @@ import { AttentionSet } from "../attention.js";
 import { cssVar } from "../paint.js";
 import { escapeHTML, visible, axisLabel, quoted } from "../tokens.js";
 import { showTooltip, hideTooltip } from "../tooltip.js";
+import { translationFor, isTranslator, START_LABEL } from "../translator/translation.js";
 
 export const CAUSES_METHODS = ["exact", "attribution"];
 export const CAUSES_COMPONENTS = ["heads", "residual", "layers"];
@@ -24,6 +29,9 @@ const COMPONENT_LABELS = { heads: "heads (every position)", residual: "residual 
 const TOP_K = 10; // answer and foil choices
 const BARS = 12; // heads and MLPs in the attribution chart
 const KEEP_SETS = 4; // attention sets of prompts kept for the detail's maps
+// an encoder-decoder's groups, in the family's order (the sender's third number), and its figures' captions
+const GROUPS = ["encoder", "decoder", "cross"];
+const GROUP_LABELS = { encoder: "encoder self-attention", decoder: "decoder self-attention", cross: "cross-attention" };
 
 const num = (v, d = 3) => (v == null || !Number.isFinite(v) ? "—" : v.toFixed(d));
 const signed = (v, d = 3) => (v == null || !Number.isFinite(v) ? "—" : (v > 0 ? "+" : v < 0 ? "−" : "") + Math.abs(v).toFixed(d));
@@ -101,6 +109,11 @@ export class CausesView {
             <div class="cz-tokens" data-side="corrupted" aria-label="The corrupted prompt's tokens (differing ones marked)"></div>
           </div>
         </div>
+        <div class="cz-prompt cz-target" data-side="target" hidden>
+          <label for="cz-target">Target <span class="hint">both sources are read with it; the metric is on the token after it (none: the first)</span></label>
+          <input id="cz-target" name="target" type="text" spellcheck="false" placeholder="none: the first target token">
+          <div class="cz-tokens" data-side="target" aria-label="The target's tokens (the metric's position marked)"></div>
+        </div>
         <div class="cz-choose">
           <span class="cz-pick"><label for="cz-answer">Answer</label> <select id="cz-answer" name="answer"></select>
             <input name="answerTyped" type="text" spellcheck="false" placeholder="or type one" aria-label="Answer token, typed (used instead of the list)"></span>
@@ -144,7 +157,7 @@ export class CausesView {
     form.elements.component.addEventListener("change", () => this.submit({ component: form.elements.component.value }));
     this.root.querySelector(".cz-attr").addEventListener("click", (e) => {
       const b = e.target.closest("button[data-layer]");
-      if (b) this.open(+b.dataset.layer, +b.dataset.head);
+      if (b) this.open(+b.dataset.layer, +b.dataset.head, b.dataset.group == null ? null : +b.dataset.group);
     });
   }
 
@@ -158,15 +171,18 @@ export class CausesView {
   submit(extra = {}) {
     const f = this.form.elements;
     const clean = f.clean.value;
-    const pick = (name) => f[name + "Typed"].value || f[name].value;
-    this.ctx.select({ clean: clean === this.params.text ? "" : clean, corrupted: f.corrupted.value, answer: pick("answer"), foil: pick("foil"), ...extra });
+    // a new target: the choices listed were the old position's predictions, so the new ones' top two go (typed ones stay)
+    const retarget = this.translator && f.target.value !== this.params.settings.ctarget;
+    const pick = (name) => f[name + "Typed"].value || (retarget ? "" : f[name].value);
+    const target = this.translator ? { ctarget: f.target.value } : {};
+    this.ctx.select({ clean: clean === this.params.text ? "" : clean, corrupted: f.corrupted.value, answer: pick("answer"), foil: pick("foil"), ...target, ...extra });
   }
 
-  /** Open head (l, h)'s detail (and make it the page's chosen head). */
-  open(l, h) {
+  /** Open head (l, h)'s detail (an encoder-decoder's of group index g) and make it the page's chosen head. */
+  open(l, h, g = null) {
     const s = this.params.selection.sender;
-    if (s && s[0] === l && s[1] === h) this.root.querySelector(".cz-detail")?.scrollIntoView({ block: "nearest" });
-    this.ctx.select({ sender: [l, h], layer: l, head: h });
+    if (s && s[0] === l && s[1] === h && (s[2] ?? null) === g) this.root.querySelector(".cz-detail")?.scrollIntoView({ block: "nearest" });
+    this.ctx.select({ sender: g == null ? [l, h] : [l, h, g], layer: l, head: h });
   }
 
   /** The prompts as the view reads them, and the answer and foil (their text, and what the routes are sent). */
@@ -178,7 +194,8 @@ export class CausesView {
     const foil = settings.foil || this.top.find((t) => t.text !== answer)?.text || "";
     // a token of the list goes as its id; a typed one as its text (the server tokenises it)
     const arg = (text) => this.top.find((t) => t.text === text)?.id ?? text;
-    return { clean, corrupted, answer, foil, answerArg: arg(answer), foilArg: arg(foil), differs: !!corrupted && corrupted !== clean };
+    const target = this.translator ? settings.ctarget : null; // an encoder-decoder's ("" none); null: a decoder
+    return { clean, corrupted, answer, foil, target, answerArg: arg(answer), foilArg: arg(foil), differs: !!corrupted && corrupted !== clean };
   }
 
   /** The state into the form; a prompt is rewritten only when the state's changed (an edit not applied yet stays). */
@@ -186,7 +203,8 @@ export class CausesView {
     const f = this.form.elements;
     const { method, component } = this.params.settings;
     const shown = { clean, corrupted: corrupted || clean }; // the corrupted box starts from the clean prompt: change a few words
-    for (const k of ["clean", "corrupted"]) if (document.activeElement !== f[k] && shown[k] !== this.shown?.[k]) f[k].value = shown[k];
+    if (this.translator) shown.target = this.params.settings.ctarget;
+    for (const k of Object.keys(shown)) if (document.activeElement !== f[k] && shown[k] !== this.shown?.[k]) f[k].value = shown[k];
     this.shown = shown;
     for (const b of this.form.querySelectorAll("[data-method]")) b.setAttribute("aria-checked", String(b.dataset.method === method));
     f.component.value = component;
@@ -209,13 +227,21 @@ export class CausesView {
   async render(params, changed, isCurrent = () => true) {
     this.params = params;
     const { settings } = params;
+    this.translator = isTranslator(params.model);
+    this.root.querySelector(".cz-target").hidden = !this.translator;
+    const word = this.translator ? "source" : "prompt";
+    this.root.querySelector('label[for="cz-clean"]').textContent = `Clean ${word}`;
+    this.root.querySelector('label[for="cz-corrupted"]').firstChild.textContent = `Corrupted ${word} `;
     const first = this.inputs();
     this.syncForm(first.clean, first.corrupted);
+    const what = settings.component === "heads" ? (this.translator ? "head's output (the encoder's, the decoder's and the cross-attention's heads)" : "head's output")
+      : settings.component === "residual" ? `block's residual stream at one position${this.translator ? " (the encoder's source positions, the decoder's target positions)" : ""}`
+      : this.translator ? "block's self-attention, cross-attention or MLP output at one position" : "block's attention or MLP output at one position";
     this.ctx.setCaption(
-      `<b>Causes</b>: each ${settings.component === "heads" ? "head's output" : settings.component === "residual" ? "block's residual stream at one position" : "block's attention or MLP output at one position"} ` +
-        `is patched from the clean run into the corrupted one, and logit(answer) − logit(foil) read at the last position, normalised: <b>0</b> = the corrupted run, <b>1</b> = the clean run. ` +
+      `<b>Causes</b>: each ${what} ` +
+        `is patched from the clean run into the corrupted one, and logit(answer) − logit(foil) read at the ${this.translator ? "target's" : ""} last position, normalised: <b>0</b> = the corrupted run, <b>1</b> = the clean run. ` +
         (settings.method === "attribution" ? "Attribution: first-order estimates (one forward, one backward pass). " : "Exact: one patched run per cell. ") +
-        "Click a head for its attention on both prompts, its direct logit attribution and its paths.",
+        (this.translator ? "Click a head for its attention on both sources and its direct logit attribution." : "Click a head for its attention on both prompts, its direct logit attribution and its paths."),
     );
     // only the chosen head moved (or the page's layer / head with it): the mark and the detail
     if (this.patch !== null && changed && [...changed].every((k) => ["sender", "layer", "head"].includes(k))) {
@@ -225,20 +251,21 @@ export class CausesView {
     }
     let next;
     try {
-      next = await this.ctx.track(fetchNextTokens(first.clean, TOP_K));
+      next = await this.ctx.track(fetchNextTokens(first.clean, TOP_K, first.target));
     } catch (err) {
       if (!isCurrent()) return false;
       this.ctx.showError(err, "The clean prompt's predictions (/logits)");
       return false;
     }
     if (!isCurrent()) return false;
-    this.top = next.positions?.[next.positions.length - 1]?.top ?? [];
+    // after the prompt's last token; an encoder-decoder's without a target: at its first target position
+    this.top = (first.target === "" ? next.positions?.[0] : next.positions?.[next.positions.length - 1])?.top ?? [];
     const inp = this.inputs();
     this.fillChoices(inp.answer, inp.foil);
     const patching = inp.differs && inp.answer && inp.foil
-      ? this.ctx.track(fetchPatch({ clean: inp.clean, corrupted: inp.corrupted, answer: inp.answerArg, foil: inp.foilArg, component: settings.component, method: settings.method }))
+      ? this.ctx.track(fetchPatch({ clean: inp.clean, corrupted: inp.corrupted, answer: inp.answerArg, foil: inp.foilArg, component: settings.component, method: settings.method, target: inp.target }))
       : Promise.resolve(null);
-    const attributing = inp.answer && inp.foil ? this.ctx.track(fetchLogitAttribution({ text: inp.clean, answer: inp.answerArg, foil: inp.foilArg })) : Promise.resolve(null);
+    const attributing = inp.answer && inp.foil ? this.ctx.track(fetchLogitAttribution({ text: inp.clean, answer: inp.answerArg, foil: inp.foilArg, target: inp.target })) : Promise.resolve(null);
     const [patch, attr] = await Promise.allSettled([patching, attributing]);
     if (!isCurrent()) return false;
     if (patch.status === "rejected") this.ctx.showError(patch.reason, "Patching (/patch)");
@@ -276,23 +303,19 @@ export class CausesView {
     const f = p.foil?.text ?? this.inp.foil;
     const same = !(p.clean_metric - p.corrupted_metric);
     metrics.innerHTML =
-      `logit(“${escapeHTML(visible(a))}”) − logit(“${escapeHTML(visible(f))}”) at #${p.position}: clean <b data-clean>${num(p.clean_metric)}</b>, corrupted <b data-corrupted>${num(p.corrupted_metric)}</b>` +
+      `logit(“${escapeHTML(visible(a))}”) − logit(“${escapeHTML(visible(f))}”) at ${p.target_tokens ? "target " : ""}#${p.position}: clean <b data-clean>${num(p.clean_metric)}</b>, corrupted <b data-corrupted>${num(p.corrupted_metric)}</b>` +
       ` · ${escapeHTML(p.method)} · ${escapeHTML(COMPONENT_LABELS[this.params.settings.component] ?? p.component)}` +
       (same ? ' · <span class="cz-warn">the two runs give the same value: nothing to normalise; choose another answer, foil or corruption</span>' : "");
-    const tokens = (p.clean_tokens ?? []).map((t) => t.text);
-    const figures =
-      p.component === "layers"
-        ? [["attention", p.values.attention, "attention output"], ["mlp", p.values.mlp, "MLP output"]]
-        : [[p.component, p.values, p.component === "heads" ? "heads" : "residual stream (block input)"]];
+    const figures = this.figures(p);
     let m = 1;
-    const datas = figures.map(([, rows]) => normalise(rows, p.clean_metric, p.corrupted_metric));
+    const datas = figures.map((f) => normalise(f.rows, p.clean_metric, p.corrupted_metric));
     for (const d of datas) m = Math.max(m, extent(d));
     const dcmap = this.params.settings.dcmap;
     const wrap = document.createElement("div");
-    wrap.className = figures.length > 1 ? "cz-pair" : "cz-single";
+    wrap.className = figures.length > 2 ? "cz-triple" : figures.length > 1 ? "cz-pair" : "cz-single";
     host.append(wrap);
     // every figure in its place first: a map fits the width its column has once all are there
-    const figs = figures.map(([name, , caption]) => {
+    const figs = figures.map(({ name, caption }) => {
       const fig = document.createElement("figure");
       fig.className = "cz-map";
       fig.dataset.part = name;
@@ -300,7 +323,7 @@ export class CausesView {
       wrap.append(fig);
       return fig;
     });
-    figures.forEach(([, rows], i) => {
+    figures.forEach(({ rows, caption, tokens, group }, i) => {
       const fig = figs[i];
       const heads = p.component === "heads";
       const R = rows.length;
@@ -310,12 +333,13 @@ export class CausesView {
         maxHeight: heads ? 560 : 420, // SmolLM2's 30 layers: cells of 18 px, not a page of them
         minWidth: 120,
         labelMax: 8,
-        onHover: (h) => this.hoverCell(h, rows, datas[i], heads, tokens, figures[i][2]),
-        onCellClick: ({ row, col }) => heads && col != null && this.open(row, col),
+        onHover: (h) => this.hoverCell(h, rows, datas[i], heads, tokens, caption),
+        onCellClick: ({ row, col }) => heads && col != null && this.open(row, col, group),
       });
+      hm.group = group; // an encoder-decoder's group index (null: a decoder's one map)
       hm.overlay.setAttribute(
         "aria-label",
-        `Normalised effect of patching ${heads ? "each head" : `the ${figures[i][2]} at each layer and position`}: ${R} layers down, ${C} ${heads ? "heads" : "positions"} across, 0 the corrupted run, 1 the clean run. ` +
+        `Normalised effect of patching ${heads ? `each head (${caption})` : `the ${caption} at each layer and position`}: ${R} layers down, ${C} ${heads ? "heads" : "positions"} across, 0 the corrupted run, 1 the clean run. ` +
           `Arrow keys move between cells${heads ? ", Enter opens a head" : ""}.`,
       );
       hm.set({
@@ -339,15 +363,44 @@ export class CausesView {
     this.markChosen();
   }
 
+  /**
+   * The figures of a /patch answer: {name, rows ([L][H] or [L][positions]), caption, tokens (the
+   * columns' positions), group (an encoder-decoder's group index, null otherwise)}. A decoder's: one
+   * map, or attention and MLP side by side; an encoder-decoder's: one per group, or per stack and
+   * sub-layer (its encoder's over the source, its decoder's over the target).
+   */
+  figures(p) {
+    const source = (p.clean_tokens ?? []).map((t) => t.text);
+    if (!p.target_tokens) {
+      if (p.component === "layers")
+        return [
+          { name: "attention", rows: p.values.attention, caption: "attention output", tokens: source, group: null },
+          { name: "mlp", rows: p.values.mlp, caption: "MLP output", tokens: source, group: null },
+        ];
+      return [{ name: p.component, rows: p.values, caption: p.component === "heads" ? "heads" : "residual stream (block input)", tokens: source, group: null }];
+    }
+    const target = p.target_tokens.map((t, i) => (i ? t.text : START_LABEL));
+    const along = (stack) => (stack === "encoder" ? source : target);
+    if (p.component === "heads")
+      return GROUPS.map((g, i) => ({ name: g, rows: p.values[g], caption: `${GROUP_LABELS[g]} heads`, tokens: null, group: i }));
+    if (p.component === "residual")
+      return ["encoder", "decoder"].map((st) => ({ name: st, rows: p.values[st], caption: `${st} residual stream (${st === "encoder" ? "source" : "target"} positions)`, tokens: along(st), group: null }));
+    const names = { attention: "self-attention output", cross: "cross-attention output", mlp: "MLP output" };
+    return ["encoder", "decoder"].flatMap((st) =>
+      Object.keys(p.values[st]).map((k) => ({ name: `${st}.${k}`, rows: p.values[st][k], caption: `${st} ${names[k]}`, tokens: along(st), group: null })),
+    );
+  }
+
   hoverCell(h, rows, data, heads, tokens, what) {
     if (!h) return hideTooltip();
     const raw = rows[h.row]?.[h.col];
     const v = data[h.row * (rows[0]?.length ?? 0) + h.col];
-    const where = heads ? `layer ${h.row} · head ${h.col}` : `layer ${h.row} · ${escapeHTML(what)} at ${escapeHTML(quoted(tokens[h.col] ?? "", h.col))}`;
+    const groupName = this.translator && heads ? `${escapeHTML(what)} · ` : "";
+    const where = heads ? `${groupName}layer ${h.row} · head ${h.col}` : `layer ${h.row} · ${escapeHTML(what)} at ${escapeHTML(quoted(tokens[h.col] ?? "", h.col))}`;
     showTooltip(
       `<div class="tt-cell"><b>${where}</b></div>` +
         `<div class="tt-row"><span>normalised</span><b>${num(v)}</b></div><div class="tt-row"><span>logit difference</span><b>${num(raw)}</b></div>` +
-        (heads ? '<div class="tt-muted">click: this head\'s maps, attribution and paths</div>' : ""),
+        (heads ? `<div class="tt-muted">click: this head's maps, attribution${this.translator ? "" : " and paths"}</div>` : ""),
       h.x,
       h.y,
     );
@@ -355,11 +408,13 @@ export class CausesView {
 
   markChosen() {
     const s = this.params.selection.sender;
+    const group = s?.[2] ?? null; // an encoder-decoder's group index
     for (const hm of this.maps) {
-      hm.marked = s && this.patch?.component === "heads" ? { row: s[0], col: s[1] } : null;
+      hm.marked = s && this.patch?.component === "heads" && (hm.group ?? null) === group ? { row: s[0], col: s[1] } : null;
       hm.drawOverlay();
     }
-    for (const b of this.root.querySelectorAll(".cz-attr button[data-layer]")) b.setAttribute("aria-pressed", String(!!s && +b.dataset.layer === s[0] && +b.dataset.head === s[1]));
+    for (const b of this.root.querySelectorAll(".cz-attr button[data-layer]"))
+      b.setAttribute("aria-pressed", String(!!s && +b.dataset.layer === s[0] && +b.dataset.head === s[1] && (b.dataset.group == null ? null : +b.dataset.group) === group));
   }
 
   /** Both prompts' tokens, the positions where they differ marked. */
@@ -376,8 +431,21 @@ export class CausesView {
       host.innerHTML = toks
         .map((t, i) => (differing.has(i) ? `<mark class="cz-tok diff" data-pos="${i}" title="#${i}: differs between the prompts">${escapeHTML(visible(t.text))}</mark>` : `<span class="cz-tok" data-pos="${i}">${escapeHTML(visible(t.text))}</span>`))
         .join("");
-      host.setAttribute("aria-label", `The ${side} prompt's ${toks.length} tokens; ${differing.size} differ${differing.size === 1 ? "s" : ""}: positions ${[...differing].join(", ") || "none"}`);
+      host.setAttribute("aria-label", `The ${side} ${this.translator ? "source" : "prompt"}'s ${toks.length} tokens; ${differing.size} differ${differing.size === 1 ? "s" : ""}: positions ${[...differing].join(", ") || "none"}`);
     }
+    const target = this.root.querySelector('.cz-tokens[data-side="target"]');
+    const toks = p?.target_tokens;
+    if (!toks) {
+      target.replaceChildren();
+      return;
+    }
+    target.innerHTML = toks
+      .map((t, i) => {
+        const text = escapeHTML(i ? visible(t.text) : START_LABEL);
+        return i === p.position ? `<mark class="cz-tok diff" data-pos="${i}" title="#${i}: the metric is read here">${text}</mark>` : `<span class="cz-tok" data-pos="${i}">${text}</span>`;
+      })
+      .join("");
+    target.setAttribute("aria-label", `The target's ${toks.length} tokens, the start token first; the metric is read at position ${p.position}`);
   }
 
   /** The heads and MLPs with the largest direct effect on the logit difference, ranked by size. */
@@ -389,25 +457,29 @@ export class CausesView {
       return;
     }
     const items = [];
-    (a.heads ?? []).forEach((row, l) => row.forEach((v, h) => items.push({ v, l, h })));
-    (a.mlps ?? []).forEach((v, l) => items.push({ v, l, h: null }));
+    // a decoder's heads [L][H]; an encoder-decoder's {decoder, cross} (its encoder writes no logit directly)
+    const grids = Array.isArray(a.heads) ? [[null, a.heads ?? []]] : Object.entries(a.heads ?? {}).map(([g, rows]) => [GROUPS.indexOf(g), rows]);
+    for (const [g, rows] of grids) rows.forEach((row, l) => row.forEach((v, h) => items.push({ v, l, h, g })));
+    (a.mlps ?? []).forEach((v, l) => items.push({ v, l, h: null, g: null }));
     items.sort((x, y) => Math.abs(y.v) - Math.abs(x.v) || x.l - y.l);
     const shown = items.slice(0, BARS);
     const max = Math.max(1e-9, ...shown.map((x) => Math.abs(x.v)));
     const rows = shown
-      .map(({ v, l, h }) => {
+      .map(({ v, l, h, g }) => {
         const w = ((50 * Math.abs(v)) / max).toFixed(1);
-        const name = h == null ? `MLP ${l}` : `L${l} H${h}`;
+        const prefix = g == null ? "" : g === 2 ? "cross " : "self ";
+        const name = h == null ? `MLP ${l}` : `${prefix}L${l} H${h}`;
+        const group = g == null ? "" : ` data-group="${g}"`;
         const label = h == null
           ? `<span class="cz-bar-name">${name}</span>`
-          : `<button type="button" class="cz-bar-name" data-layer="${l}" data-head="${h}" aria-label="layer ${l}, head ${h}: ${signed(v)}; open this head">${name}</button>`;
+          : `<button type="button" class="cz-bar-name" data-layer="${l}" data-head="${h}"${group} aria-label="${g == null ? "" : GROUP_LABELS[GROUPS[g]] + " "}layer ${l}, head ${h}: ${signed(v)}; open this head">${name}</button>`;
         return `<li class="cz-bar-row" data-kind="${h == null ? "mlp" : "head"}">${label}<span class="cz-track" aria-hidden="true"><span class="cz-fill ${v < 0 ? "neg" : "pos"}" style="width:${w}%"></span></span><span class="cz-num">${signed(v)}</span></li>`;
       })
       .join("");
     const ans = a.answer?.text ?? this.inp.answer;
     const foil = a.foil?.text ?? this.inp.foil;
     host.innerHTML =
-      `<h3>Direct logit attribution <span class="hint">what each head and MLP writes straight into logit(“${escapeHTML(visible(ans))}”) − logit(“${escapeHTML(visible(foil))}”) on the clean prompt; the ${shown.length} largest of ${items.length}</span></h3>` +
+      `<h3>Direct logit attribution <span class="hint">what each ${this.translator ? "decoder and cross-attention head and decoder MLP" : "head and MLP"} writes straight into logit(“${escapeHTML(visible(ans))}”) − logit(“${escapeHTML(visible(foil))}”) on the clean ${this.translator ? "source" : "prompt"}; the ${shown.length} largest of ${items.length}</span></h3>` +
       `<p class="cz-attr-sum">logit difference <b data-logit-difference>${num(a.logit_difference)}</b> = embedding ${signed(a.embedding)} + heads + MLPs + the rest ${signed(a.other)}</p>` +
       `<ol class="cz-bars">${rows}</ol>`;
     this.markChosen();
@@ -423,32 +495,39 @@ export class CausesView {
       return;
     }
     const [l, h] = s;
+    const group = this.translator ? GROUPS[s[2] ?? 2] ?? "cross" : null; // an encoder-decoder's head is in a group
     const inp = this.inp;
     const { settings } = this.params;
-    const key = JSON.stringify([inp.clean, inp.corrupted, inp.answer, inp.foil, l, h, settings.cmap, settings.dcmap, !!this.patch, !!this.attr]);
+    const key = JSON.stringify([inp.clean, inp.corrupted, inp.target, inp.answer, inp.foil, l, h, group, settings.cmap, settings.dcmap, !!this.patch, !!this.attr]);
     if (key === this.detailKey) return;
     this.detailKey = key;
     for (const m of this.detailMaps) m.destroy();
     this.detailMaps = [];
     const p = this.patch;
-    const effect = p?.component === "heads" ? normalise([[p.values[l]?.[h] ?? null]], p.clean_metric, p.corrupted_metric)[0] : null;
-    const dla = this.attr?.heads?.[l]?.[h];
+    const patched = p?.component === "heads" ? (group ? p.values[group] : p.values)?.[l]?.[h] : undefined;
+    const effect = patched === undefined ? null : normalise([[patched ?? null]], p.clean_metric, p.corrupted_metric)[0];
+    const heads = this.attr?.heads;
+    const dla = group ? heads?.[group]?.[l]?.[h] : heads?.[l]?.[h];
+    const noDla = group === "encoder" ? ' <span class="hint">(the encoder writes no logit directly: it reaches them through the cross heads)</span>' : "";
     box.hidden = false;
     box.dataset.state = "loading";
-    box.dataset.head = `${l}.${h}`;
+    box.dataset.head = group ? `${group}.${l}.${h}` : `${l}.${h}`;
+    const title = group ? `${GROUP_LABELS[group][0].toUpperCase()}${GROUP_LABELS[group].slice(1)}: layer ${l}, head ${h}` : `Layer ${l}, head ${h}`;
+    const sides = group ? ["clean source", "corrupted source"] : ["clean", "corrupted"];
     box.innerHTML = `
-      <div class="cz-detail-head"><h3>Layer ${l}, head ${h}</h3><button type="button" class="btn small ghost cz-close" aria-label="Close the head's detail">✕</button></div>
+      <div class="cz-detail-head"><h3>${title}</h3><button type="button" class="btn small ghost cz-close" aria-label="Close the head's detail">✕</button></div>
       <dl class="cz-values">
         <div><dt>patching effect (normalised)</dt><dd data-effect>${effect == null ? '— <span class="hint">(patch the heads to see it)</span>' : num(effect)}</dd></div>
-        <div><dt>direct logit attribution</dt><dd data-dla>${signed(dla)}</dd></div>
+        <div><dt>direct logit attribution</dt><dd data-dla>${signed(dla)}${noDla}</dd></div>
       </dl>
       <h4>Its attention</h4>
-      <div class="cz-pair cz-att"><figure data-side="clean"><figcaption>clean</figcaption><div class="cz-canvas"></div></figure><figure data-side="corrupted"><figcaption>corrupted</figcaption><div class="cz-canvas"></div></figure></div>
+      <div class="cz-pair cz-att"><figure data-side="clean"><figcaption>${sides[0]}</figcaption><div class="cz-canvas"></div></figure><figure data-side="corrupted"><figcaption>${sides[1]}</figcaption><div class="cz-canvas"></div></figure></div>
       <h4>Its paths <span class="hint">its clean write patched only into each later head's query, key or value input (normalised as above)</span></h4>
       <div class="cz-paths"></div>`;
     box.querySelector(".cz-close").addEventListener("click", () => this.ctx.select({ sender: null }));
-    const maps = Promise.allSettled([inp.clean, inp.differs ? inp.corrupted : null].map((text) => (text ? this.headMap(text, l, h) : Promise.resolve(null))));
-    const paths = inp.differs && inp.answer && inp.foil
+    const map = (text) => (group ? this.groupMap(text, group, l, h) : this.headMap(text, l, h));
+    const maps = Promise.allSettled([inp.clean, inp.differs ? inp.corrupted : null].map((text) => (text ? map(text) : Promise.resolve(null))));
+    const paths = !group && inp.differs && inp.answer && inp.foil
       ? this.ctx.track(fetchPatch({ clean: inp.clean, corrupted: inp.corrupted, answer: inp.answerArg, foil: inp.foilArg, component: "paths", method: "exact", sender: [l, h] }))
       : Promise.resolve(null);
     const [[clean, corrupted], path] = await Promise.all([maps, paths.then((v) => ({ v }), (err) => ({ err }))]);
@@ -460,7 +539,8 @@ export class CausesView {
       else this.drawHeadMap(fig.querySelector(".cz-canvas"), r.value, l, h, i ? "corrupted" : "clean");
     });
     const host = box.querySelector(".cz-paths");
-    if (path.err) host.innerHTML = `<p class="hint">Could not patch the paths: ${escapeHTML(path.err.message)}</p>`;
+    if (group) host.innerHTML = '<p class="hint">Path patching is a decoder-only model\'s: an encoder-decoder\'s paths would run between its three groups of heads.</p>';
+    else if (path.err) host.innerHTML = `<p class="hint">Could not patch the paths: ${escapeHTML(path.err.message)}</p>`;
     else if (!path.v) host.innerHTML = '<p class="hint">Paths need a corrupted prompt.</p>';
     else this.drawPaths(host, path.v);
     box.dataset.state = "done";
@@ -476,7 +556,22 @@ export class CausesView {
       while (this.sets.size > KEEP_SETS) this.sets.delete(this.sets.keys().next().value);
     }
     await this.ctx.track(set.ensure([l]));
-    return { data: set.head(l, h), T: set.T, tokens: set.tokens, causal: set.causal };
+    const labels = set.tokens.map((t) => t.text);
+    return { data: set.head(l, h), rows: set.T, cols: set.T, rowLabels: labels, colLabels: labels, causal: set.causal };
+  }
+
+  /**
+   * An encoder-decoder's head (l, h) of `group` over source `text` read with the patched target (the
+   * answer's target tokens; none: the model's own translation), as headMap gives it.
+   */
+  async groupMap(text, group, l, h) {
+    const targetIds = (this.patch?.target_tokens ?? []).slice(1).map((t) => t.id);
+    const set = await this.ctx.track(translationFor({ text, targetIds: targetIds.length ? targetIds : null }, this.params.model.name));
+    const source = set.source.map((t) => t.text);
+    const target = set.target.map((t) => t.text);
+    const rows = group === "encoder" ? source : target; // queries: the encoder's over the source, the rest over the target
+    const cols = group === "decoder" ? target : source; // keys: the decoder's over the target, the rest over the source
+    return { data: set.head(group, l, h), rows: rows.length, cols: cols.length, rowLabels: rows, colLabels: cols, causal: group === "decoder" };
   }
 
   drawHeadMap(el, m, l, h, side) {
@@ -488,12 +583,11 @@ export class CausesView {
       labelMax: 6,
       onHover: (x) => {
         if (!x || x.masked) return hideTooltip();
-        showTooltip(`<div class="tt-cell"><span class="tt-tok">${escapeHTML(quoted(m.tokens[x.row], x.row))}</span> → <span class="tt-tok">${escapeHTML(quoted(m.tokens[x.col], x.col))}</span>: <b>${num(x.value)}</b></div>`, x.x, x.y);
+        showTooltip(`<div class="tt-cell"><span class="tt-tok">${escapeHTML(quoted(m.rowLabels[x.row], x.row))}</span> → <span class="tt-tok">${escapeHTML(quoted(m.colLabels[x.col], x.col))}</span>: <b>${num(x.value)}</b></div>`, x.x, x.y);
       },
     });
-    hm.overlay.setAttribute("aria-label", `Attention of layer ${l}, head ${h} on the ${side} prompt: ${m.T} queries down, ${m.T} keys across`);
-    const labels = m.tokens.map((t) => t.text);
-    hm.set({ data: m.data, rows: m.T, cols: m.T, rowLabels: labels, colLabels: labels, cmap: this.params.settings.cmap, vmin: 0, vmax: vmax || 1, causal: m.causal, rowTitle: "query →", colTitle: "key →" });
+    hm.overlay.setAttribute("aria-label", `Attention of layer ${l}, head ${h} on the ${side} ${this.translator ? "source" : "prompt"}: ${m.rows} queries down, ${m.cols} keys across`);
+    hm.set({ data: m.data, rows: m.rows, cols: m.cols, rowLabels: m.rowLabels, colLabels: m.colLabels, cmap: this.params.settings.cmap, vmin: 0, vmax: vmax || 1, causal: m.causal, rowTitle: "query →", colTitle: "key →" });
     this.detailMaps.push(hm);
   }
 
@@ -544,7 +638,7 @@ export class CausesView {
 
   exportData() {
     if (!this.patch && !this.attr) return null;
-    const { clean, corrupted, answer, foil } = this.inp ?? {};
-    return { title: "causes", clean, corrupted, answer, foil, patch: this.patch, logit_attribution: this.attr };
+    const { clean, corrupted, answer, foil, target } = this.inp ?? {};
+    return { title: "causes", clean, corrupted, answer, foil, ...(target != null ? { target } : {}), patch: this.patch, logit_attribution: this.attr };
   }
 }

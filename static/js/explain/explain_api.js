@@ -63,29 +63,37 @@ export function fetchExplain(att, { layer, head, query, group = null }) {
 }
 
 /** The top `topK` next tokens after `text` (its last position): the Causes view's answer and foil choices. */
-export const fetchNextTokens = (text, topK = 10) => cachedPost("/logits", { text, top_k: topK, positions: "last" });
+// An encoder-decoder's (`target` given, "" for none): after its target, read with the source `text`;
+// after none, at its first position (the model's own translation is the rest of the stream).
+export function fetchNextTokens(text, topK = 10, target = null) {
+  if (target == null) return cachedPost("/logits", { text, top_k: topK, positions: "last" });
+  return target ? cachedPost("/logits", { text, target, top_k: topK, positions: "last" }) : cachedPost("/logits", { text, top_k: topK, positions: "all" });
+}
 
-/**
- * Activation patching of `clean` into `corrupted`, the metric logit(answer) − logit(foil) at the
- * last position: `component` "heads" | "heads_by_position" | "residual" | "layers" | "paths"
- * (with `sender` {layer, head}), `method` "exact" | "attribution". answer / foil: a token id, or
- * a token's text.
- */
 /** A token as the causal routes take it: an id (a number) as `<name>_id`, a typed text as `<name>`. */
 function tokenField(name, token) {
   return typeof token === "number" ? { [`${name}_id`]: token } : { [name]: token };
 }
 
-export function fetchPatch({ clean, corrupted, answer, foil, component = "heads", method = "exact", sender = null, position = null }) {
-  const body = { clean, corrupted, ...tokenField("answer", answer), ...tokenField("foil", foil), component, method };
+/** An encoder-decoder's target as the causal routes take it ("" or null: none, the start token alone). */
+const targetField = (target) => (target ? { target } : {});
+
+/**
+ * Activation patching of `clean` into `corrupted`, the metric logit(answer) − logit(foil) at the
+ * last position: `component` "heads" | "heads_by_position" | "residual" | "layers" | "paths"
+ * (with `sender` {layer, head}), `method` "exact" | "attribution". answer / foil: a token id, or
+ * a token's text. An encoder-decoder's prompts are sources read with `target`.
+ */
+export function fetchPatch({ clean, corrupted, answer, foil, component = "heads", method = "exact", sender = null, position = null, target = null }) {
+  const body = { clean, corrupted, ...tokenField("answer", answer), ...tokenField("foil", foil), ...targetField(target), component, method };
   if (sender) body.sender = { layer: sender[0], head: sender[1] };
   if (position != null) body.position = position;
   return cachedPost("/patch", body);
 }
 
-/** Each head's, MLP's, the embedding's and the rest's direct effect on logit(answer) − logit(foil) at the last position of `text`. */
-export function fetchLogitAttribution({ text, answer = null, foil = null }) {
-  const body = { text, ...(answer != null ? tokenField("answer", answer) : {}), ...(foil != null ? tokenField("foil", foil) : {}) };
+/** Each head's, MLP's, the embedding's and the rest's direct effect on logit(answer) − logit(foil) at the last position of `text` (an encoder-decoder's: of its `target`). */
+export function fetchLogitAttribution({ text, answer = null, foil = null, target = null }) {
+  const body = { text, ...(answer != null ? tokenField("answer", answer) : {}), ...(foil != null ? tokenField("foil", foil) : {}), ...targetField(target) };
   return cachedPost("/logit-attribution", body);
 }
 

@@ -78,6 +78,9 @@ export const STATE_KEYS = [
   { key: "method", type: "string", def: "exact", url: true },
   { key: "component", type: "string", def: "heads", url: true },
   { key: "sender", type: "list", def: null, url: true },
+  // an encoder-decoder's: the target both sources are read with ("" = none: the metric on the first
+  // target token); its sender is [layer, head, group index] (0 encoder, 1 decoder, 2 cross)
+  { key: "ctarget", type: "string", def: "", url: true },
   // data and activity (never in the URL)
   { key: "meta", type: "object", def: null }, // /model, normalised
   { key: "att", type: "object", def: null }, // AttentionSet of the analysed sequence

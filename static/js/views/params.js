@@ -23,7 +23,8 @@ export function constrainState(s, meta, viewIds) {
   if (!["head", "layer", "all"].includes(out.xavg)) out.xavg = "head";
   if (!CAUSES_METHODS.includes(out.method)) out.method = "exact";
   if (!CAUSES_COMPONENTS.includes(out.component)) out.component = "heads";
-  if (out.sender && out.sender.length !== 2) out.sender = null;
+  // [layer, head], or an encoder-decoder's [layer, head, group index]
+  if (out.sender && !(out.sender.length === 2 || (out.sender.length === 3 && out.sender[2] >= 0 && out.sender[2] <= 2))) out.sender = null;
   out.zoom = Math.max(0.25, Math.min(8, out.zoom || 1));
   out.fillk = Math.max(1, Math.min(100, out.fillk || 5));
   if (meta) {
@@ -38,7 +39,7 @@ export function constrainState(s, meta, viewIds) {
     if (out.layers) out.layers = out.layers.filter((l) => l < L);
     if (out.heads) out.heads = out.heads.filter((h) => h < H);
     if (out.lheads) out.lheads = out.lheads.filter((h) => h < H);
-    if (out.sender && !(out.sender[0] < L && out.sender[1] < H)) out.sender = null;
+    if (out.sender && !(out.sender[0] < L && out.sender[1] < H && (out.sender.length === 2) === !(meta.family_info?.axes ?? []).includes("target"))) out.sender = null;
     out.ablate = constrainAblation(out.ablate, meta, (meta.family_info?.groups ?? []).map((g) => g.name), defaultGroup(meta.family_info));
   }
   if (out.gen) out.step = Math.min(out.step, Math.max(0, out.gen.tokens.length - 1));
@@ -103,7 +104,7 @@ export function viewParams(s) {
       sender: s.sender ? s.sender.slice() : null, // the Causes view's head: [layer, head], or null
     }),
     settings: Object.freeze({ cmap: s.cmap, dcmap: s.dcmap, scale: s.scale, sink: s.sink, op: s.op, diff: s.diff, promptB: s.promptB, zoom: s.zoom, fillk: s.fillk, xavg: s.xavg, probe: s.probe, lensat: s.lensat, morder: s.morder, win: s.win,
-      clean: s.clean, corrupted: s.corrupted, answer: s.answer, foil: s.foil, method: s.method, component: s.component }),
+      clean: s.clean, corrupted: s.corrupted, answer: s.answer, foil: s.foil, method: s.method, component: s.component, ctarget: s.ctarget }),
     axes: Object.freeze({ rows: "query", cols: "key" }),
     // what the shared views' maps are when the family has other groups too: its primary group's
     // (an encoder-decoder's encoder, over the source)

@@ -51,8 +51,9 @@ export const VIEWS = [
   { id: "decoder", label: "Decoder", source: "analysis", needs: ["target"], shows: "decoder", controls: ["layer", "head", "cmap", "scale", "zoom"], keys: ["explain"], View: DecoderView, title: "The decoder's causal self-attention over the target" },
   { id: "lens", needs: ["server"], label: "Lens", source: "analysis", controls: [], keys: ["ablate", "lensat"], View: LensView, title: "Logit lens: what each layer predicts at each position" },
   { id: "ablate", needs: ["server"], label: "Ablate", source: "analysis", controls: [], keys: ["ablate"], View: AblateView, title: "Remove heads and see what changes" },
-  // issue 46: which heads carry the difference between a clean and a corrupted prompt (a causal LM's)
-  { id: "causes", needs: ["server", "prompt-prefix"], label: "Causes", source: "analysis", controls: [], keys: ["clean", "corrupted", "answer", "foil", "method", "component", "sender"], View: CausesView, title: "Activation patching: which heads carry the difference between a clean and a corrupted prompt" },
+  // issue 46: which heads carry the difference between a clean and a corrupted prompt (a model that
+  // generates: a causal LM's, or an encoder-decoder's sources read with one target)
+  { id: "causes", needs: ["server", "generation"], label: "Causes", source: "analysis", controls: [], keys: ["clean", "corrupted", "answer", "foil", "method", "component", "sender", "ctarget"], View: CausesView, title: "Activation patching: which heads carry the difference between a clean and a corrupted prompt" },
 ];
 
 /** Whether view or panel `v` applies to a model (its description, with `capabilities`: model.js). */
