@@ -292,16 +292,17 @@ def write_gguf(path: Path, *, arch: str = "llama", name: str = "tiny", qtype: st
                n_layers: int = 2, d_model: int = 64, n_heads: int = 4, n_kv: int = 2, d_ff: int = 128,
                context: int = 128, tied: bool = True, pre: str = "smollm", random_blocks: bool = False,
                qkv_bias: bool = False, sliding_window: int | None = None, skip: tuple[str, ...] = (),
-               merges: tuple[tuple[str, str], ...] | list = GGUF_MERGES) -> Path:
+               merges: tuple[tuple[str, str], ...] | list = GGUF_MERGES, spm=None) -> Path:
     """A random llama / qwen2 (or a llama-architecture Mistral, by `name`) GGUF file: 2-D weights
     in block format `qtype`, norms in F32, Q and K rows permuted for llama. `random_blocks`: the
     blocks are random bytes (any format, the K-quants included, which `gguf` cannot quantize), with
-    bit 6 of every byte cleared so that each float16 scale in them is finite. `skip`: tensors left out."""
+    bit 6 of every byte cleared so that each float16 scale in them is finite. `skip`: tensors left out.
+    `spm`: a SentencePiece tokenizer (spm_helpers.SpmVocab) in place of the byte-level one."""
     import gguf
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    tokens, merges, types = gguf_vocabulary(merges)
+    tokens, merges, types = gguf_vocabulary(merges) if spm is None else (spm.tokens, [], spm.types)
     V, D = len(tokens), d_model // n_heads
     w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_name(name)
@@ -317,16 +318,19 @@ def write_gguf(path: Path, *, arch: str = "llama", name: str = "tiny", qtype: st
     w.add_vocab_size(V)
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(GGUF_CHATML)
+    if spm is not None:
+        spm.write(w)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_merges(merges)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(False)
+        w.add_chat_template(GGUF_CHATML)
     qt = gguf.GGMLQuantizationType[qtype]
 
     def add(tensor_name: str, shape: tuple[int, ...], *, norm: bool = False, permute: int | None = None) -> None:

@@ -65,9 +65,10 @@ def gguf_name(name: str, arch: str) -> str:
             "lm_head.weight": "output.weight"}[name]
 
 
-def write_model_gguf(arch: str, path, qtype: str, *, seed: int = 0):
-    """The random transformers model of `arch` (its vocabulary gguf_vocabulary's) and a GGUF file of it."""
-    tokens, merges, types = gguf_vocabulary()
+def write_model_gguf(arch: str, path, qtype: str, *, seed: int = 0, spm=None):
+    """The random transformers model of `arch` (its vocabulary gguf_vocabulary's, or the SentencePiece
+    one `spm`, a spm_helpers.SpmVocab) and a GGUF file of it."""
+    tokens, merges, types = gguf_vocabulary() if spm is None else (spm.tokens, [], spm.types)
     config_class, model_class, extra = MODELS[arch]
     config = getattr(transformers, config_class)(vocab_size=len(tokens), **{**COMMON, **extra}, pad_token_id=None,
                                                  bos_token_id=1, eos_token_id=2)
@@ -103,16 +104,19 @@ def write_model_gguf(arch: str, path, qtype: str, *, seed: int = 0):
     else:
         w.add_rope_freq_base(10000.0)
         w.add_rope_dimension_count(head_dim // 2)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    if spm is not None:
+        spm.write(w)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_list(tokens)
+        w.add_token_merges(merges)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(False)
+        w.add_chat_template(GGUF_CHATML)
     w.add_pad_token_id(0)  # transformers' Phi3Config would say 32000, past this vocabulary
-    w.add_add_bos_token(False)
-    w.add_chat_template(GGUF_CHATML)
     qt = gguf.GGMLQuantizationType[qtype]
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
