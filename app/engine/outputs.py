@@ -5,7 +5,7 @@ requests (`Generation`, request.py): a generated token (ids, log-probs, attentio
 prompt's scores, the end of a generation. Everything else happens here, in the request's
 server-side state (`RequestState`: its event loop, its output stage, what its client has not
 read yet), on the event loop that submitted it: ids -> display text, stop strings
-(TextStream), log-prob alternatives, attention rows -> rounded lists, and the events
+(TextStream), log-prob alternatives, attention rows -> rounded arrays, and the events
 `TokenEvent` / `DoneEvent` / `ErrorEvent`. These are the engine's own dataclasses: the
 engine does not know the API's schemas, and the serving layer (app/serving/stream_events.py) turns
 them into the responses the routes send.
@@ -15,10 +15,12 @@ core retires it at its next step and sends the final record, so a client that se
 also sees the generation's slot free again.
 
 A token's event is built when its client takes it, not when its record arrives: until then
-the queue holds the record's compact tensors (4 bytes a probability) rather than the event's
-Python floats (about 32 each), and the allocator gets that memory back as one block. What a
-stream's client leaves unread is bounded per stream (ATTNLENS_MAX_STREAM_BACKLOG_BYTES) and
-for all streams together (stream_budget.py).
+the queue holds the record's compact tensors (4 bytes a probability). The event's attention
+stays arrays (float64, rounded) that the route writes to JSON as they are (stream_events.py):
+never a Python float per probability, whose memory Python's small-object arenas keep after a
+burst of streams (the arenas stay mapped while any object in them lives). What a stream's
+client leaves unread is bounded per stream (ATTNLENS_MAX_STREAM_BACKLOG_BYTES) and for all
+streams together (stream_budget.py).
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ __all__ = ["Alternative", "DoneEvent", "ErrorEvent", "Event", "FinishRecord", "G
            "Record", "RequestState", "ScoredToken", "Timing", "TokenEvent", "TokenRecord", "hand_over"]
 
 
-# Estimated memory of an event held for a stream's client, as Python objects: a token event,
-# and each attention probability in it (a float in a list). Bounded per stream by
-# ATTNLENS_MAX_STREAM_BACKLOG_BYTES.
+# Estimated memory of an event held for a stream's client: a token event, and each attention
+# probability in it (32: what a Python float in a list took; its float64 and JSON text take
+# about 8 + 10, so the estimate is generous). Bounded per stream by ATTNLENS_MAX_STREAM_BACKLOG_BYTES.
 EVENT_BYTES = 512
 FLOAT_BYTES = 32
 BATCH_BYTES = 1_000_000  # at most this much (estimated) is built into events for one write
@@ -79,8 +81,8 @@ class TokenEvent(ScoredToken):
 
     index: int = 0
     delta: str = ""
-    attention: list[list[list[float]]] | None = None  # [layer][head][key], rounded to 6 places
-    cross_attention: list[list[list[float]]] | None = None
+    attention: list[np.ndarray] | None = None  # per layer (heads, keys) float64, rounded to 6 places
+    cross_attention: list[np.ndarray] | None = None
 
 
 @dataclass
@@ -153,9 +155,9 @@ def event_bytes(token: GeneratedToken) -> int:
     return EVENT_BYTES + FLOAT_BYTES * floats
 
 
-def attention_lists(rows: list[torch.Tensor]) -> list[list[list[float]]]:
-    """Per layer (H, S) tensors -> [layer][head][position] floats rounded to 6 places."""
-    return [np.round(r.numpy().astype(np.float64), 6).tolist() for r in rows]
+def attention_rows(rows: list[torch.Tensor]) -> list[np.ndarray]:
+    """Per layer (H, S) tensors -> (H, S) float64 arrays rounded to 6 places (the JSON's values)."""
+    return [np.round(r.numpy().astype(np.float64), 6) for r in rows]
 
 
 @dataclass(eq=False)  # identity: it is kept in a WeakSet (StreamBudget)
@@ -300,8 +302,8 @@ class RequestState:
         return TokenEvent(
             id=r.id, text=r.text, logprob=token.logprob,
             top_logprobs=self._alternatives(token.top_ids, token.top_logprobs), index=r.index, delta=r.delta,
-            attention=attention_lists(token.attention) if token.attention is not None else None,
-            cross_attention=attention_lists(token.cross_attention) if token.cross_attention is not None else None,
+            attention=attention_rows(token.attention) if token.attention is not None else None,
+            cross_attention=attention_rows(token.cross_attention) if token.cross_attention is not None else None,
         )
 
     def _prompt(self, record: PromptRecord) -> None:
