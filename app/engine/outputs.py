@@ -207,30 +207,46 @@ class RequestState:
         async for batch in self.event_batches():
             for event in batch:
                 yield event
+            del batch, event  # nothing held while the next batch is awaited (event_batches)
 
     async def event_batches(self) -> AsyncIterator[list[Event]]:
         """The same events in order, each time every one already waiting: a stream writer that
-        falls behind the engine (many streams, a fast device) sends them in one write."""
-        while True:
-            item = await self.queue.get()
-            size = item[1]
-            batch = [self._take(item)]
-            while isinstance(batch[-1], TokenEvent) and not self.queue.empty() and size < BATCH_BYTES:
-                item = self.queue.get_nowait()
-                size += item[1]
-                batch.append(self._take(item))
-            last = batch[-1]
-            if isinstance(last, GenerationCancelled):
-                if len(batch) > 1:
-                    yield batch[:-1]
-                raise last
-            yield batch
-            if not isinstance(last, TokenEvent):
-                return
+        falls behind the engine (many streams, a fast device) sends them in one write.
+
+        A batch stays in the stream's count (and the budget's) until its writer asks for the next
+        one or stops: a client that does not read holds it in a write that waits. Nothing of it
+        stays referenced here meanwhile: a wait cancelled when the client leaves has this frame in
+        its traceback, which anyio's task group keeps in a reference cycle until the cyclic GC runs."""
+        sending = 0  # estimated bytes of the batch its writer holds
+        try:
+            while True:
+                item = await self.queue.get()
+                sending = item[1]
+                batch = [self._take(item)]
+                while isinstance(batch[-1], TokenEvent) and not self.queue.empty() and sending < BATCH_BYTES:
+                    item = self.queue.get_nowait()
+                    sending += item[1]
+                    batch.append(self._take(item))
+                del item
+                if isinstance(batch[-1], GenerationCancelled):  # the events before it, then the exception
+                    batch.pop()
+                    if batch:
+                        yield batch
+                    del batch
+                    raise GenerationCancelled("the generation was cancelled")
+                ended = not isinstance(batch[-1], TokenEvent)
+                yield batch
+                del batch
+                self._count(-sending)
+                sending = 0
+                if ended:
+                    return
+        finally:
+            self._count(-sending)
 
     def _take(self, item: tuple[Any, int]):
-        event, size = item
-        self._count(-size)
+        """The queued item's event (a token's is built now); its bytes stay counted while it is sent."""
+        event = item[0]
         return self._event(event) if isinstance(event, Released) else event
 
     def _put(self, event, size: int = EVENT_BYTES) -> None:

@@ -67,7 +67,10 @@ def _stream(generation: RequestState, metrics: Metrics, echo) -> StreamingRespon
     async def events():
         try:
             async for batch in event_batches(generation):  # the events waiting go out in one write
-                yield "".join(encode(event) for event in batch)
+                text = "".join(encode(event) for event in batch)
+                del batch  # nothing held while the next batch is awaited (RequestState.event_batches)
+                yield text
+                del text
         except Exception:  # anything on our side mid-stream: log it, tell the client
             log.exception("stream failed")
             ended.append(None)

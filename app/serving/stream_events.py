@@ -106,4 +106,7 @@ async def events(state: RequestState) -> AsyncIterator[ApiEvent]:
 async def event_batches(state: RequestState) -> AsyncIterator[list[ApiEvent]]:
     """The same events, every one already waiting at once (one write for a stream that fell behind)."""
     async for batch in state.event_batches():
-        yield [api_event(event) for event in batch]
+        events = [api_event(event) for event in batch]
+        del batch  # nothing held while the next batch is awaited (RequestState.event_batches)
+        yield events
+        del events
