@@ -5,7 +5,7 @@ requests (`Generation`, request.py): a generated token (ids, log-probs, attentio
 prompt's scores, the end of a generation. Everything else happens here, in the request's
 server-side state (`RequestState`: its event loop, its output stage, what its client has not
 read yet), on the event loop that submitted it: ids -> display text, stop strings
-(TextStream), log-prob alternatives, attention rows -> rounded lists, and the events
+(TextStream), log-prob alternatives, attention rows -> rounded arrays, and the events
 `TokenEvent` / `DoneEvent` / `ErrorEvent`. These are the engine's own dataclasses: the
 engine does not know the API's schemas, and the serving layer (app/serving/stream_events.py) turns
 them into the responses the routes send.
@@ -15,10 +15,12 @@ core retires it at its next step and sends the final record, so a client that se
 also sees the generation's slot free again.
 
 A token's event is built when its client takes it, not when its record arrives: until then
-the queue holds the record's compact tensors (4 bytes a probability) rather than the event's
-Python floats (about 32 each), and the allocator gets that memory back as one block. What a
-stream's client leaves unread is bounded per stream (ATTNLENS_MAX_STREAM_BACKLOG_BYTES) and
-for all streams together (stream_budget.py).
+the queue holds the record's compact tensors (4 bytes a probability). The event's attention
+stays arrays (float64, rounded) that the route writes to JSON as they are (stream_events.py):
+never a Python float per probability, whose memory Python's small-object arenas keep after a
+burst of streams (the arenas stay mapped while any object in them lives). What a stream's
+client leaves unread is bounded per stream (ATTNLENS_MAX_STREAM_BACKLOG_BYTES) and for all
+streams together (stream_budget.py).
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ __all__ = ["Alternative", "DoneEvent", "ErrorEvent", "Event", "FinishRecord", "G
            "Record", "RequestState", "ScoredToken", "Timing", "TokenEvent", "TokenRecord", "hand_over"]
 
 
-# Estimated memory of an event held for a stream's client, as Python objects: a token event,
-# and each attention probability in it (a float in a list). Bounded per stream by
-# ATTNLENS_MAX_STREAM_BACKLOG_BYTES.
+# Estimated memory of an event held for a stream's client: a token event, and each attention
+# probability in it (32: what a Python float in a list took; its float64 and JSON text take
+# about 8 + 10, so the estimate is generous). Bounded per stream by ATTNLENS_MAX_STREAM_BACKLOG_BYTES.
 EVENT_BYTES = 512
 FLOAT_BYTES = 32
 BATCH_BYTES = 1_000_000  # at most this much (estimated) is built into events for one write
@@ -79,8 +81,8 @@ class TokenEvent(ScoredToken):
 
     index: int = 0
     delta: str = ""
-    attention: list[list[list[float]]] | None = None  # [layer][head][key], rounded to 6 places
-    cross_attention: list[list[list[float]]] | None = None
+    attention: list[np.ndarray] | None = None  # per layer (heads, keys) float64, rounded to 6 places
+    cross_attention: list[np.ndarray] | None = None
 
 
 @dataclass
@@ -153,9 +155,9 @@ def event_bytes(token: GeneratedToken) -> int:
     return EVENT_BYTES + FLOAT_BYTES * floats
 
 
-def attention_lists(rows: list[torch.Tensor]) -> list[list[list[float]]]:
-    """Per layer (H, S) tensors -> [layer][head][position] floats rounded to 6 places."""
-    return [np.round(r.numpy().astype(np.float64), 6).tolist() for r in rows]
+def attention_rows(rows: list[torch.Tensor]) -> list[np.ndarray]:
+    """Per layer (H, S) tensors -> (H, S) float64 arrays rounded to 6 places (the JSON's values)."""
+    return [np.round(r.numpy().astype(np.float64), 6) for r in rows]
 
 
 @dataclass(eq=False)  # identity: it is kept in a WeakSet (StreamBudget)
@@ -205,30 +207,46 @@ class RequestState:
         async for batch in self.event_batches():
             for event in batch:
                 yield event
+            del batch, event  # nothing held while the next batch is awaited (event_batches)
 
     async def event_batches(self) -> AsyncIterator[list[Event]]:
         """The same events in order, each time every one already waiting: a stream writer that
-        falls behind the engine (many streams, a fast device) sends them in one write."""
-        while True:
-            item = await self.queue.get()
-            size = item[1]
-            batch = [self._take(item)]
-            while isinstance(batch[-1], TokenEvent) and not self.queue.empty() and size < BATCH_BYTES:
-                item = self.queue.get_nowait()
-                size += item[1]
-                batch.append(self._take(item))
-            last = batch[-1]
-            if isinstance(last, GenerationCancelled):
-                if len(batch) > 1:
-                    yield batch[:-1]
-                raise last
-            yield batch
-            if not isinstance(last, TokenEvent):
-                return
+        falls behind the engine (many streams, a fast device) sends them in one write.
+
+        A batch stays in the stream's count (and the budget's) until its writer asks for the next
+        one or stops: a client that does not read holds it in a write that waits. Nothing of it
+        stays referenced here meanwhile: a wait cancelled when the client leaves has this frame in
+        its traceback, which anyio's task group keeps in a reference cycle until the cyclic GC runs."""
+        sending = 0  # estimated bytes of the batch its writer holds
+        try:
+            while True:
+                item = await self.queue.get()
+                sending = item[1]
+                batch = [self._take(item)]
+                while isinstance(batch[-1], TokenEvent) and not self.queue.empty() and sending < BATCH_BYTES:
+                    item = self.queue.get_nowait()
+                    sending += item[1]
+                    batch.append(self._take(item))
+                del item
+                if isinstance(batch[-1], GenerationCancelled):  # the events before it, then the exception
+                    batch.pop()
+                    if batch:
+                        yield batch
+                    del batch
+                    raise GenerationCancelled("the generation was cancelled")
+                ended = not isinstance(batch[-1], TokenEvent)
+                yield batch
+                del batch
+                self._count(-sending)
+                sending = 0
+                if ended:
+                    return
+        finally:
+            self._count(-sending)
 
     def _take(self, item: tuple[Any, int]):
-        event, size = item
-        self._count(-size)
+        """The queued item's event (a token's is built now); its bytes stay counted while it is sent."""
+        event = item[0]
         return self._event(event) if isinstance(event, Released) else event
 
     def _put(self, event, size: int = EVENT_BYTES) -> None:
@@ -300,8 +318,8 @@ class RequestState:
         return TokenEvent(
             id=r.id, text=r.text, logprob=token.logprob,
             top_logprobs=self._alternatives(token.top_ids, token.top_logprobs), index=r.index, delta=r.delta,
-            attention=attention_lists(token.attention) if token.attention is not None else None,
-            cross_attention=attention_lists(token.cross_attention) if token.cross_attention is not None else None,
+            attention=attention_rows(token.attention) if token.attention is not None else None,
+            cross_attention=attention_rows(token.cross_attention) if token.cross_attention is not None else None,
         )
 
     def _prompt(self, record: PromptRecord) -> None:

@@ -31,7 +31,7 @@ from attnlens.app.serving.chat_serving import conversation_ids
 from attnlens.app.serving.generation_streams import SSE_HEADERS, cancel_on_disconnect, collect, note_unfinished, sse
 from attnlens.app.serving.prompts import check_token_ids, tokenize_text
 from attnlens.app.serving.request_limits import check_lengths, check_new_token_limit
-from attnlens.app.serving.stream_events import event_batches
+from attnlens.app.serving.stream_events import attention_lists, event_batches
 from attnlens.model import SamplingParams
 
 log = logging.getLogger("attnlens.routers")
@@ -67,7 +67,10 @@ def _stream(generation: RequestState, metrics: Metrics, echo) -> StreamingRespon
     async def events():
         try:
             async for batch in event_batches(generation):  # the events waiting go out in one write
-                yield "".join(encode(event) for event in batch)
+                text = "".join(encode(event) for event in batch)
+                del batch  # nothing held while the next batch is awaited (RequestState.event_batches)
+                yield text
+                del text
         except Exception:  # anything on our side mid-stream: log it, tell the client
             log.exception("stream failed")
             ended.append(None)
@@ -145,8 +148,8 @@ class GenerateServing:
                 finish_reason=done.finish_reason,
                 usage=done.usage,
                 timings=done.timings,
-                attention=[t.attention for t in out.tokens] if body.return_attention else None,
-                cross_attention=([t.cross_attention for t in out.tokens]
+                attention=[attention_lists(t.attention) for t in out.tokens] if body.return_attention else None,
+                cross_attention=([attention_lists(t.cross_attention) for t in out.tokens]
                                  if body.return_attention and streams_cross else None),
                 ablate=echo,
             ).model_dump_json(exclude={"ablate"} if echo is None else None).encode()

@@ -15,7 +15,7 @@ from attnlens.app.api.generate_schemas import StreamDone, StreamError, StreamTok
 from attnlens.app.engine import GenerationCancelled, RequestState
 from attnlens.app.server.api_errors import ApiError
 from attnlens.app.server.metrics import Metrics
-from attnlens.app.serving.stream_events import events
+from attnlens.app.serving.stream_events import events, token_json
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first": logged and counted, never sent
@@ -120,10 +120,12 @@ async def collect(generation: RequestState, metrics: Metrics) -> Outcome:
 
 def sse(event: str | None, data: BaseModel | dict | str) -> str:
     """One server-sent event; `data` is a schema object, a dict (JSON-encoded) or a ready string."""
-    if isinstance(data, BaseModel):
+    if isinstance(data, StreamToken):
+        payload = token_json(data)  # its attention rows are arrays
+    elif isinstance(data, BaseModel):
         # `ablate` is echoed only by a request that ablates: an answer without it is as it always was
         absent = {"ablate"} if getattr(data, "ablate", True) is None else None
-        payload = data.model_dump_json(exclude_none=isinstance(data, StreamToken), exclude=absent)
+        payload = data.model_dump_json(exclude=absent)
     elif isinstance(data, str):
         payload = data
     else:

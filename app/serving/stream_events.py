@@ -3,11 +3,18 @@
 The engine's output stage (app/engine/outputs.py) yields TokenEvent, DoneEvent and ErrorEvent,
 which know nothing of the API. Routes read a request's events through `events` and
 `event_batches` here and get StreamToken, StreamDone and StreamError, which they send as they are.
+
+A StreamToken's attention rows stay the output stage's arrays (per layer (heads, keys), rounded):
+`token_json` writes them with orjson, the same text pydantic writes for their floats, and
+`attention_lists` makes them lists for a whole answer's schema.
 """
 
 from __future__ import annotations
 
 from typing import Any, AsyncIterator
+
+import numpy as np
+import orjson
 
 from attnlens.app.api.generate_schemas import (
     Alternative,
@@ -41,8 +48,32 @@ def token_event(e: TokenEvent) -> StreamToken:
     if e.attention is None and e.cross_attention is None:
         # validated in pydantic's core: for these few fields faster than model_construct's Python
         return StreamToken(**fields)
-    # thousands of attention floats, built by the output stage: not validated one by one
-    return StreamToken.model_construct(**fields, attention=e.attention, cross_attention=e.cross_attention)
+    # thousands of attention probabilities, arrays from the output stage: not validated one by one
+    # (written by token_json; the schema's lists are what the client gets)
+    return StreamToken.model_construct(**fields, attention=e.attention,  # type: ignore[arg-type]
+                                       cross_attention=e.cross_attention)  # type: ignore[arg-type]
+
+
+ROWS_FIELDS = ("attention", "cross_attention")  # StreamToken's last fields, in this order
+
+
+def token_json(token: StreamToken) -> str:
+    """A token event's JSON (None fields left out), as pydantic writes it: its attention arrays are
+    written by orjson straight from them (no Python float each) after the other fields."""
+    text = token.model_dump_json(exclude_none=True, exclude=set(ROWS_FIELDS))
+    rows = "".join(f',"{name}":{rows_json(getattr(token, name))}' for name in ROWS_FIELDS
+                   if getattr(token, name) is not None)
+    return text[:-1] + rows + "}" if rows else text
+
+
+def rows_json(rows: list[np.ndarray]) -> str:
+    """[layer][head][key] JSON of per-layer (heads, keys) arrays."""
+    return "[" + ",".join(orjson.dumps(r, option=orjson.OPT_SERIALIZE_NUMPY).decode() for r in rows) + "]"
+
+
+def attention_lists(rows: list[Any] | None) -> list[list[list[float]]] | None:
+    """A StreamToken's attention arrays (token_event) as nested lists, for a whole answer's schema."""
+    return None if rows is None else [r.tolist() for r in rows]
 
 
 def done_event(e: DoneEvent) -> StreamDone:
@@ -75,4 +106,7 @@ async def events(state: RequestState) -> AsyncIterator[ApiEvent]:
 async def event_batches(state: RequestState) -> AsyncIterator[list[ApiEvent]]:
     """The same events, every one already waiting at once (one write for a stream that fell behind)."""
     async for batch in state.event_batches():
-        yield [api_event(event) for event in batch]
+        events = [api_event(event) for event in batch]
+        del batch  # nothing held while the next batch is awaited (RequestState.event_batches)
+        yield events
+        del events

@@ -8,19 +8,25 @@ back once such clients leave is measured in test_service_faults_live.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
+import weakref
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from helpers import parse_sse, run_async
 
 from attnlens.app.engine import Engine, GenerationParams
-from attnlens.app.engine.outputs import DoneEvent, ErrorEvent
+from attnlens.app.engine.outputs import DoneEvent, ErrorEvent, RequestState, TokenRecord
+from attnlens.app.engine.request import Generation
 from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
+from attnlens.app.serving.stream_events import event_batches
 from attnlens.model import SamplingParams
+from attnlens.model.sampling import GeneratedToken
 
 
 async def unread_stream(app, engine, body: dict, *, timeout: float = 60.0) -> str:
@@ -136,3 +142,79 @@ def test_a_stream_let_go_unread_gives_its_bytes_back(ckpt):
     finally:
         engine.close()
     assert held > 0 and after == 0
+
+
+def stream_state(ckpt, budget: StreamBudget) -> RequestState:
+    """A stream's server-side state, fed its records by hand (no engine): call on the event loop."""
+    params = GenerationParams(ckpt.tokenizer.encode("To be"), 20, SamplingParams(), return_attention=True)
+    state = RequestState(Generation(params), asyncio.get_running_loop(), ckpt.tokenizer, [])
+    budget.join(state)
+    return state
+
+
+def give_tokens(ckpt, state: RequestState, n: int) -> None:
+    """n token records with attention rows (2 layers x 4 heads x 40 positions), as the engine hands them over."""
+    for token_id in ckpt.tokenizer.encode(" or not to be that is")[:n]:
+        rows = [torch.rand(4, 40) for _ in range(2)]
+        state.handle(TokenRecord(state.generation, GeneratedToken(token_id, -0.5, [1, 2], [-1.0, -2.0], rows)))
+
+
+def test_a_batch_its_writer_holds_stays_counted_until_it_asks_for_the_next_or_stops(ckpt):
+    """The events a writer took count until it asks for more (they were sent) or stops: a client
+    that does not read holds them in a write that waits."""
+    budget = StreamBudget(10**9)
+
+    async def main():
+        state = stream_state(ckpt, budget)
+        give_tokens(ckpt, state, 3)
+        queued = budget.in_use
+        batches = state.event_batches()
+        first = await batches.__anext__()  # every event waiting, being sent
+        while_sent = budget.in_use
+        give_tokens(ckpt, state, 1)
+        await batches.__anext__()  # the first batch was sent
+        after_first = budget.in_use
+        await batches.aclose()  # the writer stops (its client left)
+        return queued, len(first), while_sent, after_first
+
+    queued, taken, while_sent, after_first = run_async(main())
+    assert taken == 3 and while_sent == queued > 0 and 0 < after_first < queued
+    assert budget.in_use == 0
+
+
+def test_a_writer_cancelled_while_it_waits_keeps_no_events_in_its_traceback(ckpt):
+    """A stream's writer is cancelled while it waits for events when its client leaves; asyncio
+    and anyio keep that CancelledError (and the frames in its traceback) in reference cycles until
+    the cyclic GC runs, so those frames must hold none of the events they handed on: their
+    attention rows are freed at once."""
+    budget = StreamBudget(10**9)
+    taken, kept = [], []
+
+    async def main():
+        state = stream_state(ckpt, budget)
+        give_tokens(ckpt, state, 3)
+
+        async def writer():  # what the /generate route runs
+            try:
+                async for batch in event_batches(state):
+                    taken.extend(weakref.ref(rows) for event in batch for rows in event.attention)
+                    del batch
+            except asyncio.CancelledError as e:
+                kept.append(e)  # as anyio's task group keeps it
+                raise
+
+        task = asyncio.create_task(writer())
+        await asyncio.sleep(0.05)  # it took every event and waits for more
+        give_tokens(ckpt, state, 2)
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    gc.disable()
+    try:
+        run_async(main())
+        assert kept and len(taken) == 2 * 5
+        assert [r for r in taken if r() is not None] == []
+    finally:
+        gc.enable()
