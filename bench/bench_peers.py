@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -228,6 +229,9 @@ class Bench:
             raise RuntimeError(f"{s.side} {s.weights}, {level} streams: {failed[0]}")
         if s.side == "attnlens":
             self.counts.setdefault(s.mode, {}).update(enumerate(a.tokens for a in answers))
+        tokens = sum(a.tokens for a in answers)
+        print(f"  {'' if record else '(warm-up) '}{level:3d} streams  {s.side:9s} {s.weights:8s} {tokens:6d} tokens in "
+              f"{wall:6.2f} s = {tokens / wall:7.1f} tok/s   load {os.getloadavg()[0]:.2f}", flush=True)
         if record:
             self.figures.setdefault((level, s.mode, s.side), Figures()).add(answers, wall)
 
@@ -367,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-after", type=int, default=0,
                    help="every prompt is this many tokens of the long text instead of a story's start")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated run still stops its servers (finally)
 
     import torch
 

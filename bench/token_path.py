@@ -95,6 +95,24 @@ def install_probes() -> None:
     timed_rows("_run_decode", False)
     timed_rows("_run_prefills", True)
 
+    add = core.EngineCore.add_generation
+
+    def stamped_add(self, g):
+        STAMPS[(g.number, 0)]["added"] = clock()  # the request's own points are token 0's
+        add(self, g)
+    core.EngineCore.add_generation = stamped_add
+
+    from attnlens.app.engine import front
+    submit_all = front.EngineFront.submit_all
+
+    def stamped_submit(self, params, **kwargs):
+        t0 = clock()
+        states = submit_all(self, params, **kwargs)
+        for state in states:
+            STAMPS[(state.generation.number, 0)]["submitted"] = t0
+        return states
+    front.EngineFront.submit_all = stamped_submit
+
     sink_call = worker.PipeSink.__call__
 
     def sink(self, records):
@@ -295,10 +313,19 @@ def level(port: int, pids: list[int], folder: Path, ids: list[list[int]], n: int
                  if k > 1 and "arrival" in p and "step_out" in p]
         if total:
             print(f"    {'step end -> the client has the token':52s} {statistics.median(total):8.3f}")
-        first = answers[0]
-        print(f"  the request: first token after {1000 * (first.first_token_s or 0):.1f} ms, "
-              f"whole {1000 * first.wall:.1f} ms; last token -> answer's end "
-              f"{1000 * (first.t_end - first.arrivals[-1]):.1f} ms")
+        first, number = answers[0], by_number[0]
+        points = {**stamps[(number, 0)], "sent": first.t_send, "prefill_in": stamps[(number, 1)].get("step_in"),
+                  "prefill_out": stamps[(number, 1)].get("step_out"), "first": first.arrivals[0],
+                  "last": first.arrivals[-1], "end": first.t_end}
+        line = [("sent", "submitted", "client -> HTTP, route, submit"), ("submitted", "added", "-> the engine process"),
+                ("added", "prefill_in", "-> its step begins"), ("prefill_in", "prefill_out", "the prefill"),
+                ("prefill_out", "first", "-> the client has the first token"), ("first", "last", "the other tokens"),
+                ("last", "end", "-> the answer's end")]
+        print("  the request, end to end (ms)")
+        for a, b, what in line:
+            if points.get(a) is not None and points.get(b) is not None:
+                print(f"    {what:52s} {1000 * (points[b] - points[a]):8.1f}")
+        print(f"    {'whole':52s} {1000 * first.wall:8.1f}")
     print("  time inside each stage, per token (ms; every call's time over the tokens)")
     for stage, (seconds, calls) in sorted(spans.items()):
         print(f"    {stage:55s} {1000 * seconds / max(tokens, 1):8.3f}   ({calls} calls)")
@@ -318,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated run still stops its server (finally)
 
     from bench_peers import story_prompts, wait_ready
     from bench_service import free_port
