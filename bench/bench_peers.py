@@ -1,51 +1,59 @@
-"""SmolLM2-135M-Instruct on the CPU beside its peers, in one run (issue 34): transformers, attnlens and
-llama.cpp's llama-server, the same threads each.
+"""SmolLM2-135M-Instruct on the CPU beside llama.cpp, measured as a user sees it (issues 34 and 50):
+whole requests over HTTP to the default `attnlens serve` and to llama.cpp's `llama-server`, the
+same threads each, one stream and many at once.
 
-    .venv/bin/python bench/bench_peers.py                           # 2 threads, 128 tokens, 3 reps
-    .venv/bin/python bench/bench_peers.py --new-tokens 16 --reps 1  # a quick check
+    .venv/bin/python bench/bench_peers.py                                   # 2 threads, 128 tokens, 1/16/64 streams, 3 reps
+    .venv/bin/python bench/bench_peers.py --new-tokens 32 --reps 1 --streams 1 16   # a quick check
+    .venv/bin/python bench/bench_peers.py --prefill 512 2048 --in-process   # the issue-34 diagnostics too
 
-Rows, each with --threads threads, measured in turns (never two at once): every server is started
-first and waits idle while the others are measured; then each row decodes in turn, then each
-prefills in turn, --reps times after one warm-up, so a shared machine's drift falls on every row
-alike:
+Servers, each with --threads threads, started first and idle while the others are measured:
 
-* transformers `generate()`, float32 (its own GGUF loader on the packaged file, dequantized),
-  in this process;
-* attnlens in this process (`generate_tokens`, a prefill into a paged KV cache row), float32 and
-  packed (the file's own Q4_1 / Q8_0 blocks, model/packed/);
-* attnlens over HTTP, float32 and packed (ATTNLENS_DTYPE=packed): the real server (`python -m
-  attnlens.app.cli serve`, the converted checkpoint, OMP_NUM_THREADS=threads), streaming
-  `POST /generate` with token ids;
+* attnlens, the real server (`python -m attnlens.app.cli serve`, the converted checkpoint,
+  OMP_NUM_THREADS=threads, every other setting its default), float32 (ATTNLENS_DTYPE=float32)
+  and packed (the default: the file's own Q4_1 / Q8_0 blocks); one server each serves every level;
 * llama.cpp `llama-server` on the packaged GGUF as shipped (Q4_1 blocks, a Q8_0 token embedding)
-  and on the same file requantized to F32 (`llama-quantize --allow-requantize in out F32`),
-  streaming `POST /completion` with the same token ids. llama.cpp is built once into a cache
-  (bench/llama_cpp_build.py); when it cannot be built its rows are skipped with the reason.
+  and on the same file requantized to F32 (`llama-quantize --allow-requantize in out F32`), one
+  server per level with `-np` = the streams of that level (continuous batching, its default) and a
+  context of `-np` x (the longest prompt + the tokens + 64) so every slot holds its request.
+  llama.cpp is built once into a cache (bench/llama_cpp_build.py); when it cannot be built its rows
+  are skipped with the reason.
 
-Per row: decode tok/s of N greedy tokens after a short prompt (the tokens after the first over
-the time from the first to the last: prefill excluded), the time to prefill a 512- and a 2,048-token prompt
-(and return one token: over HTTP the request's wall time), and the server's RSS after both (its
-engine process included; in-process rows share this process and print "-"). Medians. Then every
-row's ratio to each llama.cpp row, and each prefill against transformers' forward.
+The pairs are attnlens float32 / llama.cpp F32 and attnlens packed / llama.cpp Q4_1. At each level
+(--streams: 1, 16, 64 at once) both sides get the same requests: streamed `POST /generate` with the
+prompt's token ids against streamed `POST /completion` with the same ids, greedy (temperature 0),
+`cache_prompt: false` (attnlens keeps no prompt cache either); the streams of a level have
+different prompts (a story's subject and place). The figure is the user's: the tokens of every
+answer (as each server counts them) over the wall time from sending the first request to the
+end of the last answer: prefill, first token, hand-over, SSE and HTTP included. --no-stream sends
+whole non-streamed requests instead.
 
-The attnlens servers also answer --streams (16) sampled generations of N tokens at once, seeded
-(the same work each time): the tokens of them all over the wall time, prefills included. llama.cpp's
-servers here have one slot (`-np 1`), so they are not asked.
+Token counts match: attnlens over HTTP stops at an EOS, llama.cpp is told `ignore_eos` and, per
+prompt, `n_predict` = the tokens attnlens generated for that prompt in the warm-up (greedy: the
+same every time; the prompts run past --new-tokens, so both generate N, and the table says when not).
+
+Diagnostics (not the goal's figures): at one stream the decode-only rate (the tokens after the
+first over the time from the first to the last, prefill excluded; what this benchmark reported
+before issue 50) and the time to the first token; at many, the median time to the first token.
+--prefill N...: the wall time of a request with an N-token prompt and one new token (llama.cpp's
+one-slot server). --in-process: transformers `generate()` and attnlens `generate_tokens` in this
+process, decode-only rates. The servers' RSS (attnlens: its engine process included) is read at the end.
+
+Rows take turns (never two at once): after one warm-up of everything, each repetition runs every
+level, and at each level every pair, attnlens and llama.cpp alternating which goes first, so a
+shared machine's drift falls on both sides alike. Medians of --reps. The load average is printed
+before and after.
 
 Memory: this process sets glibc's malloc thresholds as the server sets them in its processes
-(ATTNLENS_MALLOC_RETAIN_BYTES, app/engine/allocator.py), for the in-process rows of transformers
-and attnlens alike; --malloc-defaults keeps glibc's defaults (there a forward's time depends on
-what the forward before it left on the heap: page faults, the same for every row in this process).
-
-Greedy: llama.cpp gets `ignore_eos`, transformers `min_new_tokens`; attnlens over HTTP has no such
-switch, so the prompt is one that SmolLM2 continues past N tokens (the count is printed).
+(ATTNLENS_MALLOC_RETAIN_BYTES, app/engine/allocator.py) for the in-process rows; --malloc-defaults
+keeps glibc's defaults here and in the attnlens servers.
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,21 +68,23 @@ sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 from bench_service import free_port  # noqa: E402
 from llama_cpp_build import ensure_llama_cpp, f32_gguf  # noqa: E402
+from peer_client import Answer, run_all  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea. Once upon a time,"
+WHO = ["a lighthouse keeper", "a young baker", "an old sailor", "a clockmaker", "a street musician", "a shepherd",
+       "a night-train driver", "a beekeeper"]
+WHERE = ["and the sea", "in a mountain village", "in a city of canals", "on a frozen lake", "in the desert",
+         "on a small island", "in a forest of oaks", "by a great river"]
 LONG_TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
              "movable metal type, oil-based ink and a wooden press adapted from those used for wine. ")
+MODES = (("float32", "F32"), ("packed", "Q4_1"))  # attnlens' weights and llama.cpp's beside them
 
 
-@dataclass
-class Row:
-    name: str
-    weights: str
-    decode_tok_s: float | None = None
-    prefill_s: dict[int, float] = field(default_factory=dict)  # prompt tokens -> seconds
-    rss_gb: float | None = None
-    streams_tok_s: float | None = None  # --streams generations at once, tokens/s of them all
-    note: str = ""
+def story_prompts(n: int) -> list[str]:
+    """n different prompts that SmolLM2 continues for a long while (the first is PROMPT)."""
+    texts = [f"Write a long story about {who} {where}. Once upon a time," for where in WHERE for who in WHO]
+    texts.remove(PROMPT)
+    return [PROMPT, *texts][:n] if n <= len(texts) + 1 else [PROMPT, *texts] * (n // len(texts) + 1)
 
 
 # --- processes -----------------------------------------------------------------
@@ -116,336 +126,326 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def post_stream(port: int, path: str, body: dict, is_token: Callable[[bytes], bool]) -> list[float]:
-    """POST a streaming request; the arrival time of every token event."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"{path}: HTTP {resp.status} {resp.read()[:500]!r}")
-    arrivals = []
-    while line := resp.readline():
-        if is_token(line):
-            arrivals.append(time.perf_counter())
-    conn.close()
-    return arrivals
-
-
-def post_wall_s(port: int, path: str, body: dict) -> float:
-    """Wall seconds of one non-streaming POST, to its whole answer."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    t0 = time.perf_counter()
-    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    data = resp.read()
-    wall = time.perf_counter() - t0
-    if resp.status != 200:
-        raise RuntimeError(f"{path}: HTTP {resp.status} {data[:500]!r}")
-    conn.close()
-    return wall
-
-
-def is_llama_token(line: bytes) -> bool:
-    """A streamed /completion event with a token (the last one, `"stop": true`, carries the timings)."""
-    if not line.startswith(b"data: "):
-        return False
-    try:
-        event = json.loads(line[6:])
-    except ValueError:
-        return False
-    return isinstance(event, dict) and not event.get("stop", False) and "content" in event
-
-
-def decode_rate(arrivals: list[float]) -> float:
-    """Tokens after the first over the time from the first to the last: decoding alone."""
-    return (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
-
-
-# --- the peers -------------------------------------------------------------------
 @dataclass
-class Contestant:
-    """One row of the table: how to decode (-> tok/s) and prefill (ids -> seconds) with it, and its
-    server process when it has one (its RSS is read at the end, then it is stopped)."""
+class Server:
+    """One server process: attnlens (every level) or llama-server (`slots` = its -np)."""
 
-    row: Row
-    decode: Callable[[], float]
-    prefill: Callable[[list[int]], float]
+    side: str  # "attnlens" | "llama.cpp"
+    mode: str  # "float32" | "packed": the pair it belongs to
+    weights: str
+    slots: int = 0  # llama-server's -np (0: attnlens)
     proc: subprocess.Popen | None = None
-    counts: list[int] = field(default_factory=list)  # tokens each decode streamed (attnlens: EOS ends one)
-    streams: Callable[[], float] | None = None  # --streams at once -> tokens/s (attnlens over HTTP)
+    port: int = 0
+    note: str = ""
+    rss_gb: float | None = None
 
+    @property
+    def path(self) -> str:
+        return "/completion" if self.side == "llama.cpp" else "/generate"
 
-class Measure:
-    def __init__(self, args, prompt_ids: list[int], long_ids: dict[int, list[int]]):
-        self.args, self.prompt_ids, self.long_ids = args, prompt_ids, long_ids
-
-    def rounds(self, contestants: list[Contestant]) -> None:
-        """Every contestant's decode, then every prefill length for each, in turn, --reps times after one
-        warm-up of each: a machine's drift (other tenants, clocks) falls on every row alike. Medians."""
-        live = [c for c in contestants if not c.row.note]
-        rates: dict[int, list[float]] = {id(c): [] for c in live}
-        together: dict[int, list[float]] = {id(c): [] for c in live if c.streams is not None}
-        prefills: dict[tuple[int, int], list[float]] = {(id(c), n): [] for c in live for n in self.long_ids}
-        for c in live:
-            c.decode()
-            for ids in self.long_ids.values():
-                c.prefill(ids)
-            if c.streams is not None:
-                c.streams()
-        for _ in range(self.args.reps):
-            for c in live:
-                rates[id(c)].append(c.decode())
-            for c in live:
-                if c.streams is not None:
-                    together[id(c)].append(c.streams())
-            for n, ids in self.long_ids.items():
-                for c in live:
-                    prefills[(id(c), n)].append(c.prefill(ids))
-        for c in live:
-            c.row.decode_tok_s = statistics.median(rates[id(c)])
-            c.row.prefill_s = {n: statistics.median(prefills[(id(c), n)]) for n in self.long_ids}
-            if together.get(id(c)):
-                c.row.streams_tok_s = statistics.median(together[id(c)])
-            if c.proc is not None:
-                c.row.rss_gb = tree_rss_bytes(c.proc.pid) / 1e9
-            if c.counts and min(c.counts) < self.args.new_tokens:
-                c.row.note = f"stopped at EOS after {min(c.counts)} tokens"
-
-    def server(self, row: Row, cmd: list[str], env: dict, ready_path: str, decode, prefill) -> Contestant:
-        """A server started and ready (a row with a note instead when it is not)."""
-        port = free_port()
+    def start(self, cmd: list[str], env: dict[str, str], ready: str) -> None:
+        self.port = free_port()
         with tempfile.NamedTemporaryFile(suffix=".log", delete=False) as f:
             log = Path(f.name)
         with open(log, "wb") as out:
-            proc = subprocess.Popen([*cmd, "--port", str(port)], cwd=REPO_ROOT, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([*cmd, "--port", str(self.port)], cwd=REPO_ROOT, env=env, stdout=out,
+                                         stderr=subprocess.STDOUT)
         try:
-            wait_ready(proc, port, ready_path, log)
+            wait_ready(self.proc, self.port, ready, log)
         except RuntimeError as e:
-            row.note = str(e).splitlines()[0][:120]
-            stop(proc)
-        return Contestant(row, lambda: decode(port), lambda ids: prefill(port, ids), proc)
+            self.note = str(e).splitlines()[0][:120]
+            stop(self.proc)
+            self.proc = None
 
-    def attnlens_http(self, ckpt_dir: Path, dtype: str, weights: str) -> Contestant:
-        a, n = self.args, self.args.new_tokens
-        env = {**os.environ, "ATTNLENS_DEVICE": "cpu", "ATTNLENS_DTYPE": dtype, "OMP_NUM_THREADS": str(a.threads),
-               **({"ATTNLENS_MALLOC_RETAIN_BYTES": "0"} if a.malloc_defaults else {}),
-               "MKL_NUM_THREADS": str(a.threads), "ATTNLENS_LOG_LEVEL": "warning",
-               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        counts: list[int] = []
-
-        def decode(port: int) -> float:
-            arrivals = post_stream(port, "/generate", {"ids": self.prompt_ids, "max_new_tokens": n, "temperature": 0,
-                                                       "stream": True}, lambda line: line.startswith(b"event: token"))
-            counts.append(len(arrivals))
-            return decode_rate(arrivals)
-
-        def prefill(port: int, ids: list[int]) -> float:
-            return post_wall_s(port, "/generate", {"ids": ids, "max_new_tokens": 1, "temperature": 0})
-
-        c = self.server(Row("attnlens (over HTTP)", weights),
-                        [sys.executable, "-m", "attnlens.app.cli", "serve", "--model", str(ckpt_dir), "--host",
-                         "127.0.0.1"], env, "/readyz", decode, prefill)
-        c.counts = counts
-        port = int(c.proc.args[-1]) if c.proc is not None else 0  # the --port it was started with
-
-        def streams() -> float:
-            """--streams sampled generations of --new-tokens at once (seeded: the same work each time)."""
-            from concurrent.futures import ThreadPoolExecutor
-
-            def one(i: int) -> int:
-                body = {"ids": self.prompt_ids, "max_new_tokens": n, "temperature": 0.8, "seed": i}
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-                conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
-                answer = json.loads(conn.getresponse().read())
-                conn.close()
-                return len(answer["tokens"])
-
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(a.streams) as pool:
-                tokens = sum(pool.map(one, range(a.streams)))
-            return tokens / (time.perf_counter() - t0)
-
-        if a.streams:
-            c.streams = streams
-        return c
-
-    def llama_server(self, server: Path, env: dict[str, str], gguf: Path, weights: str) -> Contestant:
-        a, n = self.args, self.args.new_tokens
-        context = max(4096, len(self.prompt_ids) + n + 64)
-        cmd = [str(server), "-m", str(gguf), "-t", str(a.threads), "-tb", str(a.threads), "-c", str(context), "-np", "1",
-               "--host", "127.0.0.1"]
-
-        def decode(port: int) -> float:
-            body = {"prompt": self.prompt_ids, "n_predict": n, "temperature": 0, "ignore_eos": True,
-                    "cache_prompt": False, "stream": True}
-            return decode_rate(post_stream(port, "/completion", body, is_llama_token))
-
-        def prefill(port: int, ids: list[int]) -> float:
-            return post_wall_s(port, "/completion", {"prompt": ids, "n_predict": 1, "temperature": 0,
-                                                     "cache_prompt": False})
-
-        return self.server(Row("llama.cpp llama-server", weights), cmd, env, "/health", decode, prefill)
-
-    def in_process(self, model, packed, hf) -> list[Contestant]:
-        import torch
-        from transformers.generation.streamers import BaseStreamer
-
-        from attnlens.model import SamplingParams, generate_tokens
-
-        n = self.args.new_tokens
-
-        class Arrivals(BaseStreamer):
-            def __init__(self):
-                self.times: list[float] = []
-
-            def put(self, value):  # the prompt first, then one call per new token
-                self.times.append(time.perf_counter())
-
-            def end(self):
-                pass
-
-        def hf_decode() -> float:
-            x = torch.tensor([self.prompt_ids])
-            streamer = Arrivals()
-            with torch.inference_mode():
-                hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                            pad_token_id=0, streamer=streamer)
-            return decode_rate(streamer.times[1:])
-
-        def hf_prefill(ids: list[int]) -> float:
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                hf(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-            return time.perf_counter() - t0
-
-        def ours_decode(net) -> Callable[[], float]:
-            def decode() -> float:
-                times = [time.perf_counter() for _ in generate_tokens(net, self.prompt_ids, n,
-                                                                      SamplingParams(temperature=0.0))]
-                return decode_rate(times)
-            return decode
-
-        def ours_prefill(net) -> Callable[[list[int]], float]:
-            cache = net.new_kv_cache(1, paged=True)
-
-            def prefill(ids: list[int]) -> float:
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    cache.reset()
-                    logits = net(torch.tensor([ids]), kv_cache=cache, rows=slice(0, 1), last_only=True).logits
-                    logits.argmax(-1).item()
-                return time.perf_counter() - t0
-            return prefill
-
-        return [Contestant(Row("transformers generate()", "float32"), hf_decode, hf_prefill),
-                Contestant(Row("attnlens (in-process)", "float32"), ours_decode(model), ours_prefill(model)),
-                Contestant(Row("attnlens (in-process)", "packed"), ours_decode(packed), ours_prefill(packed))]
+    def body(self, ids: list[int], n: int, stream: bool) -> dict:
+        if self.side == "llama.cpp":
+            return {"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
+                    "stream": stream}
+        return {"ids": ids, "max_new_tokens": n, "temperature": 0, "stream": stream}
 
 
-def print_table(rows: list[Row], peers: list[Row], sizes: list[int]) -> None:
-    def fmt(x: float | None, spec: str) -> str:
-        return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
+def attnlens_server(args, ckpt_dir: Path, mode: str) -> Server:
+    env = {**os.environ, "ATTNLENS_DEVICE": "cpu", "ATTNLENS_DTYPE": mode, "OMP_NUM_THREADS": str(args.threads),
+           **({"ATTNLENS_MALLOC_RETAIN_BYTES": "0"} if args.malloc_defaults else {}),
+           "MKL_NUM_THREADS": str(args.threads), "ATTNLENS_LOG_LEVEL": "warning",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    s = Server("attnlens", mode, mode)
+    s.start([sys.executable, "-m", "attnlens.app.cli", "serve", "--model", str(ckpt_dir), "--host", "127.0.0.1"],
+            env, "/readyz")
+    return s
 
-    heads = "".join(f"{f'prefill {n} s':>15s}" for n in sizes)
-    print(f"{'server':28s} {'weights':10s} {'decode tok/s':>13s}{heads} {'RSS GB':>8s} {'streams tok/s':>14s}")
-    for r in rows:
-        cells = "".join(f"{fmt(r.prefill_s.get(n), '15.2f')}" for n in sizes)
-        print(f"{r.name:28s} {r.weights:10s} {fmt(r.decode_tok_s, '13.1f')}{cells} {fmt(r.rss_gb, '8.2f')} "
-              f"{fmt(r.streams_tok_s, '14.1f')}  {r.note}")
-    hf = next((r for r in rows if r.name.startswith("transformers")), None)
-    for peer in peers:
-        if peer.decode_tok_s is None:
-            continue
-        print(f"\nratios to llama.cpp {peer.weights} (decode: ours / theirs, higher is better; prefill: theirs / ours, "
-              f"higher is better; RSS: ours / theirs)")
-        for r in rows:
-            if r is peer or r.decode_tok_s is None:
+
+def llama_server(args, llama, gguf: Path, mode: str, weights: str, slots: int, per_slot: int) -> Server:
+    context = slots * (-(-per_slot // 256) * 256)  # every slot holds its request (whole 256-token steps)
+    s = Server("llama.cpp", mode, weights, slots)
+    s.start([str(llama.server), "-m", str(gguf), "-t", str(args.threads), "-tb", str(args.threads), "-c",
+             str(context), "-np", str(slots), "--host", "127.0.0.1"], llama.env(), "/health")
+    return s
+
+
+# --- the measurements ----------------------------------------------------------
+@dataclass
+class Figures:
+    """One server at one level: each repetition's figures (medians are printed)."""
+
+    tok_s: list[float] = field(default_factory=list)  # every answer's tokens / the level's wall time
+    decode_tok_s: list[float] = field(default_factory=list)  # one stream: decode-only (diagnostic)
+    first_token_ms: list[float] = field(default_factory=list)  # median over the level's streams
+    tokens: int = 0  # of one round, as the server counted them
+
+    def add(self, answers: list[Answer], wall: float) -> None:
+        self.tokens = sum(a.tokens for a in answers)
+        self.tok_s.append(self.tokens / wall)
+        firsts = [a.first_token_s for a in answers if a.first_token_s is not None]
+        if firsts:
+            self.first_token_ms.append(1000 * statistics.median(firsts))
+        if len(answers) == 1 and len(answers[0].arrivals) > 1:
+            times = answers[0].arrivals
+            self.decode_tok_s.append((len(times) - 1) / (times[-1] - times[0]))
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+class Bench:
+    def __init__(self, args, prompts: list[list[int]]):
+        self.args, self.prompts = args, prompts
+        self.counts: dict[str, dict[int, int]] = {}  # mode -> prompt -> the tokens attnlens generated for it
+        self.figures: dict[tuple[int, str, str], Figures] = {}  # (level, mode, side)
+        self.prefills: dict[tuple[int, str, str], list[float]] = {}  # (prompt tokens, mode, side) -> seconds
+
+    def bodies(self, s: Server, level: int) -> list[dict]:
+        n, stream = self.args.new_tokens, not self.args.no_stream
+        if s.side == "llama.cpp":  # attnlens' own count for each prompt (module docstring)
+            counts = self.counts[s.mode]
+            return [s.body(ids, counts.get(i, n), stream) for i, ids in enumerate(self.prompts[:level])]
+        return [s.body(ids, n, stream) for ids in self.prompts[:level]]
+
+    def run(self, s: Server, level: int, record: bool = True) -> None:
+        answers, wall = run_all(s.port, s.path, self.bodies(s, level))
+        failed = [a.error for a in answers if a.error]
+        if failed:
+            raise RuntimeError(f"{s.side} {s.weights}, {level} streams: {failed[0]}")
+        if s.side == "attnlens":
+            self.counts.setdefault(s.mode, {}).update(enumerate(a.tokens for a in answers))
+        tokens = sum(a.tokens for a in answers)
+        print(f"  {'' if record else '(warm-up) '}{level:3d} streams  {s.side:9s} {s.weights:8s} {tokens:6d} tokens in "
+              f"{wall:6.2f} s = {tokens / wall:7.1f} tok/s   load {os.getloadavg()[0]:.2f}", flush=True)
+        if record:
+            self.figures.setdefault((level, s.mode, s.side), Figures()).add(answers, wall)
+
+    def prefill(self, s: Server, ids: list[int]) -> float:
+        body = s.body(ids, 1, False)
+        answers, wall = run_all(s.port, s.path, [body])
+        if answers[0].error:
+            raise RuntimeError(f"{s.side} {s.weights}, prefill of {len(ids)}: {answers[0].error}")
+        return wall
+
+    def rounds(self, pairs: dict[tuple[int, str], list[Server]], long_ids: dict[int, list[int]],
+               one_slot: dict[str, list[Server]]) -> None:
+        """One warm-up of everything (attnlens first: its token counts), then --reps rounds: every level,
+        every pair, the two sides alternating which goes first; then the prefills in turn."""
+        levels = sorted({level for level, _ in pairs})
+        for side in ("attnlens", "llama.cpp"):
+            for (level, _), servers in pairs.items():
+                for s in servers:
+                    if s.side == side:
+                        self.run(s, level, record=False)
+        for rep in range(self.args.reps):
+            for level in levels:
+                for mode, _ in MODES:
+                    servers = pairs.get((level, mode), [])
+                    for s in servers if rep % 2 == 0 else servers[::-1]:
+                        self.run(s, level)
+            for n, ids in long_ids.items():
+                for mode, servers in one_slot.items():
+                    for s in servers:
+                        if rep == 0:
+                            self.prefill(s, ids)  # its warm-up
+                        self.prefills.setdefault((n, mode, s.side), []).append(self.prefill(s, ids))
+
+
+# --- in this process (diagnostics) ------------------------------------------------
+def in_process_rates(args, prompt_ids: list[int], ckpt_dir: Path, gguf: Path) -> dict[str, float]:
+    """Decode-only tok/s of transformers generate() (float32) and attnlens generate_tokens (float32,
+    packed) in this process, in turns, medians of --reps after one warm-up."""
+    import torch
+    import transformers
+    from transformers.generation.streamers import BaseStreamer
+
+    from attnlens.model import SamplingParams, generate_tokens, load_checkpoint
+
+    n = args.new_tokens
+
+    class Arrivals(BaseStreamer):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def put(self, value):  # the prompt first, then one call per new token
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def rate(times: list[float]) -> float:
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                           attn_implementation="sdpa").eval()
+
+    def hf_decode() -> float:
+        x = torch.tensor([prompt_ids])
+        streamer = Arrivals()
+        with torch.inference_mode():
+            hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                        pad_token_id=0, streamer=streamer)
+        return rate(streamer.times[1:])
+
+    def ours(net) -> Callable[[], float]:
+        return lambda: rate([time.perf_counter() for _ in generate_tokens(net, prompt_ids, n,
+                                                                           SamplingParams(temperature=0.0))])
+
+    rows = {"transformers generate() float32": hf_decode,
+            "attnlens generate_tokens float32": ours(load_checkpoint(ckpt_dir).model),
+            "attnlens generate_tokens packed": ours(load_checkpoint(ckpt_dir, packed=True).model)}
+    rates: dict[str, list[float]] = {name: [] for name in rows}
+    for name, fn in rows.items():
+        fn()
+    for _ in range(args.reps):
+        for name, fn in rows.items():
+            rates[name].append(fn())
+    return {name: statistics.median(r) for name, r in rates.items()}
+
+
+# --- the table -------------------------------------------------------------------
+def fmt(x: float | None, spec: str) -> str:
+    return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
+
+
+def print_table(bench: Bench, levels: list[int], servers: list[Server]) -> None:
+    stream = "streamed" if not bench.args.no_stream else "whole (non-streamed)"
+    print(f"whole requests over HTTP, {stream}: every answer's tokens / the wall time of the level (medians)")
+    print(f"{'streams':>7s}  {'weights':14s} {'attnlens tok/s':>14s} {'llama.cpp tok/s':>15s} {'ratio':>7s}   "
+          f"{'tokens':>13s}   {'first token ms':>15s}   {'decode-only tok/s (diag.)':>25s}")
+    for level in levels:
+        for mode, theirs in MODES:
+            ours_f, peer_f = bench.figures.get((level, mode, "attnlens")), bench.figures.get((level, mode, "llama.cpp"))
+            if ours_f is None:
                 continue
-            rss = f"{r.rss_gb / peer.rss_gb:6.2f}x" if r.rss_gb and peer.rss_gb else "     -"
-            pre = "  ".join(f"{n}: {peer.prefill_s[n] / r.prefill_s[n]:5.2f}x" for n in sizes
-                            if n in peer.prefill_s and n in r.prefill_s)
-            print(f"  {r.name + ' ' + r.weights:40s} decode {r.decode_tok_s / peer.decode_tok_s:5.2f}x   "
-                  f"prefill {pre}   RSS {rss}")
-    if hf is not None and hf.prefill_s:
-        print("\nprefill against transformers' forward (theirs / ours: 1.00x or more is no slower)")
-        for r in rows:
-            if r is not hf and r.prefill_s and not r.name.startswith("llama.cpp"):
-                pre = "  ".join(f"{n}: {hf.prefill_s[n] / r.prefill_s[n]:5.2f}x" for n in sizes if n in r.prefill_s)
-                print(f"  {r.name + ' ' + r.weights:40s} {pre}")
+            a, b = median(ours_f.tok_s), median(peer_f.tok_s) if peer_f else None
+            ratio = f"{a / b:6.2f}x" if a and b else "      -"
+            tokens = f"{ours_f.tokens}/{peer_f.tokens if peer_f else '-'}"
+            first = f"{fmt(median(ours_f.first_token_ms), '7.0f')}/{fmt(median(peer_f.first_token_ms) if peer_f else None, '7.0f')}"
+            decode = ""
+            if level == 1:
+                decode = (f"{fmt(median(ours_f.decode_tok_s), '6.1f')}/{fmt(median(peer_f.decode_tok_s) if peer_f else None, '6.1f')}"
+                          + (f" = {median(ours_f.decode_tok_s) / median(peer_f.decode_tok_s):4.2f}x"
+                             if peer_f and peer_f.decode_tok_s and ours_f.decode_tok_s else ""))
+            print(f"{level:7d}  {mode + ' / ' + theirs:14s} {fmt(a, '14.1f')} {fmt(b, '15.1f')} {ratio}   "
+                  f"{tokens:>13s}   {first:>15s}   {decode:>25s}")
+    print("(tokens: one round's, attnlens/llama.cpp; first token and decode-only: attnlens/llama.cpp)")
+    if bench.prefills:
+        print("\nprefill: one request, an N-token prompt and one new token, wall seconds (llama.cpp: -np 1)")
+        for (n, mode, side), xs in sorted(bench.prefills.items()):
+            print(f"  {n:6d} tokens  {mode:8s} {side:10s} {statistics.median(xs):7.2f} s")
+    print("\nRSS of each server (attnlens: its engine process included)")
+    for s in servers:
+        where = f"-np {s.slots}" if s.slots else "every level"
+        print(f"  {s.side:10s} {s.weights:8s} {where:12s} {fmt(s.rss_gb, '6.2f')} GB  {s.note}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2, help="threads on every side (default 2)")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths of the prefill cases")
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64], help="levels: requests at once")
+    p.add_argument("--modes", nargs="+", default=[m for m, _ in MODES], choices=[m for m, _ in MODES])
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--streams", type=int, default=16, help="generations at once for attnlens over HTTP (0: none)")
+    p.add_argument("--no-stream", action="store_true", help="whole non-streamed requests instead of SSE streams")
+    p.add_argument("--prefill", type=int, nargs="*", default=[], help="prompt lengths of prefill cases (diagnostic)")
+    p.add_argument("--in-process", action="store_true", help="transformers and attnlens in this process (diagnostic)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (no build)")
     p.add_argument("--malloc-defaults", action="store_true",
-                   help="glibc's malloc thresholds in this process (in-process rows) and the servers")
+                   help="glibc's malloc thresholds in this process (in-process rows) and the attnlens servers")
     p.add_argument("--decode-after", type=int, default=0,
-                   help="decode after a prompt of this many tokens (the long text) instead of the short prompt")
+                   help="every prompt is this many tokens of the long text instead of a story's start")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated run still stops its servers (finally)
 
     import torch
-    import transformers
 
-    from attnlens.model import load_checkpoint
-    from attnlens.model.interop.packaged import SMOLLM2, ensure_checkpoint, locate
-
-    transformers.logging.set_verbosity_error()
-    torch.set_num_threads(args.threads)
     from attnlens.app.engine.allocator import retain_freed_memory
     from attnlens.app.server.settings import Settings
+    from attnlens.model.interop.packaged import SMOLLM2, ensure_checkpoint, locate
+    from attnlens.model.tokenizer import Tokenizer
 
-    retain = 0 if args.malloc_defaults else Settings.model_fields["malloc_retain_bytes"].default
-    retained = retain_freed_memory(retain)
+    torch.set_num_threads(args.threads)
+    retained = retain_freed_memory(0 if args.malloc_defaults else Settings.model_fields["malloc_retain_bytes"].default)
     found = locate(SMOLLM2)
     if found is None:
         raise SystemExit(f"{SMOLLM2.distribution} is not installed: make install-dev installs it")
     gguf, dist_version = found
     ckpt_dir = ensure_checkpoint(SMOLLM2, progress=False)
-    ours = load_checkpoint(ckpt_dir)
-    tok = ours.tokenizer
-    prompt_ids = tok.encode(PROMPT)
+    tok = Tokenizer.from_dir(ckpt_dir)
+    levels = sorted(set(args.streams))
+    prompts = [tok.encode(text) for text in story_prompts(max(levels))]
     piece = tok.encode(LONG_TEXT)
-    long_ids = {n: (piece * (n // len(piece) + 1))[:n] for n in args.prefill}
     if args.decode_after:  # decode at a long context: every row reads this many keys a step
-        prompt_ids = (piece * (args.decode_after // len(piece) + 1))[:args.decode_after]
+        prompts = [(piece * (args.decode_after // len(piece) + 1))[i:i + args.decode_after] for i in range(len(prompts))]
+    long_ids = {n: (piece * (n // len(piece) + 1))[:n] for n in args.prefill}
 
     llama, why = (None, "--no-llama-cpp") if args.no_llama_cpp else ensure_llama_cpp()
     print(f"model     SmolLM2-135M-Instruct ({SMOLLM2.distribution} {dist_version}: {gguf.name})")
-    print(f"runtime   torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"llama.cpp {'b' + llama.version.split('.')[0] if llama else 'skipped: ' + why}")
-    print(f"setting   {args.threads} thread(s) each, {args.new_tokens} greedy tokens after a {len(prompt_ids)}-token "
-          f"prompt, prefills of {' and '.join(map(str, long_ids))} tokens, median of {args.reps} after 1 warm-up; load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"malloc    {'thresholds set: ' + str(retain >> 20) + ' MiB kept (as the server)' if retained else 'glibc defaults'}"
-          f" in this process; the attnlens servers {'likewise' if retained else 'with MALLOC_RETAIN_BYTES=0'}\n")
+    print(f"runtime   torch {torch.__version__}, llama.cpp {'b' + llama.version.split('.')[0] if llama else 'skipped: ' + why}")
+    print(f"setting   {args.threads} thread(s) each, {args.new_tokens} greedy tokens a request, "
+          f"{'/'.join(map(str, levels))} requests at once, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
+          f"tokens, median of {args.reps} after 1 warm-up")
+    print(f"malloc    {'thresholds set' if retained else 'glibc defaults'} in this process; the attnlens servers "
+          f"{'likewise' if retained else 'with MALLOC_RETAIN_BYTES=0'}")
+    print(f"load      {' '.join(f'{x:.2f}' for x in os.getloadavg())} (before)\n", flush=True)
 
-    measure = Measure(args, prompt_ids, long_ids)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                           attn_implementation="sdpa").eval()
-    packed = load_checkpoint(ckpt_dir, packed=True).model
-    contestants = measure.in_process(ours.model, packed, hf)
-    contestants.append(measure.attnlens_http(ckpt_dir, "float32", "float32"))
-    contestants.append(measure.attnlens_http(ckpt_dir, "packed", "packed"))
-    if llama is not None:
-        for path, weights in ((f32_gguf(llama, gguf), "F32"), (gguf, "Q4_1")):
-            contestants.append(measure.llama_server(llama.server, llama.env(), path, weights))
+    per_slot = max(map(len, prompts)) + args.new_tokens + 64
+    servers: list[Server] = []
+    pairs: dict[tuple[int, str], list[Server]] = {}
+    one_slot: dict[str, list[Server]] = {}
     try:
-        measure.rounds(contestants)
+        for mode, theirs in MODES:
+            if mode not in args.modes:
+                continue
+            ours = attnlens_server(args, ckpt_dir, mode)
+            servers.append(ours)
+            one_slot[mode] = [ours]
+            for level in levels:
+                pairs[(level, mode)] = [ours]
+            if llama is None:
+                continue
+            path = f32_gguf(llama, gguf) if theirs == "F32" else gguf
+            for level in levels:
+                size = max(per_slot, max(args.prefill, default=0) + 64) if level == 1 else per_slot
+                peer = llama_server(args, llama, path, mode, theirs, level, size)
+                servers.append(peer)
+                if peer.proc is not None:
+                    pairs[(level, mode)].append(peer)
+                    if level == 1:
+                        one_slot[mode].append(peer)
+        bench = Bench(args, prompts)
+        bench.rounds(pairs, long_ids, one_slot)
+        for s in servers:
+            if s.proc is not None:
+                s.rss_gb = tree_rss_bytes(s.proc.pid) / 1e9
     finally:
-        for c in contestants:
-            if c.proc is not None:
-                stop(c.proc)
-    rows = [c.row for c in contestants]
-    peers = [r for r in rows if r.name.startswith("llama.cpp")]
-    print_table(rows, peers, args.prefill)
+        for s in servers:
+            if s.proc is not None:
+                stop(s.proc)
+    print_table(bench, levels, servers)
+    if args.in_process:
+        print("\nin this process, decode-only tok/s after the first prompt (diagnostic)")
+        for name, rate in in_process_rates(args, prompts[0], ckpt_dir, gguf).items():
+            print(f"  {name:36s} {rate:7.1f}")
+    print(f"\nload      {' '.join(f'{x:.2f}' for x in os.getloadavg())} (after)")
     if llama is None:
-        print(f"\nllama.cpp skipped: {why}")
+        print(f"llama.cpp skipped: {why}")
     return 0
 
 

@@ -51,7 +51,7 @@ from attnlens.model.parts.positions import RotaryAngles, signed
 # the modular code's before and after it); a model with any other (attention soft-caps, per-layer
 # windows or rotary bases, post-norms, residual multipliers, ...) takes the modular path
 FUSED_PARTS = {"attn_scale", "embedding_multiplier", "logits_divisor", "final_softcap", "lm_head_bias"}
-MAX_ROWS = 16  # the packed kernel's few-row path (model/packed/modules.py's MAX_KERNEL_ROWS)
+MAX_ROWS = 64  # the packed kernel's rows (model/packed/modules.py's MAX_KERNEL_ROWS): the engine's most streams
 _enabled = contextvars.ContextVar("attnlens_fused_decode", default=True)
 
 

@@ -12,7 +12,7 @@
        a = block_attention(q, the layer's keys and values)           [probs: the maps, when asked]
        x = x + a Wo^T (+ b)
        h = rms_norm(x, ln2)
-       g | u = h Wfc^T (+ b);   x = x + (silu(g) * u) Wdown^T (+ b)
+       g | u = h Wfc^T (+ b);   x = x + (silu(g) * u) Wdown^T (+ b)   [silu(g) * u: swiglu.c]
 
    What the modular path pays per operator (a torch dispatch, an allocation, a call into C: about
    40 operators a layer, 1,200 a token of SmolLM2) is paid once here. Weights are float32 or a
@@ -83,11 +83,7 @@ int decode_layers(float *x, int64_t B, int64_t C, const fused_layer *layers, int
         for (int64_t j = 0; j < B * C; j++) x[j] = x[j] + out[j];
         rms_norm(x, B, C, l->ln2, eps, h);
         if (linear(&l->ffn_in, h, B, gu)) { failed = 1; break; }
-        for (int64_t b = 0; b < B; b++) {
-            const float *g = gu + b * 2 * F, *u = g + F;
-            float *a = act + b * F;
-            for (int64_t j = 0; j < F; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-        }
+        swiglu(gu, B, F, act);  /* the modular FeedForward's kernel (swiglu.c): its bits, vectorised */
         if (linear(&l->ffn_out, act, B, out)) { failed = 1; break; }
         for (int64_t j = 0; j < B * C; j++) x[j] = x[j] + out[j];
     }

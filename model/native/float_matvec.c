@@ -17,50 +17,7 @@
 
 #include <stdint.h>
 #include "attnlens_kernels.h"
-#if defined(__AVX2__) || defined(__SSE__)
-#include <immintrin.h>
-#endif
-
-#define AHEAD_BYTES 4096
-
-static inline void ask_ahead(const float *w) {
-    __builtin_prefetch((const char *)w + AHEAD_BYTES, 0, 3);  /* prefetcht0 on x86 */
-    __builtin_prefetch((const char *)w + AHEAD_BYTES + 64, 0, 3);
-}
-
-/* w . x over K; `prefetch`: ask for the bytes ahead (the first pass over a weight row) */
-static inline float row_dot(const float *w, const float *x, int64_t K, int prefetch) {
-    int64_t k = 0;
-    float sum = 0.0f;
-#ifdef __AVX512F__
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    for (; k + 32 <= K; k += 32) {
-        if (prefetch) ask_ahead(w + k);
-        b0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), b0);
-        b1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), b1);
-    }
-    sum = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
-#endif
-#ifdef __AVX2__
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (; k + 32 <= K; k += 32) {  /* without AVX-512 */
-        if (prefetch) ask_ahead(w + k);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
-    }
-    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
-    const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    sum += _mm_cvtss_f32(s);
-#endif
-    (void)prefetch;
-    for (; k < K; k++) sum += w[k] * x[k];
-    return sum;
-}
+#include "float_dots.h"
 
 void float_matvec(const float *x, int64_t K, const float *w, int64_t N, const float *bias, float *y) {
 #pragma omp parallel for schedule(static) if (N * K > 65536)
@@ -69,14 +26,40 @@ void float_matvec(const float *x, int64_t K, const float *w, int64_t N, const fl
     }
 }
 
+#ifdef __AVX512F__
+/* float_matmul_few in tiles: each thread takes runs of NR weight rows, and meets them with MR rows of x at a time */
+static void tiled(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y) {
+    const int64_t groups = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static) if (N * K * M > 65536)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = g * NR;
+        const int nr = N - n0 < NR ? (int)(N - n0) : NR;
+        float out[NR * MR];
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+            tile(w + n0 * K, x + m0 * K, K, nr, mr, m0 == 0, out);
+            for (int i = 0; i < nr; i++)
+                for (int j = 0; j < mr; j++) y[(m0 + j) * N + n0 + i] = out[i * mr + j] + (bias ? bias[n0 + i] : 0.0f);
+        }
+    }
+}
+#endif
+
 /* y (M, N) = x (M, K) W^T (+ bias) for a few rows (a batched decode step's): each weight row is read
    from memory once and meets every row of x while it is in cache. Per (m, n), the sum is row_dot's,
-   in the same order: the one-row answer for every row. */
+   in the same order: the one-row answer for every row. From TILE_MIN_ROWS rows with AVX-512, in
+   tiles (tile_dots: bench/README.md, issue 50); below, where the weights' reading bounds it, row by row. */
 void float_matmul_few(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y) {
     if (M == 1) {
         float_matvec(x, K, w, N, bias, y);
         return;
     }
+#ifdef __AVX512F__
+    if (M >= TILE_MIN_ROWS) {
+        tiled(x, M, K, w, N, bias, y);
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) if (N * K * M > 65536)
     for (int64_t n = 0; n < N; n++) {
         const float b = bias ? bias[n] : 0.0f;

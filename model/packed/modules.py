@@ -22,10 +22,11 @@ import torch.nn as nn
 from attnlens.model.packed import kernel
 from attnlens.model.parts.linear import cpu_product
 
-# Rows of x up to which the packed kernel runs; above, each tile of TILE_ROWS weight rows is
-# dequantized to float32 and multiplied by BLAS (a prefill: the kernel's float FMAs cannot match
-# BLAS's blocked sgemm there, and dequantizing the matrix once costs less than one decode token).
-MAX_KERNEL_ROWS = 16
+# Rows of x up to which the packed kernel runs (every decode step the fused step takes, so a row's
+# logits do not depend on the rows beside it); above, each tile of TILE_ROWS weight rows is
+# dequantized to float32 and multiplied by BLAS (a prefill: BLAS's blocked sgemm outruns the
+# kernel from about 32 rows, 1.6x at 128; bench/README.md, issue 50).
+MAX_KERNEL_ROWS = 64
 TILE_ROWS = 4096
 
 

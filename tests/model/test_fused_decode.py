@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnlens.model import SamplingParams, generate_tokens
+from attnlens.model import SamplingParams, fused_decode, generate_tokens
 from attnlens.model import hooks as model_hooks
 from attnlens.model.config import ModelConfig
 from attnlens.model.families.decoder import Transformer
@@ -225,22 +225,30 @@ def test_two_threads_decoding_one_model_each_get_their_own_answer():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("rows", [2, 40])
 @pytest.mark.parametrize("fmt", [None, "Q4_0", "Q4_1", "Q8_0"])
-def test_a_rows_decode_step_is_the_same_bits_alone_or_batched(fmt):
-    """Two rows decoded in one fused step get exactly the logits each gets decoded alone (float32:
-    the one-row and few-row kernels sum in one order; packed: the tiles sum each row as one_row
-    does): a stream's tokens do not depend on the streams beside it in a step."""
+def test_a_rows_decode_step_is_the_same_bits_alone_or_batched(fmt, rows, monkeypatch):
+    """Rows decoded in one fused step (up to MAX_ROWS) get exactly the logits each gets decoded alone
+    (float32: the one-row kernel and the few-row tiles sum each pair in one order; packed: each
+    block widened to float32 and summed the same way): a stream's tokens do not depend on the
+    streams beside it in a step. The head here is float32 (from 9 rows oneDNN's product in the
+    service): this test gives it our few-row kernel at every row count."""
+    from attnlens.model.parts import linear
+
+    monkeypatch.setattr(linear, "FEW_ROWS", fused_decode.MAX_ROWS)
+    monkeypatch.setattr(linear, "ONEDNN_MIN_ROWS", fused_decode.MAX_ROWS + 1)
     net = model_of({}) if fmt is None else packed(model_of({}), fmt)
-    caches = [net.new_kv_cache(2, paged=True) for _ in range(2)]
+    caches = [net.new_kv_cache(rows, paged=True) for _ in range(2)]
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 97, (1, 9), generator=g), torch.randint(0, 97, (1, 70), generator=g)]
+    prompts = [torch.randint(0, 97, (1, int(n)), generator=g) for n in torch.randint(1, 80, (rows,), generator=g)]
     with torch.inference_mode():
         for cache in caches:
             for row, prompt in enumerate(prompts):
                 net(prompt, kv_cache=cache, rows=slice(row, row + 1))
-        ids = torch.tensor([[3], [5]])
-        for _ in range(5):
-            batched = net(ids, kv_cache=caches[0], rows=slice(0, 2)).logits
-            alone = torch.cat([net(ids[r:r + 1], kv_cache=caches[1], rows=slice(r, r + 1)).logits for r in range(2)])
+        ids = torch.randint(0, 97, (rows, 1), generator=g)
+        for _ in range(3):
+            batched = net(ids, kv_cache=caches[0], rows=slice(0, rows)).logits
+            alone = torch.cat([net(ids[r:r + 1], kv_cache=caches[1], rows=slice(r, r + 1)).logits
+                               for r in range(rows)])
             assert torch.equal(batched, alone)
             ids = batched[:, -1:].argmax(-1)

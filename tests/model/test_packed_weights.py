@@ -46,7 +46,7 @@ def test_blocks_dequantize_exactly_as_gguf_and_multiply_within_rounding(fmt):
     rows = torch.tensor([299, 0, 7, 7])
     assert torch.equal(packed.dequantize(rows), reference[rows])
     w64 = reference.double()
-    for m in (1, 2, 3, 4, 5, 16, 17, 40):  # the kernel (up to 16 rows, in tiles), then BLAS tiles
+    for m in (1, 2, 3, 4, 5, 16, 17, 40, 64, 65, 80):  # the kernel (up to 64 rows, in tiles), then BLAS tiles
         x = torch.randn(m, 576)
         got, want = packed.matmul(x).double(), x.double() @ w64.T
         scale = x.double().abs() @ w64.abs().T  # what the sums' rounding can reach
@@ -57,16 +57,32 @@ def test_blocks_dequantize_exactly_as_gguf_and_multiply_within_rounding(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_row_gets_the_same_bits_alone_or_in_a_batch(fmt):
-    """A decode step's row summed with up to 15 others (the kernel's tiles) gets exactly the bits it
+    """A decode step's row summed with up to 63 others (the kernel's tiles) gets exactly the bits it
     gets alone: a stream's tokens do not depend on how many streams share its steps. Odd block
     counts (K = 608: 19 blocks) included."""
     for cols in (576, 608):
         blocks, _ = quantized(fmt, 130, cols, seed=1)
         packed = PackedMatrix(torch.from_numpy(blocks.copy()), fmt, cols)
-        x = torch.randn(16, cols)
-        alone = torch.cat([packed.matmul(x[i:i + 1]) for i in range(16)])
-        for m in (2, 3, 4, 5, 8, 9, 13, 16):
+        x = torch.randn(64, cols)
+        alone = torch.cat([packed.matmul(x[i:i + 1]) for i in range(64)])
+        for m in (2, 3, 4, 5, 8, 9, 13, 16, 17, 25, 40, 64):
             assert torch.equal(packed.matmul(x[:m]), alone[:m]), (fmt, cols, m)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_kernel_is_the_float32_product_of_the_dequantized_matrix_bit_for_bit(fmt):
+    """Each block is widened to gguf's float32 values and summed as float_matvec.c sums a float32
+    row (model/native/float_dots.h): the packed product is float32's on the dequantized matrix,
+    bit for bit, at any rows (so a packed decode step is a float32 one)."""
+    from attnlens.model.native import library as native
+
+    blocks, reference = quantized(fmt, 70, 608, seed=2)
+    packed = PackedMatrix(torch.from_numpy(blocks.copy()), fmt, 608)
+    for m in (1, 2, 7, 9, 33, 64):
+        x = torch.randn(m, 608)
+        want = torch.empty(m, 70)
+        native.load().float_matmul_few(x.data_ptr(), m, 608, reference.data_ptr(), 70, 0, want.data_ptr())
+        assert torch.equal(packed.matmul(x), want), (fmt, m)
 
 
 def test_a_malformed_matrix_or_input_is_refused_with_the_reason():
