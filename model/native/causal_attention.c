@@ -110,14 +110,14 @@ static inline void score_rows(const float *qs, int64_t r0, const float *kt, int6
     }
 }
 
-/* o[r] += p[r][0..n) . v[j0 .. j0 + n) for rows r0 .. r0 + ROWS, dims dd .. dd + C W (o: (BQ, D),
-   p: (BQ, BK)); C a constant, so the accumulators stay in registers */
+/* o[r] += p[r][0..n) . v[j0 .. j0 + n) for rows r0 .. r0 + ROWS, dims dd .. dd + C W (o: BQ rows
+   o_row apart, p: (BQ, BK)); C a constant, so the accumulators stay in registers */
 #define VALUE_ROWS(C)                                                                            \
     do {                                                                                         \
         vf acc[ROWS][C];                                                                         \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)                                   \
             _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)                                  \
-                acc[r][c] = vload(o + (r0 + r) * D + dd + c * W);                                \
+                acc[r][c] = vload(o + (r0 + r) * o_row + dd + c * W);                                \
         for (int64_t j = 0; j < n; j++) {                                                        \
             const float *vrow = v + (j0 + j) * v_row + dd;                                       \
             vf vv[C];                                                                            \
@@ -129,24 +129,132 @@ static inline void score_rows(const float *qs, int64_t r0, const float *kt, int6
         }                                                                                        \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)                                   \
             _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)                                  \
-                vstore(o + (r0 + r) * D + dd + c * W, acc[r][c]);                                \
+                vstore(o + (r0 + r) * o_row + dd + c * W, acc[r][c]);                                \
     } while (0)
 
 static inline void value_rows(const float *p, int64_t r0, const float *v, int64_t v_row, int64_t j0, int64_t n,
-                              int64_t D, float *o) {
+                              int64_t D, float *o, int64_t o_row) {
     int64_t dd = 0;
     for (; dd + NV * W <= D; dd += NV * W) VALUE_ROWS(NV);
     for (; dd < D; dd += W) VALUE_ROWS(1);
 }
 
+/* A reduced call's plan (causal_attention_reduced): the request, and per key tile its column bins
+   as one-hot rows, so that a row's bin sums are one more value product, o_bins += p . onehot */
+typedef struct {
+    const attention_reduction *red;
+    int64_t bin_row;       /* floats of a row's bin accumulator: bins rounded up to W, and a tile's width past them */
+    const int64_t *bin0;   /* per key tile: its first bin */
+    const int64_t *width;  /* per key tile: its one-hot width, a multiple of W (0: no key of the tile in a bin) */
+    const float *onehot;   /* per key tile, (BK, width) in a slot of BK x BK: key j's row is 1 at bin(j) - bin0 */
+    int64_t raw_row;       /* floats of a row's raw window scores: d - c rounded up to W */
+} plan;
+
+/* a thread's buffers for one item's reduced rows (BQ rows each) */
+typedef struct {
+    float *bins, *raw, *topv;
+    int32_t *topi;
+} scratch;
+
+/* Before a tile's e^x: row r's raw scores s (keys j0 .. j0 + valid seen, `top` their maximum) kept
+   where the window's columns meet them, and offered to the row's top k (sorted, heaviest first;
+   a tile no better than the k-th best is skipped whole). */
+static inline void keep_scores(const plan *pl, const scratch *ws, int64_t r, const float *s, int64_t j0,
+                               int64_t valid, float top) {
+    const attention_reduction *red = pl->red;
+    const int64_t lo = red->col0 > j0 ? red->col0 : j0, hi = red->col1 < j0 + valid ? red->col1 : j0 + valid;
+    if (lo >= hi) return;
+    if (red->window != NULL) memcpy(ws->raw + r * pl->raw_row + (lo - red->col0), s + (lo - j0), sizeof(float) * (hi - lo));
+    const int64_t k = red->k;
+    if (k <= 0 || top <= ws->topv[r * k + k - 1]) return;
+    float *tv = ws->topv + r * k;
+    int32_t *ti = ws->topi + r * k;
+    for (int64_t j = lo; j < hi; j++) {
+        const float x = s[j - j0];
+        if (x <= tv[k - 1]) continue;
+        int64_t i = k - 1;  /* after equal ones: of equal scores the earlier key comes first */
+        for (; i > 0 && tv[i - 1] < x; i--) { tv[i] = tv[i - 1]; ti[i] = ti[i - 1]; }
+        tv[i] = x;
+        ti[i] = (int32_t)j;
+    }
+}
+
+/* Rows ra .. rb of an item, done: their bin sums, top k and window as probabilities (divided by
+   the row's sum l; e^(x - m) with the row's final maximum m) into the request's outputs of head
+   `slot`. pos0: the position of the item's row 0. */
+static void emit_rows(const plan *pl, const scratch *ws, int64_t slot, int64_t ra, int64_t rb, int64_t pos0,
+                      const float *m, const float *l) {
+    const attention_reduction *red = pl->red;
+    const int64_t cols = red->col1 - red->col0, k = red->k;
+    for (int64_t r = ra; r < rb; r++) {
+        const int64_t at = slot * (red->row1 - red->row0) + pos0 + r - red->row0;  /* the row among the outputs' */
+        const float inv = 1.0f / hsum(vload(l + r * W));
+        if (red->bin_sums != NULL) {
+            const float *src = ws->bins + r * pl->bin_row;
+            float *dst = red->bin_sums + at * red->bins;
+            for (int64_t b = 0; b < red->bins; b++) dst[b] = src[b] * inv;
+        }
+        float *tw = red->top_weights + at * k;
+        int32_t *tp = red->top_positions + at * k;
+        for (int64_t i = 0; i < k; i++) {
+            const float x = ws->topv[r * k + i];
+            const float w = x == -INFINITY ? 0.0f : expf(x - m[r]) * inv;
+            int64_t j = i;  /* scores that round to one weight: the earlier key first, as torch.topk orders them */
+            for (; j > 0 && w > 0.0f && tw[j - 1] == w && tp[j - 1] > ws->topi[r * k + i]; j--) {
+                tw[j] = tw[j - 1];
+                tp[j] = tp[j - 1];
+            }
+            tw[j] = w > 0.0f ? w : 0.0f;
+            tp[j] = w > 0.0f ? ws->topi[r * k + i] : -1;  /* weight 0: no link */
+        }
+        if (red->window == NULL) continue;
+        const float *raw = ws->raw + r * pl->raw_row;
+        const vf mv = vset1(m[r]), iv = vset1(inv);
+        float p[W];
+        for (int64_t j = 0; j < cols; j += W) {
+            vstore(p, vmul(vexp(vsub(vload(raw + j), mv)), iv));
+            const int64_t e = cols - j < W ? cols - j : W;
+            for (int64_t i = 0; i < e; i++)  /* vexp clamps at -88: below, expf's subnormals, 0 past them and for unseen keys */
+                if (raw[j + i] - m[r] < -87.0f) p[i] = expf(raw[j + i] - m[r]) * inv;
+            if (red->window_store == 0) {
+                memcpy((float *)red->window + at * cols + j, p, sizeof(float) * e);
+            } else if (red->window_store == 1) {
+                _Float16 *dst = (_Float16 *)red->window + at * cols + j;
+                for (int64_t i = 0; i < e; i++) dst[i] = (_Float16)p[i];
+            } else {  /* uint8 steps of window_scale, rounded half to even as torch rounds */
+                uint8_t *dst = (uint8_t *)red->window + at * cols + j;
+                for (int64_t i = 0; i < e; i++) dst[i] = (uint8_t)fminf(fmaxf(nearbyintf(p[i] / red->window_scale), 0.0f), 255.0f);
+            }
+        }
+    }
+}
+
 /* One work item: query head h, queries t0 .. t0 + nq (nq <= BQ, a multiple of ROWS in the
-   buffers: rows past nq are zero queries whose results are dropped). */
-static void attend_tile(const float *q, int64_t q_head, int64_t q_row, const float *kt,
-                        const float *v, int64_t v_row, int64_t T, int64_t S, int64_t D, float scale,
-                        int64_t H, int64_t h, int64_t t0, int64_t nq, float *out,
-                        float *qs, float *sc, float *rmx, float *o, float *m, float *l) {
+   buffers: rows past nq are zero queries whose results are dropped). With a plan (pl != NULL),
+   the rows the request covers also keep their reductions in ws; inlined at both calls, so the
+   plain kernel's copy has none of it. */
+static inline __attribute__((always_inline)) void
+attend_tile(const float *q, int64_t q_head, int64_t q_row, const float *kt, const float *v, int64_t v_row, int64_t T,
+            int64_t S, int64_t D, float scale, int64_t H, int64_t h, int64_t t0, int64_t nq, float *out, float *qs,
+            float *sc, float *rmx, float *o, float *m, float *l, const plan *pl, const scratch *ws) {
     const int64_t offset = S - T;  /* query t's position is offset + t */
     const int64_t rows = (nq + ROWS - 1) / ROWS * ROWS;
+    /* the item's rows ra .. rb the request covers (none: ra = rb) */
+    const int64_t slot = pl != NULL ? pl->red->slot[h] : -1;
+    int64_t ra = 0, rb = 0;
+    if (slot >= 0) {
+        const int64_t a = pl->red->row0 - offset - t0, b = pl->red->row1 - offset - t0;
+        ra = a < 0 ? 0 : a > nq ? nq : a;
+        rb = b < 0 ? 0 : b > nq ? nq : b;
+    }
+    const int reduced = ra < rb, binned = reduced && pl->red->bin_sums != NULL;
+    const int64_t ra_rows = ra / ROWS * ROWS, rb_rows = (rb + ROWS - 1) / ROWS * ROWS;  /* whole micro-kernels */
+    int64_t bins_seen = 0;  /* the bins of the tiles so far, the ones a new maximum rescales */
+    if (binned) memset(ws->bins + ra_rows * pl->bin_row, 0, sizeof(float) * (rb_rows - ra_rows) * pl->bin_row);
+    if (reduced && pl->red->window != NULL)
+        for (int64_t i = ra * pl->raw_row; i < rb * pl->raw_row; i++) ws->raw[i] = -INFINITY;
+    if (reduced)
+        for (int64_t i = ra * pl->red->k; i < rb * pl->red->k; i++) ws->topv[i] = -INFINITY;
     memset(qs, 0, sizeof(float) * rows * D);
     memset(o, 0, sizeof(float) * rows * D);
     for (int64_t r = 0; r < nq; r++) {
@@ -171,7 +279,10 @@ static void attend_tile(const float *q, int64_t q_head, int64_t q_row, const flo
                 for (int64_t j = valid; j < BK; j++) s[j] = -INFINITY;
                 for (int64_t j = 0; j < BK; j += W) mx = vmax(mx, vload(s + j));
             }
-            const float m_new = fmaxf(m[r], hmax(mx));
+            const float top = hmax(mx);
+            const int keep = reduced && r >= ra && r < rb;
+            if (keep) keep_scores(pl, ws, r, s, j0, valid, top);
+            const float m_new = fmaxf(m[r], top);
             const float alpha = m_new > m[r] ? expf(m[r] - m_new) : 1.0f;  /* 0 at the first tile (m = -inf) */
             const vf mv = vset1(m_new);
             if (valid == BK) {
@@ -190,31 +301,80 @@ static void attend_tile(const float *q, int64_t q_head, int64_t q_row, const flo
             if (alpha != 1.0f) {
                 const vf av = vset1(alpha);
                 for (int64_t d = 0; d < D; d += W) vstore(o + r * D + d, vmul(vload(o + r * D + d), av));
+                if (binned && keep) {  /* the bin sums are a value accumulator: rescaled with it */
+                    float *b = ws->bins + r * pl->bin_row;
+                    for (int64_t i = 0; i < bins_seen; i += W) vstore(b + i, vmul(vload(b + i), av));
+                }
             }
         }
         for (int64_t r = nq; r < rows; r++) memset(sc + r * BK, 0, sizeof(float) * BK);
-        for (int64_t r = 0; r < rows; r += ROWS) value_rows(sc, r, v, v_row, j0, n, D, o);
+        for (int64_t r = 0; r < rows; r += ROWS) value_rows(sc, r, v, v_row, j0, n, D, o, D);
+        if (binned && pl->width[j0 / BK] > 0) {  /* o_bins += p . onehot: each row's weight on each bin */
+            const int64_t tile = j0 / BK, b0 = pl->bin0[tile], w = pl->width[tile];
+            for (int64_t r = ra_rows; r < rb_rows; r += ROWS)
+                value_rows(sc, r, pl->onehot + tile * BK * BK, w, 0, n, w, ws->bins + b0, pl->bin_row);
+            bins_seen = b0 + w > bins_seen ? b0 + w : bins_seen;
+        }
     }
     for (int64_t r = 0; r < nq; r++) {
         float *dst = out + ((t0 + r) * H + h) * D;
         const float inv = 1.0f / hsum(vload(l + r * W));
         for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
     }
+    if (reduced) emit_rows(pl, ws, slot, ra, rb, offset + t0, m, l);
 }
-#endif
 
-int causal_attention(const float *q, int64_t q_head, int64_t q_row, const float *k, int64_t k_head, int64_t k_row,
-                     const float *v, int64_t v_head, int64_t v_row, int64_t H, int64_t K, int64_t T, int64_t S,
-                     int64_t D, float scale, float *out) {
-#ifndef W
-    (void)q; (void)q_head; (void)q_row; (void)k; (void)k_head; (void)k_row; (void)v; (void)v_head; (void)v_row;
-    (void)H; (void)K; (void)T; (void)S; (void)D; (void)scale; (void)out;
-    return 1;
-#else
+/* The bins' one-hot tiles of a plan (bin_sums asked): per key tile of BK, the bins its keys within
+   [c, d) fall in. 2 when memory cannot be had. */
+static int plan_bins(plan *pl, int64_t S, int64_t Sp, int64_t **bin0, float **onehot) {
+    const attention_reduction *red = pl->red;
+    const int64_t tiles = Sp / BK;
+    *bin0 = calloc((size_t)(2 * tiles), sizeof(int64_t));
+    *onehot = calloc((size_t)(tiles * BK * BK), sizeof(float));
+    if (*bin0 == NULL || *onehot == NULL) return 2;
+    int64_t *width = *bin0 + tiles;
+    const int64_t end = red->col1 < S ? red->col1 : S;
+    int64_t bin = 0;  /* key j's bin: edges[bin] <= j < edges[bin + 1], j rising */
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t lo = red->col0 > t * BK ? red->col0 : t * BK, hi = end < (t + 1) * BK ? end : (t + 1) * BK;
+        if (lo >= hi) continue;
+        for (; bin + 1 < red->bins && red->col_edges[bin + 1] <= lo; bin++) {}
+        int64_t last = bin;
+        for (; last + 1 < red->bins && red->col_edges[last + 1] <= hi - 1; last++) {}
+        (*bin0)[t] = bin;
+        width[t] = (last - bin + W) / W * W;
+        float *tile = *onehot + t * BK * BK;
+        for (int64_t j = lo, b = bin; j < hi; j++) {
+            for (; b + 1 < red->bins && red->col_edges[b + 1] <= j; b++) {}
+            tile[(j - t * BK) * width[t] + b - bin] = 1.0f;
+        }
+    }
+    pl->bin0 = *bin0;
+    pl->width = width;
+    pl->onehot = *onehot;
+    pl->bin_row = (red->bins + W - 1) / W * W + BK;
+    return 0;
+}
+
+/* Both entry points: the plain kernel (pl NULL) and the reduced one. */
+static int attend(const float *q, int64_t q_head, int64_t q_row, const float *k, int64_t k_head, int64_t k_row,
+                  const float *v, int64_t v_head, int64_t v_row, int64_t H, int64_t K, int64_t T, int64_t S,
+                  int64_t D, float scale, float *out, plan *pl) {
     if (D % W != 0 || D > MAX_D || T <= 0 || S < T || K <= 0 || H % K != 0) return 1;
     const int64_t Sp = (S + BK - 1) / BK * BK;  /* keys padded to whole tiles (zeros) */
+    int64_t *bin0 = NULL;
+    float *onehot = NULL;
+    if (pl != NULL && pl->red->bin_sums != NULL && plan_bins(pl, S, Sp, &bin0, &onehot) != 0) {
+        free(bin0);
+        free(onehot);
+        return 2;
+    }
     float *kt = aligned_alloc(64, sizeof(float) * (size_t)(K * D * Sp));
-    if (kt == NULL) return 2;
+    if (kt == NULL) {
+        free(bin0);
+        free(onehot);
+        return 2;
+    }
     const int64_t G = H / K, tiles = (T + BQ - 1) / BQ;
     int failed = 0;
 #pragma omp parallel
@@ -231,7 +391,19 @@ int causal_attention(const float *q, int64_t q_head, int64_t q_row, const float 
         }
         float *qs = aligned_alloc(64, sizeof(float) * BQ * (2 * MAX_D + BK + 2 * W + 1));  /* BQ floats: a multiple of 64 bytes */
         float *o = qs + BQ * MAX_D, *sc = o + BQ * MAX_D, *rmx = sc + BQ * BK, *l = rmx + BQ * W, *m = l + BQ * W;
-        if (qs == NULL) {
+        scratch ws = {NULL, NULL, NULL, NULL};
+        int lacking = qs == NULL;
+        if (pl != NULL) {
+            const attention_reduction *red = pl->red;
+            const size_t top = (size_t)(BQ * (red->k > 0 ? red->k : 0));
+            ws.bins = red->bin_sums != NULL ? malloc(sizeof(float) * BQ * pl->bin_row) : NULL;
+            ws.raw = red->window != NULL ? malloc(sizeof(float) * (BQ * pl->raw_row + W)) : NULL;
+            ws.topv = malloc(sizeof(float) * (top + 1));
+            ws.topi = malloc(sizeof(int32_t) * (top + 1));
+            lacking |= (red->bin_sums != NULL && ws.bins == NULL) || (red->window != NULL && ws.raw == NULL)
+                       || ws.topv == NULL || ws.topi == NULL;
+        }
+        if (lacking) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -241,12 +413,53 @@ int causal_attention(const float *q, int64_t q_head, int64_t q_row, const float 
             if (failed) continue;
             const int64_t tile = tiles - 1 - item / H, h = item % H;  /* the longest tiles first */
             const int64_t t0 = tile * BQ, nq = T - t0 < BQ ? T - t0 : BQ;
-            attend_tile(q, q_head, q_row, kt + (h / G) * D * Sp, v + (h / G) * v_head, v_row, T, S, D, scale,
-                        H, h, t0, nq, out, qs, sc, rmx, o, m, l);
+            if (pl == NULL)
+                attend_tile(q, q_head, q_row, kt + (h / G) * D * Sp, v + (h / G) * v_head, v_row, T, S, D, scale,
+                            H, h, t0, nq, out, qs, sc, rmx, o, m, l, NULL, NULL);
+            else
+                attend_tile(q, q_head, q_row, kt + (h / G) * D * Sp, v + (h / G) * v_head, v_row, T, S, D, scale,
+                            H, h, t0, nq, out, qs, sc, rmx, o, m, l, pl, &ws);
         }
         free(qs);
+        free(ws.bins);
+        free(ws.raw);
+        free(ws.topv);
+        free(ws.topi);
     }
     free(kt);
+    free(bin0);
+    free(onehot);
     return failed ? 2 : 0;
+}
+#endif
+
+int causal_attention(const float *q, int64_t q_head, int64_t q_row, const float *k, int64_t k_head, int64_t k_row,
+                     const float *v, int64_t v_head, int64_t v_row, int64_t H, int64_t K, int64_t T, int64_t S,
+                     int64_t D, float scale, float *out) {
+#ifndef W
+    (void)q; (void)q_head; (void)q_row; (void)k; (void)k_head; (void)k_row; (void)v; (void)v_head; (void)v_row;
+    (void)H; (void)K; (void)T; (void)S; (void)D; (void)scale; (void)out;
+    return 1;
+#else
+    return attend(q, q_head, q_row, k, k_head, k_row, v, v_head, v_row, H, K, T, S, D, scale, out, NULL);
+#endif
+}
+
+int causal_attention_reduced(const float *q, int64_t q_head, int64_t q_row, const float *k, int64_t k_head,
+                             int64_t k_row, const float *v, int64_t v_head, int64_t v_row, int64_t H, int64_t K,
+                             int64_t T, int64_t S, int64_t D, float scale, float *out,
+                             const attention_reduction *red) {
+#ifndef W
+    (void)q; (void)q_head; (void)q_row; (void)k; (void)k_head; (void)k_row; (void)v; (void)v_head; (void)v_row;
+    (void)H; (void)K; (void)T; (void)S; (void)D; (void)scale; (void)out; (void)red;
+    return 1;
+#else
+    if (red->row0 < 0 || red->row1 < red->row0 || red->col0 < 0 || red->col1 < red->col0 || red->col1 > S
+        || red->k < 0 || (red->bin_sums != NULL && (red->bins <= 0 || red->col_edges == NULL))
+        || (red->k > 0 && (red->top_weights == NULL || red->top_positions == NULL))
+        || red->window_store < 0 || red->window_store > 2)
+        return 1;
+    plan pl = {red, 0, NULL, NULL, NULL, (red->col1 - red->col0 + W - 1) / W * W};
+    return attend(q, q_head, q_row, k, k_head, k_row, v, v_head, v_row, H, K, T, S, D, scale, out, &pl);
 #endif
 }

@@ -29,6 +29,7 @@ from attnlens.model.hooks import HookPoint
 from attnlens.model.parts.attention_backends import (  # noqa: F401  (causal_mask, sdpa, fixed_shapes: re-exported)
     backend_for,
     causal_mask,
+    emit_for,
     fixed_shapes,
     full_mask,
     one_query_attention,
@@ -234,8 +235,10 @@ class MultiHeadAttention(nn.Module):
             y, probs = self.explicit_attention(q, k, v, mask, causal, dropout_p, hooked=hooks is not None)
         else:
             probs = None
+            # under hooks, maps asked of this module (attention_backends.emitting) are made by its kernel
+            emit = emit_for(self.hook_z.name.removesuffix(".hook_z")) if hooks is not None else None
             y = backend_for(q.device.type).attend(q, k, v, mask=mask, causal=causal, scale=self.scale,
-                                                   dropout_p=dropout_p)
+                                                   dropout_p=dropout_p, emit=emit)
 
         if hooks is not None:  # (B, H, T, D) <-> [B, T, H, D]; kept as computed, then ablated
             y = self.hook_z(y.transpose(1, 2)).transpose(1, 2)
