@@ -41,6 +41,9 @@ from attnlens.model.parts.causal_attention import Emit
 
 BLOCK_BYTES = 64 << 20  # a block's scores (H' x B x n float32); its softmax and reduction take as much again
 FUSED = True  # a layer's maps from its forward's kernel where it can (False: always recomputed; the bench's before)
+# the most a fused Pool's per-row bin sums of one layer (H' x rows x column bins float32) may take; over it,
+# the layer is recomputed in blocks (SmolLM2's 9 heads at 8,192 tokens and 64 bins: 19 MB)
+EMIT_BYTES = 256 << 20
 _QK = ("hook_rot_q", "hook_rot_k", "hook_q", "hook_k")
 
 
@@ -130,6 +133,8 @@ class Pool(Reduction):
         self._add_sums(layer, sums, row0)
 
     def emit(self, layer, heads):
+        if 4 * len(heads) * (self.rows[1] - self.rows[0]) * (len(self.col_edges) - 1) > EMIT_BYTES:
+            return None
         return Emit(heads, self.rows, self.cols, col_edges=self.col_edges)  # bin_sums (H', b - a, Nc) made by the call
 
     def take(self, layer, emit):

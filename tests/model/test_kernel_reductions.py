@@ -105,7 +105,7 @@ def test_bin_sums_pool_as_the_blocked_pool_and_float64(H, K, T, S, D, bins):
 
 
 @pytest.mark.parametrize("H,K,T,S,D", SHAPES)
-@pytest.mark.parametrize("top", [1, 8])
+@pytest.mark.parametrize("top", [1, 8, 20])  # 20: over the vector width, the kernel's other way
 def test_top_k_as_the_blocked_top_k_and_float64(H, K, T, S, D, top):
     q, k, v, scale = inputs(H, K, T, S, D)
     heads = HEADS[H]
@@ -185,6 +185,30 @@ def test_scores_far_below_the_maximum_weigh_0_at_position_minus_1():
     torch.testing.assert_close(got["maps"], before["maps"], atol=2e-6, rtol=0)
     window, _ = fused(Window(1, 2, (0, 200), (0, 200)), q, k, v, 1.0, heads)
     assert ((window["maps"] == 0) == (blocked(Window(1, 2, (0, 200), (0, 200)), q, k, 1.0, heads)["maps"] == 0)).all()
+
+
+@pytest.mark.parametrize("top", [2, 20])
+def test_equal_scores_give_the_earlier_keys_first(top):
+    """Keys equal in every dim at positions in different tiles score equally for every query: of
+    those the earlier come first, and at the k-th place the earlier is kept."""
+    q, k, v, scale = inputs(2, 2, 300, 300, 32)
+    same = [250, 10, 130, 70, 190]
+    k[0, :, same] = k[0, :, [5]] * 3  # one loud key, five times
+    got, _ = fused(TopK(1, 2, (260, 300), (0, 300), top), q, k, v, scale, [0, 1])
+    positions, weights = got["positions"][0], got["maps"][0]
+    loudest = torch.isin(positions[..., 0], torch.tensor(same, dtype=torch.int32))  # rows the repeated key leads
+    assert loudest.sum() > 10
+    n = min(top, 5)
+    assert (positions[loudest][:, :n] == torch.tensor(sorted(same)[:n], dtype=torch.int32)).all()
+    assert (weights[loudest][:, :n] == weights[loudest][:, :1]).all()
+
+
+def test_a_pool_over_its_bytes_is_recomputed(monkeypatch):
+    """A Pool whose per-row bin sums would pass EMIT_BYTES asks nothing of the kernel."""
+    monkeypatch.setattr(ab, "EMIT_BYTES", 4 * 2 * 100 * 8 - 1)
+    assert Pool(1, 2, (0, 100), (0, 100), 8).emit(0, [0, 1]) is None
+    monkeypatch.undo()
+    assert Pool(1, 2, (0, 100), (0, 100), 8).emit(0, [0, 1]) is not None
 
 
 # --- blocked_maps end to end -------------------------------------------------------------------
