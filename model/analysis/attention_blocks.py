@@ -11,10 +11,12 @@ of a block, n the keys a block's rows can see (a causal block's rows see keys up
                             row bin i, of the attention they give to the keys in column bin j
     TopK                    each query row's k heaviest keys (in the column window): positions
                             and weights, heaviest first; a weight of 0 is no link (position -1)
-    blocked_maps            one forward of the sequence that keeps the asked layers' queries and
-                            keys (hook points), then per layer and block of query rows the asked
-                            heads' probabilities, masked as the forward masks them, fed to each
-                            group's reduction and dropped
+    blocked_maps            one forward of the sequence; a layer whose attention runs on our C
+                            kernel (a causal prompt on the CPU) has its reduction made by the
+                            kernel from the forward's own scores (model/parts/causal_attention.py's
+                            Emit); any other is made from its queries and keys (hook points), per
+                            block of query rows: the asked heads' probabilities, masked as the
+                            forward masks them, fed to the group's reduction and dropped
     KeptQK                  the queries and keys of recently analysed sequences, within a byte
                             budget: another window of a layer already analysed (a zoom) is made
                             from them, without a forward
@@ -34,8 +36,14 @@ from attnlens.model.families.contract import family_of
 from attnlens.model.hooks import Hooks, hooked
 from attnlens.model.hooks import active as active_hooks
 from attnlens.model.parts.attention import MultiHeadAttention
+from attnlens.model.parts.attention_backends import emitting
+from attnlens.model.parts.causal_attention import Emit
 
 BLOCK_BYTES = 16 << 20  # a block's scores (H' x B x n float32; its softmax and reduction take as much again): a stream beside the call waits about one block
+FUSED = True  # a layer's maps from its forward's kernel where it can (False: always recomputed; the bench's before)
+# the most a fused Pool's per-row bin sums of one layer (H' x rows x column bins float32) may take; over it,
+# the layer is recomputed in blocks (SmolLM2's 9 heads at 8,192 tokens and 64 bins: 19 MB)
+EMIT_BYTES = 256 << 20
 _QK = ("hook_rot_q", "hook_rot_k", "hook_q", "hook_k")
 
 
@@ -59,6 +67,13 @@ class Reduction:
         """probs (H', B, n): the asked heads' probabilities of query rows row0.. over keys key0..
         (every key outside [key0, key0 + n) has probability 0 for these rows)."""
         raise NotImplementedError
+
+    def emit(self, layer: int, heads: list[int]) -> Emit | None:
+        """What the forward's kernel may make of `layer`'s maps for this reduction (then `take` it)."""
+        return None
+
+    def take(self, layer: int, emit: Emit) -> None:
+        """The maps of `layer` the kernel made (emit.done), into the result."""
 
     def _key_overlap(self, key0: int, n: int) -> tuple[int, int]:
         """The key positions [lo, hi) a block holds within the column window (lo >= hi: none)."""
@@ -87,6 +102,9 @@ class Window(Reduction):
         r = row0 - self.rows[0]
         self.maps[layer, :, r:r + probs.shape[1], lo - self.cols[0]:hi - self.cols[0]] = part.to(self.store).cpu()
 
+    def emit(self, layer, heads):
+        return Emit(heads, self.rows, self.cols, window=self.maps[layer], window_scale=self.scale)  # written in place
+
     def result(self):
         return {"maps": self.maps}
 
@@ -107,16 +125,30 @@ class Pool(Reduction):
     def add(self, layer, probs, row0, key0):
         H, B, n = probs.shape
         device = probs.device
-        if self._row_bin is None or self._row_bin.device != device:
-            edges = torch.tensor(self.row_edges, device=device)
-            positions = torch.arange(self.rows[0], self.rows[1], device=device)
-            self._row_bin = torch.searchsorted(edges, positions, right=True) - 1
         # the sum over each column bin from running sums: S[e] - S[s], the key positions clipped to the block
         running = torch.zeros(H, B, n + 1, device=device)
         torch.cumsum(probs, dim=-1, out=running[:, :, 1:])
         at = (torch.tensor(self.col_edges, device=device) - key0).clamp_(0, n)  # (Nc + 1,)
         sums = (running[:, :, at[1:]] - running[:, :, at[:-1]]).clamp_(min=0)  # (H', B, Nc); rounding never below 0
-        bins = self._row_bin[row0 - self.rows[0]:row0 - self.rows[0] + B]
+        self._add_sums(layer, sums, row0)
+
+    def emit(self, layer, heads):
+        if 4 * len(heads) * (self.rows[1] - self.rows[0]) * (len(self.col_edges) - 1) > EMIT_BYTES:
+            return None
+        return Emit(heads, self.rows, self.cols, col_edges=self.col_edges)  # bin_sums (H', b - a, Nc) made by the call
+
+    def take(self, layer, emit):
+        assert emit.bin_sums is not None
+        self._add_sums(layer, emit.bin_sums, self.rows[0])
+
+    def _add_sums(self, layer: int, sums: torch.Tensor, row0: int) -> None:
+        """sums (H', B, Nc): query rows row0.. summed over each column bin, added to their row bins."""
+        device = sums.device
+        if self._row_bin is None or self._row_bin.device != device:
+            edges = torch.tensor(self.row_edges, device=device)
+            positions = torch.arange(self.rows[0], self.rows[1], device=device)
+            self._row_bin = torch.searchsorted(edges, positions, right=True) - 1
+        bins = self._row_bin[row0 - self.rows[0]:row0 - self.rows[0] + sums.shape[1]]
         grid = self.grid[layer].to(device) if device.type != "cpu" else self.grid[layer]
         grid.index_add_(1, bins, sums)  # rows of a bin summed into its row of the grid
         if device.type != "cpu":
@@ -148,6 +180,9 @@ class TopK(Reduction):
         r = row0 - self.rows[0]
         self.weights[layer, :, r:r + probs.shape[1], :k] = weights.cpu()
         self.positions[layer, :, r:r + probs.shape[1], :k] = positions.cpu()
+
+    def emit(self, layer, heads):  # written in place
+        return Emit(heads, self.rows, self.cols, top_weights=self.weights[layer], top_positions=self.positions[layer])
 
     def result(self):
         return {"maps": self.weights, "positions": self.positions}
@@ -243,6 +278,23 @@ def _reduce_whole(reduction: Reduction, maps: torch.Tensor, layers: list[int], h
         reduction.add(i, maps[layer][heads][:, a:b].float(), a, 0)
 
 
+def _emits(model, pending: dict, layers: list[int], heads: list[int], reductions: dict[str, Reduction]
+           ) -> dict[str, Emit]:
+    """What the forward's kernel is asked to make (attention module's path -> Emit): the layers whose
+    maps it computes as the forward does, those of causal groups without a sliding window or a
+    soft-cap (the backend leaves an Emit undone where its kernel does not run: the GPU, a mask)."""
+    if not FUSED:
+        return {}
+    emits = {}
+    for module, (group, i) in pending.items():
+        attn = model.get_submodule(module)
+        if group.causal and model.config.window_of(layers[i]) is None and attn.softcap is None:
+            emit = reductions[group.name].emit(i, heads)
+            if emit is not None:
+                emits[module] = emit
+    return emits
+
+
 def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: list[int],
                  reductions: dict[str, Reduction], ablate: tuple = (), progress: Callable[[], None] | None = None,
                  block_bytes: int = BLOCK_BYTES, kept: KeptQK | None = None) -> None:
@@ -250,9 +302,11 @@ def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: 
     Reduction) of one analysed sequence (`tokens`, as model.sequence gives them) to its reduction.
 
     One forward (model.run_sequence) under hooks that keep the asked layers' queries and keys, and
-    edit it with `ablate` (model/hooks.py's ZEdits). At each progress point of the forward (after an
-    attention, after a block), the layers whose queries and keys are in are reduced and let go: one
-    layer's are held at a time.
+    edit it with `ablate` (model/hooks.py's ZEdits). A layer whose attention our C kernel computes
+    (causal, no sliding window or soft-cap, float32 on the CPU) makes its reduction there, from the
+    forward's own scores (`_emits`). At each progress point of the forward (after an attention,
+    after a block), the layers whose queries and keys are in are taken from the kernel, or else
+    reduced from them, and let go: one layer's are held at a time.
     `progress` is called after each attention and each block of the forward, and after each
     block of query rows (model/hooks.py's progress points). With
     `kept`, the layers' queries and keys are kept there too, and a call whose layers are all
@@ -285,6 +339,7 @@ def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: 
             del pending[module]
     if not pending:
         return
+    emits = _emits(model, pending, layers, heads, reductions)
     hooks: Hooks
 
     def after_block() -> None:
@@ -293,20 +348,25 @@ def blocked_maps(model, tokens: dict[str, list[int]], layers: list[int], heads: 
             rotary = f"{module}.hook_rot_q" in captured
             q_name, k_name = (f"{module}.hook_rot_q", f"{module}.hook_rot_k") if rotary else (
                 f"{module}.hook_q", f"{module}.hook_k")
-            if q_name not in captured or k_name not in captured:
-                continue
+            if q_name not in captured or k_name not in captured or f"{module}.hook_z" not in captured:
+                continue  # not this layer yet, or its attention still runs (a progress point between its pieces)
             q, k = captured[q_name][0], captured[k_name][0]  # (Q, H, D), (S, K, D)
             if kept is not None:
                 kept.put((sequence, module), q, k)
-            reduce(module, group, i, q, k)
-            for n in _QK:
+            emit = emits.pop(module, None)
+            if emit is not None and emit.done:  # made by the forward's kernel
+                reductions[group.name].take(i, emit)
+            else:
+                reduce(module, group, i, q, k)
+            for n in (*_QK, "hook_z"):
                 captured.pop(f"{module}.{n}", None)
             del pending[module]
         if progress is not None:
             progress()
 
-    hooks = Hooks(record={f"{m}.{n}" for m in pending for n in _QK}, ablate=tuple(ablate), progress=after_block)
-    with hooked(model, hooks):
+    hooks = Hooks(record={f"{m}.{n}" for m in pending for n in (*_QK, "hook_z")}, ablate=tuple(ablate),
+                  progress=after_block)
+    with hooked(model, hooks), emitting(emits):
         model.run_sequence(tokens)
     if pending:
         raise RuntimeError(f"the forward never ran {sorted(pending)}")

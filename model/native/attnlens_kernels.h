@@ -38,6 +38,28 @@ int causal_attention(const float *q, int64_t q_head, int64_t q_row, const float 
                      const float *v, int64_t v_head, int64_t v_row, int64_t H, int64_t K, int64_t T, int64_t S,
                      int64_t D, float scale, float *out);
 
+/* causal_attention_reduced's request: what the asked heads' maps become, made from the forward's
+   own scores. H' asked heads, query positions [row0, row1) (R rows), key positions [col0, col1)
+   (C columns). Each output is NULL (or k 0) when not asked. */
+typedef struct attention_reduction {
+    const int64_t *slot;          /* (H,): query head h's index among the asked heads, or -1 */
+    int64_t row0, row1, col0, col1;
+    const int64_t *col_edges;     /* (bins + 1,) key positions: bin i is [col_edges[i], col_edges[i + 1]) */
+    int64_t bins;
+    float *bin_sums;              /* (H', R, bins): each row's probability on each column bin */
+    int64_t k;
+    float *top_weights;           /* (H', R, k): each row's k heaviest columns, heaviest first */
+    int32_t *top_positions;       /* (H', R, k): their key positions, -1 where the weight is 0 */
+    void *window;                 /* (H', R, C) probabilities as window_store: 0 float32, 1 float16, */
+    int64_t window_store;         /* 2 uint8 steps of window_scale */
+    float window_scale;
+} attention_reduction;
+
+int causal_attention_reduced(const float *q, int64_t q_head, int64_t q_row, const float *k, int64_t k_head,
+                             int64_t k_row, const float *v, int64_t v_head, int64_t v_row, int64_t H, int64_t K,
+                             int64_t T, int64_t S, int64_t D, float scale, float *out,
+                             const attention_reduction *red);
+
 /* vocab_stats.c: the logit lens's per-row top k, picked log-probability and rank (ranks may be NULL) */
 int64_t vocab_stats(const float *x, int64_t N, int64_t V, const int64_t *picks, int64_t k, float *top_logp,
                     int64_t *top_ids, float *picked, int64_t *ranks);

@@ -29,11 +29,13 @@ from attnlens.model.hooks import HookPoint
 from attnlens.model.parts.attention_backends import (  # noqa: F401  (causal_mask, sdpa, fixed_shapes: re-exported)
     backend_for,
     causal_mask,
+    emit_for,
     fixed_shapes,
     full_mask,
     one_query_attention,
     sdpa,
 )
+from attnlens.model.parts.causal_attention import Emit
 from attnlens.model.parts.linear import Linear
 from attnlens.model.parts.norms import HeadLayerNorm, RMSNorm
 from attnlens.model.parts.positions import RotaryAngles, apply_rotary
@@ -234,7 +236,9 @@ class MultiHeadAttention(nn.Module):
             y, probs = self.explicit_attention(q, k, v, mask, causal, dropout_p, hooked=hooks is not None)
         else:
             probs = None
-            y = self.attend(q, k, v, mask, causal, dropout_p)
+            # under hooks, maps asked of this module (attention_backends.emitting) are made by its kernel
+            emit = emit_for(self.hook_z.name.removesuffix(".hook_z")) if hooks is not None else None
+            y = self.attend(q, k, v, mask, causal, dropout_p, emit)
 
         if hooks is not None:  # (B, H, T, D) <-> [B, T, H, D]; kept as computed, then ablated
             y = self.hook_z(y.transpose(1, 2)).transpose(1, 2)
@@ -244,9 +248,11 @@ class MultiHeadAttention(nn.Module):
         return y, probs if keep_probs else None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-               dropout_p: float) -> torch.Tensor:
+               dropout_p: float, emit: Emit | None = None) -> torch.Tensor:
         """The device's backend on q (B, H, T, D), k, v (B, K, S, D) -> (B, H, T, D); a long prompt
-        under a reporting call in pieces of query rows (hooks.row_pieces), a progress point between."""
+        under a reporting call in pieces of query rows (hooks.row_pieces), a progress point between.
+        `emit`: maps the backend's kernel makes too (attention_backends.emitting), piece by piece;
+        done only when every piece made its rows."""
         B, H, T, D = q.shape
         S = k.shape[2]
         backend = backend_for(q.device.type)
@@ -257,16 +263,24 @@ class MultiHeadAttention(nn.Module):
             pieces = _hooks.row_pieces(T, (lambda t: 2 * B * H * D * (t * offset + t * (t + 1) / 2)) if causal
                                        else (lambda t: 2 * B * H * D * S * t))
         if pieces is None:
-            return backend.attend(q, k, v, mask=mask, causal=causal, scale=self.scale, dropout_p=dropout_p)
+            return backend.attend(q, k, v, mask=mask, causal=causal, scale=self.scale, dropout_p=dropout_p,
+                                  emit=emit)
+        if len(pieces) > 1 and pieces[-1][1] - pieces[-1][0] == 1:  # a causal prompt's kernel takes 2 rows at least
+            pieces[-2:] = [(pieces[-2][0], pieces[-1][1])]
         out = q.new_empty(B, T, H, D)
+        made = True  # every piece made the emit's rows
         for a, b in pieces:
             keys = S - T + b if causal else S  # what rows a..b-1 see
             part_mask = None if mask is None else mask[..., :keys]
             part = backend.attend(q[:, :, a:b], k[:, :, :keys], v[:, :, :keys], mask=part_mask, causal=causal,
-                                  scale=self.scale, dropout_p=dropout_p)  # (B, H, b - a, D)
+                                  scale=self.scale, dropout_p=dropout_p, emit=emit)  # (B, H, b - a, D)
+            if emit is not None:  # not done until the last piece: a progress point between may look
+                made, emit.done = made and emit.done, False
             out[:, a:b] = part.transpose(1, 2)
             if b < T:
                 _hooks.piece_done()
+        if emit is not None:
+            emit.done = made
         return out.transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D), as the backends return
 
     def _hook_inputs(self, q, k, v, rotary: bool):

@@ -4,7 +4,8 @@ the paths that keep the probabilities (maps, hook points) and a decode step over
 where they lie (the cache's own: model/paged_kv_cache.py) are the layer's, not a backend's.
 
     TorchAttention  any device: PyTorch's SDPA
-    CpuAttention    a causal prompt by our C kernel where it applies (causal_attention.py),
+    CpuAttention    a causal prompt by our C kernel where it applies (causal_attention.py, an
+                    Emit's maps too),
                     a decode step with a mask or grouped heads by MKL's batched products
                     (one_query_attention), else SDPA
     CudaAttention   SDPA restricted to the kernels that need no set-up per shape, unless the
@@ -13,6 +14,10 @@ where they lie (the cache's own: model/paged_kv_cache.py) are the layer's, not a
 Shapes: q (B, H, T, D); k, v (B, K, S, D), K key/value heads (H / K = G query heads each);
 `mask` bool, broadcastable to (B, H, T, S), True = may attend; `causal`: query i, at absolute
 position S - T + i, sees keys up to it. Returns (B, H, T, D).
+
+`emitting(emits)` asks, for the forwards in its block, some attention modules' maps reduced by the
+kernel that computes their attention (causal_attention.Emit, by the module's path): a backend that
+can (CpuAttention, by our C kernel) makes them and sets emit.done; the others leave them undone.
 """
 
 from __future__ import annotations
@@ -68,13 +73,34 @@ def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * K, S, D)).view(B, H, 1, D)
 
 
+_emits: contextvars.ContextVar[dict[str, causal_attention.Emit] | None] = contextvars.ContextVar(
+    "attnlens_emits", default=None)
+
+
+@contextlib.contextmanager
+def emitting(emits: dict[str, causal_attention.Emit]):
+    """Within this block (on this thread) the attention modules at these paths ("blocks.2.attn") pass
+    their Emit to the backend (model/analysis/attention_blocks.py's fused maps)."""
+    token = _emits.set(emits)
+    try:
+        yield
+    finally:
+        _emits.reset(token)
+
+
+def emit_for(module: str) -> causal_attention.Emit | None:
+    """The Emit asked of the attention module at this path, or None."""
+    emits = _emits.get()
+    return None if emits is None else emits.get(module)
+
+
 class TorchAttention:
-    """PyTorch's SDPA, on any device."""
+    """PyTorch's SDPA, on any device (an Emit is left undone)."""
 
     name = "torch"
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, causal: bool,
-               scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+               scale: float, dropout_p: float = 0.0, emit: causal_attention.Emit | None = None) -> torch.Tensor:
         T, S = q.shape[2], k.shape[2]
         causal = causal and T > 1  # the single newest query sees every key: nothing to mask
         gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
@@ -93,10 +119,10 @@ class CpuAttention(TorchAttention):
 
     name = "cpu"
 
-    def attend(self, q, k, v, *, mask, causal, scale, dropout_p=0.0):
+    def attend(self, q, k, v, *, mask, causal, scale, dropout_p=0.0, emit=None):
         T = q.shape[2]
         if mask is None and causal and T > 1 and dropout_p == 0.0:
-            y = causal_attention.causal_attention(q, k, v, scale)  # None where the kernel does not apply
+            y = causal_attention.causal_attention(q, k, v, scale, emit)  # None where the kernel does not apply
             if y is not None:
                 return y
         if T == 1 and dropout_p == 0.0 and (mask is not None or q.shape[1] != k.shape[1]):

@@ -164,7 +164,8 @@ def test_every_declared_function_is_in_the_built_library():
 @needs_compiler
 def test_the_struct_layout_cffi_computes_is_the_compilers(tmp_path):
     ffi = native.load().ffi
-    fields = {struct: [name for name, _ in ffi.typeof(struct).fields] for struct in ("fused_linear", "fused_layer")}
+    structs = ("fused_linear", "fused_layer", "attention_reduction")
+    fields = {struct: [name for name, _ in ffi.typeof(struct).fields] for struct in structs}
     lines = [f'printf("%zu\\n", sizeof({s}));' + "".join(f'printf("%zu\\n", offsetof({s}, {f}));' for f in names)
              for s, names in fields.items()]
     program = tmp_path / "layout.c"
