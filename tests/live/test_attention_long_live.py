@@ -1,6 +1,6 @@
 """/attention on a long input against a real `attnlens serve` (its engine in a process of its own):
-a decoder with a 4,096-token context (tiny widths, so a pooled overview of every head takes
-seconds on one thread).
+a decoder with a 4,096-token context (small widths, so a pooled overview of every head takes
+a few seconds on one thread).
 
 - a client that goes away stops its analysis at the next block (the engine process says so in
   the log), and the model-call line is free for the next request at once;
@@ -29,7 +29,7 @@ GAP_BOUND_S = 0.25  # issue 50: a stream's longest wait while an analysis runs b
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("long-live")
-    model = make_tiny_checkpoint(root / "long", context_length=4096, d_model=128, n_layers=4, n_heads=8, d_ff=256)
+    model = make_tiny_checkpoint(root / "long", context_length=4096, d_model=256, n_layers=6, n_heads=8, d_ff=1024)
     env = {"ATTNLENS_LOG_LEVEL": "info", "OMP_NUM_THREADS": "1", "ATTNLENS_MAX_PROMPT_TOKENS": "4096",
            "ATTNLENS_MAX_NEW_TOKENS": "4000"}
     with live_server(model, root, env=env) as s:
@@ -111,7 +111,7 @@ def test_a_stream_beside_a_long_analysis_never_waits_long(server):
 
 
 def test_a_long_requests_peak_memory_follows_its_answer(server):
-    """The whole maps of every head at 4,000 tokens would be 4 x 8 x 4,000^2 float32 = 2 GB; the
+    """The whole maps of every head at 4,000 tokens would be 6 x 8 x 4,000^2 float32 = 3 GB; the
     overview's blocks and one head's map (u8) stay far below."""
     pid = engine_pid(server)
 
