@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # one server on three models, shared by the sessi
 CKPT = REPO_ROOT / "checkpoints"
 TEXTS = {"default": "To be, or not to be, that is the question:", "encoder": "O Romeo, Romeo, [MASK] art thou?",
          "translator": "ninety-seven"}
-CROSS_PROCESS = 1e-6  # the engine process may block its matmuls differently from this one
+CROSS_PROCESS = 2e-6  # the engine process may block its matmuls differently from this one, and make maps in its kernel
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 from helpers import assert_json_close, parse_sse
 
@@ -167,7 +168,9 @@ def test_attention_with_ablate_changes_later_layers_only(bundled_client, model):
     clean = post(bundled_client, "/attention", **base).json()
     ablated = post(bundled_client, "/attention", **base, ablate=[{"layer": 1, "head": 0, "group": group}]).json()
     assert ablated["ablate"] == [{"layer": 1, "head": 0, "how": "zero", "group": group}] and clean.get("ablate") is None
-    assert ablated["attention"][:2] == clean["attention"][:2]  # layers 0 and 1 read nothing the edit changed
+    # layers 0 and 1 read nothing the edit changed (to float32 rounding: a run with an edit may take the
+    # recompute where the other took the forward's kernel)
+    np.testing.assert_allclose(np.array(ablated["attention"][:2]), np.array(clean["attention"][:2]), rtol=0, atol=2e-6)
     assert ablated["attention"][2] != clean["attention"][2]
 
 

@@ -101,6 +101,7 @@ def test_url_round_trip_of_every_state_key(page, browser, server):
         "corrupted": "A corrupted prompt, with & and =",
         "answer": " Paris",
         "foil": " Rome",
+        "ctarget": "A target, with & and =",
         "method": "attribution",
         "component": "residual",
         "sender": [1, 2],

@@ -4,7 +4,8 @@ a few seconds on one thread).
 
 - a client that goes away stops its analysis at the next block (the engine process says so in
   the log), and the model-call line is free for the next request at once;
-- streams decoding beside a long analysis take turns with it: they finish while it still works;
+- a stream decoding beside a long analysis takes turns with it: it outlives the analysis, and no
+  wait between its tokens passes GAP_BOUND_S;
 - the engine process's peak memory over a long request follows its answer, not T x T."""
 
 from __future__ import annotations
@@ -55,25 +56,6 @@ def test_a_client_that_goes_away_stops_its_analysis(server):
             time.sleep(0.1)
         assert c.post("/attention", json={"ids": IDS[:20]}).status_code == 200  # the line is free again
     print(f"\nthe overview alone: {alone:.1f} s")
-
-
-def test_streams_take_turns_with_a_long_analysis(server):
-    ended = {}
-
-    def overview():
-        with httpx.Client(base_url=server.base_url, timeout=120) as c:
-            ended["status"] = c.post("/attention", json=OVERVIEW).status_code
-        ended["analysis"] = time.monotonic()
-
-    worker = threading.Thread(target=overview)
-    worker.start()
-    time.sleep(0.5)  # the analysis runs
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
-        r = c.post("/generate", json={"ids": IDS[:10], "max_new_tokens": 12})
-    finished = time.monotonic()
-    worker.join()
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    assert ended["status"] == 200 and finished < ended["analysis"]  # its tokens came while the analysis worked
 
 
 def test_a_stream_beside_a_long_analysis_never_waits_long(server):
