@@ -16,8 +16,22 @@
    weighted values added to the item's output rows. Products are float32 fused multiply-adds,
    e^x the polynomial of vector_math.h: torch's flash kernel's numbers to float32 rounding.
 
+   causal_attention_reduced does the same and, for the query heads and rows its request
+   (attention_reduction, attnlens_kernels.h) asks, reduces the maps from those very scores, so
+   /attention's overview needs no second q K^T (model/analysis/attention_blocks.py):
+     bin sums   each row's probability on each column bin: one more value product, the tile's
+                probabilities times one-hot bins, rescaled with the output when the maximum rises
+                and divided by the row's sum at the end
+     top k      the row's k heaviest key tiles kept (their raw scores), the k best picked from
+                them at the end (a larger k: from the row's raw scores); the order by raw score
+                is the order by probability, weighed with the row's final maximum and sum
+     window     the raw scores of the window's columns kept, normalised at the end into float32,
+                float16 or uint8 steps
+   The plain kernel is the same code inlined without a request: none of it runs there.
+
    Returns 0, 1 when D is not a multiple of the vector width or over MAX_D (the caller uses
-   torch's kernel), 2 when memory for the transposed keys or a thread's tiles cannot be had. */
+   torch's kernel) or a request is malformed, 2 when memory for the transposed keys or a
+   thread's tiles cannot be had. */
 
 #include <float.h>
 #include <math.h>

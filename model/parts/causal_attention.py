@@ -40,8 +40,8 @@ class Emit:
     """What a call also makes of the asked `heads`' maps (H' of them), for query positions rows
     [a, b) and key positions cols [c, d), R = b - a rows, each from the call's own scores:
 
-        bins         (H', R, len(col_edges) - 1) float32: each row's probability summed over each
-                     column bin [col_edges[i], col_edges[i + 1]) (made by the call: `bin_sums`)
+        bin_sums     (H', R, len(col_edges) - 1) float32: each row's probability summed over each
+                     column bin [col_edges[i], col_edges[i + 1]) (zeros made by the call if None)
         top_weights  (H', R, k) float32 and top_positions (H', R, k) int32: each row's k heaviest
                      keys within the columns, heaviest first, position -1 where the weight is 0
         window       (H', R, d - c) float32, float16, or uint8 steps of window_scale: the
