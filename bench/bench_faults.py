@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -39,6 +40,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def alive(pid: int) -> bool:
+    """A process that runs (neither gone nor a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -47,10 +56,13 @@ def rss(pid: int) -> int:
 
 
 class Server:
-    def __init__(self, pythonpath: str | None, cwd: Path, log: Path):
+    """`attnlens serve` on the default models (CPU, log level info: its engine processes are named
+    in the log), on a free port; `env`: more settings."""
+
+    def __init__(self, pythonpath: str | None, cwd: Path, log: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "ATTNLENS_DEVICE": "cpu", "ATTNLENS_LOG_LEVEL": "info"}
+        env = {**os.environ, "ATTNLENS_DEVICE": "cpu", "ATTNLENS_LOG_LEVEL": "info", **(env or {})}
         if pythonpath:
             env["PYTHONPATH"] = pythonpath
         self.log = log
@@ -70,11 +82,17 @@ class Server:
                 raise RuntimeError(self.log.read_text()[-2000:])
             time.sleep(0.02)
 
-    def decoder_engine_pid(self) -> int:
-        import re
+    def engine_pids(self) -> dict[str, int]:
+        """The live engine process of each generating model, by its checkpoint folder's name (the
+        latest one the log says loads it: a restart logs its new one)."""
+        pids: dict[str, int] = {}
+        for pid, path in re.findall(r"\[engine (\d+)\] attnlens.loader: loading checkpoint (\S+)", self.log.read_text()):
+            if alive(int(pid)):
+                pids[Path(path).name] = int(pid)
+        return pids
 
-        pids = re.findall(r"\[engine (\d+)\] attnlens.loader: loading checkpoint \S+/default\b", self.log.read_text())
-        return int(pids[-1])
+    def decoder_engine_pid(self) -> int:
+        return self.engine_pids()["default"]
 
     def stop(self) -> None:
         self.proc.terminate()
