@@ -8,8 +8,9 @@ The load, all at once for the whole run, on SmolLM2-135M-Instruct (the default m
 
 * --streams (8) chat streams without pause: POST /v1/chat/completions with stream true, varied
   prompts, max_tokens 64-200, sampled with a seed;
-* an overview every minute: POST /attention on an --overview-tokens (8,192) token prompt, pooled
-  64 x 64, every layer and head, f16;
+* an overview every minute (or right after the last one, when it took longer): POST /attention
+  on an --overview-tokens (8,192) token prompt, pooled 64 x 64, every layer and head, f16, each
+  time from another offset of a long text (the engine keeps the last one's queries and keys);
 * now and then (every --explain-s, 30 s, in turns): /lens on a short prompt (16 positions) and
   /patch on the IOI pair of docs/explain.md (component heads; exact, or attribution);
 * clients that leave mid-answer: one stream in --leave-every (6) is closed after a few chunks,
@@ -19,8 +20,7 @@ The load, all at once for the whole run, on SmolLM2-135M-Instruct (the default m
 
 Every minute: RSS and PSS of the server and of each engine process (and each one's lowest and
 highest RSS within the minute, read every 5 s), every answer's status so far, the requests in
-flight. After the run no new request is sent and those in flight get
---drain-s (600) to end. The goals (exit status 1 when one fails):
+flight. After the run no new request is sent. The goals (exit status 1 when one fails):
 
 * memory: at the last minute at most 5% over the first minute, per process and in total. The
   minutes are counted from the first overview's answer (a warm-up: until then the engine process
@@ -28,8 +28,10 @@ flight. After the run no new request is sent and those in flight get
   first minute after its first overview;
 * no 5xx, and no stream that ends with an error, except the requests the killed engine held
   (a 503 or the error event, code engine_restarting);
-* nothing lost: every request sent was answered, or ended by its client on purpose; and the
-  server holds no generation or attention request once they are done.
+* nothing lost: every request sent was answered (within --timeout-s, 30 min, between two bytes),
+  or ended by its client on purpose; the requests still in flight --drain-s (300 s) after the
+  run are closed by their clients, and then the server must hold no generation and no attention
+  request.
 
 The results (every minute's figures, the counts, the goals) are written as JSON to --out
 (default out/soak-<UTC time>.json, out/ being ignored by git).
@@ -201,7 +203,10 @@ class Soak:
         while not self.stopping.is_set():
             n += 1
             start = time.monotonic()
-            body = {"model": SMOL, "ids": self.overview_ids, "pool": 64, "format": "f16"}
+            # another offset each time, a new prompt (the engine keeps the last one's queries and keys)
+            shift = n * 97 % (len(self.overview_ids) - self.args.overview_tokens)
+            ids = self.overview_ids[shift:shift + self.args.overview_tokens]
+            body = {"model": SMOL, "ids": ids, "pool": 64, "format": "f16"}
             self.note_warm(await self.post("overview 8k", "/attention", body,
                                            leave_after_s=5.0 if n % 3 == 0 else None))
             if not await self.pause(max(0.0, 60 - (time.monotonic() - start))):
@@ -299,13 +304,16 @@ class Soak:
             workers += [asyncio.create_task(w) for w in (self.overviews(), self.explain(), self.killer())]
             await self.sampler(bar)
         done, pending = await asyncio.wait(workers, timeout=self.args.drain_s)
-        for task in pending:  # still running after the drain: their requests count as lost
+        for task in pending:  # still running after the drain: their clients leave (the server must let go)
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        for call in self.calls:
+            if call.ended is None:
+                call.end(self.now(), "left at the end")
         for task in done:
             if task.exception() is not None:
                 raise task.exception()  # a bug in the soak itself
-        await asyncio.sleep(3)  # the server lets go of what the last requests held
+        await asyncio.sleep(5)  # the server lets go of what the last requests held
         metrics = (await self.client.get("/metrics")).text
         self.after = {"t_s": round(self.now(), 1), "memory": memory(self.server), "server": in_flight(metrics),
                       "server_counted": server_counts(metrics)}
@@ -399,6 +407,15 @@ def goals(soak: Soak) -> dict:
             "lost": [asdict(c) for c in gone], "server_still_holds": held, "lost_ok": not gone and not held}
 
 
+def durations(calls: list[Call]) -> dict[str, tuple[float, float]]:
+    """Per kind of request answered in full: the median and the longest time it took."""
+    by_kind: dict[str, list[float]] = {}
+    for c in calls:
+        if c.outcome == "done" and c.ended is not None:
+            by_kind.setdefault(c.kind, []).append(c.ended - c.sent)
+    return {k: (sorted(v)[len(v) // 2], max(v)) for k, v in sorted(by_kind.items())}
+
+
 def summary(soak: Soak, result: dict) -> None:
     print("\nmemory, RSS MB (first minute -> last minute):")
     for role, row in result["memory"].items():
@@ -408,6 +425,8 @@ def summary(soak: Soak, result: dict) -> None:
     print(f"\nanswers ({len(soak.calls)} requests):")
     for key, n in soak.statuses().items():
         print(f"  {n:6d}  {key}")
+    print("seconds from sent to ended, by kind (median, longest): " + ", ".join(
+        f"{kind} {m:.0f} / {x:.0f}" for kind, (m, x) in durations(soak.calls).items()))
     print("the server's count (attnlens_http_requests_total; 499: its client left): "
           + ", ".join(f"{k} x{n}" for k, n in soak.after["server_counted"].items()))
     if soak.kill:
@@ -421,7 +440,8 @@ def summary(soak: Soak, result: dict) -> None:
 
 # --- main ------------------------------------------------------------------------
 def overview_ids(n: int) -> list[int]:
-    """n token ids of SmolLM2's tokenizer (the printing-press text, repeated)."""
+    """n + 1,000 token ids of SmolLM2's tokenizer (the printing-press text, repeated): each overview
+    takes n of them from its own offset."""
     from attnlens.model.interop.packaged import SMOLLM2, ensure_checkpoint
     from attnlens.model.tokenizer import Tokenizer
 
@@ -429,7 +449,7 @@ def overview_ids(n: int) -> list[int]:
     if folder is None:
         raise SystemExit("SmolLM2 is not installed (make install): the soak runs on the default model")
     ids = Tokenizer.from_dir(folder).encode(LONG_TEXT * 4)
-    return (ids * (n // len(ids) + 1))[:n]
+    return (ids * ((n + 1000) // len(ids) + 1))[:n + 1000]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,8 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--explain-s", type=float, default=30.0, help="seconds between /lens and /patch requests")
     ap.add_argument("--leave-every", type=int, default=6, help="one stream in this many is left after a few chunks")
     ap.add_argument("--kill-at", type=float, default=0.4, help="when SmolLM2's engine is killed (0..1 of the run)")
-    ap.add_argument("--drain-s", type=float, default=600.0, help="after the run, how long requests in flight may take")
-    ap.add_argument("--timeout-s", type=float, default=900.0, help="a client's timeout for one request")
+    ap.add_argument("--drain-s", type=float, default=300.0,
+                    help="after the run, how long requests in flight may take before their clients leave")
+    ap.add_argument("--timeout-s", type=float, default=1800.0, help="a client's read timeout (between two bytes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log", type=Path, default=Path("/tmp") / f"soak-server-{os.getpid()}.log")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / time.strftime("soak-%Y%m%d-%H%M%S.json", time.gmtime()))
@@ -460,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "kill": soak.kill,
                                     "minutes": soak.minutes, "after_drain": soak.after, **result,
+                                    "durations_s": durations(soak.calls),
                                     "calls": [asdict(c) for c in soak.calls]}, indent=1))
     print(f"\nresults: {args.out}")
     return 0 if result["memory_ok"] and result["errors_ok"] and result["lost_ok"] else 1

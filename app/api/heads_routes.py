@@ -5,7 +5,7 @@ model/analysis/head_scores.py's)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from attnlens.app.api.deps import HeadsModel, StateDep
 from attnlens.app.api.heads_schemas import HeadsResponse
@@ -25,7 +25,7 @@ router = APIRouter(tags=["heads"])
                                     "ATTNLENS_MAX_QUEUE), or maps in flight over ATTNLENS_MAX_ANSWER_BYTES for "
                                     "ATTNLENS_ANSWER_WAIT_S; see Retry-After"}, 503: {}},
 )
-async def heads(asked: HeadsModel, state: StateDep):
+async def heads(asked: HeadsModel, request: Request, state: StateDep):
     """Per-head scores and roles of every attention group, on `text`, `ids` or `probe` (exactly one).
 
     Scores come from the attention maps /attention shows. previous_token, duplicate_token and
@@ -39,4 +39,4 @@ async def heads(asked: HeadsModel, state: StateDep):
     The probe {"kind": "repeated_random", "length": n, "seed": s} is BOS + n random tokens + the
     same n, where an induction head shows (about 0.5 at most on a causal model).
     """
-    return await HeadsServing(state).heads(asked.body, asked.served)
+    return await HeadsServing(state).heads(asked.body, asked.served, request)

@@ -220,14 +220,7 @@ class RequestState:
         sending = 0  # estimated bytes of the batch its writer holds
         try:
             while True:
-                item = await self.queue.get()
-                sending = item[1]
-                batch = [self._take(item)]
-                while isinstance(batch[-1], TokenEvent) and not self.queue.empty() and sending < BATCH_BYTES:
-                    item = self.queue.get_nowait()
-                    sending += item[1]
-                    batch.append(self._take(item))
-                del item
+                batch, sending = self._take_batch(await self.queue.get())
                 if isinstance(batch[-1], GenerationCancelled):  # the events before it, then the exception
                     batch.pop()
                     if batch:
@@ -243,6 +236,15 @@ class RequestState:
                     return
         finally:
             self._count(-sending)
+
+    def _take_batch(self, item: tuple[Any, int]) -> tuple[list, int]:
+        """The item's event and every one waiting after it (up to BATCH_BYTES), with their bytes."""
+        size, batch = item[1], [self._take(item)]
+        while isinstance(batch[-1], TokenEvent) and not self.queue.empty() and size < BATCH_BYTES:
+            item = self.queue.get_nowait()
+            size += item[1]
+            batch.append(self._take(item))
+        return batch, size
 
     def _take(self, item: tuple[Any, int]):
         """The queued item's event (a token's is built now); its bytes stay counted while it is sent."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from fastapi import Request
 from pydantic import BaseModel
 
 from attnlens.app.api.explain_schemas import (
@@ -125,7 +126,7 @@ class ExplainServing:
     def __init__(self, state: AppState):
         self.state = state
 
-    async def logits(self, body: LogitsRequest, served: ServedModel):
+    async def logits(self, body: LogitsRequest, served: ServedModel, request: Request | None = None):
         state = self.state
         edits, echo = resolve_ablate(served, body.ablate, state.settings)
         ids, target = await read_sequence(body, served, state)
@@ -142,10 +143,10 @@ class ExplainServing:
                              clean=_positions(tok, stream, report["clean"]) if "clean" in report else None,
                              effect=report.get("effect"))
 
-        return await answer_with_claim(state, served, call, content, what="this answer",
+        return await answer_with_claim(state, served, call, content, what="this answer", request=request,
                                        need=n * per_position * (2 if edits else 1) + len(ids) * TOKEN_BYTES)
 
-    async def lens(self, body: LensRequest, served: ServedModel):
+    async def lens(self, body: LensRequest, served: ServedModel, request: Request | None = None):
         state = self.state
         edits, echo = resolve_ablate(served, body.ablate, state.settings)
         ids, target = await read_sequence(body, served, state)
@@ -175,11 +176,11 @@ class ExplainServing:
                       for layer in report["layers"]]
             return with_rows(LensResponse, _common(served, report, echo), layers=layers)
 
-        return await answer_with_claim(state, served, call, content, what="this answer",
+        return await answer_with_claim(state, served, call, content, what="this answer", request=request,
                                        need=rows * (n if body.positions is None else len(body.positions))
                                        * (body.top_k + 2) * TOKEN_BYTES, check=_reached("positions"))
 
-    async def explain_head(self, body: ExplainRequest, served: ServedModel):
+    async def explain_head(self, body: ExplainRequest, served: ServedModel, request: Request | None = None):
         state = self.state
         family, cfg = served.family, served.checkpoint.config
         names = [g.name for g in family.groups]
@@ -230,7 +231,7 @@ class ExplainServing:
             need += (cfg.n_layers * (cfg.n_heads + 1) + 4) * (2 * FLOAT_BYTES + 16) + score.top_k * 64
         reached = _reached("query")
         return await answer_with_claim(state, served, call if score is None else (call, score), content,
-                                       what="this answer", need=need,
+                                       what="this answer", need=need, request=request,
                                        check=lambda done: reached(done[0] if isinstance(done, tuple) else done))
 
 

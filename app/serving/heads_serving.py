@@ -5,6 +5,8 @@ scores (app/serving/head_atlas.py), checked against the schema and encoded."""
 
 from __future__ import annotations
 
+from fastapi import Request
+
 from attnlens.app.api.heads_schemas import HeadsRequest, HeadsResponse
 from attnlens.app.registry.model_registry import ServedModel
 from attnlens.app.server.api_errors import ApiError, field_error
@@ -39,7 +41,7 @@ class HeadsServing:
     def __init__(self, state: AppState):
         self.state = state
 
-    async def heads(self, body: HeadsRequest, served: ServedModel):
+    async def heads(self, body: HeadsRequest, served: ServedModel, request: Request | None = None):
         state = self.state
         family, cfg, tok = served.family, served.checkpoint.config, served.checkpoint.tokenizer
         one_input(body)
@@ -63,7 +65,8 @@ class HeadsServing:
             return HeadsResponse.model_validate(fields).model_dump_json().encode()
 
         return await answer_with_claim(state, served, HeadScoresCall(ids=ids, target_ids=target, clark=clark),
-                                       answer, need=need, what="this input's attention maps", hold=False)
+                                       answer, need=need, what="this input's attention maps", hold=False,
+                                       request=request)
 
     async def _ids(self, body: HeadsRequest, served: ServedModel
                    ) -> tuple[list[int], list[int] | None, dict | None]:

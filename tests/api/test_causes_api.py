@@ -265,6 +265,47 @@ def in_process(tiny_checkpoint, scenario, **settings):
     return run_async(main())
 
 
+async def post_then_leave(app, path: str, body: dict, started) -> None:
+    """POST `body` to the app as a client that goes away once `started()` is true; returns when the
+    handler has ended (within 10 s)."""
+    payload, sent, gone = json.dumps(body).encode(), asyncio.Event(), asyncio.Event()
+
+    async def receive():
+        if not sent.is_set():
+            sent.set()
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+             "client": ("127.0.0.1", 1), "server": ("test", 80), "state": {}, "app": app}
+    handler = asyncio.create_task(app(scope, receive, send))
+    for _ in range(300):
+        if started():
+            break
+        await asyncio.sleep(0.01)
+    assert started(), f"{path}'s call never began"
+    gone.set()
+    await asyncio.wait_for(handler, 10)
+
+
+async def stopped(engine, reports: list) -> int:
+    """Once the engine counts its cancelled call: the reports made, checked to stay so (none after)."""
+    for _ in range(100):
+        if engine.client.core.calls_cancelled:
+            break
+        await asyncio.sleep(0.02)
+    n = len(reports)
+    await asyncio.sleep(0.2)
+    assert engine.client.core.calls_cancelled == 1 and len(reports) == n  # stopped, not run to its end
+    return n
+
+
 def test_a_patch_stops_at_its_next_report_point_when_its_client_goes(tiny_checkpoint, ckpt, monkeypatch):
     """The client goes away mid-call: the engine stops the patch at its next report point (no report
     after it), the handler ends (499) and the engine goes on serving."""
@@ -283,42 +324,13 @@ def test_a_patch_stops_at_its_next_report_point_when_its_client_goes(tiny_checkp
     monkeypatch.setitem(operations.OPERATIONS, PatchCall.operation, slow)
     ids = ckpt.tokenizer.encode("To be, or not to be, that is the question: whether 'tis nobler")[:40]
     corrupted = [ids[0], (ids[1] + 1) % ckpt.config.vocab_size, *ids[2:]]
-    body = json.dumps({"clean_ids": ids, "corrupted_ids": corrupted, "answer_id": 3, "foil_id": 4,
-                       "component": "heads_by_position"}).encode()
+    body = {"clean_ids": ids, "corrupted_ids": corrupted, "answer_id": 3, "foil_id": 4,
+            "component": "heads_by_position"}
 
     async def scenario(app, client):
         engine = app.state.attnlens.registry.get(None).runner
-        sent, gone = asyncio.Event(), asyncio.Event()
-
-        async def receive():
-            if not sent.is_set():
-                sent.set()
-                return {"type": "http.request", "body": body, "more_body": False}
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            pass
-
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "scheme": "http", "path": "/patch", "raw_path": b"/patch", "query_string": b"", "root_path": "",
-                 "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-                 "client": ("127.0.0.1", 1), "server": ("test", 80), "state": {}, "app": app}
-        handler = asyncio.create_task(app(scope, receive, send))
-        for _ in range(300):
-            if len(reports) >= 5:
-                break
-            await asyncio.sleep(0.01)
-        assert len(reports) >= 5, "the patch never reported"
-        gone.set()
-        await asyncio.wait_for(handler, 10)
-        for _ in range(100):
-            if engine.client.core.calls_cancelled:
-                break
-            await asyncio.sleep(0.02)
-        n = len(reports)
-        await asyncio.sleep(0.2)
-        assert engine.client.core.calls_cancelled == 1 and len(reports) == n  # stopped, not run to its end
+        await post_then_leave(app, "/patch", body, lambda: len(reports) >= 5)
+        n = await stopped(engine, reports)
         assert n < 2 * 40 * 2  # a report per block of each position's batch, had it run through
         metrics = app.state.attnlens.metrics.render().decode()
         assert 'route="/patch",status="499"} 1.0' in metrics
@@ -326,6 +338,36 @@ def test_a_patch_stops_at_its_next_report_point_when_its_client_goes(tiny_checkp
         r = await client.post("/patch", json={"clean_ids": ids[:8], "corrupted_ids": corrupted[:8], "answer_id": 3,
                                               "foil_id": 4})
         assert r.status_code == 200  # the engine goes on serving
+
+    in_process(tiny_checkpoint, scenario)
+
+
+@pytest.mark.parametrize("path,operation,extra", [
+    ("/logits", "logits", {}), ("/lens", "lens", {}), ("/heads", "head_scores", {}),
+    ("/attention/explain", "explain_head", {"layer": 1, "head": 1, "query": 5}),
+])
+def test_every_model_call_stops_when_its_client_goes(tiny_checkpoint, ckpt, monkeypatch, path, operation, extra):
+    """The explain routes and /heads as /patch: a client that goes away mid-call stops the call at its
+    next report point and the handler ends (499); the soak (bench/soak.py) found a /lens whose client
+    had left run to its end and be counted as answered."""
+    from attnlens.model.analysis import operations
+
+    reports: list[float] = []
+
+    def endless(model, call, report):
+        while True:
+            time.sleep(0.02)
+            reports.append(time.monotonic())
+            report()
+
+    monkeypatch.setitem(operations.OPERATIONS, operation, endless)
+    ids = ckpt.tokenizer.encode("To be, or not to be, that is the question")[:12]
+
+    async def scenario(app, client):
+        engine = app.state.attnlens.registry.get(None).runner
+        await post_then_leave(app, path, {"ids": ids, **extra}, lambda: len(reports) >= 3)
+        await stopped(engine, reports)
+        assert f'route="{path}",status="499"}} 1.0' in app.state.attnlens.metrics.render().decode()
 
     in_process(tiny_checkpoint, scenario)
 
