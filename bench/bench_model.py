@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':<27} {'wall ms':>9}{'cpu ms':>9} {'wall ms':>9}{'cpu ms':>9} {'wall':>7}{'cpu':>8}")
     for name, (aw, ac), (bw, bc) in rows:
         print(f"{name:<27} {aw:>9.1f}{ac:>9.1f} {bw:>9.1f}{bc:>9.1f} {bw / aw:>6.2f}x{bc / ac:>7.2f}x")
-    (dw, dc), (hw, hc) = rows[2][1], rows[2][2]
+    (_, dc), (hw, hc) = rows[2][1], rows[2][2]
     aw, ac = ours_attn_decode
     print(f"{'greedy decode + attention':<27} {aw:>9.1f}{ac:>9.1f} {'-':>9}{'-':>9} {hw / aw:>6.2f}x{hc / ac:>7.2f}x")
     print()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 from helpers import REPO_ROOT

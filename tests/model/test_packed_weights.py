@@ -226,9 +226,8 @@ def test_smollm2_packed_agrees_with_float32(smollm2, smollm2_packed, prompt):
 
 @pytest.mark.slow
 def test_smollm2_served_packed_says_so_and_answers(smollm2, tmp_path):
-    from live_server import live_server
-
     import httpx
+    from live_server import live_server
 
     with live_server(smollm2.path, tmp_path, env={"ATTNLENS_DTYPE": "packed"}, timeout=180) as server, \
             httpx.Client(base_url=server.base_url, timeout=120) as client:

@@ -13,8 +13,7 @@ from helpers import reference_tokens, run_async, small_config_model
 
 from attnlens.app.engine import Engine, GenerationParams
 from attnlens.app.engine.outputs import DoneEvent, TokenEvent
-from attnlens.model import SamplingParams
-from attnlens.model import paged_kv_cache
+from attnlens.model import SamplingParams, paged_kv_cache
 from attnlens.model.native import library as native
 from attnlens.model.paged_kv_cache import PagedKVCache
 

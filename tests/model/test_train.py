@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 import torch
