@@ -48,8 +48,9 @@
 #include <omp.h>
 #endif
 
-/* weight rows a product's chunk takes: a multiple of packed_dots.h's CHUNK and float_dots.h's NR */
-#define ROWS_PER_CHUNK 64
+/* a product's chunks, this many a thread: few for one row of x (long streams for the reading ahead,
+   where memory bounds the product), more where the sums bound it (even shares) */
+#define CHUNKS_PER_THREAD(M) ((M) == 1 ? 2 : 8)
 
 /* one phase's chunks: the next to take, how many are done, and how many threads sleep until all
    are, on a cache line of their own */
@@ -133,14 +134,20 @@ static void linear_range(const fused_linear *l, const float *x, int64_t M, float
             for (int64_t n = n0; n < n1; n++) residual[m * N + n] = residual[m * N + n] + y[m * N + n];
 }
 
-static inline int64_t chunks_of(const fused_linear *l) { return (l->n_out + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK; }
+/* weight rows of a product's chunk: a few chunks a thread (contiguous runs, read ahead as one
+   stream), in multiples of packed_dots.h's CHUNK (and so of float_dots.h's NR) */
+static inline int64_t rows_per_chunk(const fused_linear *l, int64_t M, int threads) {
+    const int64_t chunks = CHUNKS_PER_THREAD(M) * threads, rows = (l->n_out + chunks - 1) / chunks;
+    return (rows + CHUNK - 1) / CHUNK * CHUNK;
+}
 
-/* a product's chunk c (its runs of weight rows) */
-#define PRODUCT(ph, l, x, M, y, residual)                                                                  \
-    PHASE(ph, chunks_of(l), c_, linear_range((l), (x), (M), (y), c_ * ROWS_PER_CHUNK,                      \
-                                             (c_ + 1) * ROWS_PER_CHUNK < (l)->n_out ? (c_ + 1) * ROWS_PER_CHUNK \
-                                                                                     : (l)->n_out,          \
-                                             (residual), scratch))
+/* a product's phase: its chunks (runs of weight rows), then every one of them done */
+static void product(phase *ph, const fused_linear *l, const float *x, int64_t M, float *y, float *residual,
+                    float *scratch, int threads) {
+    const int64_t rows = rows_per_chunk(l, M, threads), N = l->n_out;
+    PHASE(ph, (N + rows - 1) / rows, c, linear_range(l, x, M, y, c * rows, (c + 1) * rows < N ? (c + 1) * rows : N,
+                                                     residual, scratch));
+}
 
 /* the first R dims of one head's D: x * cos + roll(x, R/2) * signed_sin (positions.py's apply_rotary) */
 static void rotate(float *x, const float *cos, const float *signed_sin, int64_t R) {
@@ -214,18 +221,18 @@ int decode_layers(float *x, int64_t B, int64_t C, const fused_layer *layers, int
                 const fused_layer *l = layers + i;
                 phase *ph = phases + i * PHASES;
                 PHASE(ph + NORM1, B, b, rms_norm(x + b * C, 1, C, l->ln1, eps, h + b * C));
-                PRODUCT(ph + QKV, &l->qkv, h, B, qkv, NULL);
+                product(ph + QKV, &l->qkv, h, B, qkv, NULL, scratch, threads);
                 PHASE(ph + PLACE, B, b, place_row(l, b, qkv, q, H, K, D, R, cos, signed_sin, slots, eps));
                 PHASE(ph + PARTS, parts, p,
                       attention_part(p, q, l->keys, l->values, table, nb, lengths, H, K, P, D, parts_per_row, scale,
                                      l->probs, S, top, sums, acc, scratch));
                 PHASE(ph + MERGE, B, b,
                       attention_merge(b, lengths, H, K, D, parts_per_row, att, l->probs, S, top, sums, acc));
-                PRODUCT(ph + ATTN_OUT, &l->attn_out, att, B, out, x);
+                product(ph + ATTN_OUT, &l->attn_out, att, B, out, x, scratch, threads);
                 PHASE(ph + NORM2, B, b, rms_norm(x + b * C, 1, C, l->ln2, eps, h + b * C));
-                PRODUCT(ph + FFN_IN, &l->ffn_in, h, B, gu, NULL);
+                product(ph + FFN_IN, &l->ffn_in, h, B, gu, NULL, scratch, threads);
                 PHASE(ph + SWIGLU, B, b, swiglu(gu + b * 2 * F, 1, F, act + b * F));
-                PRODUCT(ph + FFN_OUT, &l->ffn_out, act, B, out, x);
+                product(ph + FFN_OUT, &l->ffn_out, act, B, out, x, scratch, threads);
             }
         }
     }
