@@ -91,7 +91,7 @@ def batch_one(model_dir: Path, dtype: torch.dtype, n: int, reps: int) -> dict[st
         for name, hf_dtype in (("hf_generate", dtype), ("hf_generate_fp32", torch.float32)):
             hf = GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="sdpa", dtype=hf_dtype).to(DEVICE).eval()
 
-            def hf_generate(hf=hf):
+            def hf_generate(hf=hf):  # bound now: the loop deletes its name after each model
                 with torch.inference_mode():
                     hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=n,
                                 min_new_tokens=n, pad_token_id=ckpt.tokenizer.eos_id)

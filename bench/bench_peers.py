@@ -101,6 +101,17 @@ def tree_rss_bytes(pid: int) -> int:
     return total + sum(tree_rss_bytes(c) for c in children)
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and of its descendants (attnlens' engine process), from Linux /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(tree_cpu_seconds(c) for c in children)
+
+
 def wait_ready(proc: subprocess.Popen, port: int, path: str, log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -191,10 +202,13 @@ class Figures:
     tok_s: list[float] = field(default_factory=list)  # every answer's tokens / the level's wall time
     decode_tok_s: list[float] = field(default_factory=list)  # one stream: decode-only (diagnostic)
     first_token_ms: list[float] = field(default_factory=list)  # median over the level's streams
+    cpu_tok_s: list[float] = field(default_factory=list)  # tokens per CPU-second of the server's processes
     tokens: int = 0  # of one round, as the server counted them
 
-    def add(self, answers: list[Answer], wall: float) -> None:
+    def add(self, answers: list[Answer], wall: float, cpu: float) -> None:
         self.tokens = sum(a.tokens for a in answers)
+        if cpu > 0:
+            self.cpu_tok_s.append(self.tokens / cpu)
         self.tok_s.append(self.tokens / wall)
         firsts = [a.first_token_s for a in answers if a.first_token_s is not None]
         if firsts:
@@ -223,7 +237,10 @@ class Bench:
         return [s.body(ids, n, stream) for ids in self.prompts[:level]]
 
     def run(self, s: Server, level: int, record: bool = True) -> None:
+        pid = s.proc.pid if s.proc is not None else 0
+        cpu0 = tree_cpu_seconds(pid)
         answers, wall = run_all(s.port, s.path, self.bodies(s, level))
+        cpu = tree_cpu_seconds(pid) - cpu0
         failed = [a.error for a in answers if a.error]
         if failed:
             raise RuntimeError(f"{s.side} {s.weights}, {level} streams: {failed[0]}")
@@ -231,9 +248,9 @@ class Bench:
             self.counts.setdefault(s.mode, {}).update(enumerate(a.tokens for a in answers))
         tokens = sum(a.tokens for a in answers)
         print(f"  {'' if record else '(warm-up) '}{level:3d} streams  {s.side:9s} {s.weights:8s} {tokens:6d} tokens in "
-              f"{wall:6.2f} s = {tokens / wall:7.1f} tok/s   load {os.getloadavg()[0]:.2f}", flush=True)
+              f"{wall:6.2f} s = {tokens / wall:7.1f} tok/s, {cpu:6.1f} CPU-s   load {os.getloadavg()[0]:.2f}", flush=True)
         if record:
-            self.figures.setdefault((level, s.mode, s.side), Figures()).add(answers, wall)
+            self.figures.setdefault((level, s.mode, s.side), Figures()).add(answers, wall, cpu)
 
     def prefill(self, s: Server, ids: list[int]) -> float:
         body = s.body(ids, 1, False)
@@ -323,28 +340,37 @@ def fmt(x: float | None, spec: str) -> str:
     return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
 
 
+def pair(ours: list[float], theirs: list[float], spec: str = "6.1f") -> str:
+    """"ours/theirs = ratio" of two medians (the ratio of the medians)."""
+    a, b = median(ours), median(theirs)
+    text = f"{fmt(a, spec)}/{fmt(b, spec)}"
+    return text + (f" = {a / b:4.2f}x" if a and b else "        ")
+
+
 def print_table(bench: Bench, levels: list[int], servers: list[Server]) -> None:
     stream = "streamed" if not bench.args.no_stream else "whole (non-streamed)"
-    print(f"whole requests over HTTP, {stream}: every answer's tokens / the wall time of the level (medians)")
-    print(f"{'streams':>7s}  {'weights':14s} {'attnlens tok/s':>14s} {'llama.cpp tok/s':>15s} {'ratio':>7s}   "
-          f"{'tokens':>13s}   {'first token ms':>15s}   {'decode-only tok/s (diag.)':>25s}")
+    print(f"\nwhole requests over HTTP, {stream}: every answer's tokens / the wall time of the level (medians; "
+          f"each repetition's ratio, the two sides measured back to back, in brackets)")
+    print(f"{'streams':>7s}  {'weights':14s} {'attnlens tok/s':>14s} {'llama.cpp tok/s':>15s} {'ratio':>7s} "
+          f"{'(each rep)':>18s}  {'tokens':>11s}  {'first token ms':>16s}  {'tok per CPU-s (diag.)':>24s}  "
+          f"{'decode-only tok/s (diag.)':>25s}")
     for level in levels:
         for mode, theirs in MODES:
-            ours_f, peer_f = bench.figures.get((level, mode, "attnlens")), bench.figures.get((level, mode, "llama.cpp"))
+            ours_f = bench.figures.get((level, mode, "attnlens"))
+            peer_f = bench.figures.get((level, mode, "llama.cpp")) or Figures()
             if ours_f is None:
                 continue
-            a, b = median(ours_f.tok_s), median(peer_f.tok_s) if peer_f else None
+            a, b = median(ours_f.tok_s), median(peer_f.tok_s)
             ratio = f"{a / b:6.2f}x" if a and b else "      -"
-            tokens = f"{ours_f.tokens}/{peer_f.tokens if peer_f else '-'}"
-            first = f"{fmt(median(ours_f.first_token_ms), '7.0f')}/{fmt(median(peer_f.first_token_ms) if peer_f else None, '7.0f')}"
-            decode = ""
-            if level == 1:
-                decode = (f"{fmt(median(ours_f.decode_tok_s), '6.1f')}/{fmt(median(peer_f.decode_tok_s) if peer_f else None, '6.1f')}"
-                          + (f" = {median(ours_f.decode_tok_s) / median(peer_f.decode_tok_s):4.2f}x"
-                             if peer_f and peer_f.decode_tok_s and ours_f.decode_tok_s else ""))
-            print(f"{level:7d}  {mode + ' / ' + theirs:14s} {fmt(a, '14.1f')} {fmt(b, '15.1f')} {ratio}   "
-                  f"{tokens:>13s}   {first:>15s}   {decode:>25s}")
-    print("(tokens: one round's, attnlens/llama.cpp; first token and decode-only: attnlens/llama.cpp)")
+            reps = ",".join(f"{x / y:.2f}" for x, y in zip(ours_f.tok_s, peer_f.tok_s))
+            tokens = f"{ours_f.tokens}/{peer_f.tokens or '-'}"
+            first = f"{fmt(median(ours_f.first_token_ms), '7.0f')}/{fmt(median(peer_f.first_token_ms), '7.0f')}"
+            decode = pair(ours_f.decode_tok_s, peer_f.decode_tok_s) if level == 1 else ""
+            print(f"{level:7d}  {mode + ' / ' + theirs:14s} {fmt(a, '14.1f')} {fmt(b, '15.1f')} {ratio} "
+                  f"{'(' + reps + ')':>18s}  {tokens:>11s}  {first:>16s}  "
+                  f"{pair(ours_f.cpu_tok_s, peer_f.cpu_tok_s):>24s}  {decode:>25s}")
+    print("(tokens: one round's; first token, tokens per CPU-second of the server's processes and decode-only: "
+          "attnlens/llama.cpp)")
     if bench.prefills:
         print("\nprefill: one request, an N-token prompt and one new token, wall seconds (llama.cpp: -np 1)")
         for (n, mode, side), xs in sorted(bench.prefills.items()):

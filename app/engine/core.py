@@ -27,9 +27,11 @@ Each `step()` (vLLM v1's EngineCore.step: schedule, execute, update):
                every row with that generation's own parameters and seeded generator
                (model.decoding.decode_step);
   5. update    hand the step's records (tokens with log-probs and attention rows as tensors,
-               prompt scores, finishes; a model call's result) to the sink in one call; on CUDA
-               once the next step is launched, so that they are handed over while the device
-               computes (vLLM's asynchronous output processing).
+               prompt scores, finishes; a model call's result) to the sink in one call (on the
+               CPU a prefill's first tokens in one of their own before the decode step, so they
+               reach their clients a step sooner); on CUDA once the next step is launched, so
+               that they are handed over while the device computes (vLLM's asynchronous output
+               processing).
 
 A forward that raises is retried row by row, so one request's exception stays its own. A
 cancelled generation stops at the next step. Every generation handed to the core ends with
@@ -271,6 +273,9 @@ class EngineCore:
                 self._run_prefills(batch, records)
         self._retire_finished(records)
         if self.scheduler.decoding:
+            if records and not self._overlap_outputs:  # the prompts' first tokens go out now, not a decode step later
+                self._deliver(records)
+                records.clear()
             t0 = time.perf_counter()
             self._run_decode(records)
             self._note_step(time.perf_counter() - t0)

@@ -158,4 +158,30 @@ static inline void tile(const float *w, const float *x, int64_t K, int nr, int m
 
 #endif
 
+/* y[:, n0:n1] (+ bias) of y (M, N) = x (M, K) W^T, each element as float_matvec.c's kernels compute it
+   (row_dot's sums, the one-row answer): from TILE_MIN_ROWS rows with AVX-512 in tiles of NR weight
+   rows (n0 a multiple of NR), else row by row */
+static inline void float_range(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias,
+                               float *y, int64_t n0, int64_t n1) {
+#ifdef __AVX512F__
+    if (M >= TILE_MIN_ROWS) {
+        float out[NR * MR];
+        for (int64_t g = n0; g < n1; g += NR) {
+            const int nr = n1 - g < NR ? (int)(n1 - g) : NR;
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+                tile(w + g * K, x + m0 * K, K, nr, mr, m0 == 0, out);
+                for (int i = 0; i < nr; i++)
+                    for (int j = 0; j < mr; j++) y[(m0 + j) * N + g + i] = out[i * mr + j] + (bias ? bias[g + i] : 0.0f);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t n = n0; n < n1; n++) {
+        const float b = bias ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = row_dot(w + n * K, x + m * K, K, m == 0) + b;
+    }
+}
+
 #endif

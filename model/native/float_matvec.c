@@ -26,25 +26,6 @@ void float_matvec(const float *x, int64_t K, const float *w, int64_t N, const fl
     }
 }
 
-#ifdef __AVX512F__
-/* float_matmul_few in tiles: each thread takes runs of NR weight rows, and meets them with MR rows of x at a time */
-static void tiled(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y) {
-    const int64_t groups = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static) if (N * K * M > 65536)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t n0 = g * NR;
-        const int nr = N - n0 < NR ? (int)(N - n0) : NR;
-        float out[NR * MR];
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int mr = M - m0 < MR ? (int)(M - m0) : MR;
-            tile(w + n0 * K, x + m0 * K, K, nr, mr, m0 == 0, out);
-            for (int i = 0; i < nr; i++)
-                for (int j = 0; j < mr; j++) y[(m0 + j) * N + n0 + i] = out[i * mr + j] + (bias ? bias[n0 + i] : 0.0f);
-        }
-    }
-}
-#endif
-
 /* y (M, N) = x (M, K) W^T (+ bias) for a few rows (a batched decode step's): each weight row is read
    from memory once and meets every row of x while it is in cache. Per (m, n), the sum is row_dot's,
    in the same order: the one-row answer for every row. From TILE_MIN_ROWS rows with AVX-512, in
@@ -54,15 +35,11 @@ void float_matmul_few(const float *x, int64_t M, int64_t K, const float *w, int6
         float_matvec(x, K, w, N, bias, y);
         return;
     }
+    int64_t step = 1;  /* weight rows a thread takes at a time: a tile's NR from TILE_MIN_ROWS rows of x */
 #ifdef __AVX512F__
-    if (M >= TILE_MIN_ROWS) {
-        tiled(x, M, K, w, N, bias, y);
-        return;
-    }
+    if (M >= TILE_MIN_ROWS) step = NR;
 #endif
+    const int64_t groups = (N + step - 1) / step;
 #pragma omp parallel for schedule(static) if (N * K * M > 65536)
-    for (int64_t n = 0; n < N; n++) {
-        const float b = bias ? bias[n] : 0.0f;
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = row_dot(w + n * K, x + m * K, K, m == 0) + b;
-    }
+    for (int64_t g = 0; g < groups; g++) float_range(x, M, K, w, N, bias, y, g * step, g * step + step < N ? g * step + step : N);
 }
