@@ -466,7 +466,9 @@ def test_the_difference_view_shows_a_heads_map_without_and_with_the_ablation(pag
     r = rendered(page)
     page.select_option("#layer", "1")
     wait_rendered(page, r)
-    assert all(abs(v) <= 1e-6 for v in page.evaluate("() => Array.from(window.__attnlens.current().result.data)") if v == v)
+    got = page.evaluate("() => Array.from(window.__attnlens.current().result.data)")
+    bad = [v for v in got if v == v and abs(v) > 1e-5]  # float32 rounding: the two maps may come from different kernels
+    assert not bad, (len(got), bad[:20], page.url, page.inner_text("#caption"))
     assert "nothing changed" in page.inner_text("#caption")
     # without an ablation the view says how to choose one, and draws nothing stale
     r = rendered(page)

@@ -165,7 +165,8 @@ def test_two_process_ddp_trains_the_encoder(tmp_path, genre_corpus):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "attnlens.app.cli", "train", "--config", str(cfg), "--out", str(out), "--set", "train.bow_baseline=false"]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    why = [line for line in done.stderr.splitlines() if "terminate called" in line or "what()" in line or "Error" in line]
+    assert done.returncode == 0, "\n".join(why[-20:]) + done.stdout[-2000:] + done.stderr[-2000:]  # a rank's own abort first
     report = json.loads((out / "train_report.json").read_text())
     assert report["hardware"].startswith("2 x CPU") and report["steps"] == 5
     assert "held_out_genre" in report

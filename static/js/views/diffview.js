@@ -8,7 +8,7 @@ import { AttentionSet, difference, removeSink } from "../attention.js";
 import { quoted, escapeHTML } from "../tokens.js";
 import { ablateField, describeHead, formatAblation } from "../explain/ablation.js";
 
-const ROUNDING = 1e-6;  // a probability that moved less than this is float32 rounding, not a change
+const ROUNDING = 1e-5;  // a probability that moved less than this is float32 rounding (a few ulps), not a change
 
 export class DiffView extends MatrixView {
   constructor(ctx) {
