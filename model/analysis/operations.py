@@ -192,7 +192,8 @@ class PatchCall(Operation[PatchResult]):
     corrupted one, the metric logit(answer) - logit(foil) at `position` (default the last); `method`
     "exact" or "attribution" (first-order estimates); `sender` (layer, head) for component "paths".
     An encoder-decoder's clean and corrupted ids are sources, read with one target (`target_ids`,
-    after the start token; None: none) at whose `position` the metric is."""
+    after the start token; None: none) at whose `position` the metric is; its sender is a head of
+    `sender_group` (encoder, decoder or cross)."""
 
     operation: ClassVar[str] = "patch"
     clean_ids: list[int]
@@ -204,13 +205,18 @@ class PatchCall(Operation[PatchResult]):
     method: str = "exact"  # exact | attribution
     sender: tuple[int, int] | None = None
     target_ids: list[int] | None = None
+    sender_group: str | None = None  # an encoder-decoder's paths: the sender's group
 
     def check(self, config) -> None:
         if config.family == "encoder-decoder":
             check_encoder_decoder_patch(config, self.clean_ids, self.corrupted_ids, self.target_ids, self.answer_id,
-                                        self.foil_id, self.position, self.component, self.method, self.sender)
+                                        self.foil_id, self.position, self.component, self.method, self.sender,
+                                        self.sender_group)
             return
         check_target(config, self.target_ids)
+        if self.sender_group is not None:
+            raise ValueError(f"sender group {self.sender_group!r}: a decoder's heads are one group; give the sender's "
+                             "layer and head only")
         check_patch(config, self.clean_ids, self.corrupted_ids, self.answer_id, self.foil_id, self.position,
                     self.component, self.method, self.sender)
 
@@ -304,9 +310,12 @@ def _warm_up(model, call: WarmUpCall, report: Report) -> None:
 def _patch(model, call: PatchCall, report: Report) -> PatchResult:
     call.check(model.config)
     if model.config.family == "encoder-decoder":
-        run = attribution_patch_encoder_decoder if call.method == "attribution" else patch_encoder_decoder
-        return run(model, call.clean_ids, call.corrupted_ids, call.answer_id, call.foil_id, call.position,
-                   call.component, call.target_ids, report=report)
+        args = (model, call.clean_ids, call.corrupted_ids, call.answer_id, call.foil_id, call.position,
+                call.component, call.target_ids)
+        if call.method == "attribution":
+            return attribution_patch_encoder_decoder(*args, report=report)
+        sender = None if call.sender is None or call.sender_group is None else (call.sender_group, *call.sender)
+        return patch_encoder_decoder(*args, report=report, sender=sender)
     if call.method == "attribution":
         return attribution_patch(model, call.clean_ids, call.corrupted_ids, call.answer_id, call.foil_id,
                                  call.position, call.component, report=report)
