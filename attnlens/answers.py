@@ -810,6 +810,14 @@ def _top(grid: np.ndarray, k: int) -> list[tuple[tuple[int, ...], float]]:
     return [(tuple(int(i) for i in np.unravel_index(j, grid.shape)), float(grid.ravel()[j])) for j in order]
 
 
+def _sender(sender: dict | None, grouped: bool) -> tuple | None:
+    """A /patch answer's sender: (layer, head), an encoder-decoder's (group, layer, head)."""
+    if sender is None:
+        return None
+    head = (int(sender["layer"]), int(sender["head"]))
+    return (sender["group"], *head) if grouped else head
+
+
 def _grids(values: Any) -> Any:
     """A /patch answer's values as float64 arrays, dicts of them kept (nested by group: an encoder-decoder's)."""
     return {k: _grids(v) for k, v in values.items()} if isinstance(values, dict) else _grid(values)
@@ -844,8 +852,9 @@ class PatchAnswer:
     "mlp" [L, T]; paths: "q", "k", "v" [L, H], nan at layers up to the sender's). An encoder-decoder's
     (`target_tokens` given, `position` on the target) come by group: {"encoder", "decoder", "cross"} for
     heads, {"encoder", "decoder"} for residual, {"encoder": {"attention", "mlp"}, "decoder": {"attention",
-    "cross", "mlp"}} for layers. `normalized`: 0 = the corrupted run, 1 = the clean run; `top(k)` the
-    cells that restore the most."""
+    "cross", "mlp"}} for layers, {"encoder", "decoder", "cross": {"q", "k", "v"}} for paths (nan where
+    the sender has no direct path), its `sender` (group, layer, head). `normalized`: 0 = the corrupted
+    run, 1 = the clean run; `top(k)` the cells that restore the most."""
 
     model: str
     component: str
@@ -859,7 +868,7 @@ class PatchAnswer:
     differing: list[int]
     answer: Token
     foil: Token
-    sender: tuple[int, int] | None = None
+    sender: tuple | None = None  # paths: (layer, head); an encoder-decoder's (group, layer, head)
     target_tokens: list[Token] | None = None  # an encoder-decoder's target, the start token first
 
     @classmethod
@@ -870,8 +879,7 @@ class PatchAnswer:
                    float(body["clean_metric"]), float(body["corrupted_metric"]), _grids(body["values"]),
                    _tokens(body["clean_tokens"]), _tokens(body["corrupted_tokens"]), [int(p) for p in body["differing"]],
                    Token.from_json(body["answer"]), Token.from_json(body["foil"]),
-                   None if sender is None else (int(sender["layer"]), int(sender["head"])),
-                   None if target is None else _tokens(target))
+                   _sender(sender, target is not None), None if target is None else _tokens(target))
 
     @property
     def normalized(self) -> Any:

@@ -72,7 +72,7 @@ def test_patch_answers_the_operation(bundled_client, default_model, prompts, com
     assert a["differing"] == sorted(CHANGED)
     tok = default_model.tokenizer
     assert a["answer"] == {"id": ANSWER, "text": tok.display_text(ANSWER)} and a["foil"]["id"] == FOIL
-    assert a["sender"] == (sender["sender"] if sender else None)
+    assert a["sender"] == ({**sender["sender"], "group": "self"} if sender else None)
     L, H, T = default_model.config.n_layers, default_model.config.n_heads, len(clean)
     shape = {"heads": (L, H), "heads_by_position": (L, T, H), "residual": (L, T)}
     if component in shape:
@@ -148,8 +148,8 @@ def patch_body(**change) -> dict:
 BAD_PATCH = [
     # (change, status, param, words in the message)
     ({"model": "encoder", "clean": "a b", "corrupted": "a c"}, 400, "model", ["decoder", "bidirectional"]),
-    ({"model": "translator", "clean": "twenty one", "corrupted": "twenty two", "component": "paths"}, 400, "component",
-     ["a decoder's"]),  # the translator's own cases: tests/api/test_causes_translator.py
+    ({"model": "translator", "clean": "twenty one", "corrupted": "twenty two", "component": "paths",
+      "sender": {"layer": 0, "head": 0}}, 400, "sender", ["needs a group"]),  # more: tests/api/test_causes_translator.py
     ({"corrupted": TEXT + " again"}, 400, "corrupted", ["tokens and clean", "as many tokens"]),
     ({"answer_id": None, "answer": " not to be"}, 400, "answer", ["tokens (", "not one"]),
     ({"foil_id": None, "foil": "question mark"}, 400, "foil", ["tokens", "not one"]),
@@ -162,6 +162,8 @@ BAD_PATCH = [
     ({"component": "paths", "sender": {"layer": 4, "head": 0}}, 400, "sender", ["layer 4 out of range"]),
     ({"component": "paths", "sender": {"layer": 0, "head": 8}}, 400, "sender", ["head 8 out of range"]),
     ({"sender": {"layer": 0, "head": 0}}, 400, "sender", ["paths only"]),
+    ({"component": "paths", "sender": {"layer": 0, "head": 0, "group": "cross"}}, 400, "sender",
+     ["sender group 'cross'", "one attention group, self"]),
     ({"component": "paths", "method": "attribution", "sender": {"layer": 0, "head": 0}}, 400, "method", ["exact"]),
     ({"component": "neurons"}, 422, "component", []),
     ({"clean_ids": [1, 2]}, 422, "clean_ids", ["not both"]),
