@@ -21,7 +21,9 @@ what comes back is plain data too (dataclasses, numpy, lists, dicts).
                                        an encoder-decoder's: encoder_decoder_patching.py)
     LogitAttributionCall  logit_attribution  LogitAttribution (logit_attribution.py; an encoder-
                                        decoder's: encoder_decoder_attribution.py)
-    ScoreDecompositionCall  score_decomposition  ScoreDecomposition (score_decomposition.py)
+    ScoreDecompositionCall  score_decomposition  ScoreDecomposition (score_decomposition.py; an encoder-
+                                       decoder's: encoder_decoder_scores.py, or only "error" for a
+                                       query past its generated target's end)
 
 The causal calls (patch, logit_attribution, score_decomposition) have `check(config)`: the
 ValueError, naming the field, that the operation itself raises for arguments the model cannot take,
@@ -49,6 +51,11 @@ from attnlens.model.analysis.encoder_decoder_patching import (
     attribution_patch_encoder_decoder,
     check_encoder_decoder_patch,
     patch_encoder_decoder,
+)
+from attnlens.model.analysis.encoder_decoder_scores import (
+    Unreached,
+    check_encoder_decoder_score,
+    decompose_encoder_decoder_score,
 )
 from attnlens.model.analysis.encoder_outputs import (
     MAX_BATCH_TOKENS,
@@ -244,9 +251,11 @@ class LogitAttributionCall(Operation[LogitAttribution]):
 
 
 @dataclass(frozen=True)
-class ScoreDecompositionCall(Operation[ScoreDecomposition]):
+class ScoreDecompositionCall(Operation[ScoreDecomposition | Unreached]):
     """Why head `head` of block `layer` attends from `query` to `key`: its score split into pairs of
-    parts of the two residual streams, the `top_k` largest listed."""
+    parts of the two residual streams, the `top_k` largest listed. An encoder-decoder's head is in
+    `group` (encoder, decoder, cross), its ids the source, read with `target_ids` (None: the greedy
+    translation)."""
 
     operation: ClassVar[str] = "score_decomposition"
     ids: list[int]
@@ -255,8 +264,17 @@ class ScoreDecompositionCall(Operation[ScoreDecomposition]):
     query: int
     key: int
     top_k: int = 20
+    target_ids: list[int] | None = None
+    group: str | None = None
 
     def check(self, config) -> None:
+        if config.family == "encoder-decoder":
+            check_encoder_decoder_score(config, self.ids, self.target_ids, self.group, self.layer, self.head,
+                                        self.query, self.key)
+            return
+        check_target(config, self.target_ids)
+        if self.group not in (None, "self"):
+            raise ValueError(f"group {self.group!r}: a decoder's heads are one group, self")
         check_score(config, self.ids, self.layer, self.head, self.query, self.key)
 
 
@@ -331,7 +349,12 @@ def _logit_attribution(model, call: LogitAttributionCall, report: Report) -> Log
     return logit_attribution(model, call.ids, call.answer_id, call.foil_id, call.position, report=report)
 
 
-def _score_decomposition(model, call: ScoreDecompositionCall, report: Report) -> ScoreDecomposition:
+def _score_decomposition(model, call: ScoreDecompositionCall, report: Report) -> ScoreDecomposition | Unreached:
+    call.check(model.config)
+    if model.config.family == "encoder-decoder":
+        assert call.group is not None  # the check asks for one
+        return decompose_encoder_decoder_score(model, call.ids, call.target_ids, call.group, call.layer, call.head,
+                                               call.query, call.key, call.top_k, report=report)
     return decompose_score(model, call.ids, call.layer, call.head, call.query, call.key, call.top_k, report=report)
 
 
