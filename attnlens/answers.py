@@ -774,8 +774,10 @@ class ScorePair:
 class ScoreParts:
     """Why a head attends from its query to `key` (/attention/explain with key=): its scaled score
     split into pairs of parts of the two residual streams (`parts`: embedding, positions, L{l}H{h},
-    L{l} MLP, biases). `top_pairs` the largest first; `query_totals` / `key_totals` [parts] each
-    part against the whole other side; `rest` = score minus the listed pairs."""
+    L{l} MLP, biases; an encoder-decoder's by group, "cross L0H1"). `key_parts` the key side's
+    (a cross head's: the encoder's). `top_pairs` the largest first; `query_totals` [parts] /
+    `key_totals` [key_parts] each part against the whole other side; `rest` = score minus the
+    listed pairs."""
 
     key: int
     score: float
@@ -785,12 +787,13 @@ class ScoreParts:
     query_totals: np.ndarray
     key_totals: np.ndarray
     rest: float
+    key_parts: list[str] | None = None
 
     @classmethod
     def from_json(cls, d: dict) -> ScoreParts:
         return cls(int(d["key"]), float(d["score"]), float(d["probability"]), list(d["parts"]),
                    [ScorePair.from_json(p) for p in d["top_pairs"]], np.array(d["query_totals"], dtype=np.float64),
-                   np.array(d["key_totals"], dtype=np.float64), float(d["rest"]))
+                   np.array(d["key_totals"], dtype=np.float64), float(d["rest"]), list(d.get("key_parts", d["parts"])))
 
     def __repr__(self) -> str:
         top = self.top_pairs[0] if self.top_pairs else None

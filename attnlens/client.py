@@ -282,8 +282,10 @@ class _Endpoints:
         """POST /attention/explain: head `head` of layer `layer` (in `group`, default the family's
         first) at query position `query`, step by step -> HeadExplanation (q, keys, values,
         scores, softmax, pattern_row, z as arrays; `.recompute()` does it again here). With `key`
-        (a position 0..query; a pre-norm decoder, no ablate) also `.score_parts`: why the head
-        attends there, its score split into pairs of what wrote the two residual streams."""
+        (a key position: 0..query for a causal head, a source position for the translator's
+        encoder and cross heads; a pre-norm decoder or an encoder-decoder, no ablate) also
+        `.score_parts`: why the head attends there, its score split into pairs of what wrote the
+        two streams."""
         body = {**_sequence(text, ids, messages, target, target_ids, model, ablate),
                 **_given(group=group, key=key), "layer": layer, "head": head, "query": query}
         return self._drive(self._post("/attention/explain", body, HeadExplanation))

@@ -226,15 +226,20 @@ class ScorePair(BaseModel):
 
 class ScoreParts(BaseModel):
     """Why the head attends from the query to `key`: its score split into pairs of what wrote the two
-    residual streams (model/analysis/score_decomposition.py)."""
+    residual streams (model/analysis/score_decomposition.py; an encoder-decoder's: encoder_decoder_scores.py,
+    every norm's scale frozen)."""
 
     key: int
     score: float = Field(description="the head's scaled score q . k * scale from the query to the key")
     probability: float = Field(description="its attention from the query to the key")
-    parts: list[str] = Field(description="the parts' names: embedding, positions, each earlier head (L3H1), each "
-                             "earlier MLP (L3 MLP), biases")
+    parts: list[str] = Field(description="the query side's parts: embedding, positions, each earlier head (L3H1), "
+                             "each earlier MLP (L3 MLP), biases; an encoder-decoder's named by group (encoder L0H1, "
+                             "decoder L0H1, cross L0H1, decoder L0 MLP)")
+    key_parts: list[str] = Field(description="the key side's parts: `parts` for a self-attention head; a cross "
+                                 "head's the encoder's (its keys read the encoder's output)")
     top_pairs: list[ScorePair] = Field(description="the largest pairs by magnitude, largest first")
     query_totals: list[float] = Field(description="per part (in `parts`' order): its query side against the whole "
                                       "key")
-    key_totals: list[float] = Field(description="per part: its key side against the whole query")
+    key_totals: list[float] = Field(description="per key part (in `key_parts`' order): its key side against the "
+                                    "whole query")
     rest: float = Field(description="score minus the listed pairs")

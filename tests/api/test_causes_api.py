@@ -125,7 +125,7 @@ def test_explain_with_a_key_says_why_and_without_one_is_unchanged(bundled_client
     assert_json_close(keyed, plain, abs_tol=0)
     ids = default_model.tokenizer.encode(TEXT)
     want = run_operation(default_model.model, ScoreDecompositionCall(ids, 2, 5, 9, 4))
-    assert parts["key"] == 4 and parts["parts"] == want["parts"]
+    assert parts["key"] == 4 and parts["parts"] == want["parts"] == parts["key_parts"]
     assert parts["score"] == pytest.approx(want["score"], abs=1e-4)
     assert parts["score"] == pytest.approx(plain["scaled"][4], abs=1e-4)  # the step-by-step's own score
     assert parts["probability"] == pytest.approx(plain["pattern_row"][4], abs=1e-5)
@@ -240,7 +240,10 @@ def test_bad_logit_attribution_requests_name_their_field(bundled_client, change,
     ({"key": 10}, "default", ["key 10 out of range 0..9"]),
     ({"key": 2, "ablate": [{"layer": 0, "head": 1}]}, "default", ["without ablate"]),
     ({"key": 2}, "encoder", ["pre-norm decoder"]),
-    ({"key": 2, "group": "decoder"}, "translator", ["pre-norm decoder"]),
+    ({"key": 2, "group": "decoder"}, "translator", ["key 2 out of range 0..0", "causal"]),
+    ({"key": 9, "group": "cross"}, "translator", ["key 9 out of range", "the cross heads' keys are the source's"]),
+    ({"key": 0, "group": "encoder", "ablate": [{"layer": 0, "head": 1, "group": "cross"}]}, "translator",
+     ["without ablate"]),
 ])
 def test_a_key_the_model_cannot_decompose_is_a_400_naming_key(bundled_client, change, model, words):
     text, query = ("twenty one", 0) if model == "translator" else (TEXT, 9)

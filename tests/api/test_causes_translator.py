@@ -1,6 +1,6 @@
-"""POST /patch and POST /logit-attribution on the bundled translator (an encoder-decoder): each answer
-against its operation run directly on the same weights, its groups' shapes, every 4xx naming its
-field, the client's round trip and attnlens.show of both answers."""
+"""POST /patch (paths too), POST /logit-attribution and /attention/explain's key on the bundled translator
+(an encoder-decoder): each answer against its operation run directly on the same weights, its groups'
+shapes, every 4xx naming its field, the client's round trip and attnlens.show of both answers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ import pytest
 from helpers import REPO_ROOT, assert_json_close
 
 import attnlens
-from attnlens.model.analysis.operations import LogitAttributionCall, PatchCall, run_operation
+from attnlens.model.analysis.operations import (
+    LogitAttributionCall,
+    PatchCall,
+    ScoreDecompositionCall,
+    run_operation,
+)
 
 CLEAN, CORRUPTED, TARGET = "March 3, 2021", "May 3, 2021", "3"  # ' mars' against ' mai' after "3"
 ASK = dict(model="translator", clean=CLEAN, corrupted=CORRUPTED, target=TARGET, answer=" mars", foil=" mai")
@@ -123,6 +128,35 @@ def test_logit_attribution_answers_the_operation_and_its_parts_sum(bundled_clien
         ["logit_difference"], abs=1e-4)
 
 
+@pytest.mark.parametrize("group, layer, head, query, key", [("encoder", 1, 2, 3, 0), ("decoder", 2, 1, 1, 0),
+                                                          ("cross", 2, 3, 1, 0)])
+def test_explain_with_a_key_says_why_in_every_group(bundled_client, translator, ids, group, layer, head, query, key):
+    ask = dict(model="translator", text=CLEAN, target=TARGET, group=group, layer=layer, head=head, query=query)
+    plain = bundled_client.post("/attention/explain", json=ask).json()
+    keyed = bundled_client.post("/attention/explain", json={**ask, "key": key})
+    assert keyed.status_code == 200, keyed.text
+    parts = keyed.json()["score_parts"]
+    want = run_operation(translator.model, ScoreDecompositionCall(ids.clean, layer, head, query, key,
+                                                                  target_ids=ids.target, group=group))
+    assert (parts["parts"], parts["key_parts"]) == (want["parts"], want["key_parts"])
+    assert parts["score"] == pytest.approx(plain["scaled"][key], abs=1e-4)  # the step-by-step's own score
+    assert parts["probability"] == pytest.approx(plain["pattern_row"][key], abs=1e-5)
+    assert sum(parts["query_totals"]) == pytest.approx(parts["score"], abs=1e-4)
+    assert sum(parts["key_totals"]) == pytest.approx(parts["score"], abs=1e-4)
+    assert [(p["query_part"], p["key_part"]) for p in parts["top_pairs"]] == [(p["query"], p["key"]) for p in want["top"]]
+    assert len(parts["key_totals"]) == len(parts["key_parts"])
+    if group == "cross":  # the keys read the encoder's output: its heads and MLPs
+        assert "encoder L2H0" in parts["key_parts"] and "decoder L2H0" in parts["parts"]
+    generated = bundled_client.post("/attention/explain", json={**ask, "key": key, "target": None})
+    assert generated.status_code == 200 or group != "encoder" and generated.json()["param"] == "query"
+
+
+def test_a_query_past_a_generated_target_is_a_400_naming_query(bundled_client):
+    r = bundled_client.post("/attention/explain", json=dict(model="translator", text=CLEAN, group="cross", layer=0,
+                                                            head=0, query=40, key=0))
+    assert r.status_code == 400 and r.json()["param"] == "query" and "out of range" in r.json()["detail"]
+
+
 # --- bad input: a 4xx naming the field ------------------------------------------------------------
 BAD = [
     # (route, change, status, param, words in the message)
@@ -202,6 +236,11 @@ def test_the_clients_answers_hold_the_groups(api, bundled_client, ids):
     assert layers.top(1, part="encoder.mlp")[0][1] == np.max(layers.values["encoder"]["mlp"])
     assert set(layers.normalized["decoder"]) == {"attention", "cross", "mlp"}
 
+    explained = api.explain(CLEAN, target=TARGET, model="translator", group="cross", layer=2, head=3, query=1, key=0)
+    parts = explained.score_parts
+    assert parts is not None and parts.key_parts is not None and "encoder L0H0" in parts.key_parts
+    assert len(parts.key_totals) == len(parts.key_parts) and len(parts.query_totals) == len(parts.parts)
+    assert parts.key_totals.sum() == pytest.approx(parts.score, abs=1e-4)
     attribution = api.logit_attribution(CLEAN, target=TARGET, model="translator")
     assert isinstance(attribution.heads, dict) and attribution.heads["cross"].shape == (3, 4)
     assert attribution.total == pytest.approx(attribution.logit_difference, abs=1e-4)
