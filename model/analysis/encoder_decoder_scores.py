@@ -46,6 +46,7 @@ from attnlens.model.analysis.explain import sequence_of
 from attnlens.model.analysis.logit_attribution import frozen_norm, through
 from attnlens.model.analysis.score_decomposition import ScoreDecomposition, ranked
 from attnlens.model.hooks import Hooks, hooked
+from attnlens.model.parts.norms import RMSNorm
 
 GROUPS = ("encoder", "decoder", "cross")
 
@@ -132,6 +133,7 @@ class Stream:
 
     def norm(self, module: nn.Module) -> None:
         """Every part through `module` frozen at the parts' total (the stream it normalises)."""
+        assert isinstance(module, (nn.LayerNorm, RMSNorm)), f"no frozen form of {type(module).__name__}"
         gain, beta, centred, _ = frozen_norm(module, self.total())
         self.rows = list(through(torch.stack(self.rows), gain, centred))
         self.bias = through(self.bias, gain, centred) + beta
