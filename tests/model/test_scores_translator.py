@@ -237,3 +237,14 @@ def test_the_call_runs_by_name_checks_its_fields_and_a_generated_target(case):
             bad.check(case.model.config)
         with pytest.raises(ValueError, match=words):
             run_operation(case.model, bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_the_decomposition_on_cuda_equals_the_cpus(case):
+    cuda = copy.deepcopy(case.model).to("cuda")
+    for group, layer, head, query, key in heads(case):
+        call = ScoreDecompositionCall(case.ids, layer, head, query, key, target_ids=case.target, group=group)
+        got, want = run_operation(cuda, call), run_operation(case.model, call)
+        np.testing.assert_allclose(got["matrix"], want["matrix"], atol=1e-4)
+        assert got["parts"] == want["parts"] and got["key_parts"] == want["key_parts"]
