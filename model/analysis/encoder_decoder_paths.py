@@ -102,8 +102,8 @@ class PathTap(runs.Tap):
         return t
 
 
-def patch_paths(model, pair: Pair, sender: tuple[str, int, int], report: Report,
-                                max_bytes: int) -> dict[str, dict[str, list]]:
+def patch_paths(model, pair: Pair, sender: tuple[str, int, int], report: Report, max_bytes: int
+                ) -> dict[str, dict[str, list]]:
     """{group: {"q", "k", "v": [L][H]}}: each receiver input's patched metric (module docstring); `pair`
     has run, keeping FROZEN."""
     assert pair.got is not None
@@ -113,15 +113,15 @@ def patch_paths(model, pair: Pair, sender: tuple[str, int, int], report: Report,
     corrupted = pair.metrics[1]
     values: dict[str, dict[str, list]] = {
         g: {k: [[corrupted] * H if l in reach[g][k] else [None] * H for l in range(L)] for k in "qkv"} for g in GROUPS}
-    z = pair.got.got[f"{group}.z"][layer][:, :, head]  # (2, T, D)
-    if torch.equal(z[0], z[1]):  # the sender writes the same in both runs
-        return values
     join = lambda g, l: l if g == "encoder" else L + l  # a block's index in a pass
+    cells = sorted(((f"{g}.{k}", l, h) for g in GROUPS for k in "qkv" for l in reach[g][k] for h in range(H)),
+                   key=lambda c: join(c[0].split(".")[0], c[1]))
+    z = pair.got.got[f"{group}.z"][layer][:, :, head]  # (2, T, D)
+    if not cells or torch.equal(z[0], z[1]):  # no later reader, or the sender writes the same in both runs
+        return values
     start = pair.start()
     sent = SenderRun(pair.got.got, sender)
     runs.run_rows(model, [join(group, layer)], start, sent, report)
-    cells = sorted(((f"{g}.{k}", l, h) for g in GROUPS for k in "qkv" for l in reach[g][k] for h in range(H)),
-                   key=lambda c: join(c[0].split(".")[0], c[1]))
     chunk = max(1, max_bytes // runs.row_bytes(model, pair.lengths["encoder"], pair.position + 1))
     for i in range(0, len(cells), chunk):
         part = cells[i:i + chunk]
