@@ -774,8 +774,10 @@ class ScorePair:
 class ScoreParts:
     """Why a head attends from its query to `key` (/attention/explain with key=): its scaled score
     split into pairs of parts of the two residual streams (`parts`: embedding, positions, L{l}H{h},
-    L{l} MLP, biases). `top_pairs` the largest first; `query_totals` / `key_totals` [parts] each
-    part against the whole other side; `rest` = score minus the listed pairs."""
+    L{l} MLP, biases; an encoder-decoder's by group, "cross L0H1"). `key_parts` the key side's
+    (a cross head's: the encoder's). `top_pairs` the largest first; `query_totals` [parts] /
+    `key_totals` [key_parts] each part against the whole other side; `rest` = score minus the
+    listed pairs."""
 
     key: int
     score: float
@@ -785,12 +787,13 @@ class ScoreParts:
     query_totals: np.ndarray
     key_totals: np.ndarray
     rest: float
+    key_parts: list[str] | None = None
 
     @classmethod
     def from_json(cls, d: dict) -> ScoreParts:
         return cls(int(d["key"]), float(d["score"]), float(d["probability"]), list(d["parts"]),
                    [ScorePair.from_json(p) for p in d["top_pairs"]], np.array(d["query_totals"], dtype=np.float64),
-                   np.array(d["key_totals"], dtype=np.float64), float(d["rest"]))
+                   np.array(d["key_totals"], dtype=np.float64), float(d["rest"]), list(d.get("key_parts", d["parts"])))
 
     def __repr__(self) -> str:
         top = self.top_pairs[0] if self.top_pairs else None
@@ -808,6 +811,14 @@ def _top(grid: np.ndarray, k: int) -> list[tuple[tuple[int, ...], float]]:
     flat = np.where(np.isnan(grid), -np.inf, grid).ravel()
     order = np.argsort(-flat, kind="stable")[:k]
     return [(tuple(int(i) for i in np.unravel_index(j, grid.shape)), float(grid.ravel()[j])) for j in order]
+
+
+def _sender(sender: dict | None, grouped: bool) -> tuple | None:
+    """A /patch answer's sender: (layer, head), an encoder-decoder's (group, layer, head)."""
+    if sender is None:
+        return None
+    head = (int(sender["layer"]), int(sender["head"]))
+    return (sender["group"], *head) if grouped else head
 
 
 def _grids(values: Any) -> Any:
@@ -844,8 +855,9 @@ class PatchAnswer:
     "mlp" [L, T]; paths: "q", "k", "v" [L, H], nan at layers up to the sender's). An encoder-decoder's
     (`target_tokens` given, `position` on the target) come by group: {"encoder", "decoder", "cross"} for
     heads, {"encoder", "decoder"} for residual, {"encoder": {"attention", "mlp"}, "decoder": {"attention",
-    "cross", "mlp"}} for layers. `normalized`: 0 = the corrupted run, 1 = the clean run; `top(k)` the
-    cells that restore the most."""
+    "cross", "mlp"}} for layers, {"encoder", "decoder", "cross": {"q", "k", "v"}} for paths (nan where
+    the sender has no direct path), its `sender` (group, layer, head). `normalized`: 0 = the corrupted
+    run, 1 = the clean run; `top(k)` the cells that restore the most."""
 
     model: str
     component: str
@@ -859,7 +871,7 @@ class PatchAnswer:
     differing: list[int]
     answer: Token
     foil: Token
-    sender: tuple[int, int] | None = None
+    sender: tuple | None = None  # paths: (layer, head); an encoder-decoder's (group, layer, head)
     target_tokens: list[Token] | None = None  # an encoder-decoder's target, the start token first
 
     @classmethod
@@ -870,8 +882,7 @@ class PatchAnswer:
                    float(body["clean_metric"]), float(body["corrupted_metric"]), _grids(body["values"]),
                    _tokens(body["clean_tokens"]), _tokens(body["corrupted_tokens"]), [int(p) for p in body["differing"]],
                    Token.from_json(body["answer"]), Token.from_json(body["foil"]),
-                   None if sender is None else (int(sender["layer"]), int(sender["head"])),
-                   None if target is None else _tokens(target))
+                   _sender(sender, target is not None), None if target is None else _tokens(target))
 
     @property
     def normalized(self) -> Any:

@@ -12,7 +12,8 @@ metric, blue lowers it) with its exact figure in its tooltip.
                                   and the logit difference they sum to
 
 An encoder-decoder's answers (`target_tokens` given) draw a table per group: encoder heads over
-source positions, decoder and cross heads over target positions.
+source positions, decoder and cross heads over target positions; paths a table per receiver group and
+input the sender reaches.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def _labels(tokens: list[Token], positions: Sequence[int]) -> list[str]:
 
 
 GROUP_NAMES = {"encoder": "encoder self-attention", "decoder": "decoder self-attention", "cross": "cross-attention"}
+KINDS = {"q": "query", "k": "key", "v": "value"}
 
 
 def _group_tables(answer: PatchAnswer) -> list[tuple[str, str]]:
@@ -103,10 +105,14 @@ def _group_tables(answer: PatchAnswer) -> list[tuple[str, str]]:
             name = f"{'encoder' if stack == 'encoder' else 'decoder'} {path[1]} output"
         elif answer.component == "residual":
             name = f"{stack} residual stream (block input)"
+        elif answer.component == "paths":
+            if np.isnan(raw).all():  # the sender has no direct path into this input of this group
+                continue
+            name = f"{GROUP_NAMES[stack]} heads' {KINDS[path[1]]} input"
         else:
             name = f"{GROUP_NAMES[stack]} heads"
         L = raw.shape[0]
-        if answer.component == "heads":
+        if answer.component in ("heads", "paths"):
             H = raw.shape[1]
             table = heatmap(scaled, [f"L{l}" for l in range(L)], [f"H{h}" for h in range(H)], scale=1.0, raw=raw)
         elif answer.component == "heads_by_position":
@@ -160,7 +166,8 @@ def patch_document(answer: PatchAnswer, theme: str | None = None) -> str:
 
 
 def _patch_document(answer: PatchAnswer, tables: list[tuple[str, str]], theme: str | None) -> str:
-    sender = f", sender L{answer.sender[0]}H{answer.sender[1]}" if answer.sender else ""
+    sender = "" if not answer.sender else (f", sender L{answer.sender[0]}H{answer.sender[1]}" if len(answer.sender) == 2
+                                           else f", sender {answer.sender[0]} L{answer.sender[1]}H{answer.sender[2]}")
     where = "target position" if answer.target_tokens is not None else "position"
     prompts = "source" if answer.target_tokens is not None else ""
     target = "" if answer.target_tokens is None else \

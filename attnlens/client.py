@@ -74,6 +74,14 @@ def _listed(values) -> list | None:
     return None if values is None else list(values)
 
 
+def _sender(sender: tuple | None) -> dict | None:
+    """/patch's sender of (layer, head) or an encoder-decoder's (group, layer, head)."""
+    if sender is None:
+        return None
+    *group, layer, head = sender
+    return {"layer": int(layer), "head": int(head), **({"group": group[0]} if group else {})}
+
+
 def _sequence(text: str | None, ids, messages, target: str | None, target_ids, model: str | None,
               ablate: AblateSpec) -> dict:
     """The fields every explain route reads its sequence from (as /attention does), and `ablate`."""
@@ -274,8 +282,10 @@ class _Endpoints:
         """POST /attention/explain: head `head` of layer `layer` (in `group`, default the family's
         first) at query position `query`, step by step -> HeadExplanation (q, keys, values,
         scores, softmax, pattern_row, z as arrays; `.recompute()` does it again here). With `key`
-        (a position 0..query; a pre-norm decoder, no ablate) also `.score_parts`: why the head
-        attends there, its score split into pairs of what wrote the two residual streams."""
+        (a key position: 0..query for a causal head, a source position for the translator's
+        encoder and cross heads; a pre-norm decoder or an encoder-decoder, no ablate) also
+        `.score_parts`: why the head attends there, its score split into pairs of what wrote the
+        two streams."""
         body = {**_sequence(text, ids, messages, target, target_ids, model, ablate),
                 **_given(group=group, key=key), "layer": layer, "head": head, "query": query}
         return self._drive(self._post("/attention/explain", body, HeadExplanation))
@@ -285,7 +295,7 @@ class _Endpoints:
               foil: str | None = None, clean_ids: list[int] | None = None, corrupted_ids: list[int] | None = None,
               answer_id: int | None = None, foil_id: int | None = None, position: int | None = None,
               component: Literal["heads", "heads_by_position", "residual", "layers", "paths"] | None = None,
-              method: Literal["exact", "attribution"] | None = None, sender: tuple[int, int] | None = None,
+              method: Literal["exact", "attribution"] | None = None, sender: tuple | None = None,
               target: str | None = None, target_ids: list[int] | None = None, model: str | None = None):
         """POST /patch (a decoder or an encoder-decoder): each cell of `component` (default "heads")
         patched from the `clean` prompt's run into the `corrupted` one's (as many tokens; or
@@ -294,12 +304,13 @@ class _Endpoints:
         text each (or `answer_id` / `foil_id`). `method` "attribution": first-order estimates from one
         forward pair and one backward. `sender` (layer, head): the head of component "paths". An
         encoder-decoder's prompts are sources read with one `target` (or `target_ids`; default none),
-        `position` a target position: values by group (encoder, decoder, cross)."""
+        `position` a target position: values by group (encoder, decoder, cross); its sender is
+        (group, layer, head), e.g. ("encoder", 0, 1), as its answers' top() name heads."""
         body = _given(model=model, clean=clean, clean_ids=_listed(clean_ids), corrupted=corrupted,
                       corrupted_ids=_listed(corrupted_ids), answer=answer, answer_id=answer_id, foil=foil,
                       foil_id=foil_id, target=target, target_ids=_listed(target_ids), position=position,
                       component=component, method=method,
-                      sender=None if sender is None else {"layer": sender[0], "head": sender[1]})
+                      sender=_sender(sender))
         return self._drive(self._post("/patch", body, PatchAnswer))
 
     def logit_attribution(self, text: str | None = None, *, ids: list[int] | None = None, answer: str | None = None,

@@ -37,6 +37,8 @@ class Sender(Strict):
 
     layer: int = Field(description="0..n_layers-1")
     head: int = Field(description="0..n_heads-1")
+    group: str | None = Field(None, description="the head's attention group: an encoder-decoder's encoder, decoder "
+                              "or cross (required there); a decoder's is its one group (self), the default")
 
 
 PATCH_ONE_OF: JsonDict = {"allOf": [
@@ -79,7 +81,8 @@ class PatchRequest(Strict):
                                  "or value input {q, k, v: [L][H]}. An encoder-decoder's by group: heads {encoder, "
                                  "decoder, cross: [L][H]}, heads_by_position {encoder: [L][S][H], decoder, cross: "
                                  "[L][T][H]}, residual {encoder: [L][S], decoder: [L][T]}, layers {encoder: "
-                                 "{attention, mlp}, decoder: {attention, cross, mlp}}; no paths")
+                                 "{attention, mlp}, decoder: {attention, cross, mlp}}, paths {encoder, decoder, "
+                                 "cross: {q, k, v}} (receivers by group, null where the sender has no direct path)")
     method: Method = Field("exact", description="exact: each cell patched in a run of its own (batched); "
                            "attribution: every cell's first-order estimate from one forward pair and one backward "
                            "(not for paths)")
@@ -117,10 +120,20 @@ class LayerValues(BaseModel):
 
 
 class PathValues(BaseModel):
-    q: list[list[float | None]] = Field(description="[L][H]: into the receiver's queries; null at layers up to "
-                                        "the sender's")
+    q: list[list[float | None]] = Field(description="[L][H]: into the receiver's queries; null where the sender "
+                                        "has no direct path (a decoder's: at layers up to the sender's)")
     k: list[list[float | None]] = Field(description="[L][H]: into its keys")
     v: list[list[float | None]] = Field(description="[L][H]: into its values")
+
+
+class GroupPathValues(BaseModel):
+    """An encoder-decoder's paths, by receiver group: an encoder sender reaches later encoder heads' q, k, v
+    and every cross head's k, v (the memory); a decoder or cross sender later decoder heads' q, k, v and
+    later cross heads' q (a decoder sender's own block's cross heads too)."""
+
+    encoder: PathValues
+    decoder: PathValues
+    cross: PathValues
 
 
 Grid = list[list[float]] | list[list[list[float]]]
@@ -154,7 +167,8 @@ class GroupLayerValues(BaseModel):
     decoder: DecoderLayerValues
 
 
-PatchValues = list[list[float]] | list[list[list[float]]] | LayerValues | PathValues | GroupValues | GroupLayerValues
+PatchValues = (list[list[float]] | list[list[list[float]]] | LayerValues | PathValues | GroupValues | GroupLayerValues
+               | GroupPathValues)
 
 
 class PatchResponse(BaseModel):
@@ -168,7 +182,7 @@ class PatchResponse(BaseModel):
                                 "/ (clean_metric - corrupted_metric)); heads [L][H], heads_by_position [L][T][H], "
                                 "residual [L][T], layers {attention, mlp}, paths {q, k, v}; an encoder-decoder's "
                                 "by group (the request's `component`)")
-    sender: Sender | None = Field(None, description="paths: the sender head")
+    sender: Sender | None = Field(None, description="paths: the sender head, its group named (a decoder's: self)")
     clean_tokens: list[TokenText] = Field(description="the clean prompt's (an encoder-decoder's source's) tokens")
     corrupted_tokens: list[TokenText]
     target_tokens: list[TokenText] | None = Field(None, description="an encoder-decoder's target, the decoder's "
@@ -212,15 +226,20 @@ class ScorePair(BaseModel):
 
 class ScoreParts(BaseModel):
     """Why the head attends from the query to `key`: its score split into pairs of what wrote the two
-    residual streams (model/analysis/score_decomposition.py)."""
+    residual streams (model/analysis/score_decomposition.py; an encoder-decoder's: encoder_decoder_scores.py,
+    every norm's scale frozen)."""
 
     key: int
     score: float = Field(description="the head's scaled score q . k * scale from the query to the key")
     probability: float = Field(description="its attention from the query to the key")
-    parts: list[str] = Field(description="the parts' names: embedding, positions, each earlier head (L3H1), each "
-                             "earlier MLP (L3 MLP), biases")
+    parts: list[str] = Field(description="the query side's parts: embedding, positions, each earlier head (L3H1), "
+                             "each earlier MLP (L3 MLP), biases; an encoder-decoder's named by group (encoder L0H1, "
+                             "decoder L0H1, cross L0H1, decoder L0 MLP)")
+    key_parts: list[str] = Field(description="the key side's parts: `parts` for a self-attention head; a cross "
+                                 "head's the encoder's (its keys read the encoder's output)")
     top_pairs: list[ScorePair] = Field(description="the largest pairs by magnitude, largest first")
     query_totals: list[float] = Field(description="per part (in `parts`' order): its query side against the whole "
                                       "key")
-    key_totals: list[float] = Field(description="per part: its key side against the whole query")
+    key_totals: list[float] = Field(description="per key part (in `key_parts`' order): its key side against the "
+                                    "whole query")
     rest: float = Field(description="score minus the listed pairs")

@@ -68,9 +68,11 @@ class ExplainRequest(SequenceRequest):
     layer: int = Field(description="0..n_layers-1")
     head: int = Field(description="0..n_heads-1")
     query: int = Field(description="the query position: a row of the group's map")
-    key: int | None = Field(None, ge=0, description="a key position (0..query) of a pre-norm decoder: the answer "
-                            "also says why the head attends there (`score_parts`: its score split into pairs of what "
-                            "wrote the query's and the key's residual streams); not with `ablate`")
+    key: int | None = Field(None, ge=0, description="a key position of a pre-norm decoder (0..query) or an "
+                            "encoder-decoder (a decoder head's: 0..query on the target; an encoder or cross head's: a "
+                            "source position): the answer also says why the head attends there (`score_parts`: its "
+                            "score split into pairs of what wrote the query's and the key's streams); not with "
+                            "`ablate`")
 
 
 # --- answers -------------------------------------------------------------------------------

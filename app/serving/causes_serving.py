@@ -139,7 +139,25 @@ def patch_cells(component: str, L: int, H: int, T: int, target: list[int] | None
                 "paths": 3 * L * H}[component]
     N = len(target) + 1
     return {"heads": 3 * L * H, "heads_by_position": L * (T + 2 * N) * H, "residual": L * (T + N),
-            "layers": L * (2 * T + 3 * N)}[component]
+            "layers": L * (2 * T + 3 * N), "paths": 9 * L * H}[component]
+
+
+def sender_group_of(served: ServedModel, group: str | None) -> str | None:
+    """The sender's group as PatchCall takes it: an encoder-decoder's (required, one of its groups); a
+    decoder's None (its one group, named or not). 400s naming `sender`."""
+    names = [g.name for g in served.family.groups]
+    if not served.family.takes_target:
+        if group not in (None, *names):
+            raise ApiError(400, f"sender group {group!r}: {served.describe()} has one attention group, "
+                                f"{names[0]}; give the sender's layer and head", param="sender", code="unknown_group")
+        return None
+    if group is None:
+        raise ApiError(400, f"sender needs a group: {served.describe()} has {', '.join(names)} heads (e.g. "
+                            f'{{"group": "cross", "layer": 0, "head": 1}})', param="sender", code="missing")
+    if group not in names:
+        raise ApiError(400, f"sender group {group!r}: {served.describe()} has {', '.join(names)} heads",
+                       param="sender", code="unknown_group")
+    return group
 
 
 class CausesServing:
@@ -162,10 +180,6 @@ class CausesServing:
         foil = one_token(served, body.foil, body.foil_id, "foil")
         assert answer is not None and foil is not None  # required
         check_position(body.position, len(clean), target)
-        if target is not None and body.component == "paths":
-            raise ApiError(400, "component paths is a decoder's: an encoder-decoder's paths would run between its "
-                                "three groups of heads (encoder, decoder, cross); ask for heads or "
-                                "heads_by_position", param="component", code="unsupported")
         limit = state.settings.max_patch_tokens
         if target is not None and len(target) + 1 > limit:
             raise ApiError(400, f"{body.component} over {limit} target tokens (the target has {len(target) + 1} with "
@@ -179,6 +193,7 @@ class CausesServing:
             raise ApiError(400, f"{body.component} over {limit} tokens ({clean_field} has {len(clean)}, "
                                 f"ATTNLENS_MAX_PATCH_TOKENS): {instead}", param=clean_field, code="prompt_too_long")
         sender: tuple[int, int] | None = None
+        sender_group: str | None = None
         if body.component == "paths":
             if body.method != "exact":
                 raise ApiError(400, "component paths is patched exactly only: ask for method exact", param="method",
@@ -191,12 +206,13 @@ class CausesServing:
                     raise ApiError(400, f"sender {name} {value} out of range: the model has {n} {name}s (0..{n - 1})",
                                    param="sender", code="out_of_range")
             sender = (body.sender.layer, body.sender.head)
+            sender_group = sender_group_of(served, body.sender.group)
         elif body.sender is not None:
             raise ApiError(400, f"sender is for component paths only (this request asks for {body.component})",
                            param="sender", code="invalid_value")
         call = PatchCall(clean_ids=clean, corrupted_ids=corrupted, answer_id=answer, foil_id=foil,
                          position=body.position, component=body.component, method=body.method, sender=sender,
-                         target_ids=target)
+                         target_ids=target, sender_group=sender_group)
         checked(call, served, {"clean_ids": clean_field, "corrupted_ids": corrupted_field, "answer_id": "answer_id",
                                "foil_id": "foil_id", "position": "position", "component": "component",
                                "method": "method", "sender": "sender", "target_ids": target_field(body)})
@@ -207,8 +223,9 @@ class CausesServing:
             fields = {"model": served.name, "component": result.component, "method": result.method,
                       "position": result.position, "clean_metric": result.clean_metric,
                       "corrupted_metric": result.corrupted_metric,
-                      "sender": None if result.sender is None else {"layer": result.sender[0],
-                                                                     "head": result.sender[1]},
+                      "sender": None if result.sender is None else {"layer": result.sender[0], "head": result.sender[1],
+                                                                     "group": result.sender_group
+                                                                     or served.family.primary.name},
                       "clean_tokens": tokens_of(served, clean), "corrupted_tokens": tokens_of(served, corrupted),
                       "target_tokens": decoder_tokens(served, target), "differing": differing,
                       "answer": tokens_of(served, [answer])[0], "foil": tokens_of(served, [foil])[0]}

@@ -10,8 +10,8 @@ ATTNLENS_MAX_ATTENTION_CONCURRENT, or the encoder's runner) and builds the answe
 thread. Nothing here runs the model on the event loop.
 
 /attention/explain's optional `key` adds a second call, ScoreDecompositionCall (a pre-norm
-decoder's): why the head attends from the query to that key (`score_parts`); an answer without
-`key` has no such field, as before.
+decoder's or an encoder-decoder's, any of its groups): why the head attends from the query to that
+key (`score_parts`); an answer without `key` has no such field, as before.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ class ExplainServing:
         call = ExplainHeadCall(ids=ids, target_ids=target, group_name=group, layer=body.layer, head=body.head,
                                query=body.query, ablate=edits)
         tok = served.checkpoint.tokenizer
-        score = None if body.key is None else _score_call(served, body, ids, group)
+        score = None if body.key is None else _score_call(served, body, ids, target, group, lengths["source"])
 
         def content(done: explain.HeadStep | tuple[explain.HeadStep, ScoreDecomposition]) -> dict:
             report, parts = done if isinstance(done, tuple) else (done, None)
@@ -228,30 +228,42 @@ class ExplainServing:
         need = (2 * keys + 4) * cfg.d_head * FLOAT_BYTES + keys * (6 * FLOAT_BYTES + TOKEN_BYTES) \
             + (lengths["tokens"] + lengths["target"]) * TOKEN_BYTES
         if score is not None:  # parts' names and two totals each, and the top pairs
-            need += (cfg.n_layers * (cfg.n_heads + 1) + 4) * (2 * FLOAT_BYTES + 16) + score.top_k * 64
+            parts = cfg.n_layers * (2 * cfg.n_heads + 1) + cfg.n_heads + 4  # an encoder-decoder's most, a side
+            need += 2 * parts * (2 * FLOAT_BYTES + 16) + score.top_k * 64
         reached = _reached("query")
+
+        def check(done: Any) -> None:  # a HeadStep, or with `key` (HeadStep, ScoreDecomposition | Unreached)
+            for report in done if isinstance(done, tuple) else (done,):
+                reached(report)  # a query past a generated target's end
         return await answer_with_claim(state, served, call if score is None else (call, score), content,
-                                       what="this answer", need=need, request=request,
-                                       check=lambda done: reached(done[0] if isinstance(done, tuple) else done))
+                                       what="this answer", need=need, request=request, check=check)
 
 
-def _score_call(served: ServedModel, body: ExplainRequest, ids: list[int], group: str) -> ScoreDecompositionCall:
+def _score_call(served: ServedModel, body: ExplainRequest, ids: list[int], target: list[int] | None, group: str,
+                source: int) -> ScoreDecompositionCall:
     """/attention/explain's `key`: the head's score from the query to the key split into pairs of parts
-    (a pre-norm decoder's; 400s naming `key`)."""
+    (a pre-norm decoder's, or an encoder-decoder's head of any group; 400s naming `key`)."""
     assert body.key is not None
     cfg = served.checkpoint.config
-    if cfg.family != "decoder" or cfg.norm != "pre":
+    translated = served.family.takes_target
+    if not translated and (cfg.family != "decoder" or cfg.norm != "pre"):
         raise ApiError(400, f"key (why a head attends: its score split into what wrote the residual streams) needs a "
-                            f"pre-norm decoder, whose stream is the sum of what its parts wrote; {served.describe()} is "
-                            f"{'post-norm' if cfg.family == 'decoder' else 'not one'}: ask without key",
+                            f"pre-norm decoder, whose stream is the sum of what its parts wrote, or an "
+                            f"encoder-decoder; {served.describe()} is "
+                            f"{'post-norm' if cfg.family == 'decoder' else 'neither'}: ask without key",
                        param="key", code="unsupported")
     if body.ablate:
         raise ApiError(400, "key decomposes the unablated model's score: ask without ablate, or without key",
                        param="key", code="unsupported")
-    if not body.key <= body.query:
+    causal = served.family.group(group).causal
+    if causal and not body.key <= body.query:
         raise ApiError(400, f"key {body.key} out of range 0..{body.query}: a causal head's query sees itself and the "
                             "positions before it", param="key", code="out_of_range")
-    call = ScoreDecompositionCall(ids=ids, layer=body.layer, head=body.head, query=body.query, key=body.key)
+    if not causal and not body.key < source:  # an encoder or cross head's keys: the source's positions
+        raise ApiError(400, f"key {body.key} out of range 0..{source - 1}: the {group} heads' keys are the source's "
+                            f"{source} positions", param="key", code="out_of_range")
+    call = ScoreDecompositionCall(ids=ids, layer=body.layer, head=body.head, query=body.query, key=body.key,
+                                  target_ids=target, group=group if translated else None)
     try:
         call.check(cfg)
     except ValueError as e:
@@ -261,5 +273,6 @@ def _score_call(served: ServedModel, body: ExplainRequest, ids: list[int], group
 
 def _score_parts(parts: ScoreDecomposition) -> dict:
     return {"key": parts["key"], "score": parts["score"], "probability": parts["probability"], "parts": parts["parts"],
+            "key_parts": parts["key_parts"],
             "top_pairs": [{"query_part": p["query"], "key_part": p["key"], "value": p["value"]} for p in parts["top"]],
             "query_totals": parts["query_totals"], "key_totals": parts["key_totals"], "rest": parts["rest"]}

@@ -20,10 +20,12 @@
     attribution_patching.py  its first-order estimates from one forward and one backward
     block_runs.py        a decoder's blocks run by hand from any block and position, with taps
     logit_attribution.py direct logit attribution through the frozen final norm
-    encoder_decoder_runs.py, encoder_decoder_patching.py, encoder_decoder_attribution.py
+    encoder_decoder_runs.py, encoder_decoder_patching.py, encoder_decoder_paths.py,
+    encoder_decoder_attribution.py, encoder_decoder_scores.py
                          the same for an encoder-decoder: its blocks run by hand with taps, exact
-                         and attribution patching of its encoder, decoder and cross heads, direct
-                         logit attribution along its decoder's stream (post-norm: every norm frozen)
+                         and attribution patching of its encoder, decoder and cross heads, path
+                         patching between its groups, direct logit attribution along its decoder's
+                         stream and a head's score decomposition (post-norm: every norm frozen)
     score_decomposition.py  one head's score split into pairs of query-side and key-side parts
 
 Nothing here tokenises text or encodes an answer: the service does both (app/).

@@ -17,7 +17,9 @@ Values are that metric, raw, in groups (S = source positions, T = the target's, 
                                                                       "decoder": {"attention", "cross",
                                                                                   "mlp": [L][T]}}
 
-Path patching stays a decoder's (its senders and receivers would span the three groups).
+    paths               a sender head's clean output along each       {"encoder", "decoder", "cross":
+                        direct path to a later head's q, k or v        {"q", "k", "v": [L][H]}}, None
+                        input (encoder_decoder_paths.py)               where the sender has no path
 
 Exact: every cell a row of encoder_decoder_runs' passes, starting at its own block from the
 corrupted run (a row patched in the decoder reuses the corrupted memory: no encoder), many rows a
@@ -37,6 +39,7 @@ import torch
 from attnlens.model.analysis import encoder_decoder_runs as runs
 from attnlens.model.analysis.attribution_patching import in_callers_mode
 from attnlens.model.analysis.block_runs import Report, unembed_direction
+from attnlens.model.analysis.encoder_decoder_paths import FROZEN, GROUPS, patch_paths
 from attnlens.model.analysis.patching import COMPONENTS, METHODS, PATCH_BYTES, PatchResult
 
 # component -> its values' layout: a point's grid at each leaf (encoder_decoder_runs.POINTS)
@@ -55,18 +58,28 @@ def _no_report() -> None:
 
 def check_encoder_decoder_patch(config, clean_ids: list[int], corrupted_ids: list[int], target_ids: list[int] | None,
                                 answer_id: int, foil_id: int, position: int | None, component: str, method: str,
-                                sender: tuple[int, int] | None) -> None:
+                                sender: tuple[int, int] | None, sender_group: str | None = None) -> None:
     """A ValueError naming the field an encoder-decoder of `config` cannot patch."""
     runs.check_blocks(config)
     if component not in COMPONENTS:
         raise ValueError(f"component must be one of {COMPONENTS}, got {component!r}")
-    if component == "paths":
-        raise ValueError("component 'paths' is a decoder's: an encoder-decoder's paths would run between its three "
-                         "groups of heads (encoder, decoder, cross); ask for heads or heads_by_position")
-    if sender is not None:
-        raise ValueError("sender is for component paths only")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if component == "paths":
+        if method != "exact":
+            raise ValueError("component 'paths' is patched exactly only (method 'exact')")
+        if sender is None:
+            raise ValueError("component 'paths' needs a sender (group, layer, head)")
+        if sender_group not in GROUPS:
+            raise ValueError(f"sender group {sender_group!r}: an encoder-decoder's sender is a head of one of its "
+                             f"groups {', '.join(GROUPS)}")
+        layer, head = sender
+        if not 0 <= layer < config.n_layers:
+            raise ValueError(f"sender layer {layer} out of range 0..{config.n_layers - 1}")
+        if not 0 <= head < config.n_heads:
+            raise ValueError(f"sender head {head} out of range 0..{config.n_heads - 1}")
+    elif sender is not None or sender_group is not None:
+        raise ValueError("sender is for component paths only")
     if not clean_ids:
         raise ValueError("clean_ids is empty")
     if len(corrupted_ids) != len(clean_ids):
@@ -205,12 +218,21 @@ class PatchTap(runs.Tap):
 @torch.inference_mode()
 def patch_encoder_decoder(model, clean_ids: list[int], corrupted_ids: list[int], answer_id: int, foil_id: int,
                           position: int | None = None, component: str = "heads", target_ids: list[int] | None = None,
-                          report: Report = _no_report, max_bytes: int = PATCH_BYTES) -> PatchResult:
-    """Exact activation patching of `component` (module docstring): every cell's patched metric."""
+                          report: Report = _no_report, max_bytes: int = PATCH_BYTES,
+                          sender: tuple[str, int, int] | None = None) -> PatchResult:
+    """Exact activation patching of `component` (module docstring): every cell's patched metric. `sender`
+    (group, layer, head): component "paths"' sender head."""
     check_encoder_decoder_patch(model.config, clean_ids, corrupted_ids, target_ids, answer_id, foil_id, position,
-                                component, "exact", None)
+                                component, "exact", None if sender is None else sender[1:],
+                                None if sender is None else sender[0])
     L, H = model.config.n_layers, model.config.n_heads
     pair = Pair(model, clean_ids, corrupted_ids, target_ids, answer_id, foil_id, position)
+    if component == "paths":
+        assert sender is not None  # the check asks for one
+        pair.run(model, set(FROZEN), report)
+        paths = patch_paths(model, pair, sender, report, max_bytes)
+        return PatchResult(component, "exact", pair.position, pair.differs, pair.metrics[0], pair.metrics[1], paths,
+                           (sender[1], sender[2]), sender[0])
     cells = cells_of(component, pair, L, H)
     pair.run(model, {c[0] for c in cells}, report)
     assert pair.got is not None

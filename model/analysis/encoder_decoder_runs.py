@@ -17,6 +17,9 @@ the Start's memory. What a Tap sees, by name, per layer:
     decoder.mlp_out                                        (R, N, C)
     decoder.z, cross.z                                     [R, N, H, D]  (before the output projection)
     memory (layer 0)                                       (R_e, S, C) the encoder rows' memory
+    encoder.q, encoder.k, encoder.v                        (R, H, S, D)  each head's input, as attention
+    decoder.q, decoder.k, decoder.v, cross.q               (R, H, N, D)  reads it (INPUTS: path patching
+    cross.k, cross.v                                       (R, H, S, D)  edits one head's)
 
 Pre- and post-norm blocks (the family builds no other part); differentiable with autograd on,
 through block_runs' linear / norm / ffn (attribution patching takes its gradients here).
@@ -34,6 +37,7 @@ from attnlens.model.parts.attention import MultiHeadAttention, causal_mask, sdpa
 
 POINTS = ("encoder.resid_pre", "encoder.z", "encoder.attn_out", "encoder.mlp_out", "decoder.resid_pre", "decoder.z",
           "decoder.attn_out", "cross.z", "cross.attn_out", "decoder.mlp_out")
+INPUTS = tuple(f"{group}.{kind}" for group in ("encoder", "decoder", "cross") for kind in "qkv")
 
 
 def check_blocks(config) -> None:
@@ -106,7 +110,9 @@ def memory_kv(attn: MultiHeadAttention, memory: torch.Tensor) -> tuple[torch.Ten
 
 def _attend(tap: Tap, group: str, layer: int, attn: MultiHeadAttention, q, k, v, causal: bool,
             fresh: slice) -> torch.Tensor:
-    """The attention output (R, Tq, C) of q (R, H, Tq, D) over k, v (R, H, Sk, D), z through the tap."""
+    """The attention output (R, Tq, C) of q (R, H, Tq, D) over k, v (R, H, Sk, D), the inputs and z
+    through the tap."""
+    q, k, v = (tap.at(f"{group}.{kind}", layer, t, fresh) for kind, t in zip("qkv", (q, k, v)))
     R, _, T, _ = q.shape
     mask = causal_mask(T, k.shape[2], device=q.device) if causal else None
     y = sdpa(q, k, v, attn_mask=mask, scale=attn.scale)  # (R, H, T, D)

@@ -21,7 +21,9 @@ what comes back is plain data too (dataclasses, numpy, lists, dicts).
                                        an encoder-decoder's: encoder_decoder_patching.py)
     LogitAttributionCall  logit_attribution  LogitAttribution (logit_attribution.py; an encoder-
                                        decoder's: encoder_decoder_attribution.py)
-    ScoreDecompositionCall  score_decomposition  ScoreDecomposition (score_decomposition.py)
+    ScoreDecompositionCall  score_decomposition  ScoreDecomposition (score_decomposition.py; an encoder-
+                                       decoder's: encoder_decoder_scores.py, or only "error" for a
+                                       query past its generated target's end)
 
 The causal calls (patch, logit_attribution, score_decomposition) have `check(config)`: the
 ValueError, naming the field, that the operation itself raises for arguments the model cannot take,
@@ -49,6 +51,11 @@ from attnlens.model.analysis.encoder_decoder_patching import (
     attribution_patch_encoder_decoder,
     check_encoder_decoder_patch,
     patch_encoder_decoder,
+)
+from attnlens.model.analysis.encoder_decoder_scores import (
+    Unreached,
+    check_encoder_decoder_score,
+    decompose_encoder_decoder_score,
 )
 from attnlens.model.analysis.encoder_outputs import (
     MAX_BATCH_TOKENS,
@@ -192,7 +199,8 @@ class PatchCall(Operation[PatchResult]):
     corrupted one, the metric logit(answer) - logit(foil) at `position` (default the last); `method`
     "exact" or "attribution" (first-order estimates); `sender` (layer, head) for component "paths".
     An encoder-decoder's clean and corrupted ids are sources, read with one target (`target_ids`,
-    after the start token; None: none) at whose `position` the metric is."""
+    after the start token; None: none) at whose `position` the metric is; its sender is a head of
+    `sender_group` (encoder, decoder or cross)."""
 
     operation: ClassVar[str] = "patch"
     clean_ids: list[int]
@@ -204,13 +212,18 @@ class PatchCall(Operation[PatchResult]):
     method: str = "exact"  # exact | attribution
     sender: tuple[int, int] | None = None
     target_ids: list[int] | None = None
+    sender_group: str | None = None  # an encoder-decoder's paths: the sender's group
 
     def check(self, config) -> None:
         if config.family == "encoder-decoder":
             check_encoder_decoder_patch(config, self.clean_ids, self.corrupted_ids, self.target_ids, self.answer_id,
-                                        self.foil_id, self.position, self.component, self.method, self.sender)
+                                        self.foil_id, self.position, self.component, self.method, self.sender,
+                                        self.sender_group)
             return
         check_target(config, self.target_ids)
+        if self.sender_group is not None:
+            raise ValueError(f"sender group {self.sender_group!r}: a decoder's heads are one group; give the sender's "
+                             "layer and head only")
         check_patch(config, self.clean_ids, self.corrupted_ids, self.answer_id, self.foil_id, self.position,
                     self.component, self.method, self.sender)
 
@@ -238,9 +251,11 @@ class LogitAttributionCall(Operation[LogitAttribution]):
 
 
 @dataclass(frozen=True)
-class ScoreDecompositionCall(Operation[ScoreDecomposition]):
+class ScoreDecompositionCall(Operation[ScoreDecomposition | Unreached]):
     """Why head `head` of block `layer` attends from `query` to `key`: its score split into pairs of
-    parts of the two residual streams, the `top_k` largest listed."""
+    parts of the two residual streams, the `top_k` largest listed. An encoder-decoder's head is in
+    `group` (encoder, decoder, cross), its ids the source, read with `target_ids` (None: the greedy
+    translation)."""
 
     operation: ClassVar[str] = "score_decomposition"
     ids: list[int]
@@ -249,8 +264,17 @@ class ScoreDecompositionCall(Operation[ScoreDecomposition]):
     query: int
     key: int
     top_k: int = 20
+    target_ids: list[int] | None = None
+    group: str | None = None
 
     def check(self, config) -> None:
+        if config.family == "encoder-decoder":
+            check_encoder_decoder_score(config, self.ids, self.target_ids, self.group, self.layer, self.head,
+                                        self.query, self.key)
+            return
+        check_target(config, self.target_ids)
+        if self.group not in (None, "self"):
+            raise ValueError(f"group {self.group!r}: a decoder's heads are one group, self")
         check_score(config, self.ids, self.layer, self.head, self.query, self.key)
 
 
@@ -304,9 +328,12 @@ def _warm_up(model, call: WarmUpCall, report: Report) -> None:
 def _patch(model, call: PatchCall, report: Report) -> PatchResult:
     call.check(model.config)
     if model.config.family == "encoder-decoder":
-        run = attribution_patch_encoder_decoder if call.method == "attribution" else patch_encoder_decoder
-        return run(model, call.clean_ids, call.corrupted_ids, call.answer_id, call.foil_id, call.position,
-                   call.component, call.target_ids, report=report)
+        args = (model, call.clean_ids, call.corrupted_ids, call.answer_id, call.foil_id, call.position,
+                call.component, call.target_ids)
+        if call.method == "attribution":
+            return attribution_patch_encoder_decoder(*args, report=report)
+        sender = None if call.sender is None or call.sender_group is None else (call.sender_group, *call.sender)
+        return patch_encoder_decoder(*args, report=report, sender=sender)
     if call.method == "attribution":
         return attribution_patch(model, call.clean_ids, call.corrupted_ids, call.answer_id, call.foil_id,
                                  call.position, call.component, report=report)
@@ -322,7 +349,12 @@ def _logit_attribution(model, call: LogitAttributionCall, report: Report) -> Log
     return logit_attribution(model, call.ids, call.answer_id, call.foil_id, call.position, report=report)
 
 
-def _score_decomposition(model, call: ScoreDecompositionCall, report: Report) -> ScoreDecomposition:
+def _score_decomposition(model, call: ScoreDecompositionCall, report: Report) -> ScoreDecomposition | Unreached:
+    call.check(model.config)
+    if model.config.family == "encoder-decoder":
+        assert call.group is not None  # the check asks for one
+        return decompose_encoder_decoder_score(model, call.ids, call.target_ids, call.group, call.layer, call.head,
+                                               call.query, call.key, call.top_k, report=report)
     return decompose_score(model, call.ids, call.layer, call.head, call.query, call.key, call.top_k, report=report)
 
 

@@ -82,6 +82,7 @@ class PatchResult:
     corrupted_metric: float
     values: Any
     sender: tuple[int, int] | None = None  # paths: the sender head (layer, head)
+    sender_group: str | None = None  # an encoder-decoder's paths: the sender's group (encoder, decoder, cross)
 
 
 def check_patch(config, clean_ids: list[int], corrupted_ids: list[int], answer_id: int, foil_id: int,

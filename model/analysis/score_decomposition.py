@@ -17,6 +17,8 @@ head query head h reads. So the score is a sum over pairs,
 
 a matrix (query parts x key parts) that sums to the model's score (the pre-softmax logit, before the
 mask) within float rounding. The top pairs by magnitude come first.
+
+encoder_decoder_scores.py does the same for an encoder-decoder's encoder, decoder and cross heads.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Pair(TypedDict):
 
 
 class ScoreDecomposition(TypedDict):
+    group: str  # the head's attention group (a decoder's: self)
     layer: int
     head: int
     kv_head: int
@@ -52,8 +55,9 @@ class ScoreDecomposition(TypedDict):
     score: float  # the model's scaled score q . k * scale (hook_q / hook_k, rotated where rotary)
     probability: float  # the head's attention from the query to the key
     masked: bool  # the key is outside the query's sliding window (its probability is 0)
-    parts: list[str]  # the rows' and the columns' names
-    matrix: np.ndarray  # (P, P) float64 [query part, key part]; sums to score
+    parts: list[str]  # the rows' names (the query side's parts)
+    key_parts: list[str]  # the columns' names (a self-attention head's: parts; a cross head's: the encoder's)
+    matrix: np.ndarray  # (P, P') float64 [query part, key part]; sums to score
     query_totals: list[float]  # each query part against the whole key (row sums)
     key_totals: list[float]  # each key part against the whole query (column sums)
     top: list[Pair]  # the top_k pairs by magnitude, largest first
@@ -111,6 +115,13 @@ def side(model, captured: dict[str, torch.Tensor], ids: list[int], layer: int, p
     return names, out
 
 
+def ranked(matrix: np.ndarray, names: list[str], key_names: list[str], top_k: int) -> list[Pair]:
+    """The top_k pairs of matrix (query parts x key parts) by magnitude, largest first."""
+    order = np.argsort(-np.abs(matrix), axis=None)[:top_k]
+    return [{"query": names[i // len(key_names)], "key": key_names[i % len(key_names)], "value": float(matrix.flat[i])}
+            for i in order]
+
+
 @torch.inference_mode()
 def decompose_score(model, ids: list[int], layer: int, head: int, query: int, key: int, top_k: int = 20,
                     report: Report = _no_report) -> ScoreDecomposition:
@@ -134,13 +145,11 @@ def decompose_score(model, ids: list[int], layer: int, head: int, query: int, ke
     matrix = (qs @ ks.t() * attn.scale).cpu().numpy()  # (P, P)
     q, k = got[f"{module}.{qn}"][0, query, head].double(), got[f"{module}.{kn}"][0, key, kv].double()  # (D,)
     score = float(q @ k) * attn.scale
-    order = np.argsort(-np.abs(matrix), axis=None)[:top_k]
-    top: list[Pair] = [{"query": names[i // len(names)], "key": names[i % len(names)], "value": float(matrix.flat[i])}
-                       for i in order]
+    top = ranked(matrix, names, names, top_k)
     window = model.config.sliding_window
     report()
-    return {"layer": layer, "head": head, "kv_head": kv, "query": query, "key": key, "scale": attn.scale,
-            "score": score, "probability": float(got[f"{module}.hook_pattern"][0, head, query, key]),
-            "masked": window is not None and key <= query - window, "parts": names, "matrix": matrix,
-            "query_totals": matrix.sum(axis=1).tolist(), "key_totals": matrix.sum(axis=0).tolist(), "top": top,
-            "rest": score - sum(p["value"] for p in top)}
+    return {"group": "self", "layer": layer, "head": head, "kv_head": kv, "query": query, "key": key,
+            "scale": attn.scale, "score": score, "probability": float(got[f"{module}.hook_pattern"][0, head, query, key]),
+            "masked": window is not None and key <= query - window, "parts": names, "key_parts": names,
+            "matrix": matrix, "query_totals": matrix.sum(axis=1).tolist(), "key_totals": matrix.sum(axis=0).tolist(),
+            "top": top, "rest": score - sum(p["value"] for p in top)}

@@ -72,7 +72,7 @@ def test_patch_answers_the_operation(bundled_client, default_model, prompts, com
     assert a["differing"] == sorted(CHANGED)
     tok = default_model.tokenizer
     assert a["answer"] == {"id": ANSWER, "text": tok.display_text(ANSWER)} and a["foil"]["id"] == FOIL
-    assert a["sender"] == (sender["sender"] if sender else None)
+    assert a["sender"] == ({**sender["sender"], "group": "self"} if sender else None)
     L, H, T = default_model.config.n_layers, default_model.config.n_heads, len(clean)
     shape = {"heads": (L, H), "heads_by_position": (L, T, H), "residual": (L, T)}
     if component in shape:
@@ -125,7 +125,7 @@ def test_explain_with_a_key_says_why_and_without_one_is_unchanged(bundled_client
     assert_json_close(keyed, plain, abs_tol=0)
     ids = default_model.tokenizer.encode(TEXT)
     want = run_operation(default_model.model, ScoreDecompositionCall(ids, 2, 5, 9, 4))
-    assert parts["key"] == 4 and parts["parts"] == want["parts"]
+    assert parts["key"] == 4 and parts["parts"] == want["parts"] == parts["key_parts"]
     assert parts["score"] == pytest.approx(want["score"], abs=1e-4)
     assert parts["score"] == pytest.approx(plain["scaled"][4], abs=1e-4)  # the step-by-step's own score
     assert parts["probability"] == pytest.approx(plain["pattern_row"][4], abs=1e-5)
@@ -148,8 +148,8 @@ def patch_body(**change) -> dict:
 BAD_PATCH = [
     # (change, status, param, words in the message)
     ({"model": "encoder", "clean": "a b", "corrupted": "a c"}, 400, "model", ["decoder", "bidirectional"]),
-    ({"model": "translator", "clean": "twenty one", "corrupted": "twenty two", "component": "paths"}, 400, "component",
-     ["a decoder's"]),  # the translator's own cases: tests/api/test_causes_translator.py
+    ({"model": "translator", "clean": "twenty one", "corrupted": "twenty two", "component": "paths",
+      "sender": {"layer": 0, "head": 0}}, 400, "sender", ["needs a group"]),  # more: tests/api/test_causes_translator.py
     ({"corrupted": TEXT + " again"}, 400, "corrupted", ["tokens and clean", "as many tokens"]),
     ({"answer_id": None, "answer": " not to be"}, 400, "answer", ["tokens (", "not one"]),
     ({"foil_id": None, "foil": "question mark"}, 400, "foil", ["tokens", "not one"]),
@@ -162,6 +162,8 @@ BAD_PATCH = [
     ({"component": "paths", "sender": {"layer": 4, "head": 0}}, 400, "sender", ["layer 4 out of range"]),
     ({"component": "paths", "sender": {"layer": 0, "head": 8}}, 400, "sender", ["head 8 out of range"]),
     ({"sender": {"layer": 0, "head": 0}}, 400, "sender", ["paths only"]),
+    ({"component": "paths", "sender": {"layer": 0, "head": 0, "group": "cross"}}, 400, "sender",
+     ["sender group 'cross'", "one attention group, self"]),
     ({"component": "paths", "method": "attribution", "sender": {"layer": 0, "head": 0}}, 400, "method", ["exact"]),
     ({"component": "neurons"}, 422, "component", []),
     ({"clean_ids": [1, 2]}, 422, "clean_ids", ["not both"]),
@@ -238,7 +240,10 @@ def test_bad_logit_attribution_requests_name_their_field(bundled_client, change,
     ({"key": 10}, "default", ["key 10 out of range 0..9"]),
     ({"key": 2, "ablate": [{"layer": 0, "head": 1}]}, "default", ["without ablate"]),
     ({"key": 2}, "encoder", ["pre-norm decoder"]),
-    ({"key": 2, "group": "decoder"}, "translator", ["pre-norm decoder"]),
+    ({"key": 2, "group": "decoder"}, "translator", ["key 2 out of range 0..0", "causal"]),
+    ({"key": 9, "group": "cross"}, "translator", ["key 9 out of range", "the cross heads' keys are the source's"]),
+    ({"key": 0, "group": "encoder", "ablate": [{"layer": 0, "head": 1, "group": "cross"}]}, "translator",
+     ["without ablate"]),
 ])
 def test_a_key_the_model_cannot_decompose_is_a_400_naming_key(bundled_client, change, model, words):
     text, query = ("twenty one", 0) if model == "translator" else (TEXT, 9)

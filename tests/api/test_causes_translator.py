@@ -1,6 +1,6 @@
-"""POST /patch and POST /logit-attribution on the bundled translator (an encoder-decoder): each answer
-against its operation run directly on the same weights, its groups' shapes, every 4xx naming its
-field, the client's round trip and attnlens.show of both answers."""
+"""POST /patch (paths too), POST /logit-attribution and /attention/explain's key on the bundled translator
+(an encoder-decoder): each answer against its operation run directly on the same weights, its groups'
+shapes, every 4xx naming its field, the client's round trip and attnlens.show of both answers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ import pytest
 from helpers import REPO_ROOT, assert_json_close
 
 import attnlens
-from attnlens.model.analysis.operations import LogitAttributionCall, PatchCall, run_operation
+from attnlens.model.analysis.operations import (
+    LogitAttributionCall,
+    PatchCall,
+    ScoreDecompositionCall,
+    run_operation,
+)
 
 CLEAN, CORRUPTED, TARGET = "March 3, 2021", "May 3, 2021", "3"  # ' mars' against ' mai' after "3"
 ASK = dict(model="translator", clean=CLEAN, corrupted=CORRUPTED, target=TARGET, answer=" mars", foil=" mai")
@@ -62,6 +67,24 @@ def test_patch_answers_the_operation_by_group(bundled_client, translator, ids, c
                    "decoder": {"attention": (L, T), "cross": (L, T), "mlp": (L, T)}}}[component]
 
 
+@pytest.mark.parametrize("group, layer, head", [("encoder", 1, 2), ("decoder", 1, 0), ("cross", 0, 3)])
+def test_paths_answer_the_operation_by_receiver_group(bundled_client, translator, ids, group, layer, head):
+    sender = {"group": group, "layer": layer, "head": head}
+    r = bundled_client.post("/patch", json={**ASK, "component": "paths", "sender": sender})
+    assert r.status_code == 200, r.text
+    a = r.json()
+    want = run_operation(translator.model, PatchCall(ids.clean, ids.corrupted, ids.answer, ids.foil, None, "paths",
+                                                     "exact", (layer, head), ids.target, group))
+    assert a["sender"] == sender and a["component"] == "paths"
+    assert shapes(a["values"]) == {g: dict.fromkeys("qkv", (3, 4)) for g in ("encoder", "decoder", "cross")}
+    assert_json_close(a["values"], want.values, abs_tol=1e-4)
+    nulls = {(g, k) for g, kinds in a["values"].items() for k, grid in kinds.items() if grid[2] == [None] * 4}
+    if group == "encoder":  # later encoder heads and the cross heads' keys and values
+        assert nulls == {("decoder", k) for k in "qkv"} | {("cross", "q")}
+    else:
+        assert nulls >= {("encoder", k) for k in "qkv"} | {("cross", "k"), ("cross", "v")}
+
+
 def test_the_cross_heads_of_the_last_layer_carry_the_month(bundled_client):
     """The month reaches the decoder through cross-attention: patching each last-layer cross head restores
     8 to 22% of the difference, no encoder or decoder self-attention head a hundredth."""
@@ -105,11 +128,47 @@ def test_logit_attribution_answers_the_operation_and_its_parts_sum(bundled_clien
         ["logit_difference"], abs=1e-4)
 
 
+@pytest.mark.parametrize("group, layer, head, query, key", [("encoder", 1, 2, 3, 0), ("decoder", 2, 1, 1, 0),
+                                                          ("cross", 2, 3, 1, 0)])
+def test_explain_with_a_key_says_why_in_every_group(bundled_client, translator, ids, group, layer, head, query, key):
+    ask = dict(model="translator", text=CLEAN, target=TARGET, group=group, layer=layer, head=head, query=query)
+    plain = bundled_client.post("/attention/explain", json=ask).json()
+    keyed = bundled_client.post("/attention/explain", json={**ask, "key": key})
+    assert keyed.status_code == 200, keyed.text
+    parts = keyed.json()["score_parts"]
+    want = run_operation(translator.model, ScoreDecompositionCall(ids.clean, layer, head, query, key,
+                                                                  target_ids=ids.target, group=group))
+    assert (parts["parts"], parts["key_parts"]) == (want["parts"], want["key_parts"])
+    assert parts["score"] == pytest.approx(plain["scaled"][key], abs=1e-4)  # the step-by-step's own score
+    assert parts["probability"] == pytest.approx(plain["pattern_row"][key], abs=1e-5)
+    assert sum(parts["query_totals"]) == pytest.approx(parts["score"], abs=1e-4)
+    assert sum(parts["key_totals"]) == pytest.approx(parts["score"], abs=1e-4)
+    assert [(p["query_part"], p["key_part"]) for p in parts["top_pairs"]] == [(p["query"], p["key"]) for p in want["top"]]
+    assert len(parts["key_totals"]) == len(parts["key_parts"])
+    if group == "cross":  # the keys read the encoder's output: its heads and MLPs
+        assert "encoder L2H0" in parts["key_parts"] and "decoder L2H0" in parts["parts"]
+    generated = bundled_client.post("/attention/explain", json={**ask, "key": key, "target": None})
+    assert generated.status_code == 200 or group != "encoder" and generated.json()["param"] == "query"
+
+
+def test_a_query_past_a_generated_target_is_a_400_naming_query(bundled_client):
+    r = bundled_client.post("/attention/explain", json=dict(model="translator", text=CLEAN, group="cross", layer=0,
+                                                            head=0, query=40, key=0))
+    assert r.status_code == 400 and r.json()["param"] == "query" and "out of range" in r.json()["detail"]
+
+
 # --- bad input: a 4xx naming the field ------------------------------------------------------------
 BAD = [
     # (route, change, status, param, words in the message)
-    ("/patch", {"component": "paths", "sender": {"layer": 0, "head": 0}}, 400, "component", ["a decoder's", "heads"]),
-    ("/patch", {"component": "paths"}, 400, "component", ["a decoder's"]),
+    ("/patch", {"component": "paths", "sender": {"layer": 0, "head": 0}}, 400, "sender",
+     ["needs a group", "encoder, decoder, cross"]),
+    ("/patch", {"component": "paths", "sender": {"layer": 0, "head": 0, "group": "self"}}, 400, "sender",
+     ["sender group 'self'"]),
+    ("/patch", {"component": "paths", "sender": {"layer": 3, "head": 0, "group": "cross"}}, 400, "sender",
+     ["layer 3 out of range"]),
+    ("/patch", {"component": "paths", "sender": {"layer": 0, "head": 0, "group": "cross"}, "method": "attribution"},
+     400, "method", ["exact"]),
+    ("/patch", {"component": "paths"}, 400, "sender", ["needs a sender"]),
     ("/patch", {"sender": {"layer": 0, "head": 0}}, 400, "sender", ["paths only"]),
     ("/patch", {"position": 2}, 400, "position", ["target has", "2 tokens (0..1)"]),
     ("/patch", {"corrupted": "May 3, 2021 and more"}, 400, "corrupted", ["as many tokens"]),
@@ -165,6 +224,11 @@ def test_the_clients_answers_hold_the_groups(api, bundled_client, ids):
     top = got.top(3)  # every group ranked together: the last layer's cross heads
     assert [index[0] for index, _ in top] == ["cross"] * 3 and top[0][1] == got.values["cross"].max()
     assert got.top(1, part="encoder")[0][1] == got.values["encoder"].max()
+    paths = api.patch(CLEAN, CORRUPTED, **ask, component="paths", sender=("encoder", 0, 1))
+    assert paths.sender == ("encoder", 0, 1) and set(paths.values["cross"]) == {"q", "k", "v"}
+    assert np.isnan(paths.values["cross"]["q"]).all() and not np.isnan(paths.values["cross"]["k"]).any()
+    assert paths.top(1)[0][0][:2] in {("encoder", "q"), ("encoder", "k"), ("encoder", "v"), ("cross", "k"),
+                                      ("cross", "v")}
     layers = api.patch(clean_ids=ids.clean, corrupted_ids=ids.corrupted, target_ids=ids.target, answer_id=ids.answer,
                        foil_id=ids.foil, component="layers", model="translator")
     assert set(layers.values) == {"encoder", "decoder"} and set(layers.values["decoder"]) == {"attention", "cross", "mlp"}
@@ -172,6 +236,11 @@ def test_the_clients_answers_hold_the_groups(api, bundled_client, ids):
     assert layers.top(1, part="encoder.mlp")[0][1] == np.max(layers.values["encoder"]["mlp"])
     assert set(layers.normalized["decoder"]) == {"attention", "cross", "mlp"}
 
+    explained = api.explain(CLEAN, target=TARGET, model="translator", group="cross", layer=2, head=3, query=1, key=0)
+    parts = explained.score_parts
+    assert parts is not None and parts.key_parts is not None and "encoder L0H0" in parts.key_parts
+    assert len(parts.key_totals) == len(parts.key_parts) and len(parts.query_totals) == len(parts.parts)
+    assert parts.key_totals.sum() == pytest.approx(parts.score, abs=1e-4)
     attribution = api.logit_attribution(CLEAN, target=TARGET, model="translator")
     assert isinstance(attribution.heads, dict) and attribution.heads["cross"].shape == (3, 4)
     assert attribution.total == pytest.approx(attribution.logit_difference, abs=1e-4)
@@ -187,6 +256,9 @@ def test_show_draws_the_groups_offline(api, ids):
         assert page.startswith("<!doctype html>") and "<script" not in page and "http" not in page
         assert page.count('<table class="grid">') == tables, component
         assert "at target position 1" in page and "target: " in page and "clean source" in page
+    paths = attnlens.show(api.patch(**ask, component="paths", sender=("cross", 0, 2))).html()
+    assert "sender cross L0H2" in paths and paths.count('<table class="grid">') == 4  # decoder q, k, v; cross q
+    assert "query input" in paths and "value input" in paths and "cross-attention heads" in paths
     heads = attnlens.show(api.patch(**ask)).html()
     assert "cross-attention heads" in heads and "encoder self-attention heads" in heads
     attribution = attnlens.show(api.logit_attribution(CLEAN, target=TARGET, model="translator")).html()

@@ -1,8 +1,8 @@
 """The Causes view on the translator (an encoder-decoder) in Chromium, against the bundled translator's
 real server and its real /patch and /logit-attribution: two sources and a target typed, a map per
 group (encoder, decoder and cross heads) equal to the route's answer, the target's metric position
-marked, a cross head clicked (its attention on both sources, its direct logit attribution), the
-residual and layers figures by stack, the state through a reload, and the phone width."""
+marked, a cross head clicked (its attention on both sources, its direct logit attribution), an
+encoder head's paths by receiver group, the residual and layers figures by stack, the state through a reload, and the phone width."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_the_translators_groups_are_drawn_and_a_cross_head_opens(page, translato
         shape = page.evaluate(f"() => {{ const m = window.__attnlens.current().detailMaps[{i}].model; return [m.rows, m.cols]; }}")
         assert shape == [2, 4], side  # the start token and "3" down, the four source tokens across
         assert canvas_digest(page, f'.cz-att figure[data-side="{side}"] .heatmap-base').get("colours", 0) > 3
-    assert "decoder-only" in page.inner_text(".cz-paths")
+    assert "No head reads this one directly" in page.inner_text(".cz-paths")  # the last layer's cross head
     marked = page.evaluate("() => window.__attnlens.current().maps.map(m => m.marked)")
     assert marked == [None, None, {"row": 2, "col": 1}]  # only the cross map outlines the head
     # an encoder head from its map: no direct logit attribution, said so
@@ -103,6 +103,16 @@ def test_the_translators_groups_are_drawn_and_a_cross_head_opens(page, translato
     page.wait_for_selector('.cz-detail[data-head="encoder.0.3"][data-state="done"]')
     assert "writes no logit directly" in page.inner_text(".cz-detail [data-dla]")
     assert page.evaluate("() => window.__attnlens.current().detailMaps[0].model.rows") == 4  # source x source
+    # its paths: into the later encoder heads' q, k, v and every cross head's k, v (the memory), the route's
+    grids = ["encoder.q", "encoder.k", "encoder.v", "cross.k", "cross.v"]
+    assert page.eval_on_selector_all(".cz-paths figure", "fs => fs.map(f => f.dataset.path)") == grids
+    paths = post(translator_server, "/patch", clean=CLEAN, corrupted=CORRUPTED, target=TARGET, answer=" mars",
+                 foil=" mai", component="paths", sender={"group": "encoder", "layer": 0, "head": 3})
+    for i, grid in enumerate(grids):
+        group, kind = grid.split(".")
+        got = np.array(page.evaluate(f"() => Array.from(window.__attnlens.current().detailMaps[{2 + i}].model.data)"))
+        want = normalised(paths, [[np.nan if v is None else v for v in row] for row in paths["values"][group][kind]])
+        np.testing.assert_allclose(got, want.ravel(), atol=1e-4)  # layer 0 of the encoder's: NaN, not after it
     assert not [e for e in page.console_log.errors if "favicon" not in e]
     screenshot(page, "causes-translator.png")
 

@@ -1,8 +1,9 @@
 """Patching and logit attribution of an encoder-decoder (model/analysis/encoder_decoder_patching.py,
-encoder_decoder_attribution.py) against an independent reference: the model's own forward with torch
-hooks on its modules, one whole forward per cell (each head's z set to the clean run's at the output
-projection's input, a block's input, a sub-layer's output), for every group of the bundled translator
-(post-norm) and of a sharp random pre-norm one; attribution patching against its gradient definition
+encoder_decoder_paths.py, encoder_decoder_attribution.py) against an independent reference: the model's
+own forward with torch hooks on its modules, one whole forward per cell (each head's z set to the clean
+run's at the output projection's input, a block's input, a sub-layer's output; path patching: two
+forwards per receiver input, the sender run's and the receiver's), for every group of the bundled
+translator (post-norm) and of a sharp random pre-norm one; attribution patching against its gradient definition
 (autograd through that forward); direct logit attribution against the gradient of the logit difference
 with every norm's scale frozen and every sub-layer's input cut from the graph (the direct path)."""
 
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import REPO_ROOT
 
 from attnlens.model.analysis.encoder_decoder_attribution import encoder_decoder_logit_attribution
@@ -236,6 +238,162 @@ def test_attribution_ranks_the_translators_cross_heads_as_exact_patching_does(ca
     assert np.corrcoef(e.ravel(), g.ravel())[0, 1] > 0.8
 
 
+# --- path patching ----------------------------------------------------------------------------------
+class PathLoop:
+    """Path patching written out on the model's own forward, the slow obvious way: torch forward hooks on
+    its hook points (live under an empty Hooks) replace what they pass on. Per receiver input, two whole
+    forwards of the corrupted source: the sender run (every head's z and every MLP's output the corrupted
+    run's, the sender head's z the clean run's), which gives the receiver's input; then the corrupted run
+    with that one head's q, k or v replaced."""
+
+    def __init__(self, loop: Loop):
+        self.loop, self.model = loop, loop.model
+        self.kept = {which: self.forward(which, {}, keep=("hook_z", "hook_mlp_out"))[1] for which in ("clean", "corrupted")}
+
+    def points(self):
+        """(name, hook point module) of every attention's z, q, k, v and every block's MLP output."""
+        return [(n, m) for n, m in self.model.named_modules()
+                if n.rsplit(".", 1)[-1] in ("hook_z", "hook_q", "hook_k", "hook_v", "hook_mlp_out")]
+
+    def forward(self, which: str, edits: dict, keep: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict]:
+        """The metric of `which` source and the tensors of the hook points whose names end with `keep`,
+        edits[name](t) replacing what hook point `name` passes on."""
+        from attnlens.model.hooks import Hooks, hooked
+
+        kept: dict = {}
+
+        def hook(name):
+            def run(module, args, out):
+                out = edits[name](out) if name in edits else out
+                if name.endswith(keep):
+                    kept[name] = out
+                return out
+            return run
+        handles = [m.register_forward_hook(hook(n)) for n, m in self.points()]
+        try:
+            with torch.no_grad(), hooked(self.model, Hooks()):
+                logits = self.model(self.loop.target, source=self.loop.sources[which]).logits[0, self.loop.position]
+        finally:
+            for h in handles:
+                h.remove()
+        return logits[self.loop.answer] - logits[self.loop.foil], kept
+
+    def sender_inputs(self, sender: tuple[str, int, int]) -> dict:
+        group, layer, head = sender
+        module = lambda g, l: f"{'encoder' if g == 'encoder' else 'decoder'}.blocks.{l}.{'cross_attn' if g == 'cross' else 'attn'}"
+        clean, corrupted = self.kept["clean"], self.kept["corrupted"]
+        edits = {name: (lambda t, name=name: corrupted[name]) for name in corrupted}
+        sender_z = f"{module(group, layer)}.hook_z"
+
+        def mixed(t):
+            t = corrupted[sender_z].clone()
+            t[:, :, head] = clean[sender_z][:, :, head]  # [B, T, H, D]
+            return t
+        edits[sender_z] = mixed
+        return self.forward("corrupted", edits, keep=("hook_q", "hook_k", "hook_v"))[1]
+
+    def cell(self, sent: dict, group: str, kind: str, layer: int, head: int) -> float:
+        stack = "encoder" if group == "encoder" else "decoder"
+        name = f"{stack}.blocks.{layer}.{'cross_attn' if group == 'cross' else 'attn'}.hook_{kind}"
+
+        def receive(t):
+            t = t.clone()
+            t[:, :, head] = sent[name][:, :, head]  # [B, T, H, D]
+            return t
+        return float(self.forward("corrupted", {name: receive})[0])
+
+
+@pytest.fixture(scope="module")
+def path_loop(case):
+    return PathLoop(case.loop)
+
+
+SENDERS = [("encoder", 0, 1), ("encoder", 1, 3), ("decoder", 0, 2), ("decoder", 1, 0), ("cross", 0, 3), ("cross", 1, 1)]
+
+
+@pytest.mark.parametrize("sender", SENDERS)
+def test_paths_equal_a_hooked_loop_in_every_group(case, path_loop, sender):
+    """Every receiver input a sender reaches, against the loop of hooked forwards; None where no direct path
+    runs (an encoder head reaches the decoder's stream only through the frozen cross heads)."""
+    L, H = case.model.config.n_layers, case.model.config.n_heads
+    got = patch_encoder_decoder(case.model, component="paths", sender=sender, **case.kw)
+    assert (got.sender_group, got.sender) == (sender[0], sender[1:])
+    assert set(got.values) == set(GROUPS) and all(set(v) == {"q", "k", "v"} for v in got.values.values())
+    group, layer, _ = sender
+    later = range(layer + 1, L)
+    reach = {("encoder", k): later if group == "encoder" else () for k in "qkv"}
+    reach |= {("decoder", k): () if group == "encoder" else later for k in "qkv"}
+    reach |= {("cross", "q"): () if group == "encoder" else range(layer, L) if group == "decoder" else later,
+              ("cross", "k"): range(L) if group == "encoder" else (), ("cross", "v"): range(L) if group == "encoder" else ()}
+    sent = path_loop.sender_inputs(sender)
+    moved = []
+    for (g, kind), layers in reach.items():
+        grid = got.values[g][kind]
+        for l in range(L):
+            if l not in layers:
+                assert grid[l] == [None] * H, (g, kind, l)
+                continue
+            want = [path_loop.cell(sent, g, kind, l, h) for h in range(H)]
+            assert_close(grid[l], want, atol=2e-5)  # float32 at |metric| ~ 20
+            moved += want
+    if sender[:2] == ("decoder", 0):  # block 0's self-attention reads the same target in both runs: no run
+        reached = {v for g in got.values.values() for grid in g.values() for row in grid for v in row} - {None}
+        assert reached == {got.corrupted_metric}
+    elif moved:  # (none after the last layer's cross heads)
+        assert np.ptp(moved) > 2e-4  # the receivers differ by 10x the tolerance: the comparison is not vacuous
+
+
+def test_a_pre_norm_path_is_the_corrupted_stream_plus_the_senders_write(small):
+    """Pre-norm, the sender run's stream is the corrupted one plus the sender's clean-minus-corrupted write,
+    as a decoder's paths define it; so a receiver's query equals ln1(corrupted stream + delta) projected."""
+    from attnlens.model.analysis import encoder_decoder_runs as runs
+    from attnlens.model.analysis.encoder_decoder_patching import Pair
+    from attnlens.model.analysis.encoder_decoder_paths import FROZEN, SenderRun
+
+    model = sharp_translator("pre", seed=4)
+    _, kw = small
+    pair = Pair(model, kw["clean_ids"], kw["corrupted_ids"], kw["target_ids"], kw["answer_id"], kw["foil_id"], None)
+    with torch.no_grad():
+        pair.run(model, set(FROZEN) | {"encoder.resid_pre"}, lambda: None)
+        sent = SenderRun(pair.got.got, ("encoder", 0, 2))
+        runs.run_rows(model, [0], pair.start(), sent, lambda: None)
+        attn, D = model.encoder.blocks[1].attn, model.config.d_head
+        z = pair.got.got["encoder.z"][0][:, :, 2]  # (2, S, D)
+        delta = (z[0] - z[1]) @ model.encoder.blocks[0].attn.proj.weight[:, 2 * D:3 * D].t()  # (S, C)
+        x = pair.got.got["encoder.resid_pre"][1][1] + delta  # (S, C)
+        q = F.linear(model.encoder.blocks[1].ln1(x), attn.qkv.weight[:4 * D], attn.qkv.bias[:4 * D])  # (S, HD)
+    torch.testing.assert_close(sent.got["encoder.q"][1][0].transpose(0, 1).reshape(-1, 4 * D), q, atol=1e-5, rtol=0)
+
+
+def test_paths_are_checked_naming_the_sender(small):
+    model, kw = small
+    for change, words in [(dict(sender=(0, 0)), "sender group None"),
+                          (dict(sender=(0, 0), sender_group="self"), "sender group 'self'"),
+                          (dict(sender=(2, 0), sender_group="cross"), "sender layer 2 out of range 0..1"),
+                          (dict(sender=(0, 4), sender_group="encoder"), "sender head 4 out of range 0..3"),
+                          (dict(), "needs a sender"),
+                          (dict(sender=(0, 0), sender_group="cross", method="attribution"), "exactly only")]:
+        call = PatchCall(**kw, component="paths", **change)
+        with pytest.raises(ValueError, match=words):
+            call.check(model.config)
+        with pytest.raises(ValueError, match=words):
+            run_operation(model, call)
+    with pytest.raises(ValueError, match="sender is for component paths only"):
+        PatchCall(**kw, sender_group="cross").check(model.config)
+
+
+def test_the_paths_call_runs_by_name_batched_or_not(small):
+    model, kw = small
+    call = pickle.loads(pickle.dumps(PatchCall(**kw, component="paths", sender=(0, 1), sender_group="encoder")))
+    got = run_operation(model, call)
+    one = patch_encoder_decoder(model, component="paths", sender=("encoder", 0, 1), max_bytes=1, **kw)
+    assert got.sender == (0, 1) and got.sender_group == "encoder"
+    for group in GROUPS:
+        for kind in "qkv":
+            np.testing.assert_allclose(np.array(one.values[group][kind], dtype=float),
+                                       np.array(got.values[group][kind], dtype=float), atol=2e-5)
+
+
 # --- direct logit attribution -----------------------------------------------------------------------
 def direct_gradients(model, source: list[int], target: list[int], answer: int, foil: int, position: int) -> dict:
     """d logit difference / d (each sub-layer's output, each head's z, the target's embedding) at `position`
@@ -357,7 +515,7 @@ def small():
     (dict(target_ids=[7, 97]), ["target_ids: token id 97"]),
     (dict(target_ids=list(range(40))), ["target_ids has 40 tokens", "context length 32"]),
     (dict(answer_id=97), ["answer_id 97"]),
-    (dict(component="paths", sender=(0, 0)), ["component 'paths' is a decoder's", "heads"]),
+    (dict(component="paths", sender=(0, 0)), ["sender group None", "encoder, decoder, cross"]),
     (dict(sender=(0, 0)), ["sender is for component paths only"]),
     (dict(component="neurons"), ["component"]),
     (dict(method="integrated"), ["method"]),
@@ -458,6 +616,13 @@ def test_the_translators_calls_on_cuda_equal_the_cpus(small):
             got, want = run_operation(cuda, call).values, run_operation(model, call).values
             flat = lambda v: np.concatenate([np.ravel(x) for x in _leaves(v)])
             np.testing.assert_allclose(flat(got), flat(want), atol=1e-4)
+    for sender in SENDERS:
+        call = PatchCall(**kw, component="paths", sender=sender[1:], sender_group=sender[0])
+        got, want = run_operation(cuda, call).values, run_operation(model, call).values
+        for group in GROUPS:
+            for kind in "qkv":
+                np.testing.assert_allclose(np.array(got[group][kind], dtype=float),
+                                           np.array(want[group][kind], dtype=float), atol=1e-4)
     call = LogitAttributionCall(kw["clean_ids"], 3, 4, None, kw["target_ids"])
     got, want = run_operation(cuda, call), run_operation(model, call)
     np.testing.assert_allclose(got["heads"]["cross"], want["heads"]["cross"], atol=1e-4)

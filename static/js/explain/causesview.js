@@ -13,7 +13,8 @@
 // An encoder-decoder's (the translator's) prompts are two sources read with one target (typed
 // here; none: the metric is on the first target token), the metric at the target's last position;
 // its maps come by group (encoder, decoder and cross heads; each stack's residual stream and
-// sub-layers), a head clicked shows that group's map (its paths are a decoder's only).
+// sub-layers), a head clicked shows that group's map and its paths by receiver group (the sender's
+// group sent with it).
 
 import { fetchNextTokens, fetchPatch, fetchLogitAttribution } from "./explain_api.js";
 import { Heatmap } from "../heatmap.js";
@@ -241,7 +242,7 @@ export class CausesView {
       `<b>Causes</b>: each ${what} ` +
         `is patched from the clean run into the corrupted one, and logit(answer) − logit(foil) read at the ${this.translator ? "target's" : ""} last position, normalised: <b>0</b> = the corrupted run, <b>1</b> = the clean run. ` +
         (settings.method === "attribution" ? "Attribution: first-order estimates (one forward, one backward pass). " : "Exact: one patched run per cell. ") +
-        (this.translator ? "Click a head for its attention on both sources and its direct logit attribution." : "Click a head for its attention on both prompts, its direct logit attribution and its paths."),
+        (this.translator ? "Click a head for its attention on both sources, its direct logit attribution and its paths." : "Click a head for its attention on both prompts, its direct logit attribution and its paths."),
     );
     // only the chosen head moved (or the page's layer / head with it): the mark and the detail
     if (this.patch !== null && changed && [...changed].every((k) => ["sender", "layer", "head"].includes(k))) {
@@ -400,7 +401,7 @@ export class CausesView {
     showTooltip(
       `<div class="tt-cell"><b>${where}</b></div>` +
         `<div class="tt-row"><span>normalised</span><b>${num(v)}</b></div><div class="tt-row"><span>logit difference</span><b>${num(raw)}</b></div>` +
-        (heads ? `<div class="tt-muted">click: this head's maps, attribution${this.translator ? "" : " and paths"}</div>` : ""),
+        (heads ? `<div class="tt-muted">click: this head's maps, attribution and paths</div>` : ""),
       h.x,
       h.y,
     );
@@ -527,8 +528,8 @@ export class CausesView {
     box.querySelector(".cz-close").addEventListener("click", () => this.ctx.select({ sender: null }));
     const map = (text) => (group ? this.groupMap(text, group, l, h) : this.headMap(text, l, h));
     const maps = Promise.allSettled([inp.clean, inp.differs ? inp.corrupted : null].map((text) => (text ? map(text) : Promise.resolve(null))));
-    const paths = !group && inp.differs && inp.answer && inp.foil
-      ? this.ctx.track(fetchPatch({ clean: inp.clean, corrupted: inp.corrupted, answer: inp.answerArg, foil: inp.foilArg, component: "paths", method: "exact", sender: [l, h] }))
+    const paths = inp.differs && inp.answer && inp.foil
+      ? this.ctx.track(fetchPatch({ clean: inp.clean, corrupted: inp.corrupted, answer: inp.answerArg, foil: inp.foilArg, component: "paths", method: "exact", sender: group ? [l, h, group] : [l, h], target: inp.target }))
       : Promise.resolve(null);
     const [[clean, corrupted], path] = await Promise.all([maps, paths.then((v) => ({ v }), (err) => ({ err }))]);
     if (!isCurrent() || this.detailKey !== key) return;
@@ -539,8 +540,7 @@ export class CausesView {
       else this.drawHeadMap(fig.querySelector(".cz-canvas"), r.value, l, h, i ? "corrupted" : "clean");
     });
     const host = box.querySelector(".cz-paths");
-    if (group) host.innerHTML = '<p class="hint">Path patching is a decoder-only model\'s: an encoder-decoder\'s paths would run between its three groups of heads.</p>';
-    else if (path.err) host.innerHTML = `<p class="hint">Could not patch the paths: ${escapeHTML(path.err.message)}</p>`;
+    if (path.err) host.innerHTML = `<p class="hint">Could not patch the paths: ${escapeHTML(path.err.message)}</p>`;
     else if (!path.v) host.innerHTML = '<p class="hint">Paths need a corrupted prompt.</p>';
     else this.drawPaths(host, path.v);
     box.dataset.state = "done";
@@ -591,18 +591,24 @@ export class CausesView {
     this.detailMaps.push(hm);
   }
 
-  /** The q, k and v paths from the chosen head: three layers × heads maps (null below the sender: masked). */
+  /**
+   * The q, k and v paths from the chosen head: a layers × heads map per receiver input (null where
+   * the sender has no direct path: masked). An encoder-decoder's come by receiver group; only the
+   * inputs its sender reaches are drawn (an encoder head: later encoder heads and the cross heads'
+   * keys and values; a decoder or cross head: later decoder heads and cross heads' queries).
+   */
   drawPaths(host, p) {
-    const parts = ["q", "k", "v"].filter((k) => p.values?.[k]);
-    if (parts.every((k) => p.values[k].every((row) => row.every((v) => v == null)))) {
-      host.innerHTML = `<p class="hint">No head reads this one: layer ${p.sender?.layer ?? ""} is the last.</p>`;
+    const kinds = { q: "query", k: "key", v: "value" };
+    const grids = (this.translator ? GROUPS.flatMap((g) => ["q", "k", "v"].map((k) => [`${g}.${k}`, p.values?.[g]?.[k], `${GROUP_LABELS[g]} ${kinds[k]} (${k})`])) : ["q", "k", "v"].map((k) => [k, p.values?.[k], `${kinds[k]} (${k})`]))
+      .filter(([, rows]) => rows && rows.some((row) => row.some((v) => v != null)));
+    if (!grids.length) {
+      host.innerHTML = `<p class="hint">No head reads this one directly: ${this.translator ? "it is in the last layer that reads its stream" : `layer ${p.sender?.layer ?? ""} is the last`}.</p>`;
       return;
     }
-    const datas = parts.map((k) => normalise(p.values[k], p.clean_metric, p.corrupted_metric));
+    const datas = grids.map(([, rows]) => normalise(rows, p.clean_metric, p.corrupted_metric));
     const m = Math.max(1, ...datas.map(extent));
-    host.innerHTML = `<div class="cz-triple">${parts.map((k) => `<figure data-path="${k}"><figcaption>${k === "q" ? "query" : k === "k" ? "key" : "value"} (${k})</figcaption><div class="cz-canvas"></div></figure>`).join("")}</div>`;
-    parts.forEach((k, i) => {
-      const rows = p.values[k];
+    host.innerHTML = `<div class="cz-triple">${grids.map(([k, , caption]) => `<figure data-path="${k}"><figcaption>${escapeHTML(caption)}</figcaption><div class="cz-canvas"></div></figure>`).join("")}</div>`;
+    grids.forEach(([k, rows], i) => {
       const hm = new Heatmap(host.querySelector(`[data-path="${k}"] .cz-canvas`), {
         maxCell: 14,
         minWidth: 100,

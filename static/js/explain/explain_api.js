@@ -81,12 +81,13 @@ const targetField = (target) => (target ? { target } : {});
 /**
  * Activation patching of `clean` into `corrupted`, the metric logit(answer) − logit(foil) at the
  * last position: `component` "heads" | "heads_by_position" | "residual" | "layers" | "paths"
- * (with `sender` {layer, head}), `method` "exact" | "attribution". answer / foil: a token id, or
- * a token's text. An encoder-decoder's prompts are sources read with `target`.
+ * (with `sender` [layer, head]; an encoder-decoder's [layer, head, group]), `method` "exact" |
+ * "attribution". answer / foil: a token id, or a token's text. An encoder-decoder's prompts are
+ * sources read with `target`.
  */
 export function fetchPatch({ clean, corrupted, answer, foil, component = "heads", method = "exact", sender = null, position = null, target = null }) {
   const body = { clean, corrupted, ...tokenField("answer", answer), ...tokenField("foil", foil), ...targetField(target), component, method };
-  if (sender) body.sender = { layer: sender[0], head: sender[1] };
+  if (sender) body.sender = { layer: sender[0], head: sender[1], ...(sender[2] ? { group: sender[2] } : {}) };
   if (position != null) body.position = position;
   return cachedPost("/patch", body);
 }
