@@ -3,6 +3,7 @@ forwards (TransformerLens's way: one whole forward per cell), on the packaged Sm
 
     .venv/bin/python bench/bench_patching.py                 # 2 threads, 3 rounds
     .venv/bin/python bench/bench_patching.py --threads 1 --rounds 5 --loop-rounds 1
+    .venv/bin/python bench/bench_patching.py --packed    # the served default's Q4_1 weights
 
 In turns, each round (model/analysis/patching.py, attribution_patching.py):
 
@@ -12,13 +13,14 @@ In turns, each round (model/analysis/patching.py, attribution_patching.py):
     heads_by_position  exact patching of every head's z at each position (3,780 cells)
     residual, layers   resid_pre, attention and MLP outputs at each position
     paths              path patching from L23H3 to every later head's q, k, v
-    attribution        attribution patching of every head (one forward each, one backward)
+    attribution        attribution patching of every head (one forward of the pair, one backward)
+    logit_attribution  direct logit attribution of every head, MLP and the embedding (the clean prompt)
     loop               the heads component as a loop of 270 hooked whole forwards of the corrupted
                        prompt (its z patched through a pre-hook on the output projection)
 
 Medians of wall time and of process CPU time (CPU time is the steadier figure on a shared machine),
 each as a multiple of the forward's. The goals (issue 46): heads at most 25x the forward and at
-least 10x faster than the loop; heads_by_position at most 150x the forward.
+least 10x faster than the loop; heads_by_position at most 150x the forward; attribution and logit attribution at most 3x.
 """
 
 from __future__ import annotations
@@ -72,17 +74,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--packed", action="store_true", help="the served default's packed Q4_1 weights (else float32)")
     parser.add_argument("--loop-rounds", type=int, default=1, help="rounds of the (long) hooked loop")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from attnlens.model import load_checkpoint
     from attnlens.model.analysis.attribution_patching import attribution_patch
+    from attnlens.model.analysis.logit_attribution import logit_attribution
     from attnlens.model.analysis.patching import patch
     from attnlens.model.interop import packaged
     from attnlens.model.interop.packaged import SMOLLM2
 
-    ck = load_checkpoint(packaged.ensure_checkpoint(SMOLLM2, progress=False))
+    ck = load_checkpoint(packaged.ensure_checkpoint(SMOLLM2, progress=False), packed=args.packed)
     model, tok = ck.model, ck.tokenizer
     clean, corrupted = tok.encode(CLEAN), tok.encode(CORRUPTED)
     answer, foil = tok.encode(" Mary")[0], tok.encode(" John")[0]
@@ -95,6 +99,7 @@ def main() -> None:
         "layers": lambda: patch(model, clean, corrupted, answer, foil, component="layers"),
         "paths": lambda: patch(model, clean, corrupted, answer, foil, component="paths", sender=(23, 3)),
         "attribution": lambda: attribution_patch(model, clean, corrupted, answer, foil, component="heads"),
+        "logit_attribution": lambda: logit_attribution(model, clean, answer, foil),
         "loop": lambda: hooked_loop(model, clean, corrupted, answer, foil),
     }
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
@@ -109,7 +114,8 @@ def main() -> None:
                 times[name].append(timed(fn))
     base_wall = statistics.median(t[0] for t in times["forward"])
     base_cpu = statistics.median(t[1] for t in times["forward"])
-    print(f"SmolLM2, IOI pair ({len(clean)} tokens), {args.threads} threads, medians of {args.rounds} rounds")
+    weights = "packed" if args.packed else "float32"
+    print(f"SmolLM2 ({weights}), IOI pair ({len(clean)} tokens), {args.threads} threads, medians of {args.rounds} rounds")
     print(f"{'':18} {'wall ms':>10} {'x fwd':>7} {'cpu ms':>10} {'x fwd':>7}")
     for name, ts in times.items():
         wall, cpu = statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)

@@ -1,5 +1,5 @@
 """Attribution patching (Nanda 2023): activation patching's first-order estimate, for every cell at
-once from one clean forward, one corrupted forward and one backward.
+once from one forward of the clean and corrupted prompts as a batch and one backward.
 
     patched metric of a cell  ~  corrupted metric + sum over its positions and dims of
                                  (clean - corrupted activation) * d metric / d activation
@@ -39,14 +39,16 @@ def _no_report() -> None:
     pass
 
 
-def _run(model, ids: torch.Tensor, want: set[str], report: Report) -> tuple[Recorder, torch.Tensor]:
-    """One forward of ids (1, N) keeping `want` per layer: the recorder and the final stream (1, N, C)."""
+def _run_pair(model, ids: torch.Tensor, want: set[str], report: Report) -> tuple[Recorder, torch.Tensor]:
+    """One forward of the pair ids (2, N), clean row 0 and corrupted row 1, keeping `want` per layer:
+    the recorder and the final stream (2, N, C). With autograd on, the graph starts at the corrupted
+    row's stream, not at the embedding's weights: one pass over the weights serves both runs."""
     runs = Recorder(want)
     with torch.no_grad():
-        x = model.embed(ids)  # (1, N, C)
+        x = model.embed(ids)  # (2, N, C)
     if torch.is_grad_enabled():
-        x = x.clone().requires_grad_()  # the graph starts at the stream, not at the embedding's weights
-    final = run_rows(model, span(model, 0, ids.shape[1]), [0], lambda layer, n: x, runs, report, last_only=False)
+        x = torch.cat([x[:1], x[1:].clone().requires_grad_()])
+    final = run_rows(model, span(model, 0, ids.shape[1]), [0, 0], lambda layer, n: x, runs, report, last_only=False)
     return runs, final
 
 
@@ -62,34 +64,27 @@ def in_callers_mode(report: Report) -> Report:
     return outside
 
 
-def gradients(model, ids: torch.Tensor, want: set[str], answer_id: int, foil_id: int, report: Report
-              ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[torch.Tensor]], float]:
-    """The corrupted run's activations and d metric / d activation, [name] -> per layer (N, ...), and its
-    metric: one forward and one backward with autograd on, inside any inference mode."""
+def gradients(model, pair: torch.Tensor, want: set[str], answer_id: int, foil_id: int, report: Report
+              ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[torch.Tensor]], list[float]]:
+    """The pair's (2, N) activations, d metric / d activation in the corrupted run, [name] -> per layer
+    (2, N, ...) and (N, ...), and both runs' metrics: one forward of the pair and one backward, with
+    autograd on inside any inference mode."""
     L = model.config.n_layers
     paused = in_callers_mode(report)
     with torch.inference_mode(False), torch.enable_grad():
         direction = unembed_direction(model, answer_id, foil_id)  # plain tensors, made here
-        runs, final = _run(model, ids.clone(), want, paused)
-        value = metric(model, final[:, -1], direction)[0]
+        runs, final = _run_pair(model, pair.clone(), want, paused)
+        values = metric(model, final[:, -1], direction)  # (2,)
         names = [(name, layer) for name in sorted(want) for layer in range(L)]
-        grads = torch.autograd.grad(value, [runs.got[name][layer] for name, layer in names], allow_unused=True)
+        grads = torch.autograd.grad(values[1], [runs.got[name][layer] for name, layer in names], allow_unused=True)
     report()
     acts: dict[str, list[torch.Tensor]] = {name: [] for name in want}
     slopes: dict[str, list[torch.Tensor]] = {name: [] for name in want}
     for (name, layer), g in zip(names, grads):
-        a = runs.got[name][layer].detach()[0]
+        a = runs.got[name][layer].detach()
         acts[name].append(a)
-        slopes[name].append(torch.zeros_like(a) if g is None else g[0])
-    return acts, slopes, float(value.detach())
-
-
-@torch.inference_mode()
-def _clean(model, ids: torch.Tensor, want: set[str], direction, report: Report) -> tuple[dict[str, list], float]:
-    runs, final = _run(model, ids, want, report)
-    L = model.config.n_layers
-    return ({name: [runs.got[name][layer][0] for layer in range(L)] for name in want},
-            float(metric(model, final[:, -1], direction)[0]))
+        slopes[name].append(torch.zeros_like(a[1]) if g is None else g[1])
+    return acts, slopes, values.detach().tolist()
 
 
 def attribution_patch(model, clean_ids: list[int], corrupted_ids: list[int], answer_id: int, foil_id: int,
@@ -101,10 +96,10 @@ def attribution_patch(model, clean_ids: list[int], corrupted_ids: list[int], ans
     with torch.inference_mode():
         pair = pair_of(model, clean_ids, corrupted_ids, answer_id, foil_id, position)
     want = WANT[component]
-    clean, clean_metric = _clean(model, pair.clean, want, pair.direction, report)
-    corrupted, slopes, corrupted_metric = gradients(model, pair.corrupted, want, answer_id, foil_id, report)
+    both = torch.cat([pair.clean, pair.corrupted])  # (2, N)
+    acts, slopes, (clean_metric, corrupted_metric) = gradients(model, both, want, answer_id, foil_id, report)
     L, T = model.config.n_layers, pair.length
-    effects = {name: [((clean[name][layer] - corrupted[name][layer]) * slopes[name][layer]).float()
+    effects = {name: [((acts[name][layer][0] - acts[name][layer][1]) * slopes[name][layer]).float()
                       for layer in range(L)] for name in want}  # per layer (N, ...)
 
     def per_position(name: str) -> list[list[Any]]:

@@ -40,6 +40,7 @@ from attnlens.model.families.contract import family_of
 from attnlens.model.parts import causal_attention
 from attnlens.model.parts.attention import MultiHeadAttention, causal_mask, sdpa
 from attnlens.model.parts.feedforward import FeedForward, activate
+from attnlens.model.parts.linear import onednn_available, onednn_linear
 from attnlens.model.parts.norms import RMSNorm
 from attnlens.model.parts.positions import RotaryAngles, apply_rotary
 
@@ -61,13 +62,29 @@ def _param(p: torch.Tensor | None) -> torch.Tensor | None:
     return p.detach().clone() if p.is_inference() else p.detach()
 
 
+class _InputGradLinear(torch.autograd.Function):
+    """y = module(x) by the module's own product (our few-row kernels, oneDNN, a packed matrix's
+    kernel); the gradient flows to x only: x -> g W. The analyses differentiate the stream, never the
+    weights, and F.linear under autograd takes BLAS's slower x W^T (and a packed weight dequantized)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, module: nn.Module) -> torch.Tensor:  # type: ignore[override]
+        ctx.module = module
+        return module(x)  # autograd is off in here: the inference product
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        w = ctx.module.weight.detach().to(g.dtype)  # (out, in), a packed one dequantized
+        if g.device.type == "cpu" and g.dtype == torch.float32 and onednn_available():
+            return onednn_linear(g, w.t()), None  # oneDNN reads W^T as it lies: 2-3x BLAS's g W here
+        return g @ w, None  # (..., out) @ (out, in) -> (..., in)
+
+
 def linear(module, x: torch.Tensor) -> torch.Tensor:
-    """module(x); with autograd on, F.linear on its (dequantized, for a packed module) weight."""
+    """module(x); with autograd on, differentiable in x (not in the weights)."""
     if not torch.is_grad_enabled():
         return module(x)
-    w = _param(module.weight)
-    assert w is not None
-    return F.linear(x, w, _param(module.bias))
+    return _InputGradLinear.apply(x, module)
 
 
 def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

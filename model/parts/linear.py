@@ -75,6 +75,11 @@ def _onednn_op():
 _ONEDNN = _onednn_op()
 
 
+def onednn_available() -> bool:
+    """Whether this torch carries oneDNN's matmul (onednn_linear)."""
+    return _ONEDNN is not None
+
+
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) by oneDNN's matmul: x (..., in), weight (out, in) float32 on the CPU."""
     assert _ONEDNN is not None, "this torch has no oneDNN"
