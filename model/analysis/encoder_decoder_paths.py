@@ -39,15 +39,11 @@ everywhere it reaches, without a run.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from attnlens.model.analysis import encoder_decoder_runs as runs
 from attnlens.model.analysis.block_runs import Report
-
-if TYPE_CHECKING:  # encoder_decoder_patching runs this module for component "paths"
-    from attnlens.model.analysis.encoder_decoder_patching import Pair
+from attnlens.model.analysis.encoder_decoder_runs import Pair
 
 GROUPS = ("encoder", "decoder", "cross")
 FROZEN = ("encoder.z", "decoder.z", "cross.z", "encoder.mlp_out", "decoder.mlp_out")

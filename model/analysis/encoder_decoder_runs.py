@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnlens.model.analysis.block_runs import Report, _param, ffn, linear, norm, project
+from attnlens.model.analysis.block_runs import Report, _param, ffn, linear, norm, project, unembed_direction
 from attnlens.model.parts.attention import MultiHeadAttention, causal_mask, sdpa
 
 POINTS = ("encoder.resid_pre", "encoder.z", "encoder.attn_out", "encoder.mlp_out", "decoder.resid_pre", "decoder.z",
@@ -207,3 +207,41 @@ def metric(model, x: torch.Tensor, direction: tuple[torch.Tensor, float]) -> tor
     direction (block_runs.unembed_direction: two rows of the LM head)."""
     d, b = direction
     return norm(model.decoder_norm, x).float() @ d + b
+
+
+class Pair:
+    """The clean and corrupted sources (2, S), the target cut after the metric's position (1, N), the
+    metric's direction, and the two runs' intermediates (row 0 clean, row 1 corrupted) and metrics."""
+
+    def __init__(self, model, clean_ids: list[int], corrupted_ids: list[int], target_ids: list[int] | None,
+                 answer_id: int, foil_id: int, position: int | None):
+        target = [model.config.decoder_start_id, *(target_ids or [])]
+        self.position = len(target) - 1 if position is None else position
+        device = model.device
+        self.sources = torch.tensor([clean_ids, corrupted_ids], dtype=torch.long, device=device)  # (2, S)
+        self.target = torch.tensor([target[:self.position + 1]], dtype=torch.long, device=device)  # (1, N)
+        self.lengths = {"encoder": len(clean_ids), "decoder": len(target)}  # the values' S and T
+        self.differs = next((i for i, (a, b) in enumerate(zip(clean_ids, corrupted_ids)) if a != b), len(clean_ids))
+        self.direction = unembed_direction(model, answer_id, foil_id)
+        self.got: Recorder | None = None
+        self.metrics = (0.0, 0.0)
+
+    def run(self, model, want: set[str], report: Report) -> torch.Tensor:
+        """Both runs side by side, keeping `want` (and what patched rows start from): the metrics (2,)."""
+        self.got = Recorder(want | {"encoder.resid_pre", "decoder.resid_pre", "memory"})
+        with torch.no_grad():
+            source, target = model.embed(self.sources), model.embed(self.target)  # (2, S, C), (1, N, C)
+        if torch.is_grad_enabled():  # the graph starts at the streams, not at the embedding's weights
+            source, target = source.clone().requires_grad_(), target.clone().requires_grad_()
+        start = Start([source], [target])
+        final = run_rows(model, [0, 0], start, self.got, report)
+        value = metric(model, final[:, -1], self.direction)  # (2,)
+        self.metrics = (float(value[0].detach()), float(value[1].detach()))
+        return value
+
+    def start(self) -> Start:
+        """Where patched rows depart from: the corrupted run."""
+        assert self.got is not None
+        got, L = self.got.got, len(self.got.got["encoder.resid_pre"])
+        return Start([got["encoder.resid_pre"][l][1:2] for l in range(L)],
+                          [got["decoder.resid_pre"][l][1:2] for l in range(L)], got["memory"][0][1:2])

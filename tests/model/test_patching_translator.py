@@ -347,8 +347,8 @@ def test_a_pre_norm_path_is_the_corrupted_stream_plus_the_senders_write(small):
     """Pre-norm, the sender run's stream is the corrupted one plus the sender's clean-minus-corrupted write,
     as a decoder's paths define it; so a receiver's query equals ln1(corrupted stream + delta) projected."""
     from attnlens.model.analysis import encoder_decoder_runs as runs
-    from attnlens.model.analysis.encoder_decoder_patching import Pair
     from attnlens.model.analysis.encoder_decoder_paths import FROZEN, SenderRun
+    from attnlens.model.analysis.encoder_decoder_runs import Pair
 
     model = sharp_translator("pre", seed=4)
     _, kw = small
