@@ -12,19 +12,22 @@ block l from the corrupted run's residual stream, computes only positions start 
 and values of the positions before come from the corrupted run, `Span.prefix_*`), and carries many
 rows at once: a row joins the batch at its own block (`run_rows`), so one pass over the blocks
 serves the cells of every layer, each block's weights read once for all rows. The computation is
-the model's own, module by module (its norms, projections, rotary angles, masks, attention kernels
-and FFN), in the order model/parts/block.py runs them.
+the model's own, module by module (its norms, projections, q/k norms, each layer's rotary angles and
+mask, attention kernels or its soft-capped explicit path, FFN or mixture of experts, post-norms and
+multipliers), in the order model/parts/block.py runs them, for every architecture the decoder
+imports (tests/model/test_causes_every_arch.py holds each against the model's own hooked forward).
 
-    Span        the positions a pass computes, their rotary angles and mask, and the prefix's keys
-                and values per layer
+    Span        the positions a pass computes, each layer's rotary angles and mask, and the prefix's
+                keys and values per layer
     Tap         what a pass reads and edits at each point of a block (the base changes nothing)
     Recorder    a Tap that keeps the intermediates asked for, per layer
     run_rows    rows joining at their blocks, through every block to the last: the final residual
     readout, metric     what the logit difference reads of a residual, and its value there
 
-With autograd on (attribution patching), every product runs as torch's differentiable operators
-with the parameters as plain tensors (never inference tensors: those cannot be saved for backward),
-and no kernel of ours (they have no backward).
+With autograd on (attribution patching), the products are differentiable in the stream only
+(`linear`), the norms run the module's own forward on parameters autograd may save (never inference
+tensors), a mixture of experts its own forward with those products, and no kernel of ours (they have
+no backward).
 """
 
 from __future__ import annotations
