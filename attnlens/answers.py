@@ -777,7 +777,8 @@ class ScoreParts:
     L{l} MLP, biases; an encoder-decoder's by group, "cross L0H1"). `key_parts` the key side's
     (a cross head's: the encoder's). `top_pairs` the largest first; `query_totals` [parts] /
     `key_totals` [key_parts] each part against the whole other side; `rest` = score minus the
-    listed pairs."""
+    listed pairs. `softcap` (Gemma 2): the scores' soft-cap, no sum: `score` is before it, `capped_score`
+    after."""
 
     key: int
     score: float
@@ -788,12 +789,15 @@ class ScoreParts:
     key_totals: np.ndarray
     rest: float
     key_parts: list[str] | None = None
+    softcap: float | None = None
+    capped_score: float | None = None
 
     @classmethod
     def from_json(cls, d: dict) -> ScoreParts:
         return cls(int(d["key"]), float(d["score"]), float(d["probability"]), list(d["parts"]),
                    [ScorePair.from_json(p) for p in d["top_pairs"]], np.array(d["query_totals"], dtype=np.float64),
-                   np.array(d["key_totals"], dtype=np.float64), float(d["rest"]), list(d.get("key_parts", d["parts"])))
+                   np.array(d["key_totals"], dtype=np.float64), float(d["rest"]), list(d.get("key_parts", d["parts"])),
+                   d.get("softcap"), d.get("capped_score"))
 
     def __repr__(self) -> str:
         top = self.top_pairs[0] if self.top_pairs else None
@@ -913,7 +917,8 @@ class LogitAttributionAnswer:
     """A /logit-attribution answer: each part's direct write into logit(answer) - logit(foil) at
     `position`: `heads` [L, H] (an encoder-decoder's {"decoder", "cross": [L, H]}, `target_tokens`
     given and `position` on the target), `mlps` [L], `embedding`, `other` (`other_parts` by name); they
-    sum to `logit_difference`. `top(k)` the heads that write the most."""
+    sum to `logit_difference`. `top(k)` the heads that write the most. `softcap` (Gemma 2): the logits'
+    soft-cap, no sum: the logits and their difference are before it, `capped_logit_difference` after."""
 
     model: str
     tokens: list[Token]
@@ -929,6 +934,8 @@ class LogitAttributionAnswer:
     foil_logit: float | None = None
     other_parts: dict[str, float] | None = None
     target_tokens: list[Token] | None = None
+    softcap: float | None = None
+    capped_logit_difference: float | None = None
 
     @classmethod
     def from_json(cls, body: dict) -> LogitAttributionAnswer:
@@ -939,7 +946,7 @@ class LogitAttributionAnswer:
                    np.array(body["mlps"], dtype=np.float64), float(body["embedding"]), float(body["other"]),
                    body.get("answer_logit"), body.get("foil_logit"),
                    None if parts is None else {k: float(v) for k, v in parts.items()},
-                   None if target is None else _tokens(target))
+                   None if target is None else _tokens(target), body.get("softcap"), body.get("capped_logit_difference"))
 
     @property
     def total(self) -> float:

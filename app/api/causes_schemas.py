@@ -207,7 +207,12 @@ class LogitAttributionResponse(BaseModel):
     foil: TokenText
     answer_logit: float
     foil_logit: float
-    logit_difference: float = Field(description="logit(answer) - logit(foil), the model's own: what the parts sum to")
+    logit_difference: float = Field(description="logit(answer) - logit(foil), the model's own: what the parts sum to "
+                                    "(before the soft-cap where `softcap` is set: answer_logit and foil_logit too)")
+    softcap: float | None = Field(None, description="the model's final logit soft-cap (Gemma 2: cap * tanh(logit / cap)), "
+                                  "no sum of parts: the parts sum to the logits before it; null without one")
+    capped_logit_difference: float | None = Field(None, description="with `softcap`: the model's own output "
+                                                  "difference, after the cap; null without one")
     heads: list[list[float]] | CrossHeads = Field(description="[L][H]: each head's direct write (an "
                                                   "encoder-decoder's {decoder, cross}: its encoder writes no logit "
                                                   "directly)")
@@ -230,7 +235,11 @@ class ScoreParts(BaseModel):
     every norm's scale frozen)."""
 
     key: int
-    score: float = Field(description="the head's scaled score q . k * scale from the query to the key")
+    score: float = Field(description="the head's scaled score q . k * scale from the query to the key (before the "
+                         "soft-cap where `softcap` is set): what the pairs sum to")
+    softcap: float | None = Field(None, description="the layer's attention soft-cap (Gemma 2: cap * tanh(score / cap)), "
+                                  "no sum of pairs; null without one")
+    capped_score: float | None = Field(None, description="with `softcap`: the capped score the softmax reads")
     probability: float = Field(description="its attention from the query to the key")
     parts: list[str] = Field(description="the query side's parts: embedding, positions, each earlier head (L3H1), "
                              "each earlier MLP (L3 MLP), biases; an encoder-decoder's named by group (encoder L0H1, "

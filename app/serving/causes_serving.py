@@ -254,7 +254,7 @@ class CausesServing:
                       "answer": tokens_of(served, [result["answer_id"]])[0],
                       "foil": tokens_of(served, [result["foil_id"]])[0],
                       **{k: result[k] for k in ("answer_logit", "foil_logit", "logit_difference", "embedding",
-                                                "other", "other_parts")}}
+                                                "other", "other_parts", "softcap", "capped_logit_difference")}}
             heads = result["heads"]
             if isinstance(heads, dict):  # an encoder-decoder's {decoder, cross}: validated as it is (2LH floats)
                 return with_rows(LogitAttributionResponse, {**fields, "heads": heads}, mlps=result["mlps"])

@@ -272,7 +272,8 @@ def _score_call(served: ServedModel, body: ExplainRequest, ids: list[int], targe
 
 
 def _score_parts(parts: ScoreDecomposition) -> dict:
-    return {"key": parts["key"], "score": parts["score"], "probability": parts["probability"], "parts": parts["parts"],
+    return {"key": parts["key"], "score": parts["score"], "softcap": parts["softcap"], "capped_score": parts["capped_score"],
+            "probability": parts["probability"], "parts": parts["parts"],
             "key_parts": parts["key_parts"],
             "top_pairs": [{"query_part": p["query"], "key_part": p["key"], "value": p["value"]} for p in parts["top"]],
             "query_totals": parts["query_totals"], "key_totals": parts["key_totals"], "rest": parts["rest"]}

@@ -26,9 +26,9 @@ from attnlens.model.analysis.block_runs import (
     Report,
     check_decoder,
     metric,
+    readout,
     run_rows,
     span,
-    unembed_direction,
 )
 from attnlens.model.analysis.patching import PatchResult, check_patch, pair_of
 
@@ -72,7 +72,7 @@ def gradients(model, pair: torch.Tensor, want: set[str], answer_id: int, foil_id
     L = model.config.n_layers
     paused = in_callers_mode(report)
     with torch.inference_mode(False), torch.enable_grad():
-        direction = unembed_direction(model, answer_id, foil_id)  # plain tensors, made here
+        direction = readout(model, answer_id, foil_id)  # plain tensors, made here
         runs, final = _run_pair(model, pair.clone(), want, paused)
         values = metric(model, final[:, -1], direction)  # (2,)
         names = [(name, layer) for name in sorted(want) for layer in range(L)]

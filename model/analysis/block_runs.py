@@ -12,36 +12,38 @@ block l from the corrupted run's residual stream, computes only positions start 
 and values of the positions before come from the corrupted run, `Span.prefix_*`), and carries many
 rows at once: a row joins the batch at its own block (`run_rows`), so one pass over the blocks
 serves the cells of every layer, each block's weights read once for all rows. The computation is
-the model's own, module by module (its norms, projections, rotary angles, masks, attention kernels
-and FFN), in the order model/parts/block.py runs them.
+the model's own, module by module (its norms, projections, q/k norms, each layer's rotary angles and
+mask, attention kernels or its soft-capped explicit path, FFN or mixture of experts, post-norms and
+multipliers), in the order model/parts/block.py runs them, for every architecture the decoder
+imports (tests/model/test_causes_every_arch.py holds each against the model's own hooked forward).
 
-    Span        the positions a pass computes, their rotary angles and mask, and the prefix's keys
-                and values per layer
+    Span        the positions a pass computes, each layer's rotary angles and mask, and the prefix's
+                keys and values per layer
     Tap         what a pass reads and edits at each point of a block (the base changes nothing)
     Recorder    a Tap that keeps the intermediates asked for, per layer
     run_rows    rows joining at their blocks, through every block to the last: the final residual
-    unembed_direction, metric   the logit difference's direction and its value at a residual
+    readout, metric     what the logit difference reads of a residual, and its value there
 
-With autograd on (attribution patching), every product runs as torch's differentiable operators
-with the parameters as plain tensors (never inference tensors: those cannot be saved for backward),
-and no kernel of ours (they have no backward).
+With autograd on (attribution patching), the products are differentiable in the stream only
+(`linear`), the norms run the module's own forward on parameters autograd may save (never inference
+tensors), a mixture of experts its own forward with those products, and no kernel of ours (they have
+no backward).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from torch.func import functional_call
 
 from attnlens.model.families.contract import family_of
 from attnlens.model.parts import causal_attention
 from attnlens.model.parts.attention import MultiHeadAttention, causal_mask, sdpa
-from attnlens.model.parts.feedforward import FeedForward, activate
+from attnlens.model.parts.feedforward import FeedForward, MixtureOfExperts, activate
 from attnlens.model.parts.linear import onednn_available, onednn_linear
-from attnlens.model.parts.norms import RMSNorm
 from attnlens.model.parts.positions import RotaryAngles, apply_rotary
 
 Report = Callable[[], None]
@@ -88,24 +90,24 @@ def linear(module, x: torch.Tensor) -> torch.Tensor:
 
 
 def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """module(x) (LayerNorm, RMSNorm or Identity); with autograd on, torch's operators."""
+    """module(x) (LayerNorm, RMSNorm, HeadLayerNorm or Identity); with autograd on, the module's own
+    forward on its parameters as autograd may save them (`_param`)."""
     if not torch.is_grad_enabled() or isinstance(module, nn.Identity):
         return module(x)
-    if isinstance(module, nn.LayerNorm):
-        return F.layer_norm(x, module.normalized_shape, _param(module.weight), _param(module.bias), module.eps)
-    assert isinstance(module, RMSNorm), f"no differentiable form of {type(module).__name__}"
-    w = _param(module.weight)
-    assert w is not None
-    if x.dtype == torch.float32 and w.dtype == torch.float32:
-        return F.rms_norm(x, w.shape, w, module.eps)
-    h = x.float()
-    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.eps)).to(x.dtype)
+    params = {name: p.detach().clone() if p.is_inference() else p.detach() for name, p in module.named_parameters()}
+    return functional_call(module, params, (x,))
 
 
-def ffn(module: FeedForward, x: torch.Tensor) -> torch.Tensor:
-    """module(x) (model/parts/feedforward.py); with autograd on, written out with `linear`."""
+def ffn(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x) (model/parts/feedforward.py: a FeedForward or a MixtureOfExperts); with autograd on,
+    written out with `linear` (the mixture: its own forward, each product by `linear` / `ffn`)."""
+    if isinstance(module, MixtureOfExperts):
+        if not torch.is_grad_enabled():
+            return module(x)
+        return module(x, apply=lambda part, t: ffn(part, t) if isinstance(part, FeedForward) else linear(part, t))
     if not torch.is_grad_enabled():
         return module(x)
+    assert isinstance(module, FeedForward), f"no differentiable form of {type(module).__name__}"
     h = linear(module.fc, x)  # (R, Tn, F), gated: (R, Tn, 2F)
     if module.gated:
         gate, up = h.chunk(2, dim=-1)
@@ -115,16 +117,25 @@ def ffn(module: FeedForward, x: torch.Tensor) -> torch.Tensor:
     return linear(module.proj, h)
 
 
+def qk_norm(attn: MultiHeadAttention, module: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    """(R, N, T, D) queries or keys through q_norm / k_norm as MultiHeadAttention.norm_q: per head
+    (Qwen3, Gemma 3; StableLM 2's LayerNorm of each head's own weights) or over all N * D values of a
+    position at once (OLMo 2)."""
+    if attn.qk_norm_all:
+        return attn.norm_heads(t, lambda u: norm(module, u))
+    return norm(module, t)
+
+
 def project(attn: MultiHeadAttention, h: torch.Tensor, rope: RotaryAngles | None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (R, H, Tn, D), k, v (R, K, Tn, D) of the normalised input h (R, Tn, C): the fused projection,
-    the per-head q/k norm (Qwen3) and rotary positions, as MultiHeadAttention.project."""
+    the q/k norm (qk_norm) and rotary positions, as MultiHeadAttention.project."""
     R, T, _ = h.shape
     H, K, D = attn.n_heads, attn.n_kv_heads, attn.d_head
     heads = linear(attn.qkv, h).view(R, T, H + 2 * K, D).transpose(1, 2)  # (R, T, (H+2K)D) -> (R, H+2K, T, D)
     q, k, v = heads[:, :H], heads[:, H:H + K], heads[:, H + K:]
     if attn.q_norm is not None and attn.k_norm is not None:  # both or neither (config.qk_norm)
-        q, k = norm(attn.q_norm, q), norm(attn.k_norm, k)
+        q, k = qk_norm(attn, attn.q_norm, q), qk_norm(attn, attn.k_norm, k)
     if rope is not None:
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
     return q, k, v
@@ -134,7 +145,10 @@ def attend(attn: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
            plain: bool) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v: q (R, H, Tq, D), k, v (R, K or H, S, D), mask (Tq, S) -> (R, H, Tq, D).
     `plain`: the mask is causality alone (queries at the last Tq of S positions), which our C kernel
-    may take (a long prefill on the CPU, no autograd)."""
+    may take (a long prefill on the CPU, no autograd). Soft-capped scores (Gemma 2): the layer's own
+    explicit formula (no fused kernel caps)."""
+    if attn.softcap is not None:
+        return attn.explicit_attention(q, k, v, mask, False, 0.0)[0]
     if plain:
         y = causal_attention.causal_attention(q, k, v, attn.scale)
         if y is not None:
@@ -146,15 +160,17 @@ def attend(attn: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
 # --- a pass ------------------------------------------------------------------------------------
 @dataclass
 class Span:
-    """The positions a pass computes, start .. end-1 of one sequence, and what its attention reads of
-    the positions before: each layer's keys and values as attention reads them (after the q/k norm
-    and rotary positions), (1, K, start, D), from the run the pass departs from."""
+    """The positions a pass computes, start .. end-1 of one sequence, each layer's rotary angles and
+    mask (Gemma 2/3: sliding-window and full layers, Gemma 3's sliding layers with their own rotary
+    base), and what its attention reads of the positions before: each layer's keys and values as
+    attention reads them (after the q/k norm and rotary positions), (1, K, start, D), from the run the
+    pass departs from."""
 
     start: int
     end: int
-    rope: RotaryAngles | None
-    mask: torch.Tensor  # (Tn, S) True = may attend
-    plain: bool  # mask is causality alone (no sliding window)
+    ropes: list[RotaryAngles | None]  # per layer
+    masks: list[torch.Tensor]  # per layer (Tn, S) True = may attend
+    plains: list[bool]  # per layer: its mask is causality alone (no sliding window)
     prefix_keys: list[torch.Tensor] = field(default_factory=list)
     prefix_values: list[torch.Tensor] = field(default_factory=list)
 
@@ -180,11 +196,9 @@ def span(model, start: int, end: int, prefix: "Recorder | None" = None, row: int
     """Positions start .. end-1 of a sequence of `end` tokens; the keys and values of the positions
     before from row `row` of `prefix` (a Recorder that kept "keys" and "values")."""
     n = end - start
-    device = model.device
-    rope = model.rotary_angles(n, start=start)
-    window = model.window_mask(n, end, start=start)  # (Tn, S) or None without a sliding window
-    mask = causal_mask(n, end, device=device)  # (Tn, S): query i at position start + i
-    out = Span(start, end, rope, mask if window is None else mask & window, window is None)
+    causal = causal_mask(n, end, device=model.device)  # (Tn, S): query i at position start + i
+    masks = model.window_masks(n, end, start=start, mask=causal)  # per layer: causal, or causal & its window
+    out = Span(start, end, model.layer_rotary_angles(n, start=start), masks, [m is causal for m in masks])
     if start and prefix is not None:
         L = model.config.n_layers
         out.prefix_keys = [prefix.got["keys"][l][row:row + 1, :, :start] for l in range(L)]
@@ -246,29 +260,44 @@ class Recorder(Tap):
 
 
 def block_step(model, layer: int, x: torch.Tensor, sp: Span, tap: Tap, fresh: slice, last: bool) -> torch.Tensor:
-    """Block `layer` on x (R, Tn, C), as model/parts/block.py runs it (pre-LN, post-LN or parallel).
-    `last`: only the last position's query, attention output and FFN (the keys and values of every
-    position still made): the last block, where only the final position's residual is read."""
+    """Block `layer` on x (R, Tn, C), as model/parts/block.py runs it: pre-LN, post-LN, parallel (GPT-J:
+    one norm for both), Gemma's post-norms of each sub-layer's output, OLMo 2's post-norms alone,
+    Granite's residual multiplier. `last`: only the last position's query, attention output and FFN
+    (the keys and values of every position still made): the last block, where only the final
+    position's residual is read."""
     block = model.blocks[layer]
     attn = block.attn
-    h = norm(block.ln1, x) if block.pre_norm else x
-    q, k, v = tap.qkv(layer, x, *project(attn, h, sp.rope), fresh)
+    m = block.residual_multiplier
+    h = norm(block.ln1, x) if block.pre_norm else x  # ln1 is the Identity without pre-norms (OLMo 2)
+    q, k, v = tap.qkv(layer, x, *project(attn, h, sp.ropes[layer]), fresh)
     k, v = sp.with_prefix(layer, k, v)  # (R, K', S, D)
-    mask = sp.mask
-    if last:
-        q, x, mask = q[:, :, -1:], x[:, -1:], mask[-1:]  # the last query: (R, H, 1, D), (R, 1, C), (1, S)
+    mask = sp.masks[layer]
+    if last:  # the last query: (R, H, 1, D), (R, 1, C), (1, S)
+        q, x, h, mask = q[:, :, -1:], x[:, -1:], h[:, -1:], mask[-1:]
     R, Tq = x.shape[0], x.shape[1]
-    y = attend(attn, q, k, v, mask, sp.plain and not last)  # (R, H, Tq, D)
+    y = attend(attn, q, k, v, mask, sp.plains[layer] and not last)  # (R, H, Tq, D)
     z = tap.z(layer, y.transpose(1, 2), fresh)  # [R, Tq, H, D]
-    out = tap.attn_out(layer, linear(attn.proj, z.reshape(R, Tq, -1)), fresh)  # [R, Tq, H, D] -> (R, Tq, HD) -> C
+    out = linear(attn.proj, z.reshape(R, Tq, -1))  # [R, Tq, H, D] -> (R, Tq, HD) -> (R, Tq, C)
+    if block.ln1_post is not None:  # Gemma, OLMo 2: the sub-layer's output normalised
+        out = norm(block.ln1_post, out)
+    if m != 1.0:  # Granite
+        out = out * m
+    out = tap.attn_out(layer, out, fresh)
     if block.parallel:  # GPT-NeoX: both sub-layers read the block's input, one residual sum
-        mlp = tap.mlp_out(layer, ffn(block.ffn, norm(block.ln2, x)), fresh)
-        return mlp + out + x
-    if block.pre_norm:
-        x = x + out
-        return x + tap.mlp_out(layer, ffn(block.ffn, norm(block.ln2, x)), fresh)
-    x = norm(block.ln1, x + out)
-    return norm(block.ln2, x + tap.mlp_out(layer, ffn(block.ffn, x), fresh))
+        mlp = ffn(block.ffn, h if block.shared_norm else norm(block.ln2, x))  # GPT-J: ln1(x) for both
+        if m != 1.0:
+            mlp = mlp * m
+        return tap.mlp_out(layer, mlp, fresh) + out + x
+    if not block.pre_norm:  # post-LN
+        x = norm(block.ln1, x + out)
+        return norm(block.ln2, x + tap.mlp_out(layer, ffn(block.ffn, x), fresh))
+    x = x + out
+    mlp = ffn(block.ffn, norm(block.ln2, x))
+    if block.ln2_post is not None:
+        mlp = norm(block.ln2_post, mlp)
+    if m != 1.0:
+        mlp = mlp * m
+    return x + tap.mlp_out(layer, mlp, fresh)
 
 
 def run_rows(model, sp: Span, joins: list[int], enter: Callable[[int, int], torch.Tensor], tap: Tap,
@@ -322,16 +351,39 @@ def unembed_rows(model, ids: list[int]) -> torch.Tensor:
 
 
 def unembed_direction(model, answer: int, foil: int) -> tuple[torch.Tensor, float]:
-    """(C,) float32 W_U[answer] - W_U[foil] and the head's bias difference: logit(answer) -
-    logit(foil) = ln_f(x) . direction + bias."""
+    """(C,) float32 W_U[answer] - W_U[foil] and the head's bias difference: the head's logit(answer) -
+    logit(foil) = ln_f(x) . direction + bias (before the model's divisor and soft-cap: `Readout`)."""
     rows = unembed_rows(model, [answer, foil]).float()
     bias = getattr(model.lm_head, "bias", None)
     b = 0.0 if bias is None else float(bias[answer] - bias[foil])
     return rows[0] - rows[1], b
 
 
-def metric(model, x: torch.Tensor, direction: tuple[torch.Tensor, float]) -> torch.Tensor:
-    """The logit difference (R,) float32 of final residual streams x (R, C): the final norm, then the
-    direction (two rows of the LM head, never the whole vocabulary)."""
-    d, b = direction
-    return norm(model.ln_f, x).float() @ d + b
+class Readout(NamedTuple):
+    """What the metric reads of the final residual stream: the answer's and the foil's LM-head rows
+    (2, C) float32 and biases (2,), then the model's own unembed's divisor (Granite) and soft-cap
+    (Gemma 2), as Transformer.unembed applies them."""
+
+    rows: torch.Tensor
+    biases: torch.Tensor
+    divisor: float
+    cap: float | None
+
+
+def readout(model, answer: int, foil: int) -> Readout:
+    """The Readout of logit(answer) - logit(foil)."""
+    rows = unembed_rows(model, [answer, foil]).float()  # (2, C)
+    bias = getattr(model.lm_head, "bias", None)
+    biases = torch.zeros(2) if bias is None else bias.detach()[[answer, foil]].float().cpu()
+    return Readout(rows, biases.to(rows.device).clone(), model.config.logits_divisor, model.config.final_softcap)
+
+
+def metric(model, x: torch.Tensor, r: Readout) -> torch.Tensor:
+    """The logit difference (R,) float32 of final residual streams x (R, C): the final norm, the two
+    rows of the LM head (never the whole vocabulary), the divisor and the soft-cap of Transformer.unembed."""
+    logits = norm(model.ln_f, x).float() @ r.rows.t() + r.biases  # (R, 2)
+    if r.divisor != 1.0:
+        logits = logits / r.divisor
+    if r.cap is not None:
+        logits = torch.tanh(logits / r.cap) * r.cap
+    return logits[:, 0] - logits[:, 1]

@@ -170,4 +170,5 @@ def encoder_decoder_logit_attribution(model, ids: list[int], target_ids: list[in
     return {"position": pos, "answer_id": answer_id, "foil_id": foil_id,
             "answer_logit": float(logits[answer_id]), "foil_logit": float(logits[foil_id]),
             "logit_difference": float(logits[answer_id] - logits[foil_id]), "heads": heads, "mlps": mlps,
-            "embedding": float(token @ r), "other": sum(other.values()), "other_parts": other, "norm_scale": scale}
+            "embedding": float(token @ r), "other": sum(other.values()), "other_parts": other, "norm_scale": scale,
+            "softcap": None, "capped_logit_difference": None}

@@ -267,6 +267,7 @@ def decompose_encoder_decoder_score(model, ids: list[int], target_ids: list[int]
     report()
     return {"layer": layer, "head": head, "kv_head": head, "query": query, "key": key, "scale": attn.scale,
             "score": score, "probability": float(got[f"{module}.hook_pattern"][0, head, query, key]), "masked": False,
+            "softcap": None, "capped_score": None,
             "parts": names, "key_parts": key_names, "matrix": matrix, "query_totals": matrix.sum(axis=1).tolist(),
             "key_totals": matrix.sum(axis=0).tolist(), "top": top, "rest": score - sum(p["value"] for p in top),
             "group": group}

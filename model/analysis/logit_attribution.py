@@ -18,6 +18,14 @@ write dotted with the direction, and the parts sum to the logit difference:
 
     heads [L][H] + mlps [L] + embedding + other  =  logit_difference
 
+The architectures' own linear steps are in the parts: a norm of each attention output before it
+joins the stream (Gemma 2/3, OLMo 2: ln1_post) frozen at the run's value as the final norm is, so
+each head's write goes through it linearly; Granite's residual multiplier (each write times it),
+embedding multiplier (in the embedding) and logits divisor (every part divided by it). The MLP's
+part is its output as it joins the stream (after its post-norm and multiplier: hook_mlp_out).
+Gemma 2's final soft-cap (cap * tanh(logit / cap)) is no sum: the parts sum to the logits before
+it, and the answer says so (`softcap`, `capped_logit_difference`: the model's own output).
+
 `other` is the rest: learned or sinusoidal positions, the attention output biases, the final
 norm's bias and the LM head's (`other_parts` names each). A post-norm model normalises the stream
 after every sub-layer, so its stream is no such sum: refused.
@@ -36,7 +44,7 @@ from typing import TypedDict
 import torch
 import torch.nn as nn
 
-from attnlens.model.analysis.block_runs import Report, check_decoder, unembed_direction
+from attnlens.model.analysis.block_runs import Report, check_decoder, norm, readout, unembed_direction
 from attnlens.model.hooks import Hooks, hooked
 from attnlens.model.parts.norms import RMSNorm
 
@@ -51,7 +59,7 @@ class LogitAttribution(TypedDict):
     foil_id: int
     answer_logit: float
     foil_logit: float
-    logit_difference: float  # the model's own, what the parts sum to
+    logit_difference: float  # the model's own, what the parts sum to (before the soft-cap where `softcap`)
     heads: list[list[float]] | dict[str, list[list[float]]]  # [L][H] each head's (z - b_V) W_O through the frozen
     # final norm (an encoder-decoder's: {"decoder", "cross": [L][H]}, encoder_decoder_attribution.py)
     mlps: list[float]  # [L]
@@ -59,6 +67,8 @@ class LogitAttribution(TypedDict):
     other: float  # sum of other_parts
     other_parts: dict[str, float]  # positions, attention_biases (b_O and b_V W_O), final_norm_bias, head_bias
     norm_scale: float  # the final norm's frozen divisor (standard deviation or root mean square)
+    softcap: float | None  # Gemma 2's final soft-cap: answer_logit, foil_logit and logit_difference are before it
+    capped_logit_difference: float | None  # with softcap: the model's own output difference, after the cap
 
 
 def check_pre_norm(model, what: str) -> None:
@@ -140,44 +150,58 @@ def value_bias(block) -> torch.Tensor:
 
 def stream_parts(model, captured: dict[str, torch.Tensor], ids: list[int], layer: int, position: int) -> StreamParts:
     """The parts of the stream entering block `layer` (the final stream for layer = L) at `position`, from
-    the hook points of stream_names (batch row 0)."""
+    the hook points of stream_names (batch row 0). A block's attention output, as it joins the stream,
+    is linear in its heads' writes once its post-norm (ln1_post) is frozen at the run's value; times the
+    residual multiplier."""
     c = model.config
     C, H, D = c.d_model, c.n_heads, c.d_head
     device = model.device
     token = model.tok_emb(torch.tensor([ids[position]], device=device))[0].double()  # (C,)
     if c.scale_embeddings:
         token = token * math.sqrt(C)
+    token = token * c.embedding_multiplier  # Granite
     embedded = captured["blocks.0.hook_resid_pre"][0, position].double()
     heads, mlps = [], []
     biases = torch.zeros(C, dtype=torch.float64, device=device)
     for i in range(layer):
-        attn = model.blocks[i].attn
-        w_o = attn.proj.weight.double().view(C, H, D)  # (C, HD) -> (C, H, D)
+        block = model.blocks[i]
+        attn = block.attn
+        w_o = attn.proj.weight.detach().double().view(C, H, D)  # (C, HD) -> (C, H, D)
         z = captured[f"blocks.{i}.attn.hook_z"][0, position].double()  # (H, D)
-        b_v = value_bias(model.blocks[i])  # (H, D): a head's constant part (its probabilities sum to 1)
-        heads.append(torch.einsum("chd,hd->hc", w_o, z - b_v))  # (H, C)
-        biases = biases + torch.einsum("chd,hd->c", w_o, b_v)
-        mlps.append(captured[f"blocks.{i}.hook_mlp_out"][0, position].double())
+        b_v = value_bias(block)  # (H, D): a head's constant part (its probabilities sum to 1)
+        written = torch.einsum("chd,hd->hc", w_o, z - b_v)  # (H, C)
+        bias = torch.einsum("chd,hd->c", w_o, b_v)  # (C,)
         if attn.proj.bias is not None:
-            biases = biases + attn.proj.bias.double()
+            bias = bias + attn.proj.bias.detach().double()
+        if block.ln1_post is not None:  # frozen at the attention's output (C,): its parts through it linearly
+            gain, beta, centred, _ = frozen_norm(block.ln1_post, written.sum(dim=0) + bias)
+            written, bias = through(written, gain, centred), through(bias, gain, centred) + beta
+        m = block.residual_multiplier
+        heads.append(written * m)
+        biases = biases + bias * m
+        mlps.append(captured[f"blocks.{i}.hook_mlp_out"][0, position].double())
     return StreamParts(token, embedded - token,
                        torch.stack(heads) if heads else torch.zeros(0, H, C, dtype=torch.float64, device=device),
                        torch.stack(mlps) if mlps else torch.zeros(0, C, dtype=torch.float64, device=device), biases,
                        c.positional != "rotary")
 
 
-def frozen_norm(module: nn.LayerNorm | RMSNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool, float]:
-    """A norm at the stream x (C,) as a linear map with its scale frozen: (gain (C,), bias (C,), centred,
+def frozen_norm(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool, float]:
+    """A norm at x (N,) as a linear map with its scale frozen: (gain (N,), bias (N,), centred,
     divisor). module(y) = ((y - mean(y) if centred else y) * gain) + bias at y = x; each part p of x
-    maps to (p - mean(p) if centred else p) * gain, and the bias is a part of its own."""
+    maps to (p - mean(p) if centred else p) * gain, and the bias is a part of its own. LayerNorm,
+    RMSNorm, or the Identity (no norm: OLMo 2's sub-layer inputs)."""
     x = x.double()
+    if isinstance(module, nn.Identity):
+        ones = torch.ones(x.shape[-1], dtype=torch.float64, device=x.device)
+        return ones, torch.zeros_like(ones), False, 1.0
+    assert isinstance(module, (nn.LayerNorm, RMSNorm)), f"no frozen form of {type(module).__name__}"
     w = module.weight.detach().double()
     if isinstance(module, nn.LayerNorm):
         scale = math.sqrt(float(x.var(unbiased=False)) + module.eps)
         b = module.bias.detach().double() if module.bias is not None else torch.zeros_like(w)
         return w / scale, b, True, scale
-    scale = math.sqrt(float(x.pow(2).mean()) + module.eps)  # RMSNorm
-    assert isinstance(module, RMSNorm), f"no frozen form of {type(module).__name__}"
+    scale = math.sqrt(float(x.pow(2).mean()) + module.eps)
     return w / scale, torch.zeros_like(w), False, scale
 
 
@@ -206,16 +230,24 @@ def logit_attribution(model, ids: list[int], answer_id: int | None = None, foil_
         answer_id = top[0] if answer_id is None else answer_id
         foil_id = (top[1] if top[0] == answer_id else top[0]) if foil_id is None else foil_id
     parts = stream_parts(model, hooks.captured, ids, L, pos)
-    gain, bias, centred, scale = frozen_norm(model.ln_f, hooks.captured[final][0, pos])
+    x = hooks.captured[final][0, pos]  # (C,) the final stream
+    gain, bias, centred, scale = frozen_norm(model.ln_f, x)
     direction, head_bias = unembed_direction(model, answer_id, foil_id)
-    d = direction.double()
+    r = readout(model, answer_id, foil_id)
+    d = direction.double() / r.divisor  # Granite: every logit divided
     effect = lambda p: through(p, gain, centred) @ d  # (..., C) -> (...)
     other = {"positions": float(effect(parts.positions)), "attention_biases": float(effect(parts.biases)),
-             "final_norm_bias": float(bias @ d), "head_bias": head_bias}
+             "final_norm_bias": float(bias @ d), "head_bias": head_bias / r.divisor}
+    capped = None
+    if r.cap is not None:  # the parts sum to the logits before the cap: the answer gives those
+        capped = float(logits[answer_id] - logits[foil_id])
+        uncapped = (norm(model.ln_f, x[None]).float() @ r.rows.t() + r.biases)[0] / r.divisor  # (2,)
+        answer_logit, foil_logit = float(uncapped[0]), float(uncapped[1])
+    else:
+        answer_logit, foil_logit = float(logits[answer_id]), float(logits[foil_id])
     report()
     return {"position": pos, "answer_id": answer_id, "foil_id": foil_id,
-            "answer_logit": float(logits[answer_id]), "foil_logit": float(logits[foil_id]),
-            "logit_difference": float(logits[answer_id] - logits[foil_id]),
+            "answer_logit": answer_logit, "foil_logit": foil_logit, "logit_difference": answer_logit - foil_logit,
             "heads": effect(parts.heads).tolist(), "mlps": effect(parts.mlps).tolist(),
             "embedding": float(effect(parts.embedding)), "other": sum(other.values()), "other_parts": other,
-            "norm_scale": scale}
+            "norm_scale": scale, "softcap": r.cap, "capped_logit_difference": capped}

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from attnlens.model.analysis.block_runs import (
+    Readout,
     Recorder,
     Report,
     Span,
@@ -55,10 +56,10 @@ from attnlens.model.analysis.block_runs import (
     metric,
     norm,
     project,
+    readout,
     row_bytes,
     run_rows,
     span,
-    unembed_direction,
 )
 
 COMPONENTS = ("heads", "heads_by_position", "residual", "layers", "paths")
@@ -117,6 +118,10 @@ def check_patch(config, clean_ids: list[int], corrupted_ids: list[int], answer_i
         if config.norm != "pre":
             raise ValueError("component 'paths' needs a pre-norm model: a post-norm block normalises the "
                              "sender's write before it reaches the residual stream")
+        if config.post_norms:
+            raise ValueError("component 'paths' cannot patch a model with norms after each sub-layer (post_norms: "
+                             "Gemma 2/3, OLMo 2): the norm of the attention's output mixes every head's write, "
+                             "so one head's write into the residual stream is not its own")
         if sender is None:
             raise ValueError("component 'paths' needs a sender (layer, head)")
         layer, head = sender
@@ -138,7 +143,7 @@ class Pair:
     length: int  # the prompts' full length (the values' T)
     position: int
     differs: int
-    direction: tuple[torch.Tensor, float]
+    direction: Readout
     runs: Recorder | None = None
     metrics: tuple[float, float] = (0.0, 0.0)
 
@@ -156,7 +161,7 @@ def pair_of(model, clean_ids: list[int], corrupted_ids: list[int], answer_id: in
     device = model.device
     as_row = lambda ids: torch.tensor([ids[:pos + 1]], dtype=torch.long, device=device)  # (1, N)
     return Pair(as_row(clean_ids), as_row(corrupted_ids), len(clean_ids), pos, min(differs, pos + 1),
-                unembed_direction(model, answer_id, foil_id))
+                readout(model, answer_id, foil_id))
 
 
 def run_pair(model, pair: Pair, want: set[str], report: Report) -> None:
@@ -230,7 +235,8 @@ class PatchTap(Tap):
             return q, k, v
         block = self.model.blocks[layer]
         index = torch.tensor(rows, device=x.device)
-        q2, k2, v2 = project(block.attn, norm(block.ln1, x[index] + self.delta), self.sp.rope)  # the receivers' own
+        q2, k2, v2 = project(block.attn, norm(block.ln1, x[index] + self.delta),
+                                 self.sp.ropes[layer])  # the receivers' own
         H, K = q.shape[1], k.shape[1]
         G = H // K
         kinds = {self.cells[i].kind for i in rows}
@@ -300,13 +306,14 @@ def patch_heads(model, pair: Pair, report: Report, max_bytes: int) -> list[list[
 
 
 def sender_delta(model, pair: Pair, sender: tuple[int, int]) -> torch.Tensor:
-    """(N, C) the sender head's clean-minus-corrupted write into the residual stream: its z @ W_O."""
+    """(N, C) the sender head's clean-minus-corrupted write into the residual stream: its z @ W_O (times
+    the residual multiplier)."""
     assert pair.runs is not None
     layer, head = sender
     D = model.config.d_head
     z = pair.runs.got["z"][layer][:, :, head]  # (2, N, D)
     w_o = model.blocks[layer].attn.proj.weight[:, head * D:(head + 1) * D]  # (C, D)
-    return (z[0] - z[1]) @ w_o.t()  # (N, C)
+    return (z[0] - z[1]) @ w_o.t() * model.blocks[layer].residual_multiplier  # (N, C), Granite's multiplier too
 
 
 def patch_paths(model, pair: Pair, sender: tuple[int, int], report: Report, max_bytes: int) -> dict[str, list]:

@@ -18,11 +18,19 @@ head query head h reads. So the score is a sum over pairs,
 a matrix (query parts x key parts) that sums to the model's score (the pre-softmax logit, before the
 mask) within float rounding. The top pairs by magnitude come first.
 
+Every architecture's steps are followed: the block's input norm (none: OLMo 2), the q/k norm over a
+head's D dims (Qwen3, Gemma 3), over every head's values at once (OLMo 2) or a LayerNorm of the head's
+own weights (StableLM 2), each frozen at the run's value; the layer's own rotary base (Gemma 3); the
+stream's parts as logit_attribution.stream_parts makes them (post-norms, multipliers). Gemma 2's
+attention soft-cap (cap * tanh(score / cap)) is no sum: the parts sum to the score before it, and the
+answer gives the capped score beside it (`softcap`, `capped_score`).
+
 encoder_decoder_scores.py does the same for an encoder-decoder's encoder, decoder and cross heads.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TypedDict
 
 import numpy as np
@@ -31,6 +39,7 @@ import torch
 from attnlens.model.analysis.block_runs import Report
 from attnlens.model.analysis.logit_attribution import check_pre_norm, frozen_norm, stream_names, stream_parts, through
 from attnlens.model.hooks import Hooks, hooked
+from attnlens.model.parts.norms import HeadLayerNorm
 from attnlens.model.parts.positions import apply_rotary
 
 
@@ -52,7 +61,9 @@ class ScoreDecomposition(TypedDict):
     query: int
     key: int
     scale: float
-    score: float  # the model's scaled score q . k * scale (hook_q / hook_k, rotated where rotary)
+    score: float  # the model's scaled score q . k * scale (hook_q / hook_k, rotated where rotary), before a soft-cap
+    softcap: float | None  # Gemma 2's attention soft-cap: the parts sum to `score`, before it
+    capped_score: float | None  # with softcap: cap * tanh(score / cap), what the softmax reads
     probability: float  # the head's attention from the query to the key
     masked: bool  # the key is outside the query's sliding window (its probability is 0)
     parts: list[str]  # the rows' names (the query side's parts)
@@ -90,7 +101,7 @@ def check_score(config, ids: list[int], layer: int, head: int, query: int, key: 
 def side(model, captured: dict[str, torch.Tensor], ids: list[int], layer: int, position: int, rows: slice,
          head: int) -> tuple[list[str], torch.Tensor]:
     """The parts' names and their contributions (P, D) float64 to the query (rows: the q rows of the fused
-    projection) or the key of `head` at `position` of block `layer`, rotated and q/k-normed as the model."""
+    projection) or the key of `head` at `position` of block `layer`, q/k-normed and rotated as the model."""
     block = model.blocks[layer]
     attn = block.attn
     D = attn.d_head
@@ -98,16 +109,25 @@ def side(model, captured: dict[str, torch.Tensor], ids: list[int], layer: int, p
     gain, beta, centred, _ = frozen_norm(block.ln1, captured[f"blocks.{layer}.hook_resid_pre"][0, position])
     normed = through(parts, gain, centred)
     normed[-1] += beta  # the norm's bias joins the biases' row
-    w = attn.qkv.weight.detach()[rows].double()[head * D:(head + 1) * D]  # (D, C)
-    out = normed @ w.t()  # (P, D)
+    w = attn.qkv.weight.detach()[rows].double()  # (N D, C) every head's rows of q (or k)
+    every = normed @ w.t()  # (P, N D)
     b = attn.qkv.bias
     if b is not None:
-        out[-1] += b.detach()[rows].double()[head * D:(head + 1) * D]
+        every[-1] += b.detach()[rows].double()
+    out = every[:, head * D:(head + 1) * D]  # (P, D)
     q_norm = attn.q_norm if rows.start == 0 else attn.k_norm
-    if q_norm is not None:  # Qwen3: an RMSNorm over the head's D dims, its scale frozen at this q (or k)
-        total = out.sum(dim=0)
-        out = out * (q_norm.weight.detach().double() / torch.sqrt(total.pow(2).mean() + q_norm.eps))
-    angles = model.rotary_angles(1, start=position)
+    if q_norm is not None:  # the q/k norm, its scale frozen at this q (or k)
+        if attn.qk_norm_all:  # OLMo 2: one RMSNorm over every head's values of the position
+            g, _, _, _ = frozen_norm(q_norm, every.sum(dim=0))  # (N D,)
+            out = out * g[head * D:(head + 1) * D]
+        elif isinstance(q_norm, HeadLayerNorm):  # StableLM 2: a LayerNorm of the head's own weights
+            total = out.sum(dim=0)  # (D,)
+            std = torch.sqrt(total.var(unbiased=False) + q_norm.eps)
+            out = (out - out.mean(dim=-1, keepdim=True)) * (q_norm.weight.detach()[head].double() / std)
+        else:  # Qwen3, Gemma 3: an RMSNorm over the head's D dims
+            g, _, _, _ = frozen_norm(q_norm, out.sum(dim=0))
+            out = out * g
+    angles = model.layer_rotary_angles(1, start=position)[layer]  # Gemma 3: the layer's own base
     if angles is not None:  # each part rotated by the position's angles: (P, D) -> (1, P, 1, D) and back
         as_double = angles._replace(cos=angles.cos.double(), sin=angles.sin.double(),
                                     signed_sin=None if angles.signed_sin is None else angles.signed_sin.double())
@@ -146,10 +166,12 @@ def decompose_score(model, ids: list[int], layer: int, head: int, query: int, ke
     q, k = got[f"{module}.{qn}"][0, query, head].double(), got[f"{module}.{kn}"][0, key, kv].double()  # (D,)
     score = float(q @ k) * attn.scale
     top = ranked(matrix, names, names, top_k)
-    window = model.config.sliding_window
+    window = model.config.window_of(layer)
+    cap = attn.softcap
     report()
     return {"group": "self", "layer": layer, "head": head, "kv_head": kv, "query": query, "key": key,
             "scale": attn.scale, "score": score, "probability": float(got[f"{module}.hook_pattern"][0, head, query, key]),
-            "masked": window is not None and key <= query - window, "parts": names, "key_parts": names,
+            "masked": window is not None and key <= query - window, "softcap": cap,
+            "capped_score": None if cap is None else cap * math.tanh(score / cap), "parts": names, "key_parts": names,
             "matrix": matrix, "query_totals": matrix.sum(axis=1).tolist(), "key_totals": matrix.sum(axis=0).tolist(),
             "top": top, "rest": score - sum(p["value"] for p in top)}

@@ -183,16 +183,17 @@ class MultiHeadAttention(nn.Module):
     def norm_q(self, q: torch.Tensor) -> torch.Tensor:
         """(B, H, T, D) queries through q_norm: per head, or over all H * D at once (qk_norm_all)."""
         assert self.q_norm is not None
-        return self._norm_heads(q, self.q_norm) if self.qk_norm_all else self.q_norm(q)
+        return self.norm_heads(q, self.q_norm) if self.qk_norm_all else self.q_norm(q)
 
     def norm_k(self, k: torch.Tensor) -> torch.Tensor:
         """(B, K, S, D) keys through k_norm, as norm_q."""
         assert self.k_norm is not None
-        return self._norm_heads(k, self.k_norm) if self.qk_norm_all else self.k_norm(k)
+        return self.norm_heads(k, self.k_norm) if self.qk_norm_all else self.k_norm(k)
 
     @staticmethod
-    def _norm_heads(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        """(B, N, T, D) -> the same, normalised over the N * D values of each position."""
+    def norm_heads(x: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """(B, N, T, D) -> the same, normalised by `norm` (a module over N * D) over the N * D values of
+        each position (block_runs passes its differentiable form)."""
         B, N, T, D = x.shape
         flat = x.transpose(1, 2).reshape(B, T, N * D)  # (B, T, N D)
         return norm(flat).view(B, T, N, D).transpose(1, 2)

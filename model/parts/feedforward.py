@@ -15,6 +15,8 @@ Shapes: (..., C) -> (..., C), C = d_model, F = d_ff.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -24,6 +26,8 @@ from attnlens.model.config import ModelConfig
 from attnlens.model.hooks import HookPoint
 from attnlens.model.native import library as native
 from attnlens.model.parts.linear import Linear
+
+Apply = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # how a mixture runs its router and experts
 
 
 def activate(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -94,10 +98,11 @@ class MixtureOfExperts(nn.Module):
         self.hook_router = HookPoint()  # [B, T, E]
         self.hook_experts = HookPoint()  # [B, T, k]
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, apply: Apply | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, C) -> (N, k) weights (float32) and chosen experts, N = B * T tokens."""
         B, T, C = x.shape
-        probs = torch.softmax(self.router(x.reshape(-1, C)).float(), dim=-1)  # (N, E)
+        flat = x.reshape(-1, C)
+        probs = torch.softmax((self.router(flat) if apply is None else apply(self.router, flat)).float(), dim=-1)  # (N, E)
         hooks = _hooks.active()
         if hooks is not None:
             probs = self.hook_router(probs.view(B, T, -1)).reshape(B * T, -1)
@@ -107,18 +112,21 @@ class MixtureOfExperts(nn.Module):
             chosen = self.hook_experts(chosen.view(B, T, -1)).reshape(B * T, -1)
         return weights, chosen
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, apply: Apply | None = None) -> torch.Tensor:
+        """`apply(part, t)`: how the router and each expert run on their rows (default part(t));
+        model/analysis/block_runs.py passes its forms differentiable in t alone."""
         B, T, C = x.shape
         flat = x.reshape(-1, C)  # (N, C)
-        weights, chosen = self.route(x)
+        weights, chosen = self.route(x, apply)
+        run = (lambda part, t: part(t)) if apply is None else apply
         out = torch.zeros_like(flat)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():  # no host reads: every expert, weight 0 if unrouted
             for e, expert in enumerate(self.experts):
                 w = (weights * (chosen == e)).sum(dim=-1, keepdim=True)  # (N, 1)
-                out += expert(flat) * w.to(x.dtype)
+                out += run(expert, flat) * w.to(x.dtype)
             return out.view(B, T, C)
         for e in torch.unique(chosen).tolist():  # the experts some token chose, in order
             rows, slot = torch.where(chosen == e)  # (n,), (n,)
-            y = self.experts[e](flat[rows]) * weights[rows, slot, None].to(x.dtype)  # (n, C)
+            y = run(self.experts[e], flat[rows]) * weights[rows, slot, None].to(x.dtype)  # (n, C)
             out.index_add_(0, rows, y)
         return out.view(B, T, C)

@@ -334,7 +334,7 @@ def test_the_blocks_run_by_hand_are_the_models_forward(shape, grad):
         torch.testing.assert_close(model.lm_head(br.norm(model.ln_f, final)), want, atol=1e-6, rtol=0)
         later = br.run_rows(model, br.span(model, 7, 12, runs), [1], lambda layer, n: runs.got["resid_pre"][layer][:, 7:],
                             br.Tap(), lambda: None)
-        got = float(br.metric(model, later[:, -1], br.unembed_direction(model, 3, 5)).detach())
+        got = float(br.metric(model, later[:, -1], br.readout(model, 3, 5)).detach())
         assert got == pytest.approx(float(want[0, -1, 3] - want[0, -1, 5]), abs=1e-6)
 
 
