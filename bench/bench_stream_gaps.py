@@ -90,13 +90,12 @@ def beside_stream(base: str, route: str, body: dict, new_tokens: int) -> tuple[f
     t0 = time.perf_counter()
     seconds = timed_request(base, route, body)
     t1 = t0 + seconds
-    outlived = stream.arrivals[-1] > t1
     stream.join()
     during = [t for t in stream.arrivals if t0 <= t <= t1]
     before = [t for t in stream.arrivals if t < t0][-1:]
     after = [t for t in stream.arrivals if t > t1][:1]
     marks = before + during + after  # the gaps that overlap the analysis
-    return seconds, [b - a for a, b in zip(marks, marks[1:])], outlived
+    return seconds, [b - a for a, b in zip(marks, marks[1:])], bool(after)  # a token came after it: outlived
 
 
 def main() -> None:
