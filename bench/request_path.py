@@ -6,6 +6,7 @@ is recorded while the request runs; a module counts when one of its functions is
 
     python bench/request_path.py            # both requests, every module
     python bench/request_path.py --spine    # only the modules before the model's parts
+    python bench/request_path.py --calls    # and, per module, which functions were entered, from where
 
 "Call-backs" counts calls into a module the path had already entered and left, made from a module
 that comes later in the path (control coming back up).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +32,7 @@ class PathRecorder:
         self.on = False
         self.order: list[str] = []
         self.callbacks: list[tuple[str, str]] = []
+        self.entries: dict[str, Counter] = {}  # module -> "function <- caller module:function" counts
 
     def __call__(self, frame, event, arg):
         if not self.on or event != "call":
@@ -38,6 +41,9 @@ class PathRecorder:
         caller = self._module(frame.f_back) if frame.f_back is not None else None
         if callee is None or callee == caller:
             return
+        back = frame.f_back
+        self.entries.setdefault(callee, Counter())[
+            f"{frame.f_code.co_name} <- {caller}:{back.f_code.co_name if back is not None else ''}"] += 1
         if callee not in self.order:
             self.order.append(callee)
         elif caller in self.order and self.order.index(caller) > self.order.index(callee):
@@ -53,7 +59,7 @@ class PathRecorder:
         return None if rel.parts[0] in (".venv", "tests", "bench") or name.startswith("<") else str(rel)
 
 
-def run(spine: bool) -> None:
+def run(spine: bool, calls: bool = False) -> None:
     from fastapi.testclient import TestClient
 
     from attnlens.app.engine.supervisor import Supervision
@@ -77,6 +83,7 @@ def run(spine: bool) -> None:
         for title, route, body in requests:
             recorder.order.clear()
             recorder.callbacks.clear()
+            recorder.entries.clear()
             recorder.on = True
             status = client.post(route, json=body).status_code
             recorder.on = False
@@ -86,6 +93,9 @@ def run(spine: bool) -> None:
             print(f"{title}: HTTP {status}, {len(modules)} modules, {len(backs)} call-backs")
             for i, m in enumerate(modules, 1):
                 print(f"  {i:2d}. {m}")
+                if calls:
+                    for entry, n in recorder.entries[m].most_common(6):
+                        print(f"        {n:4d}x {entry}")
             for a, b in sorted(backs):
                 print(f"  call-back: {a} -> {b}")
     sys.setprofile(None)
@@ -95,4 +105,6 @@ def run(spine: bool) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spine", action="store_true", help="leave out the model's parts and kernels")
-    run(parser.parse_args().spine)
+    parser.add_argument("--calls", action="store_true", help="under each module, the functions entered and their callers")
+    args = parser.parse_args()
+    run(args.spine, args.calls)
