@@ -5,7 +5,8 @@ Every route that takes a model has it from here, so every one gives the same 503
 is done (`get_registry`: code not_ready, Retry-After) and checks the model as its task needs: a
 404 for a name that is not loaded, a 400 for a model that cannot do the task (the /v1 routes word
 theirs as OpenAI does). The name is where the route has it: the body's `model`, the query's
-(GET /model) or the path's (GET /v1/models/{model}).
+(GET /model) or the path's (GET /v1/models/{model}). The model found is the request's for
+/metrics too: what the request counts is labelled with it (`counted_for`).
 
 A route whose body names its model gets the body from its model's dependency, with the model
 (`ModelRequest`: `.body`, `.served`), rather than as a parameter of its own beside it: FastAPI
@@ -37,11 +38,12 @@ from attnlens.app.registry.model_registry import (
     EMBEDDINGS,
     FILL_MASK,
     GENERATE,
+    TASK_ENDPOINTS,
     ModelRegistry,
     ServedModel,
 )
 from attnlens.app.server.api_errors import ApiError
-from attnlens.app.server.metrics import Metrics
+from attnlens.app.server.metrics import REQUEST_MODEL, Metrics
 from attnlens.app.server.settings import Settings
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.chat_serving import require_template
@@ -76,12 +78,45 @@ RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]
 
 
 # --- the model of each task: (state, the name asked for or None) -> the served model --------------
+def counted_for(served: ServedModel) -> ServedModel:
+    """`served` is the request's model: /metrics labels what the request counts with it (the
+    RequestModel that app/server/metrics.py's middleware made for the request, if any)."""
+    current = REQUEST_MODEL.get()
+    if current is not None:
+        current.name = served.name
+    return served
+
+
+def find_model(state: AppState, name: str | None, task: str | None = None, *, param: str = "model") -> ServedModel:
+    """The model `name` (default: the default model, or for a task it cannot do, the one loaded
+    model that can), checked to answer `task`: a 404 for a name that is not loaded, a 400 (saying
+    what it can do) for a model that cannot do the task."""
+    registry = get_registry(state)
+    models = registry.models
+    if name is None and task is not None and task not in models[registry.default].tasks:
+        able = [m for m in models.values() if task in m.tasks]
+        if len(able) == 1:
+            return able[0]  # counted under the default model, as a request that names none
+    served = models.get(registry.default if name is None else name)
+    if served is None:
+        raise ApiError(404, f"unknown model {name!r}; the loaded models are: {', '.join(registry.names)} "
+                            f"(GET /models describes them)", param=param, code="model_not_found")
+    counted_for(served)
+    if task is not None and task not in served.tasks:
+        can = ", ".join(f"{t} ({TASK_ENDPOINTS[t]})" for t in served.tasks)
+        others = [m.name for m in models.values() if task in m.tasks]
+        hint = f"; models that can: {', '.join(others)}" if others else ""
+        raise ApiError(400, f"{served.describe()} cannot do {task}: it can do {can}{hint}",
+                       param=param, code="unsupported_task")
+    return served
+
+
 def generating_model(state: AppState, name: str | None) -> ServedModel:
-    return get_registry(state).get(name, GENERATE)
+    return find_model(state, name, GENERATE)
 
 
 def attention_model(state: AppState, name: str | None) -> ServedModel:
-    return get_registry(state).get(name, ATTENTION)
+    return find_model(state, name, ATTENTION)
 
 
 def lens_model(state: AppState, name: str | None) -> ServedModel:
@@ -112,20 +147,20 @@ def causal_model(state: AppState, name: str | None) -> ServedModel:
 
 
 def fill_mask_model(state: AppState, name: str | None) -> ServedModel:
-    return get_registry(state).get(name, FILL_MASK)
+    return find_model(state, name, FILL_MASK)
 
 
 def classify_model(state: AppState, name: str | None) -> ServedModel:
-    return get_registry(state).get(name, CLASSIFY)
+    return find_model(state, name, CLASSIFY)
 
 
 def v1_model(state: AppState, name: str | None, task: str | None) -> ServedModel:
     """The model a /v1 request names: a name no loaded model has is OpenAI's 404 (naming the /v1
-    models); a loaded model that cannot do `task` the registry's 400, which says what it can do."""
+    models); a loaded model that cannot do `task` find_model's 400, which says what it can do."""
     registry = get_registry(state)
     if name is not None and name not in registry.models:
         raise not_found(registry, name)
-    return registry.get(name, task)
+    return find_model(state, name, task)
 
 
 def completions_model(state: AppState, name: str | None) -> ServedModel:
@@ -134,7 +169,7 @@ def completions_model(state: AppState, name: str | None) -> ServedModel:
 
 def chat_model(state: AppState, name: str | None) -> ServedModel:
     """The model a chat request names; with no name, the default model, or else the one loaded
-    model that has a chat template. A model that does not generate is the registry's 400 (what it
+    model that has a chat template. A model that does not generate is find_model's 400 (what it
     can do); one that generates without a template, `no_template`'s."""
     registry = get_registry(state)
     if name is None and CHAT not in registry.models[registry.default].tasks:
@@ -143,7 +178,7 @@ def chat_model(state: AppState, name: str | None) -> ServedModel:
             name = able[0]
     served = v1_model(state, name, None)
     if COMPLETIONS not in served.tasks:
-        registry.get(served.name, CHAT)  # the registry's 400: what this model can do instead
+        find_model(state, served.name, CHAT)  # find_model's 400: what this model can do instead
     require_template(state, served)
     return served
 
@@ -154,7 +189,7 @@ def embedding_model(state: AppState, name: str | None) -> ServedModel:
     the encoders served here."""
     registry = get_registry(state)
     try:
-        return registry.get(name, EMBEDDINGS)
+        return find_model(state, name, EMBEDDINGS)
     except ApiError as e:
         if e.code not in ("model_not_found", "unsupported_task"):
             raise
@@ -222,7 +257,7 @@ EmbeddingModel = Annotated[ModelRequest[EmbeddingRequest], Depends(BodyModel(Emb
 # --- a model named in the query or the path ------------------------------------------------------
 async def any_model(state: StateDep, model: str | None = None) -> ServedModel:
     """GET /model's `?model=`: the default model, or the loaded model it names, whatever its tasks."""
-    return get_registry(state).get(model)
+    return find_model(state, model)
 
 
 async def listed_model(state: StateDep, model: str) -> ServedModel:

@@ -1,7 +1,8 @@
 """The models the service holds, by name: each with its family's declaration (the contract in
-model/families/contract.py), the tasks it answers and, for a classifier, its labels. Routes ask
-the registry for a model *and* a task, so an unknown name or the wrong endpoint for a model is
-one clear 4xx in one place.
+model/families/contract.py), the tasks it answers and, for a classifier, its labels. What is
+fixed at load (the family, whether and how it generates) is an attribute, read by every request
+without a call. The routes' dependencies (app/api/deps.py) look a request's model up here by name
+*and* task, so an unknown name or the wrong endpoint for a model is one clear 4xx in one place.
 
 Every model is run by an engine (app/engine/): a family that generates (its declaration has a
 GenerationSpec) with generation slots and a KV cache, the others (encoders) with model calls
@@ -18,8 +19,6 @@ from typing import Any
 
 from attnlens.app.engine import EngineFront
 from attnlens.app.registry.memory import weight_bytes
-from attnlens.app.server.api_errors import ApiError
-from attnlens.app.server.metrics import note_request_model
 from attnlens.model import Checkpoint, CheckpointError, Family, family_of
 from attnlens.model.families.contract import GenerationSpec
 from attnlens.model.generation_config import ModelSampling, SamplingDefaults, choose, read_sampling
@@ -61,28 +60,21 @@ class ServedModel:
     supervisor: Any = None  # the engine's EngineSupervisor (engine/supervisor.py), for a model with an engine
     # its recommended sampling (model/generation_config.py), for requests that leave a field unset
     sampling: ModelSampling = field(default_factory=ModelSampling)
+    family: Family = field(init=False, repr=False)  # the family's declaration (model/families/contract.py)
+    generates: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.family = family_of(self.checkpoint.model)  # fixed at load; every request reads it
+        self.generates = self.family.generation is not None
+        if self.family.generation is not None:
+            # How the family generates: read for a model looked up for a generating task (its route's
+            # dependency, app/api/deps.py, checks it); a model that does not generate has none
+            self.generation: GenerationSpec = self.family.generation
 
     @property
     def state(self) -> str:
         """starting | running | restarting | failed | stopped (its engine's, as its supervisor reads it)."""
         return self.supervisor.state if self.supervisor is not None else "running"
-
-    @property
-    def family(self) -> Family:
-        """The family's declaration (model/families/contract.py)."""
-        return family_of(self.checkpoint.model)
-
-    @property
-    def generates(self) -> bool:
-        return self.family.generation is not None
-
-    @property
-    def generation(self) -> GenerationSpec:
-        """How the family generates: for a model looked up for a generating task (its route's
-        dependency, app/api/deps.py, checks it)."""
-        spec = self.family.generation
-        assert spec is not None, f"{self.describe()} does not generate"
-        return spec
 
     @property
     def labels(self) -> list[str] | None:
@@ -126,25 +118,10 @@ class ModelRegistry:
     def names(self) -> list[str]:
         return list(self.models)
 
-    def get(self, name: str | None, task: str | None = None, *, param: str = "model") -> ServedModel:
-        """The model `name` (default: the default model, or for a task it cannot do, the one
-        loaded model that can), checked to answer `task`."""
-        if name is None and task is not None and task not in self.models[self.default].tasks:
-            able = [m for m in self.models.values() if task in m.tasks]
-            if len(able) == 1:
-                return able[0]
-        served = self.models.get(self.default if name is None else name)
-        if served is None:
-            raise ApiError(404, f"unknown model {name!r}; the loaded models are: {', '.join(self.names)} "
-                                f"(GET /models describes them)", param=param, code="model_not_found")
-        note_request_model(served.name)  # /metrics labels what this request counts with its model
-        if task is not None and task not in served.tasks:
-            can = ", ".join(f"{t} ({TASK_ENDPOINTS[t]})" for t in served.tasks)
-            others = [m.name for m in self.models.values() if task in m.tasks]
-            hint = f"; models that can: {', '.join(others)}" if others else ""
-            raise ApiError(400, f"{served.describe()} cannot do {task}: it can do {can}{hint}",
-                           param=param, code="unsupported_task")
-        return served
+    def get(self, name: str | None = None) -> ServedModel:
+        """The model `name` (default: the default model); a request's is looked up, checked for its
+        task, by its route's dependency (app/api/deps.py)."""
+        return self.models[self.default if name is None else name]
 
 
 def model_sampling(ckpt: Checkpoint, generation_config: str) -> ModelSampling:

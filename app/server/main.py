@@ -56,11 +56,9 @@ from attnlens.app.registry.model_registry import (
 )
 from attnlens.app.server.api_errors import install_error_handlers, scope_error_response
 from attnlens.app.server.auth import ApiKeyMiddleware, document_bearer
-from attnlens.app.server.body_limit import BodyLimitMiddleware
 from attnlens.app.server.docs import install_docs
-from attnlens.app.server.metrics import Metrics, MetricsMiddleware
+from attnlens.app.server.metrics import BodyLimit, Metrics, RequestMiddleware
 from attnlens.app.server.settings import Settings, default_switch_interval_ms
-from attnlens.app.server.shutdown import DrainMiddleware
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.answer_budget import AnswerBudget
 from attnlens.app.serving.stream_events import events
@@ -171,6 +169,7 @@ async def lifespan(app: FastAPI):
         if s.max_prompt_tokens is None:  # the default follows the models (each checks its own context too)
             longest = max(m.checkpoint.config.context_length for m in registry.models.values())
             s = state.settings = s.model_copy(update={"max_prompt_tokens": longest})
+        s.prompt_limit = s.max_prompt_tokens  # fixed from now on: requests read it as an attribute
         default = registry.get(None)
         state.registry = registry
         device = default.checkpoint.weights_device
@@ -260,20 +259,19 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
     if settings.static_dir.is_dir():
         app.mount("/static", StaticFiles(directory=settings.static_dir), name="static")
 
-    # added innermost first: metrics sees everything, CORS headers go on every answer (a 401
-    # too; CORS answers preflights itself, before the key check)
+    # added innermost first. Outermost, the one middleware every request passes (metrics.py): it counts
+    # everything (a 401, a CORS preflight too), refuses while draining and guards the body; CORS
+    # headers go on every answer of the app (a 401 too; CORS answers preflights itself, before the key check)
     app.add_middleware(GZipMiddleware, minimum_size=1024, compresslevel=settings.gzip_level)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, error_response=scope_error_response,
-                       timeout_s=settings.body_timeout_s)
     if settings.api_key is not None and settings.api_key.get_secret_value():
         document_bearer(app)
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(),
                            error_response=scope_error_response)
-    app.add_middleware(DrainMiddleware, drain=app.state.attnlens.drain)  # graceful shutdown (app/server/shutdown.py)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["Retry-After"])
-    app.add_middleware(MetricsMiddleware, metrics=app.state.attnlens.metrics)
+    app.add_middleware(RequestMiddleware, metrics=app.state.attnlens.metrics, drain=app.state.attnlens.drain,
+                       body=BodyLimit(settings.max_body_bytes, settings.body_timeout_s, scope_error_response))
     return app
 
 

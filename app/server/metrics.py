@@ -1,4 +1,6 @@
-"""Prometheus metrics, in a registry of their own per app (several apps may share a process).
+"""What the server does around every HTTP request, in one middleware (RequestMiddleware): count
+and time it by model, refuse it while the server drains, and guard its body. And the Prometheus
+metrics it keeps, in a registry of their own per app (several apps may share a process).
 
 Every series carries a `model` label, so that a dashboard sums or splits them across replicas
 and models alike:
@@ -11,8 +13,10 @@ and models alike:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the router)
@@ -22,22 +26,25 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+
+from attnlens.app.server.api_errors import error_response
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
-# The model of the HTTP request being served: MetricsMiddleware puts a fresh one-item list here
-# for each request, and ModelRegistry.get fills it in (note_request_model). A list rather than
-# the name itself: the tasks a request starts (a stream's body, its exception handlers) run in
-# copies of its context, and all of them see the same list.
-_REQUEST_MODEL: ContextVar[list | None] = ContextVar("attnlens_request_model", default=None)
+@dataclass
+class RequestModel:
+    """The model of the HTTP request being served: RequestMiddleware puts a fresh one in
+    REQUEST_MODEL for each request, and the model dependency (app/api/deps.py) sets its name. One
+    shared object rather than the name itself: the tasks a request starts (a stream's body, its
+    exception handlers) run in copies of its context, and all of them see the same one."""
+
+    name: str | None = None
 
 
-def note_request_model(name: str) -> None:
-    """The current HTTP request is for model `name`: what it counts is labelled so. Outside a
-    request (start-up, warm-up) nothing happens."""
-    holder = _REQUEST_MODEL.get()
-    if holder is not None:
-        holder[0] = name
+# Outside a request (start-up, warm-up): None, and what is counted is labelled with the default model
+REQUEST_MODEL: ContextVar[RequestModel | None] = ContextVar("attnlens_request_model", default=None)
 
 
 # name, help, value of one engine (an EngineFront): one series per model that generates
@@ -127,9 +134,9 @@ class Metrics:
         self.default_model = registry.default
 
     def request_model(self) -> str:
-        """The model of the HTTP request being served (note_request_model), else the default one."""
-        holder = _REQUEST_MODEL.get()
-        return (holder[0] if holder is not None else None) or self.default_model
+        """The model of the HTTP request being served (RequestModel), else the default one."""
+        current = REQUEST_MODEL.get()
+        return (current.name if current is not None else None) or self.default_model
 
     def observe_generation(self, done) -> None:
         """Record a finished generation from its StreamDone event (for the request's model)."""
@@ -145,24 +152,151 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+# --- the drain: graceful shutdown's side of every request (app/server/shutdown.py drains) ---------
+# Still answered while draining: liveness (a draining server is alive; failing it would get the
+# pod killed before its streams end) and the metrics that show the drain.
+OPEN_WHILE_DRAINING = frozenset({"/healthz", "/metrics"})
+SHUTTING_DOWN = "the server is shutting down: send the request again (another replica, or this one once back, takes it)"
+
+
+class Drain:
+    """Whether the server is draining, and how many requests it is still serving."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.active = 0  # requests past the drain's check that have not ended (a stream: until its last byte)
+        self._idle: asyncio.Event | None = None
+        self._grace_over: asyncio.Event | None = None
+
+    def request_started(self) -> None:
+        self.active += 1
+
+    def request_ended(self) -> None:
+        self.active -= 1
+        if self.active == 0 and self._idle is not None:
+            self._idle.set()
+
+    def end_grace(self) -> None:
+        """Stop waiting for the requests running (a second SIGTERM): their generations end now."""
+        self.grace_over_event().set()
+
+    def grace_over_event(self) -> asyncio.Event:
+        if self._grace_over is None:
+            self._grace_over = asyncio.Event()
+        return self._grace_over
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no request is running; False if some still are after `timeout` seconds."""
+        if self.active == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            pass
+        return self.active == 0
+
+
+def drain_refusal(path: str):
+    """What a request that arrives while draining gets."""
+    if path == "/readyz":
+        return JSONResponse({"ready": False, "status": "draining", "detail": "the server is shutting down"},
+                            status_code=503)
+    return error_response(path, 503, SHUTTING_DOWN, code="shutting_down",
+                          headers={"Retry-After": "1", "Connection": "close"})
+
+
+# --- the body limit ------------------------------------------------------------------------------
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body larger than {limit} bytes")
+
+
+class BodyTooSlow(HTTPException):
+    def __init__(self, timeout_s: float):
+        super().__init__(408, f"the request body did not arrive within {timeout_s:g} s "
+                              f"(ATTNLENS_BODY_TIMEOUT_S)", headers={"Connection": "close"})
+
+
+def declared_length(scope) -> int:
+    """The request's Content-Length (0 when absent or not a number)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
+
+
+class BodyLimit:
+    """The limits of request bodies: at most `max_bytes`, all of it within `timeout_s` seconds."""
+
+    def __init__(self, max_bytes: int, timeout_s: float | None, error_response):
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.error_response = error_response  # (scope, status, message) -> ASGI response
+
+    def guarded(self, receive):
+        """`receive` that counts the body's bytes and times it: a body that lies about (or omits) its
+        length, or trickles in, raises BodyTooLarge / BodyTooSlow, which the app's HTTPException
+        handler turns into a 413 / 408 like any other. Once the body is complete, receive() is
+        passed through untouched (a handler may wait on it for the client's disconnect)."""
+        max_bytes, timeout_s = self.max_bytes, self.timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        received = 0
+        complete = False
+
+        async def limited_receive():
+            nonlocal received, complete
+            if complete or deadline is None:
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise BodyTooSlow(timeout_s) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > max_bytes:
+                    raise BodyTooLarge(max_bytes)
+                complete = complete or not message.get("more_body", False)
+            else:
+                complete = True
+            return message
+
+        return limited_receive
+
+
+# --- the one middleware ----------------------------------------------------------------------------
 CLIENT_CLOSED = 499  # nginx's status for an answer that began but did not reach its end
 
 
-class MetricsMiddleware:
-    """Count every HTTP request by model, route template and status, and time it to its last byte.
-    An answer that began but never sent its last byte (a stream whose client went away, an
-    /attention answer dropped for not being read) counts as 499, not as its 200."""
+class RequestMiddleware:
+    """Every HTTP request, in this order (the app's outermost middleware, so that it sees them all):
 
-    def __init__(self, app, metrics: Metrics):
+    - counted by model, route template and status, and timed to its last byte. An answer that began
+      but never sent its last byte (a stream whose client went away, an /attention answer dropped
+      for not being read) counts as 499, not as its 200;
+    - while the server drains (app/server/shutdown.py), refused (503) unless its path is open, else
+      counted as running until its end;
+    - its body refused (413) when its Content-Length is over the limit, else counted and timed as
+      it arrives (BodyLimit.guarded).
+    """
+
+    def __init__(self, app, metrics: Metrics, drain: Drain, body: BodyLimit):
         self.app = app
         self.metrics = metrics
+        self.drain = drain
+        self.body = body
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
         status = [500]
-        token = _REQUEST_MODEL.set([None])
+        current = RequestModel()
+        token = REQUEST_MODEL.set(current)
         ended = [False]
 
         async def send_wrapper(message):
@@ -173,15 +307,30 @@ class MetricsMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self._serve(scope, receive, send_wrapper)
         except BaseException:
             ended[0] = True  # an error: counted under the status it had (500 unless it began)
             raise
         finally:
-            model = self.metrics.request_model()
-            _REQUEST_MODEL.reset(token)
-            route = scope.get("route")
-            label = getattr(route, "path", None) or "unmatched"
+            REQUEST_MODEL.reset(token)
+            model = current.name or self.metrics.default_model
+            label = getattr(scope.get("route"), "path", None) or "unmatched"
             code = status[0] if ended[0] else CLIENT_CLOSED
             self.metrics.requests.labels(model, label, scope["method"], str(code)).inc()
             self.metrics.latency.labels(model, label).observe(time.perf_counter() - start)
+
+    async def _serve(self, scope, receive, send):
+        """The request past the drain's check and the body's declared length, or refused by them."""
+        if self.drain.draining and scope["path"] not in OPEN_WHILE_DRAINING:
+            return await drain_refusal(scope["path"])(scope, receive, send)
+        limit = self.body.max_bytes
+        declared = declared_length(scope)
+        if declared > limit:
+            response = self.body.error_response(
+                scope, 413, f"request body of {declared} bytes is larger than the limit of {limit} bytes")
+            return await response(scope, receive, send)
+        self.drain.request_started()
+        try:
+            await self.app(scope, self.body.guarded(receive), send)
+        finally:
+            self.drain.request_ended()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Annotated, Literal
@@ -206,10 +207,11 @@ class Settings(BaseSettings):
         assert self.model is not None, "_default_model sets it"
         return self.model
 
-    @property
+    @functools.cached_property
     def prompt_limit(self) -> int:
-        """max_prompt_tokens, which start-up sets to the models' longest context when unset (requests
-        are served only after that: app/server/main.py)."""
+        """The most tokens a prompt may have: max_prompt_tokens, which start-up sets to the models'
+        longest context when unset. Start-up also sets this, once (app/server/main.py): every request
+        reads a plain attribute."""
         assert self.max_prompt_tokens is not None, "read before start-up set max_prompt_tokens"
         return self.max_prompt_tokens
 

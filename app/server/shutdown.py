@@ -10,6 +10,9 @@ Once none is left, or ATTNLENS_SHUTDOWN_GRACE_S later (or at a second SIGTERM), 
 listening and exits, and its lifespan closes the engines. Generations still running when the
 grace period ends get an `error` event ("the server is shutting down"): their streams end in
 the protocol, not cut.
+
+The requests' side of it (the 503, the count of requests running, the paths still open) is the
+server's one middleware's (app/server/metrics.py: RequestMiddleware and Drain); this module drains.
 """
 
 from __future__ import annotations
@@ -18,86 +21,13 @@ import asyncio
 import logging
 from typing import Protocol
 
-from fastapi.responses import JSONResponse
-
 from attnlens.app.registry.model_registry import ModelRegistry
-from attnlens.app.server.api_errors import error_response
+from attnlens.app.server.metrics import Drain
 
 log = logging.getLogger("attnlens.shutdown")
 
-# Still answered while draining: liveness (a draining server is alive; failing it would get the
-# pod killed before its streams end) and the metrics that show the drain.
-OPEN_WHILE_DRAINING = frozenset({"/healthz", "/metrics"})
 # After the grace period: how long the generations just ended get to send their error event
 END_WAIT_S = 10.0
-SHUTTING_DOWN = "the server is shutting down: send the request again (another replica, or this one once back, takes it)"
-
-
-class Drain:
-    """Whether the server is draining, and how many requests it is still serving."""
-
-    def __init__(self) -> None:
-        self.draining = False
-        self.active = 0  # requests past DrainMiddleware that have not ended (a stream: until its last byte)
-        self._idle: asyncio.Event | None = None
-        self._grace_over: asyncio.Event | None = None
-
-    def request_started(self) -> None:
-        self.active += 1
-
-    def request_ended(self) -> None:
-        self.active -= 1
-        if self.active == 0 and self._idle is not None:
-            self._idle.set()
-
-    def end_grace(self) -> None:
-        """Stop waiting for the requests running (a second SIGTERM): their generations end now."""
-        self.grace_over_event().set()
-
-    def grace_over_event(self) -> asyncio.Event:
-        if self._grace_over is None:
-            self._grace_over = asyncio.Event()
-        return self._grace_over
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """True once no request is running; False if some still are after `timeout` seconds."""
-        if self.active == 0:
-            return True
-        self._idle = asyncio.Event()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            pass
-        return self.active == 0
-
-
-def refusal(path: str) -> JSONResponse:
-    """What a request that arrives while draining gets."""
-    if path == "/readyz":
-        return JSONResponse({"ready": False, "status": "draining", "detail": "the server is shutting down"},
-                            status_code=503)
-    return error_response(path, 503, SHUTTING_DOWN, code="shutting_down",
-                          headers={"Retry-After": "1", "Connection": "close"})
-
-
-class DrainMiddleware:
-    """The one place the drain is checked: counts the requests running and, while draining,
-    answers new ones itself (the module docstring)."""
-
-    def __init__(self, app, drain: Drain):
-        self.app = app
-        self.drain = drain
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if self.drain.draining and scope["path"] not in OPEN_WHILE_DRAINING:
-            return await refusal(scope["path"])(scope, receive, send)
-        self.drain.request_started()
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.drain.request_ended()
 
 
 class Draining(Protocol):
