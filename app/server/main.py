@@ -166,10 +166,11 @@ async def lifespan(app: FastAPI):
             engine.stream_budget = budget
             registry.add(ServedModel(name, ckpt.path, ckpt, engine, tasks_of(ckpt),
                                      supervisor=EngineSupervisor(name, engine, policy), sampling=sampling))
-        if s.max_prompt_tokens is None:  # the default follows the models (each checks its own context too)
-            longest = max(m.checkpoint.config.context_length for m in registry.models.values())
-            s = state.settings = s.model_copy(update={"max_prompt_tokens": longest})
-        s.prompt_limit = s.max_prompt_tokens  # fixed from now on: requests read it as an attribute
+        limit = s.max_prompt_tokens
+        if limit is None:  # the default follows the models (each checks its own context too)
+            limit = max(m.checkpoint.config.context_length for m in registry.models.values())
+            s = state.settings = s.model_copy(update={"max_prompt_tokens": limit})
+        s.prompt_limit = limit  # fixed from now on: requests read it as an attribute
         default = registry.get(None)
         state.registry = registry
         device = default.checkpoint.weights_device

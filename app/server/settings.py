@@ -211,7 +211,7 @@ class Settings(BaseSettings):
     def prompt_limit(self) -> int:
         """The most tokens a prompt may have: max_prompt_tokens, which start-up sets to the models'
         longest context when unset. Start-up also sets this, once (app/server/main.py): every request
-        reads a plain attribute."""
+        reads a plain attribute. (model_copy copies it as it is: set it again on a copy with another limit.)"""
         assert self.max_prompt_tokens is not None, "read before start-up set max_prompt_tokens"
         return self.max_prompt_tokens
 
