@@ -1,4 +1,4 @@
-"""app/serving/chat_template.py renders a chat template exactly as transformers' apply_chat_template does."""
+"""app/serving/prompts.py (render_chat) renders a chat template exactly as transformers' apply_chat_template does."""
 
 from __future__ import annotations
 
