@@ -74,7 +74,7 @@ def _reset(signum, frame) -> None:
 def install_probes() -> None:
     """Wrap the engine's and the server's hand-over functions (module docstring)."""
     from attnlens.app.engine import core, outputs, process, worker
-    from attnlens.app.serving import generate_serving, stream_events
+    from attnlens.app.serving import generate_serving, generation_streams
 
     clock = time.perf_counter
 
@@ -182,7 +182,7 @@ def install_probes() -> None:
         return event
     outputs.RequestState._take = timed_take
 
-    api_event = stream_events.api_event
+    api_event = generation_streams.api_event
 
     def timed_api_event(event):
         t0 = clock()
@@ -194,7 +194,7 @@ def install_probes() -> None:
             STAMPS[key]["api"] = t1
             KEYS[id(out)] = key
         return out
-    stream_events.api_event = timed_api_event
+    generation_streams.api_event = timed_api_event
 
     sse = generate_serving.sse
 

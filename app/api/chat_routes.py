@@ -1,4 +1,4 @@
-"""OpenAI's chat completions: POST /v1/chat/completions (the serving is app/serving/chat_serving.py).
+"""OpenAI's chat completions: POST /v1/chat/completions (the serving is app/serving/openai_serving.py).
 
 `model` names a loaded model whose checkpoint has a chat template (GET /models lists `chat` in
 its tasks); none = the default model, or the one loaded model with a template. `n`, `stop`,
@@ -14,8 +14,7 @@ from fastapi import APIRouter, Request
 
 from attnlens.app.api.chat_schemas import ChatCompletion
 from attnlens.app.api.deps import ChatModel, StateDep
-from attnlens.app.serving.chat_serving import chat_completion
-from attnlens.app.serving.openai_serving import ERRORS, stream_description
+from attnlens.app.serving.openai_serving import ERRORS, chat_completion, stream_description
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 

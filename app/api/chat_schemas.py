@@ -21,13 +21,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: this many most likely "
                                      "tokens at each position")
 
-    @property
-    def token_limit(self) -> tuple[int | None, str]:
-        """The limit on new tokens and the field that set it (None: not given)."""
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens, "max_completion_tokens"
-        return self.max_tokens, "max_tokens"
-
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"

@@ -102,11 +102,6 @@ class ChatMessage(Strict):
             raise ValueError(f"content as a list holds 1..{MAX_CONTENT_PARTS} text parts (got {len(v)})")
         return v
 
-    def for_template(self) -> dict:
-        """The message as transformers hands it to a chat template: a plain dict."""
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": self.role, "content": text, **({"name": self.name} if self.name is not None else {})}
-
 
 Messages = Annotated[list[ChatMessage], Field(min_length=1, description=(
     "a conversation (OpenAI's messages) for a model with a chat template (GET /models lists `chat` in its "

@@ -46,8 +46,8 @@ from attnlens.app.server.api_errors import ApiError
 from attnlens.app.server.metrics import REQUEST_MODEL, Metrics
 from attnlens.app.server.settings import Settings
 from attnlens.app.server.state import AppState
-from attnlens.app.serving.chat_serving import require_template
 from attnlens.app.serving.openai_serving import not_found
+from attnlens.app.serving.prompts import require_template
 
 
 def get_state(request: Request) -> AppState:

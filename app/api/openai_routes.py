@@ -12,7 +12,7 @@ sends the prompt text first but no logprobs for the prompt tokens.
 
 A list of prompts is counted before any is tokenised (prompts x choices that could never fit
 in the server's places are a 400 at once), and the strings are tokenised together on a
-worker thread that lets go of the GIL (the serving side is app/serving/completions_serving.py).
+worker thread that lets go of the GIL (the serving side is app/serving/openai_serving.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from fastapi import APIRouter, Request
 from attnlens.app.api.deps import CompletionsModel, ListedModel, RegistryDep, StateDep
 from attnlens.app.api.openai_schemas import Completion, ModelCard, ModelList
 from attnlens.app.registry.model_registry import COMPLETIONS, ServedModel
-from attnlens.app.serving.completions_serving import CompletionsServing
-from attnlens.app.serving.openai_serving import ERRORS, stream_description
+from attnlens.app.serving.openai_serving import ERRORS, CompletionsServing, stream_description
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 

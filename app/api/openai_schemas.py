@@ -8,7 +8,7 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from attnlens.app.api.common_schemas import ModelName, NonEmptyText, Stop, Text, count_stops, stop_list
+from attnlens.app.api.common_schemas import ModelName, NonEmptyText, Stop, Text, count_stops
 from attnlens.model.generation_config import SamplingDefaults
 
 TokenIds = list[int]
@@ -73,19 +73,6 @@ class SamplingRequest(BaseModel):
             if not -100 <= bias <= 100:
                 raise ValueError(f"the bias of token {key} is {bias}: biases run from -100 to 100")
         return v
-
-    @property
-    def stops(self) -> list[str]:
-        return stop_list(self.stop)
-
-    @property
-    def sampling(self) -> SamplingDefaults:
-        """The sampling fields this request sets (None: left to the model, then to OPENAI_SAMPLING)."""
-        return SamplingDefaults(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
 
 
 class CompletionRequest(SamplingRequest):

@@ -61,7 +61,7 @@ from attnlens.app.server.metrics import BodyLimit, Metrics, RequestMiddleware
 from attnlens.app.server.settings import Settings, default_switch_interval_ms
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.answer_budget import AnswerBudget
-from attnlens.app.serving.stream_events import events
+from attnlens.app.serving.generation_streams import events
 from attnlens.model import Checkpoint, SamplingParams
 from attnlens.model.analysis.operations import WarmUpCall
 from attnlens.model.families import family_of

@@ -7,11 +7,13 @@ from attnlens.app.api.common_schemas import Ablation
 from attnlens.app.server.api_errors import ApiError
 from attnlens.model.hooks import AblationError, HeadAblation, ablation_targets, default_group
 
+NOTHING_ABLATED: tuple[tuple, None] = ((), None)  # (no edits, no echo): a request without `ablate`
+
 
 def resolve_ablate(served, ablate: list[Ablation] | None, settings) -> tuple[tuple, list[Ablation] | None]:
     """(the edits the model applies, the echo) of a request's ablations; ((), None) without any."""
     if ablate is None:
-        return (), None
+        return NOTHING_ABLATED
     family = served.family
     try:
         edits = ablation_targets(family, served.checkpoint.config,

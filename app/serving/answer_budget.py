@@ -11,31 +11,61 @@ less than 1 MB (one chunk) in ATTNLENS_SEND_TIMEOUT_S is dropped, so a reader th
 reads cannot hold its claim forever.
 
 `answer_with_claim` is the one sequence every analysis route's serving object runs: claim, call
-the model, release on failure, build and encode the answer (holding the claim until it is sent).
+the model (a client that goes away cancels it: `unless_disconnected`), release on failure, build
+and encode the answer (holding the claim until it is sent).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 import orjson
+from fastapi import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from attnlens.app.server.api_errors import ApiError
-from attnlens.app.serving.generation_streams import unless_disconnected
 
 log = logging.getLogger("attnlens.answers")
 
+T = TypeVar("T")
 CHUNK_BYTES = 1 << 20  # sent per write; gzip compresses chunks this size on a worker thread
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first": logged and counted, never sent
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has gone (the request's body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` (a model call); a client that goes away first cancels it (the call stops at its
+    next report point, app/engine/progress.py) and the handler ends with a 499 that is never sent."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watcher
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():  # the client went first
+        raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed")
+    return task.result()
 
 
 class AnswerBudget:
@@ -156,11 +186,13 @@ class ClaimedJSONResponse(Response):
             await self.claim.release()
 
 
-async def claimed_json(build: Callable[[], Any], claim: Claim, send_timeout_s: float) -> ClaimedJSONResponse:
-    """Build the content (`build()`) and encode it, both on a worker thread, into a response that
-    holds `claim` until it is sent."""
+async def claimed_json(build: Callable[..., Any], args: tuple, claim: Claim,
+                       send_timeout_s: float) -> ClaimedJSONResponse:
+    """Build the content (`build(*args)`) and encode it, each on a worker thread (which calls `build`
+    itself: the serving's code is never called back from here), into a response that holds
+    `claim` until it is sent."""
     try:
-        body = await off_loop(lambda: encode_json(build()))
+        body = await off_loop(encode_json, await off_loop(build, *args))
     except BaseException:
         await claim.release()
         raise
@@ -196,4 +228,4 @@ async def answer_with_claim(state, served, call, build: Callable[[Any], Any], *,
     if not hold:
         await claim.release()
         return Response(await off_loop(build, result), media_type="application/json")
-    return await claimed_json(lambda: build(result), claim, state.settings.send_timeout_s)
+    return await claimed_json(build, (result,), claim, state.settings.send_timeout_s)

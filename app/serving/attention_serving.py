@@ -27,10 +27,10 @@ from attnlens.app.api.attention_schemas import AttentionRequest
 from attnlens.app.registry.model_registry import ServedModel
 from attnlens.app.server.api_errors import ApiError, field_error
 from attnlens.app.server.state import AppState
-from attnlens.app.serving.ablation_edits import resolve_ablate
+from attnlens.app.serving.ablation_edits import NOTHING_ABLATED, resolve_ablate
 from attnlens.app.serving.answer_budget import answer_with_claim
 from attnlens.app.serving.attention_codec import encode, encode_positions
-from attnlens.app.serving.sequences import read_sequence
+from attnlens.app.serving.prompts import read_sequence
 from attnlens.model import Family
 from attnlens.model.analysis.attention_maps import AnalysisMaps, MapRequest
 from attnlens.model.analysis.operations import AttentionCall
@@ -144,7 +144,8 @@ class AttentionServing:
                                          f"{family.attention_kind} (full maps): use packing='full'", "unsupported")
         layers = checked_indices("layers", body.layers, cfg.n_layers)
         heads = checked_indices("heads", body.heads, cfg.n_heads)
-        edits, echo = resolve_ablate(served, body.ablate, state.settings)
+        # most requests ablate nothing: only those that do are resolved against the model
+        edits, echo = NOTHING_ABLATED if body.ablate is None else resolve_ablate(served, body.ablate, state.settings)
         ids, target = await read_sequence(body, served, state)
         # the target's rows: start + target, or at most the context for the model's own output
         lengths = {"tokens": len(ids), "source": len(ids),

@@ -27,8 +27,7 @@ from attnlens.app.server.api_errors import ApiError, field_error
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.answer_budget import answer_with_claim
 from attnlens.app.serving.explain_serving import FLOAT_BYTES, TOKEN_BYTES, with_rows
-from attnlens.app.serving.prompts import check_token_ids, tokenize_text
-from attnlens.app.serving.sequences import target_ids
+from attnlens.app.serving.prompts import check_token_ids, target_ids, tokenize_text
 from attnlens.model.analysis.logit_attribution import LogitAttribution
 from attnlens.model.analysis.operations import LogitAttributionCall, PatchCall
 from attnlens.model.analysis.patching import PatchResult

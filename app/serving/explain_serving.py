@@ -34,7 +34,7 @@ from attnlens.app.server.api_errors import ApiError
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.ablation_edits import resolve_ablate
 from attnlens.app.serving.answer_budget import answer_with_claim
-from attnlens.app.serving.sequences import read_sequence
+from attnlens.app.serving.prompts import read_sequence
 from attnlens.model.analysis import explain
 from attnlens.model.analysis.operations import ExplainHeadCall, LensCall, LogitsCall, ScoreDecompositionCall
 from attnlens.model.analysis.score_decomposition import ScoreDecomposition

@@ -27,11 +27,22 @@ from attnlens.app.server.metrics import Metrics
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.ablation_edits import resolve_ablate
 from attnlens.app.serving.answer_budget import off_loop
-from attnlens.app.serving.chat_serving import conversation_ids
-from attnlens.app.serving.generation_streams import SSE_HEADERS, cancel_on_disconnect, collect, note_unfinished, sse
-from attnlens.app.serving.prompts import check_token_ids, tokenize_text
-from attnlens.app.serving.request_limits import check_lengths, check_new_token_limit
-from attnlens.app.serving.stream_events import attention_lists, event_batches
+from attnlens.app.serving.generation_streams import (
+    SSE_HEADERS,
+    attention_lists,
+    cancel_on_disconnect,
+    collect,
+    event_batches,
+    note_unfinished,
+    sse,
+)
+from attnlens.app.serving.prompts import (
+    check_lengths,
+    check_new_token_limit,
+    check_token_ids,
+    conversation_ids,
+    tokenize_text,
+)
 from attnlens.model import SamplingParams
 
 log = logging.getLogger("attnlens.routers")

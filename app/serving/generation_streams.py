@@ -1,4 +1,13 @@
-"""Running generations for a route: watching the client, gathering an answer, SSE framing."""
+"""Running generations for a route: a generation's events as the API sends them, watching the
+client, gathering an answer, SSE framing.
+
+The engine's output stage (app/engine/outputs.py) yields TokenEvent, DoneEvent and ErrorEvent,
+which know nothing of the API. Routes read a request's events through `events` and
+`event_batches` here and get StreamToken, StreamDone and StreamError, which they send as they are.
+A StreamToken's attention rows stay the output stage's arrays (per layer (heads, keys), rounded):
+`token_json` writes them with orjson, the same text pydantic writes for their floats, and
+`attention_lists` makes them lists for a whole answer's schema.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +15,114 @@ import asyncio
 import contextlib
 import json
 from dataclasses import dataclass
-from typing import Awaitable, TypeVar
+from typing import Any, AsyncIterator
 
+import numpy as np
+import orjson
 from fastapi import Request
 from pydantic import BaseModel
 
-from attnlens.app.api.generate_schemas import StreamDone, StreamError, StreamToken
-from attnlens.app.engine import GenerationCancelled, RequestState
+from attnlens.app.api.generate_schemas import (
+    Alternative,
+    GeneratedTokenOut,
+    StreamDone,
+    StreamError,
+    StreamToken,
+    Timings,
+    TokenText,
+    Usage,
+)
+from attnlens.app.engine import GenerationCancelled
+from attnlens.app.engine.outputs import DoneEvent, ErrorEvent, RequestState, ScoredToken, TokenEvent
 from attnlens.app.server.api_errors import ApiError
 from attnlens.app.server.metrics import Metrics
-from attnlens.app.serving.stream_events import events, token_json
+from attnlens.app.serving.answer_budget import CLIENT_CLOSED_REQUEST, disconnected
 
-T = TypeVar("T")
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first": logged and counted, never sent
+ApiEvent = StreamToken | StreamDone | StreamError
 
+
+def _alternatives(token: ScoredToken) -> list[Alternative]:
+    return [Alternative(id=a.id, text=a.text, logprob=a.logprob) for a in token.top_logprobs]
+
+
+def scored_token(token: ScoredToken | None) -> GeneratedTokenOut | None:
+    """A token with its log-probability and alternatives (e.g. a generation's final EOS)."""
+    if token is None:
+        return None
+    return GeneratedTokenOut(id=token.id, text=token.text, logprob=token.logprob, top_logprobs=_alternatives(token))
+
+
+def token_event(e: TokenEvent) -> StreamToken:
+    fields: dict[str, Any] = dict(index=e.index, id=e.id, text=e.text, delta=e.delta, logprob=e.logprob,
+                  top_logprobs=_alternatives(e))
+    if e.attention is None and e.cross_attention is None:
+        # validated in pydantic's core: for these few fields faster than model_construct's Python
+        return StreamToken(**fields)
+    # thousands of attention probabilities, arrays from the output stage: not validated one by one
+    # (written by token_json; the schema's lists are what the client gets)
+    return StreamToken.model_construct(**fields, attention=e.attention,  # type: ignore[arg-type]
+                                       cross_attention=e.cross_attention)  # type: ignore[arg-type]
+
+
+ROWS_FIELDS = ("attention", "cross_attention")  # StreamToken's last fields, in this order
+
+
+def token_json(token: StreamToken) -> str:
+    """A token event's JSON (None fields left out), as pydantic writes it: its attention arrays are
+    written by orjson straight from them (no Python float each) after the other fields."""
+    text = token.model_dump_json(exclude_none=True, exclude=set(ROWS_FIELDS))
+    rows = "".join(f',"{name}":{rows_json(getattr(token, name))}' for name in ROWS_FIELDS
+                   if getattr(token, name) is not None)
+    return text[:-1] + rows + "}" if rows else text
+
+
+def rows_json(rows: list[np.ndarray]) -> str:
+    """[layer][head][key] JSON of per-layer (heads, keys) arrays."""
+    return "[" + ",".join(orjson.dumps(r, option=orjson.OPT_SERIALIZE_NUMPY).decode() for r in rows) + "]"
+
+
+def attention_lists(rows: list[Any] | None) -> list[list[list[float]]] | None:
+    """A StreamToken's attention arrays (token_event) as nested lists, for a whole answer's schema."""
+    return None if rows is None else [r.tolist() for r in rows]
+
+
+def done_event(e: DoneEvent) -> StreamDone:
+    n_prompt = len(e.prompt_tokens)
+    return StreamDone(
+        id=e.id, finish_reason=e.finish_reason,
+        prompt_tokens=[TokenText(id=i, text=text) for i, text in e.prompt_tokens],
+        text=e.text, delta=e.delta,
+        usage=Usage(prompt_tokens=n_prompt, completion_tokens=e.completion_tokens,
+                    total_tokens=n_prompt + e.completion_tokens),
+        timings=Timings(**vars(e.timings)),
+    )
+
+
+def api_event(event: TokenEvent | DoneEvent | ErrorEvent) -> ApiEvent:
+    if isinstance(event, TokenEvent):
+        return token_event(event)
+    if isinstance(event, DoneEvent):
+        return done_event(event)
+    return StreamError(message=event.message, code=event.code, retry_after=event.retry_after)
+
+
+async def events(state: RequestState) -> AsyncIterator[ApiEvent]:
+    """StreamToken events, then exactly one StreamDone or StreamError (GenerationCancelled is raised
+    instead when the generation was cancelled)."""
+    async for event in state.events():
+        yield api_event(event)
+
+
+async def event_batches(state: RequestState) -> AsyncIterator[list[ApiEvent]]:
+    """The same events, every one already waiting at once (one write for a stream that fell behind)."""
+    async for batch in state.event_batches():
+        events = [api_event(event) for event in batch]
+        del batch  # nothing held while the next batch is awaited (RequestState.event_batches)
+        yield events
+        del events
+
+
+# --- watching the client, gathering an answer, SSE framing ---------------------
 
 @dataclass
 class Outcome:
@@ -29,14 +132,8 @@ class Outcome:
     done: StreamDone
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone (the request's body is already read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _cancel_on_disconnect(request: Request, generations: list[RequestState]) -> None:
-    await _disconnected(request)
+    await disconnected(request)
     for g in generations:
         g.cancel()
 
@@ -55,26 +152,6 @@ async def cancel_on_disconnect(request: Request, generations: list[RequestState]
             await watcher
         for g in generations:
             g.cancel()  # a no-op once finished; stops the work if we were interrupted
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work` (a model call); a client that goes away first cancels it (the call stops at its
-    next report point, app/engine/progress.py) and the handler ends with a 499 that is never sent."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watcher
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-    if task.cancelled():  # the client went first
-        raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed")
-    return task.result()
 
 
 # errors of the engine rather than of the request: a 503 (with Retry-After when known), not a 500

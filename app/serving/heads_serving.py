@@ -22,7 +22,7 @@ from attnlens.app.serving.head_atlas import (
     probe_ids,
     probe_overhead,
 )
-from attnlens.app.serving.sequences import read_sequence, target_ids
+from attnlens.app.serving.prompts import read_sequence, target_ids
 from attnlens.model.analysis.operations import HeadScoresCall
 
 
@@ -71,7 +71,7 @@ class HeadsServing:
     async def _ids(self, body: HeadsRequest, served: ServedModel
                    ) -> tuple[list[int], list[int] | None, dict | None]:
         """The ids to score, the target and the probe's echo: the probe, or the sequence the request
-        names, read as /attention reads it (app/serving/sequences.py)."""
+        names, read as /attention reads it (app/serving/prompts.py)."""
         if body.probe is not None:
             target = await target_ids(body, served)
             ids, probe = await self._probe(body, served)

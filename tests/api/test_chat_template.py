@@ -1,10 +1,10 @@
-"""app/serving/chat_template.py renders a chat template exactly as transformers' apply_chat_template does."""
+"""app/serving/prompts.py (render_chat) renders a chat template exactly as transformers' apply_chat_template does."""
 
 from __future__ import annotations
 
 import pytest
 
-from attnlens.app.serving.chat_template import ChatTemplateError, render_chat
+from attnlens.app.serving.prompts import ChatTemplateError, render_chat
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")

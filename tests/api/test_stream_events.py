@@ -15,8 +15,7 @@ import torch
 
 from attnlens.app.api.generate_schemas import StreamToken
 from attnlens.app.engine.outputs import Alternative, TokenEvent, attention_rows
-from attnlens.app.serving.generation_streams import sse
-from attnlens.app.serving.stream_events import token_event
+from attnlens.app.serving.generation_streams import sse, token_event
 
 
 def probabilities(layers: int, heads: int, keys: int, seed: int = 0) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ from helpers import run_async
 from attnlens.app.api.generate_schemas import StreamDone, StreamToken
 from attnlens.app.engine import Engine, GenerationParams, RequestState
 from attnlens.app.engine.core import Generation
-from attnlens.app.serving.stream_events import events
+from attnlens.app.serving.generation_streams import events
 from attnlens.model import SamplingParams
 
 

@@ -24,7 +24,7 @@ from attnlens.app.engine.request import Generation
 from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
-from attnlens.app.serving.stream_events import event_batches
+from attnlens.app.serving.generation_streams import event_batches
 from attnlens.model import SamplingParams
 from attnlens.model.sampling import GeneratedToken
 

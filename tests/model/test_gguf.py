@@ -94,7 +94,7 @@ def test_tokenizer_and_chat_template_ids_equal_transformers(case):
         assert tok.decode(tok.encode(text)) == text
     assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")
     assert tok.add_bos is False and 2 in tok.eos_ids
-    from attnlens.app.serving.chat_template import render_chat
+    from attnlens.app.serving.prompts import render_chat
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is 1st?"}]
     text = render_chat(tok.chat_template, messages, tok.template_tokens)

@@ -159,7 +159,7 @@ def test_export_loads_in_transformers_and_imports_back_exactly(arch, tmp_path):
 
 
 def test_chat_template_renders_as_transformers(arch):
-    from attnlens.app.serving.chat_template import render_chat
+    from attnlens.app.serving.prompts import render_chat
 
     tok = arch.ckpt.tokenizer
     template = arch.case.tokenizer_config.get("chat_template")

@@ -86,7 +86,7 @@ def test_every_weight_equals_transformers_gguf_loader(smollm2, smollm2_transform
 
 
 def test_tokenizer_and_chat_template_ids_equal_transformers(smollm2, smollm2_transformers):
-    from attnlens.app.serving.chat_template import render_chat
+    from attnlens.app.serving.prompts import render_chat
 
     _, hf_tok = smollm2_transformers
     tok = smollm2.tokenizer
