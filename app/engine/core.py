@@ -49,7 +49,6 @@ import time
 from typing import Any, Callable
 
 import greenlet
-
 import torch
 
 from attnlens.app.engine import heap
@@ -78,6 +77,13 @@ log = logging.getLogger("attnlens.engine")
 # Where the core's records go: called on the core's thread, one call per hand-over (an empty
 # list is a heartbeat: the core is working)
 OutputSink = Callable[[list[CoreRecord]], None]
+
+
+def _samplers(gens: list[Generation]) -> list[RowSampler]:
+    """Their rows' samplers (the core makes each before its generation's first forward)."""
+    samplers = [g.sampler for g in gens]
+    assert None not in samplers, "a generation that the core did not start"
+    return samplers  # type: ignore[return-value]
 
 
 class CallCancelled(Exception):
@@ -445,7 +451,7 @@ class EngineCore:
                 if not records and not self._held:
                     self._heartbeat()  # progress for the watchdog while nothing else decodes
                 return
-            step = decode_step(self.model, self.kv, piece, [g.row_sampler], rows=rows, last_only=True)
+            step = decode_step(self.model, self.kv, piece, _samplers([g]), rows=rows, last_only=True)
         except Exception as e:
             self._fail(g, e)
             self._end_chunking("error", records)
@@ -481,10 +487,10 @@ class EngineCore:
         try:
             with hooked(self.model, self._hooks(batch, lengths if len(batch) > 1 else None)):
                 if len(batch) == 1:
-                    step = decode_step(self.model, self.kv, inputs, [batch[0].row_sampler], rows=rows,
+                    step = decode_step(self.model, self.kv, inputs, _samplers(batch[:1]), rows=rows,
                                        last_only=batch[0].params.prompt_logprobs is None)
                 else:
-                    step = decode_step(self.model, self.kv, inputs, [g.row_sampler for g in batch], rows=rows,
+                    step = decode_step(self.model, self.kv, inputs, _samplers(batch), rows=rows,
                                        n_new=lengths)
         except Exception as e:
             if len(batch) == 1:
@@ -497,7 +503,7 @@ class EngineCore:
                 try:
                     with hooked(self.model, self._hooks([g])):
                         alone = decode_step(self.model, self.kv, inputs[i : i + 1, : lengths[i]],
-                                            [g.row_sampler], rows=one)
+                                            _samplers([g]), rows=one)
                 except Exception as e:
                     self._fail(g, e)
                     continue
@@ -537,7 +543,7 @@ class EngineCore:
             # a step with an ablated row runs eagerly (a captured graph has no hooks); its other rows
             # share that step, each with its own edits (none for most)
             with hooked(self.model, hooks):
-                step = decode_step(self.model, self.kv, inputs, [g.row_sampler for g in rows],
+                step = decode_step(self.model, self.kv, inputs, _samplers(rows),
                                    graphs=self.graphs if hooks is None else None, while_running=self._deliver_held)
         except Exception:
             # find whose input fails: decode the rows one by one from where they were (their
@@ -549,7 +555,7 @@ class EngineCore:
             for i, g in enumerate(rows):
                 try:
                     with hooked(self.model, self._hooks([g])):
-                        one = decode_step(self.model, self.kv, inputs[i : i + 1], [g.row_sampler],
+                        one = decode_step(self.model, self.kv, inputs[i : i + 1], _samplers([g]),
                                           rows=slice(i, i + 1))
                 except Exception as e:
                     self._fail(g, e)

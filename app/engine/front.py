@@ -25,13 +25,13 @@ import math
 import queue
 import threading
 import time
+import uuid
 from typing import Any, Callable, Generic, TypeVar
 
 from attnlens.app.engine.client import CoreClient
-from attnlens.app.engine.outputs import RequestState, hand_over
+from attnlens.app.engine.outputs import RequestState, StreamBudget, hand_over
 from attnlens.app.engine.records import MODEL_CALL_FAILED, CallResult, CoreRecord, FinishRecord, Record
 from attnlens.app.engine.request import CoreCall, Generation, GenerationParams
-from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.model import Checkpoint
 from attnlens.model.analysis.operations import Operation, R
 
@@ -443,7 +443,7 @@ class EngineFront:
         """Admit all of these generations or none (QueueFull, RequestTooLarge, EngineClosed): each
         an engine-side Generation, and its server-side RequestState, which the caller reads."""
         loop = asyncio.get_running_loop()
-        generations = [Generation(p) for p in params]
+        generations = [Generation(p, id=f"gen-{uuid.uuid4().hex[:24]}") for p in params]
         states = [RequestState(g, loop, self.tokenizer, p.stop, backlog_limit=self.max_stream_backlog_bytes)
                   for g, p in zip(generations, params)]
         if self.stream_budget is not None:
