@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this tree's attnlens (a worktree's), whatever the environment installed
 MODEL_INTERNALS = ("model/parts/", "model/native/", "model/packed/", "model/fused_decode.py",
                    "model/weight_arena.py")
 

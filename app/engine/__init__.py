@@ -2,7 +2,7 @@
 
     front (front.py) --CoreClient (client.py)--> core (core.py)
 
-* the front, on the server's side: admission (admission.py's bounded lines: QueueFull, Retry-After,
+* the front, on the server's side: admission (its two bounded lines: QueueFull, Retry-After,
   RequestTooLarge), each request's output state (outputs.py: its events, as the engine's own
   dataclasses; app/serving/stream_events.py makes the API's schemas of them) and the stream budget;
 * the core: the one owner of the model (the scheduler, the batch, the KV cache, model calls), stepping on its own
@@ -15,10 +15,9 @@ Engine(...) and EngineProcess(...) (engines.py) build the two; supervisor.py res
 engine process.
 """
 
-from attnlens.app.engine.admission import EngineClosed, QueueFull, RequestTooLarge
 from attnlens.app.engine.core import EngineCore, Generation, GenerationParams
 from attnlens.app.engine.engines import Engine, EngineProcess
-from attnlens.app.engine.front import EngineFront, ModelCall
+from attnlens.app.engine.front import EngineClosed, EngineFront, ModelCall, QueueFull, RequestTooLarge
 from attnlens.app.engine.outputs import GenerationCancelled, RequestState
 
 __all__ = ["Engine", "EngineClosed", "EngineCore", "EngineFront", "EngineProcess", "Generation",

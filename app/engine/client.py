@@ -14,6 +14,7 @@ Two transports (vLLM v1's InprocClient / SyncMPClient):
 from __future__ import annotations
 
 import abc
+import queue
 import threading
 from typing import Protocol
 
@@ -26,6 +27,11 @@ from attnlens.app.engine.request import CoreCall, Generation
 
 class FrontSink(Protocol):
     """What a client tells the front (from its own thread, never the event loop's)."""
+
+    # Where an in-process core puts its hand-overs of records (None: the front stops reading);
+    # the front reads them on a thread of its own and calls on_records
+    inbox: queue.SimpleQueue
+
 
     def on_records(self, records: list[CoreRecord]) -> None:
         """One hand-over of the core's records (empty: a heartbeat)."""
@@ -79,9 +85,7 @@ class CoreClient(abc.ABC):
     device: torch.device
     dtype: torch.dtype
 
-    @property
-    @abc.abstractmethod
-    def alive(self) -> bool: ...
+    alive: bool  # the core runs (a property where it is read from elsewhere)
 
     def silent_for(self, now: float) -> float:
         """Seconds since the core last handed anything over (0 where nothing watches it: in-process)."""
@@ -129,36 +133,39 @@ class CoreClient(abc.ABC):
 
 
 class InprocClient(CoreClient):
-    """The core on a thread of this process: its sink is the front's, called on that thread."""
+    """The core on a thread of this process. Its work methods are the core's own, bound here, so
+    a hand-over is one call into the core; its records go into the front's inbox (a queue the
+    front reads on a thread of its own), so the core never calls the front."""
+
+    alive = True  # until the core's thread ends (set on that thread)
 
     def __init__(self, core: EngineCore):
         self.core = core
         self.device, self.dtype = core.device, core.dtype
-        self._thread = threading.Thread(target=core.run, name="attnlens-engine", daemon=True)
+        self.add_generation = core.add_generation  # type: ignore[method-assign]
+        self.cancel = core.cancel  # type: ignore[method-assign]
+        self.stop = core.stop  # type: ignore[method-assign]
+        self.add_call = core.add_call  # type: ignore[method-assign]
+        self.cancel_call = core.cancel_call  # type: ignore[method-assign]
+        self._thread = threading.Thread(target=self._run, name="attnlens-engine", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.core.run()
+        finally:
+            self.alive = False  # type: ignore[misc]
 
     def start(self, sink: FrontSink) -> None:
-        self.core.sink = sink.on_records
+        self.core.sink = sink.inbox.put
         sink.on_started()
         self._thread.start()
 
-    def add_generation(self, g: Generation) -> None:
-        self.core.add_generation(g)
-
-    def cancel(self, g: Generation) -> None:
-        self.core.cancel(g)
-
-    def stop(self, g: Generation) -> None:
-        self.core.stop(g)
-
-    def add_call(self, call: CoreCall) -> None:
-        self.core.add_call(call)
-
-    def cancel_call(self, call: CoreCall) -> None:
-        self.core.cancel_call(call)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+    # the work methods are bound to the core's in __init__; these only satisfy the interface
+    def add_generation(self, g: Generation) -> None: ...
+    def cancel(self, g: Generation) -> None: ...
+    def stop(self, g: Generation) -> None: ...
+    def add_call(self, call: CoreCall) -> None: ...
+    def cancel_call(self, call: CoreCall) -> None: ...
 
     @property
     def errors(self) -> int:

@@ -9,7 +9,7 @@ Each `step()` (vLLM v1's EngineCore.step: schedule, execute, update):
   1. schedule  take the generations handed over since the last step; drop cancelled and stopped
                ones (their cache rows are freed and the rows kept contiguous);
   2. call      a slice of the model call that runs (an /attention analysis), from where it
-               paused through its report points (stepped_call.py) until `call_slice_s` has
+               paused through its report points (SteppedCall, below) until `call_slice_s` has
                passed: a long call pauses after each piece of its work (model/hooks.py's
                row_pieces), so the generations get this step's prefill piece and decode step
                between its slices and their streams keep their tokens coming; a
@@ -42,14 +42,16 @@ Admission (who gets a slot, who waits) is the front's (front.py).
 from __future__ import annotations
 
 import collections
+import contextvars
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
+import greenlet
 import torch
 
-from attnlens.app.engine import heap, progress
+from attnlens.app.engine import heap
 from attnlens.app.engine.records import (
     MODEL_CALL_FAILED,
     CallResult,
@@ -60,7 +62,6 @@ from attnlens.app.engine.records import (
 )
 from attnlens.app.engine.request import CoreCall, Generation, GenerationParams
 from attnlens.app.engine.scheduler import Scheduler
-from attnlens.app.engine.stepped_call import SteppedCall
 from attnlens.model import Checkpoint, family_of
 from attnlens.model.analysis.operations import run_operation
 from attnlens.model.cuda_graphs import GraphedDecoder
@@ -69,13 +70,103 @@ from attnlens.model.families.contract import FixedShapeDecoder
 from attnlens.model.hooks import batch_hooks, hooked
 from attnlens.model.kv_cache import BlockCache, KVCache, RowCache, cache_paged
 
-__all__ = ["EngineCore", "Generation", "GenerationParams", "OutputSink"]
+__all__ = ["CallCancelled", "EngineCore", "Generation", "GenerationParams", "OutputSink", "SteppedCall"]
 
 log = logging.getLogger("attnlens.engine")
 
 # Where the core's records go: called on the core's thread, one call per hand-over (an empty
 # list is a heartbeat: the core is working)
 OutputSink = Callable[[list[CoreRecord]], None]
+
+
+def _samplers(gens: list[Generation]) -> list[RowSampler]:
+    """Their rows' samplers (the core makes each before its generation's first forward)."""
+    samplers = [g.sampler for g in gens]
+    assert None not in samplers, "a generation that the core did not start"
+    return samplers  # type: ignore[return-value]
+
+
+class CallCancelled(Exception):
+    """The caller of a model call went away: the call stopped at its next report point."""
+
+
+class SteppedCall:
+    """A model call that the core steps: `fn(report)` runs until the operation calls `report()`
+    (after each block of its work: an /attention analysis of a long prompt), then control goes
+    back to the core, which runs the generations' step and resumes it (vLLM's core loop, with a
+    long operation as one more kind of work in it); once stop() was asked, report() raises
+    CallCancelled. Its value or exception is kept when it ends.
+
+    The operation is ordinary code (model/analysis/), whose report points lie deep inside forwards
+    and hook points. It runs on a greenlet of its own: a stack that it leaves at each report point
+    and that the core re-enters at the next step, on the core's own thread. So the core's loop
+    stays flat, nothing calls step() from inside a call, and every kernel still runs on the one
+    thread that OpenMP serves (a second thread would get a team of workers of its own). Each
+    greenlet has its own context: the call's hooks (contextvars) stay with the call, and the
+    generations' steps never see them.
+
+        call = SteppedCall(lambda report: run_operation(model, op, report=report))
+        while not call.advance():    # one slice: to the next report point, or the end
+            ...                      # the generations' step, a heartbeat
+        call.value / call.error
+    """
+
+    def __init__(self, fn: Callable[[Callable[[], None]], Any]):
+        self._fn = fn
+        self._greenlet = greenlet.greenlet(self._body)
+        # the call runs in a copy of its creator's context, as a plain call would
+        self._greenlet.gr_context = contextvars.copy_context()
+        self.stop_asked = False
+        self.slices = 0  # slices run (report points reached, plus the last one)
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def _body(self) -> Any:
+        return self._fn(self.report)
+
+    def report(self) -> None:
+        """A report point (on the call's stack): back to the core until the next slice."""
+        parent = self._greenlet.parent
+        assert parent is not None  # the greenlet that started the call: the core's
+        parent.switch()
+        if self.stop_asked:
+            raise CallCancelled("the caller went away")
+
+    def advance(self) -> bool:
+        """Run one slice of the call (on the caller's thread, which must be the one that made it).
+        True once it has ended; then `value` or `error` holds what it gave."""
+        if self.done:
+            return True
+        if self.stop_asked and not self._greenlet:  # stopped before it started: it never runs
+            return self._end(error=CallCancelled("the caller went away"))
+        self.slices += 1
+        try:
+            value = self._greenlet.switch()
+        except BaseException as e:  # the call's exception (CallCancelled at a report point too)
+            return self._end(error=e)
+        if self._greenlet.dead:
+            return self._end(value=value)
+        return False
+
+    def stop(self) -> None:
+        """Its caller went away: the call raises CallCancelled at its next report point."""
+        self.stop_asked = True
+
+    def abandon(self) -> None:
+        """The core is closing: unwind the call's stack now (its `finally` blocks run here)."""
+        if not self.done and self._greenlet:
+            self.stop_asked = True
+            self.advance()
+
+    def _end(self, value: Any = None, error: BaseException | None = None) -> bool:
+        self.done, self.value, self.error = True, value, error
+        self._fn = _ended  # what it held is released with the call's frames
+        return True
+
+
+def _ended(report: Callable[[], None]) -> None:
+    return None
 
 
 class EngineCore:
@@ -274,7 +365,7 @@ class EngineCore:
         self._retire_finished(records)
         if self.scheduler.decoding:
             if records and not self._overlap_outputs:  # the prompts' first tokens go out now, not a decode step later
-                self._deliver(records)
+                self._deliver(records[:])  # a list of their own: the sink may read it after this step goes on
                 records.clear()
             t0 = time.perf_counter()
             self._run_decode(records)
@@ -304,10 +395,10 @@ class EngineCore:
             with self._lock:
                 work = self._calls.popleft()
             if work.cancelled:  # its caller left while it waited
-                self._deliver([CallResult(work, error=progress.CallCancelled("the caller went away"))])
+                self._deliver([CallResult(work, error=CallCancelled("the caller went away"))])
                 return
             model, operation = self.model, work.operation
-            self._call = (work, SteppedCall(lambda: run_operation(model, operation, report=progress.report)))
+            self._call = (work, SteppedCall(lambda report: run_operation(model, operation, report=report)))
             self._last_beat = time.monotonic()
         work, call = self._call
         t0 = time.perf_counter()
@@ -321,7 +412,7 @@ class EngineCore:
                     self._heartbeat()  # the watchdog's sign of progress while the call works
                 return
         self._call = None
-        if isinstance(call.error, progress.CallCancelled):
+        if isinstance(call.error, CallCancelled):
             self.calls_cancelled += 1
             log.info("a model call stopped after %d slices (the last %.2f s): its caller went away",
                      call.slices, time.perf_counter() - t0)
@@ -360,7 +451,7 @@ class EngineCore:
                 if not records and not self._held:
                     self._heartbeat()  # progress for the watchdog while nothing else decodes
                 return
-            step = decode_step(self.model, self.kv, piece, [g.row_sampler], rows=rows, last_only=True)
+            step = decode_step(self.model, self.kv, piece, _samplers([g]), rows=rows, last_only=True)
         except Exception as e:
             self._fail(g, e)
             self._end_chunking("error", records)
@@ -396,10 +487,10 @@ class EngineCore:
         try:
             with hooked(self.model, self._hooks(batch, lengths if len(batch) > 1 else None)):
                 if len(batch) == 1:
-                    step = decode_step(self.model, self.kv, inputs, [batch[0].row_sampler], rows=rows,
+                    step = decode_step(self.model, self.kv, inputs, _samplers(batch[:1]), rows=rows,
                                        last_only=batch[0].params.prompt_logprobs is None)
                 else:
-                    step = decode_step(self.model, self.kv, inputs, [g.row_sampler for g in batch], rows=rows,
+                    step = decode_step(self.model, self.kv, inputs, _samplers(batch), rows=rows,
                                        n_new=lengths)
         except Exception as e:
             if len(batch) == 1:
@@ -412,7 +503,7 @@ class EngineCore:
                 try:
                     with hooked(self.model, self._hooks([g])):
                         alone = decode_step(self.model, self.kv, inputs[i : i + 1, : lengths[i]],
-                                            [g.row_sampler], rows=one)
+                                            _samplers([g]), rows=one)
                 except Exception as e:
                     self._fail(g, e)
                     continue
@@ -452,7 +543,7 @@ class EngineCore:
             # a step with an ablated row runs eagerly (a captured graph has no hooks); its other rows
             # share that step, each with its own edits (none for most)
             with hooked(self.model, hooks):
-                step = decode_step(self.model, self.kv, inputs, [g.row_sampler for g in rows],
+                step = decode_step(self.model, self.kv, inputs, _samplers(rows),
                                    graphs=self.graphs if hooks is None else None, while_running=self._deliver_held)
         except Exception:
             # find whose input fails: decode the rows one by one from where they were (their
@@ -464,7 +555,7 @@ class EngineCore:
             for i, g in enumerate(rows):
                 try:
                     with hooked(self.model, self._hooks([g])):
-                        one = decode_step(self.model, self.kv, inputs[i : i + 1], [g.row_sampler],
+                        one = decode_step(self.model, self.kv, inputs[i : i + 1], _samplers([g]),
                                           rows=slice(i, i + 1))
                 except Exception as e:
                     self._fail(g, e)

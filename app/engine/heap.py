@@ -2,7 +2,7 @@
 
 Large freed tensors (a finished long prompt's activations, an answer's buffers) otherwise stay in
 the process's RSS. The engine trims after it hands KV blocks back (core.py) and when the stream
-budget frees an answer (stream_budget.py).
+budget frees an answer (outputs.py).
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from typing import Callable
 
 import torch
 
-from attnlens.app.engine.admission import EngineClosed
 from attnlens.app.engine.client import CoreClient, FrontSink
+from attnlens.app.engine.front import EngineClosed
 from attnlens.app.engine.messages import (
     AddCall,
     AddGeneration,

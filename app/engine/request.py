@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -47,35 +46,30 @@ class GenerationOwner(Protocol):
     def stop_generation(self, g: "Generation") -> None: ...
 
 
+@dataclass(eq=False)
 class Generation:
     """One generation request, from admission to its end: what to generate and the core's state
     for it (row sampler, counters, times). Its server-side state (event loop, output stage,
-    client) is a RequestState (outputs.py) that the front finds by `number`."""
+    client) is a RequestState (outputs.py) that the front finds by `number`. A plain dataclass:
+    making one runs no code of this module's (the front names it: `id`)."""
 
-    def __init__(self, params: GenerationParams):
-        self.number = next(_numbers)
-        self.id = f"gen-{uuid.uuid4().hex[:24]}"
-        self.params = params
-        self.cancelled = False  # the client went away
-        self.stop_requested = False  # the output stage found a stop string
-        self.owner: GenerationOwner | None = None  # the front that admitted it (none in an engine process)
-        # the core's state
-        self.sampler: RowSampler | None = None
-        self.ablation_means: dict = {}  # (module, head) -> the prompt's mean z, for mean ablation
-        self.last_token: int | None = None
-        self.produced = 0  # tokens generated, a final EOS included
-        self.finish_reason: str | None = None  # set by the core when it is done
-        self.error_message = ""
-        self.t_submit = time.perf_counter()
-        self.t_start: float | None = None
-        self.t_first: float | None = None
-        self.t_end: float | None = None
-
-    @property
-    def row_sampler(self) -> RowSampler:
-        """Its row's sampler: the core makes it before the generation's first forward."""
-        assert self.sampler is not None, f"generation {self.number} was not started by the core"
-        return self.sampler
+    params: GenerationParams
+    number: int = field(default_factory=_numbers.__next__)
+    id: str = ""  # "gen-...": given by the front that admits it
+    cancelled: bool = False  # the client went away
+    stop_requested: bool = False  # the output stage found a stop string
+    owner: GenerationOwner | None = None  # the front that admitted it (none in an engine process)
+    # the core's state
+    sampler: RowSampler | None = None  # its row's sampler: the core makes it before its first forward
+    ablation_means: dict = field(default_factory=dict)  # (module, head) -> the prompt's mean z, for mean ablation
+    last_token: int | None = None
+    produced: int = 0  # tokens generated, a final EOS included
+    finish_reason: str | None = None  # set by the core when it is done
+    error_message: str = ""
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_start: float | None = None
+    t_first: float | None = None
+    t_end: float | None = None
 
     def cancel(self) -> None:
         """Stop this generation (a no-op once it has finished); a waiting one leaves the line now."""
@@ -94,12 +88,12 @@ class Generation:
             self.owner.stop_generation(self)
 
 
+@dataclass(eq=False)
 class CoreCall:
     """A model call as the core sees it: the operation to run (plain data:
     model/analysis/operations.py), its number (an engine process's calls are keyed by the
     server's), and whether its caller went away."""
 
-    def __init__(self, operation: "Operation[object]", number: int | None = None):
-        self.operation = operation
-        self.number = next(_call_numbers) if number is None else number
-        self.cancelled = False
+    operation: Operation[object]
+    number: int = field(default_factory=_call_numbers.__next__)
+    cancelled: bool = False

@@ -31,8 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from attnlens.app.engine.admission import EngineFailed
-from attnlens.app.engine.front import EngineFront
+from attnlens.app.engine.front import EngineFailed, EngineFront
 
 log = logging.getLogger("attnlens.engine")
 

@@ -41,8 +41,8 @@ from attnlens.app.api import ui_routes as ui
 from attnlens.app.api.generate_schemas import StreamDone, StreamError, StreamToken
 from attnlens.app.engine import Engine, EngineFront, EngineProcess, GenerationParams
 from attnlens.app.engine.allocator import retain_freed_memory
+from attnlens.app.engine.outputs import StreamBudget
 from attnlens.app.engine.prestart import close_unused_engine_processes
-from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.app.engine.supervisor import EngineSupervisor, RestartPolicy, Supervision
 from attnlens.app.registry.memory import cache_paged, cache_row_bytes, cache_rows
 from attnlens.app.registry.model_registry import (

@@ -134,7 +134,7 @@ class Settings(BaseSettings):
     # unread; past it the generation ends with an error event and frees its row
     max_stream_backlog_bytes: int = Field(64_000_000, ge=1)
     # All streams together (every model): estimated bytes of events their clients have not read;
-    # past it the stream holding the most is ended and its unread events dropped (engine/stream_budget.py)
+    # past it the stream holding the most is ended and its unread events dropped (engine/outputs.py's StreamBudget)
     max_stream_backlog_total_bytes: int = Field(256_000_000, ge=1)
     cuda_graphs: bool = True  # on CUDA, replay the decode step from captured CUDA graphs
     # Run each generation engine (model, KV cache, batched decode) in a process of its own, so

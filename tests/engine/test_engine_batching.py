@@ -19,7 +19,7 @@ import torch
 from helpers import DEVICES, drain, reference_ids, reference_tokens, run_async
 
 from attnlens.app.engine import Engine, EngineProcess, GenerationCancelled, GenerationParams, QueueFull, RequestTooLarge
-from attnlens.app.engine.admission import Admission, DrainRate
+from attnlens.app.engine.front import Admission, DrainRate
 from attnlens.app.engine.outputs import DoneEvent, ErrorEvent, TokenEvent
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
@@ -445,7 +445,7 @@ def test_attention_bound_answers_429_when_full(tiny_checkpoint):
 
 @dataclass(frozen=True)
 class FnCall:
-    """A stand-in model operation that runs `fn(model)` on the engine's thread (the call line under test)."""
+    """A stand-in model operation that runs `fn(model, report)` on the engine's thread (the call line under test)."""
 
     operation: ClassVar[str] = "test_fn"
     fn: Callable
@@ -453,53 +453,52 @@ class FnCall:
 
 @pytest.fixture
 def fn_calls(monkeypatch):
-    monkeypatch.setitem(OPERATIONS, FnCall.operation, lambda model, call, report: call.fn(model))
+    monkeypatch.setitem(OPERATIONS, FnCall.operation, lambda model, call, report: call.fn(model, report))
 
 
 def test_a_long_model_call_hands_over_heartbeats(ckpt, fn_calls):
     """A model call that reports progress (an /attention analysis: after each block and each map)
     makes the engine hand over an empty step at most once a second, which an engine process's
     watchdog counts as progress; a call that does not report hands over nothing until it ends."""
-    from attnlens.app.engine import Engine, progress
+    from attnlens.app.engine import Engine
 
     engine = Engine(ckpt, max_concurrent=2, max_queue=2)
     emitted: list[int] = []
     real = engine.client.core.sink
     engine.client.core.sink = lambda records: (emitted.append(len(records)), real(records))
 
-    def slow(model, reports: bool):
+    def slow(report, reports: bool):
         for _ in range(5):
             time.sleep(0.3)
             if reports:
-                progress.report()
+                report()
         return "done"
 
     try:
-        assert run_async(engine.call(FnCall(lambda m: slow(m, True)))) == "done"
+        assert run_async(engine.call(FnCall(lambda m, report: slow(report, True)))) == "done"
         beats = emitted.count(0)
         assert 1 <= beats <= 2  # 1.5 s of work, one beat a second at most
         emitted.clear()
-        assert run_async(engine.call(FnCall(lambda m: slow(m, False)))) == "done"
+        assert run_async(engine.call(FnCall(lambda m, report: slow(report, False)))) == "done"
         assert emitted.count(0) == 0
     finally:
         engine.close()
-    progress.report()  # outside a call: nothing happens
 
 
 def test_generations_take_turns_with_a_long_model_call(ckpt, fn_calls):
     """A long model call (an /attention analysis) gives the generations decoding beside it a step
     at each of its report points: their tokens keep coming, and they finish before it does. The
     core steps the call between its own steps: no decode step runs from inside it."""
-    from attnlens.app.engine import Engine, progress
+    from attnlens.app.engine import Engine
     from attnlens.model.hooks import active as active_hooks
 
     engine = Engine(ckpt, max_concurrent=2, max_queue=2)
     call_done, seen_hooks, seen_stacks = [], [], []
 
-    def long_call(model):
+    def long_call(model, report):
         for _ in range(60):
             time.sleep(0.05)
-            progress.report()
+            report()
         call_done.append(time.perf_counter())
         return "done"
 
@@ -538,7 +537,7 @@ def test_a_call_paused_inside_its_own_autograd_leaves_the_generations_in_inferen
     """Attribution patching enables autograd inside its call; at its report points the core runs
     decode steps on the same thread, which must still see inference mode (the KV cache's tensors
     are inference tensors: an in-place write outside inference mode raises)."""
-    from attnlens.app.engine import Engine, progress
+    from attnlens.app.engine import Engine
 
     engine = Engine(ckpt, max_concurrent=2, max_queue=2)
     modes = []
@@ -550,12 +549,12 @@ def test_a_call_paused_inside_its_own_autograd_leaves_the_generations_in_inferen
 
     engine.client.core.model.forward = forward
 
-    def with_grad(model):
+    def with_grad(model, report):
         with torch.inference_mode(False), torch.enable_grad():
             w = torch.ones(3, requires_grad=True)
             for _ in range(40):
                 time.sleep(0.02)
-                progress.report()
+                report()
                 assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()  # its own mode back
             (w * 2).sum().backward()
             return w.grad.tolist()
@@ -578,16 +577,16 @@ def test_a_call_paused_inside_its_own_autograd_leaves_the_generations_in_inferen
 
 
 def test_a_model_call_stops_at_its_next_report_point_when_its_caller_goes(ckpt, fn_calls):
-    from attnlens.app.engine import Engine, progress
+    from attnlens.app.engine import Engine
 
     engine = Engine(ckpt, max_concurrent=2, max_queue=2)
     reports = []
 
-    def endless(model):
+    def endless(model, report):
         while True:
             time.sleep(0.02)
             reports.append(1)
-            progress.report()
+            report()
 
     async def main():
         call = asyncio.ensure_future(engine.call(FnCall(endless)))
@@ -600,7 +599,7 @@ def test_a_model_call_stops_at_its_next_report_point_when_its_caller_goes(ckpt, 
                 break
             await asyncio.sleep(0.02)
         n = len(reports)
-        assert await engine.call(FnCall(lambda m: "next")) == "next"  # the engine goes on serving
+        assert await engine.call(FnCall(lambda m, report: "next")) == "next"  # the engine goes on serving
         return n
 
     try:

@@ -36,9 +36,8 @@ def test_the_circle_finder_finds_one():
 def test_the_core_knows_neither_the_front_nor_output_state():
     graph = engine_import_graph()
     e = "attnlens.app.engine."
-    assert not graph[e + "core"] & {e + "front", e + "outputs", e + "client", e + "process", e + "stream_budget"}
+    assert not graph[e + "core"] & {e + "front", e + "outputs", e + "client", e + "process"}
     assert e + "front" not in graph[e + "outputs"]
-    assert e + "outputs" not in graph[e + "stream_budget"]
     # the front reaches the core only through its client
     assert e + "core" not in graph[e + "front"] and e + "client" in graph[e + "front"]
 

@@ -1,5 +1,5 @@
-"""A model call stepped by the core (app/engine/stepped_call.py): it runs a slice at a time, each
-ending at a report point, on the core's own thread; its context (hooks, reporter) stays its own;
+"""A model call stepped by the core (app/engine/core.py's SteppedCall): it runs a slice at a time, each
+ending at a report point, on the core's own thread; its context (hooks) stays its own;
 a stopped call raises at its next report point and unwinds its stack."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import threading
 
 import pytest
 
-from attnlens.app.engine import progress
-from attnlens.app.engine.stepped_call import SteppedCall
+from attnlens.app.engine.core import CallCancelled, SteppedCall
 
 marker: contextvars.ContextVar[str] = contextvars.ContextVar("marker", default="none")
 
@@ -18,10 +17,10 @@ marker: contextvars.ContextVar[str] = contextvars.ContextVar("marker", default="
 def test_a_call_runs_a_slice_per_report_point_and_keeps_its_value():
     trail = []
 
-    def work():
+    def work(report):
         for i in range(3):
             trail.append(i)
-            progress.report()
+            report()
         return "done"
 
     call = SteppedCall(work)
@@ -39,26 +38,26 @@ def test_each_slice_runs_on_the_callers_thread_between_the_callers_own_work():
 
     threads, stacks = [], []
 
-    def work():
+    def work(report):
         threads.append(threading.get_ident())
-        progress.report()
+        report()
         threads.append(threading.get_ident())
 
     call = SteppedCall(work)
     while not call.advance():
         stacks.append([f.name for f in traceback.extract_stack()])
     assert threads == [threading.get_ident()] * 2
-    assert stacks and all("work" not in names and "_pause" not in names for names in stacks)
+    assert stacks and all("work" not in names and "report" not in names for names in stacks)
 
 
 def test_the_call_sees_its_creators_context_and_keeps_its_own_settings_to_itself():
     marker.set("core")
     seen = []
 
-    def work():
+    def work(report):
         seen.append(marker.get())
         marker.set("call")
-        progress.report()
+        report()
         seen.append(marker.get())
 
     call = SteppedCall(work)
@@ -66,12 +65,11 @@ def test_the_call_sees_its_creators_context_and_keeps_its_own_settings_to_itself
     assert marker.get() == "core"  # the call's setting is not the core's
     call.advance()
     assert seen == ["core", "call"]
-    progress.report()  # outside a call: nothing happens
-
+    
 
 def test_an_exception_is_the_calls_own():
-    def work():
-        progress.report()
+    def work(report):
+        report()
         raise ValueError("bad input")
 
     call = SteppedCall(work)
@@ -82,10 +80,10 @@ def test_an_exception_is_the_calls_own():
 def test_a_stopped_call_raises_at_its_next_report_point_and_unwinds():
     unwound = []
 
-    def work():
+    def work(report):
         try:
             while True:
-                progress.report()
+                report()
         finally:
             unwound.append(True)
 
@@ -93,22 +91,22 @@ def test_a_stopped_call_raises_at_its_next_report_point_and_unwinds():
     assert call.advance() is False and call.advance() is False
     call.stop()
     assert call.advance() is True
-    assert isinstance(call.error, progress.CallCancelled) and unwound == [True]
+    assert isinstance(call.error, CallCancelled) and unwound == [True]
 
 
 def test_a_call_stopped_before_it_starts_never_runs():
     ran = []
-    call = SteppedCall(lambda: ran.append(1))
+    call = SteppedCall(lambda report: ran.append(1))
     call.stop()
-    assert call.advance() is True and isinstance(call.error, progress.CallCancelled) and ran == []
+    assert call.advance() is True and isinstance(call.error, CallCancelled) and ran == []
 
 
 def test_abandon_unwinds_a_paused_call_on_the_spot():
     unwound = []
 
-    def work():
+    def work(report):
         try:
-            progress.report()
+            report()
             pytest.fail("resumed after abandon")
         finally:
             unwound.append(True)

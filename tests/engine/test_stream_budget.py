@@ -1,6 +1,6 @@
 """Issue 24, defect 5: what stream clients leave unread is bounded per stream
 (ATTNLENS_MAX_STREAM_BACKLOG_BYTES) and for all streams together
-(ATTNLENS_MAX_STREAM_BACKLOG_TOTAL_BYTES, app/engine/stream_budget.py). Both through the app,
+(ATTNLENS_MAX_STREAM_BACKLOG_TOTAL_BYTES, app/engine/outputs.py's StreamBudget). Both through the app,
 for the thread engine and the engine process: a stream whose client reads nothing (its writes
 block, as on a socket nobody reads) ends with the error event. The memory a live server gets
 back once such clients leave is measured in test_service_faults_live.py."""
@@ -19,9 +19,8 @@ from fastapi.testclient import TestClient
 from helpers import parse_sse, run_async
 
 from attnlens.app.engine import Engine, GenerationParams
-from attnlens.app.engine.outputs import DoneEvent, ErrorEvent, RequestState, TokenRecord
+from attnlens.app.engine.outputs import DoneEvent, ErrorEvent, RequestState, StreamBudget, TokenRecord
 from attnlens.app.engine.request import Generation
-from attnlens.app.engine.stream_budget import StreamBudget
 from attnlens.app.server.main import create_app
 from attnlens.app.server.settings import Settings
 from attnlens.app.serving.generation_streams import event_batches

@@ -457,15 +457,14 @@ def test_attribution_reports_in_the_callers_inference_mode(small):
 def test_attribution_stepped_by_the_engines_core_leaves_the_decode_steps_between_in_inference_mode(small):
     """As the engine runs it: a slice at a time on the core's thread, a decode step of a cache made under
     inference mode between slices (which an autograd mode left over would refuse to write)."""
-    from attnlens.app.engine import progress
-    from attnlens.app.engine.stepped_call import SteppedCall
+    from attnlens.app.engine.core import SteppedCall
 
     model, task = small
     with torch.inference_mode():
         cache = model.new_kv_cache(1)
         model(torch.tensor([[1, 2]]), kv_cache=cache)
-        call = SteppedCall(lambda: run_operation(model, PatchCall(**task.kwargs, method="attribution"),
-                                                 report=progress.report))
+        call = SteppedCall(lambda report: run_operation(model, PatchCall(**task.kwargs, method="attribution"),
+                                                        report=report))
         turns = 0
         while not call.advance():
             assert torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
