@@ -4,22 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-
-def _utf8_text(value: str) -> str:
-    """JSON can carry a lone surrogate ("\\ud800"); it is no text and cannot be tokenised."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"not valid Unicode: a lone surrogate U+{ord(value[e.start]):04X} at character "
-                         f"{e.start}") from None
-    return value
-
-
-Text = Annotated[str, AfterValidator(_utf8_text)]
+# Any length constraint, even min_length=0, makes pydantic-core read a str as Unicode, which refuses
+# a lone surrogate ("\ud800", which JSON can carry and no tokenizer can encode): a 422
+# `string_unicode` naming the field (api_errors.py says why), with no Python validator per field.
+Text = Annotated[str, Field(min_length=0)]
 """A str that is valid Unicode (encodes to UTF-8): what every text field of a request is."""
-NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_utf8_text)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
 """A Text that is not "" (e.g. one item of a list of texts)."""
 
 
@@ -33,12 +25,12 @@ class Strict(BaseModel):
 # --- fields every request shares ------------------------------------------------
 MODEL_FIELD = "a loaded model's name (GET /models); default: the default model (for a task only one loaded " \
               "model can do, e.g. fill-mask, that model)"
-ModelName = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_utf8_text)]
+ModelName = Annotated[str, Field(min_length=1, max_length=256)]
 """A `model` field: a loaded model's name; "" is no name (a 422), not the default model."""
 
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 MAX_STOP_CHARS = 256  # characters in one stop string (matched on the text as it is generated)
-StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_utf8_text)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = Annotated[StopText | list[StopText] | None, Field(
     description=f"a stop string, or a list of at most {MAX_STOPS} (each 1..{MAX_STOP_CHARS} characters): "
                       "generation ends where the text first holds one, which is left out of the answer")]
@@ -92,15 +84,9 @@ class ChatMessage(Strict):
 
     role: Literal["system", "developer", "user", "assistant"] = Field(
         description="system, developer, user or assistant (passed to the template as it is)")
-    content: Text | list[TextPart] = Field(description="the turn's text, or a list of text parts")
+    content: Text | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)] = Field(
+        description=f"the turn's text, or a list of 1..{MAX_CONTENT_PARTS} text parts")
     name: Text | None = Field(None, max_length=256, description="passed to the template, which may use it")
-
-    @field_validator("content")
-    @classmethod
-    def _parts(cls, v):
-        if isinstance(v, list) and not 1 <= len(v) <= MAX_CONTENT_PARTS:
-            raise ValueError(f"content as a list holds 1..{MAX_CONTENT_PARTS} text parts (got {len(v)})")
-        return v
 
 
 Messages = Annotated[list[ChatMessage], Field(min_length=1, description=(

@@ -121,12 +121,18 @@ _SHAPE_ERRORS = {"string_type", "list_type", "int_type", "float_type", "bool_typ
                  "model_type"}
 
 
+def _said(error: dict) -> str:
+    """A validation error's message; pydantic-core's for a text that is no Unicode says why."""
+    if error.get("type") == "string_unicode":
+        return "not valid Unicode: the text holds a lone surrogate (such as \\ud800), which encodes to no UTF-8"
+    return error.get("msg", "")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
-                  for e in errors]
+        detail = [{"loc": list(e.get("loc", ())), "msg": _said(e), "type": e.get("type", "")} for e in errors]
         telling = _most_telling(detail)
         message = "; ".join(f"{_loc_name(e['loc'])}: {e['msg']}" for e in telling) or "invalid request"
         param = _loc_name(telling[0]["loc"]) if telling else None
