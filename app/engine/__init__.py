@@ -4,7 +4,7 @@
 
 * the front, on the server's side: admission (its two bounded lines: QueueFull, Retry-After,
   RequestTooLarge), each request's output state (outputs.py: its events, as the engine's own
-  dataclasses; app/serving/stream_events.py makes the API's schemas of them) and the stream budget;
+  dataclasses; app/serving/generation_streams.py makes the API's schemas of them) and the stream budget;
 * the core: the one owner of the model (the scheduler, the batch, the KV cache, model calls), stepping on its own
   thread and emitting typed records (records.py) to a sink;
 * one client interface with two transports: InprocClient (the core on a thread of this

@@ -7,7 +7,7 @@ server-side state (`RequestState`: its event loop, its output stage, what its cl
 read yet), on the event loop that submitted it: ids -> display text, stop strings
 (TextStream), log-prob alternatives, attention rows -> rounded arrays, and the events
 `TokenEvent` / `DoneEvent` / `ErrorEvent`. These are the engine's own dataclasses: the
-engine does not know the API's schemas, and the serving layer (app/serving/stream_events.py) turns
+engine does not know the API's schemas, and the serving layer (app/serving/generation_streams.py) turns
 them into the responses the routes send.
 
 When a stop string completes, the output stage asks the core to stop the generation; the
@@ -16,7 +16,7 @@ also sees the generation's slot free again.
 
 A token's event is built when its client takes it, not when its record arrives: until then
 the queue holds the record's compact tensors (4 bytes a probability). The event's attention
-stays arrays (float64, rounded) that the route writes to JSON as they are (stream_events.py):
+stays arrays (float64, rounded) that the route writes to JSON as they are (generation_streams.py):
 never a Python float per probability, whose memory Python's small-object arenas keep after a
 burst of streams (the arenas stay mapped while any object in them lives). What a stream's
 client leaves unread is bounded per stream (ATTNLENS_MAX_STREAM_BACKLOG_BYTES) and for all

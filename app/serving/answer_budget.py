@@ -50,7 +50,7 @@ async def disconnected(request: Request) -> None:
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work` (a model call); a client that goes away first cancels it (the call stops at its
-    next report point, app/engine/progress.py) and the handler ends with a 499 that is never sent."""
+    next report point, app/engine/core.py's SteppedCall) and the handler ends with a 499 that is never sent."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.create_task(disconnected(request))
     try:
