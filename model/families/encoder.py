@@ -225,7 +225,7 @@ class Encoder(Embeddings, nn.Module):
 
     @torch.inference_mode()
     def run_sequence(self, tokens: dict[str, list[int]]) -> None:
-        """One forward of an analysed sequence for its intermediates (model/analysis/attention_blocks.py), to
+        """One forward of an analysed sequence for its intermediates (model/analysis/attention_maps.py), to
         the cheapest output: the hidden states, no head."""
         self(torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.device), task="hidden")
 

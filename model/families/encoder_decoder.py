@@ -402,7 +402,7 @@ class EncoderDecoder(Embeddings, nn.Module):
     @torch.inference_mode()
     def run_sequence(self, tokens: dict[str, list[int]]) -> None:
         """One forward of a source and its target (start token first) for their intermediates
-        (model/analysis/attention_blocks.py), to the cheapest output: the last target position's logits."""
+        (model/analysis/attention_maps.py), to the cheapest output: the last target position's logits."""
         device = self.device
         self(torch.tensor([tokens["target"]], dtype=torch.long, device=device),
              source=torch.tensor([tokens["source"]], dtype=torch.long, device=device), last_only=True)
