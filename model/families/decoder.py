@@ -25,7 +25,7 @@ from typing import Callable, ClassVar, NamedTuple
 import torch
 import torch.nn as nn
 
-from attnlens.model.config import ModelConfig
+from attnlens.model.config import ContextLengthError, ModelConfig
 from attnlens.model.families.contract import (
     AttentionAnalysis,
     AttentionGroup,
@@ -38,7 +38,7 @@ from attnlens.model.families.contract import (
 from attnlens.model.family_parts import FAMILY_PARTS
 from attnlens.model.fused_decode import fused_step
 from attnlens.model.hooks import name_hook_points
-from attnlens.model.kv_cache import ContextLengthError, KVCache, bytes_per_row
+from attnlens.model.kv_cache import KVCache, bytes_per_row
 from attnlens.model.paged_kv_cache import PagedKVCache
 from attnlens.model.parts import (
     Block,
