@@ -22,7 +22,8 @@ from attnlens.app.server.api_errors import ApiError
 from attnlens.app.server.metrics import note_request_model
 from attnlens.model import Checkpoint, CheckpointError, Family, family_of
 from attnlens.model.families.contract import GenerationSpec
-from attnlens.model.generation_config import ModelSampling, SamplingDefaults, choose, read_sampling
+from attnlens.model.generation_config import ModelSampling, read_sampling
+from attnlens.model.sampling import SamplingDefaults, choose
 
 # Task names (a family declares which it has), as /models lists them and error messages name them.
 GENERATE, COMPLETIONS, CHAT, ATTENTION = "generate", "completions", "chat", "attention"
