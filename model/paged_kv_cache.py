@@ -40,7 +40,7 @@ import functools
 import heapq
 import mmap
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -48,9 +48,6 @@ from attnlens.model.config import ContextLengthError
 from attnlens.model.native import library as native
 from attnlens.model.parts import KVUpdate
 from attnlens.model.parts.attention import InPlaceDecode
-
-if TYPE_CHECKING:
-    from attnlens.model.kv_cache import KVCache
 
 BLOCK = 64  # positions per block: at most 63 positions of memory a row holds unused (bench/README.md)
 _SMALL_POOL = 64 << 20  # below this the pool is zero-filled up front (it may come from the heap) and kept
@@ -62,7 +59,7 @@ _SMALL_POOL = 64 << 20  # below this the pool is zero-filled up front (it may co
 class CacheWrite:
     """What one forward call over `rows` with T new tokens needs from the cache."""
 
-    cache: KVCache | PagedKVCache
+    cache: Any  # the cache whose `update` stores a layer's keys and values: KVCache or PagedKVCache
     rows: slice
     start: int  # where the call's tokens go when every row has the same length (else -1)
     positions: torch.Tensor | None  # (B, T) absolute position of each new token when lengths differ
