@@ -10,7 +10,7 @@ forward, the last position's logits); one head's full map (u8, as the page asks)
 every head; every head pooled to --pool bins (the model view's overview); every head's top-8
 keys; and, unless --skip-full, the explicit forward that makes every head's map and then picks
 one (what /attention ran before the blocks). Each map case runs twice: "fused", the maps reduced
-by the forward's own attention kernel (attention_blocks.FUSED, the default), and "recomputed",
+by the forward's own attention kernel (attention_maps.FUSED, the default), and "recomputed",
 the forward keeping the asked layers' queries and keys, then the maps recomputed a block of query
 rows at a time and reduced (FUSED off: the path before, and the one other devices take). Each
 prints wall ms and its ratio to the prefill, the process's CPU seconds and their ratio to the
@@ -57,7 +57,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from attnlens.model import load_checkpoint
-    from attnlens.model.analysis import attention_blocks
+    from attnlens.model.analysis import attention_maps
     from attnlens.model.analysis.attention_maps import MapRequest, analyse_attention
     from attnlens.model.interop.packaged import SMOLLM2, ensure_checkpoint
 
@@ -69,11 +69,11 @@ def main() -> None:
     every_layer, every_head = list(range(c.n_layers)), list(range(c.n_heads))
 
     def call(layers, heads, want=MapRequest(), fused=True):
-        attention_blocks.FUSED = fused
+        attention_maps.FUSED = fused
         try:
             return analyse_attention(model, ids, layers, heads, want=want, fmt="u8")
         finally:
-            attention_blocks.FUSED = True
+            attention_maps.FUSED = True
 
     maps = {
         f"one head's map (L{layer}H{head}, u8)": ([layer], [head], MapRequest()),

@@ -7,10 +7,10 @@ evaluation/ the reports; interop/ Hugging Face export and import.
 """
 
 from attnlens.model.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
-from attnlens.model.config import ConfigError, ModelConfig
+from attnlens.model.config import ConfigError, ContextLengthError, ModelConfig
 from attnlens.model.decoding import GeneratedToken, SamplingParams, generate_tokens
 from attnlens.model.families import DecoderOutput, Family, Transformer, family_of
-from attnlens.model.kv_cache import ContextLengthError, KVCache
+from attnlens.model.kv_cache import KVCache
 from attnlens.model.tokenizer import Tokenizer
 
 __all__ = [

@@ -26,6 +26,10 @@ class ConfigError(ValueError):
     """A configuration that cannot describe a working model."""
 
 
+class ContextLengthError(ValueError):
+    """The sequence does not fit in the model's context window (context_length)."""
+
+
 POOLINGS = ("mean", "cls")
 # Rotary scalings by their transformers name (rope_type); each with the keys it needs.
 ROPE_SCALINGS = {

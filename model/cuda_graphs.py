@@ -30,7 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from attnlens.model.kv_cache import ContextLengthError, KVCache
+from attnlens.model.config import ContextLengthError
+from attnlens.model.kv_cache import KVCache
 from attnlens.model.parts import fixed_shapes
 from attnlens.model.sampling import GeneratedToken, sample_rows
 

@@ -2,7 +2,7 @@
 
 A request that leaves a sampling field unset gets the model's recommended value, as vLLM's
 `--generation-config auto` does; each field on its own (a request that sets only temperature
-keeps the model's top_p). What generation_config.json says, field by field:
+keeps the model's top_p: model/sampling.py's `choose`). What generation_config.json says, field by field:
 
     do_sample: false    greedy (temperature 0): transformers then ignores temperature, top_p, top_k
     temperature         as it is (0: greedy)
@@ -20,9 +20,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from attnlens.model.sampling import SamplingDefaults  # the fields a file recommends
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 # transformers' fields that change what is sampled, with their neutral values (a file that sets
@@ -33,41 +35,11 @@ NOT_APPLIED = {"repetition_penalty": 1.0, "min_p": None, "typical_p": 1.0, "epsi
 
 
 @dataclass(frozen=True)
-class SamplingDefaults:
-    """Sampling fields a request may leave unset; None: not set at this level (the next applies)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # 0: every token (no top-k)
-
-    def over(self, base: SamplingDefaults) -> SamplingDefaults:
-        """Each field of this one where it is set, else base's."""
-        return SamplingDefaults(*(a if a is not None else b for a, b in
-                                  zip(asdict(self).values(), asdict(base).values())))
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def empty(self) -> bool:
-        return self == SamplingDefaults()
-
-
-@dataclass(frozen=True)
 class ModelSampling:
     """What a checkpoint recommends (`defaults`) and what of its file is not applied."""
 
     defaults: SamplingDefaults = SamplingDefaults()
     not_applied: dict[str, Any] = field(default_factory=dict)
-
-
-def choose(request: SamplingDefaults, model: SamplingDefaults, api: SamplingDefaults) -> dict[str, Any]:
-    """SamplingParams' temperature, top_p and top_k for a request: each field the request's, else
-    the model's, else the API's own default (top_k 0 or less: None, every token)."""
-    picked = request.over(model).over(api)
-    assert picked.temperature is not None and picked.top_p is not None, "the API's defaults set both"
-    top_k = picked.top_k if picked.top_k is not None and picked.top_k > 0 else None
-    return {"temperature": picked.temperature, "top_p": picked.top_p, "top_k": top_k}
 
 
 def _number(value: Any) -> bool:

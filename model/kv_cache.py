@@ -14,19 +14,19 @@ already rotated. Freeing a row sets its length to 0; the memory is reused as it 
 reallocated.
 
 The engine's cache on the CPU holds only what the tokens in flight need, in blocks from one pool
-(model/paged_kv_cache.py, the same contract). CUDA graphs capture fixed addresses, so on a GPU the
-cache is this one, allocated whole.
+(model/paged_kv_cache.py, the same contract; a call's CacheWrite and its rows' positions and mask
+are defined there, beside the cache every CPU step uses). CUDA graphs capture fixed addresses, so
+on a GPU the cache is this one, allocated whole.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-from functools import partial
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from attnlens.model.paged_kv_cache import CacheWrite, keys_seen, new_positions, rows_mask, rows_of
 from attnlens.model.parts import KVUpdate
 
 
@@ -38,56 +38,6 @@ def move_row(tensors: list[torch.Tensor], lengths: torch.Tensor, src: int, dst: 
         t[dst, :, :n] = t[src, :, :n]
     lengths[dst] = n
     lengths[src] = 0
-
-
-class ContextLengthError(ValueError):
-    """The sequence does not fit in the model's context window."""
-
-
-@dataclass
-class CacheWrite:
-    """What one forward call over `rows` with T new tokens needs from the cache."""
-
-    cache: "KVCache"
-    rows: slice
-    start: int  # where the call's tokens go when every row has the same length (else -1)
-    positions: torch.Tensor | None  # (B, T) absolute position of each new token when lengths differ
-    mask: torch.Tensor | None  # (B, 1, T, S) True = may attend; None when plain causality covers it
-    n_keys: int  # S = max(starts) + T
-    slots: torch.Tensor | None = None  # (B*K*T,) where each new key goes in a layer's flat (R*K*P, D) view
-    narrowed: bool = False  # the family narrowed the rows' mask (a sliding window)
-
-    def layer(self, index: int) -> KVUpdate:
-        return partial(self.cache.update, self, index)
-
-
-def rows_of(rows: slice | None, batch: int, n_rows: int) -> slice:
-    """A call's rows as a plain slice (rows 0 .. batch-1 by default), checked against its batch."""
-    rows = slice(0, batch) if rows is None else rows
-    start, stop, step = rows.indices(n_rows)
-    if step != 1 or stop - start != batch:
-        raise ValueError(f"rows {rows} do not match a batch of {batch}")
-    return slice(start, stop)
-
-
-def keys_seen(starts: list[int], n_new: int, capacity: int) -> int:
-    """S, the keys the call's queries see (the longest row's and its new tokens); a
-    ContextLengthError when they do not fit the context."""
-    S = max(starts) + n_new
-    if S > capacity:
-        raise ContextLengthError(f"sequence of {S} tokens exceeds the context length {capacity}")
-    return S
-
-
-def new_positions(starts: list[int], n_new: int) -> torch.Tensor:
-    """(B, T): token t of row b goes to position starts[b] + t."""
-    return torch.tensor(starts)[:, None] + torch.arange(n_new)[None, :]
-
-
-def rows_mask(positions: torch.Tensor, n_keys: int) -> torch.Tensor:
-    """(B, 1, T, S) for rows of different lengths: the query at position p sees keys 0 .. p (its own
-    row's; the same for every head)."""
-    return (torch.arange(n_keys)[None, None, :] <= positions[:, :, None])[:, None]
 
 
 def bytes_per_row(n_layers: int, n_kv_heads: int, capacity: int, d_head: int, dtype: torch.dtype) -> int:

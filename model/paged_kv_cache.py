@@ -25,24 +25,112 @@ A forward call over the rows `rows` (the same contract as model/kv_cache.py's KV
   - a prompt from position 0 attends over its own new keys and values;
   - any other call (the next piece of a long prompt; a forward whose hooks read the keys) gets its
     rows' keys and values gathered into (B, K, S, D) tensors.
+
+What every forward call reads, whichever the cache, is here too, beside the cache each CPU step
+uses: CacheWrite (the call's rows, positions, mask and slots) and the helpers that make it
+(rows_of, keys_seen, new_positions, rows_mask); and the kernel's page advice (advise_within,
+madvise(2) through libc) that `release` and the weight arena (model/weight_arena.py) ask for.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import heapq
+import mmap
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from attnlens.model.kv_cache import CacheWrite, keys_seen, new_positions, rows_mask, rows_of
-from attnlens.model.memory_pages import DONTNEED, MADVISE, NOHUGEPAGE, advise_within
+from attnlens.model.config import ContextLengthError
 from attnlens.model.native import library as native
+from attnlens.model.parts import KVUpdate
 from attnlens.model.parts.attention import InPlaceDecode
 
 BLOCK = 64  # positions per block: at most 63 positions of memory a row holds unused (bench/README.md)
 _SMALL_POOL = 64 << 20  # below this the pool is zero-filled up front (it may come from the heap) and kept
 
+
+# --- a forward call's rows (every row cache's contract: model/kv_cache.py's KVCache too) ----------
+
+@dataclass
+class CacheWrite:
+    """What one forward call over `rows` with T new tokens needs from the cache."""
+
+    cache: Any  # the cache whose `update` stores a layer's keys and values: KVCache or PagedKVCache
+    rows: slice
+    start: int  # where the call's tokens go when every row has the same length (else -1)
+    positions: torch.Tensor | None  # (B, T) absolute position of each new token when lengths differ
+    mask: torch.Tensor | None  # (B, 1, T, S) True = may attend; None when plain causality covers it
+    n_keys: int  # S = max(starts) + T
+    slots: torch.Tensor | None = None  # (B*K*T,) where each new key goes in a layer's flat (R*K*P, D) view
+    narrowed: bool = False  # the family narrowed the rows' mask (a sliding window)
+
+    def layer(self, index: int) -> KVUpdate:
+        return functools.partial(self.cache.update, self, index)
+
+
+def rows_of(rows: slice | None, batch: int, n_rows: int) -> slice:
+    """A call's rows as a plain slice (rows 0 .. batch-1 by default), checked against its batch."""
+    rows = slice(0, batch) if rows is None else rows
+    start, stop, step = rows.indices(n_rows)
+    if step != 1 or stop - start != batch:
+        raise ValueError(f"rows {rows} do not match a batch of {batch}")
+    return slice(start, stop)
+
+
+def keys_seen(starts: list[int], n_new: int, capacity: int) -> int:
+    """S, the keys the call's queries see (the longest row's and its new tokens); a
+    ContextLengthError when they do not fit the context."""
+    S = max(starts) + n_new
+    if S > capacity:
+        raise ContextLengthError(f"sequence of {S} tokens exceeds the context length {capacity}")
+    return S
+
+
+def new_positions(starts: list[int], n_new: int) -> torch.Tensor:
+    """(B, T): token t of row b goes to position starts[b] + t."""
+    return torch.tensor(starts)[:, None] + torch.arange(n_new)[None, :]
+
+
+def rows_mask(positions: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """(B, 1, T, S) for rows of different lengths: the query at position p sees keys 0 .. p (its own
+    row's; the same for every head)."""
+    return (torch.arange(n_keys)[None, None, :] <= positions[:, :, None])[:, None]
+
+
+# --- the kernel's page advice, madvise(2) through libc: the pool's released blocks, and the weight
+# arena's 2 MB pages (model/weight_arena.py) ---------------------------------------------------
+
+DONTNEED = 4
+HUGEPAGE = 14
+NOHUGEPAGE = 15
+
+
+def _madvise():
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+MADVISE = _madvise()
+
+
+def advise_within(address: int, length: int, advice: int) -> bool:
+    """madvise the whole pages within bytes address .. address + length."""
+    page = mmap.PAGESIZE
+    first, last = -(-address // page) * page, (address + length) // page * page
+    if MADVISE is None or last <= first:
+        return False
+    return MADVISE(first, last - first, advice) == 0
+
+
+# --- the cache in blocks -------------------------------------------------------------------------
 
 class KVCacheFullError(RuntimeError):
     """Every block of the pool is held (the engine's admission keeps within the pool; this is for

@@ -15,6 +15,8 @@ picked for all rows together, on the logits' device, with no read back to the ho
 This is `filter_logits` + a draw from the resulting distribution (one difference: top-k keeps
 exactly k tokens, where filter_logits keeps every token tied with the k-th).
 
+A request's rules are chosen field by field (`choose`: the request's, else the model's recommended
+SamplingDefaults of its generation_config.json, model/generation_config.py, else the API's).
 The rows' rules (SamplingParams), each row's sampler (RowSampler: its rules, its generator, its
 penalty counts) and the tokens picked (GeneratedToken, sample_rows) are here too, below the
 decode loop (model/decoding.py) and the CUDA-graphed step (model/cuda_graphs.py) that both use them.
@@ -23,7 +25,8 @@ decode loop (model/decoding.py) and the CUDA-graphed step (model/cuda_graphs.py)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -67,6 +70,36 @@ def nucleus(x: torch.Tensor, k_max: int, k: torch.Tensor, top_p: torch.Tensor) -
     keep &= (probs.cumsum(dim=-1) - probs).double() < top_p  # drop once the tokens ranked above reach p
     keep[:, 0] = True  # the nucleus always keeps the best token
     return torch.zeros_like(x, dtype=torch.bool).scatter_(-1, order, keep)  # back to vocabulary order
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Sampling fields a request may leave unset; None: not set at this level (the next applies)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0: every token (no top-k)
+
+    def over(self, base: SamplingDefaults) -> SamplingDefaults:
+        """Each field of this one where it is set, else base's."""
+        return SamplingDefaults(*(a if a is not None else b for a, b in
+                                  zip(asdict(self).values(), asdict(base).values())))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def empty(self) -> bool:
+        return self == SamplingDefaults()
+
+
+def choose(request: SamplingDefaults, model: SamplingDefaults, api: SamplingDefaults) -> dict[str, Any]:
+    """SamplingParams' temperature, top_p and top_k for a request: each field the request's, else
+    the model's, else the API's own default (top_k 0 or less: None, every token)."""
+    picked = request.over(model).over(api)
+    assert picked.temperature is not None and picked.top_p is not None, "the API's defaults set both"
+    top_k = picked.top_k if picked.top_k is not None and picked.top_k > 0 else None
+    return {"temperature": picked.temperature, "top_p": picked.top_p, "top_k": top_k}
 
 
 @dataclass

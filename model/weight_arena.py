@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from attnlens.model.memory_pages import HUGEPAGE, advise_within
 from attnlens.model.packed.modules import PackedEmbedding, PackedLinear
+from attnlens.model.paged_kv_cache import HUGEPAGE, advise_within  # madvise(2), the KV pool's too
 
 MIN_BYTES = 64 << 10  # a norm's weight or a bias stays where it is
 HUGE_PAGE = 2 << 20

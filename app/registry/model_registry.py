@@ -21,7 +21,8 @@ from attnlens.app.engine import EngineFront
 from attnlens.app.registry.memory import weight_bytes
 from attnlens.model import Checkpoint, CheckpointError, Family, family_of
 from attnlens.model.families.contract import GenerationSpec
-from attnlens.model.generation_config import ModelSampling, SamplingDefaults, choose, read_sampling
+from attnlens.model.generation_config import ModelSampling, read_sampling
+from attnlens.model.sampling import SamplingDefaults, choose
 
 # Task names (a family declares which it has), as /models lists them and error messages name them.
 GENERATE, COMPLETIONS, CHAT, ATTENTION = "generate", "completions", "chat", "attention"

@@ -36,9 +36,21 @@ from attnlens.model.analysis.attention_maps import AnalysisMaps, MapRequest
 from attnlens.model.analysis.operations import AttentionCall
 
 
+def whole_maps(want: MapRequest) -> bool:
+    """Every cell of every map is asked: the only answer `packing` "tril" applies to."""
+    return want.pool is None and want.top_k is None and want.rows is None and want.cols is None
+
+
+def asked_window(want: MapRequest, n_queries: int, n_keys: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(rows, cols) of a group with these axes' lengths: the asked window clipped to them, as the
+    model's reductions clip it (MapRequest.window), sized here before the model is called."""
+    clip = lambda w, n: (0, n) if w is None else (min(w[0], n), min(w[1], n))
+    return clip(want.rows, n_queries), clip(want.cols, n_keys)
+
+
 def packing_of(family: Family, group: str, packing: str, want: MapRequest = MapRequest()) -> str:
     """"tril" only for a causal group's whole maps; everything else is sent full."""
-    return packing if family.group(group).causal and want.whole else "full"
+    return packing if family.groups_by_name[group].causal and whole_maps(want) else "full"
 
 
 def answer_bytes(family: Family, axis_lengths: dict[str, int], n_layers: int, n_heads: int, fmt: str,
@@ -52,7 +64,7 @@ def answer_bytes(family: Family, axis_lengths: dict[str, int], n_layers: int, n_
     total: float = 4096
     for g in family.groups:
         Q, K = axis_lengths[g.queries], axis_lengths[g.keys]
-        (a, b), (c, d) = want.window(Q, K)
+        (a, b), (c, d) = asked_window(want, Q, K)
         R, C = b - a, d - c
         total += (Q + K) * 64 + mats * R * 2
         if want.pool is not None:

@@ -6,8 +6,8 @@
                          ScoreDecompositionCall), the registry name -> function and
                          `run_operation(model, call)`: only such plain data crosses to the
                          engine's process, never a closure
-    attention_maps.py    /attention's maps of every group with their reductions (MapRequest)
-    attention_blocks.py  those maps made a block of query rows at a time and reduced at once
+    attention_maps.py    /attention's maps of every group with their reductions (MapRequest),
+                         made a block of query rows at a time and reduced at once
     head_atlas_scores.py /heads' scores of every group, and Clark et al.'s real-text probe
     head_scores.py       the head-score definitions (TransformerLens's detector and the rest)
     explain.py           /logits, /lens and /attention/explain: logits, the logit lens, one head

@@ -14,7 +14,7 @@ What a family's module offers, as Protocols (vLLM's model interfaces, interfaces
 
     AnalysableModel   analyse(ids, target_ids) -> AttentionAnalysis: every group's maps in one call;
                       sequence(ids, target_ids) -> the ids by axis; run_sequence(tokens): one forward of
-                      them (model/analysis/attention_blocks.py reduces its maps block by block)
+                      them (model/analysis/attention_maps.py reduces its maps block by block)
     GenerativeModel   new_kv_cache(rows), kv_cache_row_bytes(); forward(ids, kv_cache=, rows=, ...) -> output;
                       step_attention(output, cache, rows, queries) -> each row's step maps by group
     FixedShapeDecoder decode_fixed(ids, cache, lengths): a decode step of fixed shapes (CUDA graphs)
@@ -127,6 +127,17 @@ class Family:
     training: TrainingSpec | None = None  # None: `attnlens train` cannot train it (imported only)
     lens: LensSpec | None = None  # None: no logits to read per position (model/analysis/explain.py)
 
+    # what follows from the declaration, set once when it is made (every request reads them; nothing
+    # computes them again): the primary group, the groups by name, the axes they use, ...
+    primary: AttentionGroup = field(init=False, repr=False, compare=False)  # the first group
+    groups_by_name: dict[str, AttentionGroup] = field(init=False, repr=False, compare=False)
+    axes: tuple[str, ...] = field(init=False, repr=False, compare=False)  # every axis its groups use, in AXES order
+    takes_target: bool = field(init=False, repr=False, compare=False)  # an analysis can be given a target
+    has_causal_group: bool = field(init=False, repr=False, compare=False)
+    # the group a head ablation names by default (model/hooks.py): the first a generation steps with,
+    # else the primary one
+    ablation_group: str = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         names = [g.name for g in self.groups]
         if len(set(names)) != len(names):
@@ -135,37 +146,24 @@ class Family:
             unknown = [g for g in self.generation.step_groups if g not in names]
             if unknown:
                 raise ValueError(f"family {self.name!r}: step groups {unknown} are not among its groups {names}")
+        used = {a for g in self.groups for a in (g.queries, g.keys)}
+        facts = {
+            "primary": self.groups[0],
+            "groups_by_name": {g.name: g for g in self.groups},
+            "axes": tuple(a for a in AXES if a in used),
+            "takes_target": "target" in used,  # the decoder side of an encoder-decoder
+            "has_causal_group": any(g.causal for g in self.groups),
+            "ablation_group": self.generation.step_groups[0] if self.generation is not None else self.groups[0].name,
+        }
+        for name, value in facts.items():  # a frozen dataclass sets its own fields through object
+            object.__setattr__(self, name, value)
 
     def group(self, name: str) -> AttentionGroup:
-        for g in self.groups:
-            if g.name == name:
-                return g
-        raise KeyError(f"family {self.name!r} has no attention group {name!r}")
-
-    @property
-    def primary(self) -> AttentionGroup:
-        return self.groups[0]
-
-    @property
-    def ablation_group(self) -> str:
-        """The group a head ablation names by default (model/hooks.py): the first a generation steps
-        with, else the primary one."""
-        return self.generation.step_groups[0] if self.generation is not None else self.primary.name
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        """Every axis its groups use, in AXES order."""
-        used = {a for g in self.groups for a in (g.queries, g.keys)}
-        return tuple(a for a in AXES if a in used)
-
-    @property
-    def takes_target(self) -> bool:
-        """Whether an analysis can be given a target (the decoder side of an encoder-decoder)."""
-        return "target" in self.axes
-
-    @property
-    def has_causal_group(self) -> bool:
-        return any(g.causal for g in self.groups)
+        """The group named `name` (a KeyError naming the family's when there is none)."""
+        group = self.groups_by_name.get(name)
+        if group is None:
+            raise KeyError(f"family {self.name!r} has no attention group {name!r}")
+        return group
 
     def task_names(self, features: set[str] | frozenset[str] = frozenset()) -> list[str]:
         """The tasks a checkpoint of this family answers, given the features it has."""
@@ -215,7 +213,7 @@ class AnalysableModel(Protocol):
 
     def run_sequence(self, tokens: dict[str, list[int]]) -> None:
         """One forward of `tokens` (as `sequence` gives them), for the intermediates hooks keep
-        (model/analysis/attention_blocks.py makes every group's maps from its queries and keys)."""
+        (model/analysis/attention_maps.py makes every group's maps from its queries and keys)."""
         ...
 
 

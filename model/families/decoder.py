@@ -25,7 +25,7 @@ from typing import Callable, ClassVar, NamedTuple
 import torch
 import torch.nn as nn
 
-from attnlens.model.config import ModelConfig
+from attnlens.model.config import ContextLengthError, ModelConfig
 from attnlens.model.families.contract import (
     AttentionAnalysis,
     AttentionGroup,
@@ -38,7 +38,7 @@ from attnlens.model.families.contract import (
 from attnlens.model.family_parts import FAMILY_PARTS
 from attnlens.model.fused_decode import fused_step
 from attnlens.model.hooks import name_hook_points
-from attnlens.model.kv_cache import ContextLengthError, KVCache, bytes_per_row
+from attnlens.model.kv_cache import KVCache, bytes_per_row
 from attnlens.model.paged_kv_cache import PagedKVCache
 from attnlens.model.parts import (
     Block,
@@ -86,7 +86,7 @@ class Transformer(Embeddings, nn.Module):
         super().__init__()
         config.validate()
         self.config = config
-        self.init_embeddings(config)  # tok_emb, pos_emb | pos_table | rotary, emb_dropout
+        self.init_embeddings(config)  # tok_emb, pos_emb | pos_table | rotary, emb_dropout, layer_windows
         self.blocks = nn.ModuleList(Block(config, causal=True) for _ in range(config.n_layers))
         # Post-LN already normalises every block's output; pre-LN needs a final norm.
         self.ln_f = make_norm(config) if config.norm == "pre" else nn.Identity()
@@ -210,10 +210,10 @@ class Transformer(Embeddings, nn.Module):
 
     def window_masks(self, n: int, n_keys: int, *, start: int = 0, positions: torch.Tensor | None = None,
                      mask: torch.Tensor | None = None) -> list[torch.Tensor | None]:
-        """Each layer's mask: window_mask for the layers with a sliding window (config.window_of),
+        """Each layer's mask: window_mask for the layers with a sliding window (layer_windows),
         `mask` itself for the others; made once, shared by the layers of a kind."""
         windowed = self.window_mask(n, n_keys, start=start, positions=positions, mask=mask)
-        return [windowed if self.config.window_of(i) is not None else mask for i in range(self.config.n_layers)]
+        return [windowed if window is not None else mask for window in self.layer_windows]
 
     def window_mask(self, n: int, n_keys: int, *, start: int = 0, positions: torch.Tensor | None = None,
                     mask: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -258,7 +258,7 @@ class Transformer(Embeddings, nn.Module):
 
     @torch.inference_mode()
     def run_sequence(self, tokens: dict[str, list[int]]) -> None:
-        """One forward of an analysed sequence for its intermediates (model/analysis/attention_blocks.py), to
+        """One forward of an analysed sequence for its intermediates (model/analysis/attention_maps.py), to
         the cheapest output: the last position's logits."""
         self(torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.device), last_only=True)
 

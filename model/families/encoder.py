@@ -32,12 +32,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attnlens.model.config import ModelConfig
+from attnlens.model.config import ContextLengthError, ModelConfig
 from attnlens.model.families.contract import AttentionAnalysis, AttentionGroup, Family, LensSpec, TaskSpec, TrainingSpec
 from attnlens.model.families.decoder import Transformer
 from attnlens.model.family_parts import FAMILY_PARTS
 from attnlens.model.hooks import name_hook_points
-from attnlens.model.kv_cache import ContextLengthError
 from attnlens.model.parts import Block, Embeddings, activate
 from attnlens.model.parts.linear import Linear
 
@@ -225,7 +224,7 @@ class Encoder(Embeddings, nn.Module):
 
     @torch.inference_mode()
     def run_sequence(self, tokens: dict[str, list[int]]) -> None:
-        """One forward of an analysed sequence for its intermediates (model/analysis/attention_blocks.py), to
+        """One forward of an analysed sequence for its intermediates (model/analysis/attention_maps.py), to
         the cheapest output: the hidden states, no head."""
         self(torch.tensor([tokens["tokens"]], dtype=torch.long, device=self.device), task="hidden")
 

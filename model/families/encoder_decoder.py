@@ -34,7 +34,7 @@ from typing import ClassVar, Iterable, NamedTuple
 import torch
 import torch.nn as nn
 
-from attnlens.model.config import ModelConfig
+from attnlens.model.config import ContextLengthError, ModelConfig
 from attnlens.model.families.contract import (
     AttentionAnalysis,
     AttentionGroup,
@@ -47,7 +47,7 @@ from attnlens.model.families.contract import (
 from attnlens.model.families.decoder import Transformer
 from attnlens.model.family_parts import FAMILY_PARTS
 from attnlens.model.hooks import name_hook_points
-from attnlens.model.kv_cache import ContextLengthError, KVCache, bytes_per_row, move_row
+from attnlens.model.kv_cache import KVCache, bytes_per_row, move_row
 from attnlens.model.parts import Block, Embeddings
 from attnlens.model.parts.linear import Linear
 
@@ -402,7 +402,7 @@ class EncoderDecoder(Embeddings, nn.Module):
     @torch.inference_mode()
     def run_sequence(self, tokens: dict[str, list[int]]) -> None:
         """One forward of a source and its target (start token first) for their intermediates
-        (model/analysis/attention_blocks.py), to the cheapest output: the last target position's logits."""
+        (model/analysis/attention_maps.py), to the cheapest output: the last target position's logits."""
         device = self.device
         self(torch.tensor([tokens["target"]], dtype=torch.long, device=device),
              source=torch.tensor([tokens["source"]], dtype=torch.long, device=device), last_only=True)

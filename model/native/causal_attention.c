@@ -18,7 +18,7 @@
 
    causal_attention_reduced does the same and, for the query heads and rows its request
    (attention_reduction, attnlens_kernels.h) asks, reduces the maps from those very scores, so
-   /attention's overview needs no second q K^T (model/analysis/attention_blocks.py):
+   /attention's overview needs no second q K^T (model/analysis/attention_maps.py):
      bin sums   each row's probability on each column bin: one more value product, the tile's
                 probabilities times one-hot bins, rescaled with the output when the maximum rises
                 and divided by the row's sum at the end

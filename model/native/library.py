@@ -4,7 +4,7 @@
     packed_matmul.c     products with weights in GGUF blocks (model/packed/kernel.py)
     block_attention.c   a decode step's attention over a KV cache in blocks (model/paged_kv_cache.py)
     causal_attention.c  a prefill's causal attention, flash-style in tiles (model/parts/causal_attention.py),
-                        and the same reducing some heads' maps from its scores (attention_blocks.py)
+                        and the same reducing some heads' maps from its scores (attention_maps.py)
     float_matvec.c      a few rows times a float32 weight (model/parts/linear.py)
     rms_norm.c          RMSNorm of float32 rows, a prefill's shared by the threads (model/parts/norms.py)
     swiglu.c            SwiGLU's silu(gate) * up in one pass (model/parts/feedforward.py)

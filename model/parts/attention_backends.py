@@ -80,7 +80,7 @@ _emits: contextvars.ContextVar[dict[str, causal_attention.Emit] | None] = contex
 @contextlib.contextmanager
 def emitting(emits: dict[str, causal_attention.Emit]):
     """Within this block (on this thread) the attention modules at these paths ("blocks.2.attn") pass
-    their Emit to the backend (model/analysis/attention_blocks.py's fused maps)."""
+    their Emit to the backend (model/analysis/attention_maps.py's fused maps)."""
     token = _emits.set(emits)
     try:
         yield

@@ -23,7 +23,7 @@ class Embeddings:
     tok_emb (V, C); pos_emb (P, C) when positions are learned, else pos_emb None and, for
     sinusoidal positions, the non-persistent buffer pos_table (P, C); for rotary positions
     `rotary` (a RotaryEmbedding: nothing is added to the embedding, the attention rotates
-    queries and keys by `rotary_angles`); emb_dropout.
+    queries and keys by `rotary_angles`); emb_dropout; layer_windows (each layer's sliding window).
     """
 
     def init_embeddings(self, config: ModelConfig) -> None:
@@ -40,6 +40,9 @@ class Embeddings:
         self.rotary_local = RotaryEmbedding(config, theta=config.rope_local_theta, scaling=False) \
             if config.rope_local_theta is not None else None
         self.emb_dropout = nn.Dropout(config.dropout)
+        # each layer's sliding window (config.window_of; None: every earlier position), fixed at load:
+        # every forward's masks and rotary bases read it
+        self.layer_windows = tuple(config.window_of(i) for i in range(config.n_layers))
 
     def embed(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None, *,
               norm: nn.Module | None = None, dropout: bool = True) -> torch.Tensor:
@@ -81,7 +84,7 @@ class Embeddings:
         if positions is None:
             positions = torch.arange(start, start + n, device=self.device)  # (T,)
         local = self.rotary_local(positions, self.dtype)
-        return [local if self.config.window_of(i) is not None else angles for i in range(self.config.n_layers)]
+        return [local if window is not None else angles for window in self.layer_windows]
 
     @property
     def device(self) -> torch.device:

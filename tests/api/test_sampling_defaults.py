@@ -11,13 +11,8 @@ import shutil
 
 import pytest
 
-from attnlens.model.generation_config import (
-    GENERATION_CONFIG_FILE,
-    SamplingDefaults,
-    choose,
-    read_sampling,
-    sampling_of,
-)
+from attnlens.model.generation_config import GENERATION_CONFIG_FILE, read_sampling, sampling_of
+from attnlens.model.sampling import SamplingDefaults, choose
 
 
 # --- generation_config.json -> the recommended sampling ---------------------------------------

@@ -164,7 +164,7 @@ class RecordingModel:
         self.calls.append((1, len(ids)))
         return self._model.analyse(ids, target_ids)
 
-    def run_sequence(self, tokens):  # the forward of an /attention call (model/analysis/attention_blocks.py): likewise
+    def run_sequence(self, tokens):  # the forward of an /attention call (model/analysis/attention_maps.py): likewise
         assert self.gate.wait(30)
         self.calls.append((1, len(tokens["tokens"])))
         return self._model.run_sequence(tokens)

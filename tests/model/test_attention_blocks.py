@@ -1,4 +1,4 @@
-"""Maps made in blocks of query rows and reduced at once (model/analysis/attention_blocks.py), against the
+"""Maps made in blocks of query rows and reduced at once (model/analysis/attention_maps.py), against the
 full maps of the family's explicit forward (`analyse`), reduced here the plain way: every family
 and group (decoder plain, rotary, sliding window, grouped-query, q/k norm; encoder; translator's
 encoder, decoder and cross, with and without q/k norm), odd lengths, bins that do not divide T,
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attnlens.model import ModelConfig
-from attnlens.model.analysis.attention_blocks import Pool, TopK, Window, bin_edges, blocked_maps
+from attnlens.model.analysis.attention_maps import Pool, TopK, Window, bin_edges, blocked_maps
 from attnlens.model.families import FAMILY_CLASSES, family_of
 from attnlens.model.hooks import Hooks, ZEdit, hooked
 
@@ -192,7 +192,7 @@ def test_whole_maps_kept_in_the_wires_type(store):
 def test_a_layer_kept_needs_no_forward_for_another_window():
     """KeptQK: the queries and keys of an analysed layer make another window (a zoom) without a
     forward, equal to a fresh one; another sequence or an ablation runs one; the oldest go first."""
-    from attnlens.model.analysis.attention_blocks import KeptQK
+    from attnlens.model.analysis.attention_maps import KeptQK
 
     model = build("grouped_query")
     tokens = sequence(model)

@@ -8,8 +8,8 @@ import torch.nn as nn
 from helpers import copy_attention_into_torch
 
 from attnlens.model import ModelConfig, load_checkpoint, save_checkpoint
+from attnlens.model.config import ContextLengthError
 from attnlens.model.families.encoder_decoder import EncoderDecoder, EncoderDecoderOutput, greedy_translate_ids
-from attnlens.model.kv_cache import ContextLengthError
 
 C, H, F_, L, V = 32, 4, 64, 2, 53
 

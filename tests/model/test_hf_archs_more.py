@@ -254,7 +254,7 @@ def test_the_views_recompute_gemma_2s_capped_windowed_maps(tmp_path):
     """The analysis views that recompute a head's attention from its q and k (the attention
     reductions' blocks; the step-by-step explain) cap the scores and use each layer's own window,
     as the forward does: their maps equal the model's on both kinds of layer."""
-    from attnlens.model.analysis.attention_blocks import Window, blocked_maps
+    from attnlens.model.analysis.attention_maps import Window, blocked_maps
     from attnlens.model.analysis.explain import explain_head
 
     case = MORE_CASES["gemma2"]

@@ -10,9 +10,17 @@ import pytest
 import torch
 from helpers import small_config_model
 
-from attnlens.model.analysis import attention_blocks as ab
-from attnlens.model.analysis.attention_blocks import KeptQK, Pool, TopK, Window, blocked_maps, reduce_layer
-from attnlens.model.analysis.attention_maps import MapRequest, analyse_attention
+from attnlens.model.analysis import attention_maps as ab
+from attnlens.model.analysis.attention_maps import (
+    KeptQK,
+    MapRequest,
+    Pool,
+    TopK,
+    Window,
+    analyse_attention,
+    blocked_maps,
+    reduce_layer,
+)
 from attnlens.model.hooks import ZEdit
 from attnlens.model.native import library as native
 from attnlens.model.parts import causal_attention as ca
