@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from attnlens.app.api.common_schemas import ModelName, Strict, Text
+from attnlens.app.api.common_schemas import ModelName, NonEmptyText, Strict
 from attnlens.app.api.ops_schemas import SamplingDefaultsInfo
 
 
@@ -106,7 +106,7 @@ class ModelsResponse(BaseModel):
 class FillMaskRequest(Strict):
     model: ModelName | None = Field(None, description="a name from GET /models; default: the default model, or "
                                                       "the one loaded model that can fill masks")
-    text: Text = Field(min_length=1, description="text with one or more [MASK]")
+    text: NonEmptyText = Field(description="text with one or more [MASK]")
     top_k: int = Field(5, ge=1, le=100, description="candidates per mask")
 
 
@@ -128,7 +128,7 @@ class FillMaskResponse(BaseModel):
 class ClassifyRequest(Strict):
     model: ModelName | None = Field(None, description="a name from GET /models; default: the default model, or "
                                                       "the one loaded model that can classify")
-    text: Text = Field(min_length=1, description="the passage to classify")
+    text: NonEmptyText = Field(description="the passage to classify")
 
 
 class LabelScore(BaseModel):
