@@ -43,7 +43,7 @@ from attnlens.app.registry.model_registry import (
     ServedModel,
 )
 from attnlens.app.server.api_errors import ApiError
-from attnlens.app.server.metrics import REQUEST_MODEL, Metrics
+from attnlens.app.server.middleware import REQUEST_MODEL, Metrics
 from attnlens.app.server.settings import Settings
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.openai_serving import not_found
@@ -80,7 +80,7 @@ RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]
 # --- the model of each task: (state, the name asked for or None) -> the served model --------------
 def counted_for(served: ServedModel) -> ServedModel:
     """`served` is the request's model: /metrics labels what the request counts with it (the
-    RequestModel that app/server/metrics.py's middleware made for the request, if any)."""
+    RequestModel that app/server/middleware.py's middleware made for the request, if any)."""
     current = REQUEST_MODEL.get()
     if current is not None:
         current.name = served.name

@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, Response
 
 from attnlens.app.api.deps import AnyModel, SettingsDep, StateDep
 from attnlens.app.api.ops_schemas import Health, ModelInfo, Readiness, SamplingDefaultsInfo
-from attnlens.app.server.metrics import CONTENT_TYPE_LATEST
+from attnlens.app.server.middleware import CONTENT_TYPE_LATEST
 from attnlens.model.placement import weights_label
 
 router = APIRouter(tags=["operations"])

@@ -85,7 +85,10 @@ class CoreClient(abc.ABC):
     device: torch.device
     dtype: torch.dtype
 
-    alive: bool  # the core runs (a property where it is read from elsewhere)
+    @property
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """The core runs (InprocClient: a plain attribute, set when its thread ends)."""
 
     def silent_for(self, now: float) -> float:
         """Seconds since the core last handed anything over (0 where nothing watches it: in-process)."""

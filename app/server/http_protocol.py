@@ -4,7 +4,7 @@ uvicorn closes a keep-alive connection that stays idle after a response, but a c
 that never sends a request, or sends its headers a byte at a time, would be held for ever.
 Here every connection must complete a request's headers within `header_timeout_s` of being
 opened (or of the previous response): if part of a request arrived it gets a 408, and the
-connection is closed either way. (Slow bodies are timed by the body limit: app/server/metrics.py.)
+connection is closed either way. (Slow bodies are timed by the body limit: app/server/middleware.py.)
 
 uvicorn's httptools parser also takes headers of any size (16 MB of them got an answer).
 Here the request line and headers together may hold `max_header_bytes` (ATTNLENS_MAX_HEADER_BYTES,

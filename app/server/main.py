@@ -57,7 +57,7 @@ from attnlens.app.registry.model_registry import (
 from attnlens.app.server.api_errors import install_error_handlers, scope_error_response
 from attnlens.app.server.auth import ApiKeyMiddleware, document_bearer
 from attnlens.app.server.docs import install_docs
-from attnlens.app.server.metrics import BodyLimit, Metrics, RequestMiddleware
+from attnlens.app.server.middleware import BodyLimit, Metrics, RequestMiddleware
 from attnlens.app.server.settings import Settings, default_switch_interval_ms
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.answer_budget import AnswerBudget
@@ -260,7 +260,7 @@ def create_app(settings: Settings | None = None, preloaded: dict[str, Checkpoint
     if settings.static_dir.is_dir():
         app.mount("/static", StaticFiles(directory=settings.static_dir), name="static")
 
-    # added innermost first. Outermost, the one middleware every request passes (metrics.py): it counts
+    # added innermost first. Outermost, the one middleware every request passes (middleware.py): it counts
     # everything (a 401, a CORS preflight too), refuses while draining and guards the body; CORS
     # headers go on every answer of the app (a 401 too; CORS answers preflights itself, before the key check)
     app.add_middleware(GZipMiddleware, minimum_size=1024, compresslevel=settings.gzip_level)

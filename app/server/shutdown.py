@@ -12,7 +12,7 @@ grace period ends get an `error` event ("the server is shutting down"): their st
 the protocol, not cut.
 
 The requests' side of it (the 503, the count of requests running, the paths still open) is the
-server's one middleware's (app/server/metrics.py: RequestMiddleware and Drain); this module drains.
+server's one middleware's (app/server/middleware.py: RequestMiddleware and Drain); this module drains.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import logging
 from typing import Protocol
 
 from attnlens.app.registry.model_registry import ModelRegistry
-from attnlens.app.server.metrics import Drain
+from attnlens.app.server.middleware import Drain
 
 log = logging.getLogger("attnlens.shutdown")
 

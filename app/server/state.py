@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from attnlens.app.registry.model_registry import ModelRegistry
-from attnlens.app.server.metrics import Drain, Metrics
+from attnlens.app.server.middleware import Drain, Metrics
 from attnlens.app.server.settings import Settings
 from attnlens.app.serving.answer_budget import AnswerBudget
 from attnlens.model import Checkpoint
@@ -22,7 +22,7 @@ class AppState:
     ready: bool = False
     status: str = "starting"
     preloaded: dict[str, Checkpoint] = field(default_factory=dict)  # model dir -> loaded before start-up
-    drain: Drain = field(default_factory=Drain)  # graceful shutdown (app/server/shutdown.py, metrics.py)
+    drain: Drain = field(default_factory=Drain)  # graceful shutdown (app/server/shutdown.py, middleware.py)
 
     @property
     def model_name(self) -> str:

@@ -23,7 +23,7 @@ from attnlens.app.api.generate_schemas import (
 from attnlens.app.engine import EngineFront, GenerationParams, RequestState
 from attnlens.app.registry.model_registry import ServedModel
 from attnlens.app.server.api_errors import field_error, public_message
-from attnlens.app.server.metrics import Metrics
+from attnlens.app.server.middleware import Metrics
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.ablation_edits import resolve_ablate
 from attnlens.app.serving.answer_budget import off_loop

@@ -35,7 +35,7 @@ from attnlens.app.api.generate_schemas import (
 from attnlens.app.engine import GenerationCancelled
 from attnlens.app.engine.outputs import DoneEvent, ErrorEvent, RequestState, ScoredToken, TokenEvent
 from attnlens.app.server.api_errors import ApiError
-from attnlens.app.server.metrics import Metrics
+from attnlens.app.server.middleware import Metrics
 from attnlens.app.serving.answer_budget import CLIENT_CLOSED_REQUEST, disconnected
 
 ApiEvent = StreamToken | StreamDone | StreamError

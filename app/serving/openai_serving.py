@@ -42,7 +42,7 @@ from attnlens.app.api.openai_schemas import OPENAI_SAMPLING, CompletionRequest, 
 from attnlens.app.engine import EngineFront, GenerationParams, RequestState, RequestTooLarge
 from attnlens.app.registry.model_registry import COMPLETIONS, ModelRegistry, ServedModel
 from attnlens.app.server.api_errors import ApiError, public_message
-from attnlens.app.server.metrics import Metrics
+from attnlens.app.server.middleware import Metrics
 from attnlens.app.server.settings import Settings
 from attnlens.app.server.state import AppState
 from attnlens.app.serving.generation_streams import (

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from helpers import REPO_ROOT
 
-from attnlens.app.server.metrics import ENGINE_GAUGES, Metrics
+from attnlens.app.server.middleware import ENGINE_GAUGES, Metrics
 from attnlens.app.server.settings import Settings
 from attnlens.app.server.shutdown import END_WAIT_S
 
