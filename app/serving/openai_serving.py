@@ -477,6 +477,7 @@ class _CompletionChunks:
     def usage(self, completion_tokens: int) -> str:
         return sse(None, {**self.head, "choices": [], "usage": usage(self.prompt_tokens, completion_tokens)})
 
+
 class CompletionsServing:
     """Answers POST /v1/completions for the models in `state`."""
 
