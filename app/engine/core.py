@@ -46,7 +46,7 @@ import contextvars
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable, Generic, TypeVar
 
 import greenlet
 import torch
@@ -90,7 +90,11 @@ class CallCancelled(Exception):
     """The caller of a model call went away: the call stopped at its next report point."""
 
 
-class SteppedCall:
+T = TypeVar("T")
+Report = Callable[[], None]  # a report point: where a call may pause (or stop)
+
+
+class SteppedCall(Generic[T]):
     """A model call that the core steps: `fn(report)` runs until the operation calls `report()`
     (after each block of its work: an /attention analysis of a long prompt), then control goes
     back to the core, which runs the generations' step and resumes it (vLLM's core loop, with a
@@ -111,7 +115,7 @@ class SteppedCall:
         call.value / call.error
     """
 
-    def __init__(self, fn: Callable[[Callable[[], None]], Any]):
+    def __init__(self, fn: Callable[[Report], T]):
         self._fn = fn
         self._greenlet = greenlet.greenlet(self._body)
         # the call runs in a copy of its creator's context, as a plain call would
@@ -119,10 +123,10 @@ class SteppedCall:
         self.stop_asked = False
         self.slices = 0  # slices run (report points reached, plus the last one)
         self.done = False
-        self.value: Any = None
+        self.value: T | None = None
         self.error: BaseException | None = None
 
-    def _body(self) -> Any:
+    def _body(self) -> T:
         return self._fn(self.report)
 
     def report(self) -> None:
@@ -159,13 +163,13 @@ class SteppedCall:
             self.stop_asked = True
             self.advance()
 
-    def _end(self, value: Any = None, error: BaseException | None = None) -> bool:
+    def _end(self, value: T | None = None, error: BaseException | None = None) -> bool:
         self.done, self.value, self.error = True, value, error
-        self._fn = _ended  # what it held is released with the call's frames
+        self._fn = _ended  # type: ignore[assignment]  # what it held is released with the call's frames
         return True
 
 
-def _ended(report: Callable[[], None]) -> None:
+def _ended(report: Report) -> None:
     return None
 
 
@@ -218,7 +222,7 @@ class EngineCore:
         self._closed = False
         self._incoming: collections.deque[Generation] = collections.deque()  # handed over, not scheduled yet
         self._calls: collections.deque[CoreCall] = collections.deque()  # model calls waiting, oldest first
-        self._call: tuple[CoreCall, SteppedCall] | None = None  # the model call that runs, paused between slices
+        self._call: tuple[CoreCall, SteppedCall[object]] | None = None  # the model call that runs, paused between slices
         # a call runs from report point to report point for this long before the generations get
         # their step: a stream beside it waits about this long, and the call pays one step for it
         self.call_slice_s = call_slice_s

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 from attnlens.app.engine.client import CoreClient
 from attnlens.app.engine.outputs import RequestState, StreamBudget, hand_over
@@ -283,7 +283,7 @@ class ModelCall(CoreCall):
     one of model/analysis/operations.py's calls, plain data that travels pickled to an engine
     process. Besides what the core reads (CoreCall), its caller's event loop and future."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, operation: Operation[Any]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, operation: Operation[object]):
         CoreCall.__init__(self, operation)
         self.loop = loop
         self.future: asyncio.Future = loop.create_future()
