@@ -41,7 +41,14 @@ from attnlens.model.analysis.attribution_patching import in_callers_mode
 from attnlens.model.analysis.block_runs import Report
 from attnlens.model.analysis.encoder_decoder_paths import FROZEN, GROUPS, patch_paths
 from attnlens.model.analysis.encoder_decoder_runs import Pair
-from attnlens.model.analysis.patching import COMPONENTS, METHODS, PATCH_BYTES, PatchResult
+from attnlens.model.analysis.patching import (
+    PATCH_BYTES,
+    PatchResult,
+    check_ids,
+    check_kind,
+    check_pair,
+    check_sender,
+)
 
 # component -> its values' layout: a point's grid at each leaf (encoder_decoder_runs.POINTS)
 LAYOUT: dict[str, dict[str, Any]] = {
@@ -62,43 +69,21 @@ def check_encoder_decoder_patch(config, clean_ids: list[int], corrupted_ids: lis
                                 sender: tuple[int, int] | None, sender_group: str | None = None) -> None:
     """A ValueError naming the field an encoder-decoder of `config` cannot patch."""
     runs.check_blocks(config)
-    if component not in COMPONENTS:
-        raise ValueError(f"component must be one of {COMPONENTS}, got {component!r}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_kind(component, method)
     if component == "paths":
-        if method != "exact":
-            raise ValueError("component 'paths' is patched exactly only (method 'exact')")
-        if sender is None:
-            raise ValueError("component 'paths' needs a sender (group, layer, head)")
-        if sender_group not in GROUPS:
+        if sender is not None and sender_group not in GROUPS:
             raise ValueError(f"sender group {sender_group!r}: an encoder-decoder's sender is a head of one of its "
                              f"groups {', '.join(GROUPS)}")
-        layer, head = sender
-        if not 0 <= layer < config.n_layers:
-            raise ValueError(f"sender layer {layer} out of range 0..{config.n_layers - 1}")
-        if not 0 <= head < config.n_heads:
-            raise ValueError(f"sender head {head} out of range 0..{config.n_heads - 1}")
+        check_sender(config, sender, "(group, layer, head)")
     elif sender is not None or sender_group is not None:
         raise ValueError("sender is for component paths only")
-    if not clean_ids:
-        raise ValueError("clean_ids is empty")
-    if len(corrupted_ids) != len(clean_ids):
-        raise ValueError(f"corrupted_ids has {len(corrupted_ids)} tokens and clean_ids {len(clean_ids)}: the "
-                         "corrupted source must have as many tokens as the clean one")
-    if len(clean_ids) > config.context_length:
-        raise ValueError(f"clean_ids has {len(clean_ids)} tokens, over the context length {config.context_length}")
+    check_pair(config, clean_ids, corrupted_ids, "source")
     target = target_ids or []
     if len(target) + 1 > config.context_length:
         raise ValueError(f"target_ids has {len(target)} tokens; with the start token over the context length "
                          f"{config.context_length}")
-    for name, ids in (("clean_ids", clean_ids), ("corrupted_ids", corrupted_ids), ("target_ids", target)):
-        bad = [i for i in ids if not 0 <= i < config.vocab_size]
-        if bad:
-            raise ValueError(f"{name}: token id {bad[0]} out of range 0..{config.vocab_size - 1}")
-    for name, i in (("answer_id", answer_id), ("foil_id", foil_id)):
-        if not 0 <= i < config.vocab_size:
-            raise ValueError(f"{name} {i} out of range 0..{config.vocab_size - 1}")
+    check_ids(config, [("clean_ids", clean_ids), ("corrupted_ids", corrupted_ids), ("target_ids", target)],
+              answer_id, foil_id)
     if position is not None and not 0 <= position <= len(target):
         raise ValueError(f"position {position} out of range 0..{len(target)}: the target has {len(target) + 1} "
                          "positions, the start token first")

@@ -92,29 +92,12 @@ def check_patch(config, clean_ids: list[int], corrupted_ids: list[int], answer_i
     if config.family != "decoder":
         raise ValueError(f"activation patching needs a decoder (a causal language model) or an encoder-decoder; "
                          f"this model is an {config.family}")
-    if component not in COMPONENTS:
-        raise ValueError(f"component must be one of {COMPONENTS}, got {component!r}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if not clean_ids:
-        raise ValueError("clean_ids is empty")
-    if len(corrupted_ids) != len(clean_ids):
-        raise ValueError(f"corrupted_ids has {len(corrupted_ids)} tokens and clean_ids {len(clean_ids)}: the "
-                         "corrupted prompt must have as many tokens as the clean one")
-    if len(clean_ids) > config.context_length:
-        raise ValueError(f"clean_ids has {len(clean_ids)} tokens, over the context length {config.context_length}")
-    for name, ids in (("clean_ids", clean_ids), ("corrupted_ids", corrupted_ids)):
-        bad = [i for i in ids if not 0 <= i < config.vocab_size]
-        if bad:
-            raise ValueError(f"{name}: token id {bad[0]} out of range 0..{config.vocab_size - 1}")
-    for name, i in (("answer_id", answer_id), ("foil_id", foil_id)):
-        if not 0 <= i < config.vocab_size:
-            raise ValueError(f"{name} {i} out of range 0..{config.vocab_size - 1}")
+    check_kind(component, method)
+    check_pair(config, clean_ids, corrupted_ids, "prompt")
+    check_ids(config, [("clean_ids", clean_ids), ("corrupted_ids", corrupted_ids)], answer_id, foil_id)
     if position is not None and not 0 <= position < len(clean_ids):
         raise ValueError(f"position {position} out of range 0..{len(clean_ids) - 1}")
     if component == "paths":
-        if method != "exact":
-            raise ValueError("component 'paths' is patched exactly only (method 'exact')")
         if config.norm != "pre":
             raise ValueError("component 'paths' needs a pre-norm model: a post-norm block normalises the "
                              "sender's write before it reaches the residual stream")
@@ -122,13 +105,50 @@ def check_patch(config, clean_ids: list[int], corrupted_ids: list[int], answer_i
             raise ValueError("component 'paths' cannot patch a model with norms after each sub-layer (post_norms: "
                              "Gemma 2/3, OLMo 2): the norm of the attention's output mixes every head's write, "
                              "so one head's write into the residual stream is not its own")
-        if sender is None:
-            raise ValueError("component 'paths' needs a sender (layer, head)")
-        layer, head = sender
-        if not 0 <= layer < config.n_layers:
-            raise ValueError(f"sender layer {layer} out of range 0..{config.n_layers - 1}")
-        if not 0 <= head < config.n_heads:
-            raise ValueError(f"sender head {head} out of range 0..{config.n_heads - 1}")
+        check_sender(config, sender, "(layer, head)")
+
+
+# --- the checks a decoder's and an encoder-decoder's patching share ---------------------------------
+def check_kind(component: str, method: str) -> None:
+    if component not in COMPONENTS:
+        raise ValueError(f"component must be one of {COMPONENTS}, got {component!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if component == "paths" and method != "exact":
+        raise ValueError("component 'paths' is patched exactly only (method 'exact')")
+
+
+def check_pair(config, clean_ids: list[int], corrupted_ids: list[int], what: str) -> None:
+    """The clean and corrupted inputs (a prompt, an encoder-decoder's source) line up and fit."""
+    if not clean_ids:
+        raise ValueError("clean_ids is empty")
+    if len(corrupted_ids) != len(clean_ids):
+        raise ValueError(f"corrupted_ids has {len(corrupted_ids)} tokens and clean_ids {len(clean_ids)}: the "
+                         f"corrupted {what} must have as many tokens as the clean one")
+    if len(clean_ids) > config.context_length:
+        raise ValueError(f"clean_ids has {len(clean_ids)} tokens, over the context length {config.context_length}")
+
+
+def check_ids(config, named_ids: list[tuple[str, list[int]]], answer_id: int, foil_id: int) -> None:
+    """Every token id, the answer's and the foil's too, is in the vocabulary."""
+    for name, ids in named_ids:
+        bad = [i for i in ids if not 0 <= i < config.vocab_size]
+        if bad:
+            raise ValueError(f"{name}: token id {bad[0]} out of range 0..{config.vocab_size - 1}")
+    for name, i in (("answer_id", answer_id), ("foil_id", foil_id)):
+        if not 0 <= i < config.vocab_size:
+            raise ValueError(f"{name} {i} out of range 0..{config.vocab_size - 1}")
+
+
+def check_sender(config, sender: tuple[int, int] | None, shape: str) -> None:
+    """Component paths' sender head is given and in range (`shape` says how it is written)."""
+    if sender is None:
+        raise ValueError(f"component 'paths' needs a sender {shape}")
+    layer, head = sender
+    if not 0 <= layer < config.n_layers:
+        raise ValueError(f"sender layer {layer} out of range 0..{config.n_layers - 1}")
+    if not 0 <= head < config.n_heads:
+        raise ValueError(f"sender head {head} out of range 0..{config.n_heads - 1}")
 
 
 # --- the two runs --------------------------------------------------------------------------------
