@@ -44,7 +44,7 @@ from attnlens.model.analysis.block_runs import Report
 from attnlens.model.analysis.encoder_decoder_runs import check_blocks
 from attnlens.model.analysis.explain import sequence_of
 from attnlens.model.analysis.logit_attribution import frozen_norm, through
-from attnlens.model.analysis.score_decomposition import ScoreDecomposition, ranked
+from attnlens.model.analysis.score_decomposition import ScoreDecomposition, check_input_and_head, ranked
 from attnlens.model.hooks import Hooks, hooked
 from attnlens.model.parts.norms import RMSNorm
 
@@ -67,27 +67,16 @@ def check_encoder_decoder_score(config, ids: list[int], target_ids: list[int] | 
     check_blocks(config)
     if group not in GROUPS:
         raise ValueError(f"group {group!r}: an encoder-decoder's heads are in {', '.join(GROUPS)}")
-    if not ids:
-        raise ValueError("ids is empty")
-    if len(ids) > config.context_length:
-        raise ValueError(f"ids has {len(ids)} tokens, over the context length {config.context_length}")
     if target_ids is not None and len(target_ids) + 1 > config.context_length:
         raise ValueError(f"target_ids has {len(target_ids)} tokens; with the start token over the context length "
                          f"{config.context_length}")
-    for name, seq in (("ids", ids), ("target_ids", target_ids or [])):
-        bad = [i for i in seq if not 0 <= i < config.vocab_size]
-        if bad:
-            raise ValueError(f"{name}: token id {bad[0]} out of range 0..{config.vocab_size - 1}")
-    if not 0 <= layer < config.n_layers:
-        raise ValueError(f"layer {layer} out of range 0..{config.n_layers - 1}")
-    if not 0 <= head < config.n_heads:
-        raise ValueError(f"head {head} out of range 0..{config.n_heads - 1}")
+    check_input_and_head(config, ids, [("ids", ids), ("target_ids", target_ids or [])], layer, head)
     S = len(ids)
     if group == "encoder" and not 0 <= query < S:
         raise ValueError(f"query {query} out of range 0..{S - 1}: the encoder's queries are the source's positions")
     if group != "encoder" and (query < 0 or target_ids is not None and query > len(target_ids)):
-        T = "" if target_ids is None else f"..{len(target_ids)}"
-        raise ValueError(f"query {query} out of range 0{T}: the {group} heads' queries are the target's positions, "
+        T = "" if target_ids is None else str(len(target_ids))
+        raise ValueError(f"query {query} out of range 0..{T}: the {group} heads' queries are the target's positions, "
                          "the start token first")
     if group == "decoder" and not 0 <= key <= query:
         raise ValueError(f"key {key} out of range 0..{query}: a causal head's query sees itself and the positions "

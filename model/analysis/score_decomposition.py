@@ -80,22 +80,30 @@ def check_score(config, ids: list[int], layer: int, head: int, query: int, key: 
     if config.family != "decoder" or config.norm != "pre":
         raise ValueError("score decomposition needs a pre-norm decoder (a causal language model whose residual "
                          "stream is the sum of what its parts wrote)")
-    if not ids:
-        raise ValueError("ids is empty")
-    if len(ids) > config.context_length:
-        raise ValueError(f"ids has {len(ids)} tokens, over the context length {config.context_length}")
-    bad = [i for i in ids if not 0 <= i < config.vocab_size]
-    if bad:
-        raise ValueError(f"ids: token id {bad[0]} out of range 0..{config.vocab_size - 1}")
-    if not 0 <= layer < config.n_layers:
-        raise ValueError(f"layer {layer} out of range 0..{config.n_layers - 1}")
-    if not 0 <= head < config.n_heads:
-        raise ValueError(f"head {head} out of range 0..{config.n_heads - 1}")
+    check_input_and_head(config, ids, [("ids", ids)], layer, head)
     if not 0 <= query < len(ids):
         raise ValueError(f"query {query} out of range 0..{len(ids) - 1}")
     if not 0 <= key <= query:
         raise ValueError(f"key {key} out of range 0..{query}: a causal head's query sees itself and the positions "
                          "before it")
+
+
+def check_input_and_head(config, ids: list[int], named_ids: list[tuple[str, list[int]]], layer: int,
+                         head: int) -> None:
+    """What every score decomposition checks: `ids` is given and fits, each of `named_ids` is in the
+    vocabulary, and the head exists."""
+    if not ids:
+        raise ValueError("ids is empty")
+    if len(ids) > config.context_length:
+        raise ValueError(f"ids has {len(ids)} tokens, over the context length {config.context_length}")
+    for name, seq in named_ids:
+        bad = [i for i in seq if not 0 <= i < config.vocab_size]
+        if bad:
+            raise ValueError(f"{name}: token id {bad[0]} out of range 0..{config.vocab_size - 1}")
+    if not 0 <= layer < config.n_layers:
+        raise ValueError(f"layer {layer} out of range 0..{config.n_layers - 1}")
+    if not 0 <= head < config.n_heads:
+        raise ValueError(f"head {head} out of range 0..{config.n_heads - 1}")
 
 
 def side(model, captured: dict[str, torch.Tensor], ids: list[int], layer: int, position: int, rows: slice,
