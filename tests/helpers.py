@@ -418,3 +418,16 @@ def packaged_checkpoint(model):
 
     installed_packaged_file(model)
     return load_checkpoint(packaged.ensure_checkpoint(model, progress=False))
+
+
+# --- the bundled translator's causal pair (the API's and the page's Causes tests) ------------------
+TRANSLATOR_DIR = REPO_ROOT / "checkpoints" / "translator"
+# ' mars' against ' mai' after the target "3": the month is the only difference of the two sources
+TRANSLATOR_CLEAN, TRANSLATOR_CORRUPTED, TRANSLATOR_TARGET = "March 3, 2021", "May 3, 2021", "3"
+
+
+def bundled_translator_dir() -> Path:
+    """checkpoints/translator, or a skip where its weights are not there."""
+    if not (TRANSLATOR_DIR / "model.safetensors").is_file():
+        pytest.skip("the bundled translator is not in checkpoints/translator")
+    return TRANSLATOR_DIR

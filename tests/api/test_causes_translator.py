@@ -8,7 +8,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import REPO_ROOT, assert_json_close
+from helpers import TRANSLATOR_CLEAN as CLEAN
+from helpers import TRANSLATOR_CORRUPTED as CORRUPTED
+from helpers import TRANSLATOR_TARGET as TARGET
+from helpers import assert_json_close, bundled_translator_dir
 
 import attnlens
 from attnlens.model.analysis.operations import (
@@ -18,7 +21,6 @@ from attnlens.model.analysis.operations import (
     run_operation,
 )
 
-CLEAN, CORRUPTED, TARGET = "March 3, 2021", "May 3, 2021", "3"  # ' mars' against ' mai' after "3"
 ASK = dict(model="translator", clean=CLEAN, corrupted=CORRUPTED, target=TARGET, answer=" mars", foil=" mai")
 
 
@@ -26,10 +28,7 @@ ASK = dict(model="translator", clean=CLEAN, corrupted=CORRUPTED, target=TARGET, 
 def translator():
     from attnlens.model import load_checkpoint
 
-    path = REPO_ROOT / "checkpoints" / "translator"
-    if not (path / "model.safetensors").is_file():
-        pytest.skip("the bundled translator is not in checkpoints/translator")
-    return load_checkpoint(path)
+    return load_checkpoint(bundled_translator_dir())
 
 
 @pytest.fixture(scope="module")

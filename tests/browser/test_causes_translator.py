@@ -9,21 +9,19 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
-from conftest import REPO_ROOT
+from helpers import TRANSLATOR_CLEAN as CLEAN
+from helpers import TRANSLATOR_CORRUPTED as CORRUPTED
+from helpers import TRANSLATOR_TARGET as TARGET
+from helpers import bundled_translator_dir
 from live_server import live_server
 
 from .conftest import PHONE
 from .helpers import canvas_digest, open_page, rendered, screenshot, spill, state, wait_rendered
 
-TRANSLATOR = REPO_ROOT / "checkpoints" / "translator"
-CLEAN, CORRUPTED, TARGET = "March 3, 2021", "May 3, 2021", "3"
-
 
 @pytest.fixture(scope="module")
 def translator_server(tmp_path_factory):
-    if not (TRANSLATOR / "model.safetensors").is_file():
-        pytest.skip("the bundled translator is not in checkpoints/translator")
-    with live_server(TRANSLATOR, tmp_path_factory.mktemp("browser-causes-translator-logs")) as srv:
+    with live_server(bundled_translator_dir(), tmp_path_factory.mktemp("browser-causes-translator-logs")) as srv:
         yield srv
 
 
