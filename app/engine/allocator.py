@@ -16,6 +16,13 @@ then goes to mmap: a million faults, 3.0 s): both are set, or neither.
 
 The cost is resident memory: after a long prompt the process keeps up to n bytes it no longer
 uses until a later forward reuses them (ATTNLENS_MALLOC_RETAIN_BYTES, 512 MiB by default).
+
+    cap_arenas(n)            M_ARENA_MAX = n: at most n malloc arenas. glibc gives each thread
+                             that allocates while others do an arena of its own (up to 8 per
+                             core), and an arena keeps what it once held: the server's worker
+                             threads, each new one taking a new arena, stepped its resident
+                             memory up by ~15 MB at a time over a 20-minute soak (docs/performance.md).
+                             Its Python runs one thread at a time anyway. 0: glibc's default.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ log = logging.getLogger("attnlens.engine")
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters, <malloc.h>
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 MMAP_THRESHOLD = 32 << 20  # glibc's largest dynamic threshold (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
 
 
@@ -51,5 +59,18 @@ def retain_freed_memory(retain_bytes: int) -> bool:
     if not (mmap_ok and trim_ok):
         log.warning("glibc refused the malloc thresholds (mmap %s, trim %s): freed memory goes back to the "
                     "kernel as by default", mmap_ok, trim_ok)
+        return False
+    return True
+
+
+def cap_arenas(arenas: int) -> bool:
+    """At most `arenas` malloc arenas in this process from now on (module docstring); True if set."""
+    if arenas <= 0:
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    if not libc.mallopt(M_ARENA_MAX, ctypes.c_int(arenas)):
+        log.warning("glibc refused M_ARENA_MAX=%d: each thread may get an arena of its own", arenas)
         return False
     return True

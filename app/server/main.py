@@ -40,7 +40,7 @@ from attnlens.app.api import ops_routes as ops
 from attnlens.app.api import ui_routes as ui
 from attnlens.app.api.generate_schemas import StreamDone, StreamError, StreamToken
 from attnlens.app.engine import Engine, EngineFront, EngineProcess, GenerationParams
-from attnlens.app.engine.allocator import retain_freed_memory
+from attnlens.app.engine.allocator import cap_arenas, retain_freed_memory
 from attnlens.app.engine.outputs import StreamBudget
 from attnlens.app.engine.prestart import close_unused_engine_processes
 from attnlens.app.engine.supervisor import EngineSupervisor, RestartPolicy, Supervision
@@ -134,6 +134,7 @@ async def lifespan(app: FastAPI):
     s = state.settings
     state.status = "loading"
     retain_freed_memory(s.malloc_retain_bytes)  # this process's forwards (app/engine/allocator.py)
+    cap_arenas(s.malloc_arenas)  # before the worker threads come: a few arenas, not one per thread
     registry = ModelRegistry(default=model_name(s.model_dir))
     engines: list[EngineFront] = []
     supervision: Supervision | None = None

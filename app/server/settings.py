@@ -125,6 +125,9 @@ class Settings(BaseSettings):
     # Freed bytes each process keeps for the next forward instead of returning them to the kernel
     # (glibc's malloc thresholds; app/engine/allocator.py: a 2,048-token prefill ~8% faster); 0: glibc's defaults
     malloc_retain_bytes: int = Field(512 << 20, ge=0)
+    # The server process's malloc arenas (glibc gives threads arenas of their own, which keep what
+    # they held: app/engine/allocator.py); 0: glibc's default (8 per core)
+    malloc_arenas: int = Field(2, ge=0)
     max_queue: int = Field(64, ge=0)  # generations waiting for a slot
     max_attention_concurrent: int = Field(4, ge=1)  # /attention forwards running or waiting
     max_ablations: int = Field(64, ge=0)  # heads one request may ablate (`ablate` entries)
