@@ -196,10 +196,10 @@ def send(conn: Connection, message: ToEngine | FromEngine) -> None:
     conn.send_bytes(encode(message))
 
 
-def pickled(value: Any) -> bytes:
+def pickled(value: object) -> bytes:
     """A model operation or a call's answer (plain data) for a message's payload."""
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def unpickled(payload: bytes) -> Any:
+def unpickled(payload: bytes) -> object:
     return pickle.loads(payload)

@@ -40,6 +40,7 @@ from attnlens.app.engine import heap
 from attnlens.app.engine.records import FinishRecord, PromptRecord, Record, TokenRecord
 from attnlens.app.engine.textstream import Released, TextStream
 from attnlens.model.decoding import GeneratedToken
+from attnlens.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from attnlens.app.engine.request import Generation
@@ -270,9 +271,9 @@ class RequestState:
 
     generation: "Generation"
     loop: asyncio.AbstractEventLoop
-    tokenizer: Any
+    tokenizer: Tokenizer
     stop: list[str]
-    text: TextStream = field(init=False)
+    text: TextStream[GeneratedToken] = field(init=False)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     prompt_scores: list[dict] | None = None  # OpenAI echo: each prompt token with its logprob
     seen: int = 0  # generated tokens processed (the EOS included), none after a stop string

@@ -7,7 +7,7 @@ engine process sends them down its pipe first (messages.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Union
 
 from attnlens.model.decoding import GeneratedToken
 
@@ -49,7 +49,7 @@ class CallResult:
     object the core was given."""
 
     call: "CoreCall"
-    value: Any = None
+    value: object = None
     error: BaseException | None = None
 
 

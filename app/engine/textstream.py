@@ -14,35 +14,37 @@ from __future__ import annotations
 
 import codecs
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
 from attnlens.model.tokenizer import Tokenizer, bytes_for_display
 
+E = TypeVar("E")  # what the caller attaches to each token (the output stage: its GeneratedToken)
+
 
 @dataclass
-class Released:
+class Released(Generic[E]):
     """One token that is part of the answer."""
 
     index: int  # position among generated tokens
     id: int
     text: str  # display text of the (possibly cut) token bytes
     delta: str  # exact text this token adds to the answer (may lag by a partial character)
-    extra: Any  # whatever the caller attached (logprobs, attention)
+    extra: E  # what the caller attached (logprobs, attention)
 
 
-class TextStream:
+class TextStream(Generic[E]):
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None):
         self.tokenizer = tokenizer
         self.stops = [s.encode("utf-8") for s in (stop or []) if s]
         self.buf = bytearray()
-        self._pending: list[tuple[int, int, int, int, Any]] = []  # (index, id, start, end, extra)
+        self._pending: list[tuple[int, int, int, int, E]] = []  # (index, id, start, end, extra)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""  # exact text released so far
         self.stopped = False
         self.cut: int | None = None  # byte offset where a stop string begins
         self.unsent = ""  # end of `text` that no released token's delta carries (see finish)
 
-    def push(self, index: int, token_id: int, extra: Any = None) -> list[Released]:
+    def push(self, index: int, token_id: int, extra: E) -> list[Released[E]]:
         """Add a generated token; return the tokens that can now be shown."""
         if self.stopped:
             raise RuntimeError("push after a stop string was found")
@@ -56,7 +58,7 @@ class TextStream:
             return self._release(cut, final=True)
         return self._release(len(self.buf) - self._holdback(), final=False)
 
-    def finish(self) -> list[Released]:
+    def finish(self) -> list[Released[E]]:
         """No more tokens (length or EOS): release everything still held back."""
         if self.stopped:
             return []
@@ -82,7 +84,7 @@ class TextStream:
                     break
         return longest
 
-    def _release(self, limit: int, *, final: bool) -> list[Released]:
+    def _release(self, limit: int, *, final: bool) -> list[Released[E]]:
         out = []
         while self._pending:
             index, token_id, start, end, extra = self._pending[0]

@@ -60,6 +60,7 @@ from attnlens.app.engine.records import (
     TokenRecord,
 )
 from attnlens.app.engine.request import CoreCall, Generation
+from attnlens.model.analysis.operations import Operation
 
 __all__ = ["EngineSpec", "main"]
 
@@ -218,7 +219,9 @@ def _serve(core: EngineCore, sink: PipeSink, commands: Connection) -> None:
                 if call is not None:
                     core.cancel_call(call)
             case AddCall(number=number, payload=payload):
-                call = sink.calls[number] = CoreCall(unpickled(payload), number)
+                operation = unpickled(payload)
+                assert isinstance(operation, Operation), f"a model call is an Operation, not {type(operation)}"
+                call = sink.calls[number] = CoreCall(operation, number)
                 core.add_call(call)
             case Close():
                 return

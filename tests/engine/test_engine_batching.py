@@ -792,7 +792,7 @@ def test_a_random_mix_of_requests_and_cancellations_keeps_every_answer_right(ckp
         # the reference, cut where the stop string begins (TextStream is tested on its own)
         ts, want = TextStream(tok, spec["stop"]), []
         for i, t in enumerate(ref):
-            want += ts.push(i, t.id)
+            want += ts.push(i, t.id, None)
             if ts.stopped:
                 break
         else:

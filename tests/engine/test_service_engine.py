@@ -22,7 +22,7 @@ def run_stream(tok, text: str, stops: list[str]):
     ts = TextStream(tok, stops)
     shown = []  # what a streaming client would have seen, in order
     for i, t in enumerate(tok.encode(text)):
-        released = ts.push(i, t)
+        released = ts.push(i, t, None)
         shown.extend(r.delta for r in released)
         if ts.stopped:
             break
@@ -50,7 +50,7 @@ def test_held_back_tokens_are_not_released_early(ckpt):
     ts = TextStream(tok, ["not to"])
     released = []
     for i, t in enumerate(tok.encode("or no")):
-        released += ts.push(i, t)
+        released += ts.push(i, t, None)
     assert "".join(r.delta for r in released) == "or"  # " no" might begin the stop string
     assert "".join(r.delta for r in ts.finish()) == " no"
 
@@ -66,7 +66,7 @@ def test_released_token_texts_join_to_the_text(ckpt):
     ts = TextStream(tok, ["question"])
     out = []
     for i, t in enumerate(tok.encode("that is the question: To be")):
-        out += ts.push(i, t)
+        out += ts.push(i, t, None)
         if ts.stopped:
             break
     assert ts.text == "that is the "
@@ -212,7 +212,7 @@ def test_dangling_partial_character_is_reported_once(ckpt):
     ids = tok.encode("東")
     assert len(ids) > 1  # byte-level pieces of one character
     ts = TextStream(tok, [])
-    deltas = [r.delta for i, t in enumerate(ids[:-1]) for r in ts.push(i, t)]
+    deltas = [r.delta for i, t in enumerate(ids[:-1]) for r in ts.push(i, t, None)]
     assert deltas and all(d == "" for d in deltas)
     assert ts.finish() == []
     assert ts.text == "\ufffd" and "".join(deltas) + ts.unsent == ts.text
