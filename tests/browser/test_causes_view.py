@@ -64,6 +64,7 @@ def test_types_both_prompts_picks_answer_and_foil_and_draws_the_heads(page, serv
     open_causes(page, server)
     # prefilled: the clean prompt is the analysed text, the corrupted one starts from it
     assert page.input_value("#cz-clean") == CLEAN and page.input_value("#cz-corrupted") == CLEAN
+    assert not page.is_visible("#cz-target")  # a decoder has no target (the translator's field)
     assert not routes.patch_bodies  # nothing to patch while the prompts are the same
     _, top = tokens(server, CLEAN)
     # the choices are the clean prompt's top predictions, the first two chosen by default

@@ -297,7 +297,7 @@ export class CausesView {
       this.ctx.setLegend(null);
       metrics.innerHTML = this.inp.differs
         ? ""
-        : "Change a few tokens of the corrupted prompt (keep its length in tokens), choose the answer and the foil, and press <b>Patch</b>.";
+        : `Change a few tokens of the corrupted ${this.translator ? "source" : "prompt"} (keep its length in tokens), choose the answer and the foil, and press <b>Patch</b>.`;
       return;
     }
     const a = p.answer?.text ?? this.inp.answer;
