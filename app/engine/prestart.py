@@ -8,7 +8,8 @@ models' shapes; `take_engine_process` hands each to the model whose engine start
 is sent then). Forked before anything has run a torch operation or touched CUDA, and before
 the server has a thread of its own (only OpenBLAS's worker, which handles a fork), so the fork
 is safe; each child keeps only its two pipes and ends with os._exit, never returning into the
-command line. Elsewhere they are fresh interpreters started at once, which import beside the
+command line. A start that first converted a packaged model (its products ran torch's OpenMP team
+here) spawns instead: a forked child would wait forever for that team's threads. Elsewhere they are fresh interpreters started at once, which import beside the
 server instead (`spawn_engine_process`, also what a restarted engine gets).
 
 Which models get one is read from their config.json alone: a process left over is killed once
@@ -157,12 +158,19 @@ def generates(model_dir: Path) -> bool:
     return isinstance(config, dict) and config.get("family", "decoder") in GENERATING_FAMILIES
 
 
+def torch_ran_here() -> bool:
+    """Whether this process has run torch's work already (it converted a packaged model, at a first
+    start): a fork would then inherit an OpenMP team without its threads, and hang."""
+    packaged = sys.modules.get("attnlens.model.interop.packaged")
+    return bool(getattr(packaged, "converted_here", False))
+
+
 def prestart_engine_processes(model_dirs: Iterable[Path], *, fork: bool | None = None) -> int:
     """Start one engine process per model of `model_dirs` that generates: forked from this process
     once it has imported the engine (`fork`; default: on Linux), else spawned. How many."""
     wanted = sum(generates(d) for d in model_dirs)
     if fork is None:
-        fork = sys.platform == "linux"
+        fork = sys.platform == "linux" and not torch_ran_here()
     if fork and wanted:
         import attnlens.app.engine.worker  # noqa: F401  torch and the engine, imported once for all of them
     started = [(fork_engine_process if fork else spawn_engine_process)() for _ in range(wanted)]

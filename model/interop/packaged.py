@@ -142,6 +142,12 @@ def _lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# Whether this process converted a model: the conversion's products start torch's OpenMP team here,
+# which a child forked afterwards inherits without its threads (its first parallel region then waits
+# for them forever), so the server spawns its engine processes instead (app/engine/prestart.py)
+converted_here = False
+
+
 def ensure_checkpoint(model: PackagedModel, *, progress: bool = True) -> Path | None:
     """The model's converted checkpoint folder, converting it first when needed (with a tqdm bar
     on stderr when `progress`); None when its package is not installed."""
@@ -159,6 +165,8 @@ def ensure_checkpoint(model: PackagedModel, *, progress: bool = True) -> Path | 
         out, tmp = root / model.name, root / f".{model.name}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         log.info("converting %s from %s into %s (once)", model.title, path, out)
+        global converted_here
+        converted_here = True
         bar = _progress_bar(model, progress)
         try:
             convert_file(path, tmp, progress=bar)

@@ -112,3 +112,23 @@ def test_an_engine_process_whose_server_goes_before_its_spec_exits_without_a_tra
     os.close(bare.records)
     assert bare.process.wait(120) == 0
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_start_that_converted_a_packaged_model_spawns_its_engine_processes(monkeypatch, tiny_checkpoint):
+    """A first start converts the packaged models in the server's own process, which starts torch's
+    OpenMP team there; a child forked after it inherits the team without its threads and waits for
+    them forever in its first parallel region (seen in CI: every engine stuck in
+    gomp_team_barrier_wait_end while loading). So such a start spawns, and any other forks."""
+    from attnlens.app.engine import prestart
+    from attnlens.model.interop import packaged
+
+    made = []
+    monkeypatch.setattr(prestart, "fork_engine_process", lambda: made.append("fork") or "forked")
+    monkeypatch.setattr(prestart, "spawn_engine_process", lambda: made.append("spawn") or "spawned")
+    monkeypatch.setattr(prestart, "_waiting", [])
+    monkeypatch.setattr(prestart.sys, "platform", "linux")
+    monkeypatch.setattr(packaged, "converted_here", False)
+    assert prestart.prestart_engine_processes([tiny_checkpoint]) == 1 and made == ["fork"]
+    monkeypatch.setattr(packaged, "converted_here", True)
+    assert prestart.torch_ran_here()
+    assert prestart.prestart_engine_processes([tiny_checkpoint]) == 1 and made == ["fork", "spawn"]
