@@ -26,6 +26,7 @@ streams together (StreamBudget, below).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -102,33 +103,62 @@ class Stream(Protocol):
 
 class StreamBudget:
     """Estimated bytes of unread stream events, all streams together (see the comment above).
-    Used on the event loop only."""
+    Used on the event loop, but for the finalisers of collected outputs.
+
+    A finaliser runs wherever the garbage collector runs, which is inside any allocation, on any
+    thread: inside add()'s own locked sums too. So it takes no lock and counts nothing itself: it
+    leaves the bytes it returns in a deque, and the budget counts them the next time it is read
+    or added to (and the event loop is asked to do that soon). A finaliser that took the lock
+    deadlocked the event loop when the collection ran inside add() (a 20-minute soak)."""
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.in_use = 0
+        self._in_use = 0
         self.shed = 0  # streams ended to keep within the limit
-        self._lock = threading.Lock()  # a finaliser may run on whichever thread collects garbage
+        self._lock = threading.Lock()  # the sums: add() on the loop, a reading of in_use on any thread
+        self._returned: collections.deque[int] = collections.deque()  # by finalisers, not yet counted
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the finalisers ask for the count
         self.high_water = 0  # the most held since the backlogs were last all gone
         self._outputs: weakref.WeakSet[Stream] = weakref.WeakSet()
+
+    @property
+    def in_use(self) -> int:
+        self._count_returned()
+        return self._in_use
 
     def join(self, output: Stream) -> None:
         """Count `output`'s queued events from now on."""
         output.budget = self
         self._outputs.add(output)
+        if self._loop is None:
+            try:
+                self._loop = asyncio.get_running_loop()
+            except RuntimeError:
+                pass
         weakref.finalize(output, self._collected, output.held)
 
     def add(self, n: int) -> None:
         with self._lock:
-            self.in_use += n
-            self.high_water = max(self.high_water, self.in_use)
+            self._in_use += n
+            self.high_water = max(self.high_water, self._in_use)
         if n < 0:
             self._maybe_trim()
+
+    def _count_returned(self) -> None:
+        """Count the bytes the finalisers returned since the last count."""
+        freed = 0
+        while True:
+            try:
+                freed += self._returned.popleft()
+            except IndexError:
+                break
+        if freed:
+            self.add(-freed)
 
     def _maybe_trim(self) -> None:
         """Every backlog is gone after a large one: give the free memory back to the system."""
         with self._lock:
-            if self.in_use > 0 or self.high_water < TRIM_AFTER_BYTES:
+            if self._in_use > 0 or self.high_water < TRIM_AFTER_BYTES:
                 return
             self.high_water = 0
         heap.trim()
@@ -150,10 +180,15 @@ class StreamBudget:
             victim.shed_backlog(self.limit)
 
     def _collected(self, held: Held) -> None:
-        with self._lock:
-            self.in_use -= held.bytes
-            held.bytes = 0
-        self._maybe_trim()
+        """An output was collected: its bytes go back (the class docstring: no lock, no sums here)."""
+        self._returned.append(held.bytes)
+        held.bytes = 0
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._count_returned)  # the trim, when nothing reads the budget
+            except RuntimeError:  # the loop is closed: the next reading counts them
+                pass
 
 
 class GenerationCancelled(Exception):

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import threading
 import weakref
 
 import pytest
@@ -217,3 +218,50 @@ def test_a_writer_cancelled_while_it_waits_keeps_no_events_in_its_traceback(ckpt
         assert [r for r in taken if r() is not None] == []
     finally:
         gc.enable()
+
+
+class _CyclicOutput:
+    """A stream's output as the budget sees it, kept alive only by a reference cycle: the garbage
+    collector, not the reference count, frees it (and runs the budget's finaliser)."""
+
+    def __init__(self):
+        from attnlens.app.engine.outputs import Held
+
+        self.held, self.shed, self.budget, self.me = Held(), False, None, self
+
+    def shed_backlog(self, limit: int) -> None:
+        self.shed = True
+
+
+class _CollectingLock:
+    """The budget's lock, with a garbage collection run each time it is taken: the collection that
+    lands inside add()'s locked sums (any allocation may start one)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def __enter__(self):
+        self.lock.acquire()
+        gc.collect()
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+def test_a_collection_inside_the_budgets_sums_does_not_deadlock():
+    """An output's finaliser runs wherever the garbage collector runs: inside add(), with the
+    budget's lock held, it must not take the lock again (it deadlocked a server's event loop in a
+    20-minute soak). Its bytes are counted at the next reading."""
+    budget = StreamBudget(10**9)
+    out = _CyclicOutput()
+    budget.join(out)
+    budget.add(100)
+    out.held.bytes = 100
+    del out
+    budget._lock = _CollectingLock()  # type: ignore[assignment]
+    worker = threading.Thread(target=budget.add, args=(1,), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "add() deadlocked on its own finaliser"
+    assert budget.in_use == 1
