@@ -36,7 +36,7 @@ requests in flight. After the run no new request is sent. The goals (exit status
 * nothing lost: every request sent was answered (within --timeout-s, 30 min, between two bytes),
   or ended by its client on purpose; the requests still in flight --drain-s (300 s) after the
   run are closed by their clients, and then the server must hold no generation and no attention
-  request.
+  request; and the server answered /healthz within 10 s every minute.
 
 The results (every minute's figures, the counts, the goals) are written as JSON to --out
 (default out/soak-<UTC time>.json, out/ being ignored by git).
@@ -131,6 +131,7 @@ class Soak:
         self.minutes: list[dict] = []
         self.samples: list[dict] = []  # every 5 s once warm: {"t_s", "rss_mb": {role: [pid, MB]}}
         self.kill: dict = {}
+        self.unanswered: list[float] = []  # when the server did not answer /healthz (seconds)
         self.client = httpx.AsyncClient(base_url=server.url, timeout=httpx.Timeout(args.timeout_s, connect=30),
                                         limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
 
@@ -273,14 +274,26 @@ class Soak:
         return dict(sorted(Counter(f"{c.kind}: {c.status} {c.outcome}" for c in self.calls
                                    if c.ended is not None).items()))
 
-    def sample(self, minute: int) -> None:
+    async def probe(self) -> float | None:
+        """The server answers /healthz within 10 s: its time (ms), or None (noted as a failure)."""
+        t = time.monotonic()
+        try:
+            ok = (await self.client.get("/healthz", timeout=10)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if not ok:
+            self.unanswered.append(round(self.now(), 1))
+            tqdm.write(f"{self.now():7.1f} s  the server did not answer /healthz within 10 s")
+        return round((time.monotonic() - t) * 1000, 1) if ok else None
+
+    def sample(self, minute: int, healthz_ms: float | None) -> None:
         mem = memory(self.server)
         in_flight = sum(c.ended is None for c in self.calls)
         spread = {role: {"low": min(v), "high": max(v), "median": statistics.median(v)}
                   for role, v in self.window.items()}
         self.minutes.append({"minute": minute, "t_s": round(self.now(), 1), "memory": mem,
                              "rss_minute_mb": spread, "requests": len(self.calls), "in_flight": in_flight,
-                             "statuses": self.statuses()})
+                             "statuses": self.statuses(), "healthz_ms": healthz_ms})
         roles = "  ".join(f"{role.removeprefix('engine ')} {m['rss_mb']:.0f}/{m['pss_mb']:.0f}" for role, m in mem.items())
         answers = Counter(answer(c) for c in self.calls if c.ended is not None)
         tqdm.write(f"minute {minute:2d}  RSS/PSS MB: {roles}  total RSS {sum(m['rss_mb'] for m in mem.values()):.0f}"
@@ -305,7 +318,7 @@ class Soak:
                 if round(self.now()) % 5 == 0:
                     self.watch()
                 await asyncio.sleep(1)
-            self.sample(minute)
+            self.sample(minute, await self.probe())
         self.stopping.set()
 
     async def run(self) -> None:
@@ -324,9 +337,13 @@ class Soak:
             if task.exception() is not None:
                 raise task.exception()  # a bug in the soak itself
         await asyncio.sleep(5)  # the server lets go of what the last requests held
-        metrics = (await self.client.get("/metrics")).text
-        self.after = {"t_s": round(self.now(), 1), "memory": memory(self.server), "server": in_flight(metrics),
-                      "server_counted": server_counts(metrics)}
+        try:
+            metrics = (await self.client.get("/metrics", timeout=30)).text
+            held, counted = in_flight(metrics), server_counts(metrics)
+        except httpx.HTTPError as e:  # a server that stopped answering holds whatever it held
+            held, counted = {f"no answer to /metrics ({type(e).__name__})": 1.0}, {}
+        self.after = {"t_s": round(self.now(), 1), "memory": memory(self.server), "server": held,
+                      "server_counted": counted}
         await self.client.aclose()
 
 
@@ -417,7 +434,8 @@ def goals(soak: Soak) -> dict:
                       soak.args.span_minutes * 60)
     return {"memory": mem, "memory_ok": all(row["ok"] for row in mem.values()),
             "unexpected_errors": [asdict(c) for c in errors], "errors_ok": not errors,
-            "lost": [asdict(c) for c in gone], "server_still_holds": held, "lost_ok": not gone and not held}
+            "lost": [asdict(c) for c in gone], "server_still_holds": held, "healthz_unanswered_s": soak.unanswered,
+            "lost_ok": not gone and not held and not soak.unanswered}
 
 
 def durations(calls: list[Call]) -> dict[str, tuple[float, float]]:
@@ -447,7 +465,8 @@ def summary(soak: Soak, result: dict) -> None:
         restart = sum(c.killed_engine and c.outcome == f"error:{RESTART_CODE}" for c in soak.calls)
         print(f"\nkill: {soak.kill}; {restart} of its requests ended with {RESTART_CODE}")
     print(f"\nunexpected 5xx / error events: {len(result['unexpected_errors'])}; lost: {len(result['lost'])}; "
-          f"held by the server after the drain: {result['server_still_holds'] or 'nothing'}")
+          f"held by the server after the drain: {result['server_still_holds'] or 'nothing'}; "
+          f"/healthz unanswered at: {result['healthz_unanswered_s'] or 'never'}")
     for name in ("memory_ok", "errors_ok", "lost_ok"):
         print(f"  {name}: {result[name]}")
 
