@@ -112,12 +112,14 @@ static inline float row_dot(const float *w, const float *x, int64_t K, int prefe
 #define MR 2
 #define TILE_MIN_ROWS 9 /* rows of x from which the tiles are the faster (bench/README.md, issue 50) */
 static inline __attribute__((always_inline)) void tile_dots(const float *w, const float *x, int64_t K, int nr,
-                                                            int mr, int prefetch, float *out /* [nr][mr] */) {
+                                                            int mr, int prefetch, const char *next, int next_lines,
+                                                            float *out /* [nr][mr] */) {
     __m512 b0[NR][MR], b1[NR][MR];
     for (int i = 0; i < nr; i++)
         for (int j = 0; j < mr; j++) b0[i][j] = b1[i][j] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
+        for (int l = 0; l < next_lines; l++) __builtin_prefetch(next + ((k / 32) * next_lines + l) * 64, 0, 2);  /* to L2 */
         __m512 xa[MR], xb[MR];
         for (int j = 0; j < mr; j++) {
             xa[j] = _mm512_loadu_ps(x + j * K + k);
@@ -146,9 +148,10 @@ static inline __attribute__((always_inline)) void tile_dots(const float *w, cons
 }
 
 /* tile_dots with nr and mr constants (the sums stay in registers) */
-static inline void tile(const float *w, const float *x, int64_t K, int nr, int mr, int prefetch, float *out) {
+static inline void tile(const float *w, const float *x, int64_t K, int nr, int mr, int prefetch, const char *next,
+                        int next_lines, float *out) {
     switch (nr * 4 + mr) {
-#define TILE_CASE(a, b) case a * 4 + b: tile_dots(w, x, K, a, b, prefetch, out); break;
+#define TILE_CASE(a, b) case a * 4 + b: tile_dots(w, x, K, a, b, prefetch, next, next_lines, out); break;
         TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(2, 1) TILE_CASE(2, 2)
         TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(4, 1) TILE_CASE(4, 2)
 #undef TILE_CASE
@@ -166,11 +169,20 @@ static inline void float_range(const float *x, int64_t M, int64_t K, const float
 #ifdef __AVX512F__
     if (M >= TILE_MIN_ROWS) {
         float out[NR * MR];
+        /* while a tile's weight rows meet the rows of x (from cache after the first pass), the next
+           tile's are asked for, a few lines each step of the passes: the memory streams them while
+           the sums run, where the first pass would otherwise wait for them */
+        const int64_t passes = (M + MR - 1) / MR, steps = K / 32 > 0 ? K / 32 : 1;
+        const int64_t lines = (NR * K * (int64_t)sizeof(float) + 63) / 64;
+        const int next_lines = (int)((lines + passes * steps - 1) / (passes * steps));  /* a step's share */
         for (int64_t g = n0; g < n1; g += NR) {
             const int nr = n1 - g < NR ? (int)(n1 - g) : NR;
+            const char *next = (const char *)(w + (g + NR) * K);
             for (int64_t m0 = 0; m0 < M; m0 += MR) {
                 const int mr = M - m0 < MR ? (int)(M - m0) : MR;
-                tile(w + g * K, x + m0 * K, K, nr, mr, m0 == 0, out);
+                const int64_t pass = m0 / MR;
+                tile(w + g * K, x + m0 * K, K, nr, mr, m0 == 0 && g == n0, next + pass * steps * next_lines * 64,
+                     next_lines, out);
                 for (int i = 0; i < nr; i++)
                     for (int j = 0; j < mr; j++) y[(m0 + j) * N + g + i] = out[i * mr + j] + (bias ? bias[g + i] : 0.0f);
             }
