@@ -5,10 +5,11 @@ Which product (float32 inference on the CPU; `cpu_product`):
 * one row: our matrix-vector kernel (model/native/float_matvec.c), below;
 * 2 to FEW_ROWS rows: our few-row kernel (float_matmul_few, the same file): each weight row read
   once and met by every row of x, SmolLM2's four products of a layer at 2 / 4 / 8 rows 0.33 /
-  0.38 / 0.63 ms against W x^T's 0.82 / 0.65 / 0.68 (2-core Xeon, 2 threads); from 9 rows in tiles
-  whose next weight rows are asked for while the sums run: SmolLM2's products at 9 / 16 rows 69-72
-  / 92-94 GMAC/s against oneDNN's 47-58 / 73-80, its head 86-87 / 106-108 against 54-58 / 79-86
-  (bench_products.py, 2-core EPYC, 2 threads); at 32 rows oneDNN is as fast or faster;
+  0.38 / 0.63 ms against W x^T's 0.82 / 0.65 / 0.68 (2-core Xeon, 2 threads). The fused decode
+  step (model/fused_decode.py) takes the tiles up to 64 rows. Our kernel would be faster here up
+  to 16 rows too (bench_products.py at 16: 92-94 GMAC/s against oneDNN's 73-80), but a product
+  that one path computes with it and another with oneDNN differs in the last bits: /attention's
+  maps from kept queries and keys then differed from the forward's by 3.5e-6 (tests/api/test_client.py);
 * ONEDNN_MIN_ROWS rows or more: oneDNN's matmul (`onednn_linear`, the library torch's CPU build
   carries), on the weight as it lies, no reordered copy. Its kernels are chosen by instruction
   set, where MKL, torch's default for F.linear, runs generic ones on AMD processors. On a
@@ -60,7 +61,7 @@ import torch.nn.functional as F
 from attnlens.model.native import library as native
 
 MAX_ROWS = 64  # rows (batch x positions) up to which W x^T is faster than F.linear (bench/README.md)
-FEW_ROWS = 16  # rows up to which our few-row kernel is the faster (module docstring)
+FEW_ROWS = 8  # rows up to which our few-row kernel is the faster (module docstring)
 ONEDNN_MIN_ROWS = FEW_ROWS + 1  # rows from which oneDNN's product is used (module docstring)
 USE_ONEDNN = True  # bench/ switches it to measure the products against each other
 

@@ -231,7 +231,7 @@ def test_a_rows_decode_step_is_the_same_bits_alone_or_batched(fmt, rows, monkeyp
     """Rows decoded in one fused step (up to MAX_ROWS) get exactly the logits each gets decoded alone
     (float32: the one-row kernel and the few-row tiles sum each pair in one order; packed: each
     block widened to float32 and summed the same way): a stream's tokens do not depend on the
-    streams beside it in a step. The head here is float32 (from 17 rows oneDNN's product in the
+    streams beside it in a step. The head here is float32 (from 9 rows oneDNN's product in the
     service): this test gives it our few-row kernel at every row count."""
     from attnlens.model.parts import linear
 
