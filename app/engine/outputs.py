@@ -147,10 +147,10 @@ class StreamBudget:
     def _count_returned(self) -> None:
         """Count the bytes the finalisers returned since the last count."""
         freed = 0
-        while True:
+        while self._returned:  # most readings find it empty: no exception raised on the hot path
             try:
                 freed += self._returned.popleft()
-            except IndexError:
+            except IndexError:  # another thread's reading took the last one
                 break
         if freed:
             self.add(-freed)
