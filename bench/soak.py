@@ -289,8 +289,12 @@ class Soak:
     def sample(self, minute: int, healthz_ms: float | None) -> None:
         mem = memory(self.server)
         in_flight = sum(c.ended is None for c in self.calls)
-        spread = {role: {"low": min(v), "high": max(v), "median": statistics.median(v)}
-                  for role, v in self.window.items()}
+        window: dict[str, list[float]] = {}  # the minute's 5-s samples, by role
+        for x in self.samples:
+            if x["t_s"] >= self.t_warm + (minute - 1) * 60:
+                for role, (_, mb) in x["rss_mb"].items():
+                    window.setdefault(role, []).append(mb)
+        spread = {role: {"low": min(v), "high": max(v), "median": statistics.median(v)} for role, v in window.items()}
         self.minutes.append({"minute": minute, "t_s": round(self.now(), 1), "memory": mem,
                              "rss_minute_mb": spread, "requests": len(self.calls), "in_flight": in_flight,
                              "statuses": self.statuses(), "healthz_ms": healthz_ms})
@@ -304,15 +308,12 @@ class Soak:
         """Every 5 s: each process's RSS, kept for the goal and for the minute's spread."""
         mem = memory(self.server)
         self.samples.append({"t_s": round(self.now(), 1), "rss_mb": {r: [m["pid"], m["rss_mb"]] for r, m in mem.items()}})
-        for role, m in mem.items():
-            self.window.setdefault(role, []).append(m["rss_mb"])
 
     async def sampler(self, bar: tqdm) -> None:
         await self.warm.wait()
         tqdm.write(f"{self.now():7.1f} s  the first overview was answered: minute 0 of the soak")
         bar.reset()
         for minute in range(1, self.args.minutes + 1):
-            self.window: dict[str, list[float]] = {}
             while self.now() < self.t_warm + minute * 60:
                 bar.update(round(self.now() - self.t_warm) - bar.n)
                 if round(self.now()) % 5 == 0:
@@ -430,8 +431,7 @@ def goals(soak: Soak) -> dict:
     gone = [c for c in soak.calls if c.ended is None] + lost(soak.calls)
     errors = [c for c in soak.calls if unexpected(c)]
     held = {k: v for k, v in soak.after["server"].items() if v}
-    mem = memory_goals(soak.samples, soak.t_warm, soak.kill,
-                      soak.args.span_minutes * 60)
+    mem = memory_goals(soak.samples, soak.t_warm, soak.kill, soak.args.span_minutes * 60)
     return {"memory": mem, "memory_ok": all(row["ok"] for row in mem.values()),
             "unexpected_errors": [asdict(c) for c in errors], "errors_ok": not errors,
             "lost": [asdict(c) for c in gone], "server_still_holds": held, "healthz_unanswered_s": soak.unanswered,
